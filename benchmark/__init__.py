@@ -1,0 +1,1 @@
+"""linghe's benchmark: ``python -m benchmark [--case NAME ...] [--quick] [--json PATH]``."""

@@ -1,0 +1,188 @@
+"""The benchmark harness: cases register :class:`Bench` items; the harness checks
+correctness, times each provider and prints/saves the table.
+
+A case file in ``benchmark/cases/`` adds an op; it never adds a harness. A case is a
+function ``(cfg: Config) -> list[Bench]`` registered with ``@case("name")``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from linghe.fp8 import Fp8Tensor
+from linghe.testing import rel_err
+
+PROVIDERS = ("eager", "compile", "linghe")
+
+
+@dataclass
+class Config:
+    device: str
+    quick: bool
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+
+@dataclass
+class Bench:
+    """One timed comparison.
+
+    ``run`` maps a provider name to a zero-argument callable doing the op once; extra
+    providers (e.g. ``"torch"``) may appear beside eager/compile/linghe. ``expected``
+    computes the high-precision result the outputs are checked against (default: the
+    eager output); ``bytes`` is the fewest bytes the op must move.
+    """
+
+    name: str
+    bytes: int
+    run: dict[str, Callable[[], Any]]
+    tol: float
+    expected: Callable[[], Any] | None = None
+    flops: int = 0
+    note: str = ""
+
+
+_CASES: dict[str, Callable[[Config], list[Bench]]] = {}
+
+
+def case(name: str):
+    """Register a case function under ``name``."""
+
+    def deco(fn):
+        if name in _CASES:
+            raise ValueError(f"benchmark case {name!r} registered twice")
+        _CASES[name] = fn
+        return fn
+
+    return deco
+
+
+def cases() -> dict[str, Callable[[Config], list[Bench]]]:
+    return dict(_CASES)
+
+
+# ------------------------------------------------------------------------------ helpers
+_compiled: dict[int, Callable] = {}
+
+
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, cached per function object."""
+    if id(fn) not in _compiled:
+        _compiled[id(fn)] = torch.compile(fn)
+    return _compiled[id(fn)]
+
+
+def backward_of(fwd: Callable[[], Any], inputs: Sequence[torch.Tensor],
+                grads: Sequence[torch.Tensor] | torch.Tensor) -> Callable[[], Any]:
+    """A callable that runs only the backward of ``fwd()`` (the graph is built once) and
+    returns the gradients of ``inputs``."""
+    out = fwd()
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(o, torch.Tensor) and o.requires_grad]
+    gs = [grads] if isinstance(grads, torch.Tensor) else list(grads)
+    return lambda: torch.autograd.grad(outs, list(inputs), gs[: len(outs)], retain_graph=True)
+
+
+def flat_tensors(x) -> list[torch.Tensor]:
+    """Tensors of a nested output; an Fp8Tensor counts as its (data, scale) components, so
+    a reference returning ``(q, scale, q_t, scale_t)`` compares with it directly."""
+    if isinstance(x, Fp8Tensor):
+        return [getattr(x, n) for n in ("rowwise_data", "rowwise_scale", "columnwise_data",
+                                         "columnwise_scale") if getattr(x, n) is not None]
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in flat_tensors(item)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in flat_tensors(v)]
+    return []
+
+
+def max_rel_err(out, expected) -> float:
+    outs, exps = flat_tensors(out), flat_tensors(expected)
+    if len(outs) != len(exps):
+        return float("inf")
+    return max((rel_err(o, e) for o, e in zip(outs, exps)), default=0.0)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_us(fn: Callable[[], Any], cfg: Config) -> float:
+    """Median time of ``fn`` in µs: ``triton.testing.do_bench`` (L2 flushed between runs)
+    on the GPU; on CPU a median of wall-clock runs (interpreter timings)."""
+    if cfg.device == "cuda":
+        import triton
+
+        ms = triton.testing.do_bench(fn, warmup=25 if cfg.quick else 100,
+                                     rep=50 if cfg.quick else 200, return_mode="median")
+        return ms * 1e3
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
+
+
+def copy_bandwidth_gbps(cfg: Config) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) on a buffer far over L2."""
+    n = (1 << 30) if cfg.device == "cuda" else (1 << 22)
+    src = torch.empty(n, dtype=torch.uint8, device=cfg.device).random_()
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), cfg)
+    del src, dst
+    return 2 * n / us / 1e3
+
+
+def run_bench(b: Bench, cfg: Config, copy_gbps: float, providers: Sequence[str]) -> list[dict]:
+    """Check and time every provider of ``b``; return one row per provider."""
+    rows = []
+    expected = b.expected() if b.expected is not None else None
+    for prov in providers:
+        if prov not in b.run:
+            continue
+        row = {"case": b.name, "provider": prov, "us": None, "gbps": None, "pct_copy": None,
+               "tflops": None, "rel_err": None, "ok": None, "note": b.note, "error": None}
+        try:
+            out = b.run[prov]()
+            _sync(cfg.device)
+            if expected is None and prov == "eager":
+                expected = out
+            if expected is not None:
+                err = max_rel_err(out, expected)
+                row["rel_err"], row["ok"] = err, err <= b.tol
+            del out
+            us = time_us(b.run[prov], cfg)
+            row["us"] = us
+            row["gbps"] = b.bytes / us / 1e3
+            row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+            if b.flops:
+                row["tflops"] = b.flops / us / 1e6
+        except Exception as e:  # one failing provider must not stop the run
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        rows.append(row)
+    base = {r["provider"]: r["us"] for r in rows if r["us"]}
+    for r in rows:
+        for ref_prov in ("eager", "compile"):
+            r[f"vs_{ref_prov}"] = (base[ref_prov] / r["us"]
+                                   if r["us"] and base.get(ref_prov) else None)
+    return rows
+
+
+@dataclass
+class Report:
+    device: str
+    copy_gbps: float
+    rows: list[dict] = field(default_factory=list)

@@ -1,0 +1,1 @@
+"""Backward Triton kernels and their launchers, same module names as ``linghe.fwd``."""

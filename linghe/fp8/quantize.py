@@ -1,0 +1,204 @@
+"""Blockwise FP8 quantization kernels and the in-kernel helpers fused kernels reuse.
+
+In-kernel helpers (``@triton.jit``, import them into fused kernels):
+
+- :func:`fp8_block_scale` — dequantization scale from an amax (``amax/448``, optional
+  power-of-two round-up, amax 0 → 1), bit-exact with ``reference.fp8_scale``;
+- :func:`quant_rows` / :func:`quant_cols` — quantize an fp32 tile in 1x128 groups along
+  its columns (rowwise) or along its rows (columnwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import (
+    _INTERPRET_C,
+    FLOAT_DTYPES,
+    cdiv,
+    check_kernel_device,
+    check_tensor,
+    device_guard,
+    empty,
+    rows_view,
+)
+from .tensor import Fp8Tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+
+
+@triton.jit
+def to_e4m3(x):
+    """Cast fp32 ``x`` to e4m3 with round-to-nearest-even.
+
+    On the GPU this is the hardware cast. The triton 3.9 interpreter loses the carry when
+    rounding up crosses a power of two (127.2 becomes 64), so there we first round to e4m3
+    precision in fp32 (3 mantissa bits; a fixed 2^-9 step below 2^-6), after which the
+    cast is exact, and write NaN (0x7F) ourselves, which its cast turns into a number.
+    """
+    if _INTERPRET_C:
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32,
+                                                                         bitcast=True)
+        subnormal = ((x * 512.0 + 12582912.0) - 12582912.0) / 512.0
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+        nan = tl.full(x.shape, 0x7F, tl.int8).to(tl.float8e4nv, bitcast=True)
+        return tl.where(x != x, nan, x.to(tl.float8e4nv))
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def fp8_block_scale(amax, POW2: tl.constexpr):
+    """Dequantization scale for blocks with absolute maximum ``amax`` (fp32)."""
+    s = amax / 448.0
+    if POW2:
+        bits = s.to(tl.int32, bitcast=True)
+        s = ((bits + 0x007FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(amax == 0.0, 1.0, s)
+
+
+@triton.jit
+def quant_rows(x, POW2: tl.constexpr):
+    """Quantize fp32 ``x [R, 128]``: one group per row. Returns ``(q e4m3, scale [R])``."""
+    scale = fp8_block_scale(tl.max(tl.abs(x), axis=1), POW2)
+    q = to_e4m3(tl.math.div_rn(x, scale[:, None]))
+    return q, scale
+
+
+@triton.jit
+def quant_cols(x, POW2: tl.constexpr):
+    """Quantize fp32 ``x [128, C]``: one group per column. Returns ``(q e4m3, scale [C])``."""
+    scale = fp8_block_scale(tl.max(tl.abs(x), axis=0), POW2)
+    q = to_e4m3(tl.math.div_rn(x, scale[None, :]))
+    return q, scale
+
+
+@triton.jit
+def _quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
+                           BM: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                           POW2: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = pid_k * 128 + tl.arange(0, 128)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if ROWWISE:
+        q, s = quant_rows(x, POW2)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * tl.cdiv(K, 128) + pid_k, s, mask=rmask)
+    if COLWISE:
+        qt, st = quant_cols(x, POW2)
+        # q_t[k, m] = quant(x)[m, k]: store the tile transposed.
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(qt),
+                 mask=cmask[:, None] & rmask[None, :])
+        tl.store(st_ptr + cols * tl.cdiv(M, 128) + pid_m, st, mask=cmask)
+
+
+@triton.jit
+def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn,
+                             COLWISE: tl.constexpr, POW2: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * 128 + tl.arange(0, 128)
+    cols = pid_k * 128 + tl.arange(0, 128)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    scale = fp8_block_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+    q = to_e4m3(tl.math.div_rn(w, scale))
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
+    if COLWISE:
+        tl.store(qt_ptr + cols[:, None] * N + rows[None, :], tl.trans(q),
+                 mask=(cols < K)[:, None] & (rows < N)[None, :])
+        tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
+
+
+def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool):
+    """Allocate the four 1x128 components (``None`` where not asked) for ``[M, K]``."""
+    q = s = qt = st = None
+    if rowwise:
+        q = empty(M, K, dtype=FP8_DTYPE, device=device)
+        s = empty(M, cdiv(K, BLOCK), dtype=torch.float32, device=device)
+    if columnwise:
+        qt = empty(K, M, dtype=FP8_DTYPE, device=device)
+        st = empty(K, cdiv(M, BLOCK), dtype=torch.float32, device=device)
+    return q, s, qt, st
+
+
+def quantize_1x128(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+                   pow2_scale: bool = False) -> Fp8Tensor:
+    """Quantize activations/gradients to FP8 e4m3 in 1x128 groups.
+
+    Args:
+        x: ``[..., K]`` float32/float16/bfloat16 with a contiguous last dim; leading dims
+            are flattened to ``M`` rows.
+        rowwise: produce ``rowwise_data [M, K]`` and ``rowwise_scale [M, ceil(K/128)]``
+            (groups of 128 consecutive elements of a row).
+        columnwise: produce ``columnwise_data [K, M]`` and ``columnwise_scale
+            [K, ceil(M/128)]`` (the transpose quantized in groups of 128 tokens), from
+            the same read of ``x``.
+        pow2_scale: round each scale up to a power of two.
+
+    Returns an :class:`Fp8Tensor` with ``x``'s shape and dtype. ``scale = amax/448`` per
+    group, an all-zero group gets scale 1; tails (M or K not a multiple of 128) are partial
+    groups. NaN/Inf in a group give NaN in the data (never an error).
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1, last_dim_contiguous=True)
+    check_kernel_device("x", x)
+    if not (rowwise or columnwise):
+        raise ValueError("quantize_1x128 needs rowwise=True or columnwise=True")
+    K = x.shape[-1]
+    x2 = rows_view(x)
+    M = x2.shape[0]
+    q, s, qt, st = empty_1x128(M, K, x.device, rowwise=rowwise, columnwise=columnwise)
+    if M > 0 and K > 0:
+        # Columnwise groups span 128 rows, so a program takes 128 rows; rowwise alone
+        # takes fewer rows per program for more parallelism.
+        BM = 128 if columnwise else 32
+        grid = (cdiv(M, BM), cdiv(K, BLOCK))
+        with device_guard(x):
+            _quantize_1x128_kernel[grid](
+                x2, q, s, qt, st, M, K, x2.stride(0), BM=BM, ROWWISE=rowwise,
+                COLWISE=columnwise, POW2=pow2_scale, num_warps=8 if columnwise else 4)
+    return Fp8Tensor(x.shape, x.dtype, rowwise_data=q, rowwise_scale=s,
+                     columnwise_data=qt, columnwise_scale=st, scaling="1x128")
+
+
+def quantize_128x128(w: torch.Tensor, *, columnwise: bool = False,
+                     pow2_scale: bool = False) -> Fp8Tensor:
+    """Quantize a weight ``w [N, K]`` to FP8 e4m3 in 128x128 blocks.
+
+    Returns an :class:`Fp8Tensor` with ``rowwise_data [N, K]`` and ``rowwise_scale
+    [ceil(N/128), ceil(K/128)]``; with ``columnwise=True`` also ``columnwise_data [K, N]``
+    and ``columnwise_scale [ceil(K/128), ceil(N/128)]`` (a square block's scale is the same
+    either way, so this is the exact transpose). Partial edge blocks are allowed.
+    """
+    check_tensor("w", w, dtypes=FLOAT_DTYPES, ndim=2, last_dim_contiguous=True)
+    check_kernel_device("w", w)
+    N, K = w.shape
+    GN, GK = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
+    q = empty(N, K, dtype=FP8_DTYPE, device=w.device)
+    s = empty(GN, GK, dtype=torch.float32, device=w.device)
+    qt = st = None
+    if columnwise:
+        qt = empty(K, N, dtype=FP8_DTYPE, device=w.device)
+        st = empty(GK, GN, dtype=torch.float32, device=w.device)
+    if N > 0 and K > 0:
+        with device_guard(w):
+            _quantize_128x128_kernel[(GN, GK)](
+                w, q, s, qt, st, N, K, w.stride(0), COLWISE=columnwise, POW2=pow2_scale,
+                num_warps=8)
+    return Fp8Tensor(w.shape, w.dtype, rowwise_data=q, rowwise_scale=s,
+                     columnwise_data=qt, columnwise_scale=st, scaling="128x128")

@@ -1,0 +1,1 @@
+"""autograd.Functions and the public functional ops; inputs are validated here."""

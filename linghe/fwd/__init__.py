@@ -1,0 +1,1 @@
+"""Forward Triton kernels and their launchers, one module per op family."""

@@ -1,0 +1,1 @@
+"""torch.nn.Module wrappers over ``linghe.functional`` (no math lives here)."""

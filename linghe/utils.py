@@ -1,0 +1,207 @@
+"""Shared helpers: input validation, launch helpers, debug switch, interpreter workarounds.
+
+Every kernel module imports from here instead of re-writing these; interpreter-only
+workarounds (TRITON_INTERPRET=1 on CPU) live in this one place.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------
+# Interpreter (TRITON_INTERPRET=1) awareness
+# --------------------------------------------------------------------------------------
+
+#: True when Triton kernels run through the CPU interpreter. Read once at import: Triton
+#: itself decides at ``@triton.jit`` time, so changing the variable later has no effect.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# A module-level constexpr that jit functions may read (Triton resolves it at compile time).
+_INTERPRET_C = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def dot_f32acc(a, b, acc):
+    """``acc + a @ b`` with fp32 accumulation.
+
+    The triton 3.9 interpreter returns garbage for ``tl.dot`` on bf16 operands; upcasting
+    the tiles to fp32 there gives the exact product of the bf16 values (bf16*bf16 is exact
+    in fp32), which is what the tensor cores compute on the GPU.
+    """
+    if _INTERPRET_C:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+# --------------------------------------------------------------------------------------
+# Debug switch (expensive checks such as out-of-range ids)
+# --------------------------------------------------------------------------------------
+
+_debug = os.environ.get("LINGHE_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn linghe's debug checks on or off (also set by ``LINGHE_DEBUG=1``).
+
+    In debug mode, ops validate data-dependent inputs (expert ids, labels) and raise a
+    clear error; this costs a host sync. Outside debug mode such inputs are handled
+    safely (dropped or ignored, as each op documents) and never read out of bounds.
+    """
+    global _debug
+    _debug = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    """Whether debug checks are on (see :func:`set_debug`)."""
+    return _debug
+
+
+# --------------------------------------------------------------------------------------
+# Launch helpers
+# --------------------------------------------------------------------------------------
+
+cdiv = triton.cdiv
+next_power_of_2 = triton.next_power_of_2
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a small constant on the CPU interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def device_guard(t: torch.Tensor):
+    """Context manager that makes ``t``'s device current for a launch."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as ``[M, K]`` (a view when the leading dims allow; also for K = 0)."""
+    if x.dim() == 2:
+        return x
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+# --------------------------------------------------------------------------------------
+# Input validation (raise TypeError / ValueError naming the argument)
+# --------------------------------------------------------------------------------------
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndim: int | Sequence[int] | None = None,
+    min_ndim: int | None = None,
+    device: torch.device | None = None,
+    shape: Sequence[int | None] | None = None,
+    contiguous: bool = False,
+    last_dim_contiguous: bool = False,
+) -> torch.Tensor:
+    """Validate one tensor argument and return it.
+
+    ``shape`` entries that are ``None`` match any size. Raises ``TypeError`` for a
+    non-tensor or a wrong dtype and ``ValueError`` for rank, shape, device or layout.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {t.dtype}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            raise ValueError(f"{name} must be {' or '.join(map(str, allowed))}-D, got shape "
+                             f"{tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        ok = len(shape) == t.dim() and all(s is None or s == d for s, d in zip(shape, t.shape))
+        if not ok:
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got "
+                         f"strides {t.stride()}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` if the given (non-None) tensors are not on one device."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    if not items:
+        return
+    first_name, first = items[0]
+    for n, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{n} is on {t.device} but {first_name} is on {first.device}; "
+                             "all inputs must be on one device")
+
+
+def check_kernel_device(name: str, t: torch.Tensor) -> None:
+    """Kernels run on CUDA, or on CPU only through the Triton interpreter."""
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and INTERPRET:
+        return
+    raise ValueError(
+        f"{name} is on {t.device}; linghe kernels need a CUDA tensor (or CPU tensors with "
+        "TRITON_INTERPRET=1 set before triton is imported)"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Output allocation (poisoned under test, so an unwritten element fails)
+# --------------------------------------------------------------------------------------
+
+_poison = os.environ.get("LINGHE_POISON_OUTPUTS", "0") == "1"
+
+
+def set_poison_outputs(enabled: bool) -> None:
+    """Fill every output buffer linghe allocates with NaN (ints: -1) before its kernel
+    runs. The test suite turns this on so that an element a kernel forgets to write fails
+    the comparison; it costs one fill per output, so it is off by default."""
+    global _poison
+    _poison = bool(enabled)
+
+
+def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs; poisoned when :func:`set_poison_outputs` is on."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if _poison and t.numel() > 0:
+        if t.dtype.is_floating_point and t.element_size() == 1:
+            t.view(torch.uint8).fill_(0x7F)  # fp8 NaN
+        elif t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(-1)
+    return t
+
+
+def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`empty` with ``t``'s shape and device (and dtype unless given)."""
+    return empty(t.shape, dtype=dtype or t.dtype, device=t.device)

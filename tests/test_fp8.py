@@ -1,0 +1,126 @@
+"""FP8 blockwise quantization and the Fp8Tensor container."""
+
+import pytest
+import torch
+
+import linghe
+from linghe import reference as ref
+from linghe.testing import assert_close, assert_fp8_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 1), (7, 127), (300, 1000), (129, 128), (2, 3, 257)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_1x128_matches_reference(device, dtype, shape, pow2):
+    x = (torch.randn(shape, device=device) * 4).to(dtype)
+    t = linghe.quantize_1x128(x, rowwise=True, columnwise=True, pow2_scale=pow2)
+    assert t.shape == x.shape and t.dtype == dtype
+    x2 = x.reshape(-1, shape[-1])
+    q, s = ref.quantize_1x128(x2, pow2)
+    qt, st = ref.quantize_1x128_columnwise(x2, pow2)
+    torch.testing.assert_close(t.rowwise_scale, s, rtol=0, atol=0)
+    torch.testing.assert_close(t.columnwise_scale, st, rtol=0, atol=0)
+    assert_fp8_close(t.rowwise_data, q)
+    assert_fp8_close(t.columnwise_data, qt)
+    # Dequantized within e4m3's relative precision (3 mantissa bits: <= 2^-4 per element).
+    assert_close(t.dequantize(dtype=torch.float32), x.float(), tol=0.07)
+    assert_close(t.dequantize(columnwise=True, dtype=torch.float32), x.float(), tol=0.07)
+
+
+def test_scale_formula_and_pow2(device):
+    x = torch.randn(3, 256, device=device)
+    x[0, :128] *= 1000
+    t = linghe.quantize_1x128(x)
+    amax = x.abs().reshape(3, 2, 128).amax(-1)
+    torch.testing.assert_close(t.rowwise_scale, amax / 448, rtol=0, atol=0)
+    t2 = linghe.quantize_1x128(x, pow2_scale=True)
+    s = t2.rowwise_scale
+    assert torch.all(torch.log2(s) == torch.round(torch.log2(s)))
+    assert torch.all(s >= amax / 448) and torch.all(s < 2 * amax / 448)
+
+
+def test_amax_zero_block_gets_scale_one(device):
+    x = torch.randn(130, 300, device=device)
+    x[:, 128:256] = 0
+    x[:128, :] = 0
+    t = linghe.quantize_1x128(x, columnwise=True)
+    assert torch.all(t.rowwise_scale[:, 1] == 1)
+    assert torch.all(t.columnwise_scale[:, 0] == 1)
+    assert torch.all(t.rowwise_data[:, 128:256].float() == 0)
+
+
+def test_columnwise_is_not_transpose_of_rowwise(device):
+    x = torch.randn(256, 256, device=device) * torch.rand(256, 1, device=device) * 10
+    t = linghe.quantize_1x128(x, columnwise=True)
+    assert not torch.equal(t.columnwise_data.float(), t.rowwise_data.float().t())
+    assert t.columnwise_scale.shape == (256, 2)
+
+
+def test_nonfinite_propagates(device):
+    x = torch.randn(4, 200, device=device)
+    x[1, 5] = float("nan")
+    x[2, 150] = float("inf")
+    t = linghe.quantize_1x128(x, columnwise=True)
+    assert t.rowwise_data[1, 5].float().isnan() and t.rowwise_data[2, 150].float().isnan()
+    assert t.columnwise_data[5, 1].float().isnan() and t.columnwise_data[150, 2].float().isnan()
+
+
+def test_empty_inputs(device):
+    for shape in [(0, 5), (5, 0), (0, 128)]:
+        t = linghe.quantize_1x128(torch.randn(shape, device=device), columnwise=True)
+        assert t.rowwise_data.shape == shape
+        assert t.columnwise_data.shape == shape[::-1]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (300, 260), (128, 384)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_128x128(device, shape, pow2):
+    w = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    t = linghe.quantize_128x128(w, columnwise=True, pow2_scale=pow2)
+    q, s = ref.quantize_128x128(w, pow2)
+    torch.testing.assert_close(t.rowwise_scale, s, rtol=0, atol=0)
+    assert_fp8_close(t.rowwise_data, q)
+    assert torch.equal(t.columnwise_data.float(), t.rowwise_data.float().t())
+    assert torch.equal(t.columnwise_scale, t.rowwise_scale.t())
+    assert_close(t.dequantize(dtype=torch.float32), w.float(), tol=0.07)
+
+
+def test_fp8_tensor_in_ordinary_ops(device):
+    x = torch.randn(33, 130, device=device, dtype=torch.bfloat16)
+    t = linghe.quantize_1x128(x)
+    d = t.dequantize()
+    assert torch.equal(t + 1, d + 1)
+    assert torch.equal(t.sum(dim=0), d.sum(dim=0))
+    assert torch.equal(torch.nn.functional.relu(t), torch.relu(d))
+    w = torch.randn(130, 5, device=device, dtype=torch.bfloat16)
+    assert torch.equal(t @ w, d @ w)
+    assert torch.equal(t.view(-1)[:10], d.view(-1)[:10])
+    assert type(t.detach()) is linghe.Fp8Tensor
+    assert "Fp8Tensor" in repr(t)
+    with pytest.raises(RuntimeError, match="read-only"):
+        t.add_(1)
+
+
+def test_fp8_tensor_gradient_is_plain(device):
+    x = torch.randn(8, 130, device=device)
+    t = linghe.quantize_1x128(x).detach().requires_grad_()
+    w = torch.randn(130, 4, device=device)
+    (t @ w).sum().backward()
+    assert type(t.grad) is torch.Tensor
+    torch.testing.assert_close(t.grad, w.sum(1).expand(8, 130))
+
+
+def test_bad_inputs(device):
+    with pytest.raises(TypeError, match="x must have dtype"):
+        linghe.quantize_1x128(torch.ones(4, 4, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        linghe.quantize_1x128([1.0, 2.0])
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        linghe.quantize_1x128(torch.randn(8, 8, device=device).t())
+    with pytest.raises(ValueError, match="rowwise=True or columnwise=True"):
+        linghe.quantize_1x128(torch.randn(8, 8, device=device), rowwise=False)
+    with pytest.raises(ValueError, match="w must be 2-D"):
+        linghe.quantize_128x128(torch.randn(2, 8, 8, device=device))
