@@ -142,7 +142,6 @@ def copy_bandwidth_gbps(cfg: Config) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=cfg.device).random_()
     dst = torch.empty_like(src)
     us = time_us(lambda: dst.copy_(src), cfg)
-    del src, dst
     return 2 * n / us / 1e3
 
 
