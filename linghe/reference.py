@@ -43,13 +43,13 @@ def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False):
 
     Returns ``(q [M, K] float8_e4m3fn, scale [M, ceil(K/128)] float32)`` with
     ``x ≈ q * scale`` per group of 128 consecutive elements of a row (the last group of a
-    row may be partial).
+    row may be partial). Elements are multiplied by ``1 / scale`` (exact reciprocal).
     """
     M, K = x.shape
     G = math.ceil(K / BLOCK)
     xf = torch.nn.functional.pad(x.float(), (0, G * BLOCK - K)).view(M, G, BLOCK)
     scale = fp8_scale(xf.abs().amax(dim=-1), pow2_scale)
-    q = (xf / scale[..., None]).to(FP8_DTYPE).view(M, G * BLOCK)[:, :K]
+    q = (xf * (1.0 / scale)[..., None]).to(FP8_DTYPE).view(M, G * BLOCK)[:, :K]
     return q.contiguous(), scale
 
 
@@ -72,7 +72,7 @@ def quantize_128x128(w: torch.Tensor, pow2_scale: bool = False):
     wf = torch.nn.functional.pad(w.float(), (0, GK * BLOCK - K, 0, GN * BLOCK - N))
     blocks = wf.view(GN, BLOCK, GK, BLOCK)
     scale = fp8_scale(blocks.abs().amax(dim=(1, 3)), pow2_scale)
-    q = (blocks / scale[:, None, :, None]).to(FP8_DTYPE).view(GN * BLOCK, GK * BLOCK)
+    q = (blocks * (1.0 / scale)[:, None, :, None]).to(FP8_DTYPE).view(GN * BLOCK, GK * BLOCK)
     return q[:N, :K].contiguous(), scale
 
 
