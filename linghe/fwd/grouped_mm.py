@@ -141,16 +141,21 @@ def _grouped_rows_kernel(
              acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def _mm_config(I: int, J: int, fp8: bool, block_m: int | None):
-    """Block sizes by shape (GPU) or small tiles (interpreter)."""
+def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None):
+    """Block sizes by shape (GPU) or small tiles (interpreter).
+
+    Every expert wastes up to one partial row tile, so few rows per expert (e.g. 256
+    experts sharing 64K rows) take 64-row tiles, many take 128."""
     if INTERPRET:
         bm = block_m or 32
         return dict(BM=bm, BN=32, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
                     num_stages=1)
-    bm = block_m or 128
+    bm = block_m or (64 if R < 512 * E else 128)
     if fp8:
-        return dict(BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
-    return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
+        return dict(BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=8 if bm == 128 else 4,
+                    num_stages=4)
+    return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8 if bm == 128 else 4,
+                num_stages=4)
 
 
 def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
@@ -165,7 +170,7 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     if R == 0 or J == 0:
         return out
     fp8 = a_scale is not None
-    cfg = _mm_config(I, J, fp8, block_m)
+    cfg = _mm_config(R, E, J, fp8, block_m)
     BM = cfg["BM"]
     tile_off = tile_offsets(offsets, BM)
     n_tiles = row_tile_bound(R, E, BM)
