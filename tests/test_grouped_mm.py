@@ -336,3 +336,20 @@ def test_ling_mini_shapes(device, backend, E, K, N):
     assert torch.all(out[~real] == 0)
     assert rel_err(x.grad, dx) <= tol
     assert rel_err(w.grad, dw) <= tol
+
+
+@pytest.mark.parametrize("E,align,bm", [(1, 16, 32), (7, 1, 16), (300, 16, 64)])
+def test_tile_map(device, E, align, bm):
+    counts = torch.randint(0, 40, (E,), dtype=torch.int32)
+    counts[torch.rand(E) < 0.3] = 0
+    R = int(((counts + align - 1) // align * align).sum()) + 50
+    layout = make_expert_layout(counts.to(device), align, R)
+    tile_off, tile_expert, n = fwd_gm.tile_map(layout.offsets, R, bm)
+    seg = layout.padded_tokens_per_expert.cpu().long()
+    want_off = torch.cat([torch.zeros(1, dtype=torch.long), ((seg + bm - 1) // bm).cumsum(0)])
+    assert torch.equal(tile_off.cpu().long(), want_off)
+    want_e = torch.searchsorted(want_off[1:], torch.arange(n), right=True)
+    assert torch.equal(tile_expert.cpu().long(), want_e)
+    # The static bound covers every expert tile and the whole tail.
+    tail_tiles = -(-(R - int(layout.offsets[-1])) // bm)
+    assert int(want_off[-1]) + tail_tiles <= n

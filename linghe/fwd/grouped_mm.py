@@ -5,14 +5,14 @@ Rows follow :class:`linghe.layout.ExpertLayout`: expert ``e``'s segment is rows
 rows ``>= offsets[E]`` are the tail. Weights are per expert, ``[E, N, K]`` (``nn.Linear``
 convention), and ``out[r] = rows[r] @ W_e^T`` for ``r`` in segment ``e``.
 
-**Tile schedule (no host sync).** The segment sizes live on the device only. A tiny
-device-side computation (``torch`` ops, no sync) turns ``offsets`` into ``tile_off
-[E + 1]``: the cumulative number of ``BM``-row tiles per expert (``cdiv(padded_e, BM)``),
-so a tile never crosses two experts whatever ``align`` is (a tile may be partial within
-its segment: masked). Tiles ``>= tile_off[E]`` cover the tail (from ``offsets[E]``) and
-write zeros. The grid is the static bound ``cdiv(R, BM) + E + 1`` row tiles (times the
-column tiles); each program finds its expert by a binary search over ``tile_off`` and
-programs past the work exit after storing nothing.
+**Tile schedule (no host sync).** The segment sizes live on the device only. A one-program
+prep kernel (:func:`tile_map`) turns ``offsets`` into ``tile_off [E + 1]`` (the cumulative
+number of ``BM``-row tiles per expert, ``cdiv(padded_e, BM)``) and ``tile_expert [T]``
+(each row tile's expert), so a tile never crosses two experts whatever ``align`` is (a
+tile may be partial within its segment: masked). The grid is the static bound
+``T = cdiv(R, BM) + E + 1`` row tiles (times the column tiles); tiles past ``tile_off[E]``
+cover the tail (from ``offsets[E]``) and store zeros without a K loop, and those past
+row ``R`` store nothing.
 
 The same "rows @ B_e" kernel serves the forward (``B_e = W_e^T``) and the dgrad
 (``B_e = W_e``) through strides; :mod:`linghe.bwd.grouped_mm` holds the wgrad kernel.
@@ -24,8 +24,6 @@ scales: ``acc += dot(a_q, b_q) * (sa[:, None] * sb[None, :])``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -43,14 +41,40 @@ BLOCK = 128  # FP8 group / block size
 # --------------------------------------------------------------------------------------
 
 
-def tile_offsets(offsets: torch.Tensor, block_m: int) -> torch.Tensor:
-    """``[E + 1]`` int32 cumulative count of ``block_m``-row tiles per expert segment,
-    computed on the device from ``offsets [E + 1]`` (no host sync)."""
-    seg = (offsets[1:] - offsets[:-1]).to(torch.int32)
-    tiles = (seg + (block_m - 1)) // block_m
-    out = torch.zeros(offsets.numel(), dtype=torch.int32, device=offsets.device)
-    torch.cumsum(tiles, 0, out=out[1:])
-    return out
+@triton.jit
+def _tile_map_kernel(offsets_ptr, tile_off_ptr, tile_expert_ptr, E, n_tiles,
+                     BM: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr):
+    """One program: ``tile_off [E + 1]`` (cumulative ``cdiv(seg_e, BM)``) and, for every
+    row tile ``t < n_tiles``, ``tile_expert[t]`` = its expert (``E`` for a tail tile)."""
+    idx = tl.arange(0, EP2)
+    m = idx < E
+    lo = tl.load(offsets_ptr + idx, mask=m, other=0)
+    hi = tl.load(offsets_ptr + idx + 1, mask=m, other=0)
+    tiles = tl.where(m, (hi - lo + (BM - 1)) // BM, 0)
+    cum = tl.cumsum(tiles, axis=0)  # cum[e] = tile_off[e + 1]
+    tl.store(tile_off_ptr + idx + 1, cum, mask=m)
+    tl.store(tile_off_ptr + idx, tl.zeros((EP2,), dtype=tl.int32), mask=idx == 0)
+    for t0 in range(0, n_tiles, BT):
+        t = t0 + tl.arange(0, BT)
+        # expert of tile t = number of experts whose tiles all end at or before t.
+        before = (cum[None, :] <= t[:, None]) & m[None, :]
+        e = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + t, e, mask=t < n_tiles)
+
+
+def tile_map(offsets: torch.Tensor, num_rows: int, block_m: int):
+    """Device-side tile schedule (one tiny launch, no host sync): ``(tile_off [E + 1],
+    tile_expert [n_tiles], n_tiles)`` with the static bound ``n_tiles``."""
+    E = offsets.numel() - 1
+    n_tiles = row_tile_bound(num_rows, E, block_m)
+    tile_off = torch.empty(E + 1, dtype=torch.int32, device=offsets.device)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=offsets.device)
+    EP2 = max(16, triton.next_power_of_2(E))
+    BT = max(16, min(256, 16384 // EP2))
+    with device_guard(offsets):
+        _tile_map_kernel[(1,)](offsets, tile_off, tile_expert, E, n_tiles, BM=block_m,
+                               EP2=EP2, BT=BT, num_warps=4)
+    return tile_off, tile_expert, n_tiles
 
 
 def row_tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -59,24 +83,11 @@ def row_tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
     return cdiv(num_rows, block_m) + num_experts + 1
 
 
-def search_steps(num_experts: int) -> int:
-    """Binary-search steps that pin down the largest ``e in [0, E]`` with
-    ``tile_off[e] <= t``."""
-    return max(1, math.ceil(math.log2(num_experts + 1)))
-
-
 @triton.jit
-def find_tile(tile_off_ptr, offsets_ptr, t, E, BM: tl.constexpr, STEPS: tl.constexpr):
+def find_tile(tile_off_ptr, tile_expert_ptr, offsets_ptr, t, E, BM: tl.constexpr):
     """For row tile ``t``: ``(e, row_start, row_end)``. ``e == E`` marks a tail tile
     (``row_end`` is then a huge bound; the caller also masks with the row count)."""
-    lo = t * 0
-    hi = lo + E
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi + 1) // 2
-        ok = tl.load(tile_off_ptr + mid) <= t
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    e = lo
+    e = tl.load(tile_expert_ptr + t)
     base = tl.load(offsets_ptr + e)
     first = tl.load(tile_off_ptr + e)
     start = base + (t - first) * BM
@@ -87,12 +98,12 @@ def find_tile(tile_off_ptr, offsets_ptr, t, E, BM: tl.constexpr, STEPS: tl.const
 
 @triton.jit
 def _grouped_rows_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offsets_ptr, tile_off_ptr,
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offsets_ptr, tile_off_ptr, tile_expert_ptr,
     R, I, J, E, num_row_tiles,
     stride_am, stride_be, stride_bi, stride_bj, stride_cm,
     stride_asm, bs_se, bs_si, bs_sj,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    STEPS: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr,
 ):
     """``c[r, j] = sum_i a[r, i] * b[e(r), i, j]`` for rows grouped by expert.
 
@@ -109,7 +120,7 @@ def _grouped_rows_kernel(
     t = first_m + (pid % width) % gsize
     pid_n = (pid % width) // gsize
 
-    e, start, end = find_tile(tile_off_ptr, offsets_ptr, t, E, BM, STEPS)
+    e, start, end = find_tile(tile_off_ptr, tile_expert_ptr, offsets_ptr, t, E, BM)
     valid = e < E
     e64 = tl.minimum(e, E - 1).to(tl.int64)
     rows = start.to(tl.int64) + tl.arange(0, BM)
@@ -172,18 +183,17 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     fp8 = a_scale is not None
     cfg = _mm_config(R, E, J, fp8, block_m)
     BM = cfg["BM"]
-    tile_off = tile_offsets(offsets, BM)
-    n_tiles = row_tile_bound(R, E, BM)
+    tile_off, tile_expert, n_tiles = tile_map(offsets, R, BM)
     grid = (n_tiles * cdiv(J, cfg["BN"]),)
     dummy = offsets
     with device_guard(a):
         _grouped_rows_kernel[grid](
             a, b, out, a_scale if fp8 else dummy, b_scale if fp8 else dummy, offsets,
-            tile_off, R, I, J, E, n_tiles,
+            tile_off, tile_expert, R, I, J, E, n_tiles,
             a.stride(0), stride_be, stride_bi, stride_bj, out.stride(0),
             a_scale.stride(0) if fp8 else 0, *bs_strides,
             BM=BM, BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-            STEPS=search_steps(E), FP8=fp8, IEEE=(a.dtype == torch.float32),
+            FP8=fp8, IEEE=(a.dtype == torch.float32),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
