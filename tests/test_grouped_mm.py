@@ -314,8 +314,8 @@ def test_ling_mini_shapes(device, backend, E, K, N):
     if backend == "torch" and not fwd_gm.torch_grouped_mm_ok(
             torch.empty(8, 8, device=device, dtype=torch.bfloat16)):
         pytest.skip("torch._grouped_mm needs sm90 here")
-    T = 8192 if E == 256 else 8192 * 8 // 8  # EP8: ~65536 rows either way
-    layout, real = _ling_layout(E, T, 8, 128 if backend == "fp8" else 16, device)
+    # T 8192 x top-8 = 65536 routed rows, over 256 experts (all local) or 32 (EP 8).
+    layout, real = _ling_layout(E, 8192, 8, 128 if backend == "fp8" else 16, device)
     R = layout.num_rows
     x = torch.randn(R, K, device=device, dtype=torch.bfloat16)
     x[~real] = 0

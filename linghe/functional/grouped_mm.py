@@ -151,9 +151,12 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
             wgrad), ``weight`` 128x128 per expert (:func:`quantize_grouped_weight`, needs
             ``N % 128 == 0``); backward quantizes ``d_out`` 1x128 (rowwise for the dgrad,
             columnwise for the wgrad). Any ``K`` and any ``align``.
-        backend: ``"auto"`` uses ``torch._grouped_mm`` for bf16 on CUDA sm90 when the
-            shapes meet its 16-byte alignment, else the Triton kernels; ``"triton"`` /
-            ``"torch"`` force one (FP8 always runs the Triton kernels).
+        backend: ``"auto"`` uses ``torch._grouped_mm`` for bf16 on CUDA sm90 when ``N``
+            and ``K`` are multiples of 8 and ``layout`` is an ExpertLayout whose ``align``
+            is a multiple of 8 (its wgrad needs 16-byte aligned segments; raw offsets
+            carry no such promise), else the Triton kernels; ``"triton"`` / ``"torch"``
+            force one (``"torch"``: the caller guarantees those alignments). FP8 always
+            runs the Triton kernels.
         pow2_scale: power-of-two FP8 scales.
 
     Returns ``out [R, N]`` in ``rows``' dtype, fp32 accumulation, zeros past
@@ -167,6 +170,11 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if fp8 and weight.shape[1] % 128 != 0:
         raise ValueError(f"fp8=True needs N (weight.shape[1]) to be a multiple of 128, got "
                          f"{weight.shape[1]}")
+    if backend == "auto" and not fp8:
+        # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
+        # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
+        aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
+        backend = "torch" if aligned and fwd.torch_grouped_mm_ok(rows, weight) else "triton"
     return GroupedMMFunction.apply(rows, weight, offsets, bool(fp8), backend,
                                    bool(pow2_scale))
 

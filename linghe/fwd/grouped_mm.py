@@ -204,8 +204,11 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
 
 
 def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` can run these bf16 operands: CUDA sm90, bf16, last
-    dims of 16-byte multiples (the CUTLASS kernel's alignment). Never on CPU/interpreter."""
+    """Whether ``torch._grouped_mm`` can run these bf16 operands: CUDA sm90, bf16, the
+    GEMM dims (last dim of each operand, ``N`` and ``K`` of a 3-D weight) 16-byte
+    multiples (TMA). Never on CPU/interpreter. Segment starts must be multiples of 8 rows
+    as well (its wgrad contracts over the rows); that is the caller's to know (the
+    layout's ``align``), since reading ``offsets`` would be a host sync."""
     if not hasattr(torch, "_grouped_mm") or INTERPRET:
         return False
     t0 = tensors[0]
@@ -213,6 +216,8 @@ def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
         return False
     for t in tensors:
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape[-1] % 8 != 0:
+            return False
+        if t.dim() == 3 and t.shape[-2] % 8 != 0:
             return False
         if t.data_ptr() % 16 != 0:
             return False
