@@ -353,3 +353,21 @@ def test_tile_map(device, E, align, bm):
     # The static bound covers every expert tile and the whole tail.
     tail_tiles = -(-(R - int(layout.offsets[-1])) // bm)
     assert int(want_off[-1]) + tail_tiles <= n
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("which", ["rows", "weight"])
+def test_grad_of_one_operand_only(device, fp8, which):
+    x, layout, real = make_rows([9, 0, 20], 16, 128, device, torch.bfloat16)
+    w = (torch.randn(3, 128, 128, device=device) / 11).to(torch.bfloat16)
+    leaf = x if which == "rows" else w
+    leaf.requires_grad_()
+    out = linghe.grouped_mm(x, w, layout, fp8=fp8)
+    g = torch.randn_like(out)
+    g[~real] = 0
+    out.backward(g)
+    _, dx, dw = ref_grads(x, w, layout.offsets, g)
+    assert_close(leaf.grad, dx if which == "rows" else dw,
+                 tol=FP8_VS_EXACT if fp8 else 1e-2)
+    other = w if which == "rows" else x
+    assert other.grad is None
