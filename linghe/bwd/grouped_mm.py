@@ -100,7 +100,7 @@ def _wgrad_kernel(
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     for r0 in range(first, last, BR):
         rs = r0 + tl.arange(0, BR)
-        rmask = (rs >= start) & (rs < end)
+        rmask = (rs >= start) & (rs < end) & (rs >= 0)
         rs64 = rs.to(tl.int64)
         g = tl.load(g_base + rs64[None, :] * stride_gr, mask=nmask[:, None] & rmask[None, :],
                     other=0.0)

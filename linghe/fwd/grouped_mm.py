@@ -124,7 +124,7 @@ def _grouped_rows_kernel(
     valid = e < E
     e64 = tl.minimum(e, E - 1).to(tl.int64)
     rows = start.to(tl.int64) + tl.arange(0, BM)
-    rmask = (rows < end) & (rows < R)
+    rmask = (rows < end) & (rows < R) & (rows >= 0)  # never out of bounds
     cols = pid_n * BN + tl.arange(0, BN)
     cmask = cols < J
     k_end = tl.where(valid, I, 0)  # tail tiles: no K loop, store zeros
