@@ -120,11 +120,13 @@ def _wgrad_kernel(
              mask=nmask[:, None] & kmask[None, :])
 
 
-def _wgrad_config(fp8: bool):
+def _wgrad_config(fp8: bool, f32: bool):
     if INTERPRET:
         return dict(BN=32, BK=32, BR=128 if fp8 else 32, num_warps=4, num_stages=1)
     if fp8:
         return dict(BN=128, BK=128, BR=128, num_warps=8, num_stages=4)
+    if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
+        return dict(BN=128, BK=128, BR=32, num_warps=8, num_stages=3)
     return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=4)
 
 
@@ -133,7 +135,7 @@ def _launch_wgrad(g, x, dw, offsets, strides, gs=None, xs=None, scale_strides=(0
     if E == 0 or N == 0 or K == 0:
         return dw
     fp8 = gs is not None
-    cfg = _wgrad_config(fp8)
+    cfg = _wgrad_config(fp8, g.dtype == torch.float32)
     grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
     R = strides[-1]
     with device_guard(dw):

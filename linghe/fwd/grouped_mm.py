@@ -152,7 +152,8 @@ def _grouped_rows_kernel(
              acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None):
+def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
+               f32: bool = False):
     """Block sizes by shape (GPU) or small tiles (interpreter).
 
     Every expert wastes up to one partial row tile, so few rows per expert (e.g. 256
@@ -165,6 +166,8 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None):
     if fp8:
         return dict(BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=8 if bm == 128 else 4,
                     num_stages=4)
+    if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
+        return dict(BM=bm, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
     return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8 if bm == 128 else 4,
                 num_stages=4)
 
@@ -181,7 +184,7 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     if R == 0 or J == 0:
         return out
     fp8 = a_scale is not None
-    cfg = _mm_config(R, E, J, fp8, block_m)
+    cfg = _mm_config(R, E, J, fp8, block_m, f32=a.dtype == torch.float32)
     BM = cfg["BM"]
     tile_off, tile_expert, n_tiles = tile_map(offsets, R, BM)
     grid = (n_tiles * cdiv(J, cfg["BN"]),)
