@@ -7,6 +7,13 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 
 from . import fp8, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
+from .functional.grouped_mm import (
+    grouped_mm,
+    grouped_mm_fp8,
+    grouped_mm_fp8_dgrad,
+    grouped_mm_fp8_wgrad,
+    quantize_grouped_weight,
+)
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
@@ -15,8 +22,13 @@ __all__ = [
     "Fp8Tensor",
     "debug_enabled",
     "fp8",
+    "grouped_mm",
+    "grouped_mm_fp8",
+    "grouped_mm_fp8_dgrad",
+    "grouped_mm_fp8_wgrad",
     "quantize_1x128",
     "quantize_128x128",
+    "quantize_grouped_weight",
     "reference",
     "set_debug",
 ]

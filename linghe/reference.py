@@ -88,3 +88,35 @@ def dequantize_128x128(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
     N, K = q.shape
     s = scale.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:N, :K]
     return (q.float() * s).to(dtype)
+
+
+# ======================================================================================
+# grouped_mm: per-expert GEMMs over rows grouped by expert (ExpertLayout)
+# ======================================================================================
+
+
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out [R, N]``: for each expert ``e``, ``out[o_e:o_{e+1}] = rows[o_e:o_{e+1}] @
+    weight[e].T`` with ``o = offsets [E + 1]`` (``weight [E, N, K]``, ``nn.Linear``
+    convention); rows ``>= offsets[E]`` (the tail) give zeros. Differentiable: the
+    gradients are the per-expert dgrad ``d_out_e @ W_e`` and wgrad ``d_out_e^T @ rows_e``.
+    A per-expert loop (host sync on ``offsets``: a reference, not a kernel)."""
+    R = rows.shape[0]
+    E, N, _ = weight.shape
+    o = [int(v) for v in offsets.tolist()]
+    parts = []
+    for e in range(E):
+        parts.append(rows[o[e]:o[e + 1]] @ weight[e].t())
+    parts.append(rows.new_zeros(R - o[E], N))
+    return torch.cat(parts, 0)
+
+
+def grouped_mm_fp8_dequantized(rows_q: torch.Tensor, rows_scale: torch.Tensor,
+                               w_q: torch.Tensor, w_scale: torch.Tensor,
+                               offsets: torch.Tensor) -> torch.Tensor:
+    """FP8 grouped GEMM spec: :func:`grouped_mm` of the dequantized operands (float32),
+    ``rows`` 1x128 rowwise ``[R, K]`` and weights 128x128 over the ``[E*N, K]`` view."""
+    E = offsets.numel() - 1
+    x = dequantize_1x128(rows_q, rows_scale)
+    w = dequantize_128x128(w_q, w_scale)
+    return grouped_mm(x, w.view(E, -1, w.shape[1]), offsets)

@@ -1,0 +1,136 @@
+"""Grouped GEMMs at the Ling-mini MoE shapes: fwd, dgrad, wgrad; TFLOP/s.
+
+Rows: T 8192 tokens x top-8 = 65536 routed rows (random, balanced-ish routing), grouped by
+expert and padded; the buffer has the static bound ``max_grouped_rows`` of rows (the tail
+is written as zeros). Two expert counts: 32 local experts (EP 8, align 128) and 256 (all
+local, align 16). GEMMs: gate/up ``[R, 2048] x [E, 2048, 2048]`` and down
+``[R, 1024] x [E, 2048, 1024]``.
+
+Providers: ``eager`` = a per-expert loop of ``torch.matmul`` (offsets read to the host
+once, outside the timing), ``linghe`` = the Triton kernels (bf16), ``torch`` =
+``torch._grouped_mm`` through linghe (where available), ``linghe_fp8`` = the FP8 blockwise
+kernels on pre-quantized operands (GEMM only; checked against the bf16 result within e4m3
+error), ``dense`` = one bf16 cuBLAS matmul with the same total FLOPs (no check).
+FLOPs count routed (real) rows only: padding is overhead.
+"""
+
+import torch
+
+import linghe
+from linghe.bwd import grouped_mm as bwd_gm
+from linghe.fwd import grouped_mm as fwd_gm
+from linghe.layout import make_expert_layout, max_grouped_rows
+
+from ..harness import Bench, Config, case
+
+HAS_TORCH_GMM = hasattr(torch, "_grouped_mm")
+
+
+def _routing(T, topk, E, align, device):
+    """Balanced-ish random routing -> (layout, real-row mask, counts list)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits = torch.randn(T, E, generator=g)
+    ids = logits.topk(topk, dim=-1).indices
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    R = max_grouped_rows(T, topk, E, align)
+    layout = make_expert_layout(counts.to(device), align, R)
+    offs = layout.offsets.tolist()
+    real = torch.zeros(R, dtype=torch.bool)
+    for e, c in enumerate(counts.tolist()):
+        real[offs[e]:offs[e] + c] = True
+    return layout, real.to(device), offs
+
+
+def _configs(cfg: Config):
+    if cfg.cpu:
+        return [dict(T=40, topk=2, E=3, align=16, gemms=[("gate_up", 256, 128)])]
+    out = [dict(T=8192, topk=8, E=32, align=128,
+                gemms=[("gate_up", 2048, 2048), ("down", 2048, 1024)])]
+    if not cfg.quick:
+        out.append(dict(T=8192, topk=8, E=256, align=16,
+                        gemms=[("gate_up", 2048, 2048), ("down", 2048, 1024)]))
+    return out
+
+
+def _gemm_benches(cfg: Config, layout, real, offs, used, gname, N, K):
+    dev, dt = cfg.device, torch.bfloat16
+    E, R, off = layout.num_experts, layout.num_rows, layout.offsets
+    x = torch.randn(R, K, device=dev, dtype=dt)
+    x[~real] = 0
+    w = (torch.randn(E, N, K, device=dev) / K**0.5).to(dt)
+    g = torch.randn(R, N, device=dev, dtype=dt)
+    g[~real] = 0
+    dw_buf = torch.empty(E, N, K, device=dev, dtype=dt)
+    xq = linghe.quantize_1x128(x, columnwise=True)
+    gq = linghe.quantize_1x128(g, columnwise=True)
+    wq = linghe.quantize_grouped_weight(w, columnwise=True)
+    flops = 2 * used * N * K
+    tag = f"E{E} a{layout.align} {gname} [{R},{K}]x[{E},{N},{K}]"
+
+    def eager_fwd():
+        out = x.new_zeros(R, N)
+        for e in range(E):
+            torch.matmul(x[offs[e]:offs[e + 1]], w[e].t(), out=out[offs[e]:offs[e + 1]])
+        return out
+
+    def eager_dgrad():
+        out = g.new_zeros(R, K)
+        for e in range(E):
+            torch.matmul(g[offs[e]:offs[e + 1]], w[e], out=out[offs[e]:offs[e + 1]])
+        return out
+
+    def eager_wgrad():
+        for e in range(E):
+            torch.matmul(g[offs[e]:offs[e + 1]].t(), x[offs[e]:offs[e + 1]], out=dw_buf[e])
+        return dw_buf
+
+    passes = {
+        "fwd": dict(
+            eager=eager_fwd,
+            linghe=lambda: fwd_gm.grouped_mm_fwd(x, w, off, backend="triton"),
+            torch=lambda: fwd_gm.grouped_mm_fwd(x, w, off, backend="torch"),
+            fp8=lambda: linghe.grouped_mm_fp8(xq, wq, layout),
+            bytes=2 * (R * K + E * N * K + R * N), dense=(used, K, N)),
+        "dgrad": dict(
+            eager=eager_dgrad,
+            linghe=lambda: bwd_gm.grouped_mm_dgrad(g, w, off, backend="triton"),
+            torch=lambda: bwd_gm.grouped_mm_dgrad(g, w, off, backend="torch"),
+            fp8=lambda: linghe.grouped_mm_fp8_dgrad(gq, wq, layout),
+            bytes=2 * (R * N + E * N * K + R * K), dense=(used, N, K)),
+        "wgrad": dict(
+            eager=eager_wgrad,
+            linghe=lambda: bwd_gm.grouped_mm_wgrad(g, x, off, backend="triton"),
+            torch=lambda: bwd_gm.grouped_mm_wgrad(g, x, off, backend="torch"),
+            fp8=lambda: linghe.grouped_mm_fp8_wgrad(gq, xq, layout),
+            bytes=2 * (R * N + R * K + E * N * K), dense=(N, used, K)),
+    }
+    benches = []
+    for pname, p in passes.items():
+        run = {"eager": p["eager"], "linghe": p["linghe"]}
+        if HAS_TORCH_GMM and (cfg.cpu or fwd_gm.torch_grouped_mm_ok(x, w)):
+            run["torch"] = p["torch"]
+        benches.append(Bench(name=f"grouped_mm {pname} {tag} bf16", bytes=p["bytes"],
+                             run=run, tol=1e-2, flops=flops))
+        benches.append(Bench(
+            name=f"grouped_mm {pname} {tag} fp8 (pre-quantized operands)",
+            bytes=p["bytes"] // 2, run={"linghe_fp8": p["fp8"]}, tol=0.08,
+            expected=p["eager"], flops=flops))
+        m, k, n = p["dense"]
+        a = torch.randn(m, k, device=dev, dtype=dt)
+        b = torch.randn(k, n, device=dev, dtype=dt)
+        benches.append(Bench(
+            name=f"grouped_mm {pname} {tag} dense cuBLAS [{m},{k}]x[{k},{n}]",
+            bytes=2 * (m * k + k * n + m * n), run={"dense": lambda a=a, b=b: a @ b},
+            tol=1e-2, flops=flops, note="same FLOPs, one matmul; not checked"))
+    return benches
+
+
+@case("grouped_mm")
+def grouped_mm_case(cfg: Config):
+    benches = []
+    for c in _configs(cfg):
+        T, topk, E, align = c["T"], c["topk"], c["E"], c["align"]
+        layout, real, offs = _routing(T, topk, E, align, cfg.device)
+        for gname, N, K in c["gemms"]:
+            benches += _gemm_benches(cfg, layout, real, offs, T * topk, gname, N, K)
+    return benches

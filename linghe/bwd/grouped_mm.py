@@ -1,0 +1,183 @@
+"""Grouped GEMM backward: dgrad (``d_rows = d_out_e @ W_e``) and wgrad
+(``dW_e = d_out_e^T @ rows_e``) per expert, bf16/fp16/fp32 and FP8 blockwise.
+
+The dgrad reuses the forward's "rows @ B_e" kernel (:mod:`linghe.fwd.grouped_mm`) with
+``B_e = W_e``. The wgrad kernel runs a grid ``(cdiv(N, BN) * cdiv(K, BK), E)``: each
+program owns one ``[BN, BK]`` tile of ``dW_e`` and loops over expert ``e``'s rows
+``offsets[e] .. offsets[e+1]`` (read on the device; an expert with no rows writes zeros).
+Rows are walked in chunks aligned to *global* multiples of the chunk size and masked to the
+segment, so with FP8 each chunk is exactly one 128-token group of the columnwise copies
+(``quantize_1x128(columnwise=True)`` of the whole buffer) whatever ``align`` is: a group
+straddling two experts is used by both, each masking the other's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8 import Fp8Tensor
+from ..fwd.grouped_mm import BLOCK, launch_grouped_rows, torch_grouped_mm_ok, zero_tail
+from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty
+
+# --------------------------------------------------------------------------------------
+# dgrad
+# --------------------------------------------------------------------------------------
+
+
+def grouped_mm_dgrad(d_out: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+                     backend: str = "auto", block_m: int | None = None) -> torch.Tensor:
+    """``d_rows [R, K] = d_out_e [*, N] @ W_e [N, K]`` per segment (zeros past
+    ``offsets[E]``)."""
+    R, N = d_out.shape
+    E, _, K = weight.shape
+    use_torch = backend == "torch" or (backend == "auto"
+                                       and torch_grouped_mm_ok(d_out, weight))
+    if use_torch and R > 0 and K > 0:
+        return zero_tail(torch._grouped_mm(d_out, weight, offs=offsets[1:]), offsets)
+    out = empty(R, K, dtype=d_out.dtype, device=d_out.device)
+    return launch_grouped_rows(d_out, weight, out, offsets, stride_be=N * K, stride_bi=K,
+                               stride_bj=1, block_m=block_m)
+
+
+def grouped_mm_fp8_dgrad(dout_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: torch.Tensor,
+                         out_dtype: torch.dtype = torch.bfloat16,
+                         block_m: int | None = None) -> torch.Tensor:
+    """FP8 dgrad launcher: ``dout_fp8`` rowwise 1x128 ``[R, N]``, ``w_fp8`` with its
+    columnwise copy (``quantize_grouped_weight(columnwise=True)``) -> ``[R, K]``.
+
+    Uses the columnwise (exact transpose) weight copy so both operands are contiguous
+    along the contraction dim ``N`` (what FP8 tensor cores want)."""
+    q, s = dout_fp8.rowwise_data, dout_fp8.rowwise_scale
+    R, N = q.shape
+    E, _, K = w_fp8.shape
+    wt, wts = w_fp8.columnwise_data, w_fp8.columnwise_scale  # [K, E*N], [GK, E*N/128]
+    GN = N // BLOCK
+    out = empty(R, K, dtype=out_dtype, device=q.device)
+    # B_e[n, k] = WqT[k, e*N + n]; scale wts[k // 128, e*GN + n // 128].
+    return launch_grouped_rows(
+        q, wt, out, offsets, stride_be=N, stride_bi=1, stride_bj=E * N,
+        a_scale=s, b_scale=wts, bs_strides=(GN, 1, E * GN), block_m=block_m)
+
+
+# --------------------------------------------------------------------------------------
+# wgrad
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _wgrad_kernel(
+    g_ptr, x_ptr, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
+    N, K, R,
+    stride_gr, stride_gn, stride_xr, stride_xk, stride_we, stride_wn,
+    stride_gsn, stride_xsk,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``dW[e, n, k] = sum_{r in seg e} g[r, n] * x[r, k]``.
+
+    High precision: ``g [R, N]``, ``x [R, K]`` (strides given). FP8: ``g`` and ``x`` are
+    the columnwise copies ``[N, R]`` / ``[K, R]`` (``stride_gn``/``stride_xk`` = ``R``,
+    ``stride_gr``/``stride_xr`` = 1) with scales ``[N, ceil(R/128)]`` / ``[K, ...]``,
+    ``BR == 128``.
+    """
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    num_k = tl.cdiv(K, BK)
+    pid_n = pid // num_k
+    pid_k = pid % num_k
+    ns = pid_n * BN + tl.arange(0, BN)
+    ks = pid_k * BK + tl.arange(0, BK)
+    nmask = ns < N
+    kmask = ks < K
+    start = tl.load(offsets_ptr + e)
+    end = tl.minimum(tl.load(offsets_ptr + e + 1), R)
+    first = (start // BR) * BR
+    last = tl.where(end > start, end, first)  # empty segment: no iterations
+    g_base = g_ptr + ns[:, None].to(tl.int64) * stride_gn
+    x_base = x_ptr + ks[None, :].to(tl.int64) * stride_xk
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for r0 in range(first, last, BR):
+        rs = r0 + tl.arange(0, BR)
+        rmask = (rs >= start) & (rs < end) & (rs >= 0)
+        rs64 = rs.to(tl.int64)
+        g = tl.load(g_base + rs64[None, :] * stride_gr, mask=nmask[:, None] & rmask[None, :],
+                    other=0.0)
+        x = tl.load(x_base + rs64[:, None] * stride_xr, mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)
+        if FP8:
+            grp = r0 // BR
+            sg = tl.load(gs_ptr + ns * stride_gsn + grp, mask=nmask, other=0.0)
+            sx = tl.load(xs_ptr + ks * stride_xsk + grp, mask=kmask, other=0.0)
+            acc += tl.dot(g, x) * (sg[:, None] * sx[None, :])
+        elif IEEE:
+            acc = tl.dot(g, x, acc, input_precision="ieee")
+        else:
+            acc = dot_f32acc(g, x, acc)
+    tl.store(w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+             + ks[None, :], acc.to(w_ptr.dtype.element_ty),
+             mask=nmask[:, None] & kmask[None, :])
+
+
+def _wgrad_config(fp8: bool, f32: bool):
+    if INTERPRET:
+        return dict(BN=32, BK=32, BR=128 if fp8 else 32, num_warps=4, num_stages=1)
+    if fp8:
+        return dict(BN=128, BK=128, BR=128, num_warps=8, num_stages=4)
+    if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
+        return dict(BN=128, BK=128, BR=32, num_warps=8, num_stages=3)
+    return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=4)
+
+
+def _launch_wgrad(g, x, dw, offsets, strides, gs=None, xs=None, scale_strides=(0, 0)):
+    E, N, K = dw.shape
+    if E == 0 or N == 0 or K == 0:
+        return dw
+    fp8 = gs is not None
+    cfg = _wgrad_config(fp8, g.dtype == torch.float32)
+    grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
+    R = strides[-1]
+    with device_guard(dw):
+        _wgrad_kernel[grid](
+            g, x, dw, gs if fp8 else offsets, xs if fp8 else offsets, offsets, N, K, R,
+            *strides[:-1], dw.stride(0), dw.stride(1), *scale_strides,
+            BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], FP8=fp8,
+            IEEE=(g.dtype == torch.float32), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    return dw
+
+
+def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, *,
+                     out_dtype: torch.dtype | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """``dW [E, N, K]``: ``dW_e = d_out_e^T @ rows_e`` over expert ``e``'s segment, fp32
+    accumulation, ``out_dtype`` (default ``rows.dtype``)."""
+    R, N = d_out.shape
+    K = rows.shape[1]
+    E = offsets.numel() - 1
+    out_dtype = out_dtype or rows.dtype
+    use_torch = (backend == "torch" or (backend == "auto" and out_dtype == torch.bfloat16
+                                        and torch_grouped_mm_ok(d_out, rows)))
+    if use_torch and N > 0 and K > 0:
+        # 2D x 2D with offs along the contraction (row) dim -> [E, N, K]; rows past
+        # offsets[E] are ignored, an empty group gives zeros.
+        return torch._grouped_mm(d_out.t(), rows, offs=offsets[1:]).to(out_dtype)
+    dw = empty(E, N, K, dtype=out_dtype, device=rows.device)
+    return _launch_wgrad(d_out, rows, dw, offsets,
+                         (d_out.stride(0), d_out.stride(1), rows.stride(0), rows.stride(1), R))
+
+
+def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.Tensor,
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 wgrad launcher from the columnwise copies: ``dout_fp8`` ``[R, N]`` and
+    ``a_fp8`` ``[R, K]``, each with ``columnwise_data [*, R]`` quantized in 128-token
+    groups along the whole buffer -> ``dW [E, N, K]`` in ``out_dtype``."""
+    gq, gs = dout_fp8.columnwise_data, dout_fp8.columnwise_scale  # [N, R], [N, GR]
+    xq, xs = a_fp8.columnwise_data, a_fp8.columnwise_scale  # [K, R], [K, GR]
+    N, R = gq.shape
+    K = xq.shape[0]
+    E = offsets.numel() - 1
+    dw = empty(E, N, K, dtype=out_dtype, device=gq.device)
+    return _launch_wgrad(gq, xq, dw, offsets, (1, R, 1, R, R), gs=gs, xs=xs,
+                         scale_strides=(gs.stride(0), xs.stride(0)))

@@ -1,0 +1,276 @@
+"""Grouped GEMMs over rows grouped by expert: autograd Function, public functions and
+input validation.
+
+``linghe.grouped_mm(rows, weight, layout)`` computes, for every expert ``e`` of an
+:class:`~linghe.layout.ExpertLayout`, ``out[o_e:o_{e+1}] = rows[o_e:o_{e+1}] @ W_e^T``
+with weights ``[E, N, K]`` (``nn.Linear`` convention), in one launch, reading the segment
+offsets on the device (no host sync). Its backward gives ``d_rows = d_out_e @ W_e`` and
+``dW_e = d_out_e^T @ rows_e`` per expert.
+
+Kernel-level FP8 API (the blockwise recipe; ``TrainingContext(fp8="blockwise")`` wires it
+in later): :func:`quantize_grouped_weight`, :func:`grouped_mm_fp8`,
+:func:`grouped_mm_fp8_dgrad`, :func:`grouped_mm_fp8_wgrad`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..bwd import grouped_mm as bwd
+from ..fp8 import Fp8Tensor, quantize_1x128
+from ..fwd import grouped_mm as fwd
+from ..fwd.grouped_mm import quantize_grouped_weight
+from ..layout import ExpertLayout
+from ..utils import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
+
+BACKENDS = ("auto", "triton", "torch")
+
+__all__ = ["grouped_mm", "grouped_mm_fp8", "grouped_mm_fp8_dgrad", "grouped_mm_fp8_wgrad",
+           "quantize_grouped_weight"]
+
+
+# --------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------
+
+
+def _offsets_of(layout, num_experts: int, num_rows: int, device) -> torch.Tensor:
+    """``offsets [E + 1]`` int32 from an ExpertLayout or an offsets tensor, validated
+    (shape, dtype, device; values are not read: that would be a host sync)."""
+    if isinstance(layout, ExpertLayout):
+        if layout.num_experts != num_experts:
+            raise ValueError(f"layout.num_experts ({layout.num_experts}) must equal the "
+                             f"weight's expert count E={num_experts}")
+        if layout.num_rows != num_rows:
+            raise ValueError(f"layout.num_rows ({layout.num_rows}) must equal the number of "
+                             f"rows R={num_rows}")
+        offsets = layout.offsets
+        name = "layout.offsets"
+    elif isinstance(layout, torch.Tensor):
+        offsets = layout
+        name = "offsets"
+    else:
+        raise TypeError(f"layout must be an ExpertLayout or an int32 offsets tensor [E + 1], "
+                        f"got {type(layout).__name__}")
+    check_tensor(name, offsets, dtypes=(torch.int32, torch.int64), ndim=1,
+                 shape=(num_experts + 1,))
+    if offsets.device != torch.device(device):
+        raise ValueError(f"{name} is on {offsets.device} but the operands are on {device}")
+    return offsets.to(torch.int32).contiguous()
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" and not hasattr(torch, "_grouped_mm"):
+        raise ValueError("backend='torch' needs torch._grouped_mm (torch >= 2.8)")
+
+
+def _check_operands(rows, weight):
+    check_tensor("rows", rows, dtypes=FLOAT_DTYPES, ndim=2, contiguous=True)
+    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=3, contiguous=True)
+    if weight.dtype != rows.dtype:
+        raise TypeError(f"weight must have rows' dtype {rows.dtype}, got {weight.dtype}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight must hold at least one expert (E >= 1)")
+    if weight.shape[2] != rows.shape[1]:
+        raise ValueError(f"weight must have shape (E, N, K={rows.shape[1]}) to match rows "
+                         f"[R, K], got {tuple(weight.shape)}")
+    check_same_device(rows=rows, weight=weight)
+    check_kernel_device("rows", rows)
+
+
+# --------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------
+
+
+class GroupedMMFunction(torch.autograd.Function):
+    """Saved for backward: ``rows``, ``weight`` and ``offsets`` (high precision); with
+    ``fp8=True`` instead the columnwise 1x128 copy of ``rows`` (for the wgrad) and the
+    columnwise 128x128 copy of the weight (for the dgrad), each only when the other
+    operand needs a gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, offsets, fp8, backend, pow2_scale):
+        ctx.fp8, ctx.backend, ctx.pow2 = fp8, backend, pow2_scale
+        need_dx, need_dw = rows.requires_grad, weight.requires_grad
+        if not fp8:
+            out = fwd.grouped_mm_fwd(rows, weight, offsets, backend=backend)
+            ctx.save_for_backward(rows if need_dw else None, weight if need_dx else None,
+                                  offsets)
+            return out
+        a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
+        w = quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
+        out = fwd.grouped_mm_fp8_fwd(a, w, offsets, out_dtype=rows.dtype)
+        ctx.a = a.with_components(rowwise_data=None, rowwise_scale=None) if need_dw else None
+        ctx.w = w.with_components(rowwise_data=None, rowwise_scale=None) if need_dx else None
+        ctx.dtypes = (rows.dtype, weight.dtype)
+        ctx.save_for_backward(offsets)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        d_out = d_out.contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        d_rows = d_w = None
+        if not ctx.fp8:
+            rows, weight, offsets = ctx.saved_tensors
+            if need_dx:
+                d_rows = bwd.grouped_mm_dgrad(d_out, weight, offsets, backend=ctx.backend)
+            if need_dw:
+                d_w = bwd.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows.dtype,
+                                           backend=ctx.backend)
+            return d_rows, d_w, None, None, None, None
+        (offsets,) = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        g = quantize_1x128(d_out, rowwise=need_dx, columnwise=need_dw, pow2_scale=ctx.pow2)
+        if need_dx:
+            d_rows = bwd.grouped_mm_fp8_dgrad(g, ctx.w, offsets, out_dtype=x_dtype)
+        if need_dw:
+            d_w = bwd.grouped_mm_fp8_wgrad(g, ctx.a, offsets, out_dtype=w_dtype)
+        ctx.a = ctx.w = None
+        return d_rows, d_w, None, None, None, None
+
+
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = False,
+               backend: str = "auto", pow2_scale: bool = False) -> torch.Tensor:
+    """Per-expert GEMM over rows grouped by expert: ``out_e = rows_e @ weight[e]^T``.
+
+    Args:
+        rows: ``[R, K]`` float32/float16/bfloat16, contiguous, grouped by expert as
+            ``layout`` says: expert ``e``'s segment is rows ``offsets[e] .. offsets[e+1]``
+            (real rows then padding rows, which must be zero), rows ``>= offsets[E]`` are
+            the tail. Padding rows give zero outputs because they are zero.
+        weight: ``[E, N, K]`` of ``rows``' dtype, contiguous (``nn.Linear`` convention).
+        layout: an :class:`~linghe.layout.ExpertLayout` (``num_experts == E``,
+            ``num_rows == R``) or its ``offsets [E + 1]`` int32/int64 tensor, on the
+            operands' device. The offsets are read on the device only (no host sync); the
+            kernel never reads past row ``R`` whatever they hold.
+        fp8: FP8 blockwise: ``rows`` quantized 1x128 (plus a columnwise copy for the
+            wgrad), ``weight`` 128x128 per expert (:func:`quantize_grouped_weight`, needs
+            ``N % 128 == 0``); backward quantizes ``d_out`` 1x128 (rowwise for the dgrad,
+            columnwise for the wgrad). Any ``K`` and any ``align``.
+        backend: ``"auto"`` uses ``torch._grouped_mm`` for bf16 on CUDA sm90 when ``N``
+            and ``K`` are multiples of 8 and ``layout`` is an ExpertLayout whose ``align``
+            is a multiple of 8 (its wgrad needs 16-byte aligned segments; raw offsets
+            carry no such promise), else the Triton kernels; ``"triton"`` / ``"torch"``
+            force one (``"torch"``: the caller guarantees those alignments). FP8 always
+            runs the Triton kernels.
+        pow2_scale: power-of-two FP8 scales.
+
+    Returns ``out [R, N]`` in ``rows``' dtype, fp32 accumulation, zeros past
+    ``offsets[E]``. Saved for backward: see :class:`GroupedMMFunction`. Gradients:
+    ``d_rows`` in ``rows``' dtype, ``d_weight [E, N, K]`` in ``weight``'s dtype (an
+    expert with no rows gets zeros).
+    """
+    _check_operands(rows, weight)
+    _check_backend(backend)
+    offsets = _offsets_of(layout, weight.shape[0], rows.shape[0], rows.device)
+    if fp8 and weight.shape[1] % 128 != 0:
+        raise ValueError(f"fp8=True needs N (weight.shape[1]) to be a multiple of 128, got "
+                         f"{weight.shape[1]}")
+    if backend == "auto" and not fp8:
+        # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
+        # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
+        aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
+        backend = "torch" if aligned and fwd.torch_grouped_mm_ok(rows, weight) else "triton"
+    return GroupedMMFunction.apply(rows, weight, offsets, bool(fp8), backend,
+                                   bool(pow2_scale))
+
+
+# --------------------------------------------------------------------------------------
+# kernel-level FP8 API
+# --------------------------------------------------------------------------------------
+
+
+def _check_fp8_rows(name, t, *, rowwise: bool, columnwise: bool):
+    if not isinstance(t, Fp8Tensor):
+        raise TypeError(f"{name} must be an Fp8Tensor (linghe.quantize_1x128), got "
+                        f"{type(t).__name__}")
+    if t.scaling != "1x128" or t.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D Fp8Tensor with scaling '1x128', got shape "
+                         f"{tuple(t.shape)} scaling {t.scaling!r}")
+    if rowwise and t.rowwise_data is None:
+        raise ValueError(f"{name} needs its rowwise copy (quantize_1x128(rowwise=True))")
+    if columnwise and t.columnwise_data is None:
+        raise ValueError(f"{name} needs its columnwise copy (quantize_1x128(columnwise=True))")
+    check_kernel_device(name, t)
+
+
+def _check_fp8_weight(name, w, *, rowwise: bool, columnwise: bool):
+    if not isinstance(w, Fp8Tensor) or w.scaling != "128x128" or w.dim() != 3:
+        raise TypeError(f"{name} must be a 3-D [E, N, K] Fp8Tensor from "
+                        f"quantize_grouped_weight, got {type(w).__name__} "
+                        f"{tuple(getattr(w, 'shape', ()))}")
+    E, N, K = w.shape
+    if N % 128 != 0:
+        raise ValueError(f"{name}: N must be a multiple of 128, got {N}")
+    if rowwise and (w.rowwise_data is None or tuple(w.rowwise_data.shape) != (E * N, K)):
+        raise ValueError(f"{name} needs rowwise_data of shape ({E * N}, {K})")
+    if columnwise and (w.columnwise_data is None
+                       or tuple(w.columnwise_data.shape) != (K, E * N)):
+        raise ValueError(f"{name} needs its columnwise copy of shape ({K}, {E * N}) "
+                         "(quantize_grouped_weight(columnwise=True))")
+
+
+def _check_out_dtype(out_dtype):
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype}")
+
+
+def grouped_mm_fp8(a_fp8: Fp8Tensor, w_fp8: Fp8Tensor, layout,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 forward: ``out [R, N] = a_e @ W_e^T`` per expert, no autograd.
+
+    ``a_fp8``: ``[R, K]`` Fp8Tensor with its rowwise 1x128 copy; ``w_fp8``: ``[E, N, K]``
+    from :func:`quantize_grouped_weight`; ``layout`` as in :func:`grouped_mm`. Each
+    128-wide K step is promoted with its scales in fp32. Zeros past ``offsets[E]``."""
+    _check_fp8_rows("a_fp8", a_fp8, rowwise=True, columnwise=False)
+    _check_fp8_weight("w_fp8", w_fp8, rowwise=True, columnwise=False)
+    _check_out_dtype(out_dtype)
+    if w_fp8.shape[2] != a_fp8.shape[1]:
+        raise ValueError(f"w_fp8 must have K={a_fp8.shape[1]}, got shape {tuple(w_fp8.shape)}")
+    check_same_device(a_fp8=a_fp8, w_fp8=w_fp8)
+    offsets = _offsets_of(layout, w_fp8.shape[0], a_fp8.shape[0], a_fp8.device)
+    return fwd.grouped_mm_fp8_fwd(a_fp8, w_fp8, offsets, out_dtype=out_dtype)
+
+
+def grouped_mm_fp8_dgrad(dout_fp8: Fp8Tensor, w_fp8: Fp8Tensor, layout,
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 dgrad: ``d_rows [R, K] = d_out_e @ W_e`` per expert. ``dout_fp8`` ``[R, N]`` with
+    its rowwise 1x128 copy; ``w_fp8`` with its columnwise copy."""
+    _check_fp8_rows("dout_fp8", dout_fp8, rowwise=True, columnwise=False)
+    _check_fp8_weight("w_fp8", w_fp8, rowwise=False, columnwise=True)
+    _check_out_dtype(out_dtype)
+    if w_fp8.shape[1] != dout_fp8.shape[1]:
+        raise ValueError(f"w_fp8 must have N={dout_fp8.shape[1]}, got shape "
+                         f"{tuple(w_fp8.shape)}")
+    check_same_device(dout_fp8=dout_fp8, w_fp8=w_fp8)
+    offsets = _offsets_of(layout, w_fp8.shape[0], dout_fp8.shape[0], dout_fp8.device)
+    return bwd.grouped_mm_fp8_dgrad(dout_fp8, w_fp8, offsets, out_dtype=out_dtype)
+
+
+def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, layout,
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 wgrad: ``dW [E, N, K]``, ``dW_e = d_out_e^T @ a_e`` per expert, from the
+    columnwise copies of ``dout_fp8 [R, N]`` and ``a_fp8 [R, K]`` (1x128 groups of 128
+    tokens over the whole buffer, as ``quantize_1x128(columnwise=True)`` makes them; any
+    ``align`` works: a group straddling two segments is masked per expert)."""
+    _check_fp8_rows("dout_fp8", dout_fp8, rowwise=False, columnwise=True)
+    _check_fp8_rows("a_fp8", a_fp8, rowwise=False, columnwise=True)
+    _check_out_dtype(out_dtype)
+    if dout_fp8.shape[0] != a_fp8.shape[0]:
+        raise ValueError(f"dout_fp8 and a_fp8 must have the same rows, got "
+                         f"{tuple(dout_fp8.shape)} and {tuple(a_fp8.shape)}")
+    check_same_device(dout_fp8=dout_fp8, a_fp8=a_fp8)
+    if isinstance(layout, ExpertLayout):
+        E = layout.num_experts
+    elif isinstance(layout, torch.Tensor) and layout.dim() == 1:
+        E = layout.numel() - 1
+    else:
+        raise TypeError("layout must be an ExpertLayout or an offsets tensor [E + 1]")
+    if E < 1:
+        raise ValueError("layout must describe at least one expert")
+    offsets = _offsets_of(layout, E, a_fp8.shape[0], a_fp8.device)
+    return bwd.grouped_mm_fp8_wgrad(dout_fp8, a_fp8, offsets, out_dtype=out_dtype)

@@ -1,0 +1,325 @@
+"""Grouped GEMMs over rows grouped by expert (forward kernels and launchers).
+
+Rows follow :class:`linghe.layout.ExpertLayout`: expert ``e``'s segment is rows
+``offsets[e] .. offsets[e+1]`` of ``rows [R, K]`` (real rows, then zero padding rows),
+rows ``>= offsets[E]`` are the tail. Weights are per expert, ``[E, N, K]`` (``nn.Linear``
+convention), and ``out[r] = rows[r] @ W_e^T`` for ``r`` in segment ``e``.
+
+**Tile schedule (no host sync).** The segment sizes live on the device only. A one-program
+prep kernel (:func:`tile_map`) turns ``offsets`` into ``tile_off [E + 1]`` (the cumulative
+number of ``BM``-row tiles per expert, ``cdiv(padded_e, BM)``) and ``tile_expert [T]``
+(each row tile's expert), so a tile never crosses two experts whatever ``align`` is (a
+tile may be partial within its segment: masked). The grid is the static bound
+``T = cdiv(R, BM) + E + 1`` row tiles (times the column tiles); tiles past ``tile_off[E]``
+cover the tail (from ``offsets[E]``) and store zeros without a K loop, and those past
+row ``R`` store nothing.
+
+The same "rows @ B_e" kernel serves the forward (``B_e = W_e^T``) and the dgrad
+(``B_e = W_e``) through strides; :mod:`linghe.bwd.grouped_mm` holds the wgrad kernel.
+
+**FP8 blockwise.** ``rows`` as an :class:`~linghe.fp8.Fp8Tensor` with 1x128 rowwise
+scales (``[R, ceil(K/128)]``), weights from :func:`quantize_grouped_weight` (128x128
+blocks per expert). The K loop steps by 128 and promotes each partial product with its
+scales: ``acc += dot(a_q, b_q) * (sa[:, None] * sb[None, :])``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8 import Fp8Tensor, quantize_128x128
+from ..fp8.quantize import FP8_DTYPE
+from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty
+
+BLOCK = 128  # FP8 group / block size
+
+
+# --------------------------------------------------------------------------------------
+# Tile schedule
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_map_kernel(offsets_ptr, tile_off_ptr, tile_expert_ptr, E, n_tiles,
+                     BM: tl.constexpr, EP2: tl.constexpr, BT: tl.constexpr):
+    """One program: ``tile_off [E + 1]`` (cumulative ``cdiv(seg_e, BM)``) and, for every
+    row tile ``t < n_tiles``, ``tile_expert[t]`` = its expert (``E`` for a tail tile)."""
+    idx = tl.arange(0, EP2)
+    m = idx < E
+    lo = tl.load(offsets_ptr + idx, mask=m, other=0)
+    hi = tl.load(offsets_ptr + idx + 1, mask=m, other=0)
+    tiles = tl.where(m, (hi - lo + (BM - 1)) // BM, 0)
+    cum = tl.cumsum(tiles, axis=0)  # cum[e] = tile_off[e + 1]
+    tl.store(tile_off_ptr + idx + 1, cum, mask=m)
+    tl.store(tile_off_ptr + idx, tl.zeros((EP2,), dtype=tl.int32), mask=idx == 0)
+    for t0 in range(0, n_tiles, BT):
+        t = t0 + tl.arange(0, BT)
+        # expert of tile t = number of experts whose tiles all end at or before t.
+        before = (cum[None, :] <= t[:, None]) & m[None, :]
+        e = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + t, e, mask=t < n_tiles)
+
+
+def tile_map(offsets: torch.Tensor, num_rows: int, block_m: int):
+    """Device-side tile schedule (one tiny launch, no host sync): ``(tile_off [E + 1],
+    tile_expert [n_tiles], n_tiles)`` with the static bound ``n_tiles``."""
+    E = offsets.numel() - 1
+    n_tiles = row_tile_bound(num_rows, E, block_m)
+    tile_off = torch.empty(E + 1, dtype=torch.int32, device=offsets.device)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=offsets.device)
+    EP2 = max(16, triton.next_power_of_2(E))
+    BT = max(16, min(256, 16384 // EP2))
+    with device_guard(offsets):
+        _tile_map_kernel[(1,)](offsets, tile_off, tile_expert, E, n_tiles, BM=block_m,
+                               EP2=EP2, BT=BT, num_warps=4)
+    return tile_off, tile_expert, n_tiles
+
+
+def row_tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Static bound on expert tiles plus tail tiles: ``sum_e cdiv(p_e, BM) +
+    cdiv(R - offsets[E], BM) <= cdiv(R, BM) + E + 1``."""
+    return cdiv(num_rows, block_m) + num_experts + 1
+
+
+@triton.jit
+def find_tile(tile_off_ptr, tile_expert_ptr, offsets_ptr, t, E, BM: tl.constexpr):
+    """For row tile ``t``: ``(e, row_start, row_end)``. ``e == E`` marks a tail tile
+    (``row_end`` is then a huge bound; the caller also masks with the row count)."""
+    e = tl.load(tile_expert_ptr + t)
+    base = tl.load(offsets_ptr + e)
+    first = tl.load(tile_off_ptr + e)
+    start = base + (t - first) * BM
+    nxt = tl.load(offsets_ptr + tl.minimum(e + 1, E))
+    end = tl.where(e < E, nxt, 2147483647)
+    return e, start, end
+
+
+@triton.jit
+def _grouped_rows_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offsets_ptr, tile_off_ptr, tile_expert_ptr,
+    R, I, J, E, num_row_tiles,
+    stride_am, stride_be, stride_bi, stride_bj, stride_cm,
+    stride_asm, bs_se, bs_si, bs_sj,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``c[r, j] = sum_i a[r, i] * b[e(r), i, j]`` for rows grouped by expert.
+
+    FP8: ``a`` 1x128 rowwise (scale ``as[r, i // 128]``), ``b`` 128x128 blocks (scale
+    ``bs[e * bs_se + (i // 128) * bs_si + (j // 128) * bs_sj]``), ``BK == 128``.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(J, BN)
+    # Grouped ordering: GROUP_M row tiles sweep the column tiles together (L2 reuse).
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    gsize = tl.minimum(num_row_tiles - first_m, GROUP_M)
+    t = first_m + (pid % width) % gsize
+    pid_n = (pid % width) // gsize
+
+    e, start, end = find_tile(tile_off_ptr, tile_expert_ptr, offsets_ptr, t, E, BM)
+    valid = e < E
+    e64 = tl.minimum(e, E - 1).to(tl.int64)
+    rows = start.to(tl.int64) + tl.arange(0, BM)
+    rmask = (rows < end) & (rows < R) & (rows >= 0)  # never out of bounds
+    cols = pid_n * BN + tl.arange(0, BN)
+    cmask = cols < J
+    k_end = tl.where(valid, I, 0)  # tail tiles: no K loop, store zeros
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    a_rows = a_ptr + rows[:, None] * stride_am
+    b_base = b_ptr + e64 * stride_be + cols[None, :].to(tl.int64) * stride_bj
+    for k0 in range(0, k_end, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < I
+        a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_base + ks[:, None].to(tl.int64) * stride_bi,
+                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if FP8:
+            kb = k0 // BK
+            sa = tl.load(as_ptr + rows * stride_asm + kb, mask=rmask, other=0.0)
+            sb = tl.load(bs_ptr + e64 * bs_se + kb * bs_si + (cols // 128) * bs_sj,
+                         mask=cmask, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = dot_f32acc(a, b, acc)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
+               f32: bool = False):
+    """Block sizes by shape (GPU) or small tiles (interpreter).
+
+    Every expert wastes up to one partial row tile, so few rows per expert (e.g. 256
+    experts sharing 64K rows) take 64-row tiles, many take 128."""
+    if INTERPRET:
+        bm = block_m or 32
+        return dict(BM=bm, BN=32, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
+                    num_stages=1)
+    bm = block_m or (64 if R < 512 * E else 128)
+    if fp8:
+        return dict(BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=8 if bm == 128 else 4,
+                    num_stages=4)
+    if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
+        return dict(BM=bm, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8 if bm == 128 else 4,
+                num_stages=4)
+
+
+def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
+                        a_scale=None, b_scale=None, bs_strides=(0, 0, 0),
+                        block_m: int | None = None):
+    """Launch ``out[r, :] = a[r, :] @ B_{e(r)}`` with ``B_e[i, j] = b[e*stride_be +
+    i*stride_bi + j*stride_bj]``. ``a [R, I]`` and ``out [R, J]`` row-major with a
+    contiguous last dim. Writes every row of ``out`` (zeros past ``offsets[E]``)."""
+    R, I = a.shape
+    J = out.shape[1]
+    E = offsets.numel() - 1
+    if R == 0 or J == 0:
+        return out
+    fp8 = a_scale is not None
+    cfg = _mm_config(R, E, J, fp8, block_m, f32=a.dtype == torch.float32)
+    BM = cfg["BM"]
+    tile_off, tile_expert, n_tiles = tile_map(offsets, R, BM)
+    grid = (n_tiles * cdiv(J, cfg["BN"]),)
+    dummy = offsets
+    with device_guard(a):
+        _grouped_rows_kernel[grid](
+            a, b, out, a_scale if fp8 else dummy, b_scale if fp8 else dummy, offsets,
+            tile_off, tile_expert, R, I, J, E, n_tiles,
+            a.stride(0), stride_be, stride_bi, stride_bj, out.stride(0),
+            a_scale.stride(0) if fp8 else 0, *bs_strides,
+            BM=BM, BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+            FP8=fp8, IEEE=(a.dtype == torch.float32),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# torch._grouped_mm (cuBLAS/CUTLASS grouped GEMM) detection
+# --------------------------------------------------------------------------------------
+
+
+def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can run these bf16 operands: CUDA sm90, bf16, the
+    GEMM dims (last dim of each operand, ``N`` and ``K`` of a 3-D weight) 16-byte
+    multiples (TMA). Never on CPU/interpreter. Segment starts must be multiples of 8 rows
+    as well (its wgrad contracts over the rows); that is the caller's to know (the
+    layout's ``align``), since reading ``offsets`` would be a host sync."""
+    if not hasattr(torch, "_grouped_mm") or INTERPRET:
+        return False
+    t0 = tensors[0]
+    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device) != (9, 0):
+        return False
+    for t in tensors:
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape[-1] % 8 != 0:
+            return False
+        if t.dim() == 3 and t.shape[-2] % 8 != 0:
+            return False
+        if t.data_ptr() % 16 != 0:
+            return False
+    return True
+
+
+@triton.jit
+def _zero_tail_kernel(c_ptr, offsets_ptr, R, J, E, stride_cm, BM: tl.constexpr,
+                      BN: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    used = tl.load(offsets_ptr + E)
+    mask = ((rows >= used) & (rows < R))[:, None] & (cols < J)[None, :]
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
+             tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=mask)
+
+
+def zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Zero rows ``>= offsets[E]`` of ``out [R, J]`` (stores only there; no sync)."""
+    R, J = out.shape
+    if R and J:
+        BM, BN = 64, 128
+        with device_guard(out):
+            _zero_tail_kernel[(cdiv(R, BM), cdiv(J, BN))](
+                out, offsets, R, J, offsets.numel() - 1, out.stride(0), BM=BM, BN=BN)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Forward launchers
+# --------------------------------------------------------------------------------------
+
+
+def grouped_mm_fwd(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+                   backend: str = "auto", block_m: int | None = None) -> torch.Tensor:
+    """``out [R, N] = rows_e @ W_e^T`` per segment (high-precision operands).
+
+    ``backend``: ``"auto"`` (``torch._grouped_mm`` when :func:`torch_grouped_mm_ok`, else
+    Triton), ``"triton"`` or ``"torch"``. Inputs are validated by the caller.
+    """
+    R, K = rows.shape
+    E, N, _ = weight.shape
+    use_torch = backend == "torch" or (backend == "auto" and torch_grouped_mm_ok(rows, weight))
+    if use_torch and R > 0 and N > 0:
+        out = torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets[1:])
+        return zero_tail(out, offsets)
+    out = empty(R, N, dtype=rows.dtype, device=rows.device)
+    return launch_grouped_rows(rows, weight, out, offsets, stride_be=N * K, stride_bi=1,
+                               stride_bj=K, block_m=block_m)
+
+
+# --------------------------------------------------------------------------------------
+# FP8 blockwise
+# --------------------------------------------------------------------------------------
+
+
+def quantize_grouped_weight(weight: torch.Tensor, *, columnwise: bool = True,
+                            pow2_scale: bool = False) -> Fp8Tensor:
+    """Quantize per-expert weights ``[E, N, K]`` in 128x128 blocks per expert.
+
+    Quantizes the ``[E*N, K]`` view with :func:`linghe.quantize_128x128`; ``N`` must be a
+    multiple of 128 so that no block straddles two experts (then the container's own
+    ``dequantize`` is exact). Returns an :class:`Fp8Tensor` of logical shape
+    ``[E, N, K]`` with ``rowwise_data [E*N, K]``, ``rowwise_scale [E*N/128,
+    ceil(K/128)]`` and, with ``columnwise=True`` (needed by the dgrad), the exact
+    transpose ``columnwise_data [K, E*N]`` / ``columnwise_scale [ceil(K/128), E*N/128]``.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise ValueError(f"weight must be a 3-D [E, N, K] tensor, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    E, N, K = weight.shape
+    if N % BLOCK != 0:
+        raise ValueError(f"FP8 grouped weights need N (weight.shape[1]) to be a multiple of "
+                         f"128 so that 128x128 blocks stay within one expert, got N={N}")
+    w2 = weight.reshape(E * N, K)
+    if not w2.is_contiguous():
+        w2 = w2.contiguous()
+    q = quantize_128x128(w2, columnwise=columnwise, pow2_scale=pow2_scale)
+    return Fp8Tensor(weight.shape, weight.dtype, rowwise_data=q.rowwise_data,
+                     rowwise_scale=q.rowwise_scale, columnwise_data=q.columnwise_data,
+                     columnwise_scale=q.columnwise_scale, scaling="128x128")
+
+
+def grouped_mm_fp8_fwd(a_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: torch.Tensor,
+                       out_dtype: torch.dtype = torch.bfloat16,
+                       block_m: int | None = None) -> torch.Tensor:
+    """FP8 forward launcher: ``a_fp8`` rowwise 1x128 ``[R, K]``, ``w_fp8`` from
+    :func:`quantize_grouped_weight` ``[E, N, K]`` -> ``[R, N]`` in ``out_dtype``."""
+    q, s = a_fp8.rowwise_data, a_fp8.rowwise_scale
+    R, K = q.shape
+    E, N, _ = w_fp8.shape
+    GK = cdiv(K, BLOCK)
+    out = empty(R, N, dtype=out_dtype, device=q.device)
+    # B_e[k, n] = Wq[e*N + n, k]; scale ws[(e*N + n) // 128, k // 128].
+    return launch_grouped_rows(
+        q, w_fp8.rowwise_data, out, offsets, stride_be=N * K, stride_bi=1, stride_bj=K,
+        a_scale=s, b_scale=w_fp8.rowwise_scale,
+        bs_strides=((N // BLOCK) * GK, 1, GK), block_m=block_m)
+
+
+def fp8_dtype_ok(t: torch.Tensor) -> bool:
+    return t.dtype == FP8_DTYPE

@@ -1,0 +1,373 @@
+"""Grouped GEMMs over rows grouped by expert (bf16/fp16/fp32 and FP8 blockwise)."""
+
+import pytest
+import torch
+
+import linghe
+from linghe import reference as ref
+from linghe.fwd import grouped_mm as fwd_gm
+from linghe.layout import make_expert_layout
+from linghe.testing import assert_close, rel_err
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HAS_TORCH_GMM = hasattr(torch, "_grouped_mm")
+# e4m3 keeps 3 mantissa bits: a product of two quantized operands is off by a few % (rel).
+FP8_VS_EXACT = 0.08
+
+
+def make_rows(counts, align, K, device, dtype, tail=5, scale=1.0):
+    """Rows grouped by expert with zero padding and a zero tail; returns (x, layout, real)."""
+    counts = torch.tensor(counts, dtype=torch.int32)
+    padded = (counts + align - 1) // align * align
+    R = int(padded.sum()) + tail
+    layout = make_expert_layout(counts.to(device), align, R)
+    real = torch.zeros(R, dtype=torch.bool)
+    start = 0
+    for c, p in zip(counts.tolist(), padded.tolist()):
+        real[start:start + c] = True
+        start += p
+    x = torch.randn(R, K) * scale
+    x[~real] = 0
+    return x.to(device=device, dtype=dtype), layout, real.to(device)
+
+
+def ref_grads(x, w, offsets, g):
+    xr = x.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    out = ref.grouped_mm(xr, wr, offsets)
+    dx, dw = torch.autograd.grad(out, (xr, wr), g.double())
+    return out.detach(), dx, dw
+
+
+CASES = [
+    # (counts, align, K, N)
+    ([37], 16, 48, 40),                 # E = 1
+    ([5, 0, 20], 16, 70, 50),           # zero-row expert, K/N not multiples of 16
+    ([0, 0, 61, 0, 0], 8, 33, 17),      # all rows in one expert, E = 5
+    ([9, 31, 1, 0, 17], 1, 64, 32),     # align 1: segments of any size
+    ([130, 3, 0], 128, 40, 24),         # align 128 > tile rows
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}-N{c[3]}")
+def test_grouped_mm_matches_reference(device, dtype, case):
+    counts, align, K, N = case
+    E = len(counts)
+    x, layout, real = make_rows(counts, align, K, device, dtype)
+    w = torch.randn(E, N, K, device=device, dtype=dtype) / K**0.5
+    x.requires_grad_()
+    w.requires_grad_()
+    out = linghe.grouped_mm(x, w, layout, backend="triton")
+    g = torch.randn_like(out)
+    g[~real] = 0  # padding/tail outputs are dropped downstream
+    r, dx, dw = ref_grads(x, w, layout.offsets, g)
+    assert out.shape == (x.shape[0], N) and out.dtype == dtype
+    assert_close(out, r, name="out")
+    assert torch.all(out[~real] == 0), "padding/tail rows must be zero"
+    out.backward(g)
+    assert_close(x.grad, dx, name="d_rows")
+    assert_close(w.grad, dw, name="d_weight")
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.all(w.grad[e] == 0)
+
+
+def test_offsets_tensor_instead_of_layout(device):
+    x, layout, _ = make_rows([4, 12, 0], 16, 32, device, torch.float32)
+    w = torch.randn(3, 16, 32, device=device)
+    a = linghe.grouped_mm(x, w, layout)
+    b = linghe.grouped_mm(x, w, layout.offsets.long())
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_tail_rows_zero_even_if_input_tail_nonzero(device):
+    # The tail (rows >= offsets[E]) is zero in the output whatever the input holds there.
+    x, layout, real = make_rows([3, 5], 16, 32, device, torch.float32, tail=20)
+    x[int(layout.offsets[-1]):] = 1.0
+    w = torch.randn(2, 16, 32, device=device)
+    out = linghe.grouped_mm(x, w, layout)
+    assert torch.all(out[int(layout.offsets[-1]):] == 0)
+
+
+def test_small_tiles_cross_experts(device):
+    # align 16 with a 64-row tile: tiles come from the per-expert schedule, never crossing.
+    x, layout, _ = make_rows([20, 3, 40, 0, 17], 16, 32, device, torch.float32, tail=30)
+    w = torch.randn(5, 24, 32, device=device)
+    r = ref.grouped_mm(x.double(), w.double(), layout.offsets)
+    for bm in (16, 64):
+        out = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton", block_m=bm)
+        assert_close(out, r, name=f"BM={bm}")
+
+
+def test_empty_rows(device):
+    layout = make_expert_layout(torch.zeros(4, dtype=torch.int32, device=device), 16, 0)
+    x = torch.randn(0, 32, device=device, requires_grad=True)
+    w = torch.randn(4, 16, 32, device=device, requires_grad=True)
+    out = linghe.grouped_mm(x, w, layout)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert x.grad.shape == (0, 32)
+    assert torch.all(w.grad == 0)
+
+
+def test_only_tail_rows(device):
+    # All experts empty but the buffer has rows: everything is tail -> zeros.
+    layout = make_expert_layout(torch.zeros(3, dtype=torch.int32, device=device), 16, 40)
+    x = torch.randn(40, 32, device=device, requires_grad=True)
+    w = torch.randn(3, 16, 32, device=device, requires_grad=True)
+    out = linghe.grouped_mm(x, w, layout)
+    assert torch.all(out == 0)
+    out.backward(torch.randn_like(out))
+    assert torch.all(x.grad == 0) and torch.all(w.grad == 0)
+
+
+@pytest.mark.skipif(not HAS_TORCH_GMM, reason="torch._grouped_mm not available")
+def test_torch_backend_matches(device):
+    x, layout, real = make_rows([12, 0, 33], 16, 64, device, torch.bfloat16)
+    w = (torch.randn(3, 48, 64, device=device) / 8).to(torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    out = linghe.grouped_mm(x, w, layout, backend="torch")
+    g = torch.randn_like(out)
+    g[~real] = 0
+    r, dx, dw = ref_grads(x, w, layout.offsets, g)
+    assert_close(out, r)
+    assert torch.all(out[~real] == 0)
+    out.backward(g)
+    assert_close(x.grad, dx, name="d_rows")
+    assert_close(w.grad, dw, name="d_weight")
+
+
+def test_auto_backend_is_triton_off_sm90(device):
+    x = torch.randn(16, 32, device=device, dtype=torch.bfloat16)
+    w = torch.randn(2, 16, 32, device=device, dtype=torch.bfloat16)
+    ok = fwd_gm.torch_grouped_mm_ok(x, w)
+    if device == "cpu":
+        assert not ok
+    assert not fwd_gm.torch_grouped_mm_ok(x.float(), w.float())
+
+
+# ------------------------------------------------------------------------------------ FP8
+
+
+FP8_CASES = [
+    # (counts, align, K, N)
+    ([5, 0, 150], 16, 200, 128),       # align 16: wgrad groups straddle experts
+    ([100, 28], 128, 256, 128),        # align 128
+    ([0, 0, 70], 1, 96, 256),          # all rows in one expert, K < 128
+]
+
+
+def _deq(t, columnwise=False):
+    return t.dequantize(columnwise=columnwise, dtype=torch.float32).double()
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}")
+def test_fp8_kernels_match_dequantized_reference(device, case):
+    counts, align, K, N = case
+    E = len(counts)
+    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16, scale=3.0)
+    w = torch.randn(E, N, K, device=device, dtype=torch.bfloat16) / K**0.5
+    g = torch.randn(x.shape[0], N, device=device, dtype=torch.bfloat16)
+    g[~real] = 0
+    a = linghe.quantize_1x128(x, columnwise=True)
+    wq = linghe.quantize_grouped_weight(w, columnwise=True)
+    gq = linghe.quantize_1x128(g, columnwise=True)
+    off = layout.offsets
+
+    out = linghe.grouped_mm_fp8(a, wq, layout)
+    r_deq = ref.grouped_mm_fp8_dequantized(a.rowwise_data, a.rowwise_scale, wq.rowwise_data,
+                                           wq.rowwise_scale, off)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, r_deq, tol=1e-2, name="fwd vs dequantized")
+    assert_close(out, ref.grouped_mm(x.double(), w.double(), off), tol=FP8_VS_EXACT,
+                 name="fwd vs exact")
+    assert torch.all(out[~real] == 0)
+
+    dx = linghe.grouped_mm_fp8_dgrad(gq, wq, layout)
+    r_dx = ref.grouped_mm(_deq(gq), _deq(wq).transpose(1, 2), off)
+    assert_close(dx, r_dx, tol=1e-2, name="dgrad vs dequantized")
+
+    dw = linghe.grouped_mm_fp8_wgrad(gq, a, layout, out_dtype=torch.float32)
+    gc, xc = _deq(gq, columnwise=True), _deq(a, columnwise=True)
+    r_dw = torch.stack([gc[off[e]:off[e + 1]].t() @ xc[off[e]:off[e + 1]] for e in range(E)])
+    assert dw.dtype == torch.float32
+    assert_close(dw, r_dw, tol=1e-5, name="wgrad vs dequantized")
+    exact_dw = torch.stack([g.double()[off[e]:off[e + 1]].t() @ x.double()[off[e]:off[e + 1]]
+                            for e in range(E)])
+    assert_close(dw, exact_dw, tol=FP8_VS_EXACT, name="wgrad vs exact")
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.all(dw[e] == 0)
+
+
+def test_fp8_autograd_vs_exact(device):
+    counts, align, K, N = [7, 0, 40], 16, 160, 128
+    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16)
+    w = (torch.randn(3, N, K, device=device) / K**0.5).to(torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    out = linghe.grouped_mm(x, w, layout, fp8=True)
+    g = torch.randn_like(out)
+    g[~real] = 0
+    r, dx, dw = ref_grads(x, w, layout.offsets, g)
+    assert_close(out, r, tol=FP8_VS_EXACT)
+    out.backward(g)
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    assert_close(x.grad, dx, tol=FP8_VS_EXACT, name="d_rows")
+    assert_close(w.grad, dw, tol=FP8_VS_EXACT, name="d_weight")
+    assert torch.all(w.grad[1] == 0)
+
+
+def test_fp8_pow2_scales(device):
+    x, layout, _ = make_rows([30, 2], 16, 128, device, torch.float32)
+    w = torch.randn(2, 128, 128, device=device) / 11
+    out = linghe.grouped_mm(x, w, layout, fp8=True, pow2_scale=True)
+    assert out.dtype == torch.float32
+    assert_close(out, ref.grouped_mm(x.double(), w.double(), layout.offsets),
+                 tol=FP8_VS_EXACT)
+
+
+def test_quantize_grouped_weight_layout(device):
+    w = torch.randn(3, 128, 200, device=device)
+    q = linghe.quantize_grouped_weight(w)
+    assert q.shape == w.shape and q.scaling == "128x128"
+    assert q.rowwise_data.shape == (384, 200) and q.rowwise_scale.shape == (3, 2)
+    assert q.columnwise_data.shape == (200, 384) and q.columnwise_scale.shape == (2, 3)
+    assert_close(q.dequantize(dtype=torch.float32), w, tol=0.07)
+
+
+# ---------------------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs(device):
+    x, layout, _ = make_rows([4, 4], 16, 32, device, torch.float32)
+    w = torch.randn(2, 16, 32, device=device)
+    with pytest.raises(TypeError, match="weight must have rows' dtype"):
+        linghe.grouped_mm(x, w.half(), layout)
+    with pytest.raises(TypeError, match="rows must have dtype"):
+        linghe.grouped_mm(x.long(), w, layout)
+    with pytest.raises(ValueError, match="K=32"):
+        linghe.grouped_mm(x, torch.randn(2, 16, 31, device=device), layout)
+    with pytest.raises(ValueError, match="num_experts"):
+        linghe.grouped_mm(x, torch.randn(3, 16, 32, device=device), layout)
+    with pytest.raises(ValueError, match="num_rows"):
+        linghe.grouped_mm(x[:-1], w, layout)
+    with pytest.raises(ValueError, match="offsets must have shape"):
+        linghe.grouped_mm(x, w, layout.offsets[:-1])
+    with pytest.raises(TypeError, match="offsets must have dtype"):
+        linghe.grouped_mm(x, w, layout.offsets.float())
+    with pytest.raises(TypeError, match="layout must be"):
+        linghe.grouped_mm(x, w, [0, 16, 32])
+    with pytest.raises(ValueError, match="weight must be 3-D"):
+        linghe.grouped_mm(x, w[0], layout)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        linghe.grouped_mm(torch.randn(32, 64, device=device)[:, ::2], w, layout)
+    with pytest.raises(ValueError, match="backend"):
+        linghe.grouped_mm(x, w, layout, backend="cublas")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        linghe.grouped_mm(x, w, layout, fp8=True)
+    with pytest.raises(ValueError, match="at least one expert"):
+        linghe.grouped_mm(x, torch.randn(0, 16, 32, device=device), layout.offsets[:1])
+
+
+def test_bad_fp8_inputs(device):
+    x, layout, _ = make_rows([4, 4], 16, 128, device, torch.bfloat16)
+    w = torch.randn(2, 128, 128, device=device, dtype=torch.bfloat16)
+    a = linghe.quantize_1x128(x)
+    wq = linghe.quantize_grouped_weight(w, columnwise=False)
+    with pytest.raises(TypeError, match="a_fp8 must be an Fp8Tensor"):
+        linghe.grouped_mm_fp8(x, wq, layout)
+    with pytest.raises(TypeError, match="w_fp8 must be a 3-D"):
+        linghe.grouped_mm_fp8(a, w, layout)
+    with pytest.raises(ValueError, match="columnwise copy"):
+        linghe.grouped_mm_fp8_dgrad(a, wq, layout)
+    with pytest.raises(ValueError, match="columnwise copy"):
+        linghe.grouped_mm_fp8_wgrad(a, a, layout)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        linghe.quantize_grouped_weight(torch.randn(2, 100, 128, device=device))
+    with pytest.raises(TypeError, match="out_dtype"):
+        linghe.grouped_mm_fp8(a, wq, layout, out_dtype=torch.int32)
+
+
+# -------------------------------------------------------------------- GPU, Ling-mini shape
+
+
+def _ling_layout(E, T, topk, align, device):
+    # Random, balanced-ish routing: tokens per expert around T*topk/E.
+    logits = torch.randn(T, E, device=device)
+    ids = logits.topk(topk, dim=-1).indices
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    R = T * topk + E * (align - 1)
+    layout = make_expert_layout(counts, align, R)
+    row = torch.arange(R, device=device)
+    seg = torch.searchsorted(layout.offsets[1:].long(), row, right=True).clamp_max(E - 1)
+    real = (row < layout.offsets[-1]) & (row - layout.offsets[seg] < counts[seg])
+    return layout, real
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch", "fp8"])
+@pytest.mark.parametrize("E,K,N", [(32, 2048, 2048), (32, 1024, 2048), (256, 2048, 2048)])
+def test_ling_mini_shapes(device, backend, E, K, N):
+    if backend == "torch" and not fwd_gm.torch_grouped_mm_ok(
+            torch.empty(8, 8, device=device, dtype=torch.bfloat16)):
+        pytest.skip("torch._grouped_mm needs sm90 here")
+    # T 8192 x top-8 = 65536 routed rows, over 256 experts (all local) or 32 (EP 8).
+    layout, real = _ling_layout(E, 8192, 8, 128 if backend == "fp8" else 16, device)
+    R = layout.num_rows
+    x = torch.randn(R, K, device=device, dtype=torch.bfloat16)
+    x[~real] = 0
+    w = (torch.randn(E, N, K, device=device) / K**0.5).to(torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    fp8 = backend == "fp8"
+    out = linghe.grouped_mm(x, w, layout, fp8=fp8, backend="auto" if fp8 else backend)
+    g = torch.randn_like(out)
+    g[~real] = 0
+    out.backward(g)
+    xr = x.detach().float().requires_grad_()
+    wr = w.detach().float().requires_grad_()
+    r = ref.grouped_mm(xr, wr, layout.offsets)
+    dx, dw = torch.autograd.grad(r, (xr, wr), g.float())
+    tol = FP8_VS_EXACT if fp8 else 1e-2
+    assert rel_err(out, r) <= tol
+    assert torch.all(out[~real] == 0)
+    assert rel_err(x.grad, dx) <= tol
+    assert rel_err(w.grad, dw) <= tol
+
+
+@pytest.mark.parametrize("E,align,bm", [(1, 16, 32), (7, 1, 16), (300, 16, 64)])
+def test_tile_map(device, E, align, bm):
+    counts = torch.randint(0, 40, (E,), dtype=torch.int32)
+    counts[torch.rand(E) < 0.3] = 0
+    R = int(((counts + align - 1) // align * align).sum()) + 50
+    layout = make_expert_layout(counts.to(device), align, R)
+    tile_off, tile_expert, n = fwd_gm.tile_map(layout.offsets, R, bm)
+    seg = layout.padded_tokens_per_expert.cpu().long()
+    want_off = torch.cat([torch.zeros(1, dtype=torch.long), ((seg + bm - 1) // bm).cumsum(0)])
+    assert torch.equal(tile_off.cpu().long(), want_off)
+    want_e = torch.searchsorted(want_off[1:], torch.arange(n), right=True)
+    assert torch.equal(tile_expert.cpu().long(), want_e)
+    # The static bound covers every expert tile and the whole tail.
+    tail_tiles = -(-(R - int(layout.offsets[-1])) // bm)
+    assert int(want_off[-1]) + tail_tiles <= n
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("which", ["rows", "weight"])
+def test_grad_of_one_operand_only(device, fp8, which):
+    x, layout, real = make_rows([9, 0, 20], 16, 128, device, torch.bfloat16)
+    w = (torch.randn(3, 128, 128, device=device) / 11).to(torch.bfloat16)
+    leaf = x if which == "rows" else w
+    leaf.requires_grad_()
+    out = linghe.grouped_mm(x, w, layout, fp8=fp8)
+    g = torch.randn_like(out)
+    g[~real] = 0
+    out.backward(g)
+    _, dx, dw = ref_grads(x, w, layout.offsets, g)
+    assert_close(leaf.grad, dx if which == "rows" else dw,
+                 tol=FP8_VS_EXACT if fp8 else 1e-2)
+    other = w if which == "rows" else x
+    assert other.grad is None
