@@ -7,16 +7,20 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 
 from . import fp8, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
+from .functional.activation import batch_silu_mul_quant, silu_mul, silu_mul_quant
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
 
 __all__ = [
     "Fp8Tensor",
+    "batch_silu_mul_quant",
     "debug_enabled",
     "fp8",
     "quantize_1x128",
     "quantize_128x128",
     "reference",
     "set_debug",
+    "silu_mul",
+    "silu_mul_quant",
 ]
