@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
 from ..fp8.tensor import Fp8Tensor
+from ..fwd import activation as _fwd
 from ..fwd.activation import rows_valid, silu_f32
 from ..utils import cdiv, device_guard, empty, next_power_of_2
 
@@ -97,24 +98,32 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         u = tl.load(xp + N, mask=m, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + j[None, :], mask=m,
                      other=0.0).to(tl.float32)
-        dg, du, dyh = _silu_mul_grads(g, u, dy, p, HAS_P)
-        qg, sg = quant_rows(dg, POW2)
-        qu, su = quant_rows(du, POW2)
+        # Phase by phase (dg quantized and stored before du is formed) to keep fewer
+        # 128x128 fp32 tiles live at once.
+        silu, sig = silu_f32(g)
+        dyh = dy * silu * u
+        if HAS_P:
+            dy = dy * p[:, None]
+        dg = dy * u * (sig * (1.0 + g * (1.0 - sig)))
         qp = q_ptr + rows[:, None] * K + j[None, :]
+        qg, sg = quant_rows(dg, POW2)
         tl.store(qp, qg, mask=m)
-        tl.store(qp + N, qu, mask=m)
         tl.store(s_ptr + rows * GK + pid_n, sg, mask=rmask)
+        mt = (j < N)[:, None] & rmask[None, :]
+        jt = j.to(tl.int64)[:, None]
+        GM = tl.cdiv(M, 128)
+        if COLWISE:
+            qgt, sgt = quant_cols(dg, POW2)
+            tl.store(qt_ptr + jt * M + rows[None, :], tl.trans(qgt), mask=mt)
+            tl.store(st_ptr + j.to(tl.int64) * GM + pid_m, sgt)
+        du = dy * silu
+        qu, su = quant_rows(du, POW2)
+        tl.store(qp + N, qu, mask=m)
         tl.store(s_ptr + rows * GK + N // 128 + pid_n, su, mask=rmask)
         if COLWISE:
-            mt = (j < N)[:, None] & rmask[None, :]
-            qtp = qt_ptr + j[:, None] * M + rows[None, :]
-            qgt, sgt = quant_cols(dg, POW2)
-            tl.store(qtp, tl.trans(qgt), mask=mt)
             qut, sut = quant_cols(du, POW2)
-            tl.store(qtp + N * M, tl.trans(qut), mask=mt)
-            GM = tl.cdiv(M, 128)
-            tl.store(st_ptr + j * GM + pid_m, sgt)
-            tl.store(st_ptr + (j + N) * GM + pid_m, sut)
+            tl.store(qt_ptr + (jt + N) * M + rows[None, :], tl.trans(qut), mask=mt)
+            tl.store(st_ptr + (j + N).to(tl.int64) * GM + pid_m, sut)
     else:
         # General N: the program owns dx columns c of the 2N; column c reads gate/up
         # column j = c mod N (a gather only in the block straddling the halves).
@@ -136,17 +145,11 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         tl.store(s_ptr + rows * GK + pid_n, sx, mask=rmask)
         if COLWISE:
             qxt, sxt = quant_cols(dx, POW2)
-            tl.store(qt_ptr + c[:, None] * M + rows[None, :], tl.trans(qxt),
+            tl.store(qt_ptr + c.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(qxt),
                      mask=cmask[:, None] & rmask[None, :])
-            tl.store(st_ptr + c * tl.cdiv(M, 128) + pid_m, sxt, mask=cmask)
+            tl.store(st_ptr + c.to(tl.int64) * tl.cdiv(M, 128) + pid_m, sxt, mask=cmask)
     if NEED_DP:
         tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=rmask)
-
-
-def _bwd_config(M: int, N: int):
-    BN = min(next_power_of_2(N), 1024)
-    BM = max(1, min(4096 // BN, next_power_of_2(M)))
-    return BM, BN, (4 if BM * BN <= 2048 else 8)
 
 
 def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, *,
@@ -163,7 +166,7 @@ def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, 
     need_dprobs = need_dprobs and probs is not None
     dp = empty(M, dtype=probs.dtype, device=x.device) if need_dprobs else None
     if M > 0:
-        BM, BN, warps = _bwd_config(M, max(N, 1))
+        BM, BN, warps = _fwd.tile_config(M, max(N, 1))
         E = counts.numel() if counts is not None else 0
         with device_guard(x):
             _silu_mul_bwd_kernel[(cdiv(M, BM),)](
@@ -216,7 +219,7 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
             _silu_mul_bwd_quant_kernel[(cdiv(M, BLOCK), nprog_n)](
                 dy, x, probs, q, s, qt, st, part, M, N, dy.stride(0), x.stride(0), nprog_n,
                 COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-                NEED_DP=need_dprobs, SPLIT=split, num_warps=8)
+                NEED_DP=need_dprobs, SPLIT=split, num_warps=_fwd.QUANT_NUM_WARPS)
         if need_dprobs:
             dp = part.sum(1).to(probs.dtype)
     elif need_dprobs:

@@ -23,6 +23,12 @@ from ..utils import cdiv, device_guard, empty, next_power_of_2
 
 BLOCK = 128
 
+# Launch knobs (GPU performance; semantics do not depend on them).
+#: elements of one [BM, BN] tile per program in the plain (non-quantizing) kernels.
+TILE_ELEMS = 4096
+#: warps of the 128x128-tile quantizing kernels (fwd and the quantized-dx bwd).
+QUANT_NUM_WARPS = 8
+
 
 @triton.jit
 def silu_f32(g):
@@ -139,15 +145,16 @@ def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_p
     tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask & nvalid)
     if COLWISE:
         qt, st = quant_cols(y, POW2)
-        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(qt),
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(qt),
                  mask=cmask[:, None] & smask[None, :])
-        tl.store(st_ptr + cols * NG + pid_m, st, mask=cmask)
+        tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
 
 
-def _tile_config(M: int, N: int):
+def tile_config(M: int, N: int):
+    """``(BM, BN, num_warps)`` for the plain kernels over ``[M, N]`` outputs."""
     BN = min(next_power_of_2(N), 1024)
-    BM = max(1, min(4096 // BN, next_power_of_2(M)))
-    return BM, BN, (4 if BM * BN <= 2048 else 8)
+    BM = max(1, min(max(TILE_ELEMS // BN, 1), next_power_of_2(M)))
+    return BM, BN, (4 if BM * BN <= 4096 else 8)
 
 
 def silu_mul_fwd(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
@@ -155,7 +162,7 @@ def silu_mul_fwd(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     M, N = x.shape[0], x.shape[1] // 2
     y = empty(M, N, dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
-        BM, BN, warps = _tile_config(M, N)
+        BM, BN, warps = tile_config(M, N)
         with device_guard(x):
             _silu_mul_fwd_kernel[(cdiv(M, BM), cdiv(N, BN))](
                 x, probs, y, M, N, x.stride(0), y.stride(0), BM=BM, BN=BN,
@@ -184,7 +191,7 @@ def silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None, *, columnwis
                 x, probs, None, q, s, qt, st, None, M, N, 0, x.stride(0), 1,
                 cdiv(M, BLOCK), BM=BM, COLWISE=columnwise, POW2=pow2_scale,
                 HAS_P=probs is not None, BATCH=False, EP2=1,
-                num_warps=8 if columnwise else 4)
+                num_warps=QUANT_NUM_WARPS if columnwise else 4)
     return q, s, qt, st
 
 
@@ -221,5 +228,5 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
         _silu_mul_quant_fwd_kernel[(G, max(cdiv(N, BLOCK), 1))](
             x, probs, counts, q, s, qt, st, g_off, R, N, E, x.stride(0), align, G,
             BM=BLOCK, COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-            BATCH=True, EP2=next_power_of_2(E + 1), num_warps=8)
+            BATCH=True, EP2=next_power_of_2(E + 1), num_warps=QUANT_NUM_WARPS)
     return q, s, qt, st, g_off
