@@ -433,3 +433,24 @@ def test_batch_standard_shape_gpu_no_host_sync():
     _check_scales(y.columnwise_scale, st, "scale_t")
     assert_fp8_close(y.rowwise_data, q)
     assert_fp8_close(y.columnwise_data, qt)
+
+
+def test_empty_and_zero_width(device):
+    for M, n in [(0, 4), (5, 0), (0, 0)]:
+        x = torch.randn(M, 2 * n, device=device, requires_grad=True)
+        p = torch.rand(M, device=device, requires_grad=True)
+        y = linghe.silu_mul(x, p)
+        assert y.shape == (M, n)
+        gx, gp = torch.autograd.grad(y, (x, p), torch.randn(M, n, device=device))
+        assert gx.shape == x.shape and torch.all(gx == 0) and torch.all(gp == 0)
+        t = linghe.silu_mul_quant(x, p)
+        assert t.rowwise_data.shape == (M, n) and t.columnwise_data.shape == (n, M)
+        dxq, dp = silu_mul_bwd_quant(torch.randn(M, n, device=device), x.detach(), p.detach())
+        assert dxq.rowwise_data.shape == (M, 2 * n) and dp.shape == (M,)
+        c = torch.zeros(3, dtype=torch.int32, device=device)
+        yb, goff = linghe.batch_silu_mul_quant(x, p, c)
+        assert goff.tolist() == [0, 0, 0, 0]
+        assert yb.columnwise_scale.shape == (n, -(-M // 128) + 3)
+        assert torch.all(yb.columnwise_scale == 1) and torch.all(yb.rowwise_data.float() == 0)
+        (gb,) = torch.autograd.grad(yb, x, torch.randn(M, n, device=device))
+        assert torch.all(gb == 0)

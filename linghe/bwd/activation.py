@@ -213,7 +213,7 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
     if M > 0 and N > 0:
         split = N % BLOCK == 0
         nprog_n = N // BLOCK if split else cdiv(K, BLOCK)
-        part = (torch.empty(M, nprog_n, dtype=torch.float32, device=dev)
+        part = (empty(M, nprog_n, dtype=torch.float32, device=dev)
                 if need_dprobs else None)
         with device_guard(x):
             _silu_mul_bwd_quant_kernel[(cdiv(M, BLOCK), nprog_n)](
