@@ -7,6 +7,7 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 
 from . import fp8, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
+from .functional.activation import batch_silu_mul_quant, silu_mul, silu_mul_quant
 from .functional.grouped_mm import (
     grouped_mm,
     grouped_mm_fp8,
@@ -20,6 +21,7 @@ __version__ = "0.4.0.dev0"
 
 __all__ = [
     "Fp8Tensor",
+    "batch_silu_mul_quant",
     "debug_enabled",
     "fp8",
     "grouped_mm",
@@ -31,4 +33,6 @@ __all__ = [
     "quantize_grouped_weight",
     "reference",
     "set_debug",
+    "silu_mul",
+    "silu_mul_quant",
 ]

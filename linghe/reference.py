@@ -120,3 +120,102 @@ def grouped_mm_fp8_dequantized(rows_q: torch.Tensor, rows_scale: torch.Tensor,
     x = dequantize_1x128(rows_q, rows_scale)
     w = dequantize_128x128(w_q, w_scale)
     return grouped_mm(x, w.view(E, -1, w.shape[1]), offsets)
+# activation: SwiGLU (silu_mul), fused 1x128 quantization, per-expert batch form
+# ======================================================================================
+
+
+def silu_mul(x: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[..., :n]) * x[..., n:]`` (times ``probs[row]``) for ``x [..., 2n]``.
+
+    ``probs`` has one weight per row (shape ``[M]`` or ``x.shape[:-1]``). Computed in
+    x's dtype (pass float64 inputs for a high-precision spec).
+    """
+    n = x.shape[-1] // 2
+    y = torch.nn.functional.silu(x[..., :n]) * x[..., n:]
+    if probs is not None:
+        y = y * probs.reshape(*x.shape[:-1], 1).to(y.dtype)
+    return y
+
+
+def silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None = None,
+                   pow2_scale: bool = False):
+    """1x128 quantization of ``silu_mul(x, probs)`` (in float32 or better) of
+    ``x [..., 2n]`` viewed as ``[M, 2n]``: returns ``(q [M, n], scale [M, cdiv(n,128)],
+    q_t [n, M], scale_t [n, cdiv(M,128)])`` (rowwise and columnwise copies)."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    pf = None
+    if probs is not None:
+        pf = probs.float() if probs.dtype != torch.float64 else probs
+    y = silu_mul(xf, pf)
+    y = y.reshape(-1, y.shape[-1])
+    return (*quantize_1x128(y, pow2_scale), *quantize_1x128_columnwise(y, pow2_scale))
+
+
+def expert_segments(tokens_per_expert, align: int):
+    """Host list of ``(start, real, padded)`` per expert for rows grouped by expert
+    (:mod:`linghe.layout`)."""
+    counts = [max(int(c), 0) for c in torch.as_tensor(tokens_per_expert).tolist()]
+    segs, start = [], 0
+    for c in counts:
+        padded = -(-c // align) * align
+        segs.append((start, c, padded))
+        start += padded
+    return segs
+
+
+def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
+                         tokens_per_expert, align: int = 16, pow2_scale: bool = False):
+    """Spec of ``linghe.batch_silu_mul_quant`` (loops over experts; slow, host counts).
+
+    ``x [R, 2n]`` rows grouped by expert (segments padded to ``align``; padding and tail
+    rows are treated as zeros whatever x holds there). Returns ``(q [R, n], scale
+    [R, cdiv(n,128)], q_t [n, R], scale_t [n, G], col_group_offsets [E+1])`` where
+    ``G = cdiv(R,128) + E``; expert e's columnwise groups (1x128 along tokens, starting at
+    its segment start, never crossing it) are scale columns ``[g_off[e], g_off[e+1])``;
+    the tail rows ``[offsets[E], R)`` form the next groups, and unused columns have scale 1.
+    """
+    R, n = x.shape[0], x.shape[1] // 2
+    segs = expert_segments(tokens_per_expert, align)
+    xf = x.float() if x.dtype != torch.float64 else x
+    real = torch.zeros(R, dtype=torch.bool, device=x.device)
+    for start, c, _ in segs:
+        real[start:start + c] = True
+    xm = torch.where(real[:, None], xf, torch.zeros((), dtype=xf.dtype, device=x.device))
+    pf = None
+    if probs is not None:
+        pf = probs.float() if probs.dtype != torch.float64 else probs
+        pf = torch.where(real, pf, torch.zeros((), dtype=pf.dtype, device=x.device))
+    y = silu_mul(xm, pf)
+    q, s = quantize_1x128(y, pow2_scale)
+    E = len(segs)
+    G = math.ceil(R / BLOCK) + E
+    q_t = torch.zeros(n, R, dtype=FP8_DTYPE, device=x.device)
+    s_t = torch.ones(n, G, dtype=torch.float32, device=x.device)
+    g_off = [0]
+    used = 0
+    for start, _, padded in segs:
+        if padded:
+            qe, se = quantize_1x128_columnwise(y[start:start + padded], pow2_scale)
+            q_t[:, start:start + padded] = qe
+            s_t[:, g_off[-1]:g_off[-1] + se.shape[1]] = se
+        g_off.append(g_off[-1] + math.ceil(padded / BLOCK))
+        used = start + padded
+    if used < R:  # tail rows: zeros, scale 1 (already)
+        q_t[:, used:] = torch.zeros((), dtype=torch.float32).to(FP8_DTYPE)
+    return q, s, q_t, s_t, torch.tensor(g_off, dtype=torch.int32, device=x.device)
+
+
+def dequantize_batch_columnwise(q_t: torch.Tensor, scale_t: torch.Tensor, tokens_per_expert,
+                                align: int, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of the segment-grouped columnwise copy of :func:`batch_silu_mul_quant`:
+    ``[n, R]`` fp8 + ``[n, G]`` scales → ``[R, n]`` (rows in their original order)."""
+    n, R = q_t.shape
+    out = torch.zeros(R, n, dtype=torch.float32, device=q_t.device)
+    g = 0
+    for start, _, padded in expert_segments(tokens_per_expert, align):
+        if padded:
+            ng = math.ceil(padded / BLOCK)
+            out[start:start + padded] = dequantize_1x128(
+                q_t[:, start:start + padded], scale_t[:, g:g + ng]).t()
+            g += ng
+    return out.to(dtype)

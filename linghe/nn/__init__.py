@@ -1,1 +1,5 @@
 """torch.nn.Module wrappers over ``linghe.functional`` (no math lives here)."""
+
+from .activation import SwiGLU
+
+__all__ = ["SwiGLU"]

@@ -1,0 +1,139 @@
+"""SwiGLU: silu_mul fwd/bwd, silu_mul_quant fwd/bwd (+ quantized-dx backward kernel),
+batch_silu_mul_quant fwd/bwd (32 experts). ``[M, 2048]`` is the input ``x`` (n = 1024)."""
+
+import torch
+
+import linghe
+from linghe import reference as ref
+from linghe.bwd.activation import silu_mul_bwd_quant
+
+from ..harness import Bench, Config, backward_of, case, compiled
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _ref_silu_mul_quant(x):
+    return ref.silu_mul_quant(x)
+
+
+def _ref_silu_mul(x, probs=None):
+    return ref.silu_mul(x, probs)
+
+
+def _ref_bwd_quant(x, dy):
+    x = x.detach().float().requires_grad_()  # fp32 dx, as the kernel quantizes
+    (dx,) = torch.autograd.grad(ref.silu_mul(x), x, dy.float())
+    return (*ref.quantize_1x128(dx), *ref.quantize_1x128_columnwise(dx))
+
+
+def _fp8_bytes(M, K):
+    """Both fp8 copies of ``[M, K]`` and their 1x128 scales."""
+    return 2 * M * K + 4 * (M * _cdiv(K, 128) + K * _cdiv(M, 128))
+
+
+@case("silu_mul")
+def silu_mul_case(cfg: Config):
+    M, n = (300, 200) if cfg.cpu else (8192, 1024)
+    x = torch.randn(M, 2 * n, device=cfg.device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, n, device=cfg.device, dtype=torch.bfloat16)
+    xb = M * 2 * n * 2
+    return [
+        Bench(name=f"silu_mul fwd [{M},{2 * n}] bf16", bytes=xb + M * n * 2, tol=1e-2,
+              run={"eager": lambda: ref.silu_mul(x),
+                   "compile": lambda: compiled(_ref_silu_mul)(x),
+                   "linghe": lambda: linghe.silu_mul(x)}),
+        Bench(name=f"silu_mul bwd [{M},{2 * n}] bf16", bytes=2 * xb + M * n * 2, tol=1e-2,
+              run={"eager": backward_of(lambda: ref.silu_mul(x), [x], dy),
+                   "compile": backward_of(lambda: compiled(_ref_silu_mul)(x), [x], dy),
+                   "linghe": backward_of(lambda: linghe.silu_mul(x), [x], dy)}),
+    ]
+
+
+@case("silu_mul_quant")
+def silu_mul_quant_case(cfg: Config):
+    M, n = (300, 200) if cfg.cpu else (8192, 1024)
+    x = torch.randn(M, 2 * n, device=cfg.device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, n, device=cfg.device, dtype=torch.bfloat16)
+    xb = M * 2 * n * 2
+    return [
+        Bench(name=f"silu_mul_quant fwd row+col [{M},{2 * n}] bf16",
+              bytes=xb + _fp8_bytes(M, n), tol=1e-2,
+              run={"eager": lambda: _ref_silu_mul_quant(x),
+                   "compile": lambda: compiled(_ref_silu_mul_quant)(x),
+                   "linghe": lambda: linghe.silu_mul_quant(x)}),
+        # Straight-through backward: dx (bf16) from x and dy.
+        Bench(name=f"silu_mul_quant bwd [{M},{2 * n}] bf16", bytes=2 * xb + M * n * 2,
+              tol=1e-2,
+              run={"eager": backward_of(lambda: ref.silu_mul(x), [x], dy),
+                   "compile": backward_of(lambda: compiled(_ref_silu_mul)(x), [x], dy),
+                   "linghe": backward_of(lambda: linghe.silu_mul_quant(x), [x], dy)}),
+        # Kernel-level: dx emitted quantized (row+col) for an FP8 linear layer.
+        Bench(name=f"silu_mul bwd -> fp8 dx row+col [{M},{2 * n}] bf16",
+              bytes=xb + M * n * 2 + _fp8_bytes(M, 2 * n), tol=1e-2,
+              run={"eager": lambda: _ref_bwd_quant(x, dy),
+                   "compile": lambda: compiled(_ref_bwd_quant)(x, dy),
+                   "linghe": lambda: silu_mul_bwd_quant(dy, x.detach(), None)[0]}),
+    ]
+
+
+def _batch_inputs(cfg: Config):
+    if cfg.cpu:
+        R, n, E = 300, 200, 3
+    else:
+        R, n, E = 65536, 1024, 32
+    align = 16
+    g = torch.Generator().manual_seed(0)
+    # Random counts whose padded segments fill (nearly) all R rows.
+    w = torch.rand(E, generator=g) + 0.5
+    counts = (w / w.sum() * (R - E * align)).floor().long()
+    counts[0] = 0  # one expert with no tokens
+    padded = (counts + align - 1) // align * align
+    real = torch.zeros(R, dtype=torch.bool)
+    start = 0
+    for c, p in zip(counts.tolist(), padded.tolist()):
+        real[start:start + c] = True
+        start += p
+    x = torch.randn(R, 2 * n, dtype=torch.bfloat16)
+    x[~real] = 0  # the layout contract: padding and tail rows are zeros
+    x = x.to(cfg.device).requires_grad_()
+    probs = torch.rand(R, device=cfg.device, requires_grad=True)
+    return x, probs, counts.to(cfg.device, torch.int32), align, R, n, E
+
+
+def _ref_batch_fwd(x, probs, counts_host, align):
+    return ref.batch_silu_mul_quant(x, probs, counts_host, align)
+
+
+@case("batch_silu_mul_quant")
+def batch_silu_mul_quant_case(cfg: Config):
+    x, probs, counts, align, R, n, E = _batch_inputs(cfg)
+    counts_host = counts.cpu()
+    dy = torch.randn(R, n, device=cfg.device, dtype=torch.bfloat16)
+    G = _cdiv(R, 128) + E
+    xb = R * 2 * n * 2
+    fwd_bytes = xb + 4 * R + 2 * R * n + 4 * (R * _cdiv(n, 128) + n * G)
+    bwd_bytes = 2 * xb + R * n * 2 + 8 * R
+    xd, pd = x.detach(), probs.detach()
+
+    def lin_fwd():
+        return linghe.batch_silu_mul_quant(xd, pd, counts, align=align)
+
+    return [
+        Bench(name=f"batch_silu_mul_quant fwd {E} experts [{R},{2 * n}] bf16",
+              bytes=fwd_bytes, tol=1e-2,
+              run={"eager": lambda: _ref_batch_fwd(xd, pd, counts_host, align),
+                   "compile": lambda: compiled(_ref_batch_fwd)(xd, pd, counts_host, align),
+                   "linghe": lin_fwd}),
+        # Straight-through backward: dx (bf16) and dprobs. Padding rows of x are zero, so
+        # the plain reference's gradients there are zero too.
+        Bench(name=f"batch_silu_mul_quant bwd {E} experts [{R},{2 * n}] bf16",
+              bytes=bwd_bytes, tol=1e-2,
+              run={"eager": backward_of(lambda: ref.silu_mul(x, probs), [x, probs], dy),
+                   "compile": backward_of(lambda: compiled(_ref_silu_mul)(x, probs),
+                                          [x, probs], dy),
+                   "linghe": backward_of(
+                       lambda: linghe.batch_silu_mul_quant(x, probs, counts, align=align),
+                       [x, probs], dy)}),
+    ]

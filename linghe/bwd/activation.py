@@ -1,0 +1,229 @@
+"""SwiGLU backward kernels.
+
+With ``h = silu(g) * u`` and ``y = p * h`` (``p = 1`` without probs), for an incoming
+``dy``: ``dg = dy * p * u * s * (1 + g * (1 - s))`` (``s = sigmoid(g)``),
+``du = dy * p * silu(g)``, ``dp = sum_j dy_j * h_j`` (fp32 accumulation).
+
+- :func:`silu_mul_bwd`: plain ``dx [M, 2N]`` (x's dtype) and ``dprobs``; with expert
+  ``counts`` it zeroes the gradient of padding/tail rows of a grouped buffer.
+- :func:`silu_mul_bwd_quant`: the same ``dx`` emitted already quantized to 1x128 FP8
+  (rowwise and columnwise) for an FP8 linear layer's dgrad/wgrad GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
+from ..fp8.tensor import Fp8Tensor
+from ..fwd import activation as _fwd
+from ..fwd.activation import rows_valid, silu_f32
+from ..utils import cdiv, device_guard, empty, next_power_of_2
+
+BLOCK = 128
+
+
+@triton.jit
+def _silu_mul_grads(g, u, dy, p, HAS_P: tl.constexpr):
+    """``(dg, du, dy*h)`` for fp32 tiles; ``p [BM]`` is ignored unless ``HAS_P``."""
+    silu, s = silu_f32(g)
+    dyh = dy * silu * u
+    if HAS_P:
+        dy = dy * p[:, None]
+    dg = dy * u * (s * (1.0 + g * (1.0 - s)))
+    du = dy * silu
+    return dg, du, dyh
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, dx_ptr, dp_ptr, M, N, E,
+                         stride_dy, stride_x, stride_dx, ALIGN,
+                         BM: tl.constexpr, BN: tl.constexpr, HAS_P: tl.constexpr,
+                         NEED_DP: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    if BATCH:
+        lmask = rmask & rows_valid(cnt_ptr, E, rows, ALIGN, EP2)
+    else:
+        lmask = rmask
+    p = tl.zeros([BM], tl.float32)
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BM], tl.float32)
+    for n0 in range(0, N, BN):
+        cols = n0 + tl.arange(0, BN)
+        cmask = cols < N
+        m = lmask[:, None] & cmask[None, :]
+        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        g = tl.load(xp, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(xp + N, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+        dg, du, dyh = _silu_mul_grads(g, u, dy, p, HAS_P)
+        if NEED_DP:
+            acc += tl.sum(dyh, 1)
+        sm = rmask[:, None] & cmask[None, :]
+        dxp = dx_ptr + rows[:, None] * stride_dx + cols[None, :]
+        tl.store(dxp, dg.to(dx_ptr.dtype.element_ty), mask=sm)
+        tl.store(dxp + N, du.to(dx_ptr.dtype.element_ty), mask=sm)
+    if NEED_DP:
+        tl.store(dp_ptr + rows, acc.to(dp_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, dpp_ptr,
+                               M, N, stride_dy, stride_x, NPROG_N,
+                               COLWISE: tl.constexpr, POW2: tl.constexpr,
+                               HAS_P: tl.constexpr, NEED_DP: tl.constexpr,
+                               SPLIT: tl.constexpr):
+    # dx is [M, 2N]; its rowwise groups are 128 consecutive columns of the 2N.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    K = 2 * N
+    GK = tl.cdiv(K, 128)
+    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    rmask = rows < M
+    p = tl.zeros([128], tl.float32)
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if SPLIT:
+        # N % 128 == 0: gate column block j is dx group pid_n, up block is N/128 + pid_n.
+        j = pid_n * 128 + tl.arange(0, 128)
+        m = rmask[:, None] & (j < N)[None, :]
+        xp = x_ptr + rows[:, None] * stride_x + j[None, :]
+        g = tl.load(xp, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(xp + N, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + j[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+        # Phase by phase (dg quantized and stored before du is formed) to keep fewer
+        # 128x128 fp32 tiles live at once.
+        silu, sig = silu_f32(g)
+        dyh = dy * silu * u
+        if HAS_P:
+            dy = dy * p[:, None]
+        dg = dy * u * (sig * (1.0 + g * (1.0 - sig)))
+        qp = q_ptr + rows[:, None] * K + j[None, :]
+        qg, sg = quant_rows(dg, POW2)
+        tl.store(qp, qg, mask=m)
+        tl.store(s_ptr + rows * GK + pid_n, sg, mask=rmask)
+        mt = (j < N)[:, None] & rmask[None, :]
+        jt = j.to(tl.int64)[:, None]
+        GM = tl.cdiv(M, 128)
+        if COLWISE:
+            qgt, sgt = quant_cols(dg, POW2)
+            tl.store(qt_ptr + jt * M + rows[None, :], tl.trans(qgt), mask=mt)
+            tl.store(st_ptr + j.to(tl.int64) * GM + pid_m, sgt)
+        du = dy * silu
+        qu, su = quant_rows(du, POW2)
+        tl.store(qp + N, qu, mask=m)
+        tl.store(s_ptr + rows * GK + N // 128 + pid_n, su, mask=rmask)
+        if COLWISE:
+            qut, sut = quant_cols(du, POW2)
+            tl.store(qt_ptr + (jt + N) * M + rows[None, :], tl.trans(qut), mask=mt)
+            tl.store(st_ptr + (j + N).to(tl.int64) * GM + pid_m, sut)
+    else:
+        # General N: the program owns dx columns c of the 2N; column c reads gate/up
+        # column j = c mod N (a gather only in the block straddling the halves).
+        c = pid_n * 128 + tl.arange(0, 128)
+        cmask = c < K
+        is_gate = c < N
+        j = tl.where(is_gate, c, c - N)
+        m = rmask[:, None] & cmask[None, :]
+        xp = x_ptr + rows[:, None] * stride_x + j[None, :]
+        g = tl.load(xp, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(xp + N, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + j[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+        dg, du, dyh = _silu_mul_grads(g, u, dy, p, HAS_P)
+        dx = tl.where(is_gate[None, :], dg, du)
+        dyh = tl.where(is_gate[None, :], dyh, 0.0)
+        qx, sx = quant_rows(dx, POW2)
+        tl.store(q_ptr + rows[:, None] * K + c[None, :], qx, mask=m)
+        tl.store(s_ptr + rows * GK + pid_n, sx, mask=rmask)
+        if COLWISE:
+            qxt, sxt = quant_cols(dx, POW2)
+            tl.store(qt_ptr + c.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(qxt),
+                     mask=cmask[:, None] & rmask[None, :])
+            tl.store(st_ptr + c.to(tl.int64) * tl.cdiv(M, 128) + pid_m, sxt, mask=cmask)
+    if NEED_DP:
+        tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=rmask)
+
+
+def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, *,
+                 need_dprobs: bool, counts: torch.Tensor | None = None, align: int = 1):
+    """Backward of SwiGLU: ``dy [M, N]``, ``x [M, 2N]`` (last dims contiguous), ``probs [M]``.
+
+    Returns ``(dx [M, 2N] in x's dtype, dprobs [M] in probs' dtype or None)``. With
+    ``counts [E]`` (device) rows are taken as grouped by expert (segments padded to
+    ``align``, :mod:`linghe.layout`): padding and tail rows get ``dx = 0`` and
+    ``dprobs = 0`` whatever ``dy`` holds there.
+    """
+    M, N = x.shape[0], x.shape[1] // 2
+    dx = empty(M, 2 * N, dtype=x.dtype, device=x.device)
+    need_dprobs = need_dprobs and probs is not None
+    dp = empty(M, dtype=probs.dtype, device=x.device) if need_dprobs else None
+    if M > 0:
+        BM, BN, warps = _fwd.tile_config(M, max(N, 1))
+        E = counts.numel() if counts is not None else 0
+        with device_guard(x):
+            _silu_mul_bwd_kernel[(cdiv(M, BM),)](
+                dy, x, probs, counts, dx, dp, M, N, E, dy.stride(0), x.stride(0),
+                dx.stride(0), align, BM=BM, BN=BN, HAS_P=probs is not None,
+                NEED_DP=need_dprobs, BATCH=counts is not None,
+                EP2=max(next_power_of_2(E), 2), num_warps=warps)
+    return dx, dp
+
+
+def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None = None,
+                       *, columnwise: bool = True, pow2_scale: bool = False,
+                       need_dprobs: bool = True):
+    """Backward of SwiGLU emitting ``dx`` quantized to 1x128 FP8 (kernel-level API).
+
+    Args:
+        dy: ``[M, N]`` float gradient of ``y`` (last dim contiguous).
+        x: ``[M, 2N]`` forward input, gate half first (last dim contiguous).
+        probs: ``[M]`` row weights or None.
+        columnwise: also emit the columnwise copy of ``dx`` (``[2N, M]``, 1x128 groups
+            along the M tokens), from the same fp32 values.
+        pow2_scale: power-of-two scales.
+        need_dprobs: compute ``dprobs``.
+
+    Returns ``(dx, dprobs)``: ``dx`` an :class:`Fp8Tensor` of logical shape ``[M, 2N]``
+    and ``x``'s dtype (``rowwise_data [M, 2N]``, ``rowwise_scale [M, cdiv(2N,128)]``; with
+    ``columnwise`` also ``columnwise_data [2N, M]``, ``columnwise_scale [2N,
+    cdiv(M,128)]``); ``dprobs [M]`` in probs' dtype (or None). Rowwise groups run over the
+    2N columns of ``dx`` as one row, so when ``N % 128 != 0`` one group holds the end of
+    the gate half and the start of the up half, exactly as ``quantize_1x128(dx)`` would.
+    No autograd: the caller is the FP8 linear layer's backward.
+    """
+    M, N = x.shape[0], x.shape[1] // 2
+    K = 2 * N
+    dev = x.device
+    q = empty(M, K, dtype=FP8_DTYPE, device=dev)
+    s = empty(M, cdiv(K, BLOCK), dtype=torch.float32, device=dev)
+    qt = st = None
+    if columnwise:
+        qt = empty(K, M, dtype=FP8_DTYPE, device=dev)
+        st = empty(K, cdiv(M, BLOCK), dtype=torch.float32, device=dev)
+    need_dprobs = need_dprobs and probs is not None
+    dp = None
+    if M > 0 and N > 0:
+        split = N % BLOCK == 0
+        nprog_n = N // BLOCK if split else cdiv(K, BLOCK)
+        part = (empty(M, nprog_n, dtype=torch.float32, device=dev)
+                if need_dprobs else None)
+        with device_guard(x):
+            _silu_mul_bwd_quant_kernel[(cdiv(M, BLOCK), nprog_n)](
+                dy, x, probs, q, s, qt, st, part, M, N, dy.stride(0), x.stride(0), nprog_n,
+                COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
+                NEED_DP=need_dprobs, SPLIT=split, num_warps=_fwd.QUANT_NUM_WARPS)
+        if need_dprobs:
+            dp = part.sum(1).to(probs.dtype)
+    elif need_dprobs:
+        dp = torch.zeros(M, dtype=probs.dtype, device=dev)
+    dx = Fp8Tensor((M, K), x.dtype, rowwise_data=q, rowwise_scale=s, columnwise_data=qt,
+                   columnwise_scale=st, scaling="1x128")
+    return dx, dp

@@ -1,0 +1,232 @@
+"""SwiGLU forward kernels: ``silu_mul`` and its fused 1x128 FP8 quantization.
+
+``x [M, 2n]`` holds the gate half first: ``y = silu(x[:, :n]) * x[:, n:]`` (times
+``probs[row]`` when given), computed in fp32 registers.
+
+- :func:`silu_mul_fwd`: ``y`` in ``x``'s dtype.
+- :func:`silu_mul_quant_fwd`: ``y`` quantized in one pass to 1x128 FP8 (rowwise, and
+  columnwise from the same fp32 values); programs take 128 rows x 128 output columns.
+- :func:`batch_silu_mul_quant_fwd`: the same for rows grouped by expert
+  (:mod:`linghe.layout`): columnwise groups start at each expert segment's start and never
+  cross segments. Counts are read on the device (no host sync); the grid is sized by a
+  static bound and programs past the rows in use write zeros / scale 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
+from ..utils import cdiv, device_guard, empty, next_power_of_2
+
+BLOCK = 128
+
+# Launch knobs (GPU performance; semantics do not depend on them).
+#: elements of one [BM, BN] tile per program in the plain (non-quantizing) kernels.
+TILE_ELEMS = 4096
+#: warps of the 128x128-tile quantizing kernels (fwd and the quantized-dx bwd).
+QUANT_NUM_WARPS = 8
+
+
+@triton.jit
+def silu_f32(g):
+    """``(silu(g), sigmoid(g))`` for fp32 ``g``."""
+    s = 1.0 / (1.0 + tl.exp(-g))
+    return g * s, s
+
+
+@triton.jit
+def expert_tile(cnt_ptr, E, R, t, ALIGN, EP2: tl.constexpr):
+    """Where 128-row tile ``t`` of a grouped buffer lies (rows grouped by expert).
+
+    Expert ``e`` owns tiles ``[g_off[e], g_off[e+1])`` with ``g_off`` the exclusive cumsum
+    of ``cdiv(roundup(count_e, ALIGN), 128)``; tiles from ``g_off[E]`` on cover the tail
+    rows ``[offsets[E], R)`` in order. Returns ``(tile_start, real_end, seg_end, g_off
+    [EP2] exclusive, g_used, idx)``: rows ``< real_end`` are real, rows in ``[real_end,
+    seg_end)`` are padding/tail (zeros). Negative counts count as 0.
+    """
+    idx = tl.arange(0, EP2)
+    emask = idx < E
+    c = tl.load(cnt_ptr + idx, mask=emask, other=0).to(tl.int32)
+    c = tl.maximum(c, 0)
+    padded = (c + ALIGN - 1) // ALIGN * ALIGN
+    ntile = (padded + 127) // 128
+    seg_end = tl.cumsum(padded, 0)
+    g_end = tl.cumsum(ntile, 0)
+    used = tl.sum(padded, 0)
+    g_used = tl.sum(ntile, 0)
+    e = tl.sum(((g_end <= t) & emask).to(tl.int32), 0)
+    sel = idx == e
+    seg_start = tl.sum(tl.where(sel, seg_end - padded, 0), 0)
+    g_start = tl.sum(tl.where(sel, g_end - ntile, 0), 0)
+    cnt_e = tl.sum(tl.where(sel, c, 0), 0)
+    pad_e = tl.sum(tl.where(sel, padded, 0), 0)
+    is_tail = e >= E
+    tile_start = tl.where(is_tail, used + (t - g_used) * 128, seg_start + (t - g_start) * 128)
+    real_end = tl.where(is_tail, 0, seg_start + cnt_e)
+    seg_stop = tl.where(is_tail, R, seg_start + pad_e)
+    return tile_start, real_end, seg_stop, g_end - ntile, g_used, idx
+
+
+@triton.jit
+def rows_valid(cnt_ptr, E, rows, ALIGN, EP2: tl.constexpr):
+    """``[BM]`` bool: which ``rows`` are real rows of some expert segment (not padding or
+    tail) in a grouped buffer with per-expert ``counts`` padded to ``ALIGN``."""
+    idx = tl.arange(0, EP2)
+    emask = idx < E
+    c = tl.load(cnt_ptr + idx, mask=emask, other=0).to(tl.int32)
+    c = tl.maximum(c, 0)
+    padded = (c + ALIGN - 1) // ALIGN * ALIGN
+    start = tl.cumsum(padded, 0) - padded
+    r = rows[:, None]
+    inseg = (r >= start[None, :]) & (r < (start + c)[None, :]) & emask[None, :]
+    return tl.sum(inseg.to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _silu_mul_fwd_kernel(x_ptr, p_ptr, y_ptr, M, N, stride_x, stride_y,
+                         BM: tl.constexpr, BN: tl.constexpr, HAS_P: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
+    xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
+    silu, _ = silu_f32(g)
+    y = silu * u
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        y = y * p[:, None]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, goff_ptr,
+                               M, N, E, stride_x, ALIGN, NG,
+                               BM: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
+                               HAS_P: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if BATCH:
+        tile_start, real_end, seg_stop, g_off, g_used, eidx = expert_tile(
+            cnt_ptr, E, M, pid_m, ALIGN, EP2)
+        # Program (0, 0) publishes the per-expert columnwise group offsets [E + 1].
+        # (EP2 > E, so entry E fits in the same vector.)
+        first = (eidx * 0 + pid_m + pid_n) == 0
+        tl.store(goff_ptr + eidx, tl.where(eidx < E, g_off, g_used), mask=(eidx <= E) & first)
+        rows = tile_start.to(tl.int64) + tl.arange(0, BM)
+        smask = (rows < seg_stop) & (rows < M)   # rows this program writes
+        lmask = (rows < real_end) & smask        # rows it reads (real rows)
+    else:
+        rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        smask = rows < M
+        lmask = smask
+    cols = pid_n * 128 + tl.arange(0, 128)
+    cmask = cols < N
+    mask = lmask[:, None] & cmask[None, :]
+    xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
+    silu, _ = silu_f32(g)
+    y = silu * u
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
+        y = y * p[:, None]
+    q, s = quant_rows(y, POW2)
+    tl.store(q_ptr + rows[:, None] * N + cols[None, :], q,
+             mask=smask[:, None] & cmask[None, :])
+    nvalid = (tl.zeros([BM], tl.int32) + pid_n * 128) < N  # False only when N == 0
+    tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask & nvalid)
+    if COLWISE:
+        qt, st = quant_cols(y, POW2)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(qt),
+                 mask=cmask[:, None] & smask[None, :])
+        tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
+
+
+def tile_config(M: int, N: int):
+    """``(BM, BN, num_warps)`` for the plain kernels over ``[M, N]`` outputs."""
+    BN = min(next_power_of_2(N), 1024)
+    BM = max(1, min(max(TILE_ELEMS // BN, 1), next_power_of_2(M)))
+    return BM, BN, (4 if BM * BN <= 4096 else 8)
+
+
+def silu_mul_fwd(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, 2N]`` (last dim contiguous), ``probs [M]`` or None → ``y [M, N]``, x's dtype."""
+    M, N = x.shape[0], x.shape[1] // 2
+    y = empty(M, N, dtype=x.dtype, device=x.device)
+    if M > 0 and N > 0:
+        BM, BN, warps = tile_config(M, N)
+        with device_guard(x):
+            _silu_mul_fwd_kernel[(cdiv(M, BM), cdiv(N, BN))](
+                x, probs, y, M, N, x.stride(0), y.stride(0), BM=BM, BN=BN,
+                HAS_P=probs is not None, num_warps=warps)
+    return y
+
+
+def silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None, *, columnwise: bool,
+                       pow2_scale: bool):
+    """Fused SwiGLU + 1x128 quantization of ``x [M, 2N]``.
+
+    Returns ``(q [M, N], s [M, cdiv(N,128)], qt [N, M] | None, st [N, cdiv(M,128)] | None)``.
+    """
+    M, N = x.shape[0], x.shape[1] // 2
+    dev = x.device
+    q = empty(M, N, dtype=FP8_DTYPE, device=dev)
+    s = empty(M, cdiv(N, BLOCK), dtype=torch.float32, device=dev)
+    qt = st = None
+    if columnwise:
+        qt = empty(N, M, dtype=FP8_DTYPE, device=dev)
+        st = empty(N, cdiv(M, BLOCK), dtype=torch.float32, device=dev)
+    if M > 0 and N > 0:
+        BM = 128 if columnwise else 32
+        with device_guard(x):
+            _silu_mul_quant_fwd_kernel[(cdiv(M, BM), cdiv(N, BLOCK))](
+                x, probs, None, q, s, qt, st, None, M, N, 0, x.stride(0), 1,
+                cdiv(M, BLOCK), BM=BM, COLWISE=columnwise, POW2=pow2_scale,
+                HAS_P=probs is not None, BATCH=False, EP2=1,
+                num_warps=QUANT_NUM_WARPS if columnwise else 4)
+    return q, s, qt, st
+
+
+def batch_col_groups(num_rows: int, num_experts: int) -> int:
+    """Static bound ``G = cdiv(num_rows, 128) + num_experts`` on the columnwise groups of a
+    grouped buffer (each expert adds at most one partial group)."""
+    return cdiv(num_rows, BLOCK) + num_experts
+
+
+def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
+                             counts: torch.Tensor, align: int, *, columnwise: bool,
+                             pow2_scale: bool):
+    """Fused SwiGLU + 1x128 quantization of rows grouped by expert.
+
+    ``x [R, 2N]``, ``probs [R]`` or None, ``counts [E]`` int32/int64 (device). Returns
+    ``(q [R, N], s [R, cdiv(N,128)], qt [N, R] | None, st [N, G] | None, g_off [E+1] int32)``
+    with ``G = cdiv(R,128) + E``; expert ``e``'s columnwise groups are columns
+    ``[g_off[e], g_off[e+1])`` of ``st``; columns from ``g_off[E]`` on hold the tail rows'
+    groups (zeros) and then unused groups, all with scale 1.
+    """
+    R, N = x.shape[0], x.shape[1] // 2
+    E = counts.numel()
+    dev = x.device
+    G = batch_col_groups(R, E)
+    q = empty(R, N, dtype=FP8_DTYPE, device=dev)
+    s = empty(R, cdiv(N, BLOCK), dtype=torch.float32, device=dev)
+    qt = st = None
+    if columnwise:
+        qt = empty(N, R, dtype=FP8_DTYPE, device=dev)
+        st = empty(N, G, dtype=torch.float32, device=dev)
+    g_off = empty(E + 1, dtype=torch.int32, device=dev)
+    # N == 0 still runs one column of programs so that g_off is written.
+    with device_guard(x):
+        _silu_mul_quant_fwd_kernel[(G, max(cdiv(N, BLOCK), 1))](
+            x, probs, counts, q, s, qt, st, g_off, R, N, E, x.stride(0), align, G,
+            BM=BLOCK, COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
+            BATCH=True, EP2=next_power_of_2(E + 1), num_warps=QUANT_NUM_WARPS)
+    return q, s, qt, st, g_off

@@ -1,0 +1,456 @@
+"""SwiGLU: silu_mul, silu_mul_quant (+ quantized-dx backward kernel), batch_silu_mul_quant,
+and the SwiGLU module."""
+
+import pytest
+import torch
+
+import linghe
+import linghe.nn
+from linghe import reference as ref
+from linghe.bwd.activation import silu_mul_bwd_quant
+from linghe.layout import make_expert_layout
+from linghe.testing import assert_close, assert_fp8_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rows, n): size-1, odd, tails, empty, exact multiples of 128.
+SHAPES = [(1, 1), (37, 3), (300, 127), (37, 200), (0, 200), (5, 128), (130, 256)]
+
+
+def _probs(kind, M, dtype, device):
+    if kind is None:
+        return None
+    return torch.rand(M, device=device, dtype=torch.float32 if kind == "f32" else dtype)
+
+
+def _ref_grads(x, probs, dy):
+    """Gradients of x and probs through the float64 reference."""
+    x64 = x.detach().double().requires_grad_()
+    p64 = probs.detach().double().requires_grad_() if probs is not None else None
+    y = ref.silu_mul(x64, p64)
+    ins = [x64] + ([p64] if p64 is not None else [])
+    return torch.autograd.grad(y, ins, dy.double())
+
+
+def _grads(out, x, probs, dy):
+    ins = [x] + ([probs] if probs is not None else [])
+    return torch.autograd.grad(out, ins, dy)
+
+
+def _check_scales(s, s_ref, name):
+    # fp32 sigmoid/exp differ from float64's in the last bits: scales agree to ~1e-6.
+    torch.testing.assert_close(s, s_ref.float(), rtol=1e-5, atol=0, msg=name)
+
+
+# ------------------------------------------------------------------------- silu_mul
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pk", [None, "f32", "x"])
+def test_silu_mul_matches_reference(device, dtype, shape, pk):
+    M, n = shape
+    x = (torch.randn(M, 2 * n, device=device) * 3).to(dtype).requires_grad_()
+    probs = _probs(pk, M, dtype, device)
+    if probs is not None:
+        probs.requires_grad_()
+    y = linghe.silu_mul(x, probs)
+    assert y.shape == (M, n) and y.dtype == dtype
+    assert_close(y, ref.silu_mul(x.double(), None if probs is None else probs.double()))
+    dy = torch.randn(M, n, device=device).to(dtype)
+    got = _grads(y, x, probs, dy)
+    want = _ref_grads(x, probs, dy)
+    assert_close(got[0], want[0], name="dx")
+    assert got[0].dtype == dtype
+    if probs is not None:
+        assert got[1].dtype == probs.dtype
+        assert_close(got[1], want[1], tol=1e-5 if probs.dtype == torch.float32 else None,
+                     name="dprobs")
+
+
+def test_silu_mul_leading_dims_and_probs_shape(device):
+    x = torch.randn(2, 3, 2 * 70, device=device, requires_grad=True)
+    probs = torch.rand(2, 3, device=device, requires_grad=True)
+    y = linghe.silu_mul(x, probs)
+    assert y.shape == (2, 3, 70)
+    assert_close(y, ref.silu_mul(x.double(), probs.double()))
+    dy = torch.randn_like(y)
+    gx, gp = _grads(y, x, probs, dy)
+    rx, rp = _ref_grads(x, probs, dy)
+    assert gp.shape == (2, 3)
+    assert_close(gx, rx)
+    assert_close(gp, rp)
+
+
+def test_silu_mul_gradcheck_style_fp32_only_x(device):
+    # Only x requires grad: no dprobs is computed, probs still scales dx.
+    x = torch.randn(9, 2 * 33, device=device, requires_grad=True)
+    probs = torch.rand(9, device=device)
+    y = linghe.silu_mul(x, probs)
+    dy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    assert_close(gx, _ref_grads(x, probs, dy)[0])
+
+
+def test_silu_mul_nonfinite_propagates(device):
+    x = torch.randn(3, 20, device=device)
+    x[0, 2] = float("nan")
+    x[1, 15] = float("inf")
+    y = linghe.silu_mul(x)
+    r = ref.silu_mul(x)
+    assert y[0, 2].isnan() and not torch.isfinite(y[1, 5])
+    assert torch.isfinite(y[2]).all()
+    assert_close(y, r)
+
+
+# ------------------------------------------------------------------------- silu_mul_quant
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (37, 3), (300, 127), (37, 200), (0, 5), (130, 256)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_silu_mul_quant_matches_reference(device, dtype, shape, pow2):
+    M, n = shape
+    x = (torch.randn(M, 2 * n, device=device) * 4).to(dtype).requires_grad_()
+    probs = torch.rand(M, device=device, requires_grad=True)
+    t = linghe.silu_mul_quant(x, probs, pow2_scale=pow2)
+    assert isinstance(t, linghe.Fp8Tensor)
+    assert t.shape == (M, n) and t.dtype == dtype
+    q, s, qt, st = ref.silu_mul_quant(x.detach().double(), probs.detach().double(), pow2)
+    _check_scales(t.rowwise_scale, s, "rowwise scale")
+    _check_scales(t.columnwise_scale, st, "columnwise scale")
+    assert_fp8_close(t.rowwise_data, q, "rowwise data")
+    assert_fp8_close(t.columnwise_data, qt, "columnwise data")
+    # Straight-through backward: silu_mul's gradients for the incoming dy.
+    dy = torch.randn(M, n, device=device).to(dtype)
+    gx, gp = _grads(t, x, probs, dy)
+    rx, rp = _ref_grads(x, probs, dy)
+    assert_close(gx, rx, name="dx")
+    assert_close(gp, rp, name="dprobs")
+
+
+def test_silu_mul_quant_rowwise_only_and_no_probs(device):
+    x = torch.randn(3, 5, 2 * 140, device=device, dtype=torch.bfloat16)
+    t = linghe.silu_mul_quant(x, columnwise=False)
+    assert t.columnwise_data is None and t.shape == (3, 5, 140)
+    q, s, _, _ = ref.silu_mul_quant(x.double())
+    _check_scales(t.rowwise_scale, s, "scale")
+    assert_fp8_close(t.rowwise_data, q)
+    assert_close(t.dequantize(dtype=torch.float32), ref.silu_mul(x.float()), tol=0.07)
+
+
+def test_silu_mul_quant_feeds_ordinary_ops(device):
+    # The Fp8Tensor output acts as its dequantized self downstream; gradients still reach x.
+    x = torch.randn(20, 2 * 130, device=device, requires_grad=True)
+    w = torch.randn(130, 7, device=device)
+    t = linghe.silu_mul_quant(x)
+    out = t @ w
+    assert_close(out, t.dequantize() @ w)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    assert_close(gx, _ref_grads(x, None, w.sum(1).expand(20, 130))[0])
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (37, 128), (130, 200), (129, 256)])
+@pytest.mark.parametrize("with_probs", [False, True])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_bwd_quant_kernel(device, shape, with_probs, pow2):
+    M, n = shape
+    x = (torch.randn(M, 2 * n, device=device) * 2).to(torch.bfloat16)
+    probs = torch.rand(M, device=device) if with_probs else None
+    dy = torch.randn(M, n, device=device).to(torch.bfloat16)
+    dx, dp = silu_mul_bwd_quant(dy, x, probs, columnwise=True, pow2_scale=pow2)
+    want = _ref_grads(x, probs, dy)
+    rdx = want[0].float()
+    q, s = ref.quantize_1x128(rdx, pow2)
+    qt, st = ref.quantize_1x128_columnwise(rdx, pow2)
+    assert dx.shape == (M, 2 * n) and dx.dtype == torch.bfloat16
+    _check_scales(dx.rowwise_scale, s, "rowwise scale")
+    _check_scales(dx.columnwise_scale, st, "columnwise scale")
+    assert_fp8_close(dx.rowwise_data, q)
+    assert_fp8_close(dx.columnwise_data, qt)
+    if with_probs:
+        assert_close(dp, want[1])
+    else:
+        assert dp is None
+
+
+def test_bwd_quant_kernel_rowwise_only(device):
+    x = torch.randn(40, 2 * 256, device=device)
+    dy = torch.randn(40, 256, device=device)
+    dx, dp = silu_mul_bwd_quant(dy, x, None, columnwise=False)
+    assert dx.columnwise_data is None and dp is None
+    q, s = ref.quantize_1x128(_ref_grads(x, None, dy)[0].float())
+    _check_scales(dx.rowwise_scale, s, "scale")
+    assert_fp8_close(dx.rowwise_data, q)
+
+
+# ------------------------------------------------------------------------- batch form
+# (counts, extra tail rows beyond the rows in use)
+BATCH_CASES = [
+    ([37], 0),                              # 1 expert, all tokens
+    ([0, 37, 0], 5),                        # all tokens to one expert of 3
+    ([5, 0, 40], 30),                       # zero-token expert in the middle
+    ([3, 0, 0, 17, 1, 0, 129, 2], 3),       # 8 experts, several empty
+    ([0, 0, 0], 7),                         # nothing routed: all tail
+    ([1], 0),
+]
+
+
+def _batch_inputs(counts, tail, align, n, dtype, device):
+    c = torch.tensor(counts, device=device, dtype=torch.int32)
+    segs = ref.expert_segments(counts, align)
+    R = sum(p for _, _, p in segs) + tail
+    x = (torch.randn(R, 2 * n, device=device) * 3).to(dtype)
+    real = torch.zeros(R, dtype=torch.bool, device=device)
+    for start, cnt, _ in segs:
+        real[start:start + cnt] = True
+    # Padding/tail rows are garbage (NaN): the kernel must not read them.
+    x[~real] = float("nan")
+    probs = torch.rand(R, device=device)
+    return x, probs, c, real, R
+
+
+@pytest.mark.parametrize("case", BATCH_CASES)
+@pytest.mark.parametrize("align", [16, 128])
+@pytest.mark.parametrize("n", [3, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_silu_mul_quant(device, case, align, n, dtype):
+    counts, tail = case
+    x, probs, c, real, R = _batch_inputs(counts, tail, align, n, dtype, device)
+    x.requires_grad_()
+    probs.requires_grad_()
+    y, goff = linghe.batch_silu_mul_quant(x, probs, c, align=align)
+    assert isinstance(y, linghe.Fp8Tensor) and y.shape == (R, n) and y.dtype == dtype
+    q, s, qt, st, g_ref = ref.batch_silu_mul_quant(x.detach().double(),
+                                                   probs.detach().double(), counts, align)
+    assert torch.equal(goff.cpu(), g_ref.cpu())
+    assert y.columnwise_scale.shape == (n, -(-R // 128) + len(counts))
+    _check_scales(y.rowwise_scale, s, "rowwise scale")
+    _check_scales(y.columnwise_scale, st, "columnwise scale")
+    assert_fp8_close(y.rowwise_data, q, "rowwise data")
+    assert_fp8_close(y.columnwise_data, qt, "columnwise data")
+    # Padding/tail rows: exact zeros in both copies.
+    assert torch.all(y.rowwise_data[~real].float() == 0)
+    assert torch.all(y.columnwise_data[:, ~real].float() == 0)
+    # Dequantized per segment, within e4m3's relative precision of the activation.
+    yr = ref.silu_mul(torch.where(real[:, None], x.detach().float(), 0.0),
+                      torch.where(real, probs.detach(), 0.0))
+    if real.any():
+        assert_close(y.dequantize(dtype=torch.float32), yr, tol=0.07)
+        deq_t = ref.dequantize_batch_columnwise(y.columnwise_data, y.columnwise_scale,
+                                                counts, align)
+        assert_close(deq_t, yr, tol=0.07)
+    # Straight-through backward; padding rows get zero gradients whatever dy holds.
+    dy = torch.randn(R, n, device=device).to(dtype)
+    gx, gp = _grads(y, x, probs, dy)
+    xr = torch.where(real[:, None], x.detach(), 0.0)
+    rx, rp = _ref_grads(xr, probs, torch.where(real[:, None], dy, 0.0))
+    assert torch.all(gx[~real] == 0) and torch.all(gp[~real] == 0)
+    assert_close(gx, rx, name="dx")
+    assert_close(gp, rp, name="dprobs")
+
+
+def test_batch_silu_mul_quant_layout_and_int64_counts(device):
+    counts = torch.tensor([4, 0, 19], device=device)  # int64
+    layout = make_expert_layout(counts, 16, num_rows=60)
+    x = torch.randn(60, 2 * 130, device=device, dtype=torch.bfloat16)
+    p = torch.rand(60, device=device, dtype=torch.bfloat16)
+    y1, g1 = linghe.batch_silu_mul_quant(x, p, layout=layout)
+    y2, g2 = linghe.batch_silu_mul_quant(x, p, counts, align=16)
+    assert torch.equal(g1, g2)
+    for a, b in [(y1.rowwise_data, y2.rowwise_data), (y1.rowwise_scale, y2.rowwise_scale),
+                 (y1.columnwise_data, y2.columnwise_data),
+                 (y1.columnwise_scale, y2.columnwise_scale)]:
+        assert torch.equal(a.float(), b.float())
+    q, s, qt, st, _ = ref.batch_silu_mul_quant(x.double(), p.double(), counts, 16)
+    assert_fp8_close(y1.columnwise_data, qt)
+    _check_scales(y1.columnwise_scale, st, "columnwise scale")
+
+
+def test_batch_silu_mul_quant_pow2_rowwise_only_no_probs(device):
+    counts = [50, 3]
+    x = torch.randn(80, 2 * 129, device=device)
+    y, goff = linghe.batch_silu_mul_quant(x, None, torch.tensor(counts, device=device),
+                                          align=16, columnwise=False, pow2_scale=True)
+    assert y.columnwise_data is None
+    q, s, _, _, g = ref.batch_silu_mul_quant(x.double(), None, counts, 16, pow2_scale=True)
+    assert torch.equal(goff.cpu(), g.cpu())
+    torch.testing.assert_close(y.rowwise_scale, s)
+    assert_fp8_close(y.rowwise_data, q)
+
+
+def test_batch_columnwise_groups_do_not_cross_segments(device):
+    # Expert 0's rows are tiny, expert 1's huge: a group crossing them would show as
+    # expert 0's columnwise data quantized to zero.
+    counts = [20, 20]
+    x = torch.randn(64, 2 * 8, device=device)
+    x[:20] *= 1e-3
+    x[32:52] *= 1e3
+    y, goff = linghe.batch_silu_mul_quant(x, None, torch.tensor(counts, device=device))
+    assert goff.tolist() == [0, 1, 2]
+    assert torch.all(y.columnwise_data[:, :20].float().abs().amax(1) > 100)
+
+
+def test_batch_negative_counts_safe_and_debug(device):
+    x = torch.randn(40, 2 * 5, device=device)
+    c = torch.tensor([-3, 10], device=device)
+    y, goff = linghe.batch_silu_mul_quant(x, None, c, align=16)  # -3 counts as 0
+    q, s, qt, st, g = ref.batch_silu_mul_quant(x.double(), None, [0, 10], 16)
+    assert torch.equal(goff.cpu(), g.cpu())
+    assert_fp8_close(y.columnwise_data, qt)
+    linghe.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="non-negative"):
+            linghe.batch_silu_mul_quant(x, None, c)
+        with pytest.raises(ValueError, match="needs 64 rows"):
+            linghe.batch_silu_mul_quant(x, None, torch.tensor([17, 1, 1], device=device))
+    finally:
+        linghe.set_debug(False)
+    # Outside debug mode, rows past R are dropped (no out-of-bounds access).
+    y, _ = linghe.batch_silu_mul_quant(x, None, torch.tensor([17, 30], device=device))
+    assert torch.isfinite(y.rowwise_scale).all() and torch.isfinite(y.columnwise_scale).all()
+
+
+# ------------------------------------------------------------------------- module
+def test_swiglu_module(device):
+    torch.manual_seed(1)
+    m = linghe.nn.SwiGLU(48, 70, device=device, dtype=torch.float32)
+    assert m.gate_up_proj.weight.shape == (140, 48) and m.gate_up_proj.bias is None
+    assert m.down_proj.weight.shape == (48, 70) and m.down_proj.bias is None
+    assert "hidden_size=48, intermediate_size=70" in repr(m)
+    x = torch.randn(2, 5, 48, device=device, requires_grad=True)
+    out = m(x)
+    assert out.shape == (2, 5, 48)
+    wgu = m.gate_up_proj.weight.detach().double().requires_grad_()
+    wd = m.down_proj.weight.detach().double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    want = ref.silu_mul(x64 @ wgu.t()) @ wd.t()
+    assert_close(out, want)
+    dy = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, m.gate_up_proj.weight, m.down_proj.weight], dy)
+    ref_g = torch.autograd.grad(want, [x64, wgu, wd], dy.double())
+    for g, r, name in zip(got, ref_g, ["dx", "dgate_up", "ddown"]):
+        assert_close(g, r, name=name)
+
+
+# ------------------------------------------------------------------------- bad inputs
+def test_bad_inputs(device):
+    x = torch.randn(4, 10, device=device)
+    with pytest.raises(ValueError, match="last dimension must be even"):
+        linghe.silu_mul(torch.randn(4, 9, device=device))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        linghe.silu_mul(torch.ones(4, 10, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        linghe.silu_mul([1.0, 2.0])
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        linghe.silu_mul(torch.randn(10, 4, device=device).t())
+    with pytest.raises(ValueError, match="probs must have shape"):
+        linghe.silu_mul(x, torch.rand(5, device=device))
+    with pytest.raises(TypeError, match="probs must have dtype"):
+        linghe.silu_mul(x, torch.rand(4, device=device, dtype=torch.float64))
+    with pytest.raises(TypeError, match="probs must have dtype"):
+        linghe.silu_mul_quant(x, torch.rand(4, device=device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="last dimension must be even"):
+        linghe.silu_mul_quant(torch.randn(4, 7, device=device))
+    c = torch.tensor([4], device=device)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        linghe.batch_silu_mul_quant(torch.randn(2, 4, 10, device=device), None, c)
+    with pytest.raises(TypeError, match="tokens_per_expert must have dtype"):
+        linghe.batch_silu_mul_quant(x, None, torch.tensor([4.0], device=device))
+    with pytest.raises(ValueError, match="tokens_per_expert must be 1-D"):
+        linghe.batch_silu_mul_quant(x, None, c.view(1, 1))
+    with pytest.raises(ValueError, match="at least one expert"):
+        linghe.batch_silu_mul_quant(x, None, c[:0])
+    with pytest.raises(ValueError, match="align must be a positive int"):
+        linghe.batch_silu_mul_quant(x, None, c, align=0)
+    with pytest.raises(ValueError, match="tokens_per_expert \\(or layout\\) is required"):
+        linghe.batch_silu_mul_quant(x, None)
+    layout = make_expert_layout(c, 16, num_rows=16)
+    with pytest.raises(ValueError, match="layout.num_rows"):
+        linghe.batch_silu_mul_quant(x, None, layout=layout)
+    with pytest.raises(ValueError, match="not both"):
+        linghe.batch_silu_mul_quant(x, None, c, layout=layout)
+    with pytest.raises(TypeError, match="layout must be an ExpertLayout"):
+        linghe.batch_silu_mul_quant(x, None, layout="x")
+    with pytest.raises(ValueError, match="probs must have shape"):
+        linghe.batch_silu_mul_quant(x, torch.rand(3, device=device), c)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bad_device():
+    x = torch.randn(4, 10, device="cuda")
+    with pytest.raises(ValueError, match="probs is on cpu"):
+        linghe.silu_mul(x, torch.rand(4))
+    with pytest.raises(ValueError, match="tokens_per_expert is on cpu"):
+        linghe.batch_silu_mul_quant(x, None, torch.tensor([4]))
+
+
+def test_cpu_tensor_rejected_without_interpreter(device, monkeypatch):
+    import linghe.utils as U
+
+    monkeypatch.setattr(U, "INTERPRET", False)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="need a CUDA tensor"):
+            linghe.silu_mul(torch.randn(4, 10))
+
+
+# ------------------------------------------------------------------------- GPU, standard
+@pytest.mark.gpu
+def test_standard_shapes_gpu():
+    dev = "cuda"
+    x = torch.randn(8192, 2048, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    y = linghe.silu_mul(x)
+    assert_close(y, ref.silu_mul(x.float()))
+    dy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    x32 = x.detach().float().requires_grad_()
+    (rx,) = torch.autograd.grad(ref.silu_mul(x32), x32, dy.float())
+    assert_close(gx, rx)
+    t = linghe.silu_mul_quant(x)
+    q, s, qt, st = ref.silu_mul_quant(x.detach())
+    _check_scales(t.rowwise_scale, s, "scale")
+    _check_scales(t.columnwise_scale, st, "scale_t")
+    assert_fp8_close(t.rowwise_data, q)
+    assert_fp8_close(t.columnwise_data, qt)
+    dxq, _ = silu_mul_bwd_quant(dy, x.detach(), None)
+    assert_fp8_close(dxq.rowwise_data, ref.quantize_1x128(rx.float())[0])
+
+
+@pytest.mark.gpu
+def test_batch_standard_shape_gpu_no_host_sync():
+    dev = "cuda"
+    E, R, n = 32, 65536, 1024
+    counts = torch.randint(0, 2 * (R - E * 16) // E, (E,), device=dev)
+    counts = (counts.float() * (R - E * 16) / counts.sum().float()).floor().int()
+    x = torch.randn(R, 2 * n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(R, device=dev, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y, goff = linghe.batch_silu_mul_quant(x, probs, counts, align=16)
+        dy = torch.randn(R, n, device=dev, dtype=torch.bfloat16)
+        gx, gp = torch.autograd.grad(y, (x, probs), dy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    q, s, qt, st, g = ref.batch_silu_mul_quant(x.detach(), probs.detach(), counts.cpu(), 16)
+    assert torch.equal(goff, g)
+    _check_scales(y.rowwise_scale, s, "scale")
+    _check_scales(y.columnwise_scale, st, "scale_t")
+    assert_fp8_close(y.rowwise_data, q)
+    assert_fp8_close(y.columnwise_data, qt)
+
+
+def test_empty_and_zero_width(device):
+    for M, n in [(0, 4), (5, 0), (0, 0)]:
+        x = torch.randn(M, 2 * n, device=device, requires_grad=True)
+        p = torch.rand(M, device=device, requires_grad=True)
+        y = linghe.silu_mul(x, p)
+        assert y.shape == (M, n)
+        gx, gp = torch.autograd.grad(y, (x, p), torch.randn(M, n, device=device))
+        assert gx.shape == x.shape and torch.all(gx == 0) and torch.all(gp == 0)
+        t = linghe.silu_mul_quant(x, p)
+        assert t.rowwise_data.shape == (M, n) and t.columnwise_data.shape == (n, M)
+        dxq, dp = silu_mul_bwd_quant(torch.randn(M, n, device=device), x.detach(), p.detach())
+        assert dxq.rowwise_data.shape == (M, 2 * n) and dp.shape == (M,)
+        c = torch.zeros(3, dtype=torch.int32, device=device)
+        yb, goff = linghe.batch_silu_mul_quant(x, p, c)
+        assert goff.tolist() == [0, 0, 0, 0]
+        assert yb.columnwise_scale.shape == (n, -(-M // 128) + 3)
+        assert torch.all(yb.columnwise_scale == 1) and torch.all(yb.rowwise_data.float() == 0)
+        (gb,) = torch.autograd.grad(yb, x, torch.randn(M, n, device=device))
+        assert torch.all(gb == 0)
