@@ -5,8 +5,9 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 (``linghe.dist``).
 """
 
-from . import fp8, reference
+from . import fp8, nn, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
+from .functional.norm import rms_norm, rms_norm_quant
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
@@ -15,8 +16,11 @@ __all__ = [
     "Fp8Tensor",
     "debug_enabled",
     "fp8",
+    "nn",
     "quantize_1x128",
     "quantize_128x128",
     "reference",
+    "rms_norm",
+    "rms_norm_quant",
     "set_debug",
 ]
