@@ -9,8 +9,8 @@ hidden sizes); a second small kernel sums the ``[P, K]`` partials in a fixed ord
 from __future__ import annotations
 
 import torch
-import triton.language as tl
 import triton
+import triton.language as tl
 
 from ..utils import cdiv, device_guard, empty, next_power_of_2, num_sms
 
