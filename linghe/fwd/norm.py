@@ -139,22 +139,23 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr, M, K,
-                           stride_x, eps, BM: tl.constexpr, COLWISE: tl.constexpr,
-                           POW2: tl.constexpr):
+                           stride_x, eps, BM: tl.constexpr, P1_BK: tl.constexpr,
+                           COLWISE: tl.constexpr, POW2: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     nsplit = tl.num_programs(1)
     rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < M
     cols0 = tl.arange(0, 128)
-    acc = tl.zeros([BM, 128], tl.float32)
-    for k0 in range(0, K, 128):
-        cols = k0 + cols0
+    colsp = tl.arange(0, P1_BK)
+    acc = tl.zeros([BM], tl.float32)
+    for k0 in range(0, K, P1_BK):
+        cols = k0 + colsp
         mask = rmask[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-        acc += x * x
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / K + eps)
+        acc += tl.sum(x * x, axis=1)
+    rstd = 1.0 / tl.sqrt(acc / K + eps)
     if pid_s == 0:
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
     nkb = tl.cdiv(K, 128)
@@ -177,12 +178,21 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr,
             tl.store(st_ptr + cols * nmb + pid_m, st, mask=cmask)
 
 
+#: Tuning knobs of rms_norm_quant: most programs per slab (each repeats pass 1, so more
+#: than 2 costs L2 bandwidth), pass-1 column chunk, warps.
+QUANT_MAX_SPLIT = 2
+QUANT_P1_BK = 256
+QUANT_WARPS_COLWISE = 16
+QUANT_WARPS_ROWWISE = 4
+
+
 def quant_split(M: int, K: int, bm: int, device: torch.device) -> int:
-    """Programs per slab: enough to fill the GPU with few slabs (tuning knob)."""
+    """Programs per slab: split pass 2's column blocks when there are fewer slabs than
+    SMs (M = 8192 gives 64 slabs of 128 rows)."""
     slabs = cdiv(M, bm)
     nkb = cdiv(K, BLOCK)
-    want = cdiv(2 * num_sms(device), max(slabs, 1))
-    return max(1, min(nkb, want, 4))
+    want = cdiv(num_sms(device), max(slabs, 1))
+    return max(1, min(nkb, want, QUANT_MAX_SPLIT))
 
 
 def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -199,8 +209,9 @@ def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     with device_guard(x):
         _rms_norm_quant_kernel[grid](
             x, weight, q, s, qt if qt is not None else q, st if st is not None else s, rstd,
-            M, K, x.stride(0), float(eps), BM=bm, COLWISE=columnwise, POW2=pow2_scale,
-            num_warps=8 if columnwise else 4)
+            M, K, x.stride(0), float(eps), BM=bm, P1_BK=QUANT_P1_BK if columnwise else 128,
+            COLWISE=columnwise, POW2=pow2_scale,
+            num_warps=QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE)
     return q, s, qt, st, rstd
 
 
