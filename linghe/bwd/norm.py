@@ -14,8 +14,12 @@ import triton.language as tl
 
 from ..utils import cdiv, device_guard, empty, next_power_of_2, num_sms
 
+#: Widest power-of-two hidden tile kept in registers; wider rows go in MULTI_BK blocks.
 MAX_SINGLE_BK = 8192
 MULTI_BK = 2048
+#: Persistent programs per SM (each writes one fp32 partial dweight row of K floats).
+BWD_PROGRAMS_PER_SM = 2
+BWD_PROGRAMS_PER_SM_MULTI = 1
 
 
 def bwd_config(K: int):
@@ -135,7 +139,8 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         return dx, dw
     bm, bk, single, warps = bwd_config(K)
     nblk = cdiv(M, bm)
-    P = min(nblk, num_sms(x.device) * (2 if single else 1))
+    P = min(nblk, num_sms(x.device) * (BWD_PROGRAMS_PER_SM if single
+                                       else BWD_PROGRAMS_PER_SM_MULTI))
     partial = torch.empty(P, K, dtype=torch.float32, device=x.device)
     d = dh if dh is not None else dy
     with device_guard(x):

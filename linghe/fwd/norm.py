@@ -19,6 +19,9 @@ from ..utils import cdiv, device_guard, empty, next_power_of_2, num_sms
 MAX_SINGLE_BK = 8192
 #: Column block of the multi-pass path.
 MULTI_BK = 4096
+#: Persistent grid size of rms_norm: programs per SM (single-tile / multi-pass rows).
+FWD_PROGRAMS_PER_SM = 8
+FWD_PROGRAMS_PER_SM_MULTI = 2
 
 
 def fwd_config(K: int):
@@ -112,7 +115,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return y, h, rstd
     bm, bk, single, warps = fwd_config(K)
     nblk = cdiv(M, bm)
-    grid = (min(nblk, num_sms(x.device) * (4 if single else 2)),)
+    per_sm = FWD_PROGRAMS_PER_SM if single else FWD_PROGRAMS_PER_SM_MULTI
+    grid = (min(nblk, num_sms(x.device) * per_sm),)
     r = residual if residual is not None else x
     with device_guard(x):
         _rms_norm_fwd_kernel[grid](
