@@ -125,6 +125,28 @@ def test_rms_norm_matches_torch(device):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("K", [100, 9000])
+def test_rms_norm_strided_rows(device, K):
+    # Rows of a wider buffer (stride(0) != K), a strided weight, residual too.
+    big = torch.randn(5, K + 30, device=device)
+    x = big[:, :K].requires_grad_()
+    r = torch.randn(5, K + 7, device=device)[:, 3:K + 3].requires_grad_()
+    w = torch.randn(2 * K, device=device)[::2].requires_grad_()
+    y, h = linghe.rms_norm(x, w, residual=r)
+    dy = torch.randn(5, 2 * K, device=device)[:, ::2]  # non-contiguous gradient
+    y.backward(dy)
+    (y_ref, _), dx_ref, dw_ref, dr_ref = _ref_grads(x, w, r, 1e-6,
+                                                     [dy, torch.zeros(5, K, device=device)])
+    assert_close(y, y_ref)
+    assert_close(x.grad, dx_ref)
+    assert_close(r.grad, dr_ref)
+    assert_close(w.grad, dw_ref)
+    t = linghe.rms_norm_quant(x.detach(), w.detach())
+    q, s, qt, st = ref.rms_norm_quant(x.detach(), w.detach())
+    assert_fp8_close(t.rowwise_data, q)
+    assert_fp8_close(t.columnwise_data, qt)
+
+
 def test_rms_norm_dweight_deterministic(device):
     x = torch.randn(300, 127, device=device, requires_grad=True)
     w = torch.randn(127, device=device, requires_grad=True)

@@ -51,6 +51,7 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr
         for k0 in range(0, K, BK):
             cols = k0 + cols0
             tl.store(dwp_row + cols, tl.zeros([BK], tl.float32), mask=cols < K)
+        tl.debug_barrier()
     for blk in range(pid, nblk, nprog):
         rows = blk * BM + tl.arange(0, BM).to(tl.int64)
         rmask = rows < M
@@ -103,6 +104,8 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 part = tl.load(dwp_row + cols, mask=cm, other=0.0)
                 tl.store(dwp_row + cols, part + tl.sum(dy * xhat, axis=0), mask=cm)
+            # The next row block reads this partial back, maybe from other threads.
+            tl.debug_barrier()
     if SINGLE:
         tl.store(dwp_row + cols0, dw_acc, mask=cmask)
 

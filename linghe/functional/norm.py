@@ -98,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     (or ``h``), ``weight`` and ``rstd [M] float32``.
     """
     _check(x, weight, eps, residual)
-    return RMSNormFunction.apply(x, weight, residual, float(eps))
+    return RMSNormFunction.apply(x, weight.contiguous(), residual, float(eps))
 
 
 class RMSNormQuantFunction(torch.autograd.Function):
@@ -142,7 +142,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     saved ``rstd [M] float32``; ``x`` and ``weight`` are saved too).
     """
     _check(x, weight, eps)
-    return RMSNormQuantFunction.apply(x, weight, float(eps), bool(columnwise),
+    return RMSNormQuantFunction.apply(x, weight.contiguous(), float(eps), bool(columnwise),
                                       bool(pow2_scale))
 
 

@@ -83,6 +83,8 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K, stri
                 acc += x * x
             rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / K + eps)
             tl.store(rstd_ptr + rows, rstd, mask=rmask)
+            if HAS_RES:
+                tl.debug_barrier()  # pass 2 re-reads h, possibly from other threads
             # Pass 2: normalize (the row block was just read: L2-hot).
             for k0 in range(0, K, BK):
                 cols = k0 + cols0
