@@ -226,17 +226,29 @@ def test_rms_norm_quant_columnwise_is_not_transpose(device):
     assert not torch.equal(t.columnwise_data.t().float(), t.rowwise_data.float())
 
 
-def test_rms_norm_quant_split_path(device, monkeypatch):
-    # Force several programs per 128-row slab (the GPU path for few slabs).
-    monkeypatch.setattr(fwd_norm, "quant_split", lambda M, K, bm, dev: 3)
-    x = torch.randn(130, 700, device=device)
-    w = torch.randn(700, device=device)
-    t = linghe.rms_norm_quant(x, w)
-    q, s, qt, st = ref.rms_norm_quant(x, w)
-    assert_fp8_close(t.rowwise_data, q)
-    assert_fp8_close(t.columnwise_data, qt)
-    assert_close(t.rowwise_scale, s)
-    assert_close(t.columnwise_scale, st)
+@pytest.mark.parametrize("mode,split,M,K,columnwise", [
+    ("slab", 1, 130, 700, True), ("slab", 3, 130, 700, True), ("slab", 3, 130, 700, False),
+    ("two_kernel", 1, 130, 700, True), ("two_kernel", 1, 130, 700, False),
+    ("two_kernel", 1, 5, 9000, True)])
+def test_rms_norm_quant_modes(device, monkeypatch, mode, split, M, K, columnwise):
+    # Both launch modes, and several programs per 128-row slab.
+    monkeypatch.setattr(fwd_norm, "QUANT_MODE", mode)
+    monkeypatch.setattr(fwd_norm, "quant_split", lambda M, K, bm, dev: split)
+    x = torch.randn(M, K, device=device, requires_grad=True)
+    w = torch.randn(K, device=device)
+    t = linghe.rms_norm_quant(x, w, columnwise=columnwise)
+    expect = ref.rms_norm_quant(x.detach(), w, columnwise=columnwise)
+    assert_fp8_close(t.rowwise_data, expect[0])
+    assert_close(t.rowwise_scale, expect[1])
+    if columnwise:
+        assert_fp8_close(t.columnwise_data, expect[2])
+        assert_close(t.columnwise_scale, expect[3])
+    dy = torch.randn(M, K, device=device)
+    t.backward(dy)
+    gq = x.grad.clone()
+    x.grad = None
+    linghe.rms_norm(x, w).backward(dy)
+    assert_close(gq, x.grad, tol=1e-6)
 
 
 # ---------------------------------------------------------------------------- module

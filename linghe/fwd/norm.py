@@ -39,8 +39,10 @@ def fwd_config(K: int):
 @triton.jit
 def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K, stride_x,
                          stride_r, eps, BM: tl.constexpr, BK: tl.constexpr,
-                         SINGLE: tl.constexpr, HAS_RES: tl.constexpr):
-    """Persistent over row blocks of ``BM`` rows; ``y``/``h`` are contiguous ``[M, K]``."""
+                         SINGLE: tl.constexpr, HAS_RES: tl.constexpr,
+                         STORE_Y: tl.constexpr = True):
+    """Persistent over row blocks of ``BM`` rows; ``y``/``h`` are contiguous ``[M, K]``.
+    ``STORE_Y=False`` only computes ``rstd`` (first kernel of the two-kernel quant)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblk = tl.cdiv(M, BM)
@@ -63,9 +65,10 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K, stri
                 x = h.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
             tl.store(rstd_ptr + rows, rstd, mask=rmask)
-            y = x * rstd[:, None] * w[None, :]
-            tl.store(y_ptr + rows[:, None] * K + cols0[None, :],
-                     y.to(y_ptr.dtype.element_ty), mask=mask)
+            if STORE_Y:
+                y = x * rstd[:, None] * w[None, :]
+                tl.store(y_ptr + rows[:, None] * K + cols0[None, :],
+                         y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             # Pass 1: sum of squares over column blocks (and h = x + r written once).
             acc = tl.zeros([BM, BK], tl.float32)
@@ -86,20 +89,21 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K, stri
             if HAS_RES:
                 tl.debug_barrier()  # pass 2 re-reads h, possibly from other threads
             # Pass 2: normalize (the row block was just read: L2-hot).
-            for k0 in range(0, K, BK):
-                cols = k0 + cols0
-                cm = cols < K
-                mask = rmask[:, None] & cm[None, :]
-                if HAS_RES:
-                    x = tl.load(h_ptr + rows[:, None] * K + cols[None, :], mask=mask,
-                                other=0.0).to(tl.float32)
-                else:
-                    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                                other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-                y = x * rstd[:, None] * w[None, :]
-                tl.store(y_ptr + rows[:, None] * K + cols[None, :],
-                         y.to(y_ptr.dtype.element_ty), mask=mask)
+            if STORE_Y:
+                for k0 in range(0, K, BK):
+                    cols = k0 + cols0
+                    cm = cols < K
+                    mask = rmask[:, None] & cm[None, :]
+                    if HAS_RES:
+                        x = tl.load(h_ptr + rows[:, None] * K + cols[None, :], mask=mask,
+                                    other=0.0).to(tl.float32)
+                    else:
+                        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                                    other=0.0).to(tl.float32)
+                    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                    y = x * rstd[:, None] * w[None, :]
+                    tl.store(y_ptr + rows[:, None] * K + cols[None, :],
+                             y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -141,29 +145,41 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # written. With few slabs (M/128 < #SMs) the grid's second axis splits pass 2's column
 # blocks over SPLIT programs per slab; each of them repeats pass 1 (adjacent programs read
 # the same slab at the same time, so the repeats mostly hit L2).
+#
+# A slab kernel has only M/128 programs (64 at M = 8192), which may leave an H200
+# latency-bound, so there is a second mode, "two_kernel": the rms_norm kernel computes
+# rstd [M] alone (full parallelism, one read of x), then the same quant kernel with
+# RSTD_IN runs one program per [128 rows, 128 cols] tile (like quantize_1x128), re-reading
+# x (L2-hot when x fits in L2: 32 MB at [8192, 2048] bf16). QUANT_MODE picks: "slab",
+# "two_kernel", or "auto" (two_kernel when slabs * QUANT_MAX_SPLIT < #SMs). Both modes
+# give identical results up to rstd's summation order.
 
 
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr, M, K,
                            stride_x, eps, BM: tl.constexpr, P1_BK: tl.constexpr,
-                           COLWISE: tl.constexpr, POW2: tl.constexpr):
+                           COLWISE: tl.constexpr, POW2: tl.constexpr,
+                           RSTD_IN: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     nsplit = tl.num_programs(1)
     rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < M
     cols0 = tl.arange(0, 128)
-    colsp = tl.arange(0, P1_BK)
-    acc = tl.zeros([BM], tl.float32)
-    for k0 in range(0, K, P1_BK):
-        cols = k0 + colsp
-        mask = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(x * x, axis=1)
-    rstd = 1.0 / tl.sqrt(acc / K + eps)
-    if pid_s == 0:
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    if RSTD_IN:
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+    else:
+        colsp = tl.arange(0, P1_BK)
+        acc = tl.zeros([BM], tl.float32)
+        for k0 in range(0, K, P1_BK):
+            cols = k0 + colsp
+            mask = rmask[:, None] & (cols < K)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(x * x, axis=1)
+        rstd = 1.0 / tl.sqrt(acc / K + eps)
+        if pid_s == 0:
+            tl.store(rstd_ptr + rows, rstd, mask=rmask)
     nkb = tl.cdiv(K, 128)
     nmb = tl.cdiv(M, 128)
     for kb in range(pid_s, nkb, nsplit):
@@ -184,9 +200,12 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr,
             tl.store(st_ptr + cols * nmb + pid_m, st, mask=cmask)
 
 
-#: Tuning knobs of rms_norm_quant: most programs per slab (each repeats pass 1, so more
-#: than 2 costs L2 bandwidth), pass-1 column chunk, warps.
+#: Tuning knobs of rms_norm_quant: mode ("auto", "slab", "two_kernel"), most programs
+#: per slab (each repeats pass 1, so more than 2 costs L2 bandwidth), pass-1 column
+#: chunk, warps.
+QUANT_MODE = "auto"
 QUANT_MAX_SPLIT = 2
+QUANT_WARPS_TILE = 8
 QUANT_P1_BK = 256
 QUANT_WARPS_COLWISE = 16
 QUANT_WARPS_ROWWISE = 4
@@ -201,6 +220,13 @@ def quant_split(M: int, K: int, bm: int, device: torch.device) -> int:
     return max(1, min(nkb, want, QUANT_MAX_SPLIT))
 
 
+def quant_mode(M: int, bm: int, device: torch.device) -> str:
+    """``"slab"`` or ``"two_kernel"`` (see the design note above; knob ``QUANT_MODE``)."""
+    if QUANT_MODE != "auto":
+        return QUANT_MODE
+    return "two_kernel" if cdiv(M, bm) * QUANT_MAX_SPLIT < num_sms(device) else "slab"
+
+
 def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
                        columnwise: bool, pow2_scale: bool):
     """``x [M, K]``, ``weight [K]`` -> ``(q, s, q_t, s_t, rstd)`` (1x128 layout of
@@ -211,13 +237,25 @@ def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     if M == 0 or K == 0:
         return q, s, qt, st, rstd
     bm = 128 if columnwise else 32
-    grid = (cdiv(M, bm), quant_split(M, K, bm, x.device))
+    mode = quant_mode(M, bm, x.device)
     with device_guard(x):
+        if mode == "two_kernel":
+            rbm, rbk, single, warps = fwd_config(K)
+            per_sm = FWD_PROGRAMS_PER_SM if single else FWD_PROGRAMS_PER_SM_MULTI
+            _rms_norm_fwd_kernel[(min(cdiv(M, rbm), num_sms(x.device) * per_sm),)](
+                x, x, weight, x, x, rstd, M, K, x.stride(0), x.stride(0), float(eps),
+                BM=rbm, BK=rbk, SINGLE=single, HAS_RES=False, STORE_Y=False,
+                num_warps=warps)
+            grid = (cdiv(M, bm), cdiv(K, BLOCK))
+            warps = QUANT_WARPS_TILE if columnwise else QUANT_WARPS_ROWWISE
+        else:
+            grid = (cdiv(M, bm), quant_split(M, K, bm, x.device))
+            warps = QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE
         _rms_norm_quant_kernel[grid](
             x, weight, q, s, qt if qt is not None else q, st if st is not None else s, rstd,
             M, K, x.stride(0), float(eps), BM=bm, P1_BK=QUANT_P1_BK if columnwise else 128,
-            COLWISE=columnwise, POW2=pow2_scale,
-            num_warps=QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE)
+            COLWISE=columnwise, POW2=pow2_scale, RSTD_IN=mode == "two_kernel",
+            num_warps=warps)
     return q, s, qt, st, rstd
 
 
