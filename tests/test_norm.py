@@ -147,6 +147,28 @@ def test_rms_norm_strided_rows(device, K):
     assert_fp8_close(t.columnwise_data, qt)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_rms_norm_persistent_loops(device, monkeypatch, prefetch):
+    # Few programs, many row blocks each: both the prefetching and the plain loops.
+    from linghe.bwd import norm as bwd_norm
+    monkeypatch.setattr(fwd_norm, "FWD_PREFETCH", prefetch)
+    monkeypatch.setattr(bwd_norm, "BWD_PREFETCH", prefetch)
+    monkeypatch.setattr(fwd_norm, "FWD_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(bwd_norm, "BWD_PROGRAMS_PER_SM", 1)
+    x = torch.randn(301, 200, device=device, dtype=BF16, requires_grad=True)
+    r = torch.randn(301, 200, device=device, dtype=BF16, requires_grad=True)
+    w = torch.randn(200, device=device, dtype=BF16, requires_grad=True)
+    y, h = linghe.rms_norm(x, w, residual=r)
+    dy, dh = torch.randn_like(y), torch.randn_like(h)
+    torch.autograd.backward([y, h], [dy, dh])
+    (y_ref, h_ref), dx_ref, dw_ref, dr_ref = _ref_grads(x, w, r, 1e-6, [dy, dh])
+    assert_close(y, y_ref)
+    assert_close(h, h_ref)
+    assert_close(x.grad, dx_ref)
+    assert_close(r.grad, dr_ref)
+    assert_close(w.grad, dw_ref)
+
+
 def test_rms_norm_dweight_deterministic(device):
     x = torch.randn(300, 127, device=device, requires_grad=True)
     w = torch.randn(127, device=device, requires_grad=True)

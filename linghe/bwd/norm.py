@@ -111,6 +111,58 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr
 
 
 @triton.jit
+def _rms_norm_bwd_prefetch_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr,
+                                  M, K, stride_x, stride_dy, stride_dh, BM: tl.constexpr,
+                                  BK: tl.constexpr, HAS_DH: tl.constexpr):
+    """Single-tile path of :func:`_rms_norm_bwd_kernel` with the next row block's loads
+    issued before the current block is reduced."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    nblk = tl.cdiv(M, BM)
+    cols = tl.arange(0, BK)
+    cmask = cols < K
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BK], tl.float32)
+    rows = pid * BM + tl.arange(0, BM).to(tl.int64)
+    mask = (rows < M)[:, None] & cmask[None, :]
+    x_raw = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy_raw = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask,
+                     other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+    for blk in range(pid, nblk, nprog):
+        rows_n = (blk + nprog) * BM + tl.arange(0, BM).to(tl.int64)
+        rmask_n = rows_n < M
+        mask_n = rmask_n[:, None] & cmask[None, :]
+        x_next = tl.load(x_ptr + rows_n[:, None] * stride_x + cols[None, :], mask=mask_n,
+                         other=0.0)
+        dy_next = tl.load(dy_ptr + rows_n[:, None] * stride_dy + cols[None, :],
+                          mask=mask_n, other=0.0)
+        rstd_next = tl.load(rstd_ptr + rows_n, mask=rmask_n, other=0.0)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        x = x_raw.to(tl.float32)
+        dy = dy_raw.to(tl.float32)
+        xhat = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xhat, axis=1) / K
+        dx = rstd[:, None] * (g - xhat * c[:, None])
+        if HAS_DH:
+            dx += tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask,
+                          other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * K + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+        rows = rows_n
+        x_raw = x_next
+        dy_raw = dy_next
+        rstd = rstd_next
+    tl.store(dwp_ptr + pid.to(tl.int64) * K + cols, dw_acc, mask=cmask)
+
+
+#: Use the prefetching single-tile kernel (knob for A/B on the GPU).
+BWD_PREFETCH = True
+
+
+@triton.jit
 def _sum_rows_kernel(p_ptr, out_ptr, P, K, BP: tl.constexpr, BN: tl.constexpr):
     """``out[k] = sum_p p[p, k]`` in fp32, fixed order."""
     pid = tl.program_id(0)
@@ -147,9 +199,14 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     partial = torch.empty(P, K, dtype=torch.float32, device=x.device)
     d = dh if dh is not None else dy
     with device_guard(x):
-        _rms_norm_bwd_kernel[(P,)](
-            x, weight, rstd, dy, d, dx, partial, M, K, x.stride(0), dy.stride(0), d.stride(0),
-            BM=bm, BK=bk, SINGLE=single, HAS_DH=dh is not None, num_warps=warps)
+        args = (x, weight, rstd, dy, d, dx, partial, M, K, x.stride(0), dy.stride(0),
+                d.stride(0))
+        if single and BWD_PREFETCH:
+            _rms_norm_bwd_prefetch_kernel[(P,)](*args, BM=bm, BK=bk, HAS_DH=dh is not None,
+                                                num_warps=warps)
+        else:
+            _rms_norm_bwd_kernel[(P,)](*args, BM=bm, BK=bk, SINGLE=single,
+                                       HAS_DH=dh is not None, num_warps=warps)
         dw = None
         if need_dweight:
             dw = empty(K, dtype=weight.dtype, device=x.device)

@@ -106,6 +106,69 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K, stri
                              y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rms_norm_fwd_prefetch_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K,
+                                  stride_x, stride_r, eps, BM: tl.constexpr,
+                                  BK: tl.constexpr, HAS_RES: tl.constexpr,
+                                  STORE_Y: tl.constexpr):
+    """Single-tile path of :func:`_rms_norm_fwd_kernel` with the next row block's loads
+    issued before the current block is reduced (twice the bytes in flight)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    nblk = tl.cdiv(M, BM)
+    cols = tl.arange(0, BK)
+    cmask = cols < K
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    rows = pid * BM + tl.arange(0, BM).to(tl.int64)
+    mask = (rows < M)[:, None] & cmask[None, :]
+    x_raw = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r_raw = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask,
+                        other=0.0)
+    for blk in range(pid, nblk, nprog):
+        rows_n = (blk + nprog) * BM + tl.arange(0, BM).to(tl.int64)
+        mask_n = (rows_n < M)[:, None] & cmask[None, :]
+        x_next = tl.load(x_ptr + rows_n[:, None] * stride_x + cols[None, :], mask=mask_n,
+                         other=0.0)
+        if HAS_RES:
+            r_next = tl.load(r_ptr + rows_n[:, None] * stride_r + cols[None, :],
+                             mask=mask_n, other=0.0)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        x = x_raw.to(tl.float32)
+        if HAS_RES:
+            h = (x + r_raw.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + rows[:, None] * K + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        if STORE_Y:
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(y_ptr + rows[:, None] * K + cols[None, :],
+                     y.to(y_ptr.dtype.element_ty), mask=mask)
+        rows = rows_n
+        x_raw = x_next
+        if HAS_RES:
+            r_raw = r_next
+
+
+#: Use the prefetching single-tile kernel (knob for A/B on the GPU).
+FWD_PREFETCH = True
+
+
+def _launch_fwd(x, r, weight, y, h, rstd, M, K, eps, *, has_res, store_y):
+    bm, bk, single, warps = fwd_config(K)
+    per_sm = FWD_PROGRAMS_PER_SM if single else FWD_PROGRAMS_PER_SM_MULTI
+    grid = (min(cdiv(M, bm), num_sms(x.device) * per_sm),)
+    args = (x, r, weight, y, h, rstd, M, K, x.stride(0), r.stride(0), float(eps))
+    if single and FWD_PREFETCH:
+        _rms_norm_fwd_prefetch_kernel[grid](*args, BM=bm, BK=bk, HAS_RES=has_res,
+                                            STORE_Y=store_y, num_warps=warps)
+    else:
+        _rms_norm_fwd_kernel[grid](*args, BM=bm, BK=bk, SINGLE=single, HAS_RES=has_res,
+                                   STORE_Y=store_y, num_warps=warps)
+
+
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
     """``x [M, K]`` (last dim contiguous), ``weight [K]``, optional ``residual [M, K]``.
@@ -119,16 +182,10 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rstd = empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return y, h, rstd
-    bm, bk, single, warps = fwd_config(K)
-    nblk = cdiv(M, bm)
-    per_sm = FWD_PROGRAMS_PER_SM if single else FWD_PROGRAMS_PER_SM_MULTI
-    grid = (min(nblk, num_sms(x.device) * per_sm),)
     r = residual if residual is not None else x
     with device_guard(x):
-        _rms_norm_fwd_kernel[grid](
-            x, r, weight, y, h if h is not None else y, rstd, M, K, x.stride(0), r.stride(0),
-            float(eps), BM=bm, BK=bk, SINGLE=single, HAS_RES=residual is not None,
-            num_warps=warps)
+        _launch_fwd(x, r, weight, y, h if h is not None else y, rstd, M, K, eps,
+                    has_res=residual is not None, store_y=True)
     return y, h, rstd
 
 
@@ -240,12 +297,7 @@ def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     mode = quant_mode(M, bm, x.device)
     with device_guard(x):
         if mode == "two_kernel":
-            rbm, rbk, single, warps = fwd_config(K)
-            per_sm = FWD_PROGRAMS_PER_SM if single else FWD_PROGRAMS_PER_SM_MULTI
-            _rms_norm_fwd_kernel[(min(cdiv(M, rbm), num_sms(x.device) * per_sm),)](
-                x, x, weight, x, x, rstd, M, K, x.stride(0), x.stride(0), float(eps),
-                BM=rbm, BK=rbk, SINGLE=single, HAS_RES=False, STORE_Y=False,
-                num_warps=warps)
+            _launch_fwd(x, x, weight, x, x, rstd, M, K, eps, has_res=False, store_y=False)
             grid = (cdiv(M, bm), cdiv(K, BLOCK))
             warps = QUANT_WARPS_TILE if columnwise else QUANT_WARPS_ROWWISE
         else:
