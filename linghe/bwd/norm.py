@@ -31,7 +31,7 @@ def bwd_config(K: int):
         if bk >= 8192:
             warps = 16
         return bm, bk, True, warps
-    return 1, MULTI_BK, False, 8
+    return 2, MULTI_BK, False, 8
 
 
 @triton.jit

@@ -15,13 +15,14 @@ from ..fp8.quantize import BLOCK, empty_1x128, quant_cols, quant_rows
 from ..utils import cdiv, device_guard, empty, next_power_of_2, num_sms
 
 #: Largest power-of-two hidden tile held in registers in one piece; wider rows are
-#: processed in column blocks of this size (two passes: sum of squares, then normalize).
+#: processed in MULTI_BK column blocks (two passes: sum of squares, then normalize; the
+#: second pass re-reads the row block while it is still in L1/L2).
 MAX_SINGLE_BK = 8192
 #: Column block of the multi-pass path.
 MULTI_BK = 4096
 #: Persistent grid size of rms_norm: programs per SM (single-tile / multi-pass rows).
 FWD_PROGRAMS_PER_SM = 8
-FWD_PROGRAMS_PER_SM_MULTI = 2
+FWD_PROGRAMS_PER_SM_MULTI = 4
 
 
 def fwd_config(K: int):
@@ -33,7 +34,7 @@ def fwd_config(K: int):
         if bk >= 8192:
             warps = 16
         return bm, bk, True, warps
-    return 1, MULTI_BK, False, 8
+    return 2, MULTI_BK, False, 8
 
 
 @triton.jit
