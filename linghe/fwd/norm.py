@@ -196,7 +196,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 #
 # Design: the columnwise copy needs groups of 128 *tokens*, so a program owns a slab of
 # BM = 128 rows (32 without the columnwise copy). Pass 1 walks the slab's columns in
-# [BM, 128] tiles accumulating the sum of squares -> rstd per row (one HBM read of x).
+# [BM, P1_BK] tiles accumulating the sum of squares -> rstd per row (one HBM read of x).
 # Pass 2 walks the column blocks again (the slab was just read, so these loads hit L2),
 # normalizes in fp32 and quantizes each [BM, 128] tile rowwise (quant_rows) and
 # columnwise (quant_cols) from the same fp32 values; the bf16 normalized output is never
