@@ -5,7 +5,7 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 (``linghe.dist``).
 """
 
-from . import fp8, reference
+from . import fp8, nn, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
 from .functional.activation import batch_silu_mul_quant, silu_mul, silu_mul_quant
 from .functional.grouped_mm import (
@@ -15,6 +15,7 @@ from .functional.grouped_mm import (
     grouped_mm_fp8_wgrad,
     quantize_grouped_weight,
 )
+from .functional.norm import rms_norm, rms_norm_quant
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
@@ -28,10 +29,13 @@ __all__ = [
     "grouped_mm_fp8",
     "grouped_mm_fp8_dgrad",
     "grouped_mm_fp8_wgrad",
+    "nn",
     "quantize_1x128",
     "quantize_128x128",
     "quantize_grouped_weight",
     "reference",
+    "rms_norm",
+    "rms_norm_quant",
     "set_debug",
     "silu_mul",
     "silu_mul_quant",

@@ -219,3 +219,40 @@ def dequantize_batch_columnwise(q_t: torch.Tensor, scale_t: torch.Tensor, tokens
                 q_t[:, start:start + padded], scale_t[:, g:g + ng]).t()
             g += ng
     return out.to(dtype)
+# norm: RMSNorm (+ residual add), RMSNorm + 1x128 FP8 quantization
+# ======================================================================================
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim in float32 (float64 stays float64), not rounded."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return xf * rstd * weight.to(xf.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             residual: torch.Tensor | None = None):
+    """``y = x * rsqrt(mean(x^2, -1) + eps) * weight`` in fp32 math, cast to ``x.dtype``.
+
+    With ``residual``: ``h = x + residual`` (in ``x``'s dtype) is normalized and
+    ``(y, h)`` is returned.
+    """
+    if residual is not None:
+        h = x + residual
+        return rms_norm_f32(h, weight, eps).to(x.dtype), h
+    return rms_norm_f32(x, weight, eps).to(x.dtype)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                   columnwise: bool = True, pow2_scale: bool = False):
+    """1x128 quantization of the (unrounded fp32) RMSNorm output of ``x [..., K]``.
+
+    Returns ``(q [M, K], scale [M, ceil(K/128)])`` plus, with ``columnwise``,
+    ``(q_t [K, M], scale_t [K, ceil(M/128)])``.
+    """
+    y = rms_norm_f32(x, weight, eps).float()
+    y = y.reshape(-1, y.shape[-1])
+    out = quantize_1x128(y, pow2_scale)
+    if columnwise:
+        out = (*out, *quantize_1x128_columnwise(y, pow2_scale))
+    return out

@@ -69,6 +69,12 @@ class Fp8Tensor(torch.Tensor):
         ``columnwise=True`` reads the columnwise copy (transposed back).
         """
         dtype = dtype or self.dtype
+        if self.requires_grad and torch.is_grad_enabled():
+            # Straight-through: gradients reach whatever produced this tensor.
+            return _DequantizeST.apply(self, columnwise, dtype)
+        return self._dequantize_impl(columnwise, dtype)
+
+    def _dequantize_impl(self, columnwise: bool, dtype: torch.dtype):
         if columnwise:
             if self.columnwise_data is None:
                 raise ValueError("this Fp8Tensor has no columnwise copy")
@@ -132,3 +138,16 @@ class Fp8Tensor(torch.Tensor):
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         scaling, dtype = ctx
         return Fp8Tensor(outer_size, dtype, scaling=scaling, **inner)
+
+
+class _DequantizeST(torch.autograd.Function):
+    """``Fp8Tensor.dequantize`` under autograd: the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, t, columnwise, dtype):
+        ctx.in_dtype = t.dtype
+        return t._dequantize_impl(columnwise, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.in_dtype), None, None

@@ -3,3 +3,6 @@
 from .activation import SwiGLU
 
 __all__ = ["SwiGLU"]
+from .norm import RMSNorm
+
+__all__ = ["RMSNorm"]

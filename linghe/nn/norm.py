@@ -1,0 +1,39 @@
+"""``linghe.nn.RMSNorm``: a drop-in for ``torch.nn.RMSNorm`` over the last dimension."""
+
+from __future__ import annotations
+
+import torch
+
+from ..functional.norm import rms_norm
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm over the last dimension, ``y = x * rsqrt(mean(x^2) + eps) * weight``.
+
+    Like ``torch.nn.RMSNorm(hidden_size, eps=eps)``: one parameter ``weight [hidden_size]``
+    initialized to ones, so state dicts load either way. Calls :func:`linghe.rms_norm`.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        if isinstance(hidden_size, (tuple, list, torch.Size)):
+            if len(hidden_size) != 1:
+                raise ValueError("hidden_size must be an int (RMSNorm over the last "
+                                 f"dimension only), got {tuple(hidden_size)}")
+            hidden_size = hidden_size[0]
+        if int(hidden_size) < 1:
+            raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+        self.hidden_size = int(hidden_size)
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(
+            torch.empty(self.hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -1,0 +1,399 @@
+"""RMSNorm (+ residual add) and RMSNorm + 1x128 FP8 quantization, forward and backward."""
+
+import pytest
+import torch
+
+import linghe
+from linghe import reference as ref
+from linghe.fwd import norm as fwd_norm
+from linghe.testing import REL_TOL, assert_close, assert_fp8_close, rel_err
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPES = [F32, F16, BF16]
+
+# (shape, dtype): a representative subset of hidden {1, 3, 127, 1000, 5120} x rows
+# {0, 1, 7, 300} x dtypes (the interpreter is slow), plus N-D input and a hidden size
+# above the single-tile limit (multi-pass path).
+CASES = [
+    ((1, 1), F32), ((7, 1), BF16), ((300, 3), F32), ((7, 3), F16), ((1, 127), BF16),
+    ((300, 127), F16), ((7, 127), F32), ((0, 127), BF16), ((7, 1000), BF16),
+    ((300, 1000), F32), ((1, 5120), F16), ((7, 5120), BF16), ((0, 5120), F32),
+    ((2, 5, 127), BF16), ((3, 9000), F32), ((2, 9000), BF16),
+]
+IDS = [f"{'x'.join(map(str, s))}-{str(d)[6:]}" for s, d in CASES]
+
+
+def _ref_grads(x, w, r, eps, grads):
+    xr = x.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    rr = r.detach().double().requires_grad_() if r is not None else None
+    out = ref.rms_norm(xr, wr, eps, rr)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, [g.double() for g in grads])
+    return outs, xr.grad, wr.grad, (rr.grad if rr is not None else None)
+
+
+def _assert_dx_close(dx, dx_ref, x, w, dy, eps, name="dx"):
+    """Relative to ``||rstd * dy * w||`` (dx's natural scale): dx = rstd*(g - xhat*c)
+    cancels when K is tiny, so ``||dx_ref||`` alone is not a fair yardstick."""
+    xf = x.detach().double()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    scale = (rstd * dy.double() * w.detach().double()).norm().item()
+    err = (dx.detach().double() - dx_ref).norm().item() / max(scale, 1e-30)
+    assert err <= REL_TOL[dx.dtype], f"{name}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("shape,dtype", CASES, ids=IDS)
+def test_rms_norm_matches_reference(device, shape, dtype):
+    K = shape[-1]
+    eps = 1e-6
+    x = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_()
+    w = (torch.rand(K, device=device) + 0.5).to(dtype).requires_grad_()
+    y = linghe.rms_norm(x, w, eps)
+    assert y.shape == x.shape and y.dtype == dtype
+    dy = torch.randn(shape, device=device).to(dtype)
+    y.backward(dy)
+    (y_ref,), dx_ref, dw_ref, _ = _ref_grads(x, w, None, eps, [dy])
+    assert_close(y, y_ref, name="y")
+    _assert_dx_close(x.grad, dx_ref, x, w, dy, eps)
+    assert w.grad.dtype == dtype
+    assert_close(w.grad, dw_ref, name="dweight")
+
+
+@pytest.mark.parametrize("shape,dtype", [((7, 127), F32), ((300, 1000), BF16),
+                                         ((1, 3), F16), ((0, 5), F32), ((2, 9000), F16),
+                                         ((2, 3, 130), BF16)])
+def test_rms_norm_residual(device, shape, dtype):
+    K = shape[-1]
+    eps = 1e-5
+    x = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    r = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    w = torch.randn(K, device=device).to(dtype).requires_grad_()
+    y, h = linghe.rms_norm(x, w, eps, residual=r)
+    assert y.dtype == h.dtype == dtype and y.shape == h.shape == x.shape
+    dy = torch.randn(shape, device=device).to(dtype)
+    dh = torch.randn(shape, device=device).to(dtype)
+    torch.autograd.backward([y, h], [dy, dh])
+    (y_ref, h_ref), dx_ref, dw_ref, dr_ref = _ref_grads(x, w, r, eps, [dy, dh])
+    assert_close(y, y_ref, name="y")
+    hh = (x + r).detach()
+    if device == "cuda":  # the interpreter truncates fp32 -> bf16/fp16 stores
+        assert torch.equal(h, hh), "h must be x + residual rounded to x's dtype"
+    assert_close(h, h_ref, name="h")
+    _assert_dx_close(x.grad, dx_ref, hh, w, dy, eps, "dx")
+    _assert_dx_close(r.grad, dr_ref, hh, w, dy, eps, "dresidual")
+    assert_close(w.grad, dw_ref, name="dweight")
+
+
+def test_rms_norm_residual_only_one_output_used(device):
+    x = torch.randn(7, 130, device=device, requires_grad=True)
+    r = torch.randn(7, 130, device=device, requires_grad=True)
+    w = torch.randn(130, device=device, requires_grad=True)
+    y, h = linghe.rms_norm(x, w, residual=r)
+    (h * 2).sum().backward()  # y unused: dx = dr = 2
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    torch.testing.assert_close(r.grad, torch.full_like(r, 2.0))
+    assert w.grad is None
+    x.grad = r.grad = None
+    y, h = linghe.rms_norm(x, w, residual=r)
+    y.sum().backward()  # h unused
+    (y_ref, _), dx_ref, dw_ref, dr_ref = _ref_grads(x, w, r, 1e-6, [torch.ones_like(x),
+                                                                       torch.zeros_like(x)])
+    assert_close(x.grad, dx_ref)
+    assert_close(r.grad, dr_ref)
+    assert_close(w.grad, dw_ref)
+
+
+def test_rms_norm_weight_dtype_differs(device):
+    x = torch.randn(7, 200, device=device, dtype=BF16, requires_grad=True)
+    w = torch.randn(200, device=device, dtype=F32, requires_grad=True)
+    y = linghe.rms_norm(x, w)
+    assert y.dtype == BF16
+    y.float().square().sum().backward()
+    assert w.grad.dtype == F32 and x.grad.dtype == BF16
+    xr = x.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    ref.rms_norm(xr, wr).square().sum().backward()
+    assert_close(w.grad, wr.grad, tol=2e-2)
+
+
+def test_rms_norm_matches_torch(device):
+    x = torch.randn(5, 300, device=device)
+    w = torch.randn(300, device=device)
+    torch.testing.assert_close(linghe.rms_norm(x, w, 1e-6),
+                               torch.nn.functional.rms_norm(x, (300,), w, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("K", [100, 9000])
+def test_rms_norm_strided_rows(device, K):
+    # Rows of a wider buffer (stride(0) != K), a strided weight, residual too.
+    big = torch.randn(5, K + 30, device=device)
+    x = big[:, :K].requires_grad_()
+    r = torch.randn(5, K + 7, device=device)[:, 3:K + 3].requires_grad_()
+    w = torch.randn(2 * K, device=device)[::2].requires_grad_()
+    y, h = linghe.rms_norm(x, w, residual=r)
+    dy = torch.randn(5, 2 * K, device=device)[:, ::2]  # non-contiguous gradient
+    y.backward(dy)
+    (y_ref, _), dx_ref, dw_ref, dr_ref = _ref_grads(x, w, r, 1e-6,
+                                                     [dy, torch.zeros(5, K, device=device)])
+    assert_close(y, y_ref)
+    assert_close(x.grad, dx_ref)
+    assert_close(r.grad, dr_ref)
+    assert_close(w.grad, dw_ref)
+    t = linghe.rms_norm_quant(x.detach(), w.detach())
+    q, s, qt, st = ref.rms_norm_quant(x.detach(), w.detach())
+    assert_fp8_close(t.rowwise_data, q)
+    assert_fp8_close(t.columnwise_data, qt)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_rms_norm_persistent_loops(device, monkeypatch, prefetch):
+    # Few programs, many row blocks each: both the prefetching and the plain loops.
+    from linghe.bwd import norm as bwd_norm
+    monkeypatch.setattr(fwd_norm, "FWD_PREFETCH", prefetch)
+    monkeypatch.setattr(bwd_norm, "BWD_PREFETCH", prefetch)
+    monkeypatch.setattr(fwd_norm, "FWD_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(bwd_norm, "BWD_PROGRAMS_PER_SM", 1)
+    x = torch.randn(301, 200, device=device, dtype=BF16, requires_grad=True)
+    r = torch.randn(301, 200, device=device, dtype=BF16, requires_grad=True)
+    w = torch.randn(200, device=device, dtype=BF16, requires_grad=True)
+    y, h = linghe.rms_norm(x, w, residual=r)
+    dy, dh = torch.randn_like(y), torch.randn_like(h)
+    torch.autograd.backward([y, h], [dy, dh])
+    (y_ref, h_ref), dx_ref, dw_ref, dr_ref = _ref_grads(x, w, r, 1e-6, [dy, dh])
+    assert_close(y, y_ref)
+    assert_close(h, h_ref)
+    assert_close(x.grad, dx_ref)
+    assert_close(r.grad, dr_ref)
+    assert_close(w.grad, dw_ref)
+
+
+def test_rms_norm_dweight_deterministic(device):
+    x = torch.randn(300, 127, device=device, requires_grad=True)
+    w = torch.randn(127, device=device, requires_grad=True)
+    dy = torch.randn(300, 127, device=device)
+    grads = []
+    for _ in range(2):
+        w.grad = None
+        linghe.rms_norm(x, w).backward(dy)
+        grads.append(w.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
+# --------------------------------------------------------------------------- quant
+QCASES = [((300, 260), F32, False), ((7, 127), BF16, True), ((129, 1000), F16, False),
+          ((1, 3), BF16, False), ((2, 70, 128), BF16, True), ((0, 256), F32, False),
+          ((130, 1300), BF16, True)]
+
+
+@pytest.mark.parametrize("shape,dtype,pow2", QCASES,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{p}" for s, d, p in QCASES])
+@pytest.mark.parametrize("columnwise", [True, False])
+def test_rms_norm_quant_matches_reference(device, shape, dtype, pow2, columnwise):
+    K = shape[-1]
+    x = (torch.randn(shape, device=device) * 2).to(dtype).requires_grad_()
+    w = (torch.randn(K, device=device)).to(dtype).requires_grad_()
+    t = linghe.rms_norm_quant(x, w, 1e-6, columnwise=columnwise, pow2_scale=pow2)
+    assert isinstance(t, linghe.Fp8Tensor)
+    assert t.shape == x.shape and t.dtype == dtype and t.requires_grad and t.grad_fn
+    expect = ref.rms_norm_quant(x.detach(), w.detach(), 1e-6, columnwise=columnwise,
+                                pow2_scale=pow2)
+    assert_fp8_close(t.rowwise_data, expect[0], "rowwise data")
+    assert_close(t.rowwise_scale, expect[1], tol=1e-5, name="rowwise scale")
+    if columnwise:
+        assert_fp8_close(t.columnwise_data, expect[2], "columnwise data")
+        assert_close(t.columnwise_scale, expect[3], tol=1e-5, name="columnwise scale")
+    else:
+        assert t.columnwise_data is None
+    # Straight-through backward == rms_norm's backward.
+    dy = torch.randn(shape, device=device).to(dtype)
+    t.backward(dy)
+    dxq, dwq = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    linghe.rms_norm(x, w, 1e-6).backward(dy)
+    # Same kernel; rstd may differ in its last bit (another summation order), so the
+    # gradients agree to a rounding of the output dtype.
+    assert_close(dxq, x.grad, tol=REL_TOL[dtype] / 10, name="dx")
+    assert_close(dwq, w.grad, tol=REL_TOL[dtype] / 10, name="dweight")
+
+
+def test_rms_norm_quant_dequantize_backprops(device):
+    x = torch.randn(130, 256, device=device, requires_grad=True)
+    w = torch.randn(256, device=device, requires_grad=True)
+    t = linghe.rms_norm_quant(x, w)
+    assert_close(t.dequantize(), ref.rms_norm(x.detach(), w.detach()), tol=0.07)
+    assert_close(t.dequantize(columnwise=True), ref.rms_norm(x.detach(), w.detach()),
+                 tol=0.07)
+    proj = torch.randn(256, 5, device=device)
+    (t.dequantize() @ proj).square().sum().backward()
+    g1 = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    # Any torch op on the Fp8Tensor itself backprops too.
+    t2 = linghe.rms_norm_quant(x, w)
+    (t2 @ proj).square().sum().backward()
+    assert rel_err(x.grad, g1[0]) < 1e-6 and rel_err(w.grad, g1[1]) < 1e-6
+    # and the gradient equals rms_norm's for the same upstream gradient
+    dy = 2 * (t.dequantize().detach() @ proj) @ proj.t()
+    x.grad = w.grad = None
+    linghe.rms_norm(x, w).backward(dy)
+    assert rel_err(g1[0], x.grad) < 1e-6 and rel_err(g1[1], w.grad) < 1e-6
+
+
+def test_rms_norm_quant_columnwise_is_not_transpose(device):
+    x = torch.randn(256, 128, device=device)
+    x[0] *= 100
+    w = torch.ones(128, device=device)
+    t = linghe.rms_norm_quant(x, w)
+    assert not torch.equal(t.columnwise_data.t().float(), t.rowwise_data.float())
+
+
+@pytest.mark.parametrize("mode,split,M,K,columnwise", [
+    ("slab", 1, 130, 700, True), ("slab", 3, 130, 700, True), ("slab", 3, 130, 700, False),
+    ("two_kernel", 1, 130, 700, True), ("two_kernel", 1, 130, 700, False),
+    ("two_kernel", 1, 5, 9000, True)])
+def test_rms_norm_quant_modes(device, monkeypatch, mode, split, M, K, columnwise):
+    # Both launch modes, and several programs per 128-row slab.
+    monkeypatch.setattr(fwd_norm, "QUANT_MODE", mode)
+    monkeypatch.setattr(fwd_norm, "quant_split", lambda M, K, bm, dev: split)
+    x = torch.randn(M, K, device=device, requires_grad=True)
+    w = torch.randn(K, device=device)
+    t = linghe.rms_norm_quant(x, w, columnwise=columnwise)
+    expect = ref.rms_norm_quant(x.detach(), w, columnwise=columnwise)
+    assert_fp8_close(t.rowwise_data, expect[0])
+    assert_close(t.rowwise_scale, expect[1])
+    if columnwise:
+        assert_fp8_close(t.columnwise_data, expect[2])
+        assert_close(t.columnwise_scale, expect[3])
+    dy = torch.randn(M, K, device=device)
+    t.backward(dy)
+    gq = x.grad.clone()
+    x.grad = None
+    linghe.rms_norm(x, w).backward(dy)
+    assert_close(gq, x.grad, tol=1e-6)
+
+
+# ---------------------------------------------------------------------------- module
+def test_nn_rmsnorm_like_torch(device):
+    m = linghe.nn.RMSNorm(300, eps=1e-5, device=device)
+    t = torch.nn.RMSNorm(300, eps=1e-5, device=device)
+    assert torch.equal(m.weight, torch.ones(300, device=device))
+    assert [n for n, _ in m.named_parameters()] == ["weight"]
+    assert "300" in repr(m) and "eps=1e-05" in repr(m)
+    with torch.no_grad():
+        t.weight.normal_()
+    m.load_state_dict(t.state_dict())
+    x = torch.randn(4, 3, 300, device=device, requires_grad=True)
+    y = m(x)
+    y_t = t(x)
+    assert_close(y, y_t)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, m.weight), dy)
+    gx_t, gw_t = torch.autograd.grad(y_t, (x, t.weight), dy)
+    assert_close(gx, gx_t)
+    assert_close(gw, gw_t)
+    # and back the other way
+    with torch.no_grad():
+        m.weight.uniform_()
+    t.load_state_dict(m.state_dict())
+    assert torch.equal(t.weight, m.weight)
+    m.reset_parameters()
+    assert torch.equal(m.weight, torch.ones_like(m.weight))
+
+
+def test_nn_rmsnorm_dtype_moves(device):
+    m = linghe.nn.RMSNorm(64).to(device).to(torch.bfloat16)
+    assert m.weight.dtype == torch.bfloat16 and m.weight.device.type == device
+    x = torch.randn(3, 64, device=device, dtype=torch.bfloat16)
+    y = m(x)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, ref.rms_norm(x.double(), m.weight.double().detach()).to(torch.bfloat16))
+    m2 = linghe.nn.RMSNorm(64, dtype=torch.float16, device=device)
+    assert m2.weight.dtype == torch.float16
+
+
+# ------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("fn", ["rms_norm", "rms_norm_quant"])
+def test_bad_inputs(device, fn):
+    op = getattr(linghe, fn)
+    x = torch.randn(4, 16, device=device)
+    w = torch.ones(16, device=device)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        op(x.to(torch.int32), w)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        op(x.double(), w)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        op([1.0], w)
+    with pytest.raises(TypeError, match="weight must have dtype"):
+        op(x, w.to(torch.int64))
+    with pytest.raises(ValueError, match=r"weight must have shape \(16,\)"):
+        op(x, torch.ones(15, device=device))
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        op(x, torch.ones(1, 16, device=device))
+    with pytest.raises(ValueError, match="x must have a contiguous last dimension"):
+        op(torch.randn(16, 4, device=device).t(), torch.ones(4, device=device))
+    with pytest.raises(ValueError, match="x must have a non-empty last"):
+        op(torch.randn(4, 0, device=device), torch.ones(0, device=device))
+    with pytest.raises(ValueError, match="eps"):
+        op(x, w, -1.0)
+    if device == "cuda":
+        with pytest.raises(ValueError, match="weight is on cpu"):
+            op(x, w.cpu())
+    else:
+        with pytest.raises(ValueError, match="x is on meta"):
+            op(x.to("meta"), w.to("meta"))
+
+
+def test_bad_residual(device):
+    x = torch.randn(4, 16, device=device)
+    w = torch.ones(16, device=device)
+    with pytest.raises(ValueError, match=r"residual must have shape \(4, 16\)"):
+        linghe.rms_norm(x, w, residual=torch.randn(4, 15, device=device))
+    with pytest.raises(TypeError, match="residual must have dtype"):
+        linghe.rms_norm(x, w, residual=torch.randn(4, 16, device=device).half())
+    with pytest.raises(ValueError, match="residual must have a contiguous last"):
+        linghe.rms_norm(x, w, residual=torch.randn(16, 4, device=device).t())
+    with pytest.raises(ValueError, match="hidden_size"):
+        linghe.nn.RMSNorm(0)
+
+
+# ------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [2048, 4096, 65536])
+def test_gpu_standard_and_wide(device, K):
+    M = 8192 if K <= 8192 else 256
+    x = torch.randn(M, K, device=device, dtype=BF16, requires_grad=True)
+    w = (torch.rand(K, device=device) + 0.5).to(BF16).requires_grad_()
+    y = linghe.rms_norm(x, w)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    (y_ref,), dx_ref, dw_ref, _ = _ref_grads(x, w, None, 1e-6, [dy])
+    assert_close(y, y_ref)
+    _assert_dx_close(x.grad, dx_ref, x, w, dy, 1e-6)
+    assert_close(w.grad, dw_ref)
+    t = linghe.rms_norm_quant(x, w)
+    q, s, qt, st = ref.rms_norm_quant(x.detach(), w.detach())
+    assert_fp8_close(t.rowwise_data, q)
+    assert_fp8_close(t.columnwise_data, qt)
+    assert_close(t.rowwise_scale, s)
+    assert_close(t.columnwise_scale, st)
+    dx, dw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    t.backward(dy)
+    assert_close(x.grad, dx, tol=1e-3)
+    assert_close(w.grad, dw, tol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_residual_standard(device):
+    x = torch.randn(8192, 2048, device=device, dtype=BF16, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.randn(2048, device=device, dtype=BF16, requires_grad=True)
+    y, h = linghe.rms_norm(x, w, residual=r)
+    dy, dh = torch.randn_like(y), torch.randn_like(h)
+    torch.autograd.backward([y, h], [dy, dh])
+    (y_ref, _), dx_ref, dw_ref, dr_ref = _ref_grads(x, w, r, 1e-6, [dy, dh])
+    assert_close(y, y_ref)
+    assert_close(x.grad, dx_ref)
+    assert_close(r.grad, dr_ref)
+    assert_close(w.grad, dw_ref)
