@@ -1,8 +1,6 @@
 """torch.nn.Module wrappers over ``linghe.functional`` (no math lives here)."""
 
 from .activation import SwiGLU
-
-__all__ = ["SwiGLU"]
 from .norm import RMSNorm
 
-__all__ = ["RMSNorm"]
+__all__ = ["RMSNorm", "SwiGLU"]
