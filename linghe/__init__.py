@@ -7,16 +7,26 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 
 from . import fp8, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
+from .functional.permute import permute, unpermute
+from .functional.router import router_logits, router_z_loss, topk_route
+from .layout import ExpertLayout, max_grouped_rows
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
 
 __all__ = [
+    "ExpertLayout",
     "Fp8Tensor",
     "debug_enabled",
     "fp8",
+    "max_grouped_rows",
+    "permute",
     "quantize_1x128",
     "quantize_128x128",
     "reference",
+    "router_logits",
+    "router_z_loss",
     "set_debug",
+    "topk_route",
+    "unpermute",
 ]
