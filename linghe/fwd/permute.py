@@ -141,7 +141,7 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
                     rin_ptr, dw_ptr, offsets_ptr, tpe_ptr,
                     T, H, G, E, num_rows, stride_x, stride_xs, n_tok_progs, n_tail_progs,
                     K_TOP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                    BG: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                    BG: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BHZ: tl.constexpr,
                     HAS_SCALE: tl.constexpr, HAS_W: tl.constexpr, HAS_P: tl.constexpr,
                     DOT: tl.constexpr):
     pid = tl.program_id(0)
@@ -201,7 +201,7 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
         end = tl.where(is_pad, off_q1, num_rows + 0 * off_e)
         step = tl.where(is_pad, BR + 0 * off_e, n_tail_progs * BR + 0 * off_e)
         start = tl.minimum(start, end)
-        _zero_range(out_ptr, start, end, step, H, BR, BH, 0.0)
+        _zero_range(out_ptr, start, end, step, H, BR, BHZ, 0.0)
         if HAS_SCALE:
             _zero_range(os_ptr, start, end, step, G, BR, BG, 1.0)
         if HAS_P:
@@ -243,7 +243,7 @@ def scatter_rows(x: torch.Tensor, layout: ExpertLayout, *, x_scale: torch.Tensor
     BT, BH = _token_tiles(H, x.element_size())
     if dot_rows is not None:
         BT = max(1, BT // 2)
-    BR = 16 if INTERPRET else 32
+    BR = 16
     BHZ = min(max(next_power_of_2(max(H, 1)), 16), 256 if INTERPRET else 1024)
     n_tok = cdiv(T, BT)
     n_tail = max(1, min(cdiv(R, BR), 2 * num_sms(dev)))
@@ -259,7 +259,7 @@ def scatter_rows(x: torch.Tensor, layout: ExpertLayout, *, x_scale: torch.Tensor
             T, H, G, E, R, x.stride(0) if T else H,
             x_scale.stride(0) if x_scale is not None and T else max(G, 1), n_tok, n_tail,
             K_TOP=k, BT=BT, BH=BH, BG=max(16, min(next_power_of_2(max(G, 1)), 64)), BR=BR,
-            BK=next_power_of_2(max(k, 1)), HAS_SCALE=x_scale is not None,
+            BK=next_power_of_2(max(k, 1)), BHZ=BHZ, HAS_SCALE=x_scale is not None,
             HAS_W=weights is not None, HAS_P=probs is not None, DOT=dot_rows is not None,
             num_warps=4 if BH * BT <= 4096 else 8)
     return out, out_s, prow, d
