@@ -101,7 +101,8 @@ def topk_route(logits: torch.Tensor, k: int, *, score: str = "softmax",
     Returns ``(probs [T, k] float32, expert_ids [T, k] int32, tokens_per_expert [E] int32)``:
     ids in descending order of selection score (ties: lower expert id first); probs are the
     unbiased scores of those experts (normalized, scaled); ``tokens_per_expert`` counted on
-    device (no host sync). Backward: ``dlogits`` (logits' dtype) through scale,
+    device (no host sync). A row with NaN logits gets NaN probs and ids ``-1`` (which
+    ``permute`` drops). Backward: ``dlogits`` (logits' dtype) through scale,
     normalization and softmax/sigmoid; selection is not differentiable. Saves ``logits``
     and ``expert_ids`` (scores are recomputed).
     """
