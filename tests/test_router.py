@@ -101,6 +101,14 @@ def test_topk_route_bias_selects_only(device):
     assert_close(p, s / s.sum(1, keepdim=True))
 
 
+def test_topk_route_nan_row_gives_dropped_ids(device):
+    logits = torch.randn(5, 8, device=device)
+    logits[2, 3] = float("nan")
+    p, ids, tpe = linghe.topk_route(logits, 2)
+    assert torch.all(ids[2] == -1) and torch.all(p[2].isnan())
+    assert int(tpe.sum()) == 8 and torch.all(ids[[0, 1, 3, 4]] >= 0)
+
+
 def test_topk_route_bad_inputs(device):
     logits = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match="k"):

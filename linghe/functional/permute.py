@@ -171,6 +171,9 @@ def unpermute(rows: torch.Tensor, layout: ExpertLayout, probs: torch.Tensor | No
     """
     if not isinstance(layout, ExpertLayout) or layout.row_index is None:
         raise TypeError("layout must be the ExpertLayout returned by permute (with row_index)")
+    if isinstance(rows, Fp8Tensor):
+        raise TypeError("rows must be a high-precision tensor (float32/float16/bfloat16), got an "
+                        "Fp8Tensor: dequantize it or run the expert GEMM first")
     check_tensor("rows", rows, dtypes=FLOAT_DTYPES, ndim=2, contiguous=True)
     if rows.shape[0] != layout.num_rows:
         raise ValueError(f"rows must have {layout.num_rows} rows (layout.num_rows), got "

@@ -149,7 +149,6 @@ def _topk_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, ids_ptr, tpe_ptr, T, strid
     ji = tl.arange(0, BGE)
     e2 = gi[:, None] * EG + ji[None, :]
     valid = (gi < G)[:, None] & (ji < EG)[None, :]
-    BIG: tl.constexpr = BG * BGE
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e2, mask=valid, other=0.0).to(tl.float32)
     else:
@@ -189,7 +188,7 @@ def _topk_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, ids_ptr, tpe_ptr, T, strid
         ik = tl.zeros([BK], dtype=tl.int32)
         for j in range(K_TOP):
             m = tl.max(tl.max(sel, axis=1), axis=0)
-            idx = tl.min(tl.min(tl.where((sel == m) & valid, e2, BIG), axis=1), axis=0)
+            idx = tl.min(tl.min(tl.where((sel == m) & valid, e2, (BG * BGE)), axis=1), axis=0)
             hit = e2 == idx
             sv = tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0)
             pk = tl.where(kk == j, sv, pk)
@@ -199,7 +198,7 @@ def _topk_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, ids_ptr, tpe_ptr, T, strid
         if NORMALIZE:
             pk = pk / tl.sum(pk, axis=0)
         pk = pk * scale
-        ik = tl.where(ik < BIG, ik, -1)
+        ik = tl.where(ik < (BG * BGE), ik, -1)
         om = (kk < K_TOP) & ((kk * 0 + t) < T)
         tl.store(probs_ptr + t * K_TOP + kk, pk, mask=om)
         tl.store(ids_ptr + t * K_TOP + kk, ik, mask=om)
