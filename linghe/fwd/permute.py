@@ -149,6 +149,15 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
         toks = pid.to(tl.int64) * BT + tl.arange(0, BT)
         tmask = toks < T
         jj = tl.arange(0, BK)
+        m2 = tmask[:, None] & (jj < K_TOP)[None, :]
+        # the block's row indices (and weights) in registers: no dependent loads below
+        r2 = tl.load(row_index_ptr + toks[:, None] * K_TOP + jj[None, :], mask=m2,
+                     other=-1).to(tl.int64)
+        if HAS_W:
+            w2 = tl.load(w_ptr + toks[:, None] * K_TOP + jj[None, :], mask=m2 & (r2 >= 0),
+                         other=0.0)
+        else:
+            w2 = tl.zeros([BT, BK], dtype=tl.float32)
         dacc = tl.zeros([BT, BK], dtype=tl.float32)
         for h0 in range(0, H, BH):
             cols = h0 + tl.arange(0, BH)
@@ -156,11 +165,11 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
             xm = tmask[:, None] & cmask[None, :]
             xt = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :], mask=xm, other=0.0)
             for j in range(K_TOP):
-                r = tl.load(row_index_ptr + toks * K_TOP + j, mask=tmask, other=-1).to(tl.int64)
+                r = tl.sum(tl.where(jj[None, :] == j, r2, 0), axis=1)
                 ok = r >= 0
                 om = ok[:, None] & cmask[None, :]
                 if HAS_W:
-                    w = tl.load(w_ptr + toks * K_TOP + j, mask=tmask & ok, other=0.0)
+                    w = tl.sum(tl.where(jj[None, :] == j, w2, 0.0), axis=1)
                     val = (xt.to(tl.float32) * w[:, None]).to(out_ptr.dtype.element_ty)
                 else:
                     val = xt.to(out_ptr.dtype.element_ty)
@@ -173,7 +182,7 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
             tl.store(dw_ptr + toks[:, None] * K_TOP + jj[None, :], dacc,
                      mask=tmask[:, None] & (jj < K_TOP)[None, :])
         for j in range(K_TOP):
-            r = tl.load(row_index_ptr + toks * K_TOP + j, mask=tmask, other=-1).to(tl.int64)
+            r = tl.sum(tl.where(jj[None, :] == j, r2, 0), axis=1)
             ok = r >= 0
             if HAS_SCALE:
                 gs = tl.arange(0, BG)
@@ -200,6 +209,7 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
         start = tl.where(is_pad, off_q + cnt_q, off_e + (q - E) * BR)
         end = tl.where(is_pad, off_q1, num_rows + 0 * off_e)
         step = tl.where(is_pad, BR + 0 * off_e, n_tail_progs * BR + 0 * off_e)
+        end = tl.minimum(end, num_rows)  # an explicit num_rows may cut a segment
         start = tl.minimum(start, end)
         _zero_range(out_ptr, start, end, step, H, BR, BHZ, 0.0)
         if HAS_SCALE:
@@ -267,32 +277,48 @@ def scatter_rows(x: torch.Tensor, layout: ExpertLayout, *, x_scale: torch.Tensor
 
 # ------------------------------------------------------------------------------ gather
 @triton.jit
+def _gather_acc(rows_ptr, r2, w2, jj, j, cols, cmask, H, acc, HAS_W: tl.constexpr):
+    r = tl.sum(tl.where(jj[None, :] == j, r2, 0), axis=1)
+    ok = r >= 0
+    v = tl.load(rows_ptr + r[:, None] * H + cols[None, :], mask=ok[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    if HAS_W:
+        w = tl.sum(tl.where(jj[None, :] == j, w2, 0.0), axis=1)
+        v = v * w[:, None]
+    return acc + v
+
+
+@triton.jit
 def _gather_kernel(rows_ptr, row_index_ptr, w_ptr, out_ptr, prg_ptr, dp_ptr, T, H, stride_out,
                    K_TOP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                   BK: tl.constexpr, HAS_W: tl.constexpr, PGRAD: tl.constexpr):
+                   BK: tl.constexpr, HAS_W: tl.constexpr, PGRAD: tl.constexpr,
+                   UNROLL: tl.constexpr):
     pid = tl.program_id(0)
     toks = pid.to(tl.int64) * BT + tl.arange(0, BT)
     tmask = toks < T
+    jj = tl.arange(0, BK)
+    m2 = tmask[:, None] & (jj < K_TOP)[None, :]
+    r2 = tl.load(row_index_ptr + toks[:, None] * K_TOP + jj[None, :], mask=m2,
+                 other=-1).to(tl.int64)
+    if HAS_W:
+        w2 = tl.load(w_ptr + toks[:, None] * K_TOP + jj[None, :], mask=m2 & (r2 >= 0), other=0.0)
+    else:
+        w2 = tl.zeros([BT, BK], dtype=tl.float32)
     for h0 in range(0, H, BH):
         cols = h0 + tl.arange(0, BH)
         cmask = cols < H
         acc = tl.zeros([BT, BH], dtype=tl.float32)
-        for j in range(K_TOP):
-            r = tl.load(row_index_ptr + toks * K_TOP + j, mask=tmask, other=-1).to(tl.int64)
-            ok = r >= 0
-            v = tl.load(rows_ptr + r[:, None] * H + cols[None, :],
-                        mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            if HAS_W:
-                w = tl.load(w_ptr + toks * K_TOP + j, mask=tmask & ok, other=0.0)
-                v = v * w[:, None]
-            acc += v
+        if UNROLL:
+            # the k row loads are independent: unrolled, they are all in flight at once
+            for j in tl.static_range(K_TOP):
+                acc = _gather_acc(rows_ptr, r2, w2, jj, j, cols, cmask, H, acc, HAS_W)
+        else:
+            for j in range(K_TOP):
+                acc = _gather_acc(rows_ptr, r2, w2, jj, j, cols, cmask, H, acc, HAS_W)
         tl.store(out_ptr + toks[:, None] * stride_out + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
     if PGRAD:
-        jj = tl.arange(0, BK)
-        m2 = tmask[:, None] & (jj < K_TOP)[None, :]
-        r2 = tl.load(row_index_ptr + toks[:, None] * K_TOP + jj[None, :], mask=m2, other=-1)
-        g = tl.load(prg_ptr + r2.to(tl.int64), mask=m2 & (r2 >= 0), other=0.0)
+        g = tl.load(prg_ptr + r2, mask=m2 & (r2 >= 0), other=0.0)
         tl.store(dp_ptr + toks[:, None] * K_TOP + jj[None, :], g, mask=m2)
 
 
@@ -319,5 +345,6 @@ def gather_rows(rows: torch.Tensor, layout: ExpertLayout, *, weights: torch.Tens
             probs_rows_grad if probs_rows_grad is not None else dummy,
             dp if dp is not None else dummy, T, H, H,
             K_TOP=k, BT=BT, BH=BH, BK=next_power_of_2(max(k, 1)), HAS_W=weights is not None,
-            PGRAD=probs_rows_grad is not None, num_warps=4 if BH * BT <= 4096 else 8)
+            PGRAD=probs_rows_grad is not None, UNROLL=k <= 16,
+            num_warps=4 if BH * BT <= 4096 else 8)
     return out, dp
