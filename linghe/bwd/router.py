@@ -19,12 +19,19 @@ import triton.language as tl
 from ..fwd.router import _rows_per_prog, matmul_exact
 from ..utils import cdiv, device_guard, empty, empty_like, next_power_of_2
 
+#: Part-product order of ``dx`` when x is bf16/fp16: 1 (default) sums ``dl_hi*W_hi +
+#: dl_mid*W_hi + dl_hi*W_mid`` (error ~2^-16, far under the bf16 output's rounding); 0 is
+#: a single bf16 GEMM ``bf16(dl) @ bf16(W)`` (error ~ one bf16 ulp, 1/3 of the flops for an
+#: fp32 weight). A float32 ``x`` always gets order 2 (fp32-exact).
+DX_ORDER = 1
+
 
 def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
                       need_dx: bool = True, need_dw: bool = True):
     """``dlogits [T, E]`` fp32, ``x2 [T, K]``, ``weight [E, K]`` -> ``(dx [T, K] x.dtype,
     dw [E, K] fp32)`` (``None`` where not needed)."""
-    dx = matmul_exact(dlogits, weight, x2.dtype) if need_dx else None
+    dx_order = 2 if x2.dtype == torch.float32 else DX_ORDER
+    dx = matmul_exact(dlogits, weight, x2.dtype, order=dx_order) if need_dx else None
     # fp32 weight: fp32-exact dw (ORDER 2); a bf16/fp16 weight gets its gradient in its own
     # dtype, so bf16-level accuracy (ORDER 1: 2 passes instead of 3) is enough there.
     order = 2 if weight.dtype == torch.float32 else 1
