@@ -16,11 +16,15 @@ from .functional.grouped_mm import (
     quantize_grouped_weight,
 )
 from .functional.norm import rms_norm, rms_norm_quant
+from .functional.permute import permute, unpermute
+from .functional.router import router_logits, router_z_loss, topk_route
+from .layout import ExpertLayout, max_grouped_rows
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
 
 __all__ = [
+    "ExpertLayout",
     "Fp8Tensor",
     "batch_silu_mul_quant",
     "debug_enabled",
@@ -30,6 +34,8 @@ __all__ = [
     "grouped_mm_fp8_dgrad",
     "grouped_mm_fp8_wgrad",
     "nn",
+    "max_grouped_rows",
+    "permute",
     "quantize_1x128",
     "quantize_128x128",
     "quantize_grouped_weight",
@@ -39,4 +45,9 @@ __all__ = [
     "set_debug",
     "silu_mul",
     "silu_mul_quant",
+    "router_logits",
+    "router_z_loss",
+    "set_debug",
+    "topk_route",
+    "unpermute",
 ]

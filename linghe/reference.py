@@ -256,3 +256,113 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     if columnwise:
         out = (*out, *quantize_1x128_columnwise(y, pow2_scale))
     return out
+# router: FP32 router GEMM, top-k routing (softmax / sigmoid, bias, groups), z-loss
+# ======================================================================================
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight[E, K]^T`` computed in float64 from the given values, returned
+    as float32 ``[..., E]`` (what an fp32-exact kernel must match to ~1e-7)."""
+    return (x.double() @ weight.double().t()).float()
+
+
+def _group_mask(sel: torch.Tensor, score: str, num_groups: int, topk_groups: int):
+    T, E = sel.shape
+    g = sel.view(T, num_groups, E // num_groups)
+    if score == "sigmoid":
+        gs = g.topk(min(2, E // num_groups), dim=-1).values.sum(-1)
+    else:
+        gs = g.amax(-1)
+    keep = gs.topk(topk_groups, dim=-1).indices
+    mask = torch.zeros(T, num_groups, dtype=torch.bool, device=sel.device)
+    mask.scatter_(1, keep, True)
+    return mask.repeat_interleave(E // num_groups, dim=1)
+
+
+def topk_route(logits: torch.Tensor, k: int, score: str = "softmax",
+               expert_bias: torch.Tensor | None = None, num_groups: int = 1,
+               topk_groups: int = 1, normalize: bool = True, scale: float = 1.0):
+    """Top-k routing (DeepSeek-V3 style). ``logits [T, E]`` -> ``(probs [T, k] fp32,
+    expert_ids [T, k] int32, tokens_per_expert [E] int32)``.
+
+    ``s = softmax(logits)`` or ``sigmoid(logits)`` (in float32); the selection score is
+    ``s + expert_bias`` (bias affects selection only). With ``num_groups > 1`` experts are in
+    ``num_groups`` contiguous groups; a group's score is the sum of its top-2 selection
+    scores (sigmoid) or its max (softmax); only the ``topk_groups`` best groups are eligible.
+    Ids are sorted by selection score, descending. ``probs = s[ids]`` (divided by their sum
+    when ``normalize``) times ``scale``.
+    """
+    s = torch.softmax(logits.float(), -1) if score == "softmax" else torch.sigmoid(logits.float())
+    sel = s.detach() if expert_bias is None else s.detach() + expert_bias.float()
+    if num_groups > 1:
+        sel = sel.masked_fill(~_group_mask(sel, score, num_groups, topk_groups), float("-inf"))
+    ids = sel.topk(k, dim=-1).indices
+    p = s.gather(1, ids)
+    if normalize:
+        p = p / p.sum(-1, keepdim=True)
+    p = p * scale
+    tpe = torch.bincount(ids.flatten(), minlength=logits.shape[1]).to(torch.int32)
+    return p, ids.to(torch.int32), tpe
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """``mean_t logsumexp(logits[t])^2`` (float32 scalar; 0 for no tokens)."""
+    lf = logits.float().reshape(-1, logits.shape[-1])
+    if lf.shape[0] == 0:
+        return lf.sum()
+    return (torch.logsumexp(lf, -1) ** 2).mean()
+
+
+# ======================================================================================
+# permute: MoE rows grouped by expert, padded by index (see linghe/layout.py)
+# ======================================================================================
+
+
+def permute(x: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor | None = None,
+            num_experts: int = 1, align: int = 16, num_rows: int | None = None):
+    """Rows grouped by expert (stable: token order within an expert), each segment padded
+    with zero rows to a multiple of ``align``; tail rows zero. Out-of-range ids dropped.
+    Returns ``(rows [num_rows, H], probs_rows [num_rows] | None, row_index [T, k] int64,
+    offsets [E + 1], tokens_per_expert [E])``."""
+    T, k = expert_ids.shape
+    E = num_experts
+    if num_rows is None:
+        num_rows = T * k + E * (align - 1)
+    ids = expert_ids.long().flatten()
+    valid = (ids >= 0) & (ids < E)
+    counts = torch.bincount(ids[valid], minlength=E)
+    padded = (counts + align - 1) // align * align
+    offsets = torch.zeros(E + 1, dtype=torch.long, device=x.device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    key = torch.where(valid, ids, E)
+    order = torch.argsort(key, stable=True)
+    sorted_e = key[order]
+    nv = int(valid.sum())
+    starts = torch.zeros(E + 1, dtype=torch.long, device=x.device)
+    starts[1:] = torch.cumsum(counts, 0)
+    rank = torch.arange(nv, device=x.device) - starts[sorted_e[:nv]]
+    rows_of = torch.full((T * k,), -1, dtype=torch.long, device=x.device)
+    rows_of[order[:nv]] = offsets[sorted_e[:nv]] + rank
+    rows_of = torch.where(rows_of < num_rows, rows_of, -1)
+    ok = rows_of >= 0
+    tok = torch.arange(T * k, device=x.device) // max(k, 1)
+    rows = x.new_zeros(num_rows, x.shape[1])
+    rows = rows.index_add(0, rows_of[ok], x[tok[ok]])
+    prow = None
+    if probs is not None:
+        prow = probs.new_zeros(num_rows).index_add(0, rows_of[ok], probs.flatten()[ok])
+    return rows, prow, rows_of.view(T, k), offsets, counts
+
+
+def unpermute(rows: torch.Tensor, row_index: torch.Tensor, probs: torch.Tensor | None = None):
+    """``out[t] = sum_j probs[t, j] * rows[row_index[t, j]]`` (skipping ``-1``), summed in
+    float32, returned in ``rows``' dtype."""
+    T, k = row_index.shape
+    idx = row_index.long().flatten()
+    ok = idx >= 0
+    v = rows.float()[idx.clamp_min(0)]
+    w = ok.float() if probs is None else probs.float().flatten() * ok
+    tok = torch.arange(T * k, device=rows.device) // max(k, 1)
+    out = torch.zeros(T, rows.shape[1], dtype=torch.float32, device=rows.device)
+    out = out.index_add(0, tok, v * w[:, None])
+    return out.to(rows.dtype)

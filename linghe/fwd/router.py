@@ -1,0 +1,282 @@
+"""Router forward kernels: fp32-exact router GEMM, fused top-k routing, z-loss.
+
+**fp32-exact GEMM without TF32.** ``_mm_kernel`` computes ``C = A @ B`` where each operand
+is read in its own dtype and split in registers into bf16 parts whose sum is exactly the
+value (bf16: 1 part; fp16: 2 parts; fp32: 3 parts: ``hi = bf16(a)``, ``mid = bf16(a - hi)``,
+``lo = bf16(a - hi - mid)``, 8+8+8 significand bits). Every product of two bf16 parts is
+exact in fp32, and the tensor cores accumulate in fp32, so summing the part products
+``a_i * b_j`` with ``i + j <= ORDER`` gives a float32-accurate result (``ORDER=2`` drops
+only terms below ``2^-24`` relative; ``ORDER=1`` is used when the output is bf16/fp16).
+For bf16 ``x`` and bf16 weight that is one bf16 tensor-core dot; fp32 weight costs 3.
+
+**Top-k routing.** ``_topk_fwd_kernel``: one row's ``E`` scores sit in registers as a
+``[groups, experts per group]`` tile; softmax/sigmoid, bias, group-limited selection and
+``k`` rounds of arg-max run there; a per-program histogram of chosen experts is added to
+``tokens_per_expert`` with one vector of integer atomics (exact, order-independent).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, next_power_of_2, num_sms
+
+
+@triton.jit
+def _split3(a):
+    """fp32 tile -> three bf16 tiles with ``hi + mid + lo == a`` (for normal values)."""
+    h = a.to(tl.bfloat16)
+    r = a - h.to(tl.float32)
+    m = r.to(tl.bfloat16)
+    lo = (r - m.to(tl.float32)).to(tl.bfloat16)
+    return h, m, lo
+
+
+@triton.jit
+def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, k_per_split,
+               SA: tl.constexpr, SB: tl.constexpr, ORDER: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    # grouped ordering: programs sharing B tiles run together (L2 reuse)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % gsize
+    pid_n = (pid % width) // gsize
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    mmask = rm < M
+    nmask = rn < N
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        rk = k0 + tl.arange(0, BK)
+        kmask = rk < k_hi
+        a = tl.load(a_ptr + rm[:, None] * s_am + rk[None, :].to(tl.int64) * s_ak,
+                    mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
+                    mask=kmask[:, None] & nmask[None, :], other=0.0)
+        a0, a1, a2 = _split3(a.to(tl.float32))
+        b0, b1, b2 = _split3(b.to(tl.float32))
+        # smallest terms first
+        if ORDER >= 2:
+            if SA > 1:
+                if SB > 1:
+                    acc = dot_f32acc(a1, b1, acc)
+            if SA > 2:
+                acc = dot_f32acc(a2, b0, acc)
+            if SB > 2:
+                acc = dot_f32acc(a0, b2, acc)
+        if ORDER >= 1:
+            if SA > 1:
+                acc = dot_f32acc(a1, b0, acc)
+            if SB > 1:
+                acc = dot_f32acc(a0, b1, acc)
+        acc = dot_f32acc(a0, b0, acc)
+    c_base = c_ptr + pid_s.to(tl.int64) * M * N
+    tl.store(c_base + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
+                 order: int | None = None, split_k: int | None = None) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` (any strides) -> ``[M, N]`` contiguous ``out_dtype``, exact to
+    float32 accuracy without TF32 (see the module docstring). ``order`` defaults to 2 for
+    a float32 output and 1 otherwise. ``split_k`` > 1 sums partial products over K chunks
+    (a deterministic second pass)."""
+    M, K = a.shape
+    N = b.shape[1]
+    if order is None:
+        order = 2 if out_dtype == torch.float32 else 1
+    dev = a.device
+    if INTERPRET:
+        BM, BN, BK, nw, ns = 32, 32, 32, 4, 1
+    else:
+        # two fp32 operands need twice the shared memory per stage
+        BM, BN, BK, nw = 128, 128, 64, 8
+        ns = 2 if (a.element_size() == 4 and b.element_size() == 4) else 3
+        if M * N <= 64 * 128 * num_sms(dev):
+            BM = 64
+    tiles = cdiv(M, BM) * cdiv(N, BN)
+    if split_k is None:
+        split_k = 1
+        if not INTERPRET and tiles < num_sms(dev) and K >= 4096:
+            split_k = max(1, min(num_sms(dev) // tiles, K // 1024))
+    k_per = cdiv(cdiv(K, split_k), BK) * BK if K else BK
+    split_k = max(1, cdiv(K, k_per))
+    if split_k == 1:
+        c = empty(M, N, dtype=out_dtype, device=dev)
+    else:
+        c = empty(split_k, M, N, dtype=torch.float32, device=dev)
+    if M == 0 or N == 0:
+        return c if split_k == 1 else c.sum(0).to(out_dtype)
+    if K == 0:
+        return torch.zeros(M, N, dtype=out_dtype, device=dev)
+    with device_guard(a):
+        _mm_kernel[(tiles, split_k)](
+            a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), N, k_per,
+            SA=_PARTS[a.dtype], SB=_PARTS[b.dtype], ORDER=order, BM=BM, BN=BN, BK=BK,
+            GROUP_M=8, num_warps=nw, num_stages=ns)
+    if split_k > 1:
+        c = c.sum(0).to(out_dtype)
+    return c
+
+
+def router_logits_fwd(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2 [T, K] @ weight[E, K]^T`` -> fp32 ``[T, E]``."""
+    return matmul_exact(x2, weight.t(), torch.float32, order=2)
+
+
+# ------------------------------------------------------------------------------ top-k
+@triton.jit
+def _topk_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, ids_ptr, tpe_ptr, T, stride_l, G, EG,
+                     TOPG, scale, ROWS: tl.constexpr, K_TOP: tl.constexpr,
+                     BG: tl.constexpr, BGE: tl.constexpr, BK: tl.constexpr,
+                     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+                     NORMALIZE: tl.constexpr):
+    pid = tl.program_id(0)
+    gi = tl.arange(0, BG)
+    ji = tl.arange(0, BGE)
+    e2 = gi[:, None] * EG + ji[None, :]
+    valid = (gi < G)[:, None] & (ji < EG)[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e2, mask=valid, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BG, BGE], dtype=tl.float32)
+    hist = tl.zeros([BG, BGE], dtype=tl.int32)
+    kk = tl.arange(0, BK)
+    neg = float("-inf")
+    for i in range(ROWS):
+        t = pid.to(tl.int64) * ROWS + i
+        rv2 = (e2 * 0 + t) < T
+        x = tl.load(logits_ptr + t * stride_l + e2, mask=valid & rv2, other=neg).to(tl.float32)
+        if SIGMOID:
+            s = 1.0 / (1.0 + tl.exp(-x))
+            s = tl.where(valid, s, 0.0)
+        else:
+            mx = tl.max(tl.max(x, axis=1), axis=0)
+            ex = tl.where(valid, tl.exp(x - mx), 0.0)
+            s = ex / tl.sum(tl.sum(ex, axis=1), axis=0)
+        sel = tl.where(valid, s + bias, neg)
+        if GROUPED:
+            m1 = tl.max(sel, axis=1)
+            if SIGMOID:
+                j1 = tl.min(tl.where(sel == m1[:, None], ji[None, :], BGE), axis=1)
+                m2 = tl.max(tl.where(ji[None, :] == j1[:, None], neg, sel), axis=1)
+                gscore = tl.where(EG > 1, m1 + m2, m1)
+            else:
+                gscore = m1
+            gscore = tl.where(gi < G, gscore, neg)
+            gsel = gi < 0
+            for _q in range(TOPG):
+                cand = tl.where(gsel, neg, gscore)
+                mg = tl.max(cand, axis=0)
+                gidx = tl.min(tl.where((cand == mg) & ~gsel & (gi < G), gi, BG), axis=0)
+                gsel = gsel | (gi == gidx)
+            sel = tl.where(gsel[:, None], sel, neg)
+        pk = tl.zeros([BK], dtype=tl.float32)
+        ik = tl.zeros([BK], dtype=tl.int32)
+        for j in range(K_TOP):
+            m = tl.max(tl.max(sel, axis=1), axis=0)
+            idx = tl.min(tl.min(tl.where((sel == m) & valid, e2, (BG * BGE)), axis=1), axis=0)
+            hit = e2 == idx
+            sv = tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0)
+            pk = tl.where(kk == j, sv, pk)
+            ik = tl.where(kk == j, idx, ik)
+            sel = tl.where(hit, neg, sel)
+            hist += (hit & rv2).to(tl.int32)
+        if NORMALIZE:
+            pk = pk / tl.sum(pk, axis=0)
+        pk = pk * scale
+        ik = tl.where(ik < (BG * BGE), ik, -1)
+        om = (kk < K_TOP) & ((kk * 0 + t) < T)
+        tl.store(probs_ptr + t * K_TOP + kk, pk, mask=om)
+        tl.store(ids_ptr + t * K_TOP + kk, ik, mask=om)
+    tl.atomic_add(tpe_ptr + e2, hist, mask=valid & (hist > 0))
+
+
+def _rows_per_prog(T: int, dev) -> int:
+    if INTERPRET:
+        return 4
+    return max(1, min(16, cdiv(T, 8 * num_sms(dev))))
+
+
+def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None,
+                   num_groups: int, topk_groups: int, normalize: bool, scale: float):
+    """Launch the fused top-k kernel on ``logits [T, E]`` (last dim contiguous).
+    Returns ``(probs [T, k] fp32, ids [T, k] int32, tokens_per_expert [E] int32)``."""
+    T, E = logits.shape
+    dev = logits.device
+    probs = empty(T, k, dtype=torch.float32, device=dev)
+    ids = empty(T, k, dtype=torch.int32, device=dev)
+    tpe = torch.zeros(E, dtype=torch.int32, device=dev)
+    if T == 0:
+        return probs, ids, tpe
+    G = num_groups
+    EG = E // G
+    BG, BGE = next_power_of_2(G), next_power_of_2(EG)
+    ROWS = _rows_per_prog(T, dev)
+    nw = 1 if BG * BGE <= 512 else (2 if BG * BGE <= 2048 else 4)
+    with device_guard(logits):
+        _topk_fwd_kernel[(cdiv(T, ROWS),)](
+            logits, bias if bias is not None else logits, probs, ids, tpe, T, logits.stride(0),
+            G, EG, topk_groups, float(scale), ROWS=ROWS, K_TOP=k, BG=BG, BGE=BGE,
+            BK=next_power_of_2(k), SIGMOID=sigmoid, HAS_BIAS=bias is not None,
+            GROUPED=G > 1, NORMALIZE=normalize, num_warps=nw)
+    return probs, ids, tpe
+
+
+# ------------------------------------------------------------------------------ z-loss
+@triton.jit
+def _zloss_fwd_kernel(logits_ptr, lse_ptr, z_ptr, T, E, stride_l, ROWS: tl.constexpr,
+                      BE: tl.constexpr):
+    pid = tl.program_id(0)
+    eb = tl.arange(0, BE)
+    zero_v = tl.zeros([BE], dtype=tl.float32)
+    zero = tl.sum(zero_v, axis=0)
+    acc = zero
+    for i in range(ROWS):
+        t = pid.to(tl.int64) * ROWS + i
+        rv = (eb * 0 + t) < T
+        m_run = zero + float("-inf")
+        s_run = zero
+        for e0 in range(0, E, BE):
+            x = tl.load(logits_ptr + t * stride_l + e0 + eb, mask=(e0 + eb < E) & rv,
+                        other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_run, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            m_run = m_new
+        m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
+        lse = m_safe + tl.log(s_run)
+        lse_v = zero_v + lse
+        tl.store(lse_ptr + t + eb, lse_v, mask=(eb == 0) & rv)
+        acc += tl.sum(tl.where((eb == 0) & rv, lse_v * lse_v, 0.0), axis=0)
+    tl.store(z_ptr + pid, acc)
+
+
+def router_z_loss_fwd(logits: torch.Tensor):
+    """Returns ``(loss [] fp32, lse [T] fp32)`` for ``logits [T, E]``."""
+    T, E = logits.shape
+    dev = logits.device
+    lse = empty(T, dtype=torch.float32, device=dev)
+    if T == 0:
+        return torch.zeros((), dtype=torch.float32, device=dev), lse
+    ROWS = _rows_per_prog(T, dev)
+    n = cdiv(T, ROWS)
+    z = empty(n, dtype=torch.float32, device=dev)
+    BE = min(next_power_of_2(max(E, 1)), 4096)
+    with device_guard(logits):
+        _zloss_fwd_kernel[(n,)](logits, lse, z, T, E, logits.stride(0), ROWS=ROWS, BE=BE,
+                                num_warps=1 if BE <= 512 else 4)
+    return z.sum() / T, lse

@@ -1,0 +1,206 @@
+"""MoE permute / unpermute with padded indices (ExpertLayout contract)."""
+
+import pytest
+import torch
+
+import linghe
+from linghe import reference as ref
+from linghe.testing import assert_close
+
+
+def _ids(T, E, k, device):
+    if T == 0:
+        return torch.zeros(0, k, dtype=torch.int32, device=device)
+    return torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(device, torch.int32)
+
+
+CASES = [(0, 3, 2), (1, 1, 1), (1, 33, 4), (37, 8, 3), (37, 33, 5), (37, 3, 3), (37, 8, 8)]
+
+
+@pytest.mark.parametrize("T,E,k", CASES)
+@pytest.mark.parametrize("align", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_matches_reference(device, T, E, k, align, dtype):
+    H = 100
+    x = torch.randn(T, H, device=device, dtype=dtype, requires_grad=True)
+    probs = torch.rand(T, k, device=device, requires_grad=True)
+    ids = _ids(T, E, k, device)
+    rows, prow, lay = linghe.permute(x, ids, probs, num_experts=E, align=align)
+    r_rows, r_prow, r_ri, r_off, r_cnt = ref.permute(x.detach(), ids, probs.detach(), E, align)
+    assert rows.shape == (T * k + E * (align - 1), H) and rows.dtype == dtype
+    assert lay.num_rows == rows.shape[0] and lay.align == align and lay.num_experts == E
+    assert torch.equal(rows, r_rows)
+    assert torch.equal(prow, r_prow)
+    assert torch.equal(lay.row_index.long(), r_ri)
+    assert lay.row_index.dtype == torch.int32
+    assert torch.equal(lay.offsets.long(), r_off)
+    assert torch.equal(lay.tokens_per_expert.long(), r_cnt)
+    assert torch.equal(lay.padded_tokens_per_expert.long(), (r_cnt + align - 1) // align * align)
+    # gradients of x and probs against autograd through the reference
+    g = torch.randn_like(rows)
+    gp = torch.randn_like(prow)
+    dx, dp = torch.autograd.grad((rows, prow), (x, probs), (g, gp))
+    xr = x.detach().float().requires_grad_()
+    pr = probs.detach().clone().requires_grad_()
+    a, b, *_ = ref.permute(xr, ids, pr, E, align)
+    rdx, rdp = torch.autograd.grad((a, b), (xr, pr), (g.float(), gp))
+    assert_close(dx, rdx, name="dx")
+    assert_close(dp, rdp, name="dprobs")
+
+
+@pytest.mark.parametrize("T,E,k", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpermute_matches_reference_and_grads(device, T, E, k, dtype):
+    H, align = 72, 4
+    ids = _ids(T, E, k, device)
+    x = torch.randn(T, H, device=device, dtype=dtype)
+    rows, _, lay = linghe.permute(x, ids, num_experts=E, align=align)
+    rows = (torch.randn_like(rows) * (rows != 0)).requires_grad_()  # expert outputs
+    probs = torch.rand(T, k, device=device, requires_grad=True)
+    out = linghe.unpermute(rows, lay, probs)
+    rr = rows.detach().double().requires_grad_()
+    pr = probs.detach().double().requires_grad_()
+    expect = ref.unpermute(rr, lay.row_index, pr)
+    assert out.shape == (T, H) and out.dtype == dtype
+    assert_close(out, expect)
+    g = torch.randn(T, H, device=device, dtype=dtype)
+    d_rows, dp = torch.autograd.grad(out, (rows, probs), g)
+    r_rows, r_p = torch.autograd.grad(expect, (rr, pr), g.double())
+    assert_close(d_rows, r_rows, name="d_rows")
+    assert_close(dp, r_p, tol=1e-5 if dtype == torch.float32 else 1e-2, name="dprobs")
+    # padding and tail rows get exactly zero gradient
+    real = torch.zeros(lay.num_rows, dtype=torch.bool, device=device)
+    real[lay.row_index[lay.row_index >= 0].long()] = True
+    assert torch.all(d_rows[~real] == 0)
+    # without probs: a plain sum
+    out2 = linghe.unpermute(rows.detach(), lay)
+    assert_close(out2, ref.unpermute(rows.detach().double(), lay.row_index))
+
+
+@pytest.mark.parametrize("T,E,k", [(37, 8, 3), (37, 33, 33), (1, 3, 2)])
+def test_round_trip_identity_experts(device, T, E, k):
+    x = torch.randn(T, 130, device=device)
+    probs = torch.rand(T, k, device=device)
+    ids = _ids(T, E, k, device)
+    rows, _, lay = linghe.permute(x, ids, num_experts=E, align=16)
+    out = linghe.unpermute(rows, lay, probs)
+    assert_close(out, probs.sum(1, keepdim=True) * x)
+
+
+def test_all_tokens_one_expert_and_zero_token_experts(device):
+    T, E, k, H = 37, 8, 1, 33
+    x = torch.randn(T, H, device=device)
+    ids = torch.full((T, k), 5, dtype=torch.int64, device=device)
+    rows, _, lay = linghe.permute(x, ids, num_experts=E, align=16)
+    cnt = lay.tokens_per_expert.tolist()
+    assert cnt == [0, 0, 0, 0, 0, T, 0, 0]
+    assert lay.offsets.tolist() == [0] * 6 + [48] * 3
+    assert torch.equal(rows[:T], x)  # token order within the expert
+    assert torch.all(rows[T:] == 0)
+
+
+def test_exact_num_rows(device):
+    T, E, k = 37, 8, 2
+    ids = _ids(T, E, k, device)
+    x = torch.randn(T, 40, device=device)
+    counts = torch.bincount(ids.flatten().long(), minlength=E)
+    n = int(((counts + 15) // 16 * 16).sum())
+    rows, _, lay = linghe.permute(x, ids, num_experts=E, num_rows=n)
+    assert rows.shape == (n, 40) and lay.num_rows == n
+    r_rows, *_ = ref.permute(x, ids, None, E, 16, n)
+    assert torch.equal(rows, r_rows)
+    # too small: copies that do not fit are dropped (debug mode raises)
+    rows2, _, lay2 = linghe.permute(x, ids, num_experts=E, num_rows=n - 16)
+    r2, _, ri2, *_ = ref.permute(x, ids, None, E, 16, n - 16)
+    assert torch.equal(rows2, r2) and torch.equal(lay2.row_index.long(), ri2)
+    linghe.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="num_rows"):
+            linghe.permute(x, ids, num_experts=E, num_rows=n - 16)
+    finally:
+        linghe.set_debug(False)
+
+
+def test_out_of_range_ids_dropped_or_raise(device):
+    T, E, k = 9, 4, 2
+    x = torch.randn(T, 20, device=device)
+    ids = _ids(T, E, k, device)
+    ids[0, 0] = 7
+    ids[3, 1] = -1
+    ids[5, 0] = 4
+    probs = torch.rand(T, k, device=device)
+    rows, prow, lay = linghe.permute(x, ids, probs, num_experts=E, align=2)
+    r_rows, r_prow, r_ri, r_off, r_cnt = ref.permute(x, ids, probs, E, 2)
+    assert torch.equal(rows, r_rows) and torch.equal(prow, r_prow)
+    assert lay.row_index[0, 0] == -1 and lay.row_index[3, 1] == -1 and lay.row_index[5, 0] == -1
+    assert int(lay.tokens_per_expert.sum()) == T * k - 3
+    out = linghe.unpermute(rows, lay, probs)
+    keep = (lay.row_index >= 0).float() * probs
+    assert_close(out, keep.sum(1, keepdim=True) * x)
+    linghe.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="expert_ids"):
+            linghe.permute(x, ids, num_experts=E)
+    finally:
+        linghe.set_debug(False)
+
+
+def test_fp8_rows_move_with_scales(device):
+    T, E, k, H = 37, 8, 3, 300
+    x = torch.randn(T, H, device=device) * torch.rand(T, 1, device=device) * 10
+    q = linghe.quantize_1x128(x)
+    ids = _ids(T, E, k, device)
+    probs = torch.rand(T, k, device=device)
+    rows, prow, lay = linghe.permute(q, ids, probs, num_experts=E, align=16)
+    assert isinstance(rows, linghe.Fp8Tensor)
+    assert rows.rowwise_data.shape == (lay.num_rows, H)
+    assert rows.rowwise_scale.shape == (lay.num_rows, 3)
+    rq, *_ = ref.permute(q.rowwise_data.float(), ids, None, E, 16)
+    rs, *_ = ref.permute(q.rowwise_scale, ids, None, E, 16)
+    real = torch.zeros(lay.num_rows, dtype=torch.bool, device=device)
+    real[lay.row_index.flatten().long()] = True
+    assert torch.equal(rows.rowwise_data.float(), rq)
+    assert torch.equal(rows.rowwise_scale[real], rs[real])
+    assert torch.all(rows.rowwise_scale[~real] == 1)
+    ref_rows, *_ = ref.permute(q.dequantize(dtype=torch.float32), ids, None, E, 16)
+    assert_close(rows.dequantize(dtype=torch.float32), ref_rows)
+
+
+def test_bad_inputs(device):
+    x = torch.randn(5, 8, device=device)
+    ids = torch.zeros(5, 2, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="expert_ids"):
+        linghe.permute(x, ids.float(), num_experts=4)
+    with pytest.raises(ValueError, match="expert_ids"):
+        linghe.permute(x, ids[:4], num_experts=4)
+    with pytest.raises(TypeError, match="x"):
+        linghe.permute(x.int(), ids, num_experts=4)
+    with pytest.raises(TypeError, match="probs"):
+        linghe.permute(x, ids, torch.rand(5, 2, device=device).half(), num_experts=4)
+    with pytest.raises(ValueError, match="probs"):
+        linghe.permute(x, ids, torch.rand(5, 3, device=device), num_experts=4)
+    with pytest.raises(ValueError, match="align"):
+        linghe.permute(x, ids, num_experts=4, align=0)
+    with pytest.raises(ValueError, match="num_experts"):
+        linghe.permute(x, ids, num_experts=0)
+    rows, _, lay = linghe.permute(x, ids, num_experts=4)
+    with pytest.raises(ValueError, match="rows"):
+        linghe.unpermute(rows[:-1], lay)
+    with pytest.raises(TypeError, match="layout"):
+        linghe.unpermute(rows, None)
+    with pytest.raises(ValueError, match="probs"):
+        linghe.unpermute(rows, lay, torch.rand(5, 3, device=device))
+
+
+@pytest.mark.gpu
+def test_standard_shape_gpu(device):
+    T, E, k, H = 8192, 256, 8, 2048
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=device)
+    probs, ids, _ = linghe.topk_route(logits, k, score="sigmoid")
+    rows, prow, lay = linghe.permute(x, ids, probs, num_experts=E, align=16)
+    r_rows, r_prow, r_ri, r_off, _ = ref.permute(x, ids, probs, E, 16)
+    assert torch.equal(rows, r_rows) and torch.equal(prow, r_prow)
+    assert torch.equal(lay.row_index.long(), r_ri) and torch.equal(lay.offsets.long(), r_off)
+    out = linghe.unpermute(rows, lay, probs)
+    assert_close(out, ref.unpermute(rows.double(), lay.row_index, probs.double()))

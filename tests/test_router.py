@@ -1,0 +1,165 @@
+"""Router: fp32-exact router GEMM, fused top-k routing, router z-loss."""
+
+import pytest
+import torch
+
+import linghe
+from linghe import reference as ref
+from linghe.testing import assert_close, rel_err
+
+
+@pytest.mark.parametrize("T,K,E", [(0, 64, 8), (1, 1, 1), (37, 100, 33), (40, 130, 8),
+                                   (5, 257, 3)])
+@pytest.mark.parametrize("xd,wd", [(torch.bfloat16, torch.float32),
+                                   (torch.bfloat16, torch.bfloat16),
+                                   (torch.float32, torch.float32),
+                                   (torch.float16, torch.float32)])
+def test_router_logits_exact(device, T, K, E, xd, wd):
+    x = torch.randn(T, K, device=device).to(xd).requires_grad_()
+    w = (torch.randn(E, K, device=device) * 0.05).to(wd).requires_grad_()
+    y = linghe.router_logits(x, w)
+    assert y.dtype == torch.float32 and y.shape == (T, E)
+    exact = x.detach().double() @ w.detach().double().t()
+    # float32-exact: ~1e-7, far under TF32's ~1e-3/1e-4
+    assert rel_err(y, exact) < 5e-7, rel_err(y, exact)
+    g = torch.randn(T, E, device=device)
+    dx, dw = torch.autograd.grad(y, (x, w), g)
+    assert dx.dtype == xd and dw.dtype == wd
+    rdx = g.double() @ w.detach().double()
+    rdw = g.double().t() @ x.detach().double()
+    assert rel_err(dx, rdx) < (5e-7 if xd == torch.float32 else 1e-2)
+    assert rel_err(dw, rdw) < (5e-7 if wd == torch.float32 else 1e-2)
+
+
+def test_router_logits_leading_dims_and_bad_inputs(device):
+    x = torch.randn(2, 3, 48, device=device, dtype=torch.bfloat16)
+    w = torch.randn(5, 48, device=device)
+    y = linghe.router_logits(x, w)
+    assert y.shape == (2, 3, 5)
+    assert_close(y, ref.router_logits(x, w), tol=5e-7)
+    with pytest.raises(ValueError, match="weight"):
+        linghe.router_logits(x, torch.randn(5, 47, device=device))
+    with pytest.raises(TypeError, match="x"):
+        linghe.router_logits(x.int(), w)
+    with pytest.raises(TypeError, match="weight"):
+        linghe.router_logits(x, w.double())
+
+
+ROUTE_CASES = [
+    # T, E, k, groups, topk_groups
+    (0, 8, 2, 1, 1), (1, 1, 1, 1, 1), (37, 8, 3, 1, 1), (37, 33, 5, 1, 1), (37, 33, 33, 1, 1),
+    (37, 3, 3, 1, 1), (37, 32, 4, 4, 2), (37, 33, 6, 3, 2), (16, 8, 2, 8, 2),
+]
+
+
+@pytest.mark.parametrize("T,E,k,G,TG", ROUTE_CASES)
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_topk_route_matches_reference(device, T, E, k, G, TG, score, bias):
+    logits = torch.randn(T, E, device=device, requires_grad=True)
+    b = torch.randn(E, device=device) * 0.3 if bias else None
+    scale = 2.5
+    normalize = k > 1 or score == "sigmoid"
+    p, ids, tpe = linghe.topk_route(logits, k, score=score, expert_bias=b, num_groups=G,
+                                    topk_groups=TG, normalize=normalize, scale=scale)
+    rp, rids, rtpe = ref.topk_route(logits.double(), k, score, b, G, TG, normalize, scale)
+    assert p.shape == (T, k) and p.dtype == torch.float32
+    assert ids.dtype == torch.int32 and tpe.dtype == torch.int32 and tpe.shape == (E,)
+    assert torch.equal(ids, rids)
+    assert torch.equal(tpe, rtpe)
+    assert_close(p, rp)
+    g = torch.randn(T, k, device=device)
+    (dl,) = torch.autograd.grad(p, logits, g)
+    (rdl,) = torch.autograd.grad(rp, logits, g.double())
+    assert_close(dl, rdl)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_route_low_precision_logits(device, dtype):
+    # distinct values (no ties to break), exact in bf16/fp16
+    logits = torch.stack([torch.randperm(16) for _ in range(37)]).float() / 4 - 2
+    logits = logits.to(device, dtype).requires_grad_()
+    p, ids, tpe = linghe.topk_route(logits, 4, score="sigmoid", normalize=False)
+    rp, rids, _ = ref.topk_route(logits.double(), 4, "sigmoid", None, 1, 1, False, 1.0)
+    assert torch.equal(ids, rids)
+    assert_close(p, rp)
+    g = torch.randn(37, 4, device=device)
+    (dl,) = torch.autograd.grad(p, logits, g)
+    (rdl,) = torch.autograd.grad(rp, logits, g.double())
+    assert dl.dtype == dtype
+    assert_close(dl, rdl)
+
+
+def test_topk_route_bias_selects_only(device):
+    T, E = 37, 8
+    logits = torch.randn(T, E, device=device)
+    b = torch.zeros(E, device=device)
+    b[3] = 100.0  # every token picks expert 3 first
+    p, ids, tpe = linghe.topk_route(logits, 2, score="sigmoid", expert_bias=b)
+    assert torch.all(ids[:, 0] == 3) and int(tpe[3]) == T
+    s = torch.sigmoid(logits).gather(1, ids.long())
+    assert_close(p, s / s.sum(1, keepdim=True))
+
+
+def test_topk_route_nan_row_gives_dropped_ids(device):
+    logits = torch.randn(5, 8, device=device)
+    logits[2, 3] = float("nan")
+    p, ids, tpe = linghe.topk_route(logits, 2)
+    assert torch.all(ids[2] == -1) and torch.all(p[2].isnan())
+    assert int(tpe.sum()) == 8 and torch.all(ids[[0, 1, 3, 4]] >= 0)
+
+
+def test_topk_route_bad_inputs(device):
+    logits = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match="k"):
+        linghe.topk_route(logits, 9)
+    with pytest.raises(ValueError, match="k"):
+        linghe.topk_route(logits, 0)
+    with pytest.raises(ValueError, match="score"):
+        linghe.topk_route(logits, 2, score="relu")
+    with pytest.raises(ValueError, match="num_groups"):
+        linghe.topk_route(logits, 2, num_groups=3)
+    with pytest.raises(ValueError, match="topk_groups"):
+        linghe.topk_route(logits, 2, num_groups=4, topk_groups=5)
+    with pytest.raises(ValueError, match="k"):
+        linghe.topk_route(logits, 5, num_groups=4, topk_groups=2)
+    with pytest.raises(ValueError, match="expert_bias"):
+        linghe.topk_route(logits, 2, expert_bias=torch.zeros(7, device=device))
+    with pytest.raises(TypeError, match="logits"):
+        linghe.topk_route(logits.long(), 2)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (37, 33), (2, 5, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_z_loss(device, shape, dtype):
+    logits = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_()
+    z = linghe.router_z_loss(logits)
+    lr = logits.detach().double().requires_grad_()
+    rz = ref.router_z_loss(lr)
+    assert z.dtype == torch.float32 and z.shape == ()
+    assert_close(z, rz)
+    (dl,) = torch.autograd.grad(z * 1.7, logits)
+    (rdl,) = torch.autograd.grad(rz * 1.7, lr)
+    assert dl.dtype == dtype
+    assert_close(dl, rdl)
+
+
+@pytest.mark.gpu
+def test_standard_shapes_gpu(device):
+    T, K, E = 8192, 2048, 256
+    x = torch.randn(T, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    for wd in (torch.float32, torch.bfloat16):
+        w = (torch.randn(E, K, device=device) * 0.02).to(wd).requires_grad_()
+        y = linghe.router_logits(x, w)
+        assert rel_err(y, x.double() @ w.double().t()) < 5e-7
+        g = torch.randn(T, E, device=device)
+        dx, dw = torch.autograd.grad(y, (x, w), g)
+        assert rel_err(dx, g.double() @ w.double()) < 1e-2
+        assert rel_err(dw, g.double().t() @ x.double()) < (5e-7 if wd == torch.float32 else 1e-2)
+    b = torch.randn(E, device=device) * 0.1
+    logits = torch.randn(T, E, device=device)
+    p, ids, tpe = linghe.topk_route(logits, 8, score="sigmoid", expert_bias=b, num_groups=8,
+                                    topk_groups=4, scale=2.5)
+    rp, rids, rtpe = ref.topk_route(logits, 8, "sigmoid", b, 8, 4, True, 2.5)
+    assert torch.equal(ids, rids) and torch.equal(tpe, rtpe)
+    assert_close(p, rp)
