@@ -1,0 +1,131 @@
+"""Backward kernels of split + qk-norm + RoPE + transpose (HF-layout RoPE's backward is the
+same kernel as its forward, see :func:`linghe.fwd.rope.hf_rope`).
+
+Nothing but the inputs is saved: the per-head rstd is recomputed from ``qkv``, which the
+backward reads anyway for the norm gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fwd.rope import head_blocks, head_columns, rope_tables, token_strides
+from ..utils import device_guard, empty, num_sms
+
+
+@triton.jit
+def _qkv_part_bwd(x_row, dy_row, dx_row, w_ptr, acc, NH, H, HKV, G, D, eps, partner, cos,
+                  sin_s, KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's heads of one kind. RoPE backward ``g = dy*cos - dy[p]*sin_s``, then the
+    RMSNorm backward ``dx = rstd * (g*w - xhat * mean(g*w*xhat))``, ``dw += g * xhat``."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    if NORM:
+        w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    for h0 in range(0, NH, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hmask = h < NH
+        mask = hmask[:, None] & dmask[None, :]
+        col = head_columns(h, H, HKV, G, KIND, INTERLEAVED) * D
+        src = dy_row + h[:, None] * D
+        dy = tl.load(src + d[None, :], mask=mask, other=0.0)
+        if ROPE:
+            g = dy.to(tl.float32) * cos[None, :]
+            dyp = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = g - dyp * sin_s[None, :]
+            if NORM:
+                x = tl.load(x_row + col[:, None] + d[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+                rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+                xhat = x * rstd[:, None]
+                acc += tl.sum(g * xhat, axis=0)
+                gw = g * w[None, :]
+                c = tl.sum(gw * xhat, axis=1) / D
+                g = (gw - xhat * c[:, None]) * rstd[:, None]
+        else:
+            g = dy
+        tl.store(dx_row + col[:, None] + d[None, :], g.to(dx_row.dtype.element_ty), mask=mask)
+    return acc
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_ptr, pos_ptr,
+                             qw_ptr, kw_ptr, dqw_ptr, dkw_ptr, T, S, H, HKV, D, R, NPOS,
+                             stride_b, stride_s, dstride_b, dstride_s, eps,
+                             INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+                             NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
+                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    zero64 = pid.to(tl.int64) * 0
+    P = tl.num_programs(0)
+    G = H // HKV
+    acc_q = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_k = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for t32 in range(pid, T, P):
+        t = t32 + zero64  # int64 (t32 is a plain int in the interpreter)
+        b = t // S
+        s = t - b * S
+        if HAS_POS:
+            pos = tl.load(pos_ptr + t).to(tl.int64)
+        else:
+            pos = s
+        partner, cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, R, BLOCK_D)
+        x_row = qkv_ptr + b * stride_b + s * stride_s
+        dx_row = dqkv_ptr + b * dstride_b + s * dstride_s
+        acc_q = _qkv_part_bwd(x_row, dq_ptr + t * H * D, dx_row, qw_ptr, acc_q, H, H, HKV, G,
+                              D, eps, partner, cos, sin_s, 0, INTERLEAVED, NORM_Q, True,
+                              BLOCK_HQ, BLOCK_D)
+        acc_k = _qkv_part_bwd(x_row, dk_ptr + t * HKV * D, dx_row, kw_ptr, acc_k, HKV, H, HKV,
+                              G, D, eps, partner, cos, sin_s, 1, INTERLEAVED, NORM_K, True,
+                              BLOCK_HK, BLOCK_D)
+        acc_k = _qkv_part_bwd(x_row, dv_ptr + t * HKV * D, dx_row, kw_ptr, acc_k, HKV, H, HKV,
+                              G, D, eps, partner, cos, sin_s, 2, INTERLEAVED, False, False,
+                              BLOCK_HK, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
+    if NORM_Q:
+        tl.store(dqw_ptr + pid * D + d, acc_q, mask=d < D)
+    if NORM_K:
+        tl.store(dkw_ptr + pid * D + d, acc_k, mask=d < D)
+
+
+def _programs(T: int, device) -> int:
+    return max(1, min(T, num_sms(device) * 8))
+
+
+def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *,
+                     num_heads, num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps):
+    """Returns ``(dqkv, dq_norm_weight, dk_norm_weight)``; ``dq/dk/dv`` contiguous
+    ``[B, S, H|Hkv, D]``. ``dqkv`` is contiguous in ``qkv``'s layout and dtype; weight
+    gradients are float32 partial sums per program reduced with ``sum`` (float32), then
+    cast to the weight's dtype (``None`` where there is no weight)."""
+    H, Hkv, D = num_heads, num_kv_heads, head_dim
+    B, S, stride_b, stride_s = token_strides(qkv, layout)
+    dqkv = empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    _, _, dstride_b, dstride_s = token_strides(dqkv, layout)
+    T = B * S
+    P = _programs(T, qkv.device)
+    nq, nk = q_norm_weight is not None, k_norm_weight is not None
+    dqw = empty(P, D, dtype=torch.float32, device=qkv.device) if nq else None
+    dkw = empty(P, D, dtype=torch.float32, device=qkv.device) if nk else None
+    if T > 0:
+        BHQ, BHK, BD, nw = head_blocks(H, Hkv, D)
+        dummy = freqs
+        with device_guard(qkv):
+            _qk_norm_rope_bwd_kernel[(P,)](
+                qkv, dq, dk, dv, dqkv, freqs,
+                position_ids if position_ids is not None else dummy,
+                q_norm_weight if nq else dummy, k_norm_weight if nk else dummy,
+                dqw if nq else dummy, dkw if nk else dummy,
+                T, S, H, Hkv, D, rotary_dim, freqs.shape[0], stride_b, stride_s, dstride_b, dstride_s, eps,
+                INTERLEAVED=interleaved, HAS_POS=position_ids is not None, NORM_Q=nq,
+                NORM_K=nk, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+    gq = dqw.sum(0).to(q_norm_weight.dtype) if nq else None
+    gk = dkw.sum(0).to(k_norm_weight.dtype) if nk else None
+    if T == 0:
+        gq = torch.zeros_like(q_norm_weight) if nq else None
+        gk = torch.zeros_like(k_norm_weight) if nk else None
+    return dqkv, gq, gk

@@ -1,0 +1,2 @@
+def group_rms_norm_gate(*a, **k):
+    raise NotImplementedError

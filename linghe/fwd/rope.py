@@ -1,0 +1,250 @@
+"""Forward kernels: split + qk-norm + rotate-half RoPE + transpose, and HF-layout RoPE.
+
+Shared in-kernel helpers (``rope_tables``, ``head_columns``, ``reduce_angle``) are also
+used by :mod:`linghe.bwd.rope`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import device_guard, empty, next_power_of_2
+
+
+@triton.jit
+def reduce_angle(a):
+    """``a`` reduced to about ``[-pi, pi]`` (fp32 Cody-Waite), so that GPU sin/cos
+    approximations, accurate only near zero, stay accurate for large positions. Cody-Waite
+    split of 2*pi: 6.28125 has 8 significant bits, so ``k * 6.28125`` is exact."""
+    k = tl.floor(a * 0.15915494309189535 + 0.5)
+    return (a - k * 6.28125) - k * 1.9353071795864769e-03
+
+
+@triton.jit
+def rope_tables(freqs_ptr, pos, NPOS, R, BLOCK_D: tl.constexpr):
+    """Per-dim RoPE factors for one position (fp32 ``[BLOCK_D]``).
+
+    Returns ``(partner, cos, sin_signed)``: the rotate-half partner of each dim
+    (``i + R/2`` in the first half, ``i - R/2`` in the second, ``i`` outside the rotary
+    dims), ``cos`` (1 outside) and ``sin`` signed so that ``y = x*cos + x[partner]*sin_s``
+    (``-sin`` in the first half, ``+sin`` in the second, 0 outside). A position outside
+    ``[0, NPOS)`` reads nothing and gets angle 0 (no rotation).
+    """
+    d = tl.arange(0, BLOCK_D)
+    half = R // 2
+    first = d < half
+    rot = d < R
+    partner = tl.where(first, d + half, tl.where(rot, d - half, d))
+    fi = tl.where(first, d, d - half)
+    pv = pos + tl.zeros([BLOCK_D], dtype=tl.int64)
+    ok = rot & (pv >= 0) & (pv < NPOS)
+    ang = tl.load(freqs_ptr + pv * half + fi, mask=ok, other=0.0).to(tl.float32)
+    ang = reduce_angle(ang)
+    cos = tl.where(rot, tl.cos(ang), 1.0)
+    sin = tl.sin(ang)
+    sin_s = tl.where(first, -sin, tl.where(rot, sin, 0.0))
+    return partner, cos, sin_s
+
+
+@triton.jit
+def head_columns(h, H, HKV, G, KIND: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Column (in head units) of head ``h`` of kind 0=q, 1=k, 2=v in the fused projection
+    (``G = H / Hkv`` query heads per kv group)."""
+    if INTERLEAVED:
+        if KIND == 0:
+            col = (h // G) * (G + 2) + h % G
+        elif KIND == 1:
+            col = h * (G + 2) + G
+        else:
+            col = h * (G + 2) + G + 1
+    else:
+        if KIND == 0:
+            col = h
+        elif KIND == 1:
+            col = H + h
+        else:
+            col = H + HKV + h
+    return col
+
+
+@triton.jit
+def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, eps, partner, cos, sin_s,
+                  KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's heads of one kind: load, (norm), (rope), store contiguous."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    if NORM:
+        w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+    for h0 in range(0, NH, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hmask = h < NH
+        mask = hmask[:, None] & dmask[None, :]
+        col = head_columns(h, H, HKV, G, KIND, INTERLEAVED) * D
+        src = in_row + col[:, None]
+        x = tl.load(src + d[None, :], mask=mask, other=0.0)
+        if ROPE:
+            y = x.to(tl.float32)
+            xp = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            if NORM:
+                rstd = tl.math.rsqrt(tl.sum(y * y, axis=1) / D + eps)
+                y = y * rstd[:, None] * w[None, :]
+                xp = xp * rstd[:, None] * wp[None, :]
+            y = y * cos[None, :] + xp * sin_s[None, :]
+        else:
+            y = x
+        tl.store(out_row + h[:, None] * D + d[None, :], y.to(out_row.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
+                             v_ptr, S, H, HKV, D, R, NPOS, stride_b, stride_s, eps,
+                             INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+                             NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
+                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # token in output order: t = b * S + s
+    b = t // S
+    s = t - b * S
+    if HAS_POS:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+    else:
+        pos = s
+    G = H // HKV
+    partner, cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, R, BLOCK_D)
+    in_row = qkv_ptr + b * stride_b + s * stride_s
+    _qkv_part_fwd(in_row, q_ptr + t * H * D, qw_ptr, H, H, HKV, G, D, eps, partner, cos, sin_s,
+                  0, INTERLEAVED, NORM_Q, True, BLOCK_HQ, BLOCK_D)
+    _qkv_part_fwd(in_row, k_ptr + t * HKV * D, kw_ptr, HKV, H, HKV, G, D, eps, partner, cos,
+                  sin_s, 1, INTERLEAVED, NORM_K, True, BLOCK_HK, BLOCK_D)
+    _qkv_part_fwd(in_row, v_ptr + t * HKV * D, kw_ptr, HKV, H, HKV, G, D, eps, partner, cos,
+                  sin_s, 2, INTERLEAVED, False, False, BLOCK_HK, BLOCK_D)
+
+
+def head_blocks(H: int, Hkv: int, D: int):
+    """(BLOCK_HQ, BLOCK_HK, BLOCK_D, num_warps): head tiles of at most 4096 elements."""
+    BLOCK_D = next_power_of_2(max(D, 2))
+    cap = max(1, 4096 // BLOCK_D)
+    BLOCK_HQ = min(next_power_of_2(H), cap)
+    BLOCK_HK = min(next_power_of_2(Hkv), cap)
+    num_warps = 4 if BLOCK_HQ * BLOCK_D >= 1024 else 2
+    return BLOCK_HQ, BLOCK_HK, BLOCK_D, num_warps
+
+
+def token_strides(qkv: torch.Tensor, layout: str):
+    """(B, S, stride_b, stride_s) of the fused projection in either layout."""
+    if layout == "sbh":
+        S, B = qkv.shape[0], qkv.shape[1]
+        return B, S, qkv.stride(1), qkv.stride(0)
+    B, S = qkv.shape[0], qkv.shape[1]
+    return B, S, qkv.stride(0), qkv.stride(1)
+
+
+def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, num_heads,
+                     num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps):
+    """Launch the forward; inputs are validated by ``functional.rope``. Returns (q, k, v)."""
+    H, Hkv, D = num_heads, num_kv_heads, head_dim
+    B, S, stride_b, stride_s = token_strides(qkv, layout)
+    dev = qkv.device
+    q = empty(B, S, H, D, dtype=qkv.dtype, device=dev)
+    k = empty(B, S, Hkv, D, dtype=qkv.dtype, device=dev)
+    v = empty(B, S, Hkv, D, dtype=qkv.dtype, device=dev)
+    T = B * S
+    if T == 0:
+        return q, k, v
+    BHQ, BHK, BD, nw = head_blocks(H, Hkv, D)
+    dummy = freqs
+    with device_guard(qkv):
+        _qk_norm_rope_fwd_kernel[(T,)](
+            qkv, freqs, position_ids if position_ids is not None else dummy,
+            q_norm_weight if q_norm_weight is not None else dummy,
+            k_norm_weight if k_norm_weight is not None else dummy,
+            q, k, v, S, H, Hkv, D, rotary_dim, freqs.shape[0], stride_b, stride_s, eps,
+            INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
+            NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None,
+            BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+    return q, k, v
+
+
+# --------------------------------------------------------------------------------------
+# HF layout: q [B, H, S, D], k [B, Hk, S, D], cos/sin [S, D] or [B, S, D] (or tables)
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _hf_part(x_ptr, o_ptr, b, s, NH, S, D, sxb, sxh, sxs, cos, sin, partner, sgn,
+             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    for h0 in range(0, NH, BLOCK_H):
+        h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        mask = (h < NH)[:, None] & dmask[None, :]
+        src = x_ptr + b * sxb + s * sxs + h[:, None] * sxh
+        x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = x * cos[None, :] + xp * (sgn * sin)[None, :]
+        dst = o_ptr + ((b * NH + h[:, None]) * S + s) * D + d[None, :]
+        tl.store(dst, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPOS, S, HQ, HK, D,
+                    sqb, sqh, sqs, skb, skh, sks, scb, scs, HAS_POS: tl.constexpr,
+                    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """One (b, s) token: all heads of q and k. Forward ``y = x*cos[i] + sgn*x[p]*sin[i]``
+    (sgn -1 in the first half); backward ``dx = dy*cos[i] - sgn*dy[p]*sin[p]``."""
+    t = tl.program_id(0).to(tl.int64)
+    b = t // S
+    s = t - b * S
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    half = D // 2
+    first = d < half
+    partner = tl.where(first, d + half, d - half)
+    cmask = dmask
+    if HAS_POS:
+        pv = tl.load(pos_ptr + t).to(tl.int64) + tl.zeros([BLOCK_D], dtype=tl.int64)
+        cmask = dmask & (pv >= 0) & (pv < NPOS)  # out of range: cos = sin = 0, no read
+        crow = pv * scs
+    else:
+        crow = b * scb + s * scs
+    cos = tl.load(cos_ptr + crow + d, mask=cmask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        sin = tl.load(sin_ptr + crow + partner, mask=cmask, other=0.0).to(tl.float32)
+        sgn = tl.where(first, 1.0, -1.0)
+    else:
+        sin = tl.load(sin_ptr + crow + d, mask=cmask, other=0.0).to(tl.float32)
+        sgn = tl.where(first, -1.0, 1.0)
+    _hf_part(q_ptr, qo_ptr, b, s, HQ, S, D, sqb, sqh, sqs, cos, sin, partner, sgn,
+             BLOCK_HQ, BLOCK_D)
+    _hf_part(k_ptr, ko_ptr, b, s, HK, S, D, skb, skh, sks, cos, sin, partner, sgn,
+             BLOCK_HK, BLOCK_D)
+
+
+def hf_rope(q, k, cos, sin, position_ids, backward: bool):
+    """Launch HF-layout RoPE (or its backward on the gradients). ``cos``/``sin`` are
+    ``[B or 1, S, D]`` views (batch stride 0 when shared) or ``[max_pos, D]`` tables
+    with ``position_ids [B, S]`` contiguous. Outputs are contiguous ``[B, H, S, D]``."""
+    B, HQ, S, D = q.shape
+    HK = k.shape[1]
+    qo = empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = empty(k.shape, dtype=k.dtype, device=k.device)
+    if B * S == 0 or D == 0:
+        return qo, ko
+    if position_ids is not None:
+        scb, scs = 0, cos.stride(0)
+    else:
+        scb, scs = cos.stride(0), cos.stride(1)
+    BHQ, BHK, BD, nw = head_blocks(HQ, HK, D)
+    with device_guard(q):
+        _hf_rope_kernel[(B * S,)](
+            q, k, qo, ko, cos, sin, position_ids if position_ids is not None else cos,
+            cos.shape[0], S, HQ, HK, D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            k.stride(2), scb, scs, HAS_POS=position_ids is not None, BACKWARD=backward,
+            BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+    return qo, ko
