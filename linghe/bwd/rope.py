@@ -120,7 +120,8 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
                 position_ids if position_ids is not None else dummy,
                 q_norm_weight if nq else dummy, k_norm_weight if nk else dummy,
                 dqw if nq else dummy, dkw if nk else dummy,
-                T, S, H, Hkv, D, rotary_dim, freqs.shape[0], stride_b, stride_s, dstride_b, dstride_s, eps,
+                T, S, H, Hkv, D, rotary_dim, freqs.shape[0], stride_b, stride_s, dstride_b,
+                dstride_s, eps,
                 INTERLEAVED=interleaved, HAS_POS=position_ids is not None, NORM_Q=nq,
                 NORM_K=nk, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
     gq = dqw.sum(0).to(q_norm_weight.dtype) if nq else None

@@ -244,7 +244,7 @@ def hf_rope(q, k, cos, sin, position_ids, backward: bool):
     with device_guard(q):
         _hf_rope_kernel[(B * S,)](
             q, k, qo, ko, cos, sin, position_ids if position_ids is not None else cos,
-            cos.shape[0], S, HQ, HK, D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-            k.stride(2), scb, scs, HAS_POS=position_ids is not None, BACKWARD=backward,
+            cos.shape[0], S, HQ, HK, D, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+            k.stride(1), k.stride(2), scb, scs, HAS_POS=position_ids is not None, BACKWARD=backward,
             BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
     return qo, ko

@@ -1,0 +1,77 @@
+"""Backward kernel of group RMSNorm with sigmoid gate.
+
+Nothing but the inputs is saved: the per-group rstd is recomputed from ``x``, which the
+backward reads anyway. With ``n = xhat * w`` and ``sig = sigmoid(gate)``:
+``dgate = dy * n * sig * (1 - sig)``, ``dn = dy * sig``, ``dw = sum(dn * xhat)``,
+``dx = rstd * (dn*w - xhat * mean_group(dn*w*xhat))``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fwd.gate import gate_blocks, gate_token_strides, group_tile
+from ..utils import device_guard, empty, num_sms
+
+
+@triton.jit
+def _group_rms_norm_gate_bwd_kernel(x_ptr, gate_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dw_ptr,
+                                    T, S, G, C, sxb, sxs, sgb, sgs, syb, sys, sdxb, sdxs,
+                                    sdgb, sdgs, eps, SHARED_W: tl.constexpr,
+                                    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    zero64 = pid.to(tl.int64) * 0
+    P = tl.num_programs(0)
+    offs, woffs, mask = group_tile(G, C, SHARED_W, BLOCK_G, BLOCK_C)
+    w = tl.load(w_ptr + woffs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
+    for t32 in range(pid, T, P):
+        t = t32 + zero64  # int64 (t32 is a plain int in the interpreter)
+        b = t // S
+        s = t - b * S
+        x = tl.load(x_ptr + b * sxb + s * sxs + offs, mask=mask, other=0.0).to(tl.float32)
+        gt = tl.load(gate_ptr + b * sgb + s * sgs + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + b * syb + s * sys + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / C + eps)
+        xhat = x * rstd[:, None]
+        sig = tl.sigmoid(gt)
+        dn = dy * sig
+        dg = dy * (xhat * w) * sig * (1.0 - sig)
+        acc += dn * xhat
+        gw = dn * w
+        cc = tl.sum(gw * xhat, axis=1) / C
+        dx = (gw - xhat * cc[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + b * sdxb + s * sdxs + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dg_ptr + b * sdgb + s * sdgs + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+    if SHARED_W:
+        c = tl.arange(0, BLOCK_C)
+        tl.store(dw_ptr + pid * C + c, tl.sum(acc, axis=0), mask=c < C)
+    else:
+        tl.store(dw_ptr + pid * (G * C) + offs, acc, mask=mask)
+
+
+def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layout):
+    """``dy`` contiguous in the gate's layout. Returns ``(dx3 [B, S, dim], dgate, dweight)``:
+    ``dx3`` contiguous in x's dtype, ``dgate`` contiguous like the gate, ``dweight`` from
+    float32 per-program partials summed in float32, in the weight's dtype."""
+    B, S, dim = x3.shape
+    G, C = num_groups, dim // num_groups
+    T = B * S
+    dx = empty(x3.shape, dtype=x3.dtype, device=x3.device)
+    dg = empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if T == 0 or dim == 0:
+        return dx, dg, torch.zeros_like(weight)
+    P = max(1, min(T, num_sms(x3.device) * 4))
+    partial = empty(P, weight.numel(), dtype=torch.float32, device=x3.device)
+    BG, BC, nw = gate_blocks(G, C)
+    sgb, sgs = gate_token_strides(gate, gate_layout)
+    syb, sys = gate_token_strides(dy, gate_layout)
+    sdgb, sdgs = gate_token_strides(dg, gate_layout)
+    with device_guard(x3):
+        _group_rms_norm_gate_bwd_kernel[(P,)](
+            x3, gate, weight, dy, dx, dg, partial, T, S, G, C, x3.stride(0), x3.stride(1),
+            sgb, sgs, syb, sys, dx.stride(0), dx.stride(1), sdgb, sdgs, eps,
+            SHARED_W=weight.numel() != dim, BLOCK_G=BG, BLOCK_C=BC, num_warps=nw)
+    return dx, dg, partial.sum(0).to(weight.dtype)
