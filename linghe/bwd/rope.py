@@ -11,12 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwd.rope import head_blocks, head_columns, rope_tables, token_strides
+from ..fwd.rope import head_blocks, head_columns, load_partner, rope_tables, token_strides
 from ..utils import device_guard, empty, num_sms
 
 
 @triton.jit
-def _qkv_part_bwd(x_row, dy_row, dx_row, w_ptr, acc, NH, H, HKV, G, D, eps, partner, cos,
+def _qkv_part_bwd(x_row, dy_row, dx_row, w_ptr, acc, NH, H, HKV, G, D, HALF, R, eps, cos,
                   sin_s, KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
                   ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token's heads of one kind. RoPE backward ``g = dy*cos - dy[p]*sin_s``, then the
@@ -34,7 +34,7 @@ def _qkv_part_bwd(x_row, dy_row, dx_row, w_ptr, acc, NH, H, HKV, G, D, eps, part
         dy = tl.load(src + d[None, :], mask=mask, other=0.0)
         if ROPE:
             g = dy.to(tl.float32) * cos[None, :]
-            dyp = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            dyp = load_partner(src, d[None, :], HALF, R, mask)
             g = g - dyp * sin_s[None, :]
             if NORM:
                 x = tl.load(x_row + col[:, None] + d[None, :], mask=mask,
@@ -53,7 +53,7 @@ def _qkv_part_bwd(x_row, dy_row, dx_row, w_ptr, acc, NH, H, HKV, G, D, eps, part
 
 @triton.jit
 def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_ptr, pos_ptr,
-                             qw_ptr, kw_ptr, dqw_ptr, dkw_ptr, T, S, H, HKV, D, R, NPOS,
+                             qw_ptr, kw_ptr, dqw_ptr, dkw_ptr, T, S, H, HKV, D, HALF, R, NPOS,
                              stride_b, stride_s, dstride_b, dstride_s, eps,
                              INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
                              NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
@@ -73,17 +73,17 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
             pos = tl.load(pos_ptr + t).to(tl.int64)
         else:
             pos = s
-        partner, cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, R, BLOCK_D)
+        cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D)
         x_row = qkv_ptr + b * stride_b + s * stride_s
         dx_row = dqkv_ptr + b * dstride_b + s * dstride_s
         acc_q = _qkv_part_bwd(x_row, dq_ptr + t * H * D, dx_row, qw_ptr, acc_q, H, H, HKV, G,
-                              D, eps, partner, cos, sin_s, 0, INTERLEAVED, NORM_Q, True,
+                              D, HALF, R, eps, cos, sin_s, 0, INTERLEAVED, NORM_Q, True,
                               BLOCK_HQ, BLOCK_D)
         acc_k = _qkv_part_bwd(x_row, dk_ptr + t * HKV * D, dx_row, kw_ptr, acc_k, HKV, H, HKV,
-                              G, D, eps, partner, cos, sin_s, 1, INTERLEAVED, NORM_K, True,
+                              G, D, HALF, R, eps, cos, sin_s, 1, INTERLEAVED, NORM_K, True,
                               BLOCK_HK, BLOCK_D)
         acc_k = _qkv_part_bwd(x_row, dv_ptr + t * HKV * D, dx_row, kw_ptr, acc_k, HKV, H, HKV,
-                              G, D, eps, partner, cos, sin_s, 2, INTERLEAVED, False, False,
+                              G, D, HALF, R, eps, cos, sin_s, 2, INTERLEAVED, False, False,
                               BLOCK_HK, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     if NORM_Q:
@@ -120,8 +120,8 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
                 position_ids if position_ids is not None else dummy,
                 q_norm_weight if nq else dummy, k_norm_weight if nk else dummy,
                 dqw if nq else dummy, dkw if nk else dummy,
-                T, S, H, Hkv, D, rotary_dim, freqs.shape[0], stride_b, stride_s, dstride_b,
-                dstride_s, eps,
+                T, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0], stride_b,
+                stride_s, dstride_b, dstride_s, eps,
                 INTERLEAVED=interleaved, HAS_POS=position_ids is not None, NORM_Q=nq,
                 NORM_K=nk, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
     gq = dqw.sum(0).to(q_norm_weight.dtype) if nq else None

@@ -23,29 +23,39 @@ def reduce_angle(a):
 
 
 @triton.jit
-def rope_tables(freqs_ptr, pos, NPOS, R, BLOCK_D: tl.constexpr):
-    """Per-dim RoPE factors for one position (fp32 ``[BLOCK_D]``).
+def rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D: tl.constexpr):
+    """Per-dim RoPE factors for one position (fp32 ``[BLOCK_D]``), ``HALF = R/2``.
 
-    Returns ``(partner, cos, sin_signed)``: the rotate-half partner of each dim
-    (``i + R/2`` in the first half, ``i - R/2`` in the second, ``i`` outside the rotary
-    dims), ``cos`` (1 outside) and ``sin`` signed so that ``y = x*cos + x[partner]*sin_s``
-    (``-sin`` in the first half, ``+sin`` in the second, 0 outside). A position outside
-    ``[0, NPOS)`` reads nothing and gets angle 0 (no rotation).
+    Returns ``(cos, sin_s)``: ``cos`` (1 outside the rotary dims) and ``sin`` signed so
+    that ``y = x*cos + x[partner]*sin_s`` (``-sin`` in the first half, ``+sin`` in the
+    second, 0 outside), ``partner`` being ``i + R/2`` in the first half, ``i - R/2`` in
+    the second (:func:`load_partner`). A position outside ``[0, NPOS)`` reads nothing and
+    gets angle 0 (no rotation).
     """
     d = tl.arange(0, BLOCK_D)
-    half = R // 2
-    first = d < half
+    first = d < HALF
     rot = d < R
-    partner = tl.where(first, d + half, tl.where(rot, d - half, d))
-    fi = tl.where(first, d, d - half)
+    fi = tl.where(first, d, d - HALF)
     pv = pos + tl.zeros([BLOCK_D], dtype=tl.int64)
     ok = rot & (pv >= 0) & (pv < NPOS)
-    ang = tl.load(freqs_ptr + pv * half + fi, mask=ok, other=0.0).to(tl.float32)
+    ang = tl.load(freqs_ptr + pv * HALF + fi, mask=ok, other=0.0).to(tl.float32)
     ang = reduce_angle(ang)
     cos = tl.where(rot, tl.cos(ang), 1.0)
     sin = tl.sin(ang)
     sin_s = tl.where(first, -sin, tl.where(rot, sin, 0.0))
-    return partner, cos, sin_s
+    return cos, sin_s
+
+
+@triton.jit
+def load_partner(ptr, d, HALF, R, mask):
+    """``x[partner(d)]`` as fp32 for rows at ``ptr`` (``d`` broadcast against ``ptr``):
+    ``x[d + HALF]`` for ``d < HALF``, ``x[d - HALF]`` for ``HALF <= d < R``, 0 beyond.
+    Two loads with affine (vectorizable) offsets instead of a gather; they hit L1."""
+    first = d < HALF
+    second = (d >= HALF) & (d < R)
+    a = tl.load(ptr + (d + HALF), mask=mask & first, other=0.0)
+    b = tl.load(ptr + (d - HALF), mask=mask & second, other=0.0)
+    return tl.where(first, a.to(tl.float32), b.to(tl.float32))
 
 
 @triton.jit
@@ -70,7 +80,7 @@ def head_columns(h, H, HKV, G, KIND: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, eps, partner, cos, sin_s,
+def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, HALF, R, eps, cos, sin_s,
                   KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
                   ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token's heads of one kind: load, (norm), (rope), store contiguous."""
@@ -78,7 +88,7 @@ def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, eps, partner, cos, s
     dmask = d < D
     if NORM:
         w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+        wp = load_partner(w_ptr, d, HALF, R, dmask)
     for h0 in range(0, NH, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hmask = h < NH
@@ -88,7 +98,7 @@ def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, eps, partner, cos, s
         x = tl.load(src + d[None, :], mask=mask, other=0.0)
         if ROPE:
             y = x.to(tl.float32)
-            xp = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            xp = load_partner(src, d[None, :], HALF, R, mask)
             if NORM:
                 rstd = tl.math.rsqrt(tl.sum(y * y, axis=1) / D + eps)
                 y = y * rstd[:, None] * w[None, :]
@@ -102,7 +112,7 @@ def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, eps, partner, cos, s
 
 @triton.jit
 def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
-                             v_ptr, S, H, HKV, D, R, NPOS, stride_b, stride_s, eps,
+                             v_ptr, S, H, HKV, D, HALF, R, NPOS, stride_b, stride_s, eps,
                              INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
                              NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
                              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
@@ -115,13 +125,13 @@ def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
     else:
         pos = s
     G = H // HKV
-    partner, cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, R, BLOCK_D)
+    cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D)
     in_row = qkv_ptr + b * stride_b + s * stride_s
-    _qkv_part_fwd(in_row, q_ptr + t * H * D, qw_ptr, H, H, HKV, G, D, eps, partner, cos, sin_s,
+    _qkv_part_fwd(in_row, q_ptr + t * H * D, qw_ptr, H, H, HKV, G, D, HALF, R, eps, cos, sin_s,
                   0, INTERLEAVED, NORM_Q, True, BLOCK_HQ, BLOCK_D)
-    _qkv_part_fwd(in_row, k_ptr + t * HKV * D, kw_ptr, HKV, H, HKV, G, D, eps, partner, cos,
+    _qkv_part_fwd(in_row, k_ptr + t * HKV * D, kw_ptr, HKV, H, HKV, G, D, HALF, R, eps, cos,
                   sin_s, 1, INTERLEAVED, NORM_K, True, BLOCK_HK, BLOCK_D)
-    _qkv_part_fwd(in_row, v_ptr + t * HKV * D, kw_ptr, HKV, H, HKV, G, D, eps, partner, cos,
+    _qkv_part_fwd(in_row, v_ptr + t * HKV * D, kw_ptr, HKV, H, HKV, G, D, HALF, R, eps, cos,
                   sin_s, 2, INTERLEAVED, False, False, BLOCK_HK, BLOCK_D)
 
 
@@ -163,7 +173,8 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
             qkv, freqs, position_ids if position_ids is not None else dummy,
             q_norm_weight if q_norm_weight is not None else dummy,
             k_norm_weight if k_norm_weight is not None else dummy,
-            q, k, v, S, H, Hkv, D, rotary_dim, freqs.shape[0], stride_b, stride_s, eps,
+            q, k, v, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0], stride_b,
+            stride_s, eps,
             INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
             NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None,
             BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
@@ -176,7 +187,7 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
 
 
 @triton.jit
-def _hf_part(x_ptr, o_ptr, b, s, NH, S, D, sxb, sxh, sxs, cos, sin, partner, sgn,
+def _hf_part(x_ptr, o_ptr, b, s, NH, S, D, HALF, sxb, sxh, sxs, cos, sin, sgn,
              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -185,15 +196,15 @@ def _hf_part(x_ptr, o_ptr, b, s, NH, S, D, sxb, sxh, sxs, cos, sin, partner, sgn
         mask = (h < NH)[:, None] & dmask[None, :]
         src = x_ptr + b * sxb + s * sxs + h[:, None] * sxh
         x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        xp = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        xp = load_partner(src, d[None, :], HALF, D, mask)
         y = x * cos[None, :] + xp * (sgn * sin)[None, :]
         dst = o_ptr + ((b * NH + h[:, None]) * S + s) * D + d[None, :]
         tl.store(dst, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPOS, S, HQ, HK, D,
-                    sqb, sqh, sqs, skb, skh, sks, scb, scs, HAS_POS: tl.constexpr,
+def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPOS, S, HQ, HK,
+                    D, HALF, sqb, sqh, sqs, skb, skh, sks, scb, scs, HAS_POS: tl.constexpr,
                     BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     """One (b, s) token: all heads of q and k. Forward ``y = x*cos[i] + sgn*x[p]*sin[i]``
@@ -203,9 +214,7 @@ def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPO
     s = t - b * S
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    half = D // 2
-    first = d < half
-    partner = tl.where(first, d + half, d - half)
+    first = d < HALF
     cmask = dmask
     if HAS_POS:
         pv = tl.load(pos_ptr + t).to(tl.int64) + tl.zeros([BLOCK_D], dtype=tl.int64)
@@ -215,14 +224,14 @@ def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPO
         crow = b * scb + s * scs
     cos = tl.load(cos_ptr + crow + d, mask=cmask, other=0.0).to(tl.float32)
     if BACKWARD:
-        sin = tl.load(sin_ptr + crow + partner, mask=cmask, other=0.0).to(tl.float32)
+        sin = load_partner(sin_ptr + crow, d, HALF, D, cmask)
         sgn = tl.where(first, 1.0, -1.0)
     else:
         sin = tl.load(sin_ptr + crow + d, mask=cmask, other=0.0).to(tl.float32)
         sgn = tl.where(first, -1.0, 1.0)
-    _hf_part(q_ptr, qo_ptr, b, s, HQ, S, D, sqb, sqh, sqs, cos, sin, partner, sgn,
+    _hf_part(q_ptr, qo_ptr, b, s, HQ, S, D, HALF, sqb, sqh, sqs, cos, sin, sgn,
              BLOCK_HQ, BLOCK_D)
-    _hf_part(k_ptr, ko_ptr, b, s, HK, S, D, skb, skh, sks, cos, sin, partner, sgn,
+    _hf_part(k_ptr, ko_ptr, b, s, HK, S, D, HALF, skb, skh, sks, cos, sin, sgn,
              BLOCK_HK, BLOCK_D)
 
 
@@ -244,7 +253,7 @@ def hf_rope(q, k, cos, sin, position_ids, backward: bool):
     with device_guard(q):
         _hf_rope_kernel[(B * S,)](
             q, k, qo, ko, cos, sin, position_ids if position_ids is not None else cos,
-            cos.shape[0], S, HQ, HK, D, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+            cos.shape[0], S, HQ, HK, D, D // 2, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
             k.stride(1), k.stride(2), scb, scs, HAS_POS=position_ids is not None, BACKWARD=backward,
             BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
     return qo, ko
