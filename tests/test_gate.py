@@ -122,3 +122,11 @@ def test_group_rms_norm_gate_bad_inputs(device):
 def test_group_rms_norm_gate_standard_shape(device, layout):
     _check(device, B=2, S=4096, H=16, dh=128, G=4, layout=layout, shared=False,
            dtype=torch.bfloat16)
+
+
+def test_group_rms_norm_gate_many_token_blocks(device):
+    # Several token blocks per persistent backward program, and a partial last block.
+    _check(device, B=3, S=50, H=2, dh=256, G=1, layout="sbh", shared=False,
+           dtype=torch.float32)
+    _check(device, B=1, S=37, H=2, dh=6, G=2, layout="bsh", shared=True,
+           dtype=torch.float32)

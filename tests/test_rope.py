@@ -88,6 +88,12 @@ def test_qk_norm_rope_head_shapes(device, H, Hkv, D, R):
                         interleaved=True, norm="both", packed=False, dtype=torch.float32)
 
 
+def test_qk_norm_rope_many_tokens(device):
+    # More tokens than persistent backward programs: each program loops over tokens.
+    _check_qk_norm_rope(device, B=3, S=29, H=2, Hkv=1, D=4, R=2, layout="sbh",
+                        interleaved=True, norm="both", packed=True, dtype=torch.float32)
+
+
 def test_qk_norm_rope_default_rotary_dim(device):
     H, Hkv, D = 2, 1, 6
     qkv = _qkv("sbh", 2, 4, H, Hkv, D, torch.float32, device)

@@ -4,6 +4,10 @@ Nothing but the inputs is saved: the per-group rstd is recomputed from ``x``, wh
 backward reads anyway. With ``n = xhat * w`` and ``sig = sigmoid(gate)``:
 ``dgate = dy * n * sig * (1 - sig)``, ``dn = dy * sig``, ``dw = sum(dn * xhat)``,
 ``dx = rstd * (dn*w - xhat * mean_group(dn*w*xhat))``.
+
+A persistent grid (``PROGRAMS_PER_SM`` programs per SM) walks token blocks; each program
+keeps its weight-gradient partial in float32 registers and writes it once; the partials
+``[P, len(weight)]`` are summed in float32 afterwards.
 """
 
 from __future__ import annotations
@@ -12,28 +16,36 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwd.gate import gate_blocks, gate_token_strides, group_tile
-from ..utils import device_guard, empty, num_sms
+from ..fwd.gate import gate_blocks, gate_tile, gate_token_strides
+from ..utils import cdiv, device_guard, empty, num_sms
+
+#: Persistent programs per SM (knob: more hides latency, but each adds a float32 partial
+#: of the weight gradient that is written and summed).
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
 def _group_rms_norm_gate_bwd_kernel(x_ptr, gate_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dw_ptr,
                                     T, S, G, C, sxb, sxs, sgb, sgs, syb, sys, sdxb, sdxs,
                                     sdgb, sdgs, eps, SHARED_W: tl.constexpr,
-                                    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+                                    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+                                    BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
-    zero64 = pid.to(tl.int64) * 0
     P = tl.num_programs(0)
-    offs, woffs, mask = group_tile(G, C, SHARED_W, BLOCK_G, BLOCK_C)
-    w = tl.load(w_ptr + woffs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
-    for t32 in range(pid, T, P):
-        t = t32 + zero64  # int64 (t32 is a plain int in the interpreter)
-        b = t // S
-        s = t - b * S
-        x = tl.load(x_ptr + b * sxb + s * sxs + offs, mask=mask, other=0.0).to(tl.float32)
-        gt = tl.load(gate_ptr + b * sgb + s * sgs + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + b * syb + s * sys + offs, mask=mask, other=0.0).to(tl.float32)
+    nblk = tl.cdiv(T, BLOCK_T)
+    _, _, offs, woffs, wmask = gate_tile(pid * 0, T, S, G, C, SHARED_W, BLOCK_T, BLOCK_G,
+                                         BLOCK_C)
+    w = tl.load(w_ptr + woffs, mask=wmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_G, BLOCK_C], dtype=tl.float32)
+    for blk in range(pid, nblk, P):
+        b, s, offs, woffs, mask = gate_tile(blk + pid * 0, T, S, G, C, SHARED_W, BLOCK_T,
+                                            BLOCK_G, BLOCK_C)
+        x = tl.load(x_ptr + (b * sxb + s * sxs)[:, None] + offs, mask=mask,
+                    other=0.0).to(tl.float32)
+        gt = tl.load(gate_ptr + (b * sgb + s * sgs)[:, None] + offs, mask=mask,
+                     other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + (b * syb + s * sys)[:, None] + offs, mask=mask,
+                     other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / C + eps)
         xhat = x * rstd[:, None]
         sig = tl.sigmoid(gt)
@@ -43,13 +55,18 @@ def _group_rms_norm_gate_bwd_kernel(x_ptr, gate_ptr, w_ptr, dy_ptr, dx_ptr, dg_p
         gw = dn * w
         cc = tl.sum(gw * xhat, axis=1) / C
         dx = (gw - xhat * cc[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + b * sdxb + s * sdxs + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dg_ptr + b * sdgb + s * sdgs + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + (b * sdxb + s * sdxs)[:, None] + offs,
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dg_ptr + (b * sdgb + s * sdgs)[:, None] + offs,
+                 dg.to(dg_ptr.dtype.element_ty), mask=mask)
+    c = tl.arange(0, BLOCK_C)
     if SHARED_W:
-        c = tl.arange(0, BLOCK_C)
         tl.store(dw_ptr + pid * C + c, tl.sum(acc, axis=0), mask=c < C)
     else:
-        tl.store(dw_ptr + pid * (G * C) + offs, acc, mask=mask)
+        acc3 = tl.reshape(acc, [BLOCK_T, BLOCK_G, BLOCK_C])
+        g = tl.arange(0, BLOCK_G)
+        tl.store(dw_ptr + pid * (G * C) + g[:, None] * C + c[None, :], tl.sum(acc3, axis=0),
+                 mask=(g < G)[:, None] & (c < C)[None, :])
 
 
 def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layout):
@@ -63,9 +80,9 @@ def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layou
     dg = empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if T == 0 or dim == 0:
         return dx, dg, torch.zeros_like(weight)
-    P = max(1, min(T, num_sms(x3.device) * 4))
+    BT, BG, BC, nw = gate_blocks(G, C, elems=4096)
+    P = max(1, min(cdiv(T, BT), num_sms(x3.device) * PROGRAMS_PER_SM))
     partial = empty(P, weight.numel(), dtype=torch.float32, device=x3.device)
-    BG, BC, nw = gate_blocks(G, C)
     sgb, sgs = gate_token_strides(gate, gate_layout)
     syb, sys = gate_token_strides(dy, gate_layout)
     sdgb, sdgs = gate_token_strides(dg, gate_layout)
@@ -73,5 +90,6 @@ def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layou
         _group_rms_norm_gate_bwd_kernel[(P,)](
             x3, gate, weight, dy, dx, dg, partial, T, S, G, C, x3.stride(0), x3.stride(1),
             sgb, sgs, syb, sys, dx.stride(0), dx.stride(1), sdgb, sdgs, eps,
-            SHARED_W=weight.numel() != dim, BLOCK_G=BG, BLOCK_C=BC, num_warps=nw)
+            SHARED_W=weight.numel() != dim, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC,
+            num_warps=nw)
     return dx, dg, partial.sum(0).to(weight.dtype)
