@@ -130,3 +130,15 @@ def test_group_rms_norm_gate_many_token_blocks(device):
            dtype=torch.float32)
     _check(device, B=1, S=37, H=2, dh=6, G=2, layout="bsh", shared=True,
            dtype=torch.float32)
+
+
+@pytest.mark.parametrize("P,N", [(150, 70), (1, 5), (64, 32)])
+def test_sum_partials(device, P, N):
+    # The weight-gradient reduction both gate and rope backward use.
+    from linghe.utils import sum_partials
+
+    p = torch.randn(P, N, device=device)
+    assert_close(sum_partials(p, torch.float32), p.double().sum(0))
+    out = sum_partials(p, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, p.double().sum(0), tol=1e-2)

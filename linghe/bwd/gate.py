@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..fwd.gate import gate_blocks, gate_tile, gate_token_strides
-from ..utils import cdiv, device_guard, empty, num_sms
+from ..utils import cdiv, device_guard, empty, num_sms, sum_partials
 
 #: Persistent programs per SM (knob: more hides latency, but each adds a float32 partial
 #: of the weight gradient that is written and summed).
@@ -92,4 +92,4 @@ def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layou
             sgb, sgs, syb, sys, dx.stride(0), dx.stride(1), sdgb, sdgs, eps,
             SHARED_W=weight.numel() != dim, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC,
             num_warps=nw)
-    return dx, dg, partial.sum(0).to(weight.dtype)
+    return dx, dg, sum_partials(partial, weight.dtype)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..fwd.rope import head_blocks, head_columns, load_partner, rope_tables, token_strides
-from ..utils import device_guard, empty, num_sms
+from ..utils import device_guard, empty, num_sms, sum_partials
 
 
 @triton.jit
@@ -87,9 +87,9 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
                               BLOCK_HK, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     if NORM_Q:
-        tl.store(dqw_ptr + pid * D + d, acc_q, mask=d < D)
+        tl.store(dqw_ptr + pid * (2 * D) + d, acc_q, mask=d < D)
     if NORM_K:
-        tl.store(dkw_ptr + pid * D + d, acc_k, mask=d < D)
+        tl.store(dkw_ptr + pid * (2 * D) + d, acc_k, mask=d < D)
 
 
 def _programs(T: int, device) -> int:
@@ -100,7 +100,7 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
                      num_heads, num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps):
     """Returns ``(dqkv, dq_norm_weight, dk_norm_weight)``; ``dq/dk/dv`` contiguous
     ``[B, S, H|Hkv, D]``. ``dqkv`` is contiguous in ``qkv``'s layout and dtype; weight
-    gradients are float32 partial sums per program reduced with ``sum`` (float32), then
+    gradients are float32 partial sums per program reduced by ``sum_partials`` (float32), then
     cast to the weight's dtype (``None`` where there is no weight)."""
     H, Hkv, D = num_heads, num_kv_heads, head_dim
     B, S, stride_b, stride_s = token_strides(qkv, layout)
@@ -109,8 +109,10 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
     T = B * S
     P = _programs(T, qkv.device)
     nq, nk = q_norm_weight is not None, k_norm_weight is not None
-    dqw = empty(P, D, dtype=torch.float32, device=qkv.device) if nq else None
-    dkw = empty(P, D, dtype=torch.float32, device=qkv.device) if nk else None
+    # One float32 partial row per program: [q weight grad | k weight grad].
+    partial = empty(P, 2 * D, dtype=torch.float32, device=qkv.device) if nq or nk else None
+    dqw = partial[:, :D] if nq else None
+    dkw = partial[:, D:] if nk else None
     if T > 0:
         BHQ, BHK, BD, nw = head_blocks(H, Hkv, D)
         dummy = freqs
@@ -124,9 +126,16 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
                 stride_s, dstride_b, dstride_s, eps,
                 INTERLEAVED=interleaved, HAS_POS=position_ids is not None, NORM_Q=nq,
                 NORM_K=nk, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
-    gq = dqw.sum(0).to(q_norm_weight.dtype) if nq else None
-    gk = dkw.sum(0).to(k_norm_weight.dtype) if nk else None
+    gq = gk = None
     if T == 0:
         gq = torch.zeros_like(q_norm_weight) if nq else None
         gk = torch.zeros_like(k_norm_weight) if nk else None
+    elif nq and nk and q_norm_weight.dtype == k_norm_weight.dtype:
+        both = sum_partials(partial, q_norm_weight.dtype)  # one launch for both weights
+        gq, gk = both[:D], both[D:]
+    else:
+        if nq:
+            gq = sum_partials(dqw.contiguous(), q_norm_weight.dtype)
+        if nk:
+            gk = sum_partials(dkw.contiguous(), k_norm_weight.dtype)
     return dqkv, gq, gk
