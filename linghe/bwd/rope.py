@@ -97,18 +97,26 @@ def _programs(T: int, device) -> int:
 
 
 def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *,
-                     num_heads, num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps):
+                     num_heads, num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps,
+                     qkv_shape=None, qkv_dtype=None):
     """Returns ``(dqkv, dq_norm_weight, dk_norm_weight)``; ``dq/dk/dv`` contiguous
     ``[B, S, H|Hkv, D]``. ``dqkv`` is contiguous in ``qkv``'s layout and dtype; weight
     gradients are float32 partial sums per program reduced by ``sum_partials`` (float32), then
-    cast to the weight's dtype (``None`` where there is no weight)."""
+    cast to the weight's dtype (``None`` where there is no weight). Without norm weights
+    ``qkv`` is not read and may be ``None`` (then ``qkv_shape``/``qkv_dtype`` are given)."""
     H, Hkv, D = num_heads, num_kv_heads, head_dim
-    B, S, stride_b, stride_s = token_strides(qkv, layout)
-    dqkv = empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    nq, nk = q_norm_weight is not None, k_norm_weight is not None
+    if qkv is None:
+        assert not (nq or nk), "qkv is needed for the norm backward"
+        dqkv = empty(qkv_shape, dtype=qkv_dtype, device=dq.device)
+        qkv, stride_b, stride_s = dqkv, 0, 0  # never read
+        B, S, _, _ = token_strides(dqkv, layout)
+    else:
+        B, S, stride_b, stride_s = token_strides(qkv, layout)
+        dqkv = empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     _, _, dstride_b, dstride_s = token_strides(dqkv, layout)
     T = B * S
     P = _programs(T, qkv.device)
-    nq, nk = q_norm_weight is not None, k_norm_weight is not None
     # One float32 partial row per program: [q weight grad | k weight grad].
     partial = empty(P, 2 * D, dtype=torch.float32, device=qkv.device) if nq or nk else None
     dqw = partial[:, :D] if nq else None

@@ -46,17 +46,14 @@ class _QKNormRope(torch.autograd.Function):
         # The norm backward recomputes rstd from qkv (read anyway for dw), so qkv is saved
         # only when a norm weight is given; no activation is saved otherwise.
         ctx.save_for_backward(qkv if norm else None, freqs, position_ids, qw, kw)
-        ctx.meta = (qkv.shape, qkv.dtype, qkv.device, qkv.stride())
+        ctx.meta = (qkv.shape, qkv.dtype, qkv.device)
         ctx.opts = opts
         return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         qkv, freqs, position_ids, qw, kw = ctx.saved_tensors
-        shape, dtype, device, stride = ctx.meta
-        if qkv is None:
-            # Only shape/strides/dtype are used when no norm weight is given.
-            qkv = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        shape, dtype, device = ctx.meta
         dq = dq.contiguous() if dq is not None else None
         dk = dk.contiguous() if dk is not None else None
         dv = dv.contiguous() if dv is not None else None
@@ -69,7 +66,7 @@ class _QKNormRope(torch.autograd.Function):
         if dv is None:
             dv = torch.zeros(B, S, Hkv, D, dtype=dtype, device=device)
         dqkv, dqw, dkw = qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, qw, kw,
-                                          **ctx.opts)
+                                          qkv_shape=shape, qkv_dtype=dtype, **ctx.opts)
         return dqkv, None, None, dqw, dkw, None
 
 
