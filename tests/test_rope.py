@@ -94,6 +94,14 @@ def test_qk_norm_rope_many_tokens(device):
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_qk_norm_rope_several_head_blocks(device, interleaved):
+    # head_dim 256 caps a head tile at 16 heads: 17 q heads take two blocks.
+    _check_qk_norm_rope(device, B=1, S=2, H=17, Hkv=1, D=256, R=128, layout="bsh",
+                        interleaved=interleaved, norm="both", packed=False,
+                        dtype=torch.float32)
+
+
 def test_qk_norm_rope_default_rotary_dim(device):
     H, Hkv, D = 2, 1, 6
     qkv = _qkv("sbh", 2, 4, H, Hkv, D, torch.float32, device)
@@ -294,6 +302,13 @@ def test_apply_rope(device, B, H, Hk, S, D, cos_kind):
         cos, sin = cos[0], sin[0]
     elif cos_kind == "1SD":
         cos, sin = cos[:1], sin[:1]
+    _check_apply_rope(device, q, k, cos, sin)
+
+
+def test_apply_rope_several_head_blocks(device):
+    B, H, S, D = 1, 17, 2, 256
+    q, k = torch.randn(B, H, S, D, device=device), torch.randn(B, 17, S, D, device=device)
+    cos, sin = _hf_cos_sin(B, S, D, device, batched=False)
     _check_apply_rope(device, q, k, cos, sin)
 
 
