@@ -80,34 +80,67 @@ def head_columns(h, H, HKV, G, KIND: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, HALF, R, eps, cos, sin_s,
-                  KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                  ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One token's heads of one kind: load, (norm), (rope), store contiguous."""
+def load_norm_weight(w_ptr, D, HALF, R, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(w, w[partner])`` as fp32 ``[BLOCK_D]`` (ones when there is no norm)."""
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     if NORM:
         w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         wp = load_partner(w_ptr, d, HALF, R, dmask)
+    else:
+        w = tl.full([BLOCK_D], 1.0, tl.float32)
+        wp = w
+    return w, wp
+
+
+@triton.jit
+def load_heads(in_row, h0, NH, H, HKV, G, D, HALF, R, KIND: tl.constexpr,
+               INTERLEAVED: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Heads ``h0 .. h0+BLOCK_H`` of one kind of one token of the fused projection.
+    Returns ``(x [BLOCK_H, BLOCK_D] in the input dtype, x[partner] fp32 (x when not ROPE),
+    h, col offsets, mask)``."""
+    d = tl.arange(0, BLOCK_D)
+    h = h0 + tl.arange(0, BLOCK_H)
+    mask = (h < NH)[:, None] & (d < D)[None, :]
+    col = head_columns(h, H, HKV, G, KIND, INTERLEAVED) * D
+    src = in_row + col[:, None]
+    x = tl.load(src + d[None, :], mask=mask, other=0.0)
+    if ROPE:
+        xp = load_partner(src, d[None, :], HALF, R, mask)
+    else:
+        xp = x
+    return x, xp, h, col, mask
+
+
+@triton.jit
+def finish_heads_fwd(x, xp, h, mask, out_row, w, wp, D, eps, cos, sin_s,
+                     NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(norm), (rope) and store heads ``h`` of one token contiguously at ``out_row``."""
+    d = tl.arange(0, BLOCK_D)
+    if ROPE:
+        y = x.to(tl.float32)
+        if NORM:
+            rstd = tl.math.rsqrt(tl.sum(y * y, axis=1) / D + eps)
+            y = y * rstd[:, None] * w[None, :]
+            xp = xp * rstd[:, None] * wp[None, :]
+        y = y * cos[None, :] + xp * sin_s[None, :]
+    else:
+        y = x
+    tl.store(out_row + h[:, None] * D + d[None, :], y.to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, HALF, R, eps, cos, sin_s,
+                  KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's heads of one kind, in head blocks: load, (norm), (rope), store."""
+    w, wp = load_norm_weight(w_ptr, D, HALF, R, NORM, BLOCK_D)
     for h0 in range(0, NH, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hmask = h < NH
-        mask = hmask[:, None] & dmask[None, :]
-        col = head_columns(h, H, HKV, G, KIND, INTERLEAVED) * D
-        src = in_row + col[:, None]
-        x = tl.load(src + d[None, :], mask=mask, other=0.0)
-        if ROPE:
-            y = x.to(tl.float32)
-            xp = load_partner(src, d[None, :], HALF, R, mask)
-            if NORM:
-                rstd = tl.math.rsqrt(tl.sum(y * y, axis=1) / D + eps)
-                y = y * rstd[:, None] * w[None, :]
-                xp = xp * rstd[:, None] * wp[None, :]
-            y = y * cos[None, :] + xp * sin_s[None, :]
-        else:
-            y = x
-        tl.store(out_row + h[:, None] * D + d[None, :], y.to(out_row.dtype.element_ty),
-                 mask=mask)
+        x, xp, h, col, mask = load_heads(in_row, h0, NH, H, HKV, G, D, HALF, R, KIND,
+                                         INTERLEAVED, ROPE, BLOCK_H, BLOCK_D)
+        finish_heads_fwd(x, xp, h, mask, out_row, w, wp, D, eps, cos, sin_s, NORM, ROPE,
+                         BLOCK_D)
 
 
 @triton.jit
@@ -115,24 +148,43 @@ def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
                              v_ptr, S, H, HKV, D, HALF, R, NPOS, stride_b, stride_s, eps,
                              INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
                              NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
-                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             ONE_BLOCK: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                             BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # token in output order: t = b * S + s
     b = t // S
     s = t - b * S
+    G = H // HKV
+    in_row = qkv_ptr + b * stride_b + s * stride_s
+    q_row, k_row, v_row = q_ptr + t * H * D, k_ptr + t * HKV * D, v_ptr + t * HKV * D
+    if ONE_BLOCK:
+        # Every head fits one tile per kind: issue all loads before any math.
+        xq, xqp, hq, _, mq = load_heads(in_row, 0, H, H, HKV, G, D, HALF, R, 0, INTERLEAVED,
+                                        True, BLOCK_HQ, BLOCK_D)
+        xk, xkp, hk, _, mk = load_heads(in_row, 0, HKV, H, HKV, G, D, HALF, R, 1,
+                                        INTERLEAVED, True, BLOCK_HK, BLOCK_D)
+        xv, _, hv, _, mv = load_heads(in_row, 0, HKV, H, HKV, G, D, HALF, R, 2, INTERLEAVED,
+                                      False, BLOCK_HK, BLOCK_D)
     if HAS_POS:
         pos = tl.load(pos_ptr + t).to(tl.int64)
     else:
         pos = s
-    G = H // HKV
     cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D)
-    in_row = qkv_ptr + b * stride_b + s * stride_s
-    _qkv_part_fwd(in_row, q_ptr + t * H * D, qw_ptr, H, H, HKV, G, D, HALF, R, eps, cos, sin_s,
-                  0, INTERLEAVED, NORM_Q, True, BLOCK_HQ, BLOCK_D)
-    _qkv_part_fwd(in_row, k_ptr + t * HKV * D, kw_ptr, HKV, H, HKV, G, D, HALF, R, eps, cos,
-                  sin_s, 1, INTERLEAVED, NORM_K, True, BLOCK_HK, BLOCK_D)
-    _qkv_part_fwd(in_row, v_ptr + t * HKV * D, kw_ptr, HKV, H, HKV, G, D, HALF, R, eps, cos,
-                  sin_s, 2, INTERLEAVED, False, False, BLOCK_HK, BLOCK_D)
+    if ONE_BLOCK:
+        wq, wqp = load_norm_weight(qw_ptr, D, HALF, R, NORM_Q, BLOCK_D)
+        wk, wkp = load_norm_weight(kw_ptr, D, HALF, R, NORM_K, BLOCK_D)
+        finish_heads_fwd(xv, xv, hv, mv, v_row, wk, wkp, D, eps, cos, sin_s, False, False,
+                         BLOCK_D)
+        finish_heads_fwd(xq, xqp, hq, mq, q_row, wq, wqp, D, eps, cos, sin_s, NORM_Q, True,
+                         BLOCK_D)
+        finish_heads_fwd(xk, xkp, hk, mk, k_row, wk, wkp, D, eps, cos, sin_s, NORM_K, True,
+                         BLOCK_D)
+    else:
+        _qkv_part_fwd(in_row, q_row, qw_ptr, H, H, HKV, G, D, HALF, R, eps, cos, sin_s, 0,
+                      INTERLEAVED, NORM_Q, True, BLOCK_HQ, BLOCK_D)
+        _qkv_part_fwd(in_row, k_row, kw_ptr, HKV, H, HKV, G, D, HALF, R, eps, cos, sin_s, 1,
+                      INTERLEAVED, NORM_K, True, BLOCK_HK, BLOCK_D)
+        _qkv_part_fwd(in_row, v_row, kw_ptr, HKV, H, HKV, G, D, HALF, R, eps, cos, sin_s, 2,
+                      INTERLEAVED, False, False, BLOCK_HK, BLOCK_D)
 
 
 def head_blocks(H: int, Hkv: int, D: int):
@@ -177,7 +229,8 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
             stride_s, eps,
             INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
             NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None,
-            BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+            ONE_BLOCK=H <= BHQ and Hkv <= BHK, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD,
+            num_warps=nw)
     return q, k, v
 
 
