@@ -16,38 +16,62 @@ from ..utils import device_guard, empty, num_sms, sum_partials
 
 
 @triton.jit
-def _qkv_part_bwd(x_row, dy_row, dx_row, w_ptr, acc, NH, H, HKV, G, D, HALF, R, eps, cos,
-                  sin_s, KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                  ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One token's heads of one kind. RoPE backward ``g = dy*cos - dy[p]*sin_s``, then the
-    RMSNorm backward ``dx = rstd * (g*w - xhat * mean(g*w*xhat))``, ``dw += g * xhat``."""
+def load_heads_bwd(x_row, dy_row, h0, NH, H, HKV, G, D, HALF, R, KIND: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Gradient heads ``h0 ..`` of one kind of one token (contiguous ``[NH, D]`` at
+    ``dy_row``), their rotate-half partners and (for the norm) the input heads of qkv.
+    Returns ``(dy, dy[partner] fp32, x fp32, col offsets, mask)``."""
     d = tl.arange(0, BLOCK_D)
-    dmask = d < D
+    h = h0 + tl.arange(0, BLOCK_H)
+    mask = (h < NH)[:, None] & (d < D)[None, :]
+    col = head_columns(h, H, HKV, G, KIND, INTERLEAVED) * D
+    src = dy_row + h[:, None] * D
+    dy = tl.load(src + d[None, :], mask=mask, other=0.0)
+    if ROPE:
+        dyp = load_partner(src, d[None, :], HALF, R, mask)
+    else:
+        dyp = dy.to(tl.float32)
     if NORM:
-        w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + col[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = dyp
+    return dy, dyp, x, col, mask
+
+
+@triton.jit
+def finish_heads_bwd(dy, dyp, x, col, mask, dx_row, w, acc, D, eps, cos, sin_s,
+                     NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """RoPE backward ``g = dy*cos - dy[p]*sin_s``, then the RMSNorm backward
+    ``dx = rstd * (g*w - xhat * mean(g*w*xhat))`` and ``dw += sum(g * xhat)``; store dx
+    into the token's row of dqkv. Returns the updated ``acc``."""
+    d = tl.arange(0, BLOCK_D)
+    if ROPE:
+        g = dy.to(tl.float32) * cos[None, :] - dyp * sin_s[None, :]
+        if NORM:
+            rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+            xhat = x * rstd[:, None]
+            acc += tl.sum(g * xhat, axis=0)
+            gw = g * w[None, :]
+            c = tl.sum(gw * xhat, axis=1) / D
+            g = (gw - xhat * c[:, None]) * rstd[:, None]
+    else:
+        g = dy
+    tl.store(dx_row + col[:, None] + d[None, :], g.to(dx_row.dtype.element_ty), mask=mask)
+    return acc
+
+
+@triton.jit
+def _qkv_part_bwd(x_row, dy_row, dx_row, w, acc, NH, H, HKV, G, D, HALF, R, eps, cos, sin_s,
+                  KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's heads of one kind, in head blocks."""
     for h0 in range(0, NH, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hmask = h < NH
-        mask = hmask[:, None] & dmask[None, :]
-        col = head_columns(h, H, HKV, G, KIND, INTERLEAVED) * D
-        src = dy_row + h[:, None] * D
-        dy = tl.load(src + d[None, :], mask=mask, other=0.0)
-        if ROPE:
-            g = dy.to(tl.float32) * cos[None, :]
-            dyp = load_partner(src, d[None, :], HALF, R, mask)
-            g = g - dyp * sin_s[None, :]
-            if NORM:
-                x = tl.load(x_row + col[:, None] + d[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
-                rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-                xhat = x * rstd[:, None]
-                acc += tl.sum(g * xhat, axis=0)
-                gw = g * w[None, :]
-                c = tl.sum(gw * xhat, axis=1) / D
-                g = (gw - xhat * c[:, None]) * rstd[:, None]
-        else:
-            g = dy
-        tl.store(dx_row + col[:, None] + d[None, :], g.to(dx_row.dtype.element_ty), mask=mask)
+        dy, dyp, x, col, mask = load_heads_bwd(x_row, dy_row, h0, NH, H, HKV, G, D, HALF, R,
+                                               KIND, INTERLEAVED, NORM, ROPE, BLOCK_H,
+                                               BLOCK_D)
+        acc = finish_heads_bwd(dy, dyp, x, col, mask, dx_row, w, acc, D, eps, cos, sin_s,
+                               NORM, ROPE, BLOCK_D)
     return acc
 
 
@@ -57,35 +81,60 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
                              stride_b, stride_s, dstride_b, dstride_s, eps,
                              INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
                              NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
-                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             ONE_BLOCK: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                             BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     zero64 = pid.to(tl.int64) * 0
     P = tl.num_programs(0)
     G = H // HKV
+    d = tl.arange(0, BLOCK_D)
+    wq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    wk = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if NORM_Q:
+        wq = tl.load(qw_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    if NORM_K:
+        wk = tl.load(kw_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     acc_q = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc_k = tl.zeros([BLOCK_D], dtype=tl.float32)
     for t32 in range(pid, T, P):
         t = t32 + zero64  # int64 (t32 is a plain int in the interpreter)
         b = t // S
         s = t - b * S
+        x_row = qkv_ptr + b * stride_b + s * stride_s
+        dx_row = dqkv_ptr + b * dstride_b + s * dstride_s
+        dq_row, dk_row, dv_row = dq_ptr + t * H * D, dk_ptr + t * HKV * D, dv_ptr + t * HKV * D
+        if ONE_BLOCK:
+            # Every head fits one tile per kind: issue all loads before any math.
+            gq, gqp, xq, cq, mq = load_heads_bwd(x_row, dq_row, 0, H, H, HKV, G, D, HALF, R, 0,
+                                                 INTERLEAVED, NORM_Q, True, BLOCK_HQ, BLOCK_D)
+            gk, gkp, xk, ck, mk = load_heads_bwd(x_row, dk_row, 0, HKV, H, HKV, G, D, HALF, R,
+                                                 1, INTERLEAVED, NORM_K, True, BLOCK_HK,
+                                                 BLOCK_D)
+            gv, gvp, xv, cv, mv = load_heads_bwd(x_row, dv_row, 0, HKV, H, HKV, G, D, HALF, R,
+                                                 2, INTERLEAVED, False, False, BLOCK_HK,
+                                                 BLOCK_D)
         if HAS_POS:
             pos = tl.load(pos_ptr + t).to(tl.int64)
         else:
             pos = s
         cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D)
-        x_row = qkv_ptr + b * stride_b + s * stride_s
-        dx_row = dqkv_ptr + b * dstride_b + s * dstride_s
-        acc_q = _qkv_part_bwd(x_row, dq_ptr + t * H * D, dx_row, qw_ptr, acc_q, H, H, HKV, G,
-                              D, HALF, R, eps, cos, sin_s, 0, INTERLEAVED, NORM_Q, True,
-                              BLOCK_HQ, BLOCK_D)
-        acc_k = _qkv_part_bwd(x_row, dk_ptr + t * HKV * D, dx_row, kw_ptr, acc_k, HKV, H, HKV,
-                              G, D, HALF, R, eps, cos, sin_s, 1, INTERLEAVED, NORM_K, True,
-                              BLOCK_HK, BLOCK_D)
-        acc_k = _qkv_part_bwd(x_row, dv_ptr + t * HKV * D, dx_row, kw_ptr, acc_k, HKV, H, HKV,
-                              G, D, HALF, R, eps, cos, sin_s, 2, INTERLEAVED, False, False,
-                              BLOCK_HK, BLOCK_D)
-    d = tl.arange(0, BLOCK_D)
+        if ONE_BLOCK:
+            acc_k = finish_heads_bwd(gv, gvp, xv, cv, mv, dx_row, wk, acc_k, D, eps, cos,
+                                     sin_s, False, False, BLOCK_D)
+            acc_q = finish_heads_bwd(gq, gqp, xq, cq, mq, dx_row, wq, acc_q, D, eps, cos,
+                                     sin_s, NORM_Q, True, BLOCK_D)
+            acc_k = finish_heads_bwd(gk, gkp, xk, ck, mk, dx_row, wk, acc_k, D, eps, cos,
+                                     sin_s, NORM_K, True, BLOCK_D)
+        else:
+            acc_q = _qkv_part_bwd(x_row, dq_row, dx_row, wq, acc_q, H, H, HKV, G, D, HALF, R,
+                                  eps, cos, sin_s, 0, INTERLEAVED, NORM_Q, True, BLOCK_HQ,
+                                  BLOCK_D)
+            acc_k = _qkv_part_bwd(x_row, dk_row, dx_row, wk, acc_k, HKV, H, HKV, G, D, HALF, R,
+                                  eps, cos, sin_s, 1, INTERLEAVED, NORM_K, True, BLOCK_HK,
+                                  BLOCK_D)
+            acc_k = _qkv_part_bwd(x_row, dv_row, dx_row, wk, acc_k, HKV, H, HKV, G, D, HALF, R,
+                                  eps, cos, sin_s, 2, INTERLEAVED, False, False, BLOCK_HK,
+                                  BLOCK_D)
     if NORM_Q:
         tl.store(dqw_ptr + pid * (2 * D) + d, acc_q, mask=d < D)
     if NORM_K:
@@ -133,7 +182,8 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
                 T, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0], stride_b,
                 stride_s, dstride_b, dstride_s, eps,
                 INTERLEAVED=interleaved, HAS_POS=position_ids is not None, NORM_Q=nq,
-                NORM_K=nk, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+                NORM_K=nk, ONE_BLOCK=H <= BHQ and Hkv <= BHK, BLOCK_HQ=BHQ, BLOCK_HK=BHK,
+                BLOCK_D=BD, num_warps=nw)
     gq = gk = None
     if T == 0:
         gq = torch.zeros_like(q_norm_weight) if nq else None
