@@ -141,8 +141,13 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
         tl.store(dkw_ptr + pid * (2 * D) + d, acc_k, mask=d < D)
 
 
+#: Persistent backward programs per SM (knob: each program loops over tokens and writes
+#: one float32 partial row of the norm-weight gradients).
+PROGRAMS_PER_SM = 8
+
+
 def _programs(T: int, device) -> int:
-    return max(1, min(T, num_sms(device) * 8))
+    return max(1, min(T, num_sms(device) * PROGRAMS_PER_SM))
 
 
 def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *,
