@@ -19,6 +19,8 @@ from .functional.norm import rms_norm, rms_norm_quant
 from .functional.permute import permute, unpermute
 from .functional.router import router_logits, router_z_loss, topk_route
 from .layout import ExpertLayout, max_grouped_rows
+from .functional.gate import group_rms_norm_gate
+from .functional.rope import apply_rope, qk_norm_rope, rope_freqs
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
@@ -36,12 +38,18 @@ __all__ = [
     "nn",
     "max_grouped_rows",
     "permute",
+    "apply_rope",
+    "debug_enabled",
+    "fp8",
+    "group_rms_norm_gate",
+    "qk_norm_rope",
     "quantize_1x128",
     "quantize_128x128",
     "quantize_grouped_weight",
     "reference",
     "rms_norm",
     "rms_norm_quant",
+    "rope_freqs",
     "set_debug",
     "silu_mul",
     "silu_mul_quant",

@@ -205,3 +205,37 @@ def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
 def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`empty` with ``t``'s shape and device (and dtype unless given)."""
     return empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+# --------------------------------------------------------------------------------------
+# Reduction of per-program float32 partials (weight gradients of persistent kernels)
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sum_partials_kernel(p_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
+        acc += tl.load(p_ptr + rows[:, None] * N + cols[None, :],
+                       mask=(rows < P)[:, None] & cmask[None, :], other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of contiguous float32 ``partial [P, N]`` as ``[N]`` in ``dtype``, in one
+    launch (float32 accumulation, then one cast). Used for weight gradients that
+    persistent kernels leave as one float32 row per program."""
+    P, N = partial.shape
+    out = empty(N, dtype=dtype, device=partial.device)
+    if N == 0:
+        return out
+    if P == 0:
+        return out.zero_()
+    BLOCK_N = 32
+    with device_guard(partial):
+        _sum_partials_kernel[(cdiv(N, BLOCK_N),)](partial, out, P, N, BLOCK_P=64,
+                                                  BLOCK_N=BLOCK_N, num_warps=4)
+    return out
