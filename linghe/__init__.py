@@ -5,7 +5,7 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 (``linghe.dist``).
 """
 
-from . import fp8, reference
+from . import fp8, optim, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
 from .utils import debug_enabled, set_debug
 
@@ -15,6 +15,7 @@ __all__ = [
     "Fp8Tensor",
     "debug_enabled",
     "fp8",
+    "optim",
     "quantize_1x128",
     "quantize_128x128",
     "reference",
