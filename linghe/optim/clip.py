@@ -38,7 +38,9 @@ is the norm of the full (unsharded) gradients on every rank (a plain tensor, not
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable
+from operator import attrgetter
 
 import torch
 
@@ -200,42 +202,96 @@ def _default_device(groups) -> torch.device:
     return torch.device("cpu")
 
 
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
+_FAST: OrderedDict = OrderedDict()
+_FAST_SIZE = 32
+
+
+def prepare(items, group, *, name: str, grads: bool, write: bool):
+    """Validated inputs as ``(bucket groups, device, plan, keep)``; ``plan`` is None when
+    there is nothing to compute (no tensors, no collectives); ``keep`` holds contiguous
+    copies the plan points to (the caller keeps it until the kernels are launched).
+
+    Steady-state fast path: a flat list of plain tensors whose ``(data_ptr, numel, dtype)``
+    were validated before skips validation and table building (a handful of C-level
+    ``map`` calls per call). The cache holds no tensor references.
+    """
+    lst = None
+    if not isinstance(group, list):
+        if isinstance(items, torch.Tensor):
+            lst = [items]
+        elif isinstance(items, list):
+            lst = items
+        else:
+            lst = _as_list(items, name)
+        if _PLAIN_TYPES.issuperset(map(type, lst)):
+            ts = [g for g in map(_GRAD, lst) if g is not None] if grads else lst
+            if _PLAIN_TYPES.issuperset(map(type, ts)) and all(
+                    map(torch.Tensor.is_contiguous, ts)):
+                groups = _norm_group(group, "group")
+                key = (groups, grads, tuple(map(torch.Tensor.data_ptr, ts)),
+                       tuple(map(torch.Tensor.nelement, ts)), tuple(map(_DTYPE, ts)))
+                hit = _FAST.get(key)
+                if hit is not None:
+                    _FAST.move_to_end(key)
+                    return hit
+                res = _prepare_slow(lst, group, name=name, grads=grads, write=write)
+                _FAST[key] = res[:3] + ((),)  # contiguous: no copies to keep
+                if len(_FAST) > _FAST_SIZE:
+                    _FAST.popitem(last=False)
+                return res
+    return _prepare_slow(items if lst is None else lst, group, name=name, grads=grads,
+                         write=write)
+
+
+def _prepare_slow(items, group, *, name: str, grads: bool, write: bool):
+    buckets, device = collect(items, group, name=name, grads=grads, write=write)
+    groups = [g for g, _ in buckets]
+    all_groups = [g for gs in groups for g in gs]
+    if device is None:
+        if not all_groups:
+            return groups, None, None, ()
+        device = _default_device(all_groups)
+    keep = [ts for _, ts in buckets]
+    return groups, device, K.get_plan("float", keep, device), keep
+
+
 # ======================================================================================
 # core
 # ======================================================================================
 
 
-def _norm_and_coef(buckets, device, p: float, acc_dtype: torch.dtype, max_norm: float | None):
-    """Returns ``(norm 0-dim, coef [1] or None, plan or None)``; no host sync."""
-    all_groups = [g for gs, _ in buckets for g in gs]
-    if device is None:
-        if not all_groups:
-            return torch.tensor(0.0, dtype=acc_dtype), None, None
-        device = _default_device(all_groups)
-    plan = K.get_plan("float", [ts for _, ts in buckets], device)
+def _norm_and_coef(groups, device, plan, keep, p: float, acc_dtype: torch.dtype,
+                   max_norm: float | None):
+    """Returns ``(norm 0-dim, coef [1] or None)`` from :func:`prepare`'s output; no host
+    sync."""
+    if plan is None:
+        return torch.tensor(0.0, dtype=acc_dtype), None
+    all_groups = [g for gs in groups for g in gs]
     partials = K.norm_partials(plan, p, acc_dtype)
     norm = empty((), dtype=acc_dtype, device=device)
     coef = empty(1, dtype=torch.float32, device=device) if max_norm is not None else None
     mn = 0.0 if max_norm is None else max_norm
-    if not all_groups and len(buckets) == 1:
+    if not all_groups and len(groups) == 1:
         acc = empty(1, dtype=acc_dtype, device=device)
         off, n = plan.buckets[0]
         K.reduce_partials(partials, off, n, p, acc_out=acc, norm_out=norm, coef_out=coef,
                           max_norm=mn)
-        return norm, coef, plan
-    accs = empty(len(buckets), dtype=acc_dtype, device=device)
+        return norm, coef
+    accs = empty(len(groups), dtype=acc_dtype, device=device)
     for b, (off, n) in enumerate(plan.buckets):
         K.reduce_partials(partials, off, n, p, acc_out=accs[b:b + 1])
     mode = K.norm_mode(p)
     op = (torch.distributed.ReduceOp.MAX if mode == K.MODE_INF else
           torch.distributed.ReduceOp.MIN if mode == K.MODE_NEG_INF else
           torch.distributed.ReduceOp.SUM) if all_groups else None
-    for b, (groups, _) in enumerate(buckets):
-        for g in groups:
-            view = accs[b:b + 1]
-            torch.distributed.all_reduce(view, op=op, group=g)
+    for b, gs in enumerate(groups):
+        for g in gs:
+            torch.distributed.all_reduce(accs[b:b + 1], op=op, group=g)
     K.finish_norm(accs, p, norm_out=norm, coef_out=coef, max_norm=mn)
-    return norm, coef, plan
+    return norm, coef
 
 
 def _raise_if_nonfinite(norm: torch.Tensor, p: float) -> None:
@@ -263,8 +319,8 @@ def grad_norm(tensors, norm_type: float = 2.0, *, dtype: torch.dtype = torch.flo
     p = check_norm_type(norm_type)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    buckets, device = collect(tensors, group, name="tensors", grads=False, write=False)
-    return _norm_and_coef(buckets, device, p, dtype, None)[0]
+    prep = prepare(tensors, group, name="tensors", grads=False, write=False)
+    return _norm_and_coef(*prep, p, dtype, None)[0]
 
 
 def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -275,8 +331,8 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
     syncs the host to check the result."""
     _check_foreach(foreach)
     p = check_norm_type(norm_type)
-    buckets, device = collect(tensors, group, name="tensors", grads=False, write=False)
-    norm = _norm_and_coef(buckets, device, p, torch.float32, None)[0]
+    prep = prepare(tensors, group, name="tensors", grads=False, write=False)
+    norm = _norm_and_coef(*prep, p, torch.float32, None)[0]
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
     return norm
@@ -292,12 +348,11 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
     mn = check_max_norm(max_norm)
     if not isinstance(total_norm, torch.Tensor):
         raise TypeError(f"total_norm must be a torch.Tensor, got {type(total_norm).__name__}")
-    buckets, device = collect(parameters, group, name="parameters", grads=True, write=True)
-    if device is None:
+    _, device, plan, _keep = prepare(parameters, group, name="parameters", grads=True,
+                                     write=True)
+    if plan is None or not plan.launches:
         return
-    ts = [t for _, lst in buckets for t in lst]
     coef = torch.clamp(mn / (total_norm.detach().to(device, torch.float32) + 1e-6), max=1.0)
-    plan = K.get_plan("float", [ts], device)
     K.scale_(plan, coef.reshape(1))
 
 
@@ -327,8 +382,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     _check_foreach(foreach)
     mn = check_max_norm(max_norm)
     p = check_norm_type(norm_type)
-    buckets, device = collect(parameters, group, name="parameters", grads=True, write=True)
-    norm, coef, plan = _norm_and_coef(buckets, device, p, torch.float32, mn)
+    groups, device, plan, keep = prepare(parameters, group, name="parameters", grads=True,
+                                         write=True)
+    norm, coef = _norm_and_coef(groups, device, plan, keep, p, torch.float32, mn)
     if error_if_nonfinite:
         _raise_if_nonfinite(norm, p)
     if plan is not None and plan.launches:

@@ -66,9 +66,11 @@ def norm_mode(p: float) -> int:
     return MODE_P
 
 
+BYTES_PER_THREAD = 128  # per loop iteration: eight 16-byte loads in flight per thread
+
+
 def _block(elem_size: int) -> int:
-    # 64 bytes per thread per iteration (four 16-byte loads), NUM_WARPS * 32 threads
-    return NUM_WARPS * 32 * (64 // elem_size)
+    return NUM_WARPS * 32 * (BYTES_PER_THREAD // elem_size)
 
 
 # ======================================================================================
@@ -139,8 +141,8 @@ def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p,
             start = tl.multiple_of(start, 16)
         ptr = base.to(tl.pointer_type(DTYPE)) + start
         n_full = (n // BLOCK) * BLOCK
-        for off in range(0, n_full, BLOCK):
-            x = tl.load(ptr + off + lanes).to(ACC)
+        for i in range(0, n // BLOCK):  # full blocks: unmasked (vectorized) loads
+            x = tl.load(ptr + i * BLOCK + lanes).to(ACC)
             acc = _combine(acc, _elem(x, p, MODE), MODE)
         for off in range(n_full, n, BLOCK):
             m = off + lanes < n
@@ -225,9 +227,9 @@ def _scale_kernel(table_ptr, n_chunks, coef_ptr, DTYPE: tl.constexpr, BLOCK: tl.
             start = tl.multiple_of(start, 16)
         ptr = base.to(tl.pointer_type(DTYPE)) + start
         n_full = (n // BLOCK) * BLOCK
-        for off in range(0, n_full, BLOCK):
-            x = tl.load(ptr + off + lanes).to(tl.float32)
-            tl.store(ptr + off + lanes, (x * coef).to(DTYPE))
+        for i in range(0, n // BLOCK):
+            x = tl.load(ptr + i * BLOCK + lanes).to(tl.float32)
+            tl.store(ptr + i * BLOCK + lanes, (x * coef).to(DTYPE))
         for off in range(n_full, n, BLOCK):
             m = off + lanes < n
             x = tl.load(ptr + off + lanes, mask=m, other=0.0).to(tl.float32)
@@ -254,8 +256,8 @@ def _count_zeros_kernel(table_ptr, n_chunks, partial_ptr, ITYPE: tl.constexpr,
             start = tl.multiple_of(start, 16)
         ptr = base.to(tl.pointer_type(ITYPE)) + start
         n_full = (n // BLOCK) * BLOCK
-        for off in range(0, n_full, BLOCK):
-            x = tl.load(ptr + off + lanes)
+        for i in range(0, n // BLOCK):
+            x = tl.load(ptr + i * BLOCK + lanes)
             cnt += ((x & mask_bits) == 0).to(tl.int32)
         for off in range(n_full, n, BLOCK):
             m = off + lanes < n
