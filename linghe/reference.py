@@ -119,7 +119,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     total = total_norm(grads, norm_type, torch.float32)
     coef = clip_coef(total, max_norm)
     for g in grads:
-        g.copy_(g.float() * coef)
+        g.copy_((g.double() if g.dtype == torch.float64 else g.float()) * coef)
     return total
 
 

@@ -36,7 +36,7 @@ from ..utils import INTERPRET, cdiv, device_guard, empty, num_sms
 
 CHUNK = 65536  # elements per chunk (a multiple of every BLOCK below)
 NUM_WARPS = 8
-PROGRAMS_PER_SM = 4  # persistent-ish grid: at most this many programs per SM per launch
+PROGRAMS_PER_SM = 8  # persistent-ish grid: at most this many programs per SM per launch
 REDUCE_BLOCK = 1024
 
 # Norm modes (kernel constexpr)
@@ -66,11 +66,16 @@ def norm_mode(p: float) -> int:
     return MODE_P
 
 
-BYTES_PER_THREAD = 128  # per loop iteration: eight 16-byte loads in flight per thread
+# Elements per thread per load: 16 (fp32: four 16-byte loads). Each loop iteration issues two
+# such loads (an unroll of 2) before using them, so a thread has 128 B of fp32 in flight
+# while its accumulator stays at 16 registers.
+ELEMS_PER_THREAD = 16
 
 
-def _block(elem_size: int) -> int:
-    return NUM_WARPS * 32 * (BYTES_PER_THREAD // elem_size)
+def _block(elem_size: int, kind: str) -> int:
+    if kind == "bits" and elem_size < 4:
+        return NUM_WARPS * 32 * ELEMS_PER_THREAD * 2  # narrow ints: 32 elements per thread
+    return NUM_WARPS * 32 * ELEMS_PER_THREAD
 
 
 # ======================================================================================
@@ -86,8 +91,10 @@ def _elem(x, p, MODE: tl.constexpr):
     elif MODE == 2:
         return x * x
     elif MODE == 3:
-        # |x|^p for p > 0: exp2(p * log2|x|); |x| = 0 -> exp2(-inf) = 0
-        return tl.exp2(p * tl.log2(tl.abs(x)))
+        # |x|^p for p > 0: exp2(p * log2|x|); |x| = 0 -> exp2(-inf) = 0. In fp32 also for
+        # fp64 accumulation (fp32 exp2/log2 are the fast, portable ones)
+        xf = tl.abs(x.to(tl.float32))
+        return tl.exp2(p * tl.log2(xf)).to(x.dtype)
     else:
         return tl.abs(x)
 
@@ -136,15 +143,17 @@ def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p,
         base = tl.load(row)
         start = tl.load(row + 1)
         n = tl.load(row + 2)
-        if ALIGNED:
-            base = tl.multiple_of(base, 16)
-            start = tl.multiple_of(start, 16)
         ptr = base.to(tl.pointer_type(DTYPE)) + start
-        n_full = (n // BLOCK) * BLOCK
-        for i in range(0, n // BLOCK):  # full blocks: unmasked (vectorized) loads
-            x = tl.load(ptr + i * BLOCK + lanes).to(ACC)
-            acc = _combine(acc, _elem(x, p, MODE), MODE)
-        for off in range(n_full, n, BLOCK):
+        if ALIGNED:  # 16-byte aligned base, start a multiple of CHUNK: 16-byte vector loads
+            ptr = tl.multiple_of(ptr, 16)
+        # full double blocks: unmasked (vectorizable) loads, two in flight per thread
+        n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
+        for i in range(0, n // (2 * BLOCK)):
+            x0 = tl.load(ptr + i * (2 * BLOCK) + lanes)
+            x1 = tl.load(ptr + i * (2 * BLOCK) + BLOCK + lanes)
+            acc = _combine(acc, _elem(x0.to(ACC), p, MODE), MODE)
+            acc = _combine(acc, _elem(x1.to(ACC), p, MODE), MODE)
+        for off in range(n_full, n, BLOCK):  # the tail of a tensor's last chunk: masked
             m = off + lanes < n
             x = tl.load(ptr + off + lanes, mask=m, other=0.0).to(ACC)
             v = tl.where(m, _elem(x, p, MODE), IDENT)
@@ -182,7 +191,7 @@ def _finish(total, p, MODE: tl.constexpr):
         else:
             return tl.sqrt_rn(total)
     elif MODE == 3:
-        return tl.exp2(tl.log2(total) / p)
+        return tl.exp2(tl.log2(total.to(tl.float32)) / p).to(total.dtype)
     else:
         return total
 
@@ -210,29 +219,32 @@ def _norm_finish_kernel(acc_ptr, n_acc, norm_out_ptr, coef_out_ptr, p, max_norm,
 
 
 @triton.jit
-def _scale_kernel(table_ptr, n_chunks, coef_ptr, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                  ALIGNED: tl.constexpr):
-    """In place: ``x *= coef[0]`` (fp32 multiply, stored in the tensor's dtype)."""
+def _scale_kernel(table_ptr, n_chunks, coef_ptr, DTYPE: tl.constexpr, CT: tl.constexpr,
+                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """In place: ``x *= coef[0]`` (multiply in ``CT``: fp32, fp64 for fp64 tensors; stored
+    in the tensor's dtype)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
-    coef = tl.load(coef_ptr).to(tl.float32)
+    coef = tl.load(coef_ptr).to(CT)
     for c in range(pid, n_chunks, G):
         row = table_ptr + c * 4
         base = tl.load(row)
         start = tl.load(row + 1)
         n = tl.load(row + 2)
-        if ALIGNED:
-            base = tl.multiple_of(base, 16)
-            start = tl.multiple_of(start, 16)
         ptr = base.to(tl.pointer_type(DTYPE)) + start
-        n_full = (n // BLOCK) * BLOCK
-        for i in range(0, n // BLOCK):
-            x = tl.load(ptr + i * BLOCK + lanes).to(tl.float32)
-            tl.store(ptr + i * BLOCK + lanes, (x * coef).to(DTYPE))
+        if ALIGNED:  # 16-byte aligned base, start a multiple of CHUNK: 16-byte vector loads
+            ptr = tl.multiple_of(ptr, 16)
+        n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
+        for i in range(0, n // (2 * BLOCK)):
+            p0 = ptr + i * (2 * BLOCK) + lanes
+            x0 = tl.load(p0).to(CT)
+            x1 = tl.load(p0 + BLOCK).to(CT)
+            tl.store(p0, (x0 * coef).to(DTYPE))
+            tl.store(p0 + BLOCK, (x1 * coef).to(DTYPE))
         for off in range(n_full, n, BLOCK):
             m = off + lanes < n
-            x = tl.load(ptr + off + lanes, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(ptr + off + lanes, mask=m, other=0.0).to(CT)
             tl.store(ptr + off + lanes, (x * coef).to(DTYPE), mask=m)
 
 
@@ -251,14 +263,14 @@ def _count_zeros_kernel(table_ptr, n_chunks, partial_ptr, ITYPE: tl.constexpr,
         start = tl.load(row + 1)
         n = tl.load(row + 2)
         mask_bits = tl.load(row + 3).to(ITYPE)
-        if ALIGNED:
-            base = tl.multiple_of(base, 16)
-            start = tl.multiple_of(start, 16)
         ptr = base.to(tl.pointer_type(ITYPE)) + start
-        n_full = (n // BLOCK) * BLOCK
-        for i in range(0, n // BLOCK):
-            x = tl.load(ptr + i * BLOCK + lanes)
-            cnt += ((x & mask_bits) == 0).to(tl.int32)
+        if ALIGNED:  # 16-byte aligned base, start a multiple of CHUNK: 16-byte vector loads
+            ptr = tl.multiple_of(ptr, 16)
+        n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
+        for i in range(0, n // (2 * BLOCK)):
+            x0 = tl.load(ptr + i * (2 * BLOCK) + lanes)
+            x1 = tl.load(ptr + i * (2 * BLOCK) + BLOCK + lanes)
+            cnt += ((x0 & mask_bits) == 0).to(tl.int32) + ((x1 & mask_bits) == 0).to(tl.int32)
         for off in range(n_full, n, BLOCK):
             m = off + lanes < n
             x = tl.load(ptr + off + lanes, mask=m, other=1)
@@ -280,6 +292,7 @@ class Launch:
     grid: int
     aligned: bool
     block: int
+    table: torch.Tensor | None = None  # the plan's table from this launch's first chunk
 
 
 @dataclass
@@ -355,7 +368,7 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
                 es = key
                 tl_key = _INT_BY_SIZE[key]
             launches.append(Launch(tl_key, chunk_off, total, partial_off, grid, aligned,
-                                   _block(es)))
+                                   _block(es, kind)))
             chunk_off += total
             partial_off += grid
         bucket_ranges[b][1] = partial_off - bucket_ranges[b][0]
@@ -366,6 +379,8 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
         table = host.to(device, non_blocking=True)
     else:
         table = host
+    for ln in launches:
+        ln.table = table[ln.chunk_off:]
     return Plan(device, table, host, launches, [tuple(r) for r in bucket_ranges], partial_off)
 
 
@@ -397,7 +412,7 @@ def norm_partials(plan: Plan, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
     with device_guard(plan.table):
         for ln in plan.launches:
             _norm_partials_kernel[(ln.grid,)](
-                plan.table[ln.chunk_off:], ln.n_chunks, partials[ln.partial_off:], float(p),
+                ln.table, ln.n_chunks, partials[ln.partial_off:], float(p),
                 DTYPE=ln.key, ACC=acc_tl, MODE=mode, IDENT=_ident(mode), BLOCK=ln.block,
                 ALIGNED=ln.aligned, num_warps=NUM_WARPS)
     return partials
@@ -433,8 +448,9 @@ def scale_(plan: Plan, coef: torch.Tensor) -> None:
     """Multiply every tensor of ``plan`` in place by ``coef[0]`` (a device scalar)."""
     with device_guard(plan.table):
         for ln in plan.launches:
-            _scale_kernel[(ln.grid,)](plan.table[ln.chunk_off:], ln.n_chunks, coef,
-                                      DTYPE=ln.key, BLOCK=ln.block, ALIGNED=ln.aligned,
+            ct = tl.float64 if ln.key == tl.float64 else tl.float32
+            _scale_kernel[(ln.grid,)](ln.table, ln.n_chunks, coef,
+                                      DTYPE=ln.key, CT=ct, BLOCK=ln.block, ALIGNED=ln.aligned,
                                       num_warps=NUM_WARPS)
 
 
@@ -444,7 +460,7 @@ def count_zeros_partials(plan: Plan) -> torch.Tensor:
         partials.zero_()
     with device_guard(plan.table):
         for ln in plan.launches:
-            _count_zeros_kernel[(ln.grid,)](plan.table[ln.chunk_off:], ln.n_chunks,
+            _count_zeros_kernel[(ln.grid,)](ln.table, ln.n_chunks,
                                             partials[ln.partial_off:], ITYPE=ln.key,
                                             BLOCK=ln.block, ALIGNED=ln.aligned,
                                             num_warps=NUM_WARPS)
