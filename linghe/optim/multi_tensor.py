@@ -4,8 +4,9 @@ scaling, zero counting; and the host-side table ("plan") with its cache.
 How a list of tensors becomes a fixed number of launches:
 
 * Every tensor is cut into chunks of ``CHUNK`` elements. The chunk table is an int64
-  tensor ``[n_chunks, 4]`` on the tensors' device; row ``c`` = ``(data_ptr, start, length,
-  flag)`` (``flag`` is the sign-clearing mask for :func:`count_zeros`, unused otherwise).
+  tensor ``[n_chunks, 4]`` on the tensors' device; row ``c`` = ``(byte address of the chunk's
+  first element, start element within its tensor, length, flag)`` (``flag`` is the
+  sign-clearing mask for :func:`count_zeros`, unused otherwise).
 * Chunks are grouped by (bucket, dtype, 16-byte alignment); a group is one launch of a
   persistent-ish kernel whose programs stride over the group's chunks (program ``p`` takes
   chunks ``p, p + G, ...``) and write one partial each. Buckets are the distributed groups
@@ -13,9 +14,11 @@ How a list of tensors becomes a fixed number of launches:
 * A one-program kernel reduces a bucket's partials (and, when not distributed, finishes the
   norm and the clip coefficient in the same launch).
 
-Pointers are stored as int64 and cast with ``tl.pointer_type`` in the kernel (this works on
+Addresses are stored as int64 and cast with ``tl.pointer_type`` in the kernel (this works on
 the Triton interpreter too). When every pointer of a launch is 16-byte aligned the launch is
-specialised with ``ALIGNED`` so that the compiler emits 16-byte vector loads.
+specialised with ``ALIGNED``: ``tl.multiple_of`` on the cast pointer itself (a hint on the
+integer before the cast, or on ``ptr + start``, is lost by the compiler: checked in the PTX
+of sm_90, where only this form gives ``ld.global.v4``).
 
 The plan is cached keyed on ``(data_ptr, numel, dtype)`` of every tensor (gradients persist
 across steps, so steady-state calls do no table work) and is uploaded from pinned memory with
@@ -36,7 +39,7 @@ from ..utils import INTERPRET, cdiv, device_guard, empty, num_sms
 
 CHUNK = 65536  # elements per chunk (a multiple of every BLOCK below)
 NUM_WARPS = 8
-PROGRAMS_PER_SM = 8  # persistent-ish grid: at most this many programs per SM per launch
+PROGRAMS_PER_SM = 4  # persistent-ish grid: all resident at <= 64 regs x 256 threads (fp32: 42)
 REDUCE_BLOCK = 1024
 
 # Norm modes (kernel constexpr)
@@ -140,11 +143,10 @@ def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p,
     acc = tl.full([BLOCK], IDENT, ACC)
     for c in range(pid, n_chunks, G):
         row = table_ptr + c * 4
-        base = tl.load(row)
-        start = tl.load(row + 1)
+        addr = tl.load(row)  # byte address of the chunk's first element
         n = tl.load(row + 2)
-        ptr = base.to(tl.pointer_type(DTYPE)) + start
-        if ALIGNED:  # 16-byte aligned base, start a multiple of CHUNK: 16-byte vector loads
+        ptr = addr.to(tl.pointer_type(DTYPE))
+        if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
             ptr = tl.multiple_of(ptr, 16)
         # full double blocks: unmasked (vectorizable) loads, two in flight per thread
         n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
@@ -229,11 +231,10 @@ def _scale_kernel(table_ptr, n_chunks, coef_ptr, DTYPE: tl.constexpr, CT: tl.con
     coef = tl.load(coef_ptr).to(CT)
     for c in range(pid, n_chunks, G):
         row = table_ptr + c * 4
-        base = tl.load(row)
-        start = tl.load(row + 1)
+        addr = tl.load(row)  # byte address of the chunk's first element
         n = tl.load(row + 2)
-        ptr = base.to(tl.pointer_type(DTYPE)) + start
-        if ALIGNED:  # 16-byte aligned base, start a multiple of CHUNK: 16-byte vector loads
+        ptr = addr.to(tl.pointer_type(DTYPE))
+        if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
             ptr = tl.multiple_of(ptr, 16)
         n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
         for i in range(0, n // (2 * BLOCK)):
@@ -259,12 +260,11 @@ def _count_zeros_kernel(table_ptr, n_chunks, partial_ptr, ITYPE: tl.constexpr,
     cnt = tl.zeros([BLOCK], tl.int32)
     for c in range(pid, n_chunks, G):
         row = table_ptr + c * 4
-        base = tl.load(row)
-        start = tl.load(row + 1)
+        addr = tl.load(row)  # byte address of the chunk's first element
         n = tl.load(row + 2)
         mask_bits = tl.load(row + 3).to(ITYPE)
-        ptr = base.to(tl.pointer_type(ITYPE)) + start
-        if ALIGNED:  # 16-byte aligned base, start a multiple of CHUNK: 16-byte vector loads
+        ptr = addr.to(tl.pointer_type(ITYPE))
+        if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
             ptr = tl.multiple_of(ptr, 16)
         n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
         for i in range(0, n // (2 * BLOCK)):
@@ -359,14 +359,14 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
             k = np.arange(total, dtype=np.int64) - np.repeat(first, nch)
             start = k * CHUNK
             length = np.minimum(CHUNK, sizes[tid] - start)
-            rows.append(np.stack([ptrs[tid], start, length, flags[tid]], axis=1))
-            grid = min(total, max_prog)
             if kind == "float":
                 es = torch.empty((), dtype=key).element_size()
                 tl_key = _TL_DTYPE[key]
             else:
                 es = key
                 tl_key = _INT_BY_SIZE[key]
+            rows.append(np.stack([ptrs[tid] + start * es, start, length, flags[tid]], axis=1))
+            grid = min(total, max_prog)
             launches.append(Launch(tl_key, chunk_off, total, partial_off, grid, aligned,
                                    _block(es, kind)))
             chunk_off += total
