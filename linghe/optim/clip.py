@@ -272,15 +272,15 @@ def _norm_and_coef(groups, device, plan, keep, p: float, acc_dtype: torch.dtype,
     all_groups = [g for gs in groups for g in gs]
     partials = K.norm_partials(plan, p, acc_dtype)
     norm = empty((), dtype=acc_dtype, device=device)
-    coef = empty(1, dtype=torch.float32, device=device) if max_norm is not None else None
+    coef = plan.buffer("coef", 1, torch.float32) if max_norm is not None else None
     mn = 0.0 if max_norm is None else max_norm
     if not all_groups and len(groups) == 1:
-        acc = empty(1, dtype=acc_dtype, device=device)
+        acc = plan.buffer("acc", 1, acc_dtype)
         off, n = plan.buckets[0]
         K.reduce_partials(partials, off, n, p, acc_out=acc, norm_out=norm, coef_out=coef,
                           max_norm=mn)
         return norm, coef
-    accs = empty(len(groups), dtype=acc_dtype, device=device)
+    accs = plan.buffer("accs", len(groups), acc_dtype)
     for b, (off, n) in enumerate(plan.buckets):
         K.reduce_partials(partials, off, n, p, acc_out=accs[b:b + 1])
     mode = K.norm_mode(p)

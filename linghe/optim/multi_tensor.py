@@ -28,7 +28,7 @@ a non-blocking copy: building or reusing a plan never syncs the host with the de
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -303,6 +303,17 @@ class Plan:
     launches: list[Launch]
     buckets: list[tuple[int, int]]  # (partial_off, n_partials) per bucket
     n_partials: int
+    scratch: dict = field(default_factory=dict)
+
+    def buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A scratch device buffer reused across calls with this plan (partials, per-bucket
+        accumulators, the clip coefficient): saves allocations on every step. Calls are
+        ordered on the current stream, so reuse is safe there."""
+        key = (name, n, dtype)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = empty(n, dtype=dtype, device=self.device)
+        return buf
 
 
 _PLAN_CACHE: OrderedDict = OrderedDict()
@@ -407,7 +418,7 @@ def get_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device)
 def norm_partials(plan: Plan, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
     """Run the partial-norm launches of ``plan``; returns ``partials [plan.n_partials]``."""
     mode = norm_mode(p)
-    partials = empty(max(plan.n_partials, 1), dtype=acc_dtype, device=plan.device)
+    partials = plan.buffer("partials", max(plan.n_partials, 1), acc_dtype)
     acc_tl = _TL_DTYPE[acc_dtype]
     with device_guard(plan.table):
         for ln in plan.launches:
