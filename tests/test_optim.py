@@ -371,16 +371,21 @@ def test_exported():
 def test_clip_grad_norm_no_host_sync(device):
     ps = _params([1000, 70_000, 3], torch.float32, device) + _params([500], torch.bfloat16,
                                                                      device)
-    optim.clip_grad_norm_(ps, 1.0)  # warm: compile + build the plan
+    grads = [p.grad for p in ps]
+    h = optim.AmaxHistory(4, device=device)
+
+    def step():
+        optim.clip_grad_norm_(ps, 1.0)
+        optim.grad_norm(grads, 3.0)
+        optim.count_zeros(grads)
+        h.record(1, grads[0].abs().max())
+        h.update()
+
+    step()  # warm: compile the kernels, build the plans
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        optim.clip_grad_norm_(ps, 1.0)
-        optim.grad_norm([p.grad for p in ps])
-        optim.count_zeros([p.grad for p in ps])
-        h = optim.AmaxHistory(4, device=device)
-        h.record(1, ps[0].grad.abs().max())
-        h.update()
+        step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
