@@ -207,6 +207,7 @@ _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _FAST: OrderedDict = OrderedDict()
 _FAST_SIZE = 32
+K._DEPENDENT_CACHES.append(_FAST)
 
 
 def prepare(items, group, *, name: str, grads: bool, write: bool):

@@ -12,6 +12,7 @@ from .clip import _DTYPE, _PLAIN_TYPES, _as_list, _default_device, _dtensor_cls,
 
 _FAST: OrderedDict = OrderedDict()  # (ptrs, numels, dtypes) -> (device, plan); no tensors
 _FAST_SIZE = 32
+K._DEPENDENT_CACHES.append(_FAST)
 
 
 def count_zeros(tensors, *, group=None) -> torch.Tensor:

@@ -320,9 +320,15 @@ _PLAN_CACHE: OrderedDict = OrderedDict()
 _PLAN_CACHE_SIZE = 32
 
 
+_DEPENDENT_CACHES: list = []  # the front ends' caches of validated inputs -> plans
+
+
 def clear_plan_cache() -> None:
-    """Drop every cached chunk table (e.g. after freeing the gradients they point to)."""
+    """Drop every cached chunk table and validated-input entry (they hold no tensors, only
+    addresses; this just frees the small tables and scratch buffers)."""
     _PLAN_CACHE.clear()
+    for c in _DEPENDENT_CACHES:
+        c.clear()
 
 
 def _max_programs(device: torch.device) -> int:
