@@ -6,6 +6,7 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 """
 
 from . import fp8, nn, reference
+from . import fp8, optim, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
 from .functional.activation import batch_silu_mul_quant, silu_mul, silu_mul_quant
 from .functional.grouped_mm import (
@@ -43,6 +44,7 @@ __all__ = [
     "fp8",
     "group_rms_norm_gate",
     "qk_norm_rope",
+    "optim",
     "quantize_1x128",
     "quantize_128x128",
     "quantize_grouped_weight",

@@ -480,3 +480,62 @@ def group_rms_norm_gate(x, gate, weight, *, num_groups=4, eps=1e-6, gate_layout=
     if gate_layout == "sbh":
         y = y.transpose(0, 1)
     return (y * torch.sigmoid(gate.float())).to(x.dtype).contiguous()
+# optim: total norm, gradient clipping, zero counting, FP8 amax/scale bookkeeping
+# ======================================================================================
+
+
+def total_norm(tensors, norm_type: float = 2.0, dtype=torch.float64) -> torch.Tensor:
+    """Norm of the concatenation of ``tensors`` (each flattened, read in ``dtype``);
+    ``tensor(0.)`` for an empty list (as PyTorch)."""
+    ts = [t.detach().reshape(-1).to(dtype) for t in tensors]
+    if not ts:
+        return torch.tensor(0.0, dtype=dtype)
+    return torch.linalg.vector_norm(torch.cat(ts), float(norm_type))
+
+
+def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``clamp(max_norm / (total + 1e-6), max=1)`` (PyTorch's clip coefficient)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """In-place clipping of the ``.grad`` of ``parameters`` (None skipped); returns the total
+    norm (float32). The gradients are multiplied by the float32 coefficient in float32 and
+    stored in their own dtype."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total = total_norm(grads, norm_type, torch.float32)
+    coef = clip_coef(total, max_norm)
+    for g in grads:
+        g.copy_((g.double() if g.dtype == torch.float64 else g.float()) * coef)
+    return total
+
+
+def count_zeros(tensors) -> torch.Tensor:
+    """Number of elements equal to 0 (``-0.0`` counts, NaN does not), int64."""
+    total = torch.zeros((), dtype=torch.int64)
+    for t in tensors:
+        if t.dtype.is_floating_point and t.element_size() == 1:
+            t = t.float()  # fp8: compare the widened values
+        total += (t == 0).sum().cpu()
+    return total
+
+
+def amax_history_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float = 448.0,
+                        margin: float = 0, amax_compute: str = "max"):
+    """Delayed scaling step: returns ``(new_history, new_scale)``.
+
+    ``amax = max over the rows of amax_history [L, n]`` (``"max"``) or row 0
+    (``"most_recent"``); ``scale = (fp8_max / amax) / 2**margin`` where amax is finite and
+    > 0 (and the scale finite), else the previous scale; the history rolls down one row
+    (``new[i+1] = old[i]``) and row 0 becomes 0.
+    """
+    h = amax_history.float()
+    amax = h.amax(dim=0) if amax_compute == "max" else h[0]
+    s = torch.full_like(amax, fp8_max) / amax / (2.0 ** margin)  # (not 448 / t: a reciprocal)
+    good = (amax > 0) & torch.isfinite(amax) & torch.isfinite(s)
+    new_scale = torch.where(good, s, scale.float())
+    new_hist = torch.zeros_like(h)
+    new_hist[1:] = h[:-1]
+    return new_hist, new_scale

@@ -1,0 +1,112 @@
+"""linghe.optim: total grad norm, clip_grad_norm_, count_zeros over lists of tensors.
+
+Two lists (GPU): 300 fp32 tensors of mixed shapes totalling ~300M elements (bandwidth), and
+2000 small tensors (per-call overhead). Providers: eager (the reference: one concatenated
+vector), compile, linghe, and "torch" (``torch.nn.utils.get_total_norm`` /
+``clip_grad_norm_(foreach=True)``, PyTorch's multi-tensor path).
+"""
+
+import torch
+
+import linghe
+from linghe import reference as ref
+
+from ..harness import Bench, Config, case, compiled
+
+# a repeating pattern of 5 shapes (~4.97M elements), 60 times: 300 tensors, ~298M elements
+_BIG_PATTERN = [(2048, 1024), (1024, 1000), (2048,), (512, 1000), (1000, 1333)]
+
+
+def _lists(cfg: Config):
+    if cfg.cpu:
+        big = [(64, 33), (100,), (3, 70_000 // 3), (7,), (1000, 2)] * 2
+        small = [((i * 97) % 300 + 1,) for i in range(60)]
+    else:
+        big = _BIG_PATTERN * 60
+        small = [((i * 997) % 5000 + 1,) for i in range(2000)]
+    return [("300 fp32" if not cfg.cpu else "10 fp32", big),
+            ("2000 small fp32" if not cfg.cpu else "60 small fp32", small)]
+
+
+def _make(shapes, device, zeros=False):
+    ts = [torch.randn(s, device=device) for s in shapes]
+    if zeros:
+        for t in ts:
+            t.view(-1)[::7] = 0
+    return ts
+
+
+def _params(ts):
+    ps = []
+    for t in ts:
+        p = torch.nn.Parameter(torch.empty_like(t))
+        p.grad = t
+        ps.append(p)
+    return ps
+
+
+def _eager_norm(ts):
+    return ref.total_norm(ts, 2.0, torch.float32)
+
+
+def _eager_clip(ps):
+    return ref.clip_grad_norm_(ps, 1e9)
+
+
+def _eager_zeros(ts):
+    return torch.stack([(t == 0).sum() for t in ts]).sum()
+
+
+def _numel(ts):
+    return sum(t.numel() for t in ts)
+
+
+@case("grad_norm")
+def grad_norm_case(cfg: Config):
+    out = []
+    for label, shapes in _lists(cfg):
+        ts = _make(shapes, cfg.device)
+        n = _numel(ts)
+        run = {"eager": lambda ts=ts: _eager_norm(ts),
+               "linghe": lambda ts=ts: linghe.optim.grad_norm(ts),
+               "torch": lambda ts=ts: torch.nn.utils.get_total_norm(ts, 2.0, foreach=True)}
+        if len(ts) <= 300:  # compiling a 2000-input graph takes minutes
+            run["compile"] = lambda ts=ts: compiled(_eager_norm)(ts)
+        out.append(Bench(name=f"grad_norm {label} ({n / 1e6:.1f}M)", bytes=4 * n, tol=1e-5,
+                         run=run, expected=lambda ts=ts: ref.total_norm(ts, 2.0)))
+    return out
+
+
+@case("clip_grad_norm")
+def clip_grad_norm_case(cfg: Config):
+    # max_norm far above the norm: coefficient 1, so repeated runs leave the grads unchanged
+    # (every provider still multiplies every gradient, as PyTorch does)
+    out = []
+    for label, shapes in _lists(cfg):
+        ts = _make(shapes, cfg.device)
+        ps = _params(ts)
+        n = _numel(ts)
+        run = {"eager": lambda ps=ps: _eager_clip(ps),
+               "linghe": lambda ps=ps: linghe.optim.clip_grad_norm_(ps, 1e9),
+               "torch": lambda ps=ps: torch.nn.utils.clip_grad_norm_(ps, 1e9, foreach=True)}
+        if len(ts) <= 300:
+            run["compile"] = lambda ps=ps: compiled(_eager_clip)(ps)
+        out.append(Bench(name=f"clip_grad_norm_ {label} ({n / 1e6:.1f}M)", bytes=12 * n,
+                         tol=1e-5, run=run, expected=lambda ts=ts: ref.total_norm(ts, 2.0),
+                         note="bytes: read for the norm + read/write for the scaling"))
+    return out
+
+
+@case("count_zeros")
+def count_zeros_case(cfg: Config):
+    out = []
+    for label, shapes in _lists(cfg):
+        ts = _make(shapes, cfg.device, zeros=True)
+        n = _numel(ts)
+        run = {"eager": lambda ts=ts: _eager_zeros(ts),
+               "linghe": lambda ts=ts: linghe.optim.count_zeros(ts)}
+        if len(ts) <= 300:
+            run["compile"] = lambda ts=ts: compiled(_eager_zeros)(ts)
+        out.append(Bench(name=f"count_zeros {label} ({n / 1e6:.1f}M)", bytes=4 * n, tol=0,
+                         run=run, expected=lambda ts=ts: ref.count_zeros(ts)))
+    return out

@@ -1,0 +1,1 @@
+"""Expert parallelism: the dispatcher and collective helpers."""

@@ -1,0 +1,488 @@
+"""Multi-tensor kernels over a pointer/chunk table: partial norms, the final reduce, in-place
+scaling, zero counting; and the host-side table ("plan") with its cache.
+
+How a list of tensors becomes a fixed number of launches:
+
+* Every tensor is cut into chunks of ``CHUNK`` elements. The chunk table is an int64
+  tensor ``[n_chunks, 4]`` on the tensors' device; row ``c`` = ``(byte address of the chunk's
+  first element, start element within its tensor, length, flag)`` (``flag`` is the
+  sign-clearing mask for :func:`count_zeros`, unused otherwise).
+* Chunks are grouped by (bucket, dtype, 16-byte alignment); a group is one launch of a
+  persistent-ish kernel whose programs stride over the group's chunks (program ``p`` takes
+  chunks ``p, p + G, ...``) and write one partial each. Buckets are the distributed groups
+  of :func:`linghe.optim.clip_grad_norm_` (one bucket when not distributed).
+* A one-program kernel reduces a bucket's partials (and, when not distributed, finishes the
+  norm and the clip coefficient in the same launch).
+
+Addresses are stored as int64 and cast with ``tl.pointer_type`` in the kernel (this works on
+the Triton interpreter too). When every pointer of a launch is 16-byte aligned the launch is
+specialised with ``ALIGNED``: ``tl.multiple_of`` on the cast pointer itself (a hint on the
+integer before the cast, or on ``ptr + start``, is lost by the compiler: checked in the PTX
+of sm_90, where only this form gives ``ld.global.v4``).
+
+The plan is cached keyed on ``(data_ptr, numel, dtype)`` of every tensor (gradients persist
+across steps, so steady-state calls do no table work) and is uploaded from pinned memory with
+a non-blocking copy: building or reusing a plan never syncs the host with the device.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import INTERPRET, cdiv, device_guard, empty, num_sms
+
+CHUNK = 65536  # elements per chunk (a multiple of every BLOCK below)
+NUM_WARPS = 8
+PROGRAMS_PER_SM = 4  # persistent-ish grid: all resident at <= 64 regs x 256 threads (fp32: 42)
+REDUCE_BLOCK = 1024
+
+# Norm modes (kernel constexpr)
+MODE_L1, MODE_L2, MODE_P, MODE_INF, MODE_NEG_INF = 1, 2, 3, 4, 5
+
+_TL_DTYPE = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float64: tl.float64,
+}
+NORM_DTYPES = tuple(_TL_DTYPE)
+
+# count_zeros reads every dtype as a signed integer of its element size
+_INT_BY_SIZE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+def norm_mode(p: float) -> int:
+    if p == 1.0:
+        return MODE_L1
+    if p == 2.0:
+        return MODE_L2
+    if p == float("inf"):
+        return MODE_INF
+    if p == float("-inf"):
+        return MODE_NEG_INF
+    return MODE_P
+
+
+# Elements per thread per load: 16 (fp32: four 16-byte loads). Each loop iteration issues two
+# such loads (an unroll of 2) before using them, so a thread has 128 B of fp32 in flight
+# while its accumulator stays at 16 registers.
+ELEMS_PER_THREAD = 16
+
+
+def _block(elem_size: int, kind: str) -> int:
+    if kind == "bits" and elem_size < 4:
+        return NUM_WARPS * 32 * ELEMS_PER_THREAD * 2  # narrow ints: 32 elements per thread
+    return NUM_WARPS * 32 * ELEMS_PER_THREAD
+
+
+# ======================================================================================
+# kernels
+# ======================================================================================
+
+
+@triton.jit
+def _elem(x, p, MODE: tl.constexpr):
+    """Per-element contribution of ``x`` (already in the accumulation dtype)."""
+    if MODE == 1:
+        return tl.abs(x)
+    elif MODE == 2:
+        return x * x
+    elif MODE == 3:
+        # |x|^p for p > 0: exp2(p * log2|x|); |x| = 0 -> exp2(-inf) = 0. In fp32 also for
+        # fp64 accumulation (fp32 exp2/log2 are the fast, portable ones)
+        xf = tl.abs(x.to(tl.float32))
+        return tl.exp2(p * tl.log2(xf)).to(x.dtype)
+    else:
+        return tl.abs(x)
+
+
+@triton.jit
+def _combine(acc, v, MODE: tl.constexpr):
+    if MODE == 4:
+        return tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
+    elif MODE == 5:
+        return tl.minimum(acc, v, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        return acc + v
+
+
+def _ident(mode: int) -> float:
+    """Identity of the combine (passed to the kernels as the constexpr ``IDENT``)."""
+    return float("inf") if mode == MODE_NEG_INF else 0.0
+
+
+@triton.jit
+def _reduce_all(acc, MODE: tl.constexpr):
+    """Reduce a vector to a scalar; NaN propagates for max/min too."""
+    if MODE == 4:
+        r = tl.max(acc, axis=0)
+    elif MODE == 5:
+        r = tl.min(acc, axis=0)
+    else:
+        r = tl.sum(acc, axis=0)
+    if MODE >= 4:
+        n_nan = tl.sum((acc != acc).to(tl.int32), axis=0)
+        r = tl.where(n_nan > 0, float("nan"), r)
+    return r
+
+
+@triton.jit
+def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p,
+                          DTYPE: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                          IDENT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Program ``pid`` folds chunks ``pid, pid + G, ...`` of the table into one partial."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.full([BLOCK], IDENT, ACC)
+    for c in range(pid, n_chunks, G):
+        row = table_ptr + c * 4
+        addr = tl.load(row)  # byte address of the chunk's first element
+        n = tl.load(row + 2)
+        ptr = addr.to(tl.pointer_type(DTYPE))
+        if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
+            ptr = tl.multiple_of(ptr, 16)
+        # full double blocks: unmasked (vectorizable) loads, two in flight per thread
+        n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
+        for i in range(0, n // (2 * BLOCK)):
+            x0 = tl.load(ptr + i * (2 * BLOCK) + lanes)
+            x1 = tl.load(ptr + i * (2 * BLOCK) + BLOCK + lanes)
+            acc = _combine(acc, _elem(x0.to(ACC), p, MODE), MODE)
+            acc = _combine(acc, _elem(x1.to(ACC), p, MODE), MODE)
+        for off in range(n_full, n, BLOCK):  # the tail of a tensor's last chunk: masked
+            m = off + lanes < n
+            x = tl.load(ptr + off + lanes, mask=m, other=0.0).to(ACC)
+            v = tl.where(m, _elem(x, p, MODE), IDENT)
+            acc = _combine(acc, v, MODE)
+    tl.store(partial_ptr + pid, _reduce_all(acc, MODE))
+
+
+@triton.jit
+def _norm_reduce_kernel(partial_ptr, n_partials, acc_out_ptr, norm_out_ptr, coef_out_ptr,
+                        p, max_norm, ACC: tl.constexpr, MODE: tl.constexpr, IDENT: tl.constexpr,
+                        FINISH: tl.constexpr, COEF: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: reduce ``n_partials`` partials to ``acc_out[0]``; with ``FINISH`` also
+    write the norm (``acc^(1/p)``) and with ``COEF`` the clip coefficient
+    ``min(max_norm / (norm + 1e-6), 1)`` (float32)."""
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.full([BLOCK], IDENT, ACC)
+    for off in range(0, n_partials, BLOCK):
+        m = off + lanes < n_partials
+        v = tl.load(partial_ptr + off + lanes, mask=m, other=IDENT).to(ACC)
+        acc = _combine(acc, v, MODE)
+    total = _reduce_all(acc, MODE)
+    tl.store(acc_out_ptr, total)
+    if FINISH:
+        norm = _finish(total, p, MODE)
+        tl.store(norm_out_ptr, norm)
+        if COEF:
+            _store_coef(coef_out_ptr, norm, max_norm)
+
+
+@triton.jit
+def _finish(total, p, MODE: tl.constexpr):
+    if MODE == 2:
+        if total.dtype == tl.float64:
+            return tl.sqrt(total)  # IEEE for fp64
+        else:
+            return tl.sqrt_rn(total)
+    elif MODE == 3:
+        return tl.exp2(tl.log2(total.to(tl.float32)) / p).to(total.dtype)
+    else:
+        return total
+
+
+@triton.jit
+def _store_coef(coef_out_ptr, norm, max_norm):
+    nf = norm.to(tl.float32)
+    coef = tl.div_rn(tl.zeros([], tl.float32) + max_norm, nf + 1e-6)
+    # clamp(max=1) keeps NaN (as torch.clamp does)
+    coef = tl.where(coef > 1.0, 1.0, coef)
+    tl.store(coef_out_ptr, coef)
+
+
+@triton.jit
+def _norm_finish_kernel(acc_ptr, n_acc, norm_out_ptr, coef_out_ptr, p, max_norm,
+                        ACC: tl.constexpr, MODE: tl.constexpr, IDENT: tl.constexpr,
+                        COEF: tl.constexpr, BLOCK: tl.constexpr):
+    """Combine the (all-reduced) per-bucket accumulators and finish norm and coefficient."""
+    lanes = tl.arange(0, BLOCK)
+    v = tl.load(acc_ptr + lanes, mask=lanes < n_acc, other=IDENT).to(ACC)
+    norm = _finish(_reduce_all(v, MODE), p, MODE)
+    tl.store(norm_out_ptr, norm)
+    if COEF:
+        _store_coef(coef_out_ptr, norm, max_norm)
+
+
+@triton.jit
+def _scale_kernel(table_ptr, n_chunks, coef_ptr, DTYPE: tl.constexpr, CT: tl.constexpr,
+                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """In place: ``x *= coef[0]`` (multiply in ``CT``: fp32, fp64 for fp64 tensors; stored
+    in the tensor's dtype)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    lanes = tl.arange(0, BLOCK)
+    coef = tl.load(coef_ptr).to(CT)
+    for c in range(pid, n_chunks, G):
+        row = table_ptr + c * 4
+        addr = tl.load(row)  # byte address of the chunk's first element
+        n = tl.load(row + 2)
+        ptr = addr.to(tl.pointer_type(DTYPE))
+        if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
+            ptr = tl.multiple_of(ptr, 16)
+        n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
+        for i in range(0, n // (2 * BLOCK)):
+            p0 = ptr + i * (2 * BLOCK) + lanes
+            x0 = tl.load(p0).to(CT)
+            x1 = tl.load(p0 + BLOCK).to(CT)
+            tl.store(p0, (x0 * coef).to(DTYPE))
+            tl.store(p0 + BLOCK, (x1 * coef).to(DTYPE))
+        for off in range(n_full, n, BLOCK):
+            m = off + lanes < n
+            x = tl.load(ptr + off + lanes, mask=m, other=0.0).to(CT)
+            tl.store(ptr + off + lanes, (x * coef).to(DTYPE), mask=m)
+
+
+@triton.jit
+def _count_zeros_kernel(table_ptr, n_chunks, partial_ptr, ITYPE: tl.constexpr,
+                        BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Count elements whose bits ``& flag`` are 0 (``flag`` clears the sign bit of floats,
+    so -0.0 counts; it is all ones for integers)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    lanes = tl.arange(0, BLOCK)
+    cnt = tl.zeros([BLOCK], tl.int32)
+    for c in range(pid, n_chunks, G):
+        row = table_ptr + c * 4
+        addr = tl.load(row)  # byte address of the chunk's first element
+        n = tl.load(row + 2)
+        mask_bits = tl.load(row + 3).to(ITYPE)
+        ptr = addr.to(tl.pointer_type(ITYPE))
+        if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
+            ptr = tl.multiple_of(ptr, 16)
+        n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
+        for i in range(0, n // (2 * BLOCK)):
+            x0 = tl.load(ptr + i * (2 * BLOCK) + lanes)
+            x1 = tl.load(ptr + i * (2 * BLOCK) + BLOCK + lanes)
+            cnt += ((x0 & mask_bits) == 0).to(tl.int32) + ((x1 & mask_bits) == 0).to(tl.int32)
+        for off in range(n_full, n, BLOCK):
+            m = off + lanes < n
+            x = tl.load(ptr + off + lanes, mask=m, other=1)
+            cnt += (((x & mask_bits) == 0) & m).to(tl.int32)
+    tl.store(partial_ptr + pid, tl.sum(cnt.to(tl.int64), axis=0))
+
+
+# ======================================================================================
+# plans (chunk tables) and their cache
+# ======================================================================================
+
+
+@dataclass
+class Launch:
+    key: object  # tl dtype (norm/scale) or element size (count_zeros)
+    chunk_off: int
+    n_chunks: int
+    partial_off: int
+    grid: int
+    aligned: bool
+    block: int
+    table: torch.Tensor | None = None  # the plan's table from this launch's first chunk
+
+
+@dataclass
+class Plan:
+    device: torch.device
+    table: torch.Tensor  # int64 [n_chunks, 4] on device
+    host_table: torch.Tensor  # pinned source of the upload (kept alive with the plan)
+    launches: list[Launch]
+    buckets: list[tuple[int, int]]  # (partial_off, n_partials) per bucket
+    n_partials: int
+    scratch: dict = field(default_factory=dict)
+
+    def buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A scratch device buffer reused across calls with this plan (partials, per-bucket
+        accumulators, the clip coefficient): saves allocations on every step. Calls are
+        ordered on the current stream, so reuse is safe there."""
+        key = (name, n, dtype)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = empty(n, dtype=dtype, device=self.device)
+        return buf
+
+
+_PLAN_CACHE: OrderedDict = OrderedDict()
+_PLAN_CACHE_SIZE = 32
+
+
+_DEPENDENT_CACHES: list = []  # the front ends' caches of validated inputs -> plans
+
+
+def clear_plan_cache() -> None:
+    """Drop every cached chunk table and validated-input entry (they hold no tensors, only
+    addresses; this just frees the small tables and scratch buffers)."""
+    _PLAN_CACHE.clear()
+    for c in _DEPENDENT_CACHES:
+        c.clear()
+
+
+def _max_programs(device: torch.device) -> int:
+    return num_sms(device) * PROGRAMS_PER_SM
+
+
+def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device) -> Plan:
+    """Chunk table for ``buckets`` (lists of tensors). ``kind`` = "float" (group by dtype,
+    for norm/scale) or "bits" (group by element size, for count_zeros)."""
+    groups: OrderedDict = OrderedDict()  # (bucket, key, aligned) -> list[(ptr, numel, flag)]
+    for b, ts in enumerate(buckets):
+        for t in ts:
+            n = t.numel()
+            if n == 0:
+                continue
+            ptr = t.data_ptr()
+            es = t.element_size()
+            if kind == "float":
+                key = t.dtype
+                flag = 0
+            else:
+                key = es
+                flag = ((1 << (8 * es - 1)) - 1) if (t.dtype.is_floating_point
+                                                     or t.dtype.is_complex) else -1
+            aligned = ptr % 16 == 0
+            groups.setdefault((b, key, aligned), []).append((ptr, n, flag))
+        groups.setdefault((b, None, None), [])  # keeps empty buckets visible
+    max_prog = _max_programs(device)
+    rows = []
+    launches: list[Launch] = []
+    bucket_ranges = [[0, 0] for _ in buckets]
+    chunk_off = 0
+    partial_off = 0
+    for b in range(len(buckets)):
+        bucket_ranges[b][0] = partial_off
+        for (bb, key, aligned), items in groups.items():
+            if bb != b or key is None or not items:
+                continue
+            arr = np.asarray(items, dtype=np.int64)
+            ptrs, sizes, flags = arr[:, 0], arr[:, 1], arr[:, 2]
+            nch = (sizes + CHUNK - 1) // CHUNK
+            total = int(nch.sum())
+            tid = np.repeat(np.arange(len(items)), nch)
+            first = np.cumsum(nch) - nch
+            k = np.arange(total, dtype=np.int64) - np.repeat(first, nch)
+            start = k * CHUNK
+            length = np.minimum(CHUNK, sizes[tid] - start)
+            if kind == "float":
+                es = torch.empty((), dtype=key).element_size()
+                tl_key = _TL_DTYPE[key]
+            else:
+                es = key
+                tl_key = _INT_BY_SIZE[key]
+            rows.append(np.stack([ptrs[tid] + start * es, start, length, flags[tid]], axis=1))
+            grid = min(total, max_prog)
+            launches.append(Launch(tl_key, chunk_off, total, partial_off, grid, aligned,
+                                   _block(es, kind)))
+            chunk_off += total
+            partial_off += grid
+        bucket_ranges[b][1] = partial_off - bucket_ranges[b][0]
+    table_np = (np.concatenate(rows, axis=0) if rows else np.zeros((0, 4), dtype=np.int64))
+    host = torch.from_numpy(np.ascontiguousarray(table_np))
+    if device.type == "cuda":
+        host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+    else:
+        table = host
+    for ln in launches:
+        ln.table = table[ln.chunk_off:]
+    return Plan(device, table, host, launches, [tuple(r) for r in bucket_ranges], partial_off)
+
+
+def get_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device) -> Plan:
+    """Cached :func:`_build_plan`, keyed on ``(data_ptr, numel, dtype)`` of every tensor."""
+    key = (kind, device, tuple(tuple((t.data_ptr(), t.numel(), t.dtype) for t in ts)
+                               for ts in buckets))
+    plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        _PLAN_CACHE.move_to_end(key)
+        return plan
+    plan = _build_plan(kind, buckets, device)
+    _PLAN_CACHE[key] = plan
+    if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return plan
+
+
+# ======================================================================================
+# launchers
+# ======================================================================================
+
+
+def norm_partials(plan: Plan, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
+    """Run the partial-norm launches of ``plan``; returns ``partials [plan.n_partials]``."""
+    mode = norm_mode(p)
+    partials = plan.buffer("partials", max(plan.n_partials, 1), acc_dtype)
+    acc_tl = _TL_DTYPE[acc_dtype]
+    with device_guard(plan.table):
+        for ln in plan.launches:
+            _norm_partials_kernel[(ln.grid,)](
+                ln.table, ln.n_chunks, partials[ln.partial_off:], float(p),
+                DTYPE=ln.key, ACC=acc_tl, MODE=mode, IDENT=_ident(mode), BLOCK=ln.block,
+                ALIGNED=ln.aligned, num_warps=NUM_WARPS)
+    return partials
+
+
+def reduce_partials(partials: torch.Tensor, off: int, n: int, p: float, *, acc_out: torch.Tensor,
+                    norm_out: torch.Tensor | None = None, coef_out: torch.Tensor | None = None,
+                    max_norm: float = 0.0) -> None:
+    """Reduce ``partials[off:off+n]`` into ``acc_out[0]`` (and optionally finish)."""
+    mode = norm_mode(p)
+    finish = norm_out is not None
+    with device_guard(partials):
+        _norm_reduce_kernel[(1,)](
+            partials[off:], n, acc_out, norm_out if finish else acc_out,
+            coef_out if coef_out is not None else acc_out, float(p), float(max_norm),
+            ACC=_TL_DTYPE[partials.dtype], MODE=mode, IDENT=_ident(mode), FINISH=finish,
+            COEF=coef_out is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
+
+
+def finish_norm(accs: torch.Tensor, p: float, *, norm_out: torch.Tensor,
+                coef_out: torch.Tensor | None = None, max_norm: float = 0.0) -> None:
+    """Combine per-bucket accumulators ``accs [B]`` into the norm (and coefficient)."""
+    mode = norm_mode(p)
+    with device_guard(accs):
+        _norm_finish_kernel[(1,)](
+            accs, accs.numel(), norm_out, coef_out if coef_out is not None else norm_out,
+            float(p), float(max_norm), ACC=_TL_DTYPE[accs.dtype], MODE=mode, IDENT=_ident(mode),
+            COEF=coef_out is not None, BLOCK=max(16, triton.next_power_of_2(accs.numel())),
+            num_warps=1)
+
+
+def scale_(plan: Plan, coef: torch.Tensor) -> None:
+    """Multiply every tensor of ``plan`` in place by ``coef[0]`` (a device scalar)."""
+    with device_guard(plan.table):
+        for ln in plan.launches:
+            ct = tl.float64 if ln.key == tl.float64 else tl.float32
+            _scale_kernel[(ln.grid,)](ln.table, ln.n_chunks, coef,
+                                      DTYPE=ln.key, CT=ct, BLOCK=ln.block, ALIGNED=ln.aligned,
+                                      num_warps=NUM_WARPS)
+
+
+def count_zeros_partials(plan: Plan) -> torch.Tensor:
+    partials = empty(max(plan.n_partials, 1), dtype=torch.int64, device=plan.device)
+    if plan.n_partials == 0:
+        partials.zero_()
+    with device_guard(plan.table):
+        for ln in plan.launches:
+            _count_zeros_kernel[(ln.grid,)](ln.table, ln.n_chunks,
+                                            partials[ln.partial_off:], ITYPE=ln.key,
+                                            BLOCK=ln.block, ALIGNED=ln.aligned,
+                                            num_warps=NUM_WARPS)
+    return partials
+
+
+__all__ = ["CHUNK", "INTERPRET", "cdiv", "clear_plan_cache", "get_plan", "norm_partials",
+           "reduce_partials", "finish_norm", "scale_", "count_zeros_partials", "NORM_DTYPES"]

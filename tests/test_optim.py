@@ -1,0 +1,400 @@
+"""linghe.optim: grad norm, clip_grad_norm_, count_zeros, AmaxHistory."""
+
+import math
+
+import pytest
+import torch
+
+import linghe
+from linghe import optim
+from linghe import reference as ref
+from linghe.testing import assert_close
+
+INF = float("inf")
+ON_GPU = torch.cuda.is_available()
+
+
+def _params(sizes, dtype, device, scale=1.0):
+    ps = []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype))
+        p.grad = (torch.randn(n, device=device) * scale).to(dtype)
+        ps.append(p)
+    return ps
+
+
+def _clone_params(ps):
+    out = []
+    for p in ps:
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = None if p.grad is None else p.grad.clone()
+        out.append(q)
+    return out
+
+
+SIZE_LISTS = {
+    "0": [],
+    "1": [1000],
+    "3": [0, 70_001, 3],
+    "big": [100_000, 4096, 1],
+}
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, INF])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sizes", list(SIZE_LISTS), ids=list(SIZE_LISTS))
+def test_clip_grad_norm_matches_torch(device, p, dtype, sizes):
+    ps = _params(SIZE_LISTS[sizes], dtype, device)
+    ps_t = _clone_params(ps)
+    max_norm = 0.5  # below the norm: the gradients are scaled
+    norm = optim.clip_grad_norm_(ps, max_norm, norm_type=p)
+    # (PyTorch refuses the inf norm of an empty tensor; empty tensors do not change the norm)
+    norm_t = torch.nn.utils.clip_grad_norm_([q for q in ps_t if q.numel()], max_norm,
+                                            norm_type=p)
+    assert norm.dim() == 0
+    if not ps:
+        assert norm.item() == 0.0 and norm_t.item() == 0.0
+        return
+    assert norm.dtype == torch.float32 and norm.device.type == torch.device(device).type
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_close(norm, norm_t.float(), tol=tol)
+    for a, b in zip(ps, ps_t):
+        assert_close(a.grad, b.grad, tol=tol, name="clipped grad")
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, 0.5, INF, -INF])
+def test_grad_norm_exact_fp32(device, p):
+    ts = [torch.randn(n, device=device) for n in (5, 65_537, 0, 300)]
+    out = optim.grad_norm(ts, p)
+    exp = ref.total_norm(ts, p)
+    assert_close(out, exp, tol=1e-5)
+    out64 = optim.grad_norm(ts, p, dtype=torch.float64)
+    assert out64.dtype == torch.float64
+    assert_close(out64, exp, tol=1e-9 if p in (1.0, 2.0, INF, -INF) else 1e-6)
+
+
+def test_grad_norm_mixed_dtypes(device):
+    ts = [torch.randn(1000, device=device), torch.randn(3000, device=device).bfloat16(),
+          torch.randn(17, device=device).half(), torch.randn(70_000, device=device).bfloat16(),
+          torch.randn(5, device=device, dtype=torch.float64)]
+    for p in (2.0, INF):
+        assert_close(optim.grad_norm(ts, p), ref.total_norm(ts, p), tol=1e-5)
+
+
+def test_clip_mixed_dtypes_scales_each_in_its_dtype(device):
+    ps = _params([100, 200], torch.float32, device) + _params([300], torch.bfloat16, device) \
+        + _params([50], torch.float16, device) + _params([40], torch.float64, device)
+    ps_t = _clone_params(ps)
+    norm = optim.clip_grad_norm_(ps, 1.0)
+    norm_r = ref.clip_grad_norm_(ps_t, 1.0)
+    assert_close(norm, norm_r, tol=1e-5)
+    for a, b in zip(ps, ps_t):
+        assert a.grad.dtype == b.grad.dtype
+        assert_close(a.grad, b.grad, tol=1e-2 if b.grad.element_size() == 2 else 1e-6)
+
+
+def test_thousand_tensors(device):
+    sizes = [(i * 37) % 50 for i in range(1000)]
+    ps = _params(sizes, torch.float32, device)
+    ps_t = _clone_params(ps)
+    norm = optim.clip_grad_norm_(ps, 1.0)
+    norm_t = torch.nn.utils.clip_grad_norm_(ps_t, 1.0)
+    assert_close(norm, norm_t, tol=1e-5)
+    g = torch.cat([p.grad for p in ps])
+    gt = torch.cat([p.grad for p in ps_t])
+    assert_close(g, gt, tol=1e-6)
+
+
+def test_no_clip_when_below_max_norm(device):
+    ps = _params([10, 20], torch.float32, device, scale=1e-3)
+    before = [p.grad.clone() for p in ps]
+    norm = optim.clip_grad_norm_(ps, 100.0)
+    assert norm.item() < 100
+    for p, b in zip(ps, before):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+
+
+def test_none_grads_skipped_and_single_tensor(device):
+    ps = _params([10, 20, 30], torch.float32, device)
+    ps[1].grad = None
+    ps_t = _clone_params(ps)
+    norm = optim.clip_grad_norm_(iter(ps), 0.1)
+    norm_t = torch.nn.utils.clip_grad_norm_(ps_t, 0.1)
+    assert_close(norm, norm_t, tol=1e-5)
+    assert ps[1].grad is None
+    # a single tensor
+    p = _params([33], torch.float32, device)[0]
+    pt = _clone_params([p])[0]
+    assert_close(optim.clip_grad_norm_(p, 0.1), torch.nn.utils.clip_grad_norm_(pt, 0.1), 1e-5)
+    assert_close(p.grad, pt.grad, tol=1e-6)
+
+
+def test_split_api_matches_torch(device):
+    ps = _params([100, 5000], torch.float32, device)
+    ps_t = _clone_params(ps)
+    grads = [p.grad for p in ps]
+    total = optim.get_total_norm(grads, 3.0)
+    total_t = torch.nn.utils.get_total_norm([p.grad for p in ps_t], 3.0)
+    assert_close(total, total_t, tol=1e-5)
+    optim.clip_grads_with_norm_(ps, 2.0, total)
+    torch.nn.utils.clip_grads_with_norm_(ps_t, 2.0, total_t)
+    for a, b in zip(ps, ps_t):
+        assert_close(a.grad, b.grad, tol=1e-6)
+
+
+def test_nan_inf_propagate(device):
+    for bad in (float("nan"), INF):
+        ts = [torch.randn(100, device=device), torch.randn(70_000, device=device)]
+        ts[1][12345] = bad
+        for p in (1.0, 2.0, 3.0, INF):
+            out = optim.grad_norm(ts, p).item()
+            exp = ref.total_norm(ts, p).item()
+            assert (math.isnan(out) and math.isnan(exp)) or out == exp, (bad, p, out, exp)
+        ps = _params([10], torch.float32, device)
+        ps[0].grad[3] = bad
+        with pytest.raises(RuntimeError, match="non-finite"):
+            optim.clip_grad_norm_(ps, 1.0, error_if_nonfinite=True)
+        # not scaled before raising
+        assert (ps[0].grad[3] != ps[0].grad[3]) or ps[0].grad[3] == bad
+        norm = optim.clip_grad_norm_(ps, 1.0)
+        assert not math.isfinite(norm.item())
+
+
+def test_zero_grads_and_empty_tensors(device):
+    ps = _params([0, 0, 10], torch.float32, device)
+    ps[2].grad.zero_()
+    norm = optim.clip_grad_norm_(ps, 1.0)
+    assert norm.item() == 0.0
+    assert torch.all(ps[2].grad == 0)
+    assert optim.grad_norm([torch.empty(0, device=device)]).item() == 0.0
+    assert optim.grad_norm([]).item() == 0.0
+
+
+def test_plan_cache_reused_and_correct_after_change(device):
+    optim.clear_plan_cache()
+    ts = [torch.randn(50, device=device), torch.randn(70, device=device)]
+    a = optim.grad_norm(ts)
+    ts[0].mul_(2)  # same pointers, new values: the cached table still reads them
+    b = optim.grad_norm(ts)
+    assert_close(b, ref.total_norm(ts), tol=1e-5)
+    assert not torch.equal(a, b)
+    ts2 = [torch.randn(51, device=device)]
+    assert_close(optim.grad_norm(ts2), ref.total_norm(ts2), tol=1e-5)
+
+
+def test_unaligned_views(device):
+    buf = torch.randn(70_000 + 3, device=device)
+    ts = [buf[1:40_001], buf[40_001:70_003]]  # storage offsets: not 16-byte aligned
+    ps = []
+    for t in ts:
+        p = torch.nn.Parameter(torch.empty_like(t))
+        p.grad = t
+        ps.append(p)
+    exp = ref.total_norm(ts)
+    norm = optim.clip_grad_norm_(ps, 1.0)
+    assert_close(norm, exp, tol=1e-5)
+    assert_close(torch.cat([p.grad for p in ps]), torch.cat(ts), tol=1e-6)
+
+
+def test_bad_inputs(device):
+    ps = _params([10], torch.float32, device)
+    with pytest.raises(TypeError, match=r"parameters\[1\]"):
+        optim.clip_grad_norm_([ps[0], 3.0], 1.0)
+    with pytest.raises(TypeError, match=r"tensors\[0\]"):
+        optim.grad_norm(["x"])
+    for bad in (-1.0, float("nan"), INF):
+        with pytest.raises(ValueError, match="max_norm"):
+            optim.clip_grad_norm_(ps, bad)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="norm_type"):
+            optim.clip_grad_norm_(ps, 1.0, norm_type=bad)
+    with pytest.raises(TypeError, match="norm_type"):
+        optim.grad_norm([ps[0].grad], norm_type="fro")
+    with pytest.raises(TypeError, match="dtype"):
+        optim.grad_norm([torch.ones(3, dtype=torch.int32, device=device)])
+    with pytest.raises(TypeError, match="dtype"):
+        optim.grad_norm([torch.ones(3, device=device)], dtype=torch.float16)
+    with pytest.raises(ValueError, match="contiguous"):
+        p = torch.nn.Parameter(torch.randn(4, 4, device=device))
+        p.grad = torch.randn(4, 4, device=device).t()
+        optim.clip_grad_norm_([p], 1.0)
+    with pytest.raises(ValueError, match="group"):
+        optim.clip_grad_norm_([ps], 1.0, group=[None, None])
+    if ON_GPU:
+        with pytest.raises(ValueError, match=r"tensors\[1\] is on cpu"):
+            optim.grad_norm([torch.ones(3, device=device), torch.ones(3)])
+    # non-contiguous read-only inputs are fine for the norm
+    t = torch.randn(6, 5, device=device).t()
+    assert_close(optim.grad_norm([t]), ref.total_norm([t]), tol=1e-5)
+
+
+def test_list_of_groups_without_collectives(device):
+    # group entries None: buckets but no collectives; equals the norm of everything
+    a = _params([10, 20], torch.float32, device)
+    b = _params([30], torch.bfloat16, device)
+    ps_t = _clone_params(a + b)
+    norm = optim.clip_grad_norm_([a, b], 0.1, group=[None, None])
+    exp = ref.clip_grad_norm_(ps_t, 0.1)
+    assert_close(norm, exp, tol=1e-5)
+    for x, y in zip(a + b, ps_t):
+        assert_close(x.grad, y.grad, tol=1e-2)
+
+
+# ------------------------------------------------------------------------- count_zeros
+
+ZERO_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+               torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8, torch.int16,
+               torch.int32, torch.int64, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", ZERO_DTYPES)
+def test_count_zeros_every_dtype(device, dtype):
+    n = 70_003
+    x = torch.randn(n, device=device)
+    x[torch.rand(n, device=device) < 0.3] = 0.0
+    if dtype.is_floating_point:
+        x[::7] = -0.0
+        t = x.to(dtype)
+        if t.element_size() == 1:
+            t[5] = float("nan")  # NaN is not zero
+    elif dtype == torch.bool:
+        t = x != 0
+    else:
+        t = (x * 3).round().clamp(-100, 100).to(dtype)
+    exp = ref.count_zeros([t])
+    out = optim.count_zeros([t, t[:0]])
+    assert out.dtype == torch.int64 and out.dim() == 0
+    assert out.item() == exp.item()
+
+
+def test_count_zeros_mixed_list(device):
+    ts = [torch.zeros(10, device=device), torch.tensor([0.0, -0.0, 1.0], device=device).half(),
+          torch.tensor([0, 1, 0], device=device, dtype=torch.int8),
+          torch.tensor([-0.0, 2.0], device=device).to(torch.float8_e4m3fn),
+          torch.randn(100, 3, device=device).t()]
+    assert optim.count_zeros(ts).item() == 10 + 2 + 2 + 1
+    assert optim.count_zeros([]).item() == 0
+    with pytest.raises(TypeError, match=r"tensors\[0\]"):
+        optim.count_zeros([torch.zeros(2, dtype=torch.complex64, device=device)])
+    with pytest.raises(TypeError, match=r"tensors\[1\]"):
+        optim.count_zeros([ts[0], None])
+
+
+# ------------------------------------------------------------------------- AmaxHistory
+
+
+def _check_amax_step(h: optim.AmaxHistory, margin, compute):
+    hist0, scale0 = h.amax_history.clone(), h.scale.clone()
+    h.update()
+    eh, es = ref.amax_history_update(hist0, scale0, h.fp8_max, margin, compute)
+    torch.testing.assert_close(h.amax_history, eh, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(h.scale, es, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compute", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_amax_history_formula_and_roll(device, compute, margin):
+    n, L = 37, 5
+    h = optim.AmaxHistory(n, L, amax_compute=compute, margin=margin, device=device)
+    assert torch.all(h.scale == 1) and h.amax_history.shape == (L, n)
+    for step in range(7):
+        for i in range(n):
+            if (i + step) % 5 == 0:
+                continue  # not recorded this step: amax stays 0
+            h.record(i, torch.rand((), device=device) * 10 + 0.1)
+            h.record(i, torch.rand(1, device=device).bfloat16())  # max with existing
+        _check_amax_step(h, margin, compute)
+    assert torch.all(h.amax_history[0] == 0)
+    # explicit formula on one column
+    h2 = optim.AmaxHistory(3, 2, margin=margin, device=device)
+    h2.record(0, torch.tensor(2.0, device=device))
+    h2.update()
+    assert h2.scale[0].item() == pytest.approx(448.0 / 2.0 / 2**margin, rel=1e-7)
+    assert h2.scale[1].item() == 1.0 and h2.amax_history[1, 0].item() == 2.0
+
+
+def test_amax_history_nonfinite_keeps_scale(device):
+    h = optim.AmaxHistory(4, 3, device=device)
+    for i, v in enumerate([1.0, 2.0, 4.0, 8.0]):
+        h.record(i, torch.tensor(v, device=device))
+    h.update()
+    s1 = h.scale.clone()
+    h.record(0, torch.tensor(float("nan"), device=device))
+    h.record(1, torch.tensor(INF, device=device))
+    h.record(2, torch.tensor(1e-45, device=device))  # scale would overflow
+    _check_amax_step(h, 0, "max")
+    assert h.scale[0] == s1[0] and h.scale[1] == s1[1] and h.scale[2] == s1[2]
+    assert h.scale[3] == s1[3]  # amax from the history (8) still
+    h3 = optim.AmaxHistory(2, 1, device=device)
+    h3.record(0, torch.tensor(1e-45, device=device))  # 448 / 1e-45 overflows: keep 1
+    h3.record(1, torch.tensor(0.5, device=device))
+    h3.update()
+    assert h3.scale.tolist() == [1.0, 896.0] and h3.amax_history.tolist() == [[0.0, 0.0]]
+
+
+def test_amax_history_state_dict_and_errors(device):
+    h = optim.AmaxHistory(5, 4, margin=1, device=device)
+    for i in range(5):
+        h.record(i, torch.rand((), device=device) + 0.5)
+    h.update()
+    h.record(2, torch.tensor(3.0, device=device))
+    sd = h.state_dict()
+    h2 = optim.AmaxHistory(5, 4, device=device)
+    buf = h2.scale
+    h2.load_state_dict(sd)
+    assert h2.scale is buf and h2.margin == 1
+    torch.testing.assert_close(h2.amax_history, h.amax_history, rtol=0, atol=0)
+    torch.testing.assert_close(h2.scale, h.scale, rtol=0, atol=0)
+    h.update()
+    h2.update()
+    torch.testing.assert_close(h2.scale, h.scale, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="index"):
+        h.record(5, torch.tensor(1.0, device=device))
+    with pytest.raises(TypeError, match="amax"):
+        h.record(0, torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="amax_compute"):
+        optim.AmaxHistory(2, amax_compute="mean", device=device)
+    with pytest.raises(ValueError, match="history_len"):
+        optim.AmaxHistory(2, 0, device=device)
+    with pytest.raises(ValueError, match="shape"):
+        optim.AmaxHistory(3, device=device).load_state_dict(sd)
+
+
+def test_exported():
+    assert linghe.optim.clip_grad_norm_ is optim.clip_grad_norm_
+
+
+# ------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+def test_clip_grad_norm_no_host_sync(device):
+    ps = _params([1000, 70_000, 3], torch.float32, device) + _params([500], torch.bfloat16,
+                                                                     device)
+    grads = [p.grad for p in ps]
+    h = optim.AmaxHistory(4, device=device)
+
+    def step():
+        optim.clip_grad_norm_(ps, 1.0)
+        optim.grad_norm(grads, 3.0)
+        optim.count_zeros(grads)
+        h.record(1, grads[0].abs().max())
+        h.update()
+
+    step()  # warm: compile the kernels, build the plans
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+def test_large_grad_norm_gpu(device):
+    ts = [torch.randn(n, device=device) for n in (3_000_001, 12_345_678, 1, 0, 65_536 * 7)]
+    for p in (1.0, 2.0, INF):
+        assert_close(optim.grad_norm(ts, p), ref.total_norm(ts, p), tol=1e-5)
+    z = [t.clone() for t in ts]
+    z[1][::3] = 0
+    assert optim.count_zeros(z).item() == ref.count_zeros(z).item()
