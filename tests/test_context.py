@@ -1,5 +1,6 @@
 """TrainingContext / current_recipe state, recipe validation, delayed-scaling bookkeeping."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -81,7 +82,7 @@ def test_recipe_formats():
     d = linghe.TrainingContext(fp8="delayed", history_len=4, amax_compute="most_recent",
                                margin=1).recipe
     assert isinstance(d.state, DelayedScalingState) and d.state.history_len == 4
-    with pytest.raises(Exception):  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
         b.name = "tensorwise"
 
 
