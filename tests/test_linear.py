@@ -278,3 +278,14 @@ def test_convergence_gpu(device, tie):
     # both well under the uniform-guess loss ln(256) = 5.55.
     assert abs(a - b) / a < 0.03, (a, b)
     assert b < 0.6 * 5.55
+
+
+def test_no_grad_saves_nothing_for_wgrad(device):
+    lin = linghe.nn.Linear(128, 64, device=device)
+    x = torch.randn(8, 128, device=device)
+    with torch.no_grad(), linghe.TrainingContext(fp8="blockwise"):
+        y = lin(x)
+    assert not y.requires_grad
+    with linghe.TrainingContext(fp8="blockwise"):
+        y2 = lin(x)
+    assert torch.equal(y, y2.detach())

@@ -164,6 +164,12 @@ def _triton_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
 _probe_cache: dict[tuple, bool] = {}
 
 
+def probed_backends() -> dict[tuple, bool]:
+    """What the ``torch._scaled_mm`` probes found so far: ``{(device index, a_scaling,
+    b_scaling, a_dtype, b_dtype, out_dtype): usable}`` (for logs and benchmarks)."""
+    return dict(_probe_cache)
+
+
 def _backend_choice() -> str:
     v = os.environ.get("LINGHE_FP8_GEMM_BACKEND", "auto").lower()
     if v not in ("auto", "triton", "torch"):

@@ -83,11 +83,11 @@ def _prepare_input(x, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, cache: WeightCache | None, owner):
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, cache: WeightCache | None, owner,
+                need_dw: bool):
         K = weight.shape[1]
         lead = x.shape[:-1]
         out_dtype = x.dtype if x.dtype in gemm.OUT_DTYPES else torch.bfloat16
-        need_dw = weight.requires_grad
         fp8_wgrad = recipe.fp8_wgrad
         slot = (owner, "x")
         xq = _prepare_input(x, recipe, need_dw and fp8_wgrad, slot)
@@ -142,7 +142,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         ctx.xq = ctx.x_hp = ctx.wq = None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -179,4 +179,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(weight.shape[0],))
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
-    return _Fp8Linear.apply(x, weight, bias, recipe, cache, owner)
+    # Inside Function.forward grad mode is off, so decide here whether wgrad will be needed.
+    need_dw = weight.requires_grad and torch.is_grad_enabled()
+    return _Fp8Linear.apply(x, weight, bias, recipe, cache, owner, need_dw)
