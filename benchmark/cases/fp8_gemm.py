@@ -34,31 +34,30 @@ def fp8_gemm_case(cfg: Config):
 
 def _gemm_benches(dev, M, K, N):
     out = []
-    if True:
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.05
-        dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16) * 0.01
-        xq = linghe.quantize_1x128(x, columnwise=True, pow2_scale=True)
-        wq = linghe.quantize_128x128(w, columnwise=True, pow2_scale=True)
-        dyq = linghe.quantize_1x128(dy, columnwise=True, pow2_scale=True)
-        flops = 2 * M * N * K
-        specs = [
-            ("fprop", f"Y[{M},{N}] = X[{M},{K}]·W^T", lambda: torch.matmul(x, w.t()),
-             lambda b=None: gemm.fprop(xq, wq, backend=b),
-             _gemm_bytes(M, N, K, M, -(-N // 128))),
-            ("dgrad", f"dX[{M},{K}] = dY[{M},{N}]·W", lambda: torch.matmul(dy, w),
-             lambda b=None: gemm.dgrad(dyq, wq, backend=b),
-             _gemm_bytes(M, K, N, M, -(-K // 128))),
-            ("wgrad", f"dW[{N},{K}] = dY^T·X (K={M} tokens)", lambda: torch.matmul(dy.t(), x),
-             lambda b=None: gemm.wgrad(dyq, xq, backend=b),
-             _gemm_bytes(N, K, M, N, K)),
-        ]
-        for name, desc, eager, lin, nbytes in specs:
-            out.append(Bench(
-                name=f"fp8_gemm blockwise {name} {desc}", bytes=nbytes, tol=7e-2, flops=flops,
-                note="eager = bf16 torch.matmul; linghe = FP8 GEMM, operands pre-quantized",
-                run={"eager": eager, "linghe": lin,
-                     "linghe_triton": lambda lin=lin: lin("triton")}))
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.05
+    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16) * 0.01
+    xq = linghe.quantize_1x128(x, columnwise=True, pow2_scale=True)
+    wq = linghe.quantize_128x128(w, columnwise=True, pow2_scale=True)
+    dyq = linghe.quantize_1x128(dy, columnwise=True, pow2_scale=True)
+    flops = 2 * M * N * K
+    specs = [
+        ("fprop", f"Y[{M},{N}] = X[{M},{K}]·W^T", lambda: torch.matmul(x, w.t()),
+         lambda b=None: gemm.fprop(xq, wq, backend=b),
+         _gemm_bytes(M, N, K, M, -(-N // 128))),
+        ("dgrad", f"dX[{M},{K}] = dY[{M},{N}]·W", lambda: torch.matmul(dy, w),
+         lambda b=None: gemm.dgrad(dyq, wq, backend=b),
+         _gemm_bytes(M, K, N, M, -(-K // 128))),
+        ("wgrad", f"dW[{N},{K}] = dY^T·X (K={M} tokens)", lambda: torch.matmul(dy.t(), x),
+         lambda b=None: gemm.wgrad(dyq, xq, backend=b),
+         _gemm_bytes(N, K, M, N, K)),
+    ]
+    for name, desc, eager, lin, nbytes in specs:
+        out.append(Bench(
+            name=f"fp8_gemm blockwise {name} {desc}", bytes=nbytes, tol=7e-2, flops=flops,
+            note="eager = bf16 torch.matmul; linghe = FP8 GEMM, operands pre-quantized",
+            run={"eager": eager, "linghe": lin,
+                 "linghe_triton": lambda lin=lin: lin("triton")}))
     return out
 
 

@@ -58,11 +58,13 @@ _BLOCK_ROWS = {"1x128": 1, "128x128": 128, "tensor": 0}
 def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                      stride_am, stride_bn, stride_cm,
                      stride_sam, stride_sak, stride_sbn, stride_sbk,
-                     A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, PROMOTE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr):
     """C = A·B^T. ``A_ROWS``/``B_ROWS``: rows per scale (1: 1x128, 128: 128x128, 0: one
-    scale for the tensor). BK is 128, so each K step is exactly one scale group."""
+    scale for the tensor; then ``PROMOTE`` is False and the scales multiply the finished
+    accumulator). BK is 128, so each K step is exactly one scale group."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -89,7 +91,6 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
         sb_ptrs = sb_ptr + offs_n * 0
     else:
         sb_ptrs = sb_ptr + (offs_n // B_ROWS) * stride_sbn
-    PROMOTE: tl.constexpr = (A_ROWS != 0) or (B_ROWS != 0)
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     num_k = tl.cdiv(K, BK)
@@ -152,6 +153,7 @@ def _triton_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
             a, b, c, sa, sb, bias if bias is not None else c, M, N, K,
             a.stride(0), b.stride(0), c.stride(0), sam, sak, sbn, sbk,
             A_ROWS=_BLOCK_ROWS[a_scaling], B_ROWS=_BLOCK_ROWS[b_scaling],
+            PROMOTE=not (a_scaling == "tensor" and b_scaling == "tensor"),
             HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=128, GROUP_M=8,
             num_warps=warps, num_stages=stages)
     return c
