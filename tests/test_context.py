@@ -170,7 +170,7 @@ def test_delayed_slots_grow(device):
             ctx.recipe.quantize_input(torch.full((1, 16), float(i + 1), device=device),
                                       key=("layer", i))
     h = ctx.recipe.state.history(torch.float8_e4m3fn)
-    assert h.num_tensors >= 40
+    assert h.scale.numel() >= 40
     torch.testing.assert_close(h.scale[:40], 448.0 / torch.arange(1, 41, device=device).float())
 
 

@@ -105,12 +105,12 @@ class DelayedScalingState:
         per[fp8_dtype] = idx
         self._count[fp8_dtype] = idx + 1
         hist = self._hist.get(fp8_dtype)
-        if hist is None or hist.num_tensors <= idx:
+        if hist is None or hist.scale.numel() <= idx:
             cap = max(16, 2 * (idx + 1))
             new = _new_history(cap, self.history_len, self.amax_compute, self.margin,
                                FP8_MAX[fp8_dtype], device)
             if hist is not None:
-                n = hist.num_tensors
+                n = hist.scale.numel()
                 new.amax_history[:, :n].copy_(hist.amax_history)
                 new.scale[:n].copy_(hist.scale)
             self._hist[fp8_dtype] = new

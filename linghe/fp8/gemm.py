@@ -209,11 +209,8 @@ def _torch_scales(sa, a_scaling, sb, b_scaling, K):
 def _torch_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
     K = a.shape[1]
     s_a, s_b = _torch_scales(sa, a_scaling, sb, b_scaling, K)
-    kw = {}
-    if bias is not None and a_scaling == "tensor":
-        kw["bias"] = bias.to(out_dtype)
-    out = torch._scaled_mm(a, b.t(), s_a, s_b, out_dtype=out_dtype, **kw)
-    if bias is not None and a_scaling != "tensor":
+    out = torch._scaled_mm(a, b.t(), s_a, s_b, out_dtype=out_dtype)
+    if bias is not None:  # (cuBLAS takes no bias with blockwise scales or an fp32 output)
         out = out + bias.to(out_dtype)
     return out
 
