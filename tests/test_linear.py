@@ -289,3 +289,20 @@ def test_no_grad_saves_nothing_for_wgrad(device):
     with linghe.TrainingContext(fp8="blockwise"):
         y2 = lin(x)
     assert torch.equal(y, y2.detach())
+
+
+def test_deepcopy_and_pickle_after_fp8_step(device):
+    import copy
+    import io
+
+    lin = linghe.nn.Linear(128, 64, device=device)
+    with linghe.TrainingContext(fp8="blockwise"):
+        lin(torch.randn(4, 128, device=device))
+    assert lin._fp8_weight_cache.value is not None
+    lin2 = copy.deepcopy(lin)
+    assert lin2._fp8_weight_cache.value is None and torch.equal(lin2.weight, lin.weight)
+    buf = io.BytesIO()
+    torch.save(lin, buf)
+    buf.seek(0)
+    lin3 = torch.load(buf, weights_only=False)
+    assert isinstance(lin3, linghe.nn.Linear) and lin3._fp8_weight_cache.value is None

@@ -168,7 +168,7 @@ _probe_cache: dict[tuple, bool] = {}
 
 def probed_backends() -> dict[tuple, bool]:
     """What the ``torch._scaled_mm`` probes found so far: ``{(device index, a_scaling,
-    b_scaling, a_dtype, b_dtype, out_dtype): usable}`` (for logs and benchmarks)."""
+    b_scaling, a_dtype, b_dtype, out_dtype, K/128 % 4 == 0): usable}`` (for logs)."""
     return dict(_probe_cache)
 
 
@@ -216,17 +216,18 @@ def _torch_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
 
 
 def _probe_torch(device: torch.device, a_scaling, b_scaling, a_dtype, b_dtype,
-                 out_dtype) -> bool:
+                 out_dtype, k_groups_mult4: bool) -> bool:
     """Run ``torch._scaled_mm`` once on a small problem with this scaling pair and check it
-    against the dequantized product; cache the verdict (no error escapes)."""
-    key = (device.index, a_scaling, b_scaling, a_dtype, b_dtype, out_dtype)
+    against the dequantized product; cache the verdict (no error escapes). K is 512 or 384
+    (``k_groups_mult4``), so the padded layout of 128x128 scales is checked too."""
+    key = (device.index, a_scaling, b_scaling, a_dtype, b_dtype, out_dtype, k_groups_mult4)
     if key in _probe_cache:
         return _probe_cache[key]
     ok = False
     try:
         if torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "_scaled_mm"):
             g = torch.Generator(device=device).manual_seed(0)
-            M, N, K = 256, 256, 512
+            M, N, K = 256, 256, (512 if k_groups_mult4 else 384)
             a = torch.randn(M, K, device=device, generator=g).to(a_dtype)
             b = torch.randn(N, K, device=device, generator=g).to(b_dtype)
 
@@ -327,7 +328,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
             use_torch = True
         else:
             use_torch = shape_ok and _probe_torch(a.device, a_scaling, b_scaling, a.dtype,
-                                                  b.dtype, out_dtype)
+                                                  b.dtype, out_dtype, cdiv(K, 128) % 4 == 0)
     if use_torch:
         return _torch_gemm(a, a_scale, a_scaling, b, b_scale, b_scaling, out_dtype, bias)
     return _triton_gemm(a, a_scale, a_scaling, b, b_scale, b_scaling, out_dtype, bias)

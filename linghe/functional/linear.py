@@ -28,6 +28,16 @@ class WeightCache:
     def clear(self) -> None:
         self.key = self.value = self.amax = None
 
+    # A copied or pickled module starts with an empty cache (it is derived data).
+    def __deepcopy__(self, memo):
+        return WeightCache()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
     def get(self, weight: torch.Tensor, recipe: Fp8Recipe, slot) -> Fp8Tensor:
         key = (weight._version, weight.data_ptr(), weight.shape, weight.dtype, recipe.name,
                recipe.pow2_scale, id(recipe.state))
