@@ -59,7 +59,7 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                      stride_am, stride_bn, stride_cm,
                      stride_sam, stride_sak, stride_sbn, stride_sbk,
                      A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, PROMOTE: tl.constexpr,
-                     HAS_BIAS: tl.constexpr,
+                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr):
     """C = A·B^T. ``A_ROWS``/``B_ROWS``: rows per scale (1: 1x128, 128: 128x128, 0: one
@@ -81,34 +81,43 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     offs_k = tl.arange(0, BK)
     mmask = offs_m < M
     nmask = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BK, BN] view of B^T
+    # Loads use wrapped row indices (rows past M/N re-read valid rows whose results the
+    # store mask drops), so only a ragged K tail needs a load mask: unmasked loads stay
+    # vectorized and pipelined.
+    rows_a = offs_m % M
+    rows_b = offs_n % N
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[None, :] * stride_bn + offs_k[:, None]  # [BK, BN] view of B^T
     if A_ROWS == 0:
-        sa_ptrs = sa_ptr + offs_m * 0
+        sa_ptrs = sa_ptr + rows_a * 0
     else:
-        sa_ptrs = sa_ptr + (offs_m // A_ROWS) * stride_sam
+        sa_ptrs = sa_ptr + (rows_a // A_ROWS) * stride_sam
     if B_ROWS == 0:
-        sb_ptrs = sb_ptr + offs_n * 0
+        sb_ptrs = sb_ptr + rows_b * 0
     else:
-        sb_ptrs = sb_ptr + (offs_n // B_ROWS) * stride_sbn
+        sb_ptrs = sb_ptr + (rows_b // B_ROWS) * stride_sbn
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     num_k = tl.cdiv(K, BK)
     for kb in range(num_k):
-        kmask = offs_k < K - kb * BK
-        a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = offs_k < K - kb * BK
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         if PROMOTE:
-            sa = tl.load(sa_ptrs + kb * stride_sak, mask=mmask, other=0.0)
-            sb = tl.load(sb_ptrs + kb * stride_sbk, mask=nmask, other=0.0)
+            sa = tl.load(sa_ptrs + kb * stride_sak)
+            sb = tl.load(sb_ptrs + kb * stride_sbk)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BK
         b_ptrs += BK
     if not PROMOTE:
-        sa = tl.load(sa_ptrs, mask=mmask, other=0.0)
-        sb = tl.load(sb_ptrs, mask=nmask, other=0.0)
+        sa = tl.load(sa_ptrs)
+        sb = tl.load(sb_ptrs)
         acc = acc * (sa[:, None] * sb[None, :])
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
@@ -154,6 +163,7 @@ def _triton_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
             a.stride(0), b.stride(0), c.stride(0), sam, sak, sbn, sbk,
             A_ROWS=_BLOCK_ROWS[a_scaling], B_ROWS=_BLOCK_ROWS[b_scaling],
             PROMOTE=not (a_scaling == "tensor" and b_scaling == "tensor"),
+            EVEN_K=K % 128 == 0,
             HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=128, GROUP_M=8,
             num_warps=warps, num_stages=stages)
     return c
