@@ -82,8 +82,7 @@ class TinyDecoder(torch.nn.Module):
 def build_model(*, vocab=256, dim=256, n_layers=2, n_heads=4, ffn=512, seq_len=64, tie=False,
                 device="cpu", dtype=torch.bfloat16, seed=0) -> TinyDecoder:
     """The decoder with a fixed initialization (``seed``)."""
-    g = torch.random.fork_rng(devices=[device] if str(device).startswith("cuda") else [])
-    with g:
+    with torch.random.fork_rng(devices=[]):  # built on the CPU, then moved
         torch.manual_seed(seed)
         model = TinyDecoder(vocab, dim, n_layers, n_heads, ffn, seq_len, tie, "cpu",
                             torch.float32)
