@@ -55,7 +55,7 @@ _BLOCK_ROWS = {"1x128": 1, "128x128": 128, "tensor": 0}
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_BUCKET,
                      stride_am, stride_bn, stride_cm,
                      stride_sam, stride_sak, stride_sbn, stride_sbk,
                      A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, PROMOTE: tl.constexpr,
@@ -64,7 +64,8 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                      GROUP_M: tl.constexpr):
     """C = A·B^T. ``A_ROWS``/``B_ROWS``: rows per scale (1: 1x128, 128: 128x128, 0: one
     scale for the tensor; then ``PROMOTE`` is False and the scales multiply the finished
-    accumulator). BK is 128, so each K step is exactly one scale group."""
+    accumulator). BK is 128, so each K step is exactly one scale group. ``M_BUCKET``
+    (M rounded up to a power of two) only keys the autotuner."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -136,6 +137,20 @@ def _tiles(M: int, N: int):
     return 128, 128, 8, 4
 
 
+# A few configs, coarse key (token count bucketed): tuned once per layer shape on the GPU.
+_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in [(128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4, 4),
+                                  (64, 128, 4, 4)]]
+_fp8_gemm_tuned = triton.autotune(
+    configs=_CONFIGS, key=["M_BUCKET", "N", "K", "A_ROWS", "B_ROWS", "PROMOTE", "EVEN_K",
+                           "HAS_BIAS"])(_fp8_gemm_kernel)
+
+
+def _autotune() -> bool:
+    """Autotune on the GPU unless ``LINGHE_FP8_GEMM_AUTOTUNE=0`` (then :func:`_tiles`)."""
+    return not INTERPRET and os.environ.get("LINGHE_FP8_GEMM_AUTOTUNE", "1") != "0"
+
+
 def _scale_strides(scale: torch.Tensor, scaling: str):
     if scaling == "tensor":
         return 0, 0
@@ -153,19 +168,21 @@ def _triton_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
         if bias is not None:
             c += bias.to(out_dtype)
         return c
-    BM, BN, warps, stages = _tiles(M, N)
     sam, sak = _scale_strides(sa, a_scaling)
     sbn, sbk = _scale_strides(sb, b_scaling)
-    grid = (cdiv(M, BM) * cdiv(N, BN),)
+    args = (a, b, c, sa, sb, bias if bias is not None else c, M, N, K,
+            triton.next_power_of_2(M), a.stride(0), b.stride(0), c.stride(0), sam, sak, sbn, sbk)
+    flags = dict(A_ROWS=_BLOCK_ROWS[a_scaling], B_ROWS=_BLOCK_ROWS[b_scaling],
+                 PROMOTE=not (a_scaling == "tensor" and b_scaling == "tensor"),
+                 EVEN_K=K % 128 == 0, HAS_BIAS=bias is not None, BK=128, GROUP_M=8)
     with device_guard(a):
-        _fp8_gemm_kernel[grid](
-            a, b, c, sa, sb, bias if bias is not None else c, M, N, K,
-            a.stride(0), b.stride(0), c.stride(0), sam, sak, sbn, sbk,
-            A_ROWS=_BLOCK_ROWS[a_scaling], B_ROWS=_BLOCK_ROWS[b_scaling],
-            PROMOTE=not (a_scaling == "tensor" and b_scaling == "tensor"),
-            EVEN_K=K % 128 == 0,
-            HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=128, GROUP_M=8,
-            num_warps=warps, num_stages=stages)
+        if _autotune():
+            grid = lambda meta: (cdiv(M, meta["BM"]) * cdiv(N, meta["BN"]),)
+            _fp8_gemm_tuned[grid](*args, **flags)
+        else:
+            BM, BN, warps, stages = _tiles(M, N)
+            _fp8_gemm_kernel[(cdiv(M, BM) * cdiv(N, BN),)](
+                *args, **flags, BM=BM, BN=BN, num_warps=warps, num_stages=stages)
     return c
 
 
