@@ -3,12 +3,12 @@
     python examples/train_tiny_decoder.py --fp8 blockwise --steps 300
     python examples/train_tiny_decoder.py --compare --steps 300     # bf16 vs FP8 curves
 
-The language is a fixed-seed second-order Markov chain over a small vocabulary (each pair
-of previous tokens allows only a few next tokens), so the loss has a known floor near the
-chain's entropy and falls quickly. Projections and the MLP are ``linghe.nn.Linear``; the
-norms are ``linghe.nn.RMSNorm`` when that module exists, else ``torch.nn.RMSNorm``;
-attention is ``torch.nn.functional.scaled_dot_product_attention``; the LM head stays in
-high precision (tied to the embedding or not). FP8 is turned on with
+The language is a fixed-seed Markov chain over a small vocabulary (each previous token, or
+pair of tokens with ``--order 2``, allows only a few next tokens), so the loss has a known
+floor, the chain's entropy ln(3), and falls quickly. Projections and the MLP are
+``linghe.nn.Linear``; the norms are ``linghe.nn.RMSNorm`` when that module exists, else
+``torch.nn.RMSNorm``; attention is ``torch.nn.functional.scaled_dot_product_attention``;
+the LM head stays in high precision (tied to the embedding or not). FP8 is turned on with
 ``linghe.TrainingContext(fp8=...)`` around forward and backward; nothing else changes.
 """
 
@@ -93,21 +93,26 @@ def build_model(*, vocab=256, dim=256, n_layers=2, n_heads=4, ffn=512, seq_len=6
 
 
 class MarkovLanguage:
-    """A fixed second-order Markov chain: each (prev2, prev1) allows ``branch`` next tokens."""
+    """A fixed-seed Markov chain of order ``order`` (1 or 2): each context of the previous
+    ``order`` tokens allows ``branch`` next tokens, uniformly. Loss floor: ln(branch)."""
 
-    def __init__(self, vocab: int, branch: int = 3, seed: int = 1234):
+    def __init__(self, vocab: int, branch: int = 3, order: int = 1, seed: int = 1234):
+        if order not in (1, 2):
+            raise ValueError(f"order must be 1 or 2, got {order}")
         g = torch.Generator().manual_seed(seed)
-        self.vocab = vocab
-        self.next = torch.randint(0, vocab, (vocab, vocab, branch), generator=g)
+        self.vocab, self.order = vocab, order
+        self.next = torch.randint(0, vocab, (vocab,) * order + (branch,), generator=g)
         self.entropy = math.log(branch)
 
     def batch(self, batch: int, seq_len: int, step: int, device):
         g = torch.Generator().manual_seed(10_000 + step)
         toks = torch.empty(batch, seq_len + 1, dtype=torch.long)
-        toks[:, :2] = torch.randint(0, self.vocab, (batch, 2), generator=g)
+        o = self.order
+        toks[:, :o] = torch.randint(0, self.vocab, (batch, o), generator=g)
         choice = torch.randint(0, self.next.shape[-1], (batch, seq_len + 1), generator=g)
-        for t in range(2, seq_len + 1):
-            toks[:, t] = self.next[toks[:, t - 2], toks[:, t - 1], choice[:, t]]
+        for t in range(o, seq_len + 1):
+            ctx = (toks[:, t - 1],) if o == 1 else (toks[:, t - 2], toks[:, t - 1])
+            toks[:, t] = self.next[ctx + (choice[:, t],)]
         toks = toks.to(device)
         return toks[:, :-1], toks[:, 1:]
 
@@ -152,24 +157,26 @@ def main(argv=None):
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--order", type=int, default=1, choices=[1, 2], help="Markov order")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kw = dict(vocab=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
               ffn=args.ffn, seq_len=args.seq_len, tie=args.tie, device=device)
     runs = ["none", args.fp8] if args.compare else [args.fp8]
+    lang = MarkovLanguage(args.vocab, order=args.order)
     curves = {}
     for r in runs:
         model = build_model(**kw)
         curves[r] = train(model, fp8=None if r == "none" else r, steps=args.steps,
                           batch=args.batch, seq_len=args.seq_len, lr=args.lr, device=device,
-                          log_every=max(1, args.steps // 10))
+                          log_every=max(1, args.steps // 10), lang=lang)
     if args.compare:
         n = max(1, args.steps // 5)
         a = sum(curves["none"][-n:]) / n
         b = sum(curves[args.fp8][-n:]) / n
         print(f"mean loss of the last {n} steps: bf16 {a:.4f}, {args.fp8} {b:.4f} "
               f"(rel diff {abs(a - b) / a:.2%}); chain entropy "
-              f"{MarkovLanguage(args.vocab).entropy:.4f}")
+              f"{lang.entropy:.4f}")
 
 
 if __name__ == "__main__":
