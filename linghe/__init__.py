@@ -22,6 +22,9 @@ from .functional.router import router_logits, router_z_loss, topk_route
 from .layout import ExpertLayout, max_grouped_rows
 from .functional.gate import group_rms_norm_gate
 from .functional.rope import apply_rope, qk_norm_rope, rope_freqs
+from .context import TrainingContext, current_recipe
+from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
+from .fp8.recipe import Fp8Recipe
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
@@ -45,6 +48,13 @@ __all__ = [
     "group_rms_norm_gate",
     "qk_norm_rope",
     "optim",
+    "Fp8Recipe",
+    "Fp8Tensor",
+    "TrainingContext",
+    "current_recipe",
+    "debug_enabled",
+    "fp8",
+    "nn",
     "quantize_1x128",
     "quantize_128x128",
     "quantize_grouped_weight",

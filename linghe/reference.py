@@ -539,3 +539,37 @@ def amax_history_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max
     new_hist = torch.zeros_like(h)
     new_hist[1:] = h[:-1]
     return new_hist, new_scale
+# fp8_gemm: FP8 GEMMs of a linear layer (fprop X·W^T, dgrad dY·W, wgrad dY^T·X)
+# ======================================================================================
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, scaling: str) -> torch.Tensor:
+    """float32 value of FP8 data ``q [R, K]`` with scales in the ``scaling`` layout:
+    ``"1x128"`` (``[R, ceil(K/128)]``), ``"128x128"`` (``[ceil(R/128), ceil(K/128)]``) or
+    ``"tensor"`` (one scale)."""
+    if scaling == "tensor":
+        return q.float() * scale.float().reshape(())
+    if scaling == "1x128":
+        return dequantize_1x128(q, scale)
+    if scaling == "128x128":
+        return dequantize_128x128(q, scale)
+    raise ValueError(f"unknown scaling {scaling!r}")
+
+
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+             a_scaling: str = "1x128", b_scaling: str = "128x128",
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``C [M, N] = deq(A [M, K]) · deq(B [N, K])^T (+ bias)`` in float64, returned as float32.
+
+    fprop: A = X rowwise, B = W rowwise; dgrad: A = dY rowwise, B = W columnwise;
+    wgrad: A = dY columnwise, B = X columnwise (see ``linghe.fp8.gemm``)."""
+    c = dequantize_fp8(a, a_scale, a_scaling).double() @ \
+        dequantize_fp8(b, b_scale, b_scaling).double().t()
+    if bias is not None:
+        c = c + bias.double()
+    return c.float()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """High-precision linear ``x·W^T + b`` (the unquantized spec of ``linghe.nn.Linear``)."""
+    return torch.nn.functional.linear(x, weight, bias)

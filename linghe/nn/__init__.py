@@ -4,3 +4,7 @@ from .activation import SwiGLU
 from .norm import RMSNorm
 
 __all__ = ["RMSNorm", "SwiGLU"]
+from .convert import convert
+from .linear import Linear
+
+__all__ = ["Linear", "convert"]

@@ -1,0 +1,105 @@
+"""``TrainingContext``: turns FP8 training on for a region; ``current_recipe()`` reads it.
+
+The active recipe lives in a :class:`contextvars.ContextVar` (per thread / per asyncio
+task; no module-level mutable state): entering a context sets it, leaving restores what
+was there before, on normal exit and on exceptions alike.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from .fp8.recipe import RECIPES, Fp8Recipe
+from .utils import INTERPRET
+
+_RECIPE: contextvars.ContextVar[Fp8Recipe | None] = contextvars.ContextVar(
+    "linghe_fp8_recipe", default=None)
+
+
+def current_recipe() -> Fp8Recipe | None:
+    """The FP8 recipe of the innermost active :class:`TrainingContext` (``None``: high
+    precision)."""
+    return _RECIPE.get()
+
+
+def check_fp8_device() -> None:
+    """Raise ``RuntimeError`` unless FP8 GEMMs can run here: a CUDA GPU of compute
+    capability >= 8.9 (Ada, Hopper or newer), or the CPU Triton interpreter."""
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        if tuple(cap) < (8, 9):
+            name = torch.cuda.get_device_name()
+            raise RuntimeError(
+                f"FP8 training needs a GPU with compute capability >= 8.9 (Ada/Hopper or "
+                f"newer); {name} has {cap[0]}.{cap[1]}. Use TrainingContext(fp8=None).")
+        return
+    if not INTERPRET:
+        raise RuntimeError("FP8 training needs a CUDA GPU with compute capability >= 8.9 "
+                           "(or TRITON_INTERPRET=1 set before importing triton, for CPU tests)")
+
+
+class TrainingContext:
+    """Context manager selecting the FP8 recipe of ``linghe.nn`` modules inside it.
+
+    Args:
+        fp8: ``None`` (high precision; an inner ``fp8=None`` context turns FP8 off for a
+            region such as the first and last layers), ``"blockwise"``, ``"tensorwise"`` or
+            ``"delayed"`` (see :mod:`linghe.fp8.recipe`).
+        pow2_scale: round scales up to powers of two (blockwise, tensorwise).
+        amax_group: process group over which the delayed recipe reduces amaxes (MAX) once
+            per step; ``None``: no reduction (single process).
+        history_len, amax_compute (``"max"``/``"most_recent"``), margin: delayed scaling.
+        fp8_wgrad: compute the weight gradient in FP8 (else in the input's precision).
+
+    Use::
+
+        ctx = linghe.TrainingContext(fp8="blockwise")
+        for batch in data:
+            with ctx:
+                loss = model(batch)
+                loss.backward()
+            opt.step()
+
+    The same instance may be entered again after it exits (the delayed recipe keeps its
+    amax history in it, and updates the scales once per exit: keep backward inside the
+    block so its gradient amaxes belong to the step); entering it while it is active
+    raises ``RuntimeError``. Modules capture the recipe in forward, so a backward that
+    runs after the block still uses the forward's recipe. Entering an FP8 context on a GPU
+    without FP8 support raises ``RuntimeError``.
+    """
+
+    def __init__(self, fp8: str | None = None, *, pow2_scale: bool = True, amax_group=None,
+                 history_len: int = 16, amax_compute: str = "max", margin: float = 0,
+                 fp8_wgrad: bool = True):
+        if fp8 is not None and not isinstance(fp8, str):
+            raise ValueError(f"fp8 must be None or one of {RECIPES}, got {fp8!r}")
+        self.recipe: Fp8Recipe | None = None
+        if fp8 is not None:
+            self.recipe = Fp8Recipe(fp8, pow2_scale=pow2_scale, fp8_wgrad=fp8_wgrad,
+                                    history_len=history_len, amax_compute=amax_compute,
+                                    margin=margin, amax_group=amax_group)
+        self._token: contextvars.Token | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._token is not None
+
+    def __enter__(self) -> TrainingContext:
+        if self._token is not None:
+            raise RuntimeError("this TrainingContext is already active; nest a new "
+                               "TrainingContext(...) instead of re-entering one")
+        if self.recipe is not None:
+            check_fp8_device()
+        self._token = _RECIPE.set(self.recipe)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        token, self._token = self._token, None
+        _RECIPE.reset(token)
+        if exc_type is None and self.recipe is not None and self.recipe.state is not None:
+            self.recipe.state.update()
+
+    def __repr__(self) -> str:
+        return f"TrainingContext(recipe={self.recipe!r}, active={self.active})"

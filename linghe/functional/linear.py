@@ -1,0 +1,194 @@
+"""FP8 linear layer: ``y = x·W^T + b`` through the recipe's FP8 GEMMs, forward and backward."""
+
+from __future__ import annotations
+
+import torch
+
+from ..fp8 import gemm
+from ..fp8.recipe import Fp8Recipe
+from ..fp8.tensor import Fp8Tensor
+from ..utils import FLOAT_DTYPES, check_tensor
+
+
+class WeightCache:
+    """Holds one weight's FP8 copy between optimizer steps.
+
+    Valid while the weight's ``_version`` (bumped by every in-place update, e.g. an
+    optimizer step) and ``data_ptr`` (changed by ``weight.data = ...``) and the recipe's
+    weight format are what they were when it was filled.
+    """
+
+    def __init__(self):
+        self.key = None
+        self.value: Fp8Tensor | None = None
+        self.amax: torch.Tensor | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self.key = self.value = self.amax = None
+
+    # A copied or pickled module starts with an empty cache (it is derived data).
+    def __deepcopy__(self, memo):
+        return WeightCache()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
+    def get(self, weight: torch.Tensor, recipe: Fp8Recipe, slot) -> Fp8Tensor:
+        key = (weight._version, weight.data_ptr(), weight.shape, weight.dtype, recipe.name,
+               recipe.pow2_scale, id(recipe.state))
+        if self.key == key and self.value is not None:
+            self.hits += 1
+            if recipe.state is not None and self.amax is not None:
+                recipe.state.record(slot, self.amax, recipe.fwd_dtype)
+            return self.value
+        self.misses += 1
+        with torch.no_grad():
+            w = weight.detach()
+            self.value = recipe.quantize_weight(w.contiguous(), key=slot)
+            self.amax = w.abs().amax().float().reshape(1) if recipe.state is not None else None
+        self.key = key
+        return self.value
+
+
+def _as_2d(t: Fp8Tensor) -> Fp8Tensor:
+    if t.dim() == 2:
+        return t
+    K = t.shape[-1]
+    return Fp8Tensor((t.numel() // K if K else 0, K), t.dtype, scaling=t.scaling,
+                     rowwise_data=t.rowwise_data, rowwise_scale=t.rowwise_scale,
+                     columnwise_data=t.columnwise_data, columnwise_scale=t.columnwise_scale)
+
+
+def _prepare_input(x, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
+    """``x`` (tensor or Fp8Tensor ``[..., K]``) as a 2-D Fp8Tensor in the recipe's format with
+    the rowwise copy and, when ``need_col``, the columnwise copy."""
+    if isinstance(x, Fp8Tensor):
+        x2 = _as_2d(x)
+        if recipe.accepts(x2):
+            has_row = x2.rowwise_data is not None
+            has_col = x2.columnwise_data is not None
+            if has_row and (has_col or not need_col):
+                return x2
+            # Quantize the missing copy from the one we have.
+            hp = x2.dequantize(columnwise=not has_row)
+            fill = recipe.quantize_input(hp, rowwise=not has_row, columnwise=need_col and
+                                         not has_col, key=slot)
+            return x2.with_components(
+                **({} if has_row else {"rowwise_data": fill.rowwise_data,
+                                       "rowwise_scale": fill.rowwise_scale}),
+                **({} if (has_col or not need_col) else
+                   {"columnwise_data": fill.columnwise_data,
+                    "columnwise_scale": fill.columnwise_scale}))
+        x = x2.dequantize(columnwise=x2.rowwise_data is None)  # another recipe's format
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return recipe.quantize_input(x2, rowwise=True, columnwise=need_col, key=slot)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, cache: WeightCache | None, owner,
+                need_dw: bool):
+        K = weight.shape[1]
+        lead = x.shape[:-1]
+        out_dtype = x.dtype if x.dtype in gemm.OUT_DTYPES else torch.bfloat16
+        fp8_wgrad = recipe.fp8_wgrad
+        slot = (owner, "x")
+        xq = _prepare_input(x, recipe, need_dw and fp8_wgrad, slot)
+        wslot = (owner, "w")
+        if cache is not None:
+            wq = cache.get(weight, recipe, wslot)
+        else:
+            with torch.no_grad():
+                wq = recipe.quantize_weight(weight.detach().contiguous(), key=wslot)
+        y = gemm.fprop(xq, wq, bias, out_dtype=out_dtype)
+
+        ctx.recipe, ctx.owner, ctx.lead, ctx.K = recipe, owner, lead, K
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        # Saved for backward: W's columnwise copy (dgrad) and X's columnwise copy (FP8
+        # wgrad) or X itself (high-precision wgrad); the rowwise copies are dropped.
+        ctx.wq = wq.with_components(rowwise_data=None, rowwise_scale=None)
+        ctx.xq = ctx.x_hp = None
+        if need_dw:
+            if fp8_wgrad:
+                ctx.xq = xq.with_components(rowwise_data=None, rowwise_scale=None)
+            else:
+                xh = x.dequantize() if isinstance(x, Fp8Tensor) else x
+                ctx.x_hp = xh.reshape(-1, K)
+        return y.reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        recipe = ctx.recipe
+        N = dy.shape[-1]
+        dy2 = dy.reshape(-1, N)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = ctx.needs_input_grad[1]
+        fp8_dw = need_dw and ctx.xq is not None
+        dx = dw = db = None
+        if need_dx or fp8_dw:
+            dyq = recipe.quantize_input(dy2, rowwise=need_dx, columnwise=fp8_dw,
+                                        key=(ctx.owner, "dy"), grad=True)
+        if need_dx:
+            gdt = ctx.x_dtype if ctx.x_dtype in gemm.OUT_DTYPES else torch.bfloat16
+            dx = gemm.dgrad(dyq, ctx.wq, out_dtype=gdt).reshape(*ctx.lead, ctx.K)
+        if need_dw:
+            wdt = ctx.w_dtype if ctx.w_dtype in gemm.OUT_DTYPES else torch.float32
+            if fp8_dw:
+                dw = gemm.wgrad(dyq, ctx.xq, out_dtype=wdt)
+            else:
+                x2 = ctx.x_hp
+                dw = (dy2.to(x2.dtype).t() @ x2).to(wdt)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0).to(ctx.bias_dtype)
+        ctx.xq = ctx.x_hp = ctx.wq = None
+        return dx, dw, db, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               recipe: Fp8Recipe, *, cache: WeightCache | None = None,
+               owner=None) -> torch.Tensor:
+    """``y [..., N] = x [..., K] · weight [N, K]^T + bias`` with the recipe's FP8 GEMMs.
+
+    Args:
+        x: float32/float16/bfloat16 ``[..., K]`` (leading dims flattened), or an
+            :class:`~linghe.Fp8Tensor` (e.g. from ``rms_norm_quant``): used as is when it is
+            in the recipe's format (``1x128`` e4m3 for blockwise); a missing copy is
+            quantized from the one present; another format is dequantized and requantized.
+        weight: ``[N, K]`` float parameter; quantized once per version when ``cache`` is
+            given (128x128 blocks for blockwise, with the columnwise copy for dgrad).
+        bias: ``[N]`` or ``None``; added in the GEMM epilogue; its gradient is ``dY.sum(0)``.
+        recipe: the FP8 recipe (``linghe.current_recipe()``).
+        cache: a :class:`WeightCache` for the weight's FP8 copy.
+        owner: hashable naming this layer's amax slots (delayed recipe).
+
+    Returns ``y`` in ``x``'s dtype (bfloat16 for an fp8 ``x``). Saved for backward: the
+    columnwise FP8 copies of X (or X itself when ``fp8_wgrad=False``) and W. Backward
+    quantizes dY (rowwise for dgrad, columnwise for wgrad; e5m2 in the per-tensor recipes)
+    and returns dX in ``x``'s dtype, dW in the weight's dtype, db in the bias's dtype.
+    """
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"recipe must be an Fp8Recipe, got {type(recipe).__name__}")
+    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    K = weight.shape[1]
+    if x.shape[-1] != K:
+        raise ValueError(f"x must have last dim {K} (weight in_features), got shape "
+                         f"{tuple(x.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(weight.shape[0],))
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
+    # Inside Function.forward grad mode is off, so decide here whether wgrad will be needed.
+    need_dw = weight.requires_grad and torch.is_grad_enabled()
+    return _Fp8Linear.apply(x, weight, bias, recipe, cache, owner, need_dw)
