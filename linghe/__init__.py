@@ -5,10 +5,12 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 (``linghe.dist``).
 """
 
-from . import fp8, nn, reference
-from . import fp8, optim, reference
+from . import fp8, nn, optim, reference
+from .context import TrainingContext, current_recipe
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
+from .fp8.recipe import Fp8Recipe
 from .functional.activation import batch_silu_mul_quant, silu_mul, silu_mul_quant
+from .functional.gate import group_rms_norm_gate
 from .functional.grouped_mm import (
     grouped_mm,
     grouped_mm_fp8,
@@ -18,13 +20,9 @@ from .functional.grouped_mm import (
 )
 from .functional.norm import rms_norm, rms_norm_quant
 from .functional.permute import permute, unpermute
+from .functional.rope import apply_rope, qk_norm_rope, rope_freqs
 from .functional.router import router_logits, router_z_loss, topk_route
 from .layout import ExpertLayout, max_grouped_rows
-from .functional.gate import group_rms_norm_gate
-from .functional.rope import apply_rope, qk_norm_rope, rope_freqs
-from .context import TrainingContext, current_recipe
-from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
-from .fp8.recipe import Fp8Recipe
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
