@@ -5,14 +5,18 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 (``linghe.dist``).
 """
 
-from . import fp8, reference
+from . import fp8, nn, reference
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
+from .functional.loss import cross_entropy, linear_cross_entropy
 from .utils import debug_enabled, set_debug
 
 __version__ = "0.4.0.dev0"
 
 __all__ = [
     "Fp8Tensor",
+    "cross_entropy",
+    "linear_cross_entropy",
+    "nn",
     "debug_enabled",
     "fp8",
     "quantize_1x128",

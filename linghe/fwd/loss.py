@@ -1,0 +1,187 @@
+"""Cross-entropy forward kernels (online softmax over vocabulary blocks) and launchers.
+
+One program per row streams the row of logits once in blocks of ``BLOCK_V`` columns,
+keeping a running max and sum of exponentials (fp32, base-2 exponentials), the target
+logit (one masked scalar load) and, with label smoothing, the row sum. From these it
+writes the per-row loss and ``lse = logsumexp(row)`` (saved for backward).
+
+Modes (constexpr):
+
+- default: per-row ``loss`` and ``lse``;
+- ``SPLIT``: the vocab-parallel partials ``(max, sum-exp relative to max, target logit,
+  row sum)`` of this rank's slice, combined across ranks by the caller;
+- ``FUSE_BWD``: after the statistics, a second sweep over the row writes the *unscaled*
+  gradient ``d loss_i / d logits_i`` (1 per valid row) over the logits in place; the fused
+  linear cross entropy uses this (the row is still hot in L2).
+
+Labels outside ``[0, V_total)`` and equal to ``ignore_index`` mark the row ignored: loss 0,
+gradient 0, and the target load is masked (never an out-of-bounds read).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import INTERPRET, device_guard, empty, next_power_of_2
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def block_v(V: int) -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)`` for a row of ``V`` columns.
+
+    On the GPU: up to 8192 columns per block (32 fp32 per thread at 8 warps: vectorized
+    16-byte loads, a few blocks in flight per SM). On the interpreter the cap is 256 so
+    small test vocabularies still exercise the multi-block online softmax.
+    """
+    cap = 256 if INTERPRET else 8192
+    b = min(next_power_of_2(max(V, 1)), cap)
+    if b >= 8192:
+        w = 16 if not INTERPRET else 4
+    elif b >= 2048:
+        w = 8
+    elif b >= 512:
+        w = 4
+    else:
+        w = 2
+    return b, w
+
+
+@triton.jit
+def _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index):
+    label = tl.load(lab_ptr + row).to(tl.int64)
+    valid = (label != ignore_index) & (label >= 0) & (label < V_total)
+    local = label - vocab_start
+    in_slice = valid & (local >= 0) & (local < V)
+    local = tl.where(in_slice, local, -1)
+    return valid, local, in_slice
+
+
+@triton.jit
+def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, vocab_start,
+                   V_total, ignore_index, eps, z_loss,
+                   BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr, SPLIT: tl.constexpr,
+                   FUSE_BWD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    valid, local, in_slice = _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index)
+    x_t = tl.load(base + tl.where(in_slice, local, 0), mask=in_slice, other=0.0).to(tl.float32)
+    x_t = tl.where(in_slice, x_t, 0.0)
+
+    cols = tl.arange(0, BLOCK_V)
+    m2 = -float("inf")  # running max, in log2 units (x * log2 e)
+    s = 0.0  # sum of exp2(x * log2 e - m2)
+    sx = 0.0  # row sum (label smoothing)
+    for off in range(0, V, BLOCK_V):
+        c = off + cols
+        mask = c < V
+        x = tl.load(base + c, mask=mask, other=-float("inf")).to(tl.float32)
+        t = x * LOG2E
+        new_m = tl.maximum(m2, tl.max(t, axis=0))
+        safe_m = tl.where(new_m == -float("inf"), 0.0, new_m)
+        s = s * tl.exp2(m2 - safe_m) + tl.sum(tl.exp2(t - safe_m), axis=0)
+        m2 = new_m
+        if SMOOTH:
+            sx += tl.sum(tl.where(mask, x, 0.0), axis=0)
+
+    if SPLIT:
+        # partials of this vocabulary slice: [4, N] = max, sum-exp (relative to max),
+        # target logit (0 if the label is on another rank), row sum
+        tl.store(part_ptr + row, m2 * LN2)
+        tl.store(part_ptr + N + row, s)
+        tl.store(part_ptr + 2 * N + row, x_t)
+        tl.store(part_ptr + 3 * N + row, sx)
+    else:
+        lse = (m2 + tl.log2(s)) * LN2
+        loss = lse - (1.0 - eps) * x_t + z_loss * lse * lse
+        if SMOOTH:
+            loss -= eps / V_total * sx
+        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(lse_ptr + row, lse)
+        if FUSE_BWD:
+            # gradient of this row's loss (unscaled: weight 1 per valid row)
+            g = tl.where(valid, 1.0, 0.0)
+            coef = g * (1.0 + 2.0 * z_loss * lse)
+            smooth = g * eps / V_total
+            hit = g * (1.0 - eps)
+            lse2 = lse * LOG2E
+            for off in range(0, V, BLOCK_V):
+                c = off + cols
+                mask = c < V
+                x = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
+                p = tl.exp2(x * LOG2E - lse2)
+                d = coef * p - smooth - tl.where(c == local, hit, 0.0)
+                d = tl.where(valid, d, 0.0)
+                tl.store(base + c, d.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_reduce_kernel(loss_ptr, lab_ptr, out_ptr, inv_n_ptr, N, V_total, ignore_index,
+                      MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: ``out = sum(loss) [/ max(n_valid, 1)]`` (a fixed order: deterministic)
+    and ``inv_n = 1/max(n_valid, 1)`` (mean) or 1 (sum), the backward's row weight."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    cnt = tl.zeros([BLOCK], dtype=tl.int32)
+    for off in range(0, N, BLOCK):
+        o = off + offs
+        mask = o < N
+        acc += tl.load(loss_ptr + o, mask=mask, other=0.0)
+        lab = tl.load(lab_ptr + o, mask=mask, other=ignore_index).to(tl.int64)
+        ok = mask & (lab != ignore_index) & (lab >= 0) & (lab < V_total)
+        cnt += ok.to(tl.int32)
+    total = tl.sum(acc, axis=0)
+    n = tl.sum(cnt, axis=0)
+    if MEAN:
+        inv = 1.0 / tl.maximum(n, 1).to(tl.float32)
+    else:
+        inv = n.to(tl.float32) * 0.0 + 1.0
+    tl.store(out_ptr, total * inv)
+    tl.store(inv_n_ptr, inv)
+
+
+def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
+               label_smoothing: float, z_loss: float, loss_out: torch.Tensor | None = None,
+               vocab_start: int = 0, vocab_total: int | None = None, split: bool = False,
+               fuse_bwd: bool = False):
+    """Launch the forward kernel over ``logits [N, V]`` (rows with stride(1) == 1).
+
+    Returns ``(loss [N] fp32, lse [N] fp32)``; with ``split=True`` returns the partials
+    ``[4, N]`` fp32 (max, sum-exp relative to max, target logit, row sum) instead. With
+    ``fuse_bwd=True`` the logits are overwritten by the unscaled gradient (see module doc).
+    ``loss_out`` (a contiguous fp32 [N] buffer) receives the per-row loss if given.
+    """
+    N, V = logits.shape
+    Vt = V if vocab_total is None else vocab_total
+    dev = logits.device
+    if split:
+        part = empty(4, N, dtype=torch.float32, device=dev)
+        loss = lse = part
+    else:
+        loss = loss_out if loss_out is not None else empty(N, dtype=torch.float32, device=dev)
+        lse = empty(N, dtype=torch.float32, device=dev)
+        part = loss
+    if N == 0:
+        return part if split else (loss, lse)
+    BV, warps = block_v(V)
+    with device_guard(logits):
+        _ce_fwd_kernel[(N,)](
+            logits, logits.stride(0), labels, loss, lse, part, N, V, vocab_start, Vt,
+            ignore_index, float(label_smoothing), float(z_loss), BLOCK_V=BV,
+            SMOOTH=label_smoothing != 0.0, SPLIT=split, FUSE_BWD=fuse_bwd, num_warps=warps)
+    return part if split else (loss, lse)
+
+
+def ce_reduce(loss_rows: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
+              vocab_total: int, mean: bool):
+    """``(loss scalar fp32, inv_n [1] fp32)`` from per-row losses (see the kernel)."""
+    N = loss_rows.shape[0]
+    out = empty((), dtype=torch.float32, device=loss_rows.device)
+    inv_n = empty(1, dtype=torch.float32, device=loss_rows.device)
+    with device_guard(loss_rows):
+        _ce_reduce_kernel[(1,)](loss_rows, labels, out, inv_n, N, vocab_total, ignore_index,
+                                MEAN=mean, BLOCK=1024 if N >= 1024 else 128, num_warps=4)
+    return out, inv_n
