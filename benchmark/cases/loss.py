@@ -10,9 +10,8 @@ from ..harness import Bench, Config, backward_of, case, compiled
 
 
 def _labels(N, V, device):
-    lab = torch.randint(0, V, (N,), device=device)
-    lab[::16] = -100
-    return lab
+    # every label valid (an ignored row is not read, which would flatter the kernel)
+    return torch.randint(0, V, (N,), device=device)
 
 
 @case("cross_entropy")

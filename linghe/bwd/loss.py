@@ -6,7 +6,8 @@ For a valid row ``i`` with weight ``g_i`` (``grad_output / n_valid`` for "mean",
 
     dlogits[i, j] = g_i * ((1 + 2 z lse_i) softmax_ij - (1 - eps) [j == label_i] - eps / V_total)
 
-Ignored rows (``ignore_index`` or a label outside ``[0, V_total)``) get exactly 0. One
+Ignored rows (``ignore_index`` or a label outside ``[0, V_total)``) get exactly 0 (the
+row is written, not read). One
 program per row streams the row once (read logits, write dlogits; the write may alias the
 logits buffer: each element is read before the same thread writes it).
 """
@@ -40,10 +41,11 @@ def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr,
     xb = x_ptr + row * stride_x
     db = dx_ptr + row * stride_dx
     cols = tl.arange(0, BLOCK_V)
+    n_read = tl.where(valid, V, 0)  # an ignored row is written (zeros), not read
     for off in range(0, V, BLOCK_V):
         c = off + cols
         mask = c < V
-        x = tl.load(xb + c, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(xb + c, mask=c < n_read, other=0.0).to(tl.float32)
         p = tl.exp2(x * LOG2E - lse2)
         d = coef * p - smooth - tl.where(c == local, hit, 0.0)
         d = tl.where(valid, d, 0.0)
@@ -65,7 +67,7 @@ def ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     per_row = inv_n is None
     go = grad_output.float() if grad_output.dtype == torch.float64 else grad_output
     go_stride = go.stride(0) if per_row else 0
-    BV, warps = block_v(V)
+    BV, warps = block_v(V, "bwd")
     with device_guard(logits):
         _ce_bwd_kernel[(N,)](
             logits, logits.stride(0), dx, dx.stride(0), labels, lse, go, go_stride,

@@ -89,6 +89,7 @@ def _dist_stats(logits, labels, process_group, *, ignore_index, label_smoothing,
     loss = lse - (1.0 - eps) * x_t - (eps / vocab_total) * sx + float(z_loss) * lse * lse
     valid = (labels != ignore_index) & (labels >= 0) & (labels < vocab_total)
     loss = torch.where(valid, loss, torch.zeros_like(loss))
+    lse = torch.where(valid, lse, torch.zeros_like(lse))  # ignored rows were not read
     return loss.contiguous(), lse.contiguous()
 
 
