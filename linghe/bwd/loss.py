@@ -7,9 +7,9 @@ For a valid row ``i`` with weight ``g_i`` (``grad_output / n_valid`` for "mean",
     dlogits[i, j] = g_i * ((1 + 2 z lse_i) softmax_ij - (1 - eps) [j == label_i] - eps / V_total)
 
 Ignored rows (``ignore_index`` or a label outside ``[0, V_total)``) get exactly 0 (the
-row is written, not read). One
-program per row streams the row once (read logits, write dlogits; the write may alias the
-logits buffer: each element is read before the same thread writes it).
+row is written, not read). A program streams a range of columns of one row once (read logits, write dlogits; the write
+may alias the logits buffer: each element is read before the same thread writes it); long
+rows are split over several programs (``fwd.loss.split_v``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwd.loss import LOG2E, _row_label, block_v
+from ..fwd.loss import LOG2E, _row_label, block_v, split_v
 from ..utils import device_guard, empty
 
 
 @triton.jit
 def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr, go_stride,
                    inv_n_ptr, V, vocab_start, V_total, ignore_index, eps, z_loss,
-                   BLOCK_V: tl.constexpr, PER_ROW: tl.constexpr):
+                   CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     valid, local, in_slice = _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index)
     lse = tl.load(lse_ptr + row)
@@ -41,10 +41,13 @@ def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr,
     xb = x_ptr + row * stride_x
     db = dx_ptr + row * stride_dx
     cols = tl.arange(0, BLOCK_V)
-    n_read = tl.where(valid, V, 0)  # an ignored row is written (zeros), not read
-    for off in range(0, V, BLOCK_V):
+    # program (row, k) covers columns [k * CHUNK, min((k + 1) * CHUNK, V))
+    lo = tl.program_id(1) * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    n_read = tl.where(valid, hi, lo)  # an ignored row is written (zeros), not read
+    for off in range(lo, hi, BLOCK_V):
         c = off + cols
-        mask = c < V
+        mask = c < hi
         x = tl.load(xb + c, mask=c < n_read, other=0.0).to(tl.float32)
         p = tl.exp2(x * LOG2E - lse2)
         d = coef * p - smooth - tl.where(c == local, hit, 0.0)
@@ -68,11 +71,12 @@ def ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     go = grad_output.float() if grad_output.dtype == torch.float64 else grad_output
     go_stride = go.stride(0) if per_row else 0
     BV, warps = block_v(V, "bwd")
+    chunk, S = split_v(V, BV, "bwd")
     with device_guard(logits):
-        _ce_bwd_kernel[(N,)](
+        _ce_bwd_kernel[(N, S)](
             logits, logits.stride(0), dx, dx.stride(0), labels, lse, go, go_stride,
             inv_n if inv_n is not None else lse, V, vocab_start, Vt, ignore_index,
-            float(label_smoothing), float(z_loss), BLOCK_V=BV, PER_ROW=per_row,
+            float(label_smoothing), float(z_loss), CHUNK=chunk, BLOCK_V=BV, PER_ROW=per_row,
             num_warps=warps)
     return dx
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..bwd.loss import ce_backward
-from ..fwd.loss import ce_forward, ce_reduce
+from ..fwd.loss import ce_forward, ce_partials, ce_reduce
 from ..utils import (
     FLOAT_DTYPES,
     check_kernel_device,
@@ -74,9 +74,8 @@ def _dist_stats(logits, labels, process_group, *, ignore_index, label_smoothing,
     rescaled sum-exp, target logit and row sum -> per-row ``(loss, lse)`` (all ranks equal)."""
     import torch.distributed as dist
 
-    part = ce_forward(logits, labels, ignore_index=ignore_index,
-                      label_smoothing=label_smoothing, z_loss=z_loss, vocab_start=vocab_start,
-                      vocab_total=vocab_total, split=True)
+    part = ce_partials(logits, labels, ignore_index=ignore_index, vocab_start=vocab_start,
+                       vocab_total=vocab_total)
     m_loc = part[0]
     m = m_loc.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=process_group)
@@ -105,15 +104,16 @@ class _CrossEntropy(torch.autograd.Function):
         _check_labels_in_range(labels, ignore_index, vocab_total)
         opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
         if process_group is None:
-            loss_rows, lse = ce_forward(logits, labels, **opts)
+            loss_rows, lse, out, inv_n = ce_forward(logits, labels, **opts, reduction=reduction)
         else:
             loss_rows, lse = _dist_stats(logits, labels, process_group, **opts,
                                          vocab_start=vocab_start, vocab_total=vocab_total)
+            out = inv_n = None
+            if reduction != "none":
+                out, inv_n = ce_reduce(loss_rows, labels, ignore_index=ignore_index,
+                                       vocab_total=vocab_total, mean=reduction == "mean")
         if reduction == "none":
-            out, inv_n = loss_rows, None
-        else:
-            out, inv_n = ce_reduce(loss_rows, labels, ignore_index=ignore_index,
-                                   vocab_total=vocab_total, mean=reduction == "mean")
+            out = loss_rows
         ctx.save_for_backward(logits, labels, lse, inv_n)
         ctx.opts = opts
         ctx.vocab = (vocab_start, vocab_total)
@@ -222,8 +222,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = min(N, s + chunk_size)
             h = hidden[s:e]
             logits = _chunk_logits(h, weight, bias)
-            _, lse = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e], fuse_bwd=fused,
-                                **opts)
+            _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
+                                      fuse_bwd=fused, **opts)
             lses.append(lse)
             if fused:  # logits now hold d loss_rows / d logits
                 if dh is not None:

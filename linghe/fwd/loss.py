@@ -1,18 +1,20 @@
 """Cross-entropy forward kernels (online softmax over vocabulary blocks) and launchers.
 
-One program per row streams the row of logits once in blocks of ``BLOCK_V`` columns,
-keeping a running max and sum of exponentials (fp32, base-2 exponentials), the target
-logit (one masked scalar load) and, with label smoothing, the row sum. From these it
-writes the per-row loss and ``lse = logsumexp(row)`` (saved for backward).
+A program streams (a range of columns of) one row of logits once in blocks of ``BLOCK_V``
+columns, keeping a running max and sum of exponentials (fp32, base-2 exponentials), the
+target logit (one masked scalar load) and, with label smoothing, the row sum. From these
+it writes the per-row loss and ``lse = logsumexp(row)`` (saved for backward).
 
 Modes (constexpr):
 
-- default: per-row ``loss`` and ``lse``;
-- ``SPLIT``: the vocab-parallel partials ``(max, sum-exp relative to max, target logit,
-  row sum)`` of this rank's slice, combined across ranks by the caller;
+- default (one program per row): per-row ``loss`` and ``lse``;
+- ``SPLIT``: partials ``(max, sum-exp relative to max, target logit, row sum)`` of a
+  column range: long rows are split over several programs (:func:`split_v`) and one small
+  kernel (``_ce_combine_kernel``) combines them and reduces; the vocab-parallel path uses
+  the partials of its whole slice and combines them across ranks;
 - ``FUSE_BWD``: after the statistics, a second sweep over the row writes the *unscaled*
   gradient ``d loss_i / d logits_i`` (1 per valid row) over the logits in place; the fused
-  linear cross entropy uses this (the row is still hot in L2).
+  linear cross entropy uses this.
 
 Labels outside ``[0, V_total)`` and equal to ``ignore_index`` mark the row ignored: loss 0,
 gradient 0 (written without reading the row), and the target load is masked (never an
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import INTERPRET, device_guard, empty, next_power_of_2
+from ..utils import INTERPRET, cdiv, device_guard, empty, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -80,22 +82,30 @@ def _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index):
 @triton.jit
 def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, vocab_start,
                    V_total, ignore_index, eps, z_loss,
-                   BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr, SPLIT: tl.constexpr,
-                   FUSE_BWD: tl.constexpr):
+                   CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr,
+                   SPLIT: tl.constexpr, FUSE_BWD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
     valid, local, in_slice = _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index)
-    x_t = tl.load(base + tl.where(in_slice, local, 0), mask=in_slice, other=0.0).to(tl.float32)
-    x_t = tl.where(in_slice, x_t, 0.0)
+    if SPLIT:
+        # program (row, k) covers columns [k * CHUNK, min((k + 1) * CHUNK, V))
+        lo = tl.program_id(1) * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+    else:
+        lo = 0
+        hi = V
+    mine = in_slice & (local >= lo) & (local < hi)
+    x_t = tl.load(base + tl.where(mine, local, 0), mask=mine, other=0.0).to(tl.float32)
+    x_t = tl.where(mine, x_t, 0.0)
 
     cols = tl.arange(0, BLOCK_V)
     m2 = -float("inf")  # running max, in log2 units (x * log2 e)
     s = 0.0  # sum of exp2(x * log2 e - m2)
     sx = 0.0  # row sum (label smoothing)
-    n_cols = tl.where(valid, V, 0)  # an ignored row is not read
-    for off in range(0, n_cols, BLOCK_V):
+    n_cols = tl.where(valid, hi, lo)  # an ignored row is not read
+    for off in range(lo, n_cols, BLOCK_V):
         c = off + cols
-        mask = c < V
+        mask = c < hi
         x = tl.load(base + c, mask=mask, other=-float("inf")).to(tl.float32)
         t = x * LOG2E
         new_m = tl.maximum(m2, tl.max(t, axis=0))
@@ -106,12 +116,13 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, 
             sx += tl.sum(tl.where(mask, x, 0.0), axis=0)
 
     if SPLIT:
-        # partials of this vocabulary slice: [4, N] = max, sum-exp (relative to max),
-        # target logit (0 if the label is on another rank), row sum
-        tl.store(part_ptr + row, m2 * LN2)
-        tl.store(part_ptr + N + row, s)
-        tl.store(part_ptr + 2 * N + row, x_t)
-        tl.store(part_ptr + 3 * N + row, sx)
+        # partials of this column range, part[k, 4, N]: max, sum-exp (relative to that
+        # max), target logit (0 if the label is elsewhere), row sum
+        p = part_ptr + tl.program_id(1).to(tl.int64) * 4 * N + row
+        tl.store(p, m2 * LN2)
+        tl.store(p + N, s)
+        tl.store(p + 2 * N, x_t)
+        tl.store(p + 3 * N, sx)
     else:
         lse = (m2 + tl.log2(s)) * LN2
         loss = lse - (1.0 - eps) * x_t + z_loss * lse * lse
@@ -134,6 +145,54 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, 
                 d = coef * p - smooth - tl.where(c == local, hit, 0.0)
                 d = tl.where(valid, d, 0.0)
                 tl.store(base + c, d.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_combine_kernel(part_ptr, lab_ptr, loss_ptr, lse_ptr, out_ptr, inv_n_ptr, N, S,
+                       V_total, ignore_index, eps, z_loss, SMOOTH: tl.constexpr,
+                       REDUCE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: combine the ``S`` column-range partials of every row into its loss and
+    lse, and (``REDUCE``) the reduced loss and row weight like ``_ce_reduce_kernel``."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    cnt = tl.zeros([BLOCK], dtype=tl.int32)
+    for off in range(0, N, BLOCK):
+        o = off + offs
+        mask = o < N
+        m = tl.full([BLOCK], -float("inf"), tl.float32)
+        for k in range(0, S):
+            m = tl.maximum(m, tl.load(part_ptr + k * 4 * N + o, mask=mask, other=0.0))
+        ms = tl.where(m == -float("inf"), 0.0, m)
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        x_t = tl.zeros([BLOCK], dtype=tl.float32)
+        sx = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(0, S):
+            pk = part_ptr + k * 4 * N + o
+            mk = tl.load(pk, mask=mask, other=0.0)
+            s += tl.load(pk + N, mask=mask, other=0.0) * tl.exp(mk - ms)
+            x_t += tl.load(pk + 2 * N, mask=mask, other=0.0)
+            if SMOOTH:
+                sx += tl.load(pk + 3 * N, mask=mask, other=0.0)
+        lab = tl.load(lab_ptr + o, mask=mask, other=ignore_index).to(tl.int64)
+        ok = mask & (lab != ignore_index) & (lab >= 0) & (lab < V_total)
+        lse = ms + tl.log(s)
+        loss = lse - (1.0 - eps) * x_t + z_loss * lse * lse
+        if SMOOTH:
+            loss -= eps / V_total * sx
+        loss = tl.where(ok, loss, 0.0)
+        tl.store(loss_ptr + o, loss, mask=mask)
+        tl.store(lse_ptr + o, tl.where(ok, lse, 0.0), mask=mask)
+        acc += loss
+        cnt += ok.to(tl.int32)
+    if REDUCE:
+        total = tl.sum(acc, axis=0)
+        n = tl.sum(cnt, axis=0)
+        if MEAN:
+            inv = 1.0 / tl.maximum(n, 1).to(tl.float32)
+        else:
+            inv = n.to(tl.float32) * 0.0 + 1.0
+        tl.store(out_ptr, total * inv)
+        tl.store(inv_n_ptr, inv)
 
 
 @triton.jit
@@ -161,36 +220,94 @@ def _ce_reduce_kernel(loss_ptr, lab_ptr, out_ptr, inv_n_ptr, N, V_total, ignore_
     tl.store(inv_n_ptr, inv)
 
 
-def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
-               label_smoothing: float, z_loss: float, loss_out: torch.Tensor | None = None,
-               vocab_start: int = 0, vocab_total: int | None = None, split: bool = False,
-               fuse_bwd: bool = False):
-    """Launch the forward kernel over ``logits [N, V]`` (rows with stride(1) == 1).
+def split_v(V: int, BV: int, kind: str = "fwd") -> tuple[int, int]:
+    """``(CHUNK, S)``: columns per program (a multiple of ``BV``) and programs per row.
 
-    Returns ``(loss [N] fp32, lse [N] fp32)``; with ``split=True`` returns the partials
-    ``[4, N]`` fp32 (max, sum-exp relative to max, target logit, row sum) instead. With
-    ``fuse_bwd=True`` the logits are overwritten by the unscaled gradient (see module doc).
+    Splitting a long row over several programs keeps each program short, so the last wave
+    of a launch drains quickly (a whole 157K-column row per program leaves SMs idle at the
+    end). About 32K columns per program on the GPU (``LINGHE_CE_CHUNK`` overrides; 0 = no
+    split), 512 on the interpreter so tests exercise it.
+    """
+    target = 512 if INTERPRET else int(os.environ.get("LINGHE_CE_CHUNK", "32768"))
+    if target <= 0 or V <= target:
+        return max(BV, cdiv(V, BV) * BV), 1
+    S = cdiv(V, target)
+    chunk = cdiv(cdiv(V, S), BV) * BV
+    return chunk, cdiv(V, chunk)
+
+
+def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
+               label_smoothing: float, z_loss: float, reduction: str = "none",
+               loss_out: torch.Tensor | None = None, fuse_bwd: bool = False):
+    """Forward over ``logits [N, V]`` (rows with stride(1) == 1).
+
+    Returns ``(loss [N] fp32, lse [N] fp32, out, inv_n)``: per-row losses (0 for ignored
+    rows), per-row logsumexp (0 for ignored rows), and for ``reduction`` "mean"/"sum" the
+    fp32 scalar loss and the backward's row weight ``inv_n [1]`` (``None, None`` for
+    "none"). Long rows are split over several programs (:func:`split_v`) whose partials one
+    small kernel combines (it also does the reduction). With ``fuse_bwd=True`` (one program
+    per row) the logits are overwritten by the unscaled gradient (see the module doc).
     ``loss_out`` (a contiguous fp32 [N] buffer) receives the per-row loss if given.
     """
     N, V = logits.shape
-    Vt = V if vocab_total is None else vocab_total
     dev = logits.device
-    if split:
-        part = empty(4, N, dtype=torch.float32, device=dev)
-        loss = lse = part
-    else:
-        loss = loss_out if loss_out is not None else empty(N, dtype=torch.float32, device=dev)
-        lse = empty(N, dtype=torch.float32, device=dev)
-        part = loss
+    loss = loss_out if loss_out is not None else empty(N, dtype=torch.float32, device=dev)
+    lse = empty(N, dtype=torch.float32, device=dev)
+    reduce = reduction != "none"
+    out = inv_n = None
     if N == 0:
-        return part if split else (loss, lse)
+        if reduce:
+            out, inv_n = ce_reduce(loss, labels, ignore_index=ignore_index, vocab_total=V,
+                                   mean=reduction == "mean")
+        return loss, lse, out, inv_n
+    BV, warps = block_v(V)
+    chunk, S = split_v(V, BV)
+    if fuse_bwd:
+        S = 1
+    smooth = label_smoothing != 0.0
+    eps, z = float(label_smoothing), float(z_loss)
+    with device_guard(logits):
+        if S == 1:
+            _ce_fwd_kernel[(N,)](
+                logits, logits.stride(0), labels, loss, lse, loss, N, V, 0, V,
+                ignore_index, eps, z, CHUNK=BV, BLOCK_V=BV, SMOOTH=smooth, SPLIT=False,
+                FUSE_BWD=fuse_bwd, num_warps=warps)
+            if reduce:
+                out, inv_n = ce_reduce(loss, labels, ignore_index=ignore_index,
+                                       vocab_total=V, mean=reduction == "mean")
+            return loss, lse, out, inv_n
+        part = empty(S, 4, N, dtype=torch.float32, device=dev)
+        _ce_fwd_kernel[(N, S)](
+            logits, logits.stride(0), labels, loss, lse, part, N, V, 0, V, ignore_index,
+            eps, z, CHUNK=chunk, BLOCK_V=BV, SMOOTH=smooth, SPLIT=True, FUSE_BWD=False,
+            num_warps=warps)
+        if reduce:
+            out = empty((), dtype=torch.float32, device=dev)
+            inv_n = empty(1, dtype=torch.float32, device=dev)
+        B = min(max(next_power_of_2(N), 128), 256 if INTERPRET else 2048)
+        _ce_combine_kernel[(1,)](
+            part, labels, loss, lse, out if reduce else loss, inv_n if reduce else loss, N, S,
+            V, ignore_index, eps, z, SMOOTH=smooth, REDUCE=reduce, MEAN=reduction == "mean",
+            BLOCK=B, num_warps=max(1, min(8, B // 256)))
+    return loss, lse, out, inv_n
+
+
+def ce_partials(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
+                vocab_start: int, vocab_total: int) -> torch.Tensor:
+    """Vocab-parallel partials of this rank's slice ``logits [N, V_local]``: ``[4, N]``
+    fp32 = row max, sum-exp relative to it, target logit (0 if the label is on another
+    rank or ignored), row sum. One program per row; an ignored row is not read."""
+    N, V = logits.shape
+    part = empty(1, 4, N, dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return part[0]
     BV, warps = block_v(V)
     with device_guard(logits):
-        _ce_fwd_kernel[(N,)](
-            logits, logits.stride(0), labels, loss, lse, part, N, V, vocab_start, Vt,
-            ignore_index, float(label_smoothing), float(z_loss), BLOCK_V=BV,
-            SMOOTH=label_smoothing != 0.0, SPLIT=split, FUSE_BWD=fuse_bwd, num_warps=warps)
-    return part if split else (loss, lse)
+        _ce_fwd_kernel[(N, 1)](
+            logits, logits.stride(0), labels, part, part, part, N, V, vocab_start,
+            vocab_total, ignore_index, 0.0, 0.0, CHUNK=cdiv(V, BV) * BV, BLOCK_V=BV,
+            SMOOTH=True, SPLIT=True, FUSE_BWD=False, num_warps=warps)
+    return part[0]
 
 
 def ce_reduce(loss_rows: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
