@@ -7,9 +7,10 @@ For a valid row ``i`` with weight ``g_i`` (``grad_output / n_valid`` for "mean",
     dlogits[i, j] = g_i * ((1 + 2 z lse_i) softmax_ij - (1 - eps) [j == label_i] - eps / V_total)
 
 Ignored rows (``ignore_index`` or a label outside ``[0, V_total)``) get exactly 0 (the
-row is written, not read). A program streams a range of columns of one row once (read logits, write dlogits; the write
-may alias the logits buffer: each element is read before the same thread writes it); long
-rows are split over several programs (``fwd.loss.split_v``).
+row is written, not read). A program streams a range of columns of one row once (read
+logits, write dlogits; the write may alias the logits buffer: each element is read before
+the same thread writes it); long rows are split over several programs
+(``fwd.loss.split_v``).
 """
 
 from __future__ import annotations
