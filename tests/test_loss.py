@@ -59,6 +59,16 @@ def test_label_smoothing_and_z_loss(device, reduction, dtype):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_rows_split_over_programs(device, reduction):
+    # V = 1300 splits each row over 3 programs on the interpreter (512-column ranges)
+    from linghe.fwd.loss import block_v, split_v
+
+    if device == "cpu":
+        assert split_v(1300, block_v(1300)[0])[1] == 3
+    _check_ce(device, 6, 1300, torch.float32, reduction, eps=0.1, z=1e-3)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_inplace_backward(device, reduction):
     _check_ce(device, 33, 1000, torch.bfloat16, reduction, eps=0.05, z=1e-3, inplace=True)
     _check_ce(device, 9, 7, torch.float32, reduction, inplace=True)

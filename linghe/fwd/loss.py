@@ -9,8 +9,8 @@ Modes (constexpr):
 
 - default (one program per row): per-row ``loss`` and ``lse``;
 - ``SPLIT``: partials ``(max, sum-exp relative to max, target logit, row sum)`` of a
-  column range: long rows are split over several programs (:func:`split_v`) and one small
-  kernel (``_ce_combine_kernel``) combines them and reduces; the vocab-parallel path uses
+  column range: long rows are split over several programs (:func:`split_v`) and a small
+  kernel (``_ce_combine_kernel``) combines them per row; the vocab-parallel path uses
   the partials of its whole slice and combines them across ranks;
 - ``FUSE_BWD``: after the statistics, a second sweep over the row writes the *unscaled*
   gradient ``d loss_i / d logits_i`` (1 per valid row) over the logits in place; the fused
@@ -148,51 +148,30 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, 
 
 
 @triton.jit
-def _ce_combine_kernel(part_ptr, lab_ptr, loss_ptr, lse_ptr, out_ptr, inv_n_ptr, N, S,
-                       V_total, ignore_index, eps, z_loss, SMOOTH: tl.constexpr,
-                       REDUCE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: combine the ``S`` column-range partials of every row into its loss and
-    lse, and (``REDUCE``) the reduced loss and row weight like ``_ce_reduce_kernel``."""
-    offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    cnt = tl.zeros([BLOCK], dtype=tl.int32)
-    for off in range(0, N, BLOCK):
-        o = off + offs
-        mask = o < N
-        m = tl.full([BLOCK], -float("inf"), tl.float32)
-        for k in range(0, S):
-            m = tl.maximum(m, tl.load(part_ptr + k * 4 * N + o, mask=mask, other=0.0))
-        ms = tl.where(m == -float("inf"), 0.0, m)
-        s = tl.zeros([BLOCK], dtype=tl.float32)
-        x_t = tl.zeros([BLOCK], dtype=tl.float32)
-        sx = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(0, S):
-            pk = part_ptr + k * 4 * N + o
-            mk = tl.load(pk, mask=mask, other=0.0)
-            s += tl.load(pk + N, mask=mask, other=0.0) * tl.exp(mk - ms)
-            x_t += tl.load(pk + 2 * N, mask=mask, other=0.0)
-            if SMOOTH:
-                sx += tl.load(pk + 3 * N, mask=mask, other=0.0)
-        lab = tl.load(lab_ptr + o, mask=mask, other=ignore_index).to(tl.int64)
-        ok = mask & (lab != ignore_index) & (lab >= 0) & (lab < V_total)
-        lse = ms + tl.log(s)
-        loss = lse - (1.0 - eps) * x_t + z_loss * lse * lse
-        if SMOOTH:
-            loss -= eps / V_total * sx
-        loss = tl.where(ok, loss, 0.0)
-        tl.store(loss_ptr + o, loss, mask=mask)
-        tl.store(lse_ptr + o, tl.where(ok, lse, 0.0), mask=mask)
-        acc += loss
-        cnt += ok.to(tl.int32)
-    if REDUCE:
-        total = tl.sum(acc, axis=0)
-        n = tl.sum(cnt, axis=0)
-        if MEAN:
-            inv = 1.0 / tl.maximum(n, 1).to(tl.float32)
-        else:
-            inv = n.to(tl.float32) * 0.0 + 1.0
-        tl.store(out_ptr, total * inv)
-        tl.store(inv_n_ptr, inv)
+def _ce_combine_kernel(part_ptr, lab_ptr, loss_ptr, lse_ptr, N, S, V_total, ignore_index, eps,
+                       z_loss, SMOOTH: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Combine the ``S`` column-range partials ``part[S, 4, N]`` of ``BLOCK`` rows into their
+    loss and lse (one 2-D load per field: all partials in flight at once)."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = o < N
+    k = tl.arange(0, S_P2)
+    km = (k < S)[:, None] & mask[None, :]
+    ptr = part_ptr + (k.to(tl.int64) * 4 * N)[:, None] + o[None, :]
+    m_k = tl.load(ptr, mask=km, other=-float("inf"))
+    s_k = tl.load(ptr + N, mask=km, other=0.0)
+    x_t = tl.sum(tl.load(ptr + 2 * N, mask=km, other=0.0), axis=0)
+    m = tl.max(m_k, axis=0)
+    ms = tl.where(m == -float("inf"), 0.0, m)
+    s = tl.sum(s_k * tl.exp(m_k - ms[None, :]), axis=0)
+    lab = tl.load(lab_ptr + o, mask=mask, other=ignore_index).to(tl.int64)
+    ok = mask & (lab != ignore_index) & (lab >= 0) & (lab < V_total)
+    lse = ms + tl.log(s)
+    loss = lse - (1.0 - eps) * x_t + z_loss * lse * lse
+    if SMOOTH:
+        sx = tl.sum(tl.load(ptr + 3 * N, mask=km, other=0.0), axis=0)
+        loss -= eps / V_total * sx
+    tl.store(loss_ptr + o, tl.where(ok, loss, 0.0), mask=mask)
+    tl.store(lse_ptr + o, tl.where(ok, lse, 0.0), mask=mask)
 
 
 @triton.jit
@@ -244,9 +223,10 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
     Returns ``(loss [N] fp32, lse [N] fp32, out, inv_n)``: per-row losses (0 for ignored
     rows), per-row logsumexp (0 for ignored rows), and for ``reduction`` "mean"/"sum" the
     fp32 scalar loss and the backward's row weight ``inv_n [1]`` (``None, None`` for
-    "none"). Long rows are split over several programs (:func:`split_v`) whose partials one
-    small kernel combines (it also does the reduction). With ``fuse_bwd=True`` (one program
-    per row) the logits are overwritten by the unscaled gradient (see the module doc).
+    "none"). Long rows are split over several programs (:func:`split_v`) whose partials a
+    small kernel combines per row; the reduction is one more single-program kernel. With
+    ``fuse_bwd=True`` (one program per row) the logits are overwritten by the unscaled
+    gradient (see the module doc).
     ``loss_out`` (a contiguous fp32 [N] buffer) receives the per-row loss if given.
     """
     N, V = logits.shape
@@ -272,23 +252,20 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
                 logits, logits.stride(0), labels, loss, lse, loss, N, V, 0, V,
                 ignore_index, eps, z, CHUNK=BV, BLOCK_V=BV, SMOOTH=smooth, SPLIT=False,
                 FUSE_BWD=fuse_bwd, num_warps=warps)
-            if reduce:
-                out, inv_n = ce_reduce(loss, labels, ignore_index=ignore_index,
-                                       vocab_total=V, mean=reduction == "mean")
-            return loss, lse, out, inv_n
-        part = empty(S, 4, N, dtype=torch.float32, device=dev)
-        _ce_fwd_kernel[(N, S)](
-            logits, logits.stride(0), labels, loss, lse, part, N, V, 0, V, ignore_index,
-            eps, z, CHUNK=chunk, BLOCK_V=BV, SMOOTH=smooth, SPLIT=True, FUSE_BWD=False,
-            num_warps=warps)
-        if reduce:
-            out = empty((), dtype=torch.float32, device=dev)
-            inv_n = empty(1, dtype=torch.float32, device=dev)
-        B = min(max(next_power_of_2(N), 128), 256 if INTERPRET else 2048)
-        _ce_combine_kernel[(1,)](
-            part, labels, loss, lse, out if reduce else loss, inv_n if reduce else loss, N, S,
-            V, ignore_index, eps, z, SMOOTH=smooth, REDUCE=reduce, MEAN=reduction == "mean",
-            BLOCK=B, num_warps=max(1, min(8, B // 256)))
+        else:
+            part = empty(S, 4, N, dtype=torch.float32, device=dev)
+            _ce_fwd_kernel[(N, S)](
+                logits, logits.stride(0), labels, loss, lse, part, N, V, 0, V, ignore_index,
+                eps, z, CHUNK=chunk, BLOCK_V=BV, SMOOTH=smooth, SPLIT=True, FUSE_BWD=False,
+                num_warps=warps)
+            S_P2 = next_power_of_2(S)
+            BR = max(16, min(256, 2048 // S_P2))
+            _ce_combine_kernel[(cdiv(N, BR),)](
+                part, labels, loss, lse, N, S, V, ignore_index, eps, z, SMOOTH=smooth,
+                S_P2=S_P2, BLOCK=BR, num_warps=4)
+    if reduce:
+        out, inv_n = ce_reduce(loss, labels, ignore_index=ignore_index, vocab_total=V,
+                               mean=reduction == "mean")
     return loss, lse, out, inv_n
 
 
@@ -317,8 +294,8 @@ def ce_reduce(loss_rows: torch.Tensor, labels: torch.Tensor, *, ignore_index: in
     out = empty((), dtype=torch.float32, device=loss_rows.device)
     inv_n = empty(1, dtype=torch.float32, device=loss_rows.device)
     with device_guard(loss_rows):
-        # one program; N = 8192 rows take two 4096-wide steps
-        B = min(max(next_power_of_2(max(N, 1)), 128), 256 if INTERPRET else 4096)
+        # one program; N = 8192 rows in one 8192-wide step (loads all in flight at once)
+        B = min(max(next_power_of_2(max(N, 1)), 128), 256 if INTERPRET else 8192)
         _ce_reduce_kernel[(1,)](loss_rows, labels, out, inv_n, N, vocab_total, ignore_index,
-                                MEAN=mean, BLOCK=B, num_warps=max(1, min(8, B // 256)))
+                                MEAN=mean, BLOCK=B, num_warps=max(1, min(16, B // 256)))
     return out, inv_n
