@@ -19,14 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwd.loss import LOG2E, _row_label, block_v, split_v
+from ..fwd.loss import LOG2E, PREFETCH_DEFAULT, _row_label, block_v, split_v
 from ..utils import device_guard, empty
 
 
 @triton.jit
 def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr, go_stride,
                    inv_n_ptr, V, vocab_start, V_total, ignore_index, eps, z_loss,
-                   CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW: tl.constexpr):
+                   CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW: tl.constexpr,
+                   PREFETCH: tl.constexpr = PREFETCH_DEFAULT):
     row = tl.program_id(0).to(tl.int64)
     valid, local, in_slice = _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index)
     lse = tl.load(lse_ptr + row)
@@ -46,10 +47,22 @@ def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr,
     lo = tl.program_id(1) * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     n_read = tl.where(valid, hi, lo)  # an ignored row is written (zeros), not read
+    # software prefetch of the next block (never past this program's range: with the
+    # in-place variant other programs' ranges are being overwritten)
+    c = lo + cols
+    if PREFETCH:
+        x_nxt = tl.load(xb + c, mask=c < n_read, other=0.0)
+    else:
+        x_nxt = tl.zeros([BLOCK_V], dtype=x_ptr.dtype.element_ty)
     for off in range(lo, hi, BLOCK_V):
         c = off + cols
         mask = c < hi
-        x = tl.load(xb + c, mask=c < n_read, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x = x_nxt.to(tl.float32)
+            cn = c + BLOCK_V
+            x_nxt = tl.load(xb + cn, mask=cn < n_read, other=0.0)
+        else:
+            x = tl.load(xb + c, mask=c < n_read, other=0.0).to(tl.float32)
         p = tl.exp2(x * LOG2E - lse2)
         d = coef * p - smooth - tl.where(c == local, hit, 0.0)
         d = tl.where(valid, d, 0.0)

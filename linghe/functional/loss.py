@@ -64,7 +64,7 @@ def _vocab_slice(process_group, V_local, device):
     mine = torch.tensor([V_local], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(sizes, mine, group=process_group)
-    sizes = [int(s.item()) for s in sizes]
+    sizes = torch.cat(sizes).tolist()
     return sum(sizes[:rank]), sum(sizes)
 
 

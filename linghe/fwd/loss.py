@@ -46,6 +46,8 @@ def _knob(name: str):
 #: Tuning knobs for the GPU (read at import): "BLOCK_V,NUM_WARPS" of the forward and
 #: backward kernels for large rows, e.g. LINGHE_CE_FWD=4096,4 LINGHE_CE_BWD=4096,8.
 _FWD_KNOB = _knob("LINGHE_CE_FWD")
+#: Software prefetch of the next block in the streaming loops (LINGHE_CE_PREFETCH=0: off).
+PREFETCH_DEFAULT = os.environ.get("LINGHE_CE_PREFETCH", "1") != "0"
 _BWD_KNOB = _knob("LINGHE_CE_BWD")
 
 
@@ -83,7 +85,8 @@ def _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index):
 def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, vocab_start,
                    V_total, ignore_index, eps, z_loss,
                    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr,
-                   SPLIT: tl.constexpr, FUSE_BWD: tl.constexpr):
+                   SPLIT: tl.constexpr, FUSE_BWD: tl.constexpr,
+                   PREFETCH: tl.constexpr = PREFETCH_DEFAULT):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
     valid, local, in_slice = _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index)
@@ -103,10 +106,21 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, 
     s = 0.0  # sum of exp2(x * log2 e - m2)
     sx = 0.0  # row sum (label smoothing)
     n_cols = tl.where(valid, hi, lo)  # an ignored row is not read
+    # PREFETCH: the next block's load is issued before this block's math
+    c = lo + cols
+    if PREFETCH:
+        x_nxt = tl.load(base + c, mask=c < n_cols, other=-float("inf"))
+    else:
+        x_nxt = tl.zeros([BLOCK_V], dtype=x_ptr.dtype.element_ty)
     for off in range(lo, n_cols, BLOCK_V):
         c = off + cols
         mask = c < hi
-        x = tl.load(base + c, mask=mask, other=-float("inf")).to(tl.float32)
+        if PREFETCH:
+            x = x_nxt.to(tl.float32)
+            cn = c + BLOCK_V
+            x_nxt = tl.load(base + cn, mask=cn < n_cols, other=-float("inf"))
+        else:
+            x = tl.load(base + c, mask=mask, other=-float("inf")).to(tl.float32)
         t = x * LOG2E
         new_m = tl.maximum(m2, tl.max(t, axis=0))
         safe_m = tl.where(new_m == -float("inf"), 0.0, new_m)
