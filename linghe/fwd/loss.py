@@ -31,8 +31,8 @@ import triton.language as tl
 
 from ..utils import INTERPRET, cdiv, device_guard, empty, next_power_of_2
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def _knob(name: str):
