@@ -51,7 +51,8 @@ def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr,
     # in-place variant other programs' ranges are being overwritten)
     c = lo + cols
     if PREFETCH:
-        x_nxt = tl.load(xb + c, mask=c < n_read, other=0.0)
+        # (the first block's load does not wait for the label)
+        x_nxt = tl.load(xb + c, mask=c < hi, other=0.0)
     else:
         x_nxt = tl.zeros([BLOCK_V], dtype=x_ptr.dtype.element_ty)
     for off in range(lo, hi, BLOCK_V):

@@ -109,7 +109,8 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, 
     # PREFETCH: the next block's load is issued before this block's math
     c = lo + cols
     if PREFETCH:
-        x_nxt = tl.load(base + c, mask=c < n_cols, other=-float("inf"))
+        # (the first block's load does not wait for the label)
+        x_nxt = tl.load(base + c, mask=c < hi, other=-float("inf"))
     else:
         x_nxt = tl.zeros([BLOCK_V], dtype=x_ptr.dtype.element_ty)
     for off in range(lo, n_cols, BLOCK_V):
