@@ -200,11 +200,17 @@ def _chunk_logits(h, weight, bias):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, label_smoothing,
-                z_loss, chunk_size, need_grads):
+                z_loss, chunk_size, need_grads, process_group):
         N, H = hidden.shape
         V = weight.shape[0]
+        group = process_group
+        if group is None:
+            vocab_start, vocab_total = 0, V
+        else:
+            vocab_start, vocab_total = _vocab_slice(group, V, hidden.device)
         opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
-        _check_labels_in_range(labels, ignore_index, V)
+        vocab = dict(vocab_start=vocab_start, vocab_total=vocab_total)
+        _check_labels_in_range(labels, ignore_index, vocab_total)
         loss_rows = empty(N, dtype=torch.float32, device=hidden.device)
         need_h, need_w, need_b = need_grads
         fused = reduction != "none" and any(need_grads)
@@ -217,15 +223,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dw = torch.zeros(V, H, dtype=weight.dtype, device=weight.device)
             if need_b:
                 db = torch.zeros(V, dtype=torch.float32, device=weight.device)
+        one = torch.ones(1, dtype=torch.float32, device=hidden.device)
         lses = []
         for s in range(0, N, chunk_size):
             e = min(N, s + chunk_size)
             h = hidden[s:e]
             logits = _chunk_logits(h, weight, bias)
-            _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
-                                      fuse_bwd=fused, **opts)
+            if group is None:
+                _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
+                                          fuse_bwd=fused, **opts)
+            else:
+                loss_c, lse = _dist_stats(logits, labels[s:e], group, **opts, **vocab)
+                loss_rows[s:e] = loss_c
+                if fused:
+                    ce_backward(logits, labels[s:e], lse, one[0], one, **opts, **vocab,
+                                inplace=True)
             lses.append(lse)
-            if fused:  # logits now hold d loss_rows / d logits
+            if fused:  # logits now hold d loss_rows / d logits (this rank's columns)
                 if dh is not None:
                     torch.mm(logits, weight, out=dh[s:e])
                 if dw is not None:
@@ -233,15 +247,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if db is not None:
                     db += logits.sum(0, dtype=torch.float32)
             del logits
+        if group is not None and dh is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=group)  # sum over vocab slices
         if reduction == "none":
             out, inv_n = loss_rows, None
         else:
             out, inv_n = ce_reduce(loss_rows, labels, ignore_index=ignore_index,
-                                   vocab_total=V, mean=reduction == "mean")
+                                   vocab_total=vocab_total, mean=reduction == "mean")
         ctx.fused = fused
         ctx.opts = opts
+        ctx.vocab = vocab
+        ctx.group = group
         ctx.chunk_size = chunk_size
-        ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         if fused:
             ctx.save_for_backward(dh, dw, db, inv_n)
@@ -254,13 +273,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         nh, nw, nb = ctx.needs_input_grad[:3]
+        none = (None,) * 8
         if ctx.fused:
             dh, dw, db, inv_n = ctx.saved_tensors
             scale = grad.float() * inv_n[0]
             gh = (dh * scale).to(dh.dtype) if (nh and dh is not None) else None
             gw = (dw * scale).to(dw.dtype) if (nw and dw is not None) else None
             gb = (db * scale).to(ctx.bias_dtype) if (nb and db is not None) else None
-            return gh, gw, gb, None, None, None, None, None, None, None
+            return (gh, gw, gb, *none)
         # reduction "none" (per-row grad_output): recompute the logits chunk by chunk
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         N, H = hidden.shape
@@ -274,7 +294,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[s:e]
             logits = _chunk_logits(h, weight, bias)
             d = ce_backward(logits, labels[s:e], lse[s:e], grad[s:e], None, **ctx.opts,
-                            inplace=True)
+                            **ctx.vocab, inplace=True)
             if gh is not None:
                 torch.mm(d, weight, out=gh[s:e])
             if gw is not None:
@@ -282,15 +302,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if gb is not None:
                 gb += d.sum(0, dtype=torch.float32)
             del logits, d
+        if ctx.group is not None and gh is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=ctx.group)
         if gb is not None:
             gb = gb.to(ctx.bias_dtype)
-        return gh, gw, gb, None, None, None, None, None, None, None
+        return (gh, gw, gb, *none)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          bias: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
-                         z_loss: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
+                         z_loss: float = 0.0, chunk_size: int | None = None,
+                         process_group=None) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, labels)`` without the full logits.
 
     Args:
@@ -313,7 +338,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     backward, so the forward saves ``hidden``, ``weight``, ``bias``, ``labels`` and the
     per-row ``lse`` and the backward recomputes the logits chunk by chunk. Peak extra
     memory: one ``[chunk, V]`` logits chunk (plus the stored gradients).
-    ``process_group`` (vocab-parallel) is not supported here.
+
+    ``process_group`` (vocab-parallel LM head): each rank holds a contiguous slice
+    ``weight [V_local, H]`` (and ``bias [V_local]``) ordered by rank, as in
+    :func:`cross_entropy`; ``hidden`` and ``labels`` (global ids) are the same on every
+    rank. Per chunk the row statistics are all-reduced (MAX, then SUM), the loss equals the
+    unsharded one on every rank, the weight/bias gradients are this rank's slices, and the
+    hidden gradient is all-reduced (SUM over the slices, in the hidden dtype) so every rank
+    gets the full ``dhidden``.
 
     Returns the loss: fp32 scalar or ``[N]`` fp32 (``"none"``).
     """
@@ -339,6 +371,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad)
     return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), bias,
-                                     labels.contiguous(),
-                                     int(ignore_index), reduction, float(label_smoothing),
-                                     float(z_loss), int(chunk_size), need)
+                                     labels.contiguous(), int(ignore_index), reduction,
+                                     float(label_smoothing), float(z_loss), int(chunk_size),
+                                     need, process_group)
