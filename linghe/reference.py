@@ -573,3 +573,40 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """High-precision linear ``x·W^T + b`` (the unquantized spec of ``linghe.nn.Linear``)."""
     return torch.nn.functional.linear(x, weight, bias)
+# === loss: cross entropy (+ label smoothing, z-loss, ignore_index), linear cross entropy ===
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0,
+                  z_loss: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy`` in fp32 (float64 stays float64) plus ``z_loss * lse**2`` per row.
+
+    Rows whose label is ``ignore_index`` or outside ``[0, V)`` are ignored (loss 0, no
+    gradient). ``"mean"`` divides the sum by the number of non-ignored rows, and is 0 (not
+    NaN) when every row is ignored. Returns fp32 (float64) scalar, or ``[N]`` for "none".
+    """
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    V = x.shape[-1]
+    valid = (labels != ignore_index) & (labels >= 0) & (labels < V)
+    lab = torch.where(valid, labels.long(), torch.full_like(labels.long(), -100))
+    loss = torch.nn.functional.cross_entropy(x, lab, ignore_index=-100, reduction="none",
+                                             label_smoothing=label_smoothing)
+    if z_loss:
+        lse = torch.logsumexp(x, dim=-1)
+        loss = loss + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / valid.sum().clamp(min=1).to(total.dtype)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         bias: torch.Tensor | None = None, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0) -> torch.Tensor:
+    """:func:`cross_entropy` of the full logits ``hidden @ weight.T (+ bias)`` (computed
+    in the input dtype, as eager PyTorch would)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return cross_entropy(logits, labels, ignore_index, reduction, label_smoothing, z_loss)

@@ -1,10 +1,9 @@
 """torch.nn.Module wrappers over ``linghe.functional`` (no math lives here)."""
 
 from .activation import SwiGLU
-from .norm import RMSNorm
-
-__all__ = ["RMSNorm", "SwiGLU"]
 from .convert import convert
 from .linear import Linear
+from .loss import CrossEntropyLoss
+from .norm import RMSNorm
 
-__all__ = ["Linear", "convert"]
+__all__ = ["CrossEntropyLoss", "Linear", "RMSNorm", "SwiGLU", "convert"]

@@ -1,0 +1,376 @@
+"""Cross entropy (also vocab-parallel) and fused linear cross entropy: autograd Functions,
+public functions and input validation."""
+
+from __future__ import annotations
+
+import torch
+
+from ..bwd.loss import ce_backward
+from ..fwd.loss import ce_forward, ce_partials, ce_reduce
+from ..utils import (
+    FLOAT_DTYPES,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+    debug_enabled,
+    empty,
+)
+
+_REDUCTIONS = ("mean", "sum", "none")
+_LABEL_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_options(ignore_index, reduction, label_smoothing, z_loss):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not float(z_loss) >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+
+
+def _check_labels_in_range(labels, ignore_index, V):
+    """Debug mode only (host sync): every label is ignore_index or in [0, V)."""
+    if not debug_enabled() or labels.numel() == 0:
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"labels[{i}] = {int(labels[i])} is out of range: labels must be "
+                         f"ignore_index ({ignore_index}) or in [0, {V})")
+
+
+def _check_ce_inputs(logits, labels):
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, ndim=2, last_dim_contiguous=True)
+    check_tensor("labels", labels, dtypes=_LABEL_DTYPES, ndim=1)
+    if labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"labels must have shape ({logits.shape[0]},) to match logits "
+                         f"{tuple(logits.shape)}, got {tuple(labels.shape)}")
+    check_same_device(logits=logits, labels=labels)
+    check_kernel_device("logits", logits)
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have at least one class (V >= 1), got V = 0")
+
+
+def _vocab_slice(process_group, V_local, device):
+    """``(vocab_start, vocab_total)`` of this rank: an all_gather of the slice sizes (one
+    small collective and a host sync per call), slices ordered by rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    mine = torch.tensor([V_local], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine, group=process_group)
+    sizes = torch.cat(sizes).tolist()
+    return sum(sizes[:rank]), sum(sizes)
+
+
+def _dist_stats(logits, labels, process_group, *, ignore_index, label_smoothing, z_loss,
+                vocab_start, vocab_total):
+    """Vocab-parallel forward: local partials -> all-reduce MAX of the row max, SUM of the
+    rescaled sum-exp, target logit and row sum -> per-row ``(loss, lse)`` (all ranks equal)."""
+    import torch.distributed as dist
+
+    part = ce_partials(logits, labels, ignore_index=ignore_index, vocab_start=vocab_start,
+                       vocab_total=vocab_total)
+    m_loc = part[0]
+    m = m_loc.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=process_group)
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    stats = torch.stack([part[1] * torch.exp(m_loc - m_safe), part[2], part[3]])
+    dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
+    s, x_t, sx = stats[0], stats[1], stats[2]
+    lse = m_safe + torch.log(s)
+    eps = float(label_smoothing)
+    loss = lse - (1.0 - eps) * x_t - (eps / vocab_total) * sx + float(z_loss) * lse * lse
+    valid = (labels != ignore_index) & (labels >= 0) & (labels < vocab_total)
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    lse = torch.where(valid, lse, torch.zeros_like(lse))  # ignored rows were not read
+    return loss.contiguous(), lse.contiguous()
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index, reduction, label_smoothing, z_loss,
+                inplace_backward, process_group):
+        N, V = logits.shape
+        if process_group is None:
+            vocab_start, vocab_total = 0, V
+        else:
+            vocab_start, vocab_total = _vocab_slice(process_group, V, logits.device)
+        _check_labels_in_range(labels, ignore_index, vocab_total)
+        opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
+        if process_group is None:
+            loss_rows, lse, out, inv_n = ce_forward(logits, labels, **opts, reduction=reduction)
+        else:
+            loss_rows, lse = _dist_stats(logits, labels, process_group, **opts,
+                                         vocab_start=vocab_start, vocab_total=vocab_total)
+            out = inv_n = None
+            if reduction != "none":
+                out, inv_n = ce_reduce(loss_rows, labels, ignore_index=ignore_index,
+                                       vocab_total=vocab_total, mean=reduction == "mean")
+        if reduction == "none":
+            out = loss_rows
+        ctx.save_for_backward(logits, labels, lse, inv_n)
+        ctx.opts = opts
+        ctx.vocab = (vocab_start, vocab_total)
+        ctx.inplace = inplace_backward
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, lse, inv_n = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = ce_backward(logits, labels, lse, grad, inv_n, **ctx.opts,
+                             vocab_start=ctx.vocab[0], vocab_total=ctx.vocab[1],
+                             inplace=ctx.inplace)
+        return dx, None, None, None, None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  inplace_backward: bool = False, process_group=None) -> torch.Tensor:
+    """Cross entropy of ``logits [N, V]`` against ``labels [N]``, fp32 math.
+
+    Args:
+        logits: ``[N, V]`` float32/float16/bfloat16, rows contiguous (``stride(1) == 1``;
+            any row stride). Any ``V >= 1``.
+        labels: ``[N]`` int64/int32 class ids. ``ignore_index`` rows contribute 0. A label
+            outside ``[0, V_total)`` raises ``ValueError`` in debug mode
+            (:func:`linghe.set_debug`, a host sync); otherwise such a row is treated as
+            ignored (never read out of bounds).
+        reduction: ``"mean"`` (sum over rows / number of non-ignored rows), ``"sum"`` or
+            ``"none"`` (``[N]`` fp32, 0 for ignored rows). If every row is ignored the loss
+            is 0 and the gradient 0 (never NaN).
+        label_smoothing: ``eps`` as in ``torch.nn.functional.cross_entropy``: the target is
+            ``(1 - eps) * onehot + eps / V_total``.
+        z_loss: adds ``z_loss * lse**2`` per (non-ignored) row, ``lse = logsumexp(row)``
+            (PaLM's auxiliary loss).
+        inplace_backward: the backward writes the gradient into the ``logits`` buffer
+            (no second ``[N, V]`` buffer) and returns it as the gradient. The logits are
+            then overwritten: do not read them after ``backward`` and do not use this when
+            another op's backward needs them (e.g. a softcap whose backward saves its
+            output), nor call backward twice.
+        process_group: vocab-parallel logits. Each rank of the group holds a contiguous
+            slice ``[N, V_local]`` of the vocabulary, ordered by rank (rank r's slice starts
+            at the sum of the slice sizes of ranks < r; sizes may differ and are exchanged
+            by one small ``all_gather`` plus a host sync per call). ``labels`` are global
+            ids, equal on every rank. Forward: all-reduce MAX of the row max, then SUM of
+            the rescaled sum-exp, target logit and row sum; every rank returns the full
+            loss, and its backward gives the gradient of its own slice (no communication).
+
+    Returns the loss: fp32 scalar (``"mean"``/``"sum"``) or ``[N]`` fp32 (``"none"``).
+    Saved for backward: ``logits``, ``labels``, per-row ``lse`` (fp32 ``[N]``) and the row
+    weight (fp32 ``[1]``); the backward recomputes the softmax from ``lse``.
+    """
+    _check_ce_inputs(logits, labels)
+    _check_options(ignore_index, reduction, label_smoothing, z_loss)
+    return _CrossEntropy.apply(logits, labels.contiguous(), int(ignore_index), reduction,
+                               float(label_smoothing), float(z_loss), bool(inplace_backward),
+                               process_group)
+
+
+# ---------------------------------------------------------------------------------------
+# Fused linear cross entropy
+# ---------------------------------------------------------------------------------------
+
+_CHUNK_BYTES = 1 << 28  # target size of one logits chunk (256 MiB)
+
+
+def default_chunk_size(N: int, V: int, itemsize: int) -> int:
+    """Rows per chunk: about 256 MiB of logits, a multiple of 64 rows, chunks of equal size."""
+    if N == 0:
+        return 1
+    rows = max(64, _CHUNK_BYTES // max(1, V * itemsize))
+    nchunks = -(-N // rows)
+    size = -(-N // nchunks)
+    return min(N, -(-size // 64) * 64)
+
+
+def _chunk_logits(h, weight, bias):
+    if bias is None:
+        return torch.mm(h, weight.t())
+    return torch.addmm(bias, h, weight.t())
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, label_smoothing,
+                z_loss, chunk_size, need_grads, process_group):
+        N, H = hidden.shape
+        V = weight.shape[0]
+        group = process_group
+        if group is None:
+            vocab_start, vocab_total = 0, V
+        else:
+            vocab_start, vocab_total = _vocab_slice(group, V, hidden.device)
+        opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
+        vocab = dict(vocab_start=vocab_start, vocab_total=vocab_total)
+        _check_labels_in_range(labels, ignore_index, vocab_total)
+        loss_rows = empty(N, dtype=torch.float32, device=hidden.device)
+        need_h, need_w, need_b = need_grads
+        fused = reduction != "none" and any(need_grads)
+        dh = dw = db = None
+        if fused:
+            # gradients are computed now (unscaled: weight 1 per valid row), scaled later
+            if need_h:
+                dh = empty(N, H, dtype=hidden.dtype, device=hidden.device)
+            if need_w:
+                dw = torch.zeros(V, H, dtype=weight.dtype, device=weight.device)
+            if need_b:
+                db = torch.zeros(V, dtype=torch.float32, device=weight.device)
+        one = torch.ones(1, dtype=torch.float32, device=hidden.device)
+        lses = []
+        for s in range(0, N, chunk_size):
+            e = min(N, s + chunk_size)
+            h = hidden[s:e]
+            logits = _chunk_logits(h, weight, bias)
+            if group is None:
+                _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
+                                          fuse_bwd=fused, **opts)
+            else:
+                loss_c, lse = _dist_stats(logits, labels[s:e], group, **opts, **vocab)
+                loss_rows[s:e] = loss_c
+                if fused:
+                    ce_backward(logits, labels[s:e], lse, one[0], one, **opts, **vocab,
+                                inplace=True)
+            lses.append(lse)
+            if fused:  # logits now hold d loss_rows / d logits (this rank's columns)
+                if dh is not None:
+                    torch.mm(logits, weight, out=dh[s:e])
+                if dw is not None:
+                    dw.addmm_(logits.t(), h)
+                if db is not None:
+                    db += logits.sum(0, dtype=torch.float32)
+            del logits
+        if group is not None and dh is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=group)  # sum over vocab slices
+        if reduction == "none":
+            out, inv_n = loss_rows, None
+        else:
+            out, inv_n = ce_reduce(loss_rows, labels, ignore_index=ignore_index,
+                                   vocab_total=vocab_total, mean=reduction == "mean")
+        ctx.fused = fused
+        ctx.opts = opts
+        ctx.vocab = vocab
+        ctx.group = group
+        ctx.chunk_size = chunk_size
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if fused:
+            ctx.save_for_backward(dh, dw, db, inv_n)
+        else:
+            lse = torch.cat(lses) if lses else empty(0, dtype=torch.float32,
+                                                     device=hidden.device)
+            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        nh, nw, nb = ctx.needs_input_grad[:3]
+        none = (None,) * 8
+        if ctx.fused:
+            dh, dw, db, inv_n = ctx.saved_tensors
+            scale = grad.float() * inv_n[0]
+            gh = (dh * scale).to(dh.dtype) if (nh and dh is not None) else None
+            gw = (dw * scale).to(dw.dtype) if (nw and dw is not None) else None
+            gb = (db * scale).to(ctx.bias_dtype) if (nb and db is not None) else None
+            return (gh, gw, gb, *none)
+        # reduction "none" (per-row grad_output): recompute the logits chunk by chunk
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        N, H = hidden.shape
+        cs = ctx.chunk_size
+        gh = empty(N, H, dtype=hidden.dtype, device=hidden.device) if nh else None
+        gw = torch.zeros_like(weight) if nw else None
+        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if nb else None
+        for s in range(0, N, cs):
+            e = min(N, s + cs)
+            h = hidden[s:e]
+            logits = _chunk_logits(h, weight, bias)
+            d = ce_backward(logits, labels[s:e], lse[s:e], grad[s:e], None, **ctx.opts,
+                            **ctx.vocab, inplace=True)
+            if gh is not None:
+                torch.mm(d, weight, out=gh[s:e])
+            if gw is not None:
+                gw.addmm_(d.t(), h)
+            if gb is not None:
+                gb += d.sum(0, dtype=torch.float32)
+            del logits, d
+        if ctx.group is not None and gh is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=ctx.group)
+        if gb is not None:
+            gb = gb.to(ctx.bias_dtype)
+        return (gh, gw, gb, *none)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, chunk_size: int | None = None,
+                         process_group=None) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, labels)`` without the full logits.
+
+    Args:
+        hidden: ``[N, H]`` float32/float16/bfloat16 (the last hidden states, flattened).
+        weight: ``[V, H]`` (the output embedding / LM head), same dtype and device.
+        labels: ``[N]`` int64/int32; same rules as :func:`cross_entropy`.
+        bias: optional ``[V]``, same dtype.
+        chunk_size: rows per chunk (default: about 256 MiB of logits per chunk, see
+            :func:`default_chunk_size`).
+        ignore_index, reduction, label_smoothing, z_loss: as in :func:`cross_entropy`.
+
+    Per chunk of rows: ``logits = h @ W.T (+ b)`` by cuBLAS in the input dtype, then one
+    kernel computes the chunk's losses and overwrites the logits with their gradient
+    (fused forward+backward), then ``dh_chunk = dlogits @ W``, ``dW += dlogits.T @ h``,
+    ``db += dlogits.sum(0)``. So the forward (when any input requires grad and the
+    reduction is "mean"/"sum") stores ``dh [N, H]``, ``dW [V, H]`` (input dtype; with
+    bf16/fp16 inputs the chunk sums are rounded to that dtype once per chunk) and ``db``
+    (fp32), and the backward only scales them by ``grad_output`` (times ``1/n_valid``
+    for "mean"). With ``reduction="none"`` the per-row ``grad_output`` is only known in
+    backward, so the forward saves ``hidden``, ``weight``, ``bias``, ``labels`` and the
+    per-row ``lse`` and the backward recomputes the logits chunk by chunk. Peak extra
+    memory: one ``[chunk, V]`` logits chunk (plus the stored gradients).
+
+    ``process_group`` (vocab-parallel LM head): each rank holds a contiguous slice
+    ``weight [V_local, H]`` (and ``bias [V_local]``) ordered by rank, as in
+    :func:`cross_entropy`; ``hidden`` and ``labels`` (global ids) are the same on every
+    rank. Per chunk the row statistics are all-reduced (MAX, then SUM), the loss equals the
+    unsharded one on every rank, the weight/bias gradients are this rank's slices, and the
+    hidden gradient is all-reduced (SUM over the slices, in the hidden dtype) so every rank
+    gets the full ``dhidden``.
+
+    Returns the loss: fp32 scalar or ``[N]`` fp32 (``"none"``).
+    """
+    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2)
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must have shape (V, {hidden.shape[1]}) to match hidden "
+                         f"{tuple(hidden.shape)}, got {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1), got V = 0")
+    check_tensor("labels", labels, dtypes=_LABEL_DTYPES, shape=(hidden.shape[0],))
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(hidden.dtype,), shape=(weight.shape[0],))
+    check_same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    check_kernel_device("hidden", hidden)
+    _check_options(ignore_index, reduction, label_smoothing, z_loss)
+    N, V = hidden.shape[0], weight.shape[0]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(N, V, hidden.element_size())
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    grad_on = torch.is_grad_enabled()
+    need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad)
+    return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), bias,
+                                     labels.contiguous(), int(ignore_index), reduction,
+                                     float(label_smoothing), float(z_loss), int(chunk_size),
+                                     need, process_group)

@@ -1,0 +1,316 @@
+"""Cross-entropy forward kernels (online softmax over vocabulary blocks) and launchers.
+
+A program streams (a range of columns of) one row of logits once in blocks of ``BLOCK_V``
+columns, keeping a running max and sum of exponentials (fp32, base-2 exponentials), the
+target logit (one masked scalar load) and, with label smoothing, the row sum. From these
+it writes the per-row loss and ``lse = logsumexp(row)`` (saved for backward).
+
+Modes (constexpr):
+
+- default (one program per row): per-row ``loss`` and ``lse``;
+- ``SPLIT``: partials ``(max, sum-exp relative to max, target logit, row sum)`` of a
+  column range: long rows are split over several programs (:func:`split_v`) and a small
+  kernel (``_ce_combine_kernel``) combines them per row; the vocab-parallel path uses
+  the partials of its whole slice and combines them across ranks;
+- ``FUSE_BWD``: after the statistics, a second sweep over the row writes the *unscaled*
+  gradient ``d loss_i / d logits_i`` (1 per valid row) over the logits in place; the fused
+  linear cross entropy uses this.
+
+Labels outside ``[0, V_total)`` and equal to ``ignore_index`` mark the row ignored: loss 0,
+gradient 0 (written without reading the row), and the target load is masked (never an
+out-of-bounds read). An ignored row's saved ``lse`` is 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import INTERPRET, cdiv, device_guard, empty, next_power_of_2
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def _knob(name: str):
+    v = os.environ.get(name, "")
+    if not v:
+        return None
+    b, w = (int(t) for t in v.split(","))
+    return b, w
+
+
+#: Tuning knobs for the GPU (read at import): "BLOCK_V,NUM_WARPS" of the forward and
+#: backward kernels for large rows, e.g. LINGHE_CE_FWD=4096,4 LINGHE_CE_BWD=4096,8.
+_FWD_KNOB = _knob("LINGHE_CE_FWD")
+#: Software prefetch of the next block in the streaming loops (LINGHE_CE_PREFETCH=0: off).
+PREFETCH_DEFAULT = os.environ.get("LINGHE_CE_PREFETCH", "1") != "0"
+_BWD_KNOB = _knob("LINGHE_CE_BWD")
+
+
+def block_v(V: int, kind: str = "fwd") -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)`` for a row of ``V`` columns.
+
+    On the GPU, large rows use 4096-column blocks: forward 4 warps (32 fp32 per thread, four
+    16-byte bf16 loads; reductions over 4 warps are cheap), backward 8 warps (16 per
+    thread). Many small programs per SM hide the memory latency. Override with the
+    ``LINGHE_CE_FWD`` / ``LINGHE_CE_BWD`` environment variables (``"BLOCK_V,WARPS"``). On
+    the interpreter the cap is 256 so small test vocabularies still exercise the
+    multi-block online softmax.
+    """
+    if INTERPRET:
+        return min(next_power_of_2(max(V, 1)), 256), 2
+    knob = _FWD_KNOB if kind == "fwd" else _BWD_KNOB
+    big = knob or ((4096, 4) if kind == "fwd" else (4096, 8))
+    b = min(next_power_of_2(max(V, 1)), big[0])
+    if b == big[0]:
+        return big
+    return b, max(1, min(big[1], b // 256))
+
+
+@triton.jit
+def _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index):
+    label = tl.load(lab_ptr + row).to(tl.int64)
+    valid = (label != ignore_index) & (label >= 0) & (label < V_total)
+    local = label - vocab_start
+    in_slice = valid & (local >= 0) & (local < V)
+    local = tl.where(in_slice, local, -1)
+    return valid, local, in_slice
+
+
+@triton.jit
+def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, vocab_start,
+                   V_total, ignore_index, eps, z_loss,
+                   CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr,
+                   SPLIT: tl.constexpr, FUSE_BWD: tl.constexpr,
+                   PREFETCH: tl.constexpr = PREFETCH_DEFAULT):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    valid, local, in_slice = _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index)
+    if SPLIT:
+        # program (row, k) covers columns [k * CHUNK, min((k + 1) * CHUNK, V))
+        lo = tl.program_id(1) * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+    else:
+        lo = 0
+        hi = V
+    mine = in_slice & (local >= lo) & (local < hi)
+    x_t = tl.load(base + tl.where(mine, local, 0), mask=mine, other=0.0).to(tl.float32)
+    x_t = tl.where(mine, x_t, 0.0)
+
+    cols = tl.arange(0, BLOCK_V)
+    m2 = -float("inf")  # running max, in log2 units (x * log2 e)
+    s = 0.0  # sum of exp2(x * log2 e - m2)
+    sx = 0.0  # row sum (label smoothing)
+    n_cols = tl.where(valid, hi, lo)  # an ignored row is not read
+    # PREFETCH: the next block's load is issued before this block's math
+    c = lo + cols
+    if PREFETCH:
+        # (the first block's load does not wait for the label)
+        x_nxt = tl.load(base + c, mask=c < hi, other=-float("inf"))
+    else:
+        x_nxt = tl.zeros([BLOCK_V], dtype=x_ptr.dtype.element_ty)
+    for off in range(lo, n_cols, BLOCK_V):
+        c = off + cols
+        mask = c < hi
+        if PREFETCH:
+            x = x_nxt.to(tl.float32)
+            cn = c + BLOCK_V
+            x_nxt = tl.load(base + cn, mask=cn < n_cols, other=-float("inf"))
+        else:
+            x = tl.load(base + c, mask=mask, other=-float("inf")).to(tl.float32)
+        t = x * LOG2E
+        new_m = tl.maximum(m2, tl.max(t, axis=0))
+        safe_m = tl.where(new_m == -float("inf"), 0.0, new_m)
+        s = s * tl.exp2(m2 - safe_m) + tl.sum(tl.exp2(t - safe_m), axis=0)
+        m2 = new_m
+        if SMOOTH:
+            sx += tl.sum(tl.where(mask, x, 0.0), axis=0)
+
+    if SPLIT:
+        # partials of this column range, part[k, 4, N]: max, sum-exp (relative to that
+        # max), target logit (0 if the label is elsewhere), row sum
+        p = part_ptr + tl.program_id(1).to(tl.int64) * 4 * N + row
+        tl.store(p, m2 * LN2)
+        tl.store(p + N, s)
+        tl.store(p + 2 * N, x_t)
+        tl.store(p + 3 * N, sx)
+    else:
+        lse = (m2 + tl.log2(s)) * LN2
+        loss = lse - (1.0 - eps) * x_t + z_loss * lse * lse
+        if SMOOTH:
+            loss -= eps / V_total * sx
+        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+        if FUSE_BWD:
+            # gradient of this row's loss (unscaled: weight 1 per valid row)
+            g = tl.where(valid, 1.0, 0.0)
+            coef = g * (1.0 + 2.0 * z_loss * lse)
+            smooth = g * eps / V_total
+            hit = g * (1.0 - eps)
+            lse2 = lse * LOG2E
+            for off in range(0, V, BLOCK_V):
+                c = off + cols
+                mask = c < V
+                x = tl.load(base + c, mask=c < n_cols, other=0.0).to(tl.float32)
+                p = tl.exp2(x * LOG2E - lse2)
+                d = coef * p - smooth - tl.where(c == local, hit, 0.0)
+                d = tl.where(valid, d, 0.0)
+                tl.store(base + c, d.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_combine_kernel(part_ptr, lab_ptr, loss_ptr, lse_ptr, N, S, V_total, ignore_index, eps,
+                       z_loss, SMOOTH: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Combine the ``S`` column-range partials ``part[S, 4, N]`` of ``BLOCK`` rows into their
+    loss and lse (one 2-D load per field: all partials in flight at once)."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = o < N
+    k = tl.arange(0, S_P2)
+    km = (k < S)[:, None] & mask[None, :]
+    ptr = part_ptr + (k.to(tl.int64) * 4 * N)[:, None] + o[None, :]
+    m_k = tl.load(ptr, mask=km, other=-float("inf"))
+    s_k = tl.load(ptr + N, mask=km, other=0.0)
+    x_t = tl.sum(tl.load(ptr + 2 * N, mask=km, other=0.0), axis=0)
+    m = tl.max(m_k, axis=0)
+    ms = tl.where(m == -float("inf"), 0.0, m)
+    s = tl.sum(s_k * tl.exp(m_k - ms[None, :]), axis=0)
+    lab = tl.load(lab_ptr + o, mask=mask, other=ignore_index).to(tl.int64)
+    ok = mask & (lab != ignore_index) & (lab >= 0) & (lab < V_total)
+    lse = ms + tl.log(s)
+    loss = lse - (1.0 - eps) * x_t + z_loss * lse * lse
+    if SMOOTH:
+        sx = tl.sum(tl.load(ptr + 3 * N, mask=km, other=0.0), axis=0)
+        loss -= eps / V_total * sx
+    tl.store(loss_ptr + o, tl.where(ok, loss, 0.0), mask=mask)
+    tl.store(lse_ptr + o, tl.where(ok, lse, 0.0), mask=mask)
+
+
+@triton.jit
+def _ce_reduce_kernel(loss_ptr, lab_ptr, out_ptr, inv_n_ptr, N, V_total, ignore_index,
+                      MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: ``out = sum(loss) [/ max(n_valid, 1)]`` (a fixed order: deterministic)
+    and ``inv_n = 1/max(n_valid, 1)`` (mean) or 1 (sum), the backward's row weight."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    cnt = tl.zeros([BLOCK], dtype=tl.int32)
+    for off in range(0, N, BLOCK):
+        o = off + offs
+        mask = o < N
+        acc += tl.load(loss_ptr + o, mask=mask, other=0.0)
+        lab = tl.load(lab_ptr + o, mask=mask, other=ignore_index).to(tl.int64)
+        ok = mask & (lab != ignore_index) & (lab >= 0) & (lab < V_total)
+        cnt += ok.to(tl.int32)
+    total = tl.sum(acc, axis=0)
+    n = tl.sum(cnt, axis=0)
+    if MEAN:
+        inv = 1.0 / tl.maximum(n, 1).to(tl.float32)
+    else:
+        inv = n.to(tl.float32) * 0.0 + 1.0
+    tl.store(out_ptr, total * inv)
+    tl.store(inv_n_ptr, inv)
+
+
+def split_v(V: int, BV: int, kind: str = "fwd") -> tuple[int, int]:
+    """``(CHUNK, S)``: columns per program (a multiple of ``BV``) and programs per row.
+
+    Splitting a long row over several programs keeps each program short, so the last wave
+    of a launch drains quickly (a whole 157K-column row per program leaves SMs idle at the
+    end). About 32K columns per program on the GPU (``LINGHE_CE_CHUNK`` overrides; 0 = no
+    split), 512 on the interpreter so tests exercise it.
+    """
+    target = 512 if INTERPRET else int(os.environ.get("LINGHE_CE_CHUNK", "32768"))
+    if target <= 0 or V <= target:
+        return max(BV, cdiv(V, BV) * BV), 1
+    S = cdiv(V, target)
+    chunk = cdiv(cdiv(V, S), BV) * BV
+    return chunk, cdiv(V, chunk)
+
+
+def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
+               label_smoothing: float, z_loss: float, reduction: str = "none",
+               loss_out: torch.Tensor | None = None, fuse_bwd: bool = False):
+    """Forward over ``logits [N, V]`` (rows with stride(1) == 1).
+
+    Returns ``(loss [N] fp32, lse [N] fp32, out, inv_n)``: per-row losses (0 for ignored
+    rows), per-row logsumexp (0 for ignored rows), and for ``reduction`` "mean"/"sum" the
+    fp32 scalar loss and the backward's row weight ``inv_n [1]`` (``None, None`` for
+    "none"). Long rows are split over several programs (:func:`split_v`) whose partials a
+    small kernel combines per row; the reduction is one more single-program kernel. With
+    ``fuse_bwd=True`` (one program per row) the logits are overwritten by the unscaled
+    gradient (see the module doc).
+    ``loss_out`` (a contiguous fp32 [N] buffer) receives the per-row loss if given.
+    """
+    N, V = logits.shape
+    dev = logits.device
+    loss = loss_out if loss_out is not None else empty(N, dtype=torch.float32, device=dev)
+    lse = empty(N, dtype=torch.float32, device=dev)
+    reduce = reduction != "none"
+    out = inv_n = None
+    if N == 0:
+        if reduce:
+            out, inv_n = ce_reduce(loss, labels, ignore_index=ignore_index, vocab_total=V,
+                                   mean=reduction == "mean")
+        return loss, lse, out, inv_n
+    BV, warps = block_v(V)
+    chunk, S = split_v(V, BV)
+    if fuse_bwd:
+        S = 1
+    smooth = label_smoothing != 0.0
+    eps, z = float(label_smoothing), float(z_loss)
+    with device_guard(logits):
+        if S == 1:
+            _ce_fwd_kernel[(N,)](
+                logits, logits.stride(0), labels, loss, lse, loss, N, V, 0, V,
+                ignore_index, eps, z, CHUNK=BV, BLOCK_V=BV, SMOOTH=smooth, SPLIT=False,
+                FUSE_BWD=fuse_bwd, num_warps=warps)
+        else:
+            part = empty(S, 4, N, dtype=torch.float32, device=dev)
+            _ce_fwd_kernel[(N, S)](
+                logits, logits.stride(0), labels, loss, lse, part, N, V, 0, V, ignore_index,
+                eps, z, CHUNK=chunk, BLOCK_V=BV, SMOOTH=smooth, SPLIT=True, FUSE_BWD=False,
+                num_warps=warps)
+            S_P2 = next_power_of_2(S)
+            BR = max(16, min(256, 2048 // S_P2))
+            _ce_combine_kernel[(cdiv(N, BR),)](
+                part, labels, loss, lse, N, S, V, ignore_index, eps, z, SMOOTH=smooth,
+                S_P2=S_P2, BLOCK=BR, num_warps=4)
+    if reduce:
+        out, inv_n = ce_reduce(loss, labels, ignore_index=ignore_index, vocab_total=V,
+                               mean=reduction == "mean")
+    return loss, lse, out, inv_n
+
+
+def ce_partials(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
+                vocab_start: int, vocab_total: int) -> torch.Tensor:
+    """Vocab-parallel partials of this rank's slice ``logits [N, V_local]``: ``[4, N]``
+    fp32 = row max, sum-exp relative to it, target logit (0 if the label is on another
+    rank or ignored), row sum. One program per row; an ignored row is not read."""
+    N, V = logits.shape
+    part = empty(1, 4, N, dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return part[0]
+    BV, warps = block_v(V)
+    with device_guard(logits):
+        _ce_fwd_kernel[(N, 1)](
+            logits, logits.stride(0), labels, part, part, part, N, V, vocab_start,
+            vocab_total, ignore_index, 0.0, 0.0, CHUNK=cdiv(V, BV) * BV, BLOCK_V=BV,
+            SMOOTH=True, SPLIT=True, FUSE_BWD=False, num_warps=warps)
+    return part[0]
+
+
+def ce_reduce(loss_rows: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
+              vocab_total: int, mean: bool):
+    """``(loss scalar fp32, inv_n [1] fp32)`` from per-row losses (see the kernel)."""
+    N = loss_rows.shape[0]
+    out = empty((), dtype=torch.float32, device=loss_rows.device)
+    inv_n = empty(1, dtype=torch.float32, device=loss_rows.device)
+    with device_guard(loss_rows):
+        # one program; N = 8192 rows in one 8192-wide step (loads all in flight at once)
+        B = min(max(next_power_of_2(max(N, 1)), 128), 256 if INTERPRET else 8192)
+        _ce_reduce_kernel[(1,)](loss_rows, labels, out, inv_n, N, vocab_total, ignore_index,
+                                MEAN=mean, BLOCK=B, num_warps=max(1, min(16, B // 256)))
+    return out, inv_n
