@@ -136,6 +136,42 @@ def time_us(fn: Callable[[], Any], cfg: Config) -> float:
     return statistics.median(ts) * 1e6
 
 
+def graph_time_us(fn: Callable[[], Any], reps: int = 10) -> float | None:
+    """Device time of ``fn`` alone, in µs: ``reps`` calls, each after an L2 flush, captured
+    in one CUDA graph and replayed, minus the same graph of flushes alone. Unlike
+    :func:`time_us` this leaves out the host's launch overhead; ``None`` where ``fn``
+    cannot be captured."""
+    try:
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        fn()
+        torch.cuda.synchronize()
+        graphs = []
+        for with_fn in (True, False):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(reps):
+                    flush.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(g)
+        times = []
+        for g in graphs:
+            g.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ts = []
+            for _ in range(5):
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                ts.append(start.elapsed_time(end))
+            times.append(statistics.median(ts))
+        return max(times[0] - times[1], 0.0) * 1e3 / reps
+    except Exception:
+        torch.cuda.synchronize()
+        return None
+
+
 def copy_bandwidth_gbps(cfg: Config) -> float:
     """Device-to-device copy bandwidth (bytes read + written) on a buffer far over L2."""
     n = (1 << 30) if cfg.device == "cuda" else (1 << 22)
@@ -152,7 +188,8 @@ def run_bench(b: Bench, cfg: Config, copy_gbps: float, providers: Sequence[str])
     for prov in providers:
         if prov not in b.run:
             continue
-        row = {"case": b.name, "provider": prov, "us": None, "gbps": None, "pct_copy": None,
+        row = {"case": b.name, "provider": prov, "us": None, "graph_us": None, "gbps": None,
+               "pct_copy": None,
                "tflops": None, "rel_err": None, "ok": None, "note": b.note, "error": None}
         try:
             out = b.run[prov]()
@@ -169,6 +206,8 @@ def run_bench(b: Bench, cfg: Config, copy_gbps: float, providers: Sequence[str])
             row["pct_copy"] = 100 * row["gbps"] / copy_gbps
             if b.flops:
                 row["tflops"] = b.flops / us / 1e6
+            if cfg.device == "cuda" and prov != "compile":
+                row["graph_us"] = graph_time_us(b.run[prov])
         except Exception as e:  # one failing provider must not stop the run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         rows.append(row)
