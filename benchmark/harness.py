@@ -88,7 +88,11 @@ def backward_of(fwd: Callable[[], Any], inputs: Sequence[torch.Tensor],
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
             if isinstance(o, torch.Tensor) and o.requires_grad]
     gs = [grads] if isinstance(grads, torch.Tensor) else list(grads)
-    return lambda: torch.autograd.grad(outs, list(inputs), gs[: len(outs)], retain_graph=True)
+    def run():
+        return torch.autograd.grad(outs, list(inputs), gs[: len(outs)], retain_graph=True)
+
+    run.no_graph = True  # autograd's engine is not captured: a failed capture breaks the RNG
+    return run
 
 
 def flat_tensors(x) -> list[torch.Tensor]:
@@ -206,7 +210,8 @@ def run_bench(b: Bench, cfg: Config, copy_gbps: float, providers: Sequence[str])
             row["pct_copy"] = 100 * row["gbps"] / copy_gbps
             if b.flops:
                 row["tflops"] = b.flops / us / 1e6
-            if cfg.device == "cuda" and prov != "compile":
+            if cfg.device == "cuda" and prov != "compile" and not getattr(
+                    b.run[prov], "no_graph", False):
                 row["graph_us"] = graph_time_us(b.run[prov])
         except Exception as e:  # one failing provider must not stop the run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
