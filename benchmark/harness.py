@@ -88,11 +88,7 @@ def backward_of(fwd: Callable[[], Any], inputs: Sequence[torch.Tensor],
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
             if isinstance(o, torch.Tensor) and o.requires_grad]
     gs = [grads] if isinstance(grads, torch.Tensor) else list(grads)
-    def run():
-        return torch.autograd.grad(outs, list(inputs), gs[: len(outs)], retain_graph=True)
-
-    run.no_graph = True  # autograd's engine is not captured: a failed capture breaks the RNG
-    return run
+    return lambda: torch.autograd.grad(outs, list(inputs), gs[: len(outs)], retain_graph=True)
 
 
 def flat_tensors(x) -> list[torch.Tensor]:
@@ -140,48 +136,31 @@ def time_us(fn: Callable[[], Any], cfg: Config) -> float:
     return statistics.median(ts) * 1e6
 
 
-def graph_time_us(fn: Callable[[], Any], reps: int = 10) -> float | None:
-    """Device time of ``fn`` alone, in µs: ``reps`` calls, each after an L2 flush, captured
-    in one CUDA graph and replayed, minus the same graph of flushes alone. Unlike
-    :func:`time_us` this leaves out the host's launch overhead; ``None`` where ``fn``
-    cannot be captured."""
+def device_time_us(fn: Callable[[], Any], reps: int = 10) -> float | None:
+    """Kernel time of one ``fn`` call in µs: the durations of the CUDA kernels it launches,
+    summed by ``torch.profiler`` over ``reps`` calls (each after an L2 flush), minus the
+    flushes' own kernels. Unlike :func:`time_us` it leaves out the host's launch and
+    autograd overhead, which ``do_bench`` includes whenever the host is slower than the
+    GPU. ``None`` if profiling fails."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def kernel_us(with_fn: bool) -> float:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+            torch.cuda.synchronize()
+        return sum(e.self_device_time_total for e in prof.key_averages())
+
     try:
-        flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         fn()
         torch.cuda.synchronize()
-        graphs = []
-        for with_fn in (True, False):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(reps):
-                    flush.zero_()
-                    if with_fn:
-                        fn()
-            graphs.append(g)
-        times = []
-        for g in graphs:
-            g.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ts = []
-            for _ in range(5):
-                start.record()
-                g.replay()
-                end.record()
-                end.synchronize()
-                ts.append(start.elapsed_time(end))
-            times.append(statistics.median(ts))
-        return max(times[0] - times[1], 0.0) * 1e3 / reps
+        return max(kernel_us(True) - kernel_us(False), 0.0) / reps
     except Exception:
-        torch.cuda.synchronize()
         return None
-
-
-def _graphable(b: Bench, fn) -> bool:
-    """Forward-only callables are timed from a CUDA graph too. Autograd backward is not:
-    a capture that fails part-way leaves the CUDA RNG unusable for the rest of the run."""
-    name = b.name.lower()
-    return not (getattr(fn, "no_graph", False) or "bwd" in name or "backward" in name
-                or "grad" in name or "dgrad" in name or "train" in name)
 
 
 def copy_bandwidth_gbps(cfg: Config) -> float:
@@ -200,7 +179,7 @@ def run_bench(b: Bench, cfg: Config, copy_gbps: float, providers: Sequence[str])
     for prov in providers:
         if prov not in b.run:
             continue
-        row = {"case": b.name, "provider": prov, "us": None, "graph_us": None, "gbps": None,
+        row = {"case": b.name, "provider": prov, "us": None, "device_us": None, "gbps": None,
                "pct_copy": None,
                "tflops": None, "rel_err": None, "ok": None, "note": b.note, "error": None}
         try:
@@ -218,8 +197,8 @@ def run_bench(b: Bench, cfg: Config, copy_gbps: float, providers: Sequence[str])
             row["pct_copy"] = 100 * row["gbps"] / copy_gbps
             if b.flops:
                 row["tflops"] = b.flops / us / 1e6
-            if cfg.device == "cuda" and prov != "compile" and _graphable(b, b.run[prov]):
-                row["graph_us"] = graph_time_us(b.run[prov])
+            if cfg.device == "cuda":
+                row["device_us"] = device_time_us(b.run[prov])
         except Exception as e:  # one failing provider must not stop the run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         rows.append(row)
