@@ -75,10 +75,11 @@ def test_empty_inputs(device):
         assert t.columnwise_data.shape == shape[::-1]
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (300, 260), (128, 384)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (300, 260), (128, 384), (384, 200)])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_quantize_128x128(device, shape, pow2):
-    w = torch.randn(shape, device=device, dtype=torch.bfloat16)
+def test_quantize_128x128(device, shape, pow2, dtype):
+    w = torch.randn(shape, device=device, dtype=dtype)
     t = linghe.quantize_128x128(w, columnwise=True, pow2_scale=pow2)
     q, s = ref.quantize_128x128(w, pow2)
     torch.testing.assert_close(t.rowwise_scale, s, rtol=0, atol=0)
