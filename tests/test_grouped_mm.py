@@ -156,6 +156,7 @@ FP8_CASES = [
     ([5, 0, 150], 16, 200, 128),       # align 16: wgrad groups straddle experts
     ([100, 28], 128, 256, 128),        # align 128
     ([0, 0, 70], 1, 96, 256),          # all rows in one expert, K < 128
+    ([130, 300], 8, 128, 128),         # wgrad: full interior groups plus head/tail groups
 ]
 
 
@@ -193,7 +194,10 @@ def test_fp8_kernels_match_dequantized_reference(device, case):
     gc, xc = _deq(gq, columnwise=True), _deq(a, columnwise=True)
     r_dw = torch.stack([gc[off[e]:off[e + 1]].t() @ xc[off[e]:off[e + 1]] for e in range(E)])
     assert dw.dtype == torch.float32
-    assert_close(dw, r_dw, tol=1e-5, name="wgrad vs dequantized")
+    # Hopper FP8 wgmma accumulates with reduced (not IEEE fp32) precision inside each
+    # 128-token step: ~1e-4 relative vs the float64 product of the dequantized operands.
+    assert_close(dw, r_dw, tol=1e-3 if device == "cuda" else 1e-5,
+                 name="wgrad vs dequantized")
     exact_dw = torch.stack([g.double()[off[e]:off[e + 1]].t() @ x.double()[off[e]:off[e + 1]]
                             for e in range(E)])
     assert_close(dw, exact_dw, tol=FP8_VS_EXACT, name="wgrad vs exact")
