@@ -359,6 +359,16 @@ def test_tile_map(device, E, align, bm):
     assert int(want_off[-1]) + tail_tiles <= n
 
 
+@pytest.mark.parametrize("R,J,used", [(70, 300, 33), (70, 300, 0), (70, 5, 70), (1, 1, 0)])
+def test_zero_tail(device, R, J, used):
+    out = torch.randn(R, J, device=device)
+    before = out.clone()
+    offsets = torch.tensor([0, used], dtype=torch.int32, device=device)
+    fwd_gm.zero_tail(out, offsets)
+    assert torch.equal(out[:used], before[:used])
+    assert torch.all(out[used:] == 0)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("which", ["rows", "weight"])
 def test_grad_of_one_operand_only(device, fp8, which):

@@ -85,6 +85,18 @@ def _check_operands(rows, weight):
 # --------------------------------------------------------------------------------------
 
 
+class _ColumnwiseCopy:
+    """The columnwise half of an :class:`Fp8Tensor` (what the FP8 dgrad/wgrad launchers
+    read), without the rowwise copy, so that the latter is freed after the forward."""
+
+    __slots__ = ("shape", "columnwise_data", "columnwise_scale")
+
+    def __init__(self, t: Fp8Tensor):
+        self.shape = t.shape
+        self.columnwise_data = t.columnwise_data
+        self.columnwise_scale = t.columnwise_scale
+
+
 class GroupedMMFunction(torch.autograd.Function):
     """Saved for backward: ``rows``, ``weight`` and ``offsets`` (high precision); with
     ``fp8=True`` instead the columnwise 1x128 copy of ``rows`` (for the wgrad) and the
@@ -103,8 +115,9 @@ class GroupedMMFunction(torch.autograd.Function):
         a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
         w = quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
         out = fwd.grouped_mm_fp8_fwd(a, w, offsets, out_dtype=rows.dtype)
-        ctx.a = a.with_components(rowwise_data=None, rowwise_scale=None) if need_dw else None
-        ctx.w = w.with_components(rowwise_data=None, rowwise_scale=None) if need_dx else None
+        # Only the columnwise copies live on (plain holders: no tensor-subclass construction).
+        ctx.a = _ColumnwiseCopy(a) if need_dw else None
+        ctx.w = _ColumnwiseCopy(w) if need_dx else None
         ctx.dtypes = (rows.dtype, weight.dtype)
         ctx.save_for_backward(offsets)
         return out

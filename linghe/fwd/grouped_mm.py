@@ -265,22 +265,30 @@ def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
 @triton.jit
 def _zero_tail_kernel(c_ptr, offsets_ptr, R, J, E, stride_cm, BM: tl.constexpr,
                       BN: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    used = tl.load(offsets_ptr + E)
-    mask = ((rows >= used) & (rows < R))[:, None] & (cols < J)[None, :]
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
-             tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=mask)
+    """Zero rows ``offsets[E] .. R`` of ``c``: a small grid strides over the tail's row
+    tiles only, so the work (and the number of busy programs) follows the tail's size."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    used = tl.minimum(tl.maximum(tl.load(offsets_ptr + E), 0), R)
+    zeros = tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty)
+    for rt in range(used // BM + pid, tl.cdiv(R, BM), nprog):
+        rows = (rt * BM + tl.arange(0, BM)).to(tl.int64)
+        rmask = (rows >= used) & (rows < R)
+        for c0 in range(0, J, BN):
+            cols = c0 + tl.arange(0, BN)
+            tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], zeros,
+                     mask=rmask[:, None] & (cols < J)[None, :])
 
 
 def zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Zero rows ``>= offsets[E]`` of ``out [R, J]`` (stores only there; no sync)."""
     R, J = out.shape
     if R and J:
-        BM, BN = 64, 128
+        BM, BN = 32, 256
         with device_guard(out):
-            _zero_tail_kernel[(cdiv(R, BM), cdiv(J, BN))](
-                out, offsets, R, J, offsets.numel() - 1, out.stride(0), BM=BM, BN=BN)
+            _zero_tail_kernel[(min(cdiv(R, BM), 128),)](
+                out, offsets, R, J, offsets.numel() - 1, out.stride(0), BM=BM, BN=BN,
+                num_warps=4)
     return out
 
 
