@@ -7,7 +7,7 @@ import linghe
 from linghe import reference as ref
 from linghe.fwd import grouped_mm as fwd_gm
 from linghe.layout import make_expert_layout
-from linghe.testing import assert_close, rel_err
+from linghe.testing import assert_close, assert_fp8_close, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HAS_TORCH_GMM = hasattr(torch, "_grouped_mm")
@@ -233,13 +233,20 @@ def test_fp8_pow2_scales(device):
                  tol=FP8_VS_EXACT)
 
 
-def test_quantize_grouped_weight_layout(device):
-    w = torch.randn(3, 128, 200, device=device)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_grouped_weight_layout(device, dtype):
+    w = torch.randn(3, 128, 200, device=device, dtype=dtype)
     q = linghe.quantize_grouped_weight(w)
     assert q.shape == w.shape and q.scaling == "128x128"
     assert q.rowwise_data.shape == (384, 200) and q.rowwise_scale.shape == (3, 2)
     assert q.columnwise_data.shape == (200, 384) and q.columnwise_scale.shape == (2, 3)
-    assert_close(q.dequantize(dtype=torch.float32), w, tol=0.07)
+    # Element-wise against the spec on the [E*N, K] view (pinpoints data vs scales).
+    rq, rs = ref.quantize_128x128(w.reshape(384, 200), False)
+    torch.testing.assert_close(q.rowwise_scale, rs, rtol=0, atol=0)
+    assert_fp8_close(q.rowwise_data, rq)
+    assert torch.equal(q.columnwise_data.float(), q.rowwise_data.float().t())
+    assert torch.equal(q.columnwise_scale, q.rowwise_scale.t())
+    assert_close(q.dequantize(dtype=torch.float32), w.float(), tol=0.07)
 
 
 # ---------------------------------------------------------------------------- bad inputs
