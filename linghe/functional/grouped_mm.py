@@ -54,9 +54,11 @@ def _offsets_of(layout, num_experts: int, num_rows: int, device) -> torch.Tensor
                         f"got {type(layout).__name__}")
     check_tensor(name, offsets, dtypes=(torch.int32, torch.int64), ndim=1,
                  shape=(num_experts + 1,))
-    if offsets.device != torch.device(device):
+    if offsets.device != device:
         raise ValueError(f"{name} is on {offsets.device} but the operands are on {device}")
-    return offsets.to(torch.int32).contiguous()
+    if offsets.dtype != torch.int32:
+        offsets = offsets.to(torch.int32)
+    return offsets if offsets.is_contiguous() else offsets.contiguous()
 
 
 def _check_backend(backend: str) -> None:
