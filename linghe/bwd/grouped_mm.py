@@ -111,8 +111,8 @@ def _wgrad_kernel(
 
 
 @triton.jit
-def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, grp, start, end, nmask, kmask,
-                    BR: tl.constexpr, MASK_R: tl.constexpr):
+def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, grp, start, end, R, nmask,
+                    kmask, BR: tl.constexpr, MASK_R: tl.constexpr):
     """One 128-token group ``grp``: ``acc += (g_grp @ x_grp^T) * (sg x sx)``. ``g_rows``
     ``[BN, 1]`` / ``x_rows`` ``[BK, 1]`` point at the rows of the columnwise copies, so both
     tiles are ``[*, BR]`` contiguous along the tokens (the contraction dim): both MMA
@@ -121,9 +121,14 @@ def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, grp, start, end, nmas
     r0 = grp * BR
     rs = r0 + tl.arange(0, BR)
     if MASK_R:
-        rm = (rs >= start) & (rs < end)
-        g = tl.load(g_rows + rs[None, :], mask=nmask[:, None] & rm[None, :], other=0.0)
-        x = tl.load(x_rows + rs[None, :], mask=kmask[:, None] & rm[None, :], other=0.0)
+        # Load the whole group (mask only the buffer end, so the loads stay vectorized),
+        # then zero the tokens of other experts in registers.
+        inb = (rs < R)[None, :]
+        rm = ((rs >= start) & (rs < end))[None, :]
+        g = tl.load(g_rows + rs[None, :], mask=nmask[:, None] & inb, other=0.0)
+        x = tl.load(x_rows + rs[None, :], mask=kmask[:, None] & inb, other=0.0)
+        g = tl.where(rm, g, tl.zeros_like(g))
+        x = tl.where(rm, x, tl.zeros_like(x))
     else:
         g = tl.load(g_rows + rs[None, :], mask=nmask[:, None], other=0.0)
         x = tl.load(x_rows + rs[None, :], mask=kmask[:, None], other=0.0)
@@ -170,13 +175,13 @@ def _wgrad_fp8_kernel(
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     for i in range(0, hi - lo):
         acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, lo + i, start, end,
-                              nmask, kmask, BR, False)
+                              R, nmask, kmask, BR, False)
     for i in range(0, head.to(tl.int32)):
         acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, g0 + i, start, end,
-                              nmask, kmask, BR, True)
+                              R, nmask, kmask, BR, True)
     for i in range(0, tail.to(tl.int32)):
         acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, hi + i, start, end,
-                              nmask, kmask, BR, True)
+                              R, nmask, kmask, BR, True)
     tl.store(w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
              + ks[None, :], acc.to(w_ptr.dtype.element_ty),
              mask=nmask[:, None] & kmask[None, :])
