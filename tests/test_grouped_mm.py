@@ -366,6 +366,22 @@ def test_tile_map(device, E, align, bm):
     assert int(want_off[-1]) + tail_tiles <= n
 
 
+def test_many_experts_in_kernel_schedule(device):
+    # E = 37 experts (in-kernel tile schedule over a 64-wide vector), zero-row experts,
+    # align 1 and a tail; forward and dgrad through the Triton kernel.
+    counts = torch.randint(0, 9, (37,)).tolist()
+    counts[3] = counts[20] = 0
+    x, layout, real = make_rows(counts, 1, 32, device, torch.float32, tail=7)
+    w = torch.randn(37, 24, 32, device=device)
+    out = linghe.grouped_mm(x, w, layout, backend="triton")
+    assert_close(out, ref.grouped_mm(x.double(), w.double(), layout.offsets))
+    assert torch.all(out[~real] == 0)
+    g = torch.randn_like(out)
+    dx = fwd_gm.launch_grouped_rows(g, w, torch.empty_like(x), layout.offsets,
+                                    stride_be=24 * 32, stride_bi=32, stride_bj=1, block_m=16)
+    assert_close(dx, ref.grouped_mm(g.double(), w.double().transpose(1, 2), layout.offsets))
+
+
 @pytest.mark.parametrize("R,J,used", [(70, 300, 33), (70, 300, 0), (70, 5, 70), (1, 1, 0)])
 def test_zero_tail(device, R, J, used):
     out = torch.randn(R, J, device=device)
