@@ -7,7 +7,7 @@ import linghe
 from linghe import reference as ref
 from linghe.fwd import grouped_mm as fwd_gm
 from linghe.layout import make_expert_layout
-from linghe.testing import assert_close, rel_err
+from linghe.testing import assert_close, assert_fp8_close, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HAS_TORCH_GMM = hasattr(torch, "_grouped_mm")
@@ -156,6 +156,7 @@ FP8_CASES = [
     ([5, 0, 150], 16, 200, 128),       # align 16: wgrad groups straddle experts
     ([100, 28], 128, 256, 128),        # align 128
     ([0, 0, 70], 1, 96, 256),          # all rows in one expert, K < 128
+    ([130, 300], 8, 128, 128),         # wgrad: full interior groups plus head/tail groups
 ]
 
 
@@ -193,7 +194,10 @@ def test_fp8_kernels_match_dequantized_reference(device, case):
     gc, xc = _deq(gq, columnwise=True), _deq(a, columnwise=True)
     r_dw = torch.stack([gc[off[e]:off[e + 1]].t() @ xc[off[e]:off[e + 1]] for e in range(E)])
     assert dw.dtype == torch.float32
-    assert_close(dw, r_dw, tol=1e-5, name="wgrad vs dequantized")
+    # Hopper FP8 wgmma accumulates with reduced (not IEEE fp32) precision inside each
+    # 128-token step: ~1e-4 relative vs the float64 product of the dequantized operands.
+    assert_close(dw, r_dw, tol=1e-3 if device == "cuda" else 1e-5,
+                 name="wgrad vs dequantized")
     exact_dw = torch.stack([g.double()[off[e]:off[e + 1]].t() @ x.double()[off[e]:off[e + 1]]
                             for e in range(E)])
     assert_close(dw, exact_dw, tol=FP8_VS_EXACT, name="wgrad vs exact")
@@ -229,13 +233,20 @@ def test_fp8_pow2_scales(device):
                  tol=FP8_VS_EXACT)
 
 
-def test_quantize_grouped_weight_layout(device):
-    w = torch.randn(3, 128, 200, device=device)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_grouped_weight_layout(device, dtype):
+    w = torch.randn(3, 128, 200, device=device, dtype=dtype)
     q = linghe.quantize_grouped_weight(w)
     assert q.shape == w.shape and q.scaling == "128x128"
     assert q.rowwise_data.shape == (384, 200) and q.rowwise_scale.shape == (3, 2)
     assert q.columnwise_data.shape == (200, 384) and q.columnwise_scale.shape == (2, 3)
-    assert_close(q.dequantize(dtype=torch.float32), w, tol=0.07)
+    # Element-wise against the spec on the [E*N, K] view (pinpoints data vs scales).
+    rq, rs = ref.quantize_128x128(w.reshape(384, 200), False)
+    torch.testing.assert_close(q.rowwise_scale, rs, rtol=0, atol=0)
+    assert_fp8_close(q.rowwise_data, rq)
+    assert torch.equal(q.columnwise_data.float(), q.rowwise_data.float().t())
+    assert torch.equal(q.columnwise_scale, q.rowwise_scale.t())
+    assert_close(q.dequantize(dtype=torch.float32), w.float(), tol=0.07)
 
 
 # ---------------------------------------------------------------------------- bad inputs
@@ -353,6 +364,32 @@ def test_tile_map(device, E, align, bm):
     # The static bound covers every expert tile and the whole tail.
     tail_tiles = -(-(R - int(layout.offsets[-1])) // bm)
     assert int(want_off[-1]) + tail_tiles <= n
+
+
+def test_many_experts_in_kernel_schedule(device):
+    # E = 37 experts (in-kernel tile schedule over a 64-wide vector), zero-row experts,
+    # align 1 and a tail; forward and dgrad through the Triton kernel.
+    counts = torch.randint(0, 9, (37,)).tolist()
+    counts[3] = counts[20] = 0
+    x, layout, real = make_rows(counts, 1, 32, device, torch.float32, tail=7)
+    w = torch.randn(37, 24, 32, device=device)
+    out = linghe.grouped_mm(x, w, layout, backend="triton")
+    assert_close(out, ref.grouped_mm(x.double(), w.double(), layout.offsets))
+    assert torch.all(out[~real] == 0)
+    g = torch.randn_like(out)
+    dx = fwd_gm.launch_grouped_rows(g, w, torch.empty_like(x), layout.offsets,
+                                    stride_be=24 * 32, stride_bi=32, stride_bj=1, block_m=16)
+    assert_close(dx, ref.grouped_mm(g.double(), w.double().transpose(1, 2), layout.offsets))
+
+
+@pytest.mark.parametrize("R,J,used", [(70, 300, 33), (70, 300, 0), (70, 5, 70), (1, 1, 0)])
+def test_zero_tail(device, R, J, used):
+    out = torch.randn(R, J, device=device)
+    before = out.clone()
+    offsets = torch.tensor([0, used], dtype=torch.int32, device=device)
+    fwd_gm.zero_tail(out, offsets)
+    assert torch.equal(out[:used], before[:used])
+    assert torch.all(out[used:] == 0)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

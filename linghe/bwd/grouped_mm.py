@@ -13,6 +13,8 @@ straddling two experts is used by both, each masking the other's rows.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -68,20 +70,13 @@ def grouped_mm_fp8_dgrad(dout_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: torch.T
 
 @triton.jit
 def _wgrad_kernel(
-    g_ptr, x_ptr, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
+    g_ptr, x_ptr, w_ptr, offsets_ptr,
     N, K, R,
     stride_gr, stride_gn, stride_xr, stride_xk, stride_we, stride_wn,
-    stride_gsn, stride_xsk,
-    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """``dW[e, n, k] = sum_{r in seg e} g[r, n] * x[r, k]``.
-
-    High precision: ``g [R, N]``, ``x [R, K]`` (strides given). FP8: ``g`` and ``x`` are
-    the columnwise copies ``[N, R]`` / ``[K, R]`` (``stride_gn``/``stride_xk`` = ``R``,
-    ``stride_gr``/``stride_xr`` = 1) with scales ``[N, ceil(R/128)]`` / ``[K, ...]``,
-    ``BR == 128``.
-    """
+    """High precision ``dW[e, n, k] = sum_{r in seg e} g[r, n] * x[r, k]`` for ``g [R, N]``,
+    ``x [R, K]`` (strides given; FP8 has its own kernel below)."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     num_k = tl.cdiv(K, BK)
@@ -106,12 +101,7 @@ def _wgrad_kernel(
                     other=0.0)
         x = tl.load(x_base + rs64[:, None] * stride_xr, mask=rmask[:, None] & kmask[None, :],
                     other=0.0)
-        if FP8:
-            grp = r0 // BR
-            sg = tl.load(gs_ptr + ns * stride_gsn + grp, mask=nmask, other=0.0)
-            sx = tl.load(xs_ptr + ks * stride_xsk + grp, mask=kmask, other=0.0)
-            acc += tl.dot(g, x) * (sg[:, None] * sx[None, :])
-        elif IEEE:
+        if IEEE:
             acc = tl.dot(g, x, acc, input_precision="ieee")
         else:
             acc = dot_f32acc(g, x, acc)
@@ -120,6 +110,84 @@ def _wgrad_kernel(
              mask=nmask[:, None] & kmask[None, :])
 
 
+@triton.jit
+def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, grp, start, end, R, nmask,
+                    kmask, BR: tl.constexpr, MASK_R: tl.constexpr):
+    """One 128-token group ``grp``: ``acc += (g_grp @ x_grp^T) * (sg x sx)``. ``g_rows``
+    ``[BN, 1]`` / ``x_rows`` ``[BK, 1]`` point at the rows of the columnwise copies, so both
+    tiles are ``[*, BR]`` contiguous along the tokens (the contraction dim): both MMA
+    operands K-major. ``MASK_R``: mask tokens outside ``[start, end)`` (boundary groups);
+    interior groups load unmasked along the tokens (vectorized, 16 B per access)."""
+    r0 = grp * BR
+    rs = r0 + tl.arange(0, BR)
+    if MASK_R:
+        # Load the whole group (mask only the buffer end, so the loads stay vectorized),
+        # then zero the tokens of other experts in registers.
+        inb = (rs < R)[None, :]
+        rm = ((rs >= start) & (rs < end))[None, :]
+        g = tl.load(g_rows + rs[None, :], mask=nmask[:, None] & inb, other=0.0)
+        x = tl.load(x_rows + rs[None, :], mask=kmask[:, None] & inb, other=0.0)
+        g = tl.where(rm, g, tl.zeros_like(g))
+        x = tl.where(rm, x, tl.zeros_like(x))
+    else:
+        g = tl.load(g_rows + rs[None, :], mask=nmask[:, None], other=0.0)
+        x = tl.load(x_rows + rs[None, :], mask=kmask[:, None], other=0.0)
+    sg = tl.load(gs_rows + grp, mask=nmask, other=0.0)
+    sx = tl.load(xs_rows + grp, mask=kmask, other=0.0)
+    return acc + tl.dot(g, tl.trans(x)) * (sg[:, None] * sx[None, :])
+
+
+@triton.jit
+def _wgrad_fp8_kernel(
+    g_ptr, x_ptr, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
+    N, K, R, stride_g, stride_x, stride_gs, stride_xs, stride_we, stride_wn,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):
+    """FP8 ``dW[e, n, k] = sum_{r in seg e} g[r, n] * x[r, k]`` from the columnwise copies
+    ``gq [N, R]`` / ``xq [K, R]`` (row strides ``stride_g``/``stride_x``) and their 1x128
+    scales ``[N, ceil(R/128)]`` / ``[K, ...]``; ``BR == 128`` (one scale group per step).
+
+    Expert ``e``'s tokens ``[start, end)`` are walked in global 128-token groups: the
+    groups fully inside the segment first (no token mask), then at most two boundary
+    groups (the one holding ``start`` when it is not group-aligned, the one holding
+    ``end`` when it is not), masked to the segment."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    num_k = tl.cdiv(K, BK)
+    pid_n = pid // num_k
+    pid_k = pid % num_k
+    ns = pid_n * BN + tl.arange(0, BN)
+    ks = pid_k * BK + tl.arange(0, BK)
+    nmask = ns < N
+    kmask = ks < K
+    start = tl.load(offsets_ptr + e)
+    end = tl.minimum(tl.load(offsets_ptr + e + 1), R)
+    start = tl.maximum(tl.minimum(start, end), 0)  # never out of bounds
+    g0 = start // BR
+    lo = (start + BR - 1) // BR  # first full group
+    hi = end // BR  # one past the last full group
+    head = ((start % BR) != 0) & (start < end)
+    tail = ((end % BR) != 0) & (hi >= lo)
+    g_rows = g_ptr + ns[:, None].to(tl.int64) * stride_g
+    x_rows = x_ptr + ks[:, None].to(tl.int64) * stride_x
+    gs_rows = gs_ptr + ns.to(tl.int64) * stride_gs
+    xs_rows = xs_ptr + ks.to(tl.int64) * stride_xs
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for i in range(0, hi - lo):
+        acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, lo + i, start, end,
+                              R, nmask, kmask, BR, False)
+    for i in range(0, head.to(tl.int32)):
+        acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, g0 + i, start, end,
+                              R, nmask, kmask, BR, True)
+    for i in range(0, tail.to(tl.int32)):
+        acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, hi + i, start, end,
+                              R, nmask, kmask, BR, True)
+    tl.store(w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+             + ks[None, :], acc.to(w_ptr.dtype.element_ty),
+             mask=nmask[:, None] & kmask[None, :])
+
+
+@functools.cache
 def _wgrad_config(fp8: bool, f32: bool):
     if INTERPRET:
         return dict(BN=32, BK=32, BR=128 if fp8 else 32, num_warps=4, num_stages=1)
@@ -130,21 +198,18 @@ def _wgrad_config(fp8: bool, f32: bool):
     return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=4)
 
 
-def _launch_wgrad(g, x, dw, offsets, strides, gs=None, xs=None, scale_strides=(0, 0)):
+def _launch_wgrad(g, x, dw, offsets, strides):
     E, N, K = dw.shape
     if E == 0 or N == 0 or K == 0:
         return dw
-    fp8 = gs is not None
-    cfg = _wgrad_config(fp8, g.dtype == torch.float32)
+    cfg = _wgrad_config(False, g.dtype == torch.float32)
     grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
     R = strides[-1]
     with device_guard(dw):
         _wgrad_kernel[grid](
-            g, x, dw, gs if fp8 else offsets, xs if fp8 else offsets, offsets, N, K, R,
-            *strides[:-1], dw.stride(0), dw.stride(1), *scale_strides,
-            BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], FP8=fp8,
-            IEEE=(g.dtype == torch.float32), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            g, x, dw, offsets, N, K, R, *strides[:-1], dw.stride(0), dw.stride(1),
+            BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], IEEE=(g.dtype == torch.float32),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dw
 
 
@@ -179,5 +244,14 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.T
     K = xq.shape[0]
     E = offsets.numel() - 1
     dw = empty(E, N, K, dtype=out_dtype, device=gq.device)
-    return _launch_wgrad(gq, xq, dw, offsets, (1, R, 1, R, R), gs=gs, xs=xs,
-                         scale_strides=(gs.stride(0), xs.stride(0)))
+    if E == 0 or N == 0 or K == 0:
+        return dw
+    cfg = _wgrad_config(True, False)
+    grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
+    with device_guard(dw):
+        _wgrad_fp8_kernel[grid](
+            gq, xq, dw, gs, xs, offsets, N, K, R, gq.stride(0), xq.stride(0),
+            gs.stride(0), xs.stride(0), dw.stride(0), dw.stride(1),
+            BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    return dw

@@ -54,9 +54,11 @@ def _offsets_of(layout, num_experts: int, num_rows: int, device) -> torch.Tensor
                         f"got {type(layout).__name__}")
     check_tensor(name, offsets, dtypes=(torch.int32, torch.int64), ndim=1,
                  shape=(num_experts + 1,))
-    if offsets.device != torch.device(device):
+    if offsets.device != device:
         raise ValueError(f"{name} is on {offsets.device} but the operands are on {device}")
-    return offsets.to(torch.int32).contiguous()
+    if offsets.dtype != torch.int32:
+        offsets = offsets.to(torch.int32)
+    return offsets if offsets.is_contiguous() else offsets.contiguous()
 
 
 def _check_backend(backend: str) -> None:
@@ -85,6 +87,18 @@ def _check_operands(rows, weight):
 # --------------------------------------------------------------------------------------
 
 
+class _ColumnwiseCopy:
+    """The columnwise half of an :class:`Fp8Tensor` (what the FP8 dgrad/wgrad launchers
+    read), without the rowwise copy, so that the latter is freed after the forward."""
+
+    __slots__ = ("shape", "columnwise_data", "columnwise_scale")
+
+    def __init__(self, t: Fp8Tensor):
+        self.shape = t.shape
+        self.columnwise_data = t.columnwise_data
+        self.columnwise_scale = t.columnwise_scale
+
+
 class GroupedMMFunction(torch.autograd.Function):
     """Saved for backward: ``rows``, ``weight`` and ``offsets`` (high precision); with
     ``fp8=True`` instead the columnwise 1x128 copy of ``rows`` (for the wgrad) and the
@@ -103,8 +117,9 @@ class GroupedMMFunction(torch.autograd.Function):
         a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
         w = quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
         out = fwd.grouped_mm_fp8_fwd(a, w, offsets, out_dtype=rows.dtype)
-        ctx.a = a.with_components(rowwise_data=None, rowwise_scale=None) if need_dw else None
-        ctx.w = w.with_components(rowwise_data=None, rowwise_scale=None) if need_dx else None
+        # Only the columnwise copies live on (plain holders: no tensor-subclass construction).
+        ctx.a = _ColumnwiseCopy(a) if need_dw else None
+        ctx.w = _ColumnwiseCopy(w) if need_dx else None
         ctx.dtypes = (rows.dtype, weight.dtype)
         ctx.save_for_backward(offsets)
         return out

@@ -5,14 +5,15 @@ Rows follow :class:`linghe.layout.ExpertLayout`: expert ``e``'s segment is rows
 rows ``>= offsets[E]`` are the tail. Weights are per expert, ``[E, N, K]`` (``nn.Linear``
 convention), and ``out[r] = rows[r] @ W_e^T`` for ``r`` in segment ``e``.
 
-**Tile schedule (no host sync).** The segment sizes live on the device only. A one-program
-prep kernel (:func:`tile_map`) turns ``offsets`` into ``tile_off [E + 1]`` (the cumulative
-number of ``BM``-row tiles per expert, ``cdiv(padded_e, BM)``) and ``tile_expert [T]``
-(each row tile's expert), so a tile never crosses two experts whatever ``align`` is (a
-tile may be partial within its segment: masked). The grid is the static bound
-``T = cdiv(R, BM) + E + 1`` row tiles (times the column tiles); tiles past ``tile_off[E]``
-cover the tail (from ``offsets[E]``) and store zeros without a K loop, and those past
-row ``R`` store nothing.
+**Tile schedule (no host sync, no extra launch).** The segment sizes live on the device
+only. Each program of the GEMM kernel turns ``offsets`` (``E + 1`` ints, L2-resident)
+into the cumulative number of ``BM``-row tiles per expert (``cdiv(padded_e, BM)``) and
+finds its own row tile's expert (:func:`find_tile`), so a tile never crosses two experts
+whatever ``align`` is (a tile may be partial within its segment: masked). The grid is the
+static bound ``T = cdiv(R, BM) + E + 1`` row tiles (times the column tiles); tiles past
+the experts' tiles cover the tail (from ``offsets[E]``) and store zeros without a K loop,
+and those past row ``R`` store nothing. :func:`tile_map` materializes the same schedule
+(tests, debugging).
 
 The same "rows @ B_e" kernel serves the forward (``B_e = W_e^T``) and the dgrad
 (``B_e = W_e``) through strides; :mod:`linghe.bwd.grouped_mm` holds the wgrad kernel.
@@ -63,8 +64,9 @@ def _tile_map_kernel(offsets_ptr, tile_off_ptr, tile_expert_ptr, E, n_tiles,
 
 
 def tile_map(offsets: torch.Tensor, num_rows: int, block_m: int):
-    """Device-side tile schedule (one tiny launch, no host sync): ``(tile_off [E + 1],
-    tile_expert [n_tiles], n_tiles)`` with the static bound ``n_tiles``."""
+    """The tile schedule that :func:`find_tile` computes inside the GEMM kernel, as tensors
+    (tests/debugging; one tiny launch, no host sync): ``(tile_off [E + 1], tile_expert
+    [n_tiles], n_tiles)`` with the static bound ``n_tiles``."""
     E = offsets.numel() - 1
     n_tiles = row_tile_bound(num_rows, E, block_m)
     tile_off = torch.empty(E + 1, dtype=torch.int32, device=offsets.device)
@@ -84,12 +86,20 @@ def row_tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def find_tile(tile_off_ptr, tile_expert_ptr, offsets_ptr, t, E, BM: tl.constexpr):
-    """For row tile ``t``: ``(e, row_start, row_end)``. ``e == E`` marks a tail tile
-    (``row_end`` is then a huge bound; the caller also masks with the row count)."""
-    e = tl.load(tile_expert_ptr + t)
+def find_tile(offsets_ptr, t, E, BM: tl.constexpr, EP2: tl.constexpr):
+    """For row tile ``t``: ``(e, row_start, row_end)``, computed in the program from
+    ``offsets`` (``E + 1`` int32, L2-resident; no separate schedule launch). ``e == E``
+    marks a tail tile (``row_end`` is then a huge bound; the caller also masks with the
+    row count). Same schedule as :func:`tile_map`."""
+    idx = tl.arange(0, EP2)
+    m = idx < E
+    lo = tl.load(offsets_ptr + idx, mask=m, other=0)
+    hi = tl.load(offsets_ptr + idx + 1, mask=m, other=0)
+    tiles = tl.where(m, (hi - lo + (BM - 1)) // BM, 0)
+    cum = tl.cumsum(tiles, axis=0)  # cum[e] = first tile of expert e + 1
+    e = tl.sum(((cum <= t) & m).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(idx < e, tiles, 0), axis=0)
     base = tl.load(offsets_ptr + e)
-    first = tl.load(tile_off_ptr + e)
     start = base + (t - first) * BM
     nxt = tl.load(offsets_ptr + tl.minimum(e + 1, E))
     end = tl.where(e < E, nxt, 2147483647)
@@ -98,14 +108,18 @@ def find_tile(tile_off_ptr, tile_expert_ptr, offsets_ptr, t, E, BM: tl.constexpr
 
 @triton.jit
 def _grouped_rows_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offsets_ptr, tile_off_ptr, tile_expert_ptr,
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offsets_ptr,
     R, I, J, E, num_row_tiles,
     stride_am, stride_be, stride_bi, stride_bj, stride_cm,
     stride_asm, bs_se, bs_si, bs_sj,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, B_KMAJOR: tl.constexpr, EP2: tl.constexpr,
 ):
     """``c[r, j] = sum_i a[r, i] * b[e(r), i, j]`` for rows grouped by expert.
+
+    ``B_KMAJOR`` (``stride_bi == 1``): ``b`` is contiguous along the contraction dim, so
+    its tile is loaded ``[BN, BK]`` (row-major) and fed as ``tl.trans``: both MMA operands
+    K-major, which Hopper FP8 wgmma requires.
 
     FP8: ``a`` 1x128 rowwise (scale ``as[r, i // 128]``), ``b`` 128x128 blocks (scale
     ``bs[e * bs_se + (i // 128) * bs_si + (j // 128) * bs_sj]``), ``BK == 128``.
@@ -120,7 +134,7 @@ def _grouped_rows_kernel(
     t = first_m + (pid % width) % gsize
     pid_n = (pid % width) // gsize
 
-    e, start, end = find_tile(tile_off_ptr, tile_expert_ptr, offsets_ptr, t, E, BM)
+    e, start, end = find_tile(offsets_ptr, t, E, BM, EP2)
     valid = e < E
     e64 = tl.minimum(e, E - 1).to(tl.int64)
     rows = start.to(tl.int64) + tl.arange(0, BM)
@@ -131,13 +145,19 @@ def _grouped_rows_kernel(
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     a_rows = a_ptr + rows[:, None] * stride_am
-    b_base = b_ptr + e64 * stride_be + cols[None, :].to(tl.int64) * stride_bj
+    b_base = b_ptr + e64 * stride_be
     for k0 in range(0, k_end, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < I
         a = tl.load(a_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_base + ks[:, None].to(tl.int64) * stride_bi,
-                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if B_KMAJOR:  # [BN, BK] tile, contiguous along K; used transposed
+            bt = tl.load(b_base + cols[:, None].to(tl.int64) * stride_bj + ks[None, :],
+                         mask=cmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.trans(bt)
+        else:
+            b = tl.load(b_base + ks[:, None].to(tl.int64) * stride_bi
+                        + cols[None, :].to(tl.int64) * stride_bj,
+                        mask=kmask[:, None] & cmask[None, :], other=0.0)
         if FP8:
             kb = k0 // BK
             sa = tl.load(as_ptr + rows * stride_asm + kb, mask=rmask, other=0.0)
@@ -172,6 +192,9 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
                 num_stages=4)
 
 
+_PLANS: dict = {}  # (R, E, J, fp8, f32, block_m) -> (config, n_tiles, grid, EP2)
+
+
 def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
                         a_scale=None, b_scale=None, bs_strides=(0, 0, 0),
                         block_m: int | None = None):
@@ -184,19 +207,23 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     if R == 0 or J == 0:
         return out
     fp8 = a_scale is not None
-    cfg = _mm_config(R, E, J, fp8, block_m, f32=a.dtype == torch.float32)
-    BM = cfg["BM"]
-    tile_off, tile_expert, n_tiles = tile_map(offsets, R, BM)
-    grid = (n_tiles * cdiv(J, cfg["BN"]),)
-    dummy = offsets
+    f32 = a.dtype == torch.float32
+    key = (R, E, J, fp8, f32, block_m)
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = _mm_config(R, E, J, fp8, block_m, f32=f32)
+        n_tiles = row_tile_bound(R, E, cfg["BM"])
+        plan = _PLANS[key] = (cfg, n_tiles, (n_tiles * cdiv(J, cfg["BN"]),),
+                              max(16, triton.next_power_of_2(E)))
+    cfg, n_tiles, grid, EP2 = plan
     with device_guard(a):
         _grouped_rows_kernel[grid](
-            a, b, out, a_scale if fp8 else dummy, b_scale if fp8 else dummy, offsets,
-            tile_off, tile_expert, R, I, J, E, n_tiles,
+            a, b, out, a_scale if fp8 else offsets, b_scale if fp8 else offsets, offsets,
+            R, I, J, E, n_tiles,
             a.stride(0), stride_be, stride_bi, stride_bj, out.stride(0),
             a_scale.stride(0) if fp8 else 0, *bs_strides,
-            BM=BM, BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-            FP8=fp8, IEEE=(a.dtype == torch.float32),
+            BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+            FP8=fp8, IEEE=f32, B_KMAJOR=stride_bi == 1, EP2=EP2,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -204,6 +231,9 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
 # --------------------------------------------------------------------------------------
 # torch._grouped_mm (cuBLAS/CUTLASS grouped GEMM) detection
 # --------------------------------------------------------------------------------------
+
+
+_CAPABILITY: dict = {}  # device -> compute capability (a driver query per call otherwise)
 
 
 def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
@@ -215,7 +245,12 @@ def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or INTERPRET:
         return False
     t0 = tensors[0]
-    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device) != (9, 0):
+    if t0.device.type != "cuda":
+        return False
+    cap = _CAPABILITY.get(t0.device)
+    if cap is None:
+        cap = _CAPABILITY[t0.device] = torch.cuda.get_device_capability(t0.device)
+    if cap != (9, 0):
         return False
     for t in tensors:
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape[-1] % 8 != 0:
@@ -230,22 +265,30 @@ def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
 @triton.jit
 def _zero_tail_kernel(c_ptr, offsets_ptr, R, J, E, stride_cm, BM: tl.constexpr,
                       BN: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    used = tl.load(offsets_ptr + E)
-    mask = ((rows >= used) & (rows < R))[:, None] & (cols < J)[None, :]
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
-             tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=mask)
+    """Zero rows ``offsets[E] .. R`` of ``c``: a small grid strides over the tail's row
+    tiles only, so the work (and the number of busy programs) follows the tail's size."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    used = tl.minimum(tl.maximum(tl.load(offsets_ptr + E), 0), R)
+    zeros = tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty)
+    for rt in range(used // BM + pid, tl.cdiv(R, BM), nprog):
+        rows = (rt * BM + tl.arange(0, BM)).to(tl.int64)
+        rmask = (rows >= used) & (rows < R)
+        for c0 in range(0, J, BN):
+            cols = c0 + tl.arange(0, BN)
+            tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], zeros,
+                     mask=rmask[:, None] & (cols < J)[None, :])
 
 
 def zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Zero rows ``>= offsets[E]`` of ``out [R, J]`` (stores only there; no sync)."""
     R, J = out.shape
     if R and J:
-        BM, BN = 64, 128
+        BM, BN = 32, 256
         with device_guard(out):
-            _zero_tail_kernel[(cdiv(R, BM), cdiv(J, BN))](
-                out, offsets, R, J, offsets.numel() - 1, out.stride(0), BM=BM, BN=BN)
+            _zero_tail_kernel[(min(cdiv(R, BM), 128),)](
+                out, offsets, R, J, offsets.numel() - 1, out.stride(0), BM=BM, BN=BN,
+                num_warps=4)
     return out
 
 
