@@ -35,7 +35,7 @@ def _split3(a):
 
 
 @triton.jit
-def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, k_per_split,
+def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, k_per_split,
                SA: tl.constexpr, SB: tl.constexpr, ORDER: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -63,8 +63,18 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, k_per
                     mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
                     mask=kmask[:, None] & nmask[None, :], other=0.0)
-        a0, a1, a2 = _split3(a.to(tl.float32))
-        b0, b1, b2 = _split3(b.to(tl.float32))
+        if SA == 1:
+            a0 = a.to(tl.bfloat16)
+            a1 = a0
+            a2 = a0
+        else:
+            a0, a1, a2 = _split3(a.to(tl.float32))
+        if SB == 1:
+            b0 = b.to(tl.bfloat16)
+            b1 = b0
+            b2 = b0
+        else:
+            b0, b1, b2 = _split3(b.to(tl.float32))
         # smallest terms first
         if ORDER >= 2:
             if SA > 1:
@@ -81,11 +91,45 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, k_per
                 acc = dot_f32acc(a0, b1, acc)
         acc = dot_f32acc(a0, b0, acc)
     c_base = c_ptr + pid_s.to(tl.int64) * M * N
-    tl.store(c_base + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+    tl.store(c_base + rm[:, None] * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
 _PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_MM_CFG: dict = {}
+
+
+def _mm_config(M: int, N: int, K: int, ea: int, eb: int, dev) -> tuple:
+    """``(BM, BN, BK, num_warps, num_stages, split_k)`` for ``[M, K] @ [K, N]`` with operand
+    element sizes ``ea``/``eb`` (cached per shape)."""
+    key = (M, N, K, ea, eb, dev)
+    cfg = _MM_CFG.get(key)
+    if cfg is not None:
+        return cfg
+    if INTERPRET:
+        cfg = (32, 32, 32, 4, 1, 1)
+    else:
+        sms = num_sms(dev)
+        if N <= 256:
+            # narrow output (the router's E): one tile spans N, so A is read exactly once
+            BM, BN, nw = 64, max(16, next_power_of_2(N)), 4
+        else:
+            BM, BN, nw = 128, 128, 8
+        BK = 64
+        if eb == 4 and BN >= 256:
+            BK, nw = 32, 8  # an fp32 B tile is split in registers: keep it small
+        ns = 2 if (ea == 4 and eb == 4) else (3 if max(ea, eb) == 4 else 4)
+        if BN < 256 and M * N <= 64 * 128 * sms:
+            BM = 64
+        tiles = cdiv(M, BM) * cdiv(N, BN)
+        split_k = 1
+        if tiles < sms and K >= 2048:
+            # few output tiles (dW = dlogits^T @ x: [E, K] over T): split the reduction so
+            # that about two waves of programs run; fp32 partials summed deterministically
+            split_k = max(1, min(cdiv(2 * sms, tiles), K // 512))
+        cfg = (BM, BN, BK, nw, ns, split_k)
+    _MM_CFG[key] = cfg
+    return cfg
 
 
 def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
@@ -93,25 +137,22 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
     """``a [M, K] @ b [K, N]`` (any strides) -> ``[M, N]`` contiguous ``out_dtype``, exact to
     float32 accuracy without TF32 (see the module docstring). ``order`` defaults to 2 for
     a float32 output and 1 otherwise. ``split_k`` > 1 sums partial products over K chunks
-    (a deterministic second pass)."""
+    (a deterministic second pass). The operand with more bf16 parts is put in the MMA's A
+    slot (computing ``C^T = B^T A^T``): on Hopper, A may come from registers, B must be
+    staged through shared memory."""
     M, K = a.shape
     N = b.shape[1]
     if order is None:
         order = 2 if out_dtype == torch.float32 else 1
     dev = a.device
-    if INTERPRET:
-        BM, BN, BK, nw, ns = 32, 32, 32, 4, 1
+    swap = _PARTS[b.dtype] > _PARTS[a.dtype] and order > 0
+    if swap:
+        a_, b_, M_, N_ = b.t(), a.t(), N, M
     else:
-        # two fp32 operands need twice the shared memory per stage
-        BM, BN, BK, nw = 128, 128, 64, 8
-        ns = 2 if (a.element_size() == 4 and b.element_size() == 4) else 3
-        if M * N <= 64 * 128 * num_sms(dev):
-            BM = 64
-    tiles = cdiv(M, BM) * cdiv(N, BN)
+        a_, b_, M_, N_ = a, b, M, N
+    BM, BN, BK, nw, ns, sk = _mm_config(M_, N_, K, a_.element_size(), b_.element_size(), dev)
     if split_k is None:
-        split_k = 1
-        if not INTERPRET and tiles < num_sms(dev) and K >= 4096:
-            split_k = max(1, min(num_sms(dev) // tiles, K // 1024))
+        split_k = sk
     k_per = cdiv(cdiv(K, split_k), BK) * BK if K else BK
     split_k = max(1, cdiv(K, k_per))
     if split_k == 1:
@@ -122,13 +163,15 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
         return c if split_k == 1 else c.sum(0).to(out_dtype)
     if K == 0:
         return torch.zeros(M, N, dtype=out_dtype, device=dev)
+    s_cm, s_cn = (1, N) if swap else (N, 1)
+    tiles = cdiv(M_, BM) * cdiv(N_, BN)
     with device_guard(a):
         _mm_kernel[(tiles, split_k)](
-            a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), N, k_per,
-            SA=_PARTS[a.dtype], SB=_PARTS[b.dtype], ORDER=order, BM=BM, BN=BN, BK=BK,
-            GROUP_M=8, num_warps=nw, num_stages=ns)
+            a_, b_, c, M_, N_, K, a_.stride(0), a_.stride(1), b_.stride(0), b_.stride(1),
+            s_cm, s_cn, k_per, SA=_PARTS[a_.dtype], SB=_PARTS[b_.dtype], ORDER=order, BM=BM,
+            BN=BN, BK=BK, GROUP_M=8, num_warps=nw, num_stages=ns)
     if split_k > 1:
-        c = c.sum(0).to(out_dtype)
+        c = c.sum(0) if out_dtype == torch.float32 else c.sum(0).to(out_dtype)
     return c
 
 
@@ -205,10 +248,18 @@ def _topk_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, ids_ptr, tpe_ptr, T, strid
     tl.atomic_add(tpe_ptr + e2, hist, mask=valid & (hist > 0))
 
 
+_SMS: dict = {}
+
+
 def _rows_per_prog(T: int, dev) -> int:
     if INTERPRET:
         return 4
-    return max(1, min(16, cdiv(T, 8 * num_sms(dev))))
+    sms = _SMS.get(dev)
+    if sms is None:
+        sms = _SMS[dev] = num_sms(dev)
+    # ~32 single-warp programs per SM: the per-row reductions are latency-bound, so
+    # parallelism comes from many resident programs rather than long loops
+    return max(1, min(16, cdiv(T, 32 * sms)))
 
 
 def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None,
@@ -238,8 +289,8 @@ def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tens
 
 # ------------------------------------------------------------------------------ z-loss
 @triton.jit
-def _zloss_fwd_kernel(logits_ptr, lse_ptr, z_ptr, T, E, stride_l, ROWS: tl.constexpr,
-                      BE: tl.constexpr):
+def _zloss_fwd_kernel(logits_ptr, lse_ptr, part_ptr, cnt_ptr, T, E, stride_l, inv_t, n_progs,
+                      ROWS: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr):
     pid = tl.program_id(0)
     eb = tl.arange(0, BE)
     zero_v = tl.zeros([BE], dtype=tl.float32)
@@ -262,11 +313,38 @@ def _zloss_fwd_kernel(logits_ptr, lse_ptr, z_ptr, T, E, stride_l, ROWS: tl.const
         lse_v = zero_v + lse
         tl.store(lse_ptr + t + eb, lse_v, mask=(eb == 0) & rv)
         acc += tl.sum(tl.where((eb == 0) & rv, lse_v * lse_v, 0.0), axis=0)
-    tl.store(z_ptr + pid, acc)
+    tl.store(part_ptr + pid, acc)
+    tl.debug_barrier()  # the partial is written before this program's release below
+    # The last program to finish sums the per-program partials in a fixed order (so the
+    # result is deterministic) and writes the loss to part[n_progs]; it then resets the
+    # counter for the next call. Branch-free: other programs' loads/stores are masked off.
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    pb = tl.arange(0, BP)
+    last = (pb * 0 + done) == n_progs - 1
+    tot = tl.zeros([BP], dtype=tl.float32)
+    for p0 in range(0, n_progs, BP):
+        tot += tl.load(part_ptr + p0 + pb, mask=(p0 + pb < n_progs) & last, other=0.0,
+                       cache_modifier=".cg")
+    loss = tl.sum(tot, axis=0) * inv_t
+    tl.store(part_ptr + n_progs + pb, tot * 0.0 + loss, mask=(pb == 0) & last)
+    tl.store(cnt_ptr + pb, pb * 0, mask=(pb == 0) & last)
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(dev) -> torch.Tensor:
+    """A per-device int32 zero that ``_zloss_fwd_kernel`` increments and resets to zero
+    (calls on one device are assumed stream-ordered, as all of a training step's are)."""
+    c = _COUNTERS.get(dev)
+    if c is None:
+        c = _COUNTERS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return c
 
 
 def router_z_loss_fwd(logits: torch.Tensor):
-    """Returns ``(loss [] fp32, lse [T] fp32)`` for ``logits [T, E]``."""
+    """Returns ``(loss [] fp32, lse [T] fp32)`` for ``logits [T, E]``: one launch (the loss
+    is reduced in-kernel by the last program)."""
     T, E = logits.shape
     dev = logits.device
     lse = empty(T, dtype=torch.float32, device=dev)
@@ -274,9 +352,11 @@ def router_z_loss_fwd(logits: torch.Tensor):
         return torch.zeros((), dtype=torch.float32, device=dev), lse
     ROWS = _rows_per_prog(T, dev)
     n = cdiv(T, ROWS)
-    z = empty(n, dtype=torch.float32, device=dev)
+    part = empty(n + 1, dtype=torch.float32, device=dev)
     BE = min(next_power_of_2(max(E, 1)), 4096)
+    BP = min(next_power_of_2(n), 256)
     with device_guard(logits):
-        _zloss_fwd_kernel[(n,)](logits, lse, z, T, E, logits.stride(0), ROWS=ROWS, BE=BE,
+        _zloss_fwd_kernel[(n,)](logits, lse, part, _counter(dev), T, E, logits.stride(0),
+                                1.0 / T, n, ROWS=ROWS, BE=BE, BP=BP,
                                 num_warps=1 if BE <= 512 else 4)
-    return z.sum() / T, lse
+    return part[n], lse
