@@ -27,7 +27,7 @@ import triton.language as tl
 from ..layout import ExpertLayout
 from ..utils import INTERPRET, cdiv, device_guard, empty, next_power_of_2, num_sms
 
-CHUNK = 512
+CHUNK = 256  # copies per index program: T*k = 65536 -> 256 programs (latency-bound scans)
 _SMS: dict = {}
 
 

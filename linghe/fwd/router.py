@@ -122,7 +122,8 @@ def _mm_config(M: int, N: int, K: int, ea: int, eb: int, dev) -> tuple:
         BK = 64
         if eb == 4 and BN >= 256:
             BK, nw = 32, 8  # an fp32 B tile is split in registers: keep it small
-        ns = 2 if (ea == 4 and eb == 4) else (3 if max(ea, eb) == 4 else 4)
+        ns = 2 if (ea == 4 and eb == 4) else (3 if max(ea, eb) == 4 or BN >= 256 else 4)
+        # (smem: BN=256 bf16 stages are 40 KB each, plus a 64 KB fp32 epilogue tile)
         if BN < 256 and M * N <= 64 * 128 * sms:
             BM = 64
         tiles = cdiv(M, BM) * cdiv(N, BN)
