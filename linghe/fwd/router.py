@@ -356,7 +356,8 @@ def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tens
 
 # ------------------------------------------------------------------------------ z-loss
 @triton.jit
-def _zloss_fwd_kernel(logits_ptr, lse_ptr, part_ptr, cnt_ptr, T, E, stride_l, inv_t, n_progs,
+def _zloss_fwd_kernel(logits_ptr, lse_ptr, part_ptr, loss_ptr, cnt_ptr, T, E, stride_l, inv_t,
+                      n_progs,
                       ROWS: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr):
     pid = tl.program_id(0)
     eb = tl.arange(0, BE)
@@ -383,7 +384,7 @@ def _zloss_fwd_kernel(logits_ptr, lse_ptr, part_ptr, cnt_ptr, T, E, stride_l, in
     tl.store(part_ptr + pid, acc)
     tl.debug_barrier()  # the partial is written before this program's release below
     # The last program to finish sums the per-program partials in a fixed order (so the
-    # result is deterministic) and writes the loss to part[n_progs]; it then resets the
+    # result is deterministic) and writes the loss; it then resets the
     # counter for the next call. Branch-free: other programs' loads/stores are masked off.
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
     pb = tl.arange(0, BP)
@@ -393,7 +394,7 @@ def _zloss_fwd_kernel(logits_ptr, lse_ptr, part_ptr, cnt_ptr, T, E, stride_l, in
         tot += tl.load(part_ptr + p0 + pb, mask=(p0 + pb < n_progs) & last, other=0.0,
                        cache_modifier=".cg")
     loss = tl.sum(tot, axis=0) * inv_t
-    tl.store(part_ptr + n_progs + pb, tot * 0.0 + loss, mask=(pb == 0) & last)
+    tl.store(loss_ptr + pb, tot * 0.0 + loss, mask=(pb == 0) & last)
     tl.store(cnt_ptr + pb, pb * 0, mask=(pb == 0) & last)
 
 
@@ -419,11 +420,13 @@ def router_z_loss_fwd(logits: torch.Tensor):
         return torch.zeros((), dtype=torch.float32, device=dev), lse
     ROWS = _rows_per_prog(T, dev)
     n = cdiv(T, ROWS)
-    part = empty(n + 1, dtype=torch.float32, device=dev)
+    part = empty(n, dtype=torch.float32, device=dev)
+    # its own tensor (not a view of ``part``: in-place ops on the returned loss must work)
+    loss = empty((), dtype=torch.float32, device=dev)
     BE = min(next_power_of_2(max(E, 1)), 4096)
     BP = min(next_power_of_2(n), 256)
     with device_guard(logits):
-        _zloss_fwd_kernel[(n,)](logits, lse, part, _counter(dev), T, E, logits.stride(0),
+        _zloss_fwd_kernel[(n,)](logits, lse, part, loss, _counter(dev), T, E, logits.stride(0),
                                 1.0 / T, n, ROWS=ROWS, BE=BE, BP=BP,
                                 num_warps=1 if BE <= 512 else 4)
-    return part[n], lse
+    return loss, lse
