@@ -139,6 +139,6 @@ def router_z_loss_bwd(g: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor) 
     BE = min(next_power_of_2(max(E, 1)), 4096)
     with device_guard(logits):
         _zloss_bwd_kernel[(cdiv(T, ROWS),)](
-            logits, lse, g.reshape(1).float().contiguous(), dl, T, E, logits.stride(0),
+            logits, lse, g if g.dtype == torch.float32 else g.float(), dl, T, E, logits.stride(0),
             1.0 / T, ROWS=ROWS, BE=BE, num_warps=1 if BE <= 512 else 4)
     return dl
