@@ -141,6 +141,17 @@ def test_out_of_range_ids_dropped_or_raise(device):
     try:
         with pytest.raises(ValueError, match="expert_ids"):
             linghe.permute(x, ids, num_experts=E)
+        # -1 = "not routed": dropped silently even in debug mode; < -1 still raises
+        ids2 = _ids(T, E, k, device)
+        ids2[3, 1] = -1
+        ids2[6, 0] = -1
+        rows2, _, lay2 = linghe.permute(x, ids2, num_experts=E, align=2)
+        assert torch.equal(rows2, ref.permute(x, ids2, None, E, 2)[0])
+        assert lay2.row_index[3, 1] == -1 and lay2.row_index[6, 0] == -1
+        assert int(lay2.tokens_per_expert.sum()) == T * k - 2
+        ids2[2, 0] = -2
+        with pytest.raises(ValueError, match="expert_ids"):
+            linghe.permute(x, ids2, num_experts=E)
     finally:
         linghe.set_debug(False)
 
@@ -164,6 +175,28 @@ def test_fp8_rows_move_with_scales(device):
     assert torch.all(rows.rowwise_scale[~real] == 1)
     ref_rows, *_ = ref.permute(q.dequantize(dtype=torch.float32), ids, None, E, 16)
     assert_close(rows.dequantize(dtype=torch.float32), ref_rows)
+
+
+def test_fp8_permute_autograd(device):
+    # gradient to the high-precision input through an FP8 permute (straight-through)
+    T, E, k, H = 21, 5, 2, 130
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    q = linghe.quantize_1x128(x).requires_grad_()
+    ids = _ids(T, E, k, device)
+    ids[4, 1] = -1
+    probs = torch.rand(T, k, device=device, requires_grad=True)
+    rows, prow, lay = linghe.permute(q, ids, probs, num_experts=E, align=8)
+    assert isinstance(rows, linghe.Fp8Tensor) and rows.requires_grad
+    g = torch.randn(lay.num_rows, H, device=device)
+    gp = torch.randn(lay.num_rows, device=device)
+    ((rows.dequantize(dtype=torch.float32) * g).sum() + (prow * gp).sum()).backward()
+    ri = lay.row_index.long()
+    ok = (ri >= 0)
+    ref_dx = (g[ri.clamp(min=0)] * ok[..., None]).sum(1)
+    assert q.grad is not None and not isinstance(q.grad, linghe.Fp8Tensor)
+    assert q.grad.dtype == torch.bfloat16 and q.grad.shape == (T, H)
+    assert_close(q.grad, ref_dx)
+    assert_close(probs.grad, gp[ri.clamp(min=0)] * ok)
 
 
 def test_bad_inputs(device):

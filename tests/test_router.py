@@ -8,6 +8,16 @@ from linghe import reference as ref
 from linghe.testing import assert_close, rel_err
 
 
+def _exact_tol(device, K: int) -> float:
+    """Bound for the fp32-exact router GEMM. Interpreter: IEEE fp32 sums (~1e-7). CUDA:
+    Hopper's bf16 tensor-core MMA accumulates in fp32 without IEEE round-to-nearest
+    (measured 5e-7..1.5e-6 at K~256, 6.7e-6 at K=2048 on H200), so the bound grows with K;
+    still >= 30x under TF32's ~1e-3/1e-4."""
+    if torch.device(device).type != "cuda":
+        return 5e-7
+    return 3e-6 * max(1.0, K / 256)
+
+
 @pytest.mark.parametrize("T,K,E", [(0, 64, 8), (1, 1, 1), (37, 100, 33), (40, 130, 8),
                                    (5, 257, 3)])
 @pytest.mark.parametrize("xd,wd", [(torch.bfloat16, torch.float32),
@@ -20,15 +30,15 @@ def test_router_logits_exact(device, T, K, E, xd, wd):
     y = linghe.router_logits(x, w)
     assert y.dtype == torch.float32 and y.shape == (T, E)
     exact = x.detach().double() @ w.detach().double().t()
-    # float32-exact: ~1e-7, far under TF32's ~1e-3/1e-4
-    assert rel_err(y, exact) < 5e-7, rel_err(y, exact)
+    # float32-exact: ~1e-7 here, far under TF32's ~1e-3/1e-4
+    assert rel_err(y, exact) < _exact_tol(device, K), rel_err(y, exact)
     g = torch.randn(T, E, device=device)
     dx, dw = torch.autograd.grad(y, (x, w), g)
     assert dx.dtype == xd and dw.dtype == wd
     rdx = g.double() @ w.detach().double()
     rdw = g.double().t() @ x.detach().double()
-    assert rel_err(dx, rdx) < (5e-7 if xd == torch.float32 else 1e-2)
-    assert rel_err(dw, rdw) < (5e-7 if wd == torch.float32 else 1e-2)
+    assert rel_err(dx, rdx) < (_exact_tol(device, E) if xd == torch.float32 else 1e-2)
+    assert rel_err(dw, rdw) < (_exact_tol(device, T) if wd == torch.float32 else 1e-2)
 
 
 def test_router_logits_leading_dims_and_bad_inputs(device):
@@ -36,7 +46,7 @@ def test_router_logits_leading_dims_and_bad_inputs(device):
     w = torch.randn(5, 48, device=device)
     y = linghe.router_logits(x, w)
     assert y.shape == (2, 3, 5)
-    assert_close(y, ref.router_logits(x, w), tol=5e-7)
+    assert_close(y, ref.router_logits(x, w), tol=_exact_tol(device, 48))
     with pytest.raises(ValueError, match="weight"):
         linghe.router_logits(x, torch.randn(5, 47, device=device))
     with pytest.raises(TypeError, match="x"):
@@ -48,7 +58,7 @@ def test_router_logits_leading_dims_and_bad_inputs(device):
 ROUTE_CASES = [
     # T, E, k, groups, topk_groups
     (0, 8, 2, 1, 1), (1, 1, 1, 1, 1), (37, 8, 3, 1, 1), (37, 33, 5, 1, 1), (37, 33, 33, 1, 1),
-    (37, 3, 3, 1, 1), (37, 32, 4, 4, 2), (37, 33, 6, 3, 2), (16, 8, 2, 8, 2),
+    (37, 3, 3, 1, 1), (37, 32, 4, 4, 2), (37, 33, 6, 3, 2), (16, 8, 2, 8, 2), (37, 8, 1, 1, 1),
 ]
 
 
@@ -71,7 +81,13 @@ def test_topk_route_matches_reference(device, T, E, k, G, TG, score, bias):
     g = torch.randn(T, k, device=device)
     (dl,) = torch.autograd.grad(p, logits, g)
     (rdl,) = torch.autograd.grad(rp, logits, g.double())
-    assert_close(dl, rdl)
+    if k == 1 and normalize:
+        # p == scale identically: the gradient is exactly zero (the fp32 reference's is
+        # rounding noise ~1e-8, so a relative comparison is meaningless here)
+        assert torch.count_nonzero(dl) == 0, dl
+        assert float(rdl.abs().max()) < 1e-6 if rdl.numel() else True
+    else:
+        assert_close(dl, rdl)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -151,11 +167,12 @@ def test_standard_shapes_gpu(device):
     for wd in (torch.float32, torch.bfloat16):
         w = (torch.randn(E, K, device=device) * 0.02).to(wd).requires_grad_()
         y = linghe.router_logits(x, w)
-        assert rel_err(y, x.double() @ w.double().t()) < 5e-7
+        assert rel_err(y, x.double() @ w.double().t()) < _exact_tol(device, K)
         g = torch.randn(T, E, device=device)
         dx, dw = torch.autograd.grad(y, (x, w), g)
         assert rel_err(dx, g.double() @ w.double()) < 1e-2
-        assert rel_err(dw, g.double().t() @ x.double()) < (5e-7 if wd == torch.float32 else 1e-2)
+        assert rel_err(dw, g.double().t() @ x.double()) < (_exact_tol(device, T)
+                                                           if wd == torch.float32 else 1e-2)
     b = torch.randn(E, device=device) * 0.1
     logits = torch.randn(T, E, device=device)
     p, ids, tpe = linghe.topk_route(logits, 8, score="sigmoid", expert_bias=b, num_groups=8,

@@ -46,7 +46,10 @@ def router_logits_case(cfg: Config):
         exact = lambda x=x, w=w: ref.router_logits(x, w)
         out.append(Bench(
             name=f"router_logits fwd [{T},{K}]x[{E},{K}] bf16 x {str(wd)[6:]} w",
-            bytes=T * K * 2 + E * K * we + T * E * 4, flops=2 * T * K * E, tol=1e-6,
+            bytes=T * K * 2 + E * K * we + T * E * 4, flops=2 * T * K * E,
+            # the test's bound: IEEE sums on CPU; Hopper MMA fp32 accumulation is not
+            # round-to-nearest, error grows with K (6.7e-6 measured at K=2048; TF32 ~1e-3)
+            tol=5e-7 if cfg.cpu else 3e-6 * max(1.0, K / 256),
             expected=exact,
             note="fp32-exact (no TF32); eager = float64 reference",
             run={"eager": exact, "compile": lambda x=x, w=w: compiled(ref.router_logits)(x, w),

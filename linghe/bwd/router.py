@@ -17,13 +17,14 @@ import triton
 import triton.language as tl
 
 from ..fwd.router import _rows_per_prog, matmul_exact
-from ..utils import cdiv, device_guard, empty, empty_like, next_power_of_2
+from ..utils import INTERPRET, cdiv, device_guard, empty, empty_like, next_power_of_2
 
-#: Part-product order of ``dx`` when x is bf16/fp16: 1 (default) sums ``dl_hi*W_hi +
-#: dl_mid*W_hi + dl_hi*W_mid`` (error ~2^-16, far under the bf16 output's rounding); 0 is
-#: a single bf16 GEMM ``bf16(dl) @ bf16(W)`` (error ~ one bf16 ulp, 1/3 of the flops for an
-#: fp32 weight). A float32 ``x`` always gets order 2 (fp32-exact).
-DX_ORDER = 1
+#: Part-product order of ``dx`` when x is bf16/fp16: 0 (default) is a single bf16 GEMM
+#: ``bf16(dl) @ bf16(W)`` (relative error ~2e-3, the size of the bf16 output's own rounding;
+#: 1/3 of the flops of order 1: this GEMM is most of the backward's time); 1 sums
+#: ``dl_hi*W_hi + dl_mid*W_hi + dl_hi*W_mid`` (error ~2^-16). A float32 ``x`` always gets
+#: order 2 (fp32-exact).
+DX_ORDER = 0
 
 
 def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
@@ -41,43 +42,55 @@ def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Ten
 
 @triton.jit
 def _topk_bwd_kernel(logits_ptr, ids_ptr, dp_ptr, dl_ptr, T, E, stride_l, scale,
-                     ROWS: tl.constexpr, K_TOP: tl.constexpr, BE: tl.constexpr,
-                     SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr):
+                     BT: tl.constexpr, K_TOP: tl.constexpr, BK: tl.constexpr,
+                     BE: tl.constexpr, SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr):
+    # a [BT, E] tile of rows per program; the rows' ids/dprobs are loaded once as [BT, k]
+    # vectors (no dependent scalar loads)
     pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BT + tl.arange(0, BT)
+    rmask = rows < T
     eb = tl.arange(0, BE)
     emask = eb < E
-    for i in range(ROWS):
-        t = pid.to(tl.int64) * ROWS + i
-        rv = (eb * 0 + t) < T
-        x = tl.load(logits_ptr + t * stride_l + eb, mask=emask & rv,
-                    other=float("-inf")).to(tl.float32)
-        if SIGMOID:
-            s = tl.where(emask, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+    m2 = rmask[:, None] & emask[None, :]
+    x = tl.load(logits_ptr + rows[:, None] * stride_l + eb[None, :], mask=m2,
+                other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        s = tl.where(m2, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+    else:
+        mx = tl.where(rmask, tl.max(x, axis=1), 0.0)
+        ex = tl.where(m2, tl.exp(x - mx[:, None]), 0.0)
+        s = ex / tl.sum(ex, axis=1)[:, None]
+    kk = tl.arange(0, BK)
+    mk = rmask[:, None] & (kk < K_TOP)[None, :]
+    ids2 = tl.load(ids_ptr + rows[:, None] * K_TOP + kk[None, :], mask=mk, other=-1)
+    g2 = tl.load(dp_ptr + rows[:, None] * K_TOP + kk[None, :], mask=mk, other=0.0)
+    gv = tl.zeros([BT, BE], dtype=tl.float32)
+    selc = tl.zeros([BT, BE], dtype=tl.int32)
+    for j in range(K_TOP):
+        e_j = tl.sum(tl.where(kk[None, :] == j, ids2, 0), axis=1)
+        g_j = tl.sum(tl.where(kk[None, :] == j, g2, 0.0), axis=1)
+        hit = (eb[None, :] == e_j[:, None]) & m2
+        gv = tl.where(hit, g_j[:, None], gv)
+        selc = selc + hit.to(tl.int32)
+    selm = selc > 0
+    p = tl.where(selm, s, 0.0)
+    if NORMALIZE:
+        S = tl.sum(p, axis=1)[:, None]
+        if K_TOP == 1:
+            # p / S == 1 identically: exactly zero gradient (gv - gv keeps NaN/Inf); the
+            # general formula leaves GPU rounding noise (approximate fp32 division)
+            ds = tl.where(selm, scale * (gv - gv) / S, 0.0)
         else:
-            mx = tl.max(x, axis=0)
-            ex = tl.where(emask, tl.exp(x - mx), 0.0)
-            s = ex / tl.sum(ex, axis=0)
-        gv = tl.zeros([BE], dtype=tl.float32)
-        selm = eb < 0
-        for j in range(K_TOP):
-            tj = tl.minimum(t, T - 1) * K_TOP + j
-            e = tl.load(ids_ptr + tj)
-            g = tl.load(dp_ptr + tj)
-            hit = (eb == e) & rv
-            gv = tl.where(hit, g, gv)
-            selm = selm | hit
-        p = tl.where(selm, s, 0.0)
-        if NORMALIZE:
-            S = tl.sum(p, axis=0)
-            d = tl.sum(gv * p, axis=0) / S
+            d = tl.sum(gv * p, axis=1)[:, None] / S
             ds = tl.where(selm, scale * (gv - d) / S, 0.0)
-        else:
-            ds = tl.where(selm, scale * gv, 0.0)
-        if SIGMOID:
-            dl = ds * s * (1.0 - s)
-        else:
-            dl = s * (ds - tl.sum(ds * s, axis=0))
-        tl.store(dl_ptr + t * stride_l + eb, dl.to(dl_ptr.dtype.element_ty), mask=emask & rv)
+    else:
+        ds = tl.where(selm, scale * gv, 0.0)
+    if SIGMOID:
+        dl = ds * s * (1.0 - s)
+    else:
+        dl = s * (ds - tl.sum(ds * s, axis=1)[:, None])
+    tl.store(dl_ptr + rows[:, None] * stride_l + eb[None, :], dl.to(dl_ptr.dtype.element_ty),
+             mask=m2)
 
 
 def topk_route_bwd(dprobs: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
@@ -88,12 +101,13 @@ def topk_route_bwd(dprobs: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor
     dl = empty(T, E, dtype=logits.dtype, device=logits.device)
     if T == 0:
         return dl
-    ROWS = _rows_per_prog(T, logits.device)
     BE = next_power_of_2(E)
+    BT = max(1, (512 if INTERPRET else 2048) // BE)
+    nw = 4 if BT * BE <= 4096 else 8
     with device_guard(logits):
-        _topk_bwd_kernel[(cdiv(T, ROWS),)](
-            logits, ids, dprobs, dl, T, E, E, float(scale), ROWS=ROWS, K_TOP=k, BE=BE,
-            SIGMOID=sigmoid, NORMALIZE=normalize, num_warps=1 if BE <= 512 else 4)
+        _topk_bwd_kernel[(cdiv(T, BT),)](
+            logits, ids, dprobs, dl, T, E, E, float(scale), BT=BT, K_TOP=k,
+            BK=next_power_of_2(k), BE=BE, SIGMOID=sigmoid, NORMALIZE=normalize, num_warps=nw)
     return dl
 
 
@@ -125,6 +139,6 @@ def router_z_loss_bwd(g: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor) 
     BE = min(next_power_of_2(max(E, 1)), 4096)
     with device_guard(logits):
         _zloss_bwd_kernel[(cdiv(T, ROWS),)](
-            logits, lse, g.reshape(1).float().contiguous(), dl, T, E, logits.stride(0),
+            logits, lse, g if g.dtype == torch.float32 else g.float(), dl, T, E, logits.stride(0),
             1.0 / T, ROWS=ROWS, BE=BE, num_warps=1 if BE <= 512 else 4)
     return dl

@@ -11,9 +11,12 @@ Output conventions (the contract of :class:`linghe.layout.ExpertLayout`):
   copy was dropped.
 - ``num_rows``: by default the static bound ``max_grouped_rows(T, k, E, align) =
   T*k + E*(align-1)`` (no host sync); pass ``num_rows=`` when the exact size is known.
-- Expert ids outside ``[0, E)`` are **dropped** (row -1, not counted in
-  ``tokens_per_expert``; ``unpermute`` skips them, so such a copy contributes nothing); with
-  ``linghe.set_debug(True)`` / ``LINGHE_DEBUG=1`` they raise ``ValueError`` (a host sync).
+- Expert id ``-1`` always means **"not routed"** (e.g. a token whose expert lives on
+  another rank, or a NaN row from ``topk_route``): the copy is dropped silently (row -1,
+  not counted in ``tokens_per_expert``; ``unpermute`` skips it, so it contributes nothing),
+  also in debug mode. Other ids outside ``[0, E)`` (``< -1`` or ``>= E``) are dropped the
+  same way, but with ``linghe.set_debug(True)`` / ``LINGHE_DEBUG=1`` they raise
+  ``ValueError`` (a host sync).
   Copies that do not fit in an explicit ``num_rows`` are dropped the same way (debug mode
   raises).
 """
@@ -57,6 +60,29 @@ class _Permute(torch.autograd.Function):
         return (dx if ctx.needs_input_grad[0] else None), dp, None
 
 
+class _PermuteFp8(torch.autograd.Function):
+    """FP8 rows move with their scales; the gradient (a plain tensor: an ``Fp8Tensor``
+    incoming gradient is dequantized) goes back to the high-precision input through the
+    same gather-sum as :class:`_Permute` (straight-through the quantization)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, layout):
+        data, scale, prow, _ = scatter_rows(x.rowwise_data, layout, x_scale=x.rowwise_scale,
+                                            probs=probs)
+        rows = Fp8Tensor((layout.num_rows, x.shape[1]), x.dtype, rowwise_data=data,
+                         rowwise_scale=scale, scaling="1x128")
+        ctx.layout = layout
+        ctx.x_dtype = x.dtype
+        ctx.has_probs = probs is not None
+        return rows, prow
+
+    @staticmethod
+    def backward(ctx, d_rows, d_prow):
+        if isinstance(d_rows, Fp8Tensor):
+            d_rows = d_rows.dequantize()
+        return _Permute.backward(ctx, d_rows, d_prow)
+
+
 class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, probs, layout):
@@ -78,11 +104,12 @@ class _Unpermute(torch.autograd.Function):
 
 def _check_ids(expert_ids: torch.Tensor, num_experts: int) -> None:
     if expert_ids.numel() and debug_enabled():
-        bad = (expert_ids < 0) | (expert_ids >= num_experts)
+        bad = (expert_ids < -1) | (expert_ids >= num_experts)
         if bool(bad.any()):
             v = expert_ids[bad][0].item()
-            raise ValueError(f"expert_ids must be in [0, {num_experts}) (num_experts), found "
-                             f"{v} (debug mode; outside it such copies are dropped)")
+            raise ValueError(f"expert_ids must be in [0, {num_experts}) (num_experts) or -1 (not "
+                             f"routed), found {v} (debug mode; outside it such copies are "
+                             "dropped)")
 
 
 def permute(x, expert_ids: torch.Tensor, probs: torch.Tensor | None = None, *,
@@ -93,8 +120,9 @@ def permute(x, expert_ids: torch.Tensor, probs: torch.Tensor | None = None, *,
         x: ``[T, H]`` float32/float16/bfloat16 (last dim contiguous), or an
             :class:`~linghe.fp8.Fp8Tensor` with 1x128 ``rowwise_data [T, H]`` and
             ``rowwise_scale [T, ceil(H/128)]`` (data and scales move together).
-        expert_ids: ``[T, k]`` int32/int64 (e.g. from :func:`linghe.topk_route`). Out-of-range
-            ids are dropped (debug mode: ``ValueError``); see the module docstring.
+        expert_ids: ``[T, k]`` int32/int64 (e.g. from :func:`linghe.topk_route`). ``-1`` =
+            not routed (always dropped silently); other out-of-range ids are dropped too
+            (debug mode: ``ValueError``); see the module docstring.
         probs: optional ``[T, k]`` float32 routing weights, moved to ``probs_rows``.
         num_experts: ``E``.
         align: segment alignment in rows (>= 1).
@@ -107,7 +135,9 @@ def permute(x, expert_ids: torch.Tensor, probs: torch.Tensor | None = None, *,
     with ``tokens_per_expert``, ``padded_tokens_per_expert``, ``offsets`` and ``row_index``
     filled. Backward (bf16/fp16/fp32 ``x``): ``dx[t] = sum_j d_rows[row_index[t, j]]`` in
     ``x``'s dtype and ``dprobs[t, j] = d_probs_rows[row_index[t, j]]``; only ``layout`` is
-    saved. The FP8 path is forward-only (no autograd).
+    saved. FP8 ``x`` (requiring grad, e.g. from a straight-through quantization) gets its
+    gradient as a plain ``[T, H]`` tensor in its logical dtype by the same gather-sum (an
+    ``Fp8Tensor`` gradient of ``rows`` is dequantized first).
     """
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
@@ -144,13 +174,8 @@ def permute(x, expert_ids: torch.Tensor, probs: torch.Tensor | None = None, *,
             raise ValueError(f"num_rows={num_rows} is too small: the grouped rows need {need} "
                              "(debug mode; outside it the copies that do not fit are dropped)")
     probs_c = probs.contiguous() if probs is not None else None
-    if is_fp8:
-        xs = x.rowwise_scale
-        data, scale, prow, _ = scatter_rows(xd, layout, x_scale=xs, probs=probs_c)
-        rows = Fp8Tensor((num_rows, H), x.dtype, rowwise_data=data, rowwise_scale=scale,
-                         scaling="1x128")
-        return rows, prow, layout
-    rows, prow = _Permute.apply(x, probs_c, layout)
+    fn = _PermuteFp8 if is_fp8 else _Permute
+    rows, prow = fn.apply(x, probs_c, layout)
     return rows, (prow if probs is not None else None), layout
 
 

@@ -27,7 +27,8 @@ import triton.language as tl
 from ..layout import ExpertLayout
 from ..utils import INTERPRET, cdiv, device_guard, empty, next_power_of_2, num_sms
 
-CHUNK = 512
+CHUNK = 256  # copies per index program: T*k = 65536 -> 256 programs (latency-bound scans)
+_SMS: dict = {}
 
 
 @triton.jit
@@ -94,21 +95,21 @@ def build_index(expert_ids: torch.Tensor, num_experts: int, align: int,
     dev = expert_ids.device
     E = num_experts
     N = T * k
-    row_index = empty(T, k, dtype=torch.int32, device=dev)
-    tpe = empty(E, dtype=torch.int32, device=dev)
-    padded = empty(E, dtype=torch.int32, device=dev)
-    offsets = empty(E + 1, dtype=torch.int32, device=dev)
+    BLOCK_E = next_power_of_2(E)
+    SUB = max(16, min(64, 8192 // BLOCK_E))
+    chunk = max(CHUNK, SUB)
+    C = cdiv(N, chunk)
+    # one allocation for every int32 output and the scratch histogram (fewer host ops)
+    buf = empty(N + 3 * E + 1 + C * E, dtype=torch.int32, device=dev)
+    row_index = buf[:N].view(T, k)
+    tpe = buf[N:N + E]
+    padded = buf[N + E:N + 2 * E]
+    offsets = buf[N + 2 * E:N + 3 * E + 1]
     if N == 0:
-        tpe.zero_()
-        padded.zero_()
-        offsets.zero_()
+        buf.zero_()
     else:
-        BLOCK_E = next_power_of_2(E)
-        SUB = max(16, min(64, 8192 // BLOCK_E))
-        chunk = max(CHUNK, SUB)
-        C = cdiv(N, chunk)
         BLOCK_C = max(2, min(64, 8192 // BLOCK_E))
-        hist = empty(C, E, dtype=torch.int32, device=dev)
+        hist = buf[N + 3 * E + 1:]
         nw = 4 if BLOCK_E <= 256 else 8
         with device_guard(expert_ids):
             _hist_kernel[(C,)](expert_ids, hist, N, E, CHUNK=chunk, SUB=SUB, BLOCK_E=BLOCK_E,
@@ -256,7 +257,10 @@ def scatter_rows(x: torch.Tensor, layout: ExpertLayout, *, x_scale: torch.Tensor
     BR = 16
     BHZ = min(max(next_power_of_2(max(H, 1)), 16), 256 if INTERPRET else 1024)
     n_tok = cdiv(T, BT)
-    n_tail = max(1, min(cdiv(R, BR), 2 * num_sms(dev)))
+    sms = _SMS.get(dev)
+    if sms is None:
+        sms = _SMS[dev] = num_sms(dev)
+    n_tail = max(1, min(cdiv(R, BR), 2 * sms))
     grid = (n_tok + E + n_tail,)
     dummy = out
     with device_guard(x):

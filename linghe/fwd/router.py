@@ -8,8 +8,12 @@ exact in fp32, and the tensor cores accumulate in fp32, so summing the part prod
 ``a_i * b_j`` with ``i + j <= ORDER`` gives a float32-accurate result (``ORDER=2`` drops
 only terms below ``2^-24`` relative; ``ORDER=1`` is used when the output is bf16/fp16).
 For bf16 ``x`` and bf16 weight that is one bf16 tensor-core dot; fp32 weight costs 3.
+On Hopper the tensor cores' fp32 accumulation is not IEEE round-to-nearest, so "exact"
+means relative error ~1e-6 at K ~ 2048 (still ~100x under TF32).
 
-**Top-k routing.** ``_topk_fwd_kernel``: one row's ``E`` scores sit in registers as a
+**Top-k routing.** Ungrouped routing (``num_groups == 1``) runs ``_topk_fwd_rows_kernel``
+on ``[BT, E]`` tiles (reductions over many rows at once). Grouped routing runs
+``_topk_fwd_kernel``: one row's ``E`` scores sit in registers as a
 ``[groups, experts per group]`` tile; softmax/sigmoid, bias, group-limited selection and
 ``k`` rounds of arg-max run there; a per-program histogram of chosen experts is added to
 ``tokens_per_expert`` with one vector of integer atomics (exact, order-independent).
@@ -35,7 +39,7 @@ def _split3(a):
 
 
 @triton.jit
-def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, k_per_split,
+def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, k_per_split,
                SA: tl.constexpr, SB: tl.constexpr, ORDER: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -63,8 +67,18 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, k_per
                     mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
                     mask=kmask[:, None] & nmask[None, :], other=0.0)
-        a0, a1, a2 = _split3(a.to(tl.float32))
-        b0, b1, b2 = _split3(b.to(tl.float32))
+        if SA == 1:
+            a0 = a.to(tl.bfloat16)
+            a1 = a0
+            a2 = a0
+        else:
+            a0, a1, a2 = _split3(a.to(tl.float32))
+        if SB == 1:
+            b0 = b.to(tl.bfloat16)
+            b1 = b0
+            b2 = b0
+        else:
+            b0, b1, b2 = _split3(b.to(tl.float32))
         # smallest terms first
         if ORDER >= 2:
             if SA > 1:
@@ -81,11 +95,46 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, k_per
                 acc = dot_f32acc(a0, b1, acc)
         acc = dot_f32acc(a0, b0, acc)
     c_base = c_ptr + pid_s.to(tl.int64) * M * N
-    tl.store(c_base + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+    tl.store(c_base + rm[:, None] * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
 _PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_MM_CFG: dict = {}
+
+
+def _mm_config(M: int, N: int, K: int, ea: int, eb: int, dev) -> tuple:
+    """``(BM, BN, BK, num_warps, num_stages, split_k)`` for ``[M, K] @ [K, N]`` with operand
+    element sizes ``ea``/``eb`` (cached per shape)."""
+    key = (M, N, K, ea, eb, dev)
+    cfg = _MM_CFG.get(key)
+    if cfg is not None:
+        return cfg
+    if INTERPRET:
+        cfg = (32, 32, 32, 4, 1, 1)
+    else:
+        sms = num_sms(dev)
+        if N <= 256:
+            # narrow output (the router's E): one tile spans N, so A is read exactly once
+            BM, BN, nw = 64, max(16, next_power_of_2(N)), 4
+        else:
+            BM, BN, nw = 128, 128, 8
+        BK = 64
+        if eb == 4 and BN >= 256:
+            BK, nw = 32, 8  # an fp32 B tile is split in registers: keep it small
+        ns = 2 if (ea == 4 and eb == 4) else (3 if max(ea, eb) == 4 or BN >= 256 else 4)
+        # (smem: BN=256 bf16 stages are 40 KB each, plus a 64 KB fp32 epilogue tile)
+        if BN < 256 and M * N <= 64 * 128 * sms:
+            BM = 64
+        tiles = cdiv(M, BM) * cdiv(N, BN)
+        split_k = 1
+        if tiles < sms and K >= 2048:
+            # few output tiles (dW = dlogits^T @ x: [E, K] over T): split the reduction so
+            # that about two waves of programs run; fp32 partials summed deterministically
+            split_k = max(1, min(cdiv(2 * sms, tiles), K // 512))
+        cfg = (BM, BN, BK, nw, ns, split_k)
+    _MM_CFG[key] = cfg
+    return cfg
 
 
 def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
@@ -93,25 +142,22 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
     """``a [M, K] @ b [K, N]`` (any strides) -> ``[M, N]`` contiguous ``out_dtype``, exact to
     float32 accuracy without TF32 (see the module docstring). ``order`` defaults to 2 for
     a float32 output and 1 otherwise. ``split_k`` > 1 sums partial products over K chunks
-    (a deterministic second pass)."""
+    (a deterministic second pass). The operand with more bf16 parts is put in the MMA's A
+    slot (computing ``C^T = B^T A^T``): on Hopper, A may come from registers, B must be
+    staged through shared memory."""
     M, K = a.shape
     N = b.shape[1]
     if order is None:
         order = 2 if out_dtype == torch.float32 else 1
     dev = a.device
-    if INTERPRET:
-        BM, BN, BK, nw, ns = 32, 32, 32, 4, 1
+    swap = _PARTS[b.dtype] > _PARTS[a.dtype] and order > 0
+    if swap:
+        a_, b_, M_, N_ = b.t(), a.t(), N, M
     else:
-        # two fp32 operands need twice the shared memory per stage
-        BM, BN, BK, nw = 128, 128, 64, 8
-        ns = 2 if (a.element_size() == 4 and b.element_size() == 4) else 3
-        if M * N <= 64 * 128 * num_sms(dev):
-            BM = 64
-    tiles = cdiv(M, BM) * cdiv(N, BN)
+        a_, b_, M_, N_ = a, b, M, N
+    BM, BN, BK, nw, ns, sk = _mm_config(M_, N_, K, a_.element_size(), b_.element_size(), dev)
     if split_k is None:
-        split_k = 1
-        if not INTERPRET and tiles < num_sms(dev) and K >= 4096:
-            split_k = max(1, min(num_sms(dev) // tiles, K // 1024))
+        split_k = sk
     k_per = cdiv(cdiv(K, split_k), BK) * BK if K else BK
     split_k = max(1, cdiv(K, k_per))
     if split_k == 1:
@@ -122,13 +168,15 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
         return c if split_k == 1 else c.sum(0).to(out_dtype)
     if K == 0:
         return torch.zeros(M, N, dtype=out_dtype, device=dev)
+    s_cm, s_cn = (1, N) if swap else (N, 1)
+    tiles = cdiv(M_, BM) * cdiv(N_, BN)
     with device_guard(a):
         _mm_kernel[(tiles, split_k)](
-            a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), N, k_per,
-            SA=_PARTS[a.dtype], SB=_PARTS[b.dtype], ORDER=order, BM=BM, BN=BN, BK=BK,
-            GROUP_M=8, num_warps=nw, num_stages=ns)
+            a_, b_, c, M_, N_, K, a_.stride(0), a_.stride(1), b_.stride(0), b_.stride(1),
+            s_cm, s_cn, k_per, SA=_PARTS[a_.dtype], SB=_PARTS[b_.dtype], ORDER=order, BM=BM,
+            BN=BN, BK=BK, GROUP_M=8, num_warps=nw, num_stages=ns)
     if split_k > 1:
-        c = c.sum(0).to(out_dtype)
+        c = c.sum(0) if out_dtype == torch.float32 else c.sum(0).to(out_dtype)
     return c
 
 
@@ -205,10 +253,70 @@ def _topk_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, ids_ptr, tpe_ptr, T, strid
     tl.atomic_add(tpe_ptr + e2, hist, mask=valid & (hist > 0))
 
 
+@triton.jit
+def _topk_fwd_rows_kernel(logits_ptr, bias_ptr, probs_ptr, ids_ptr, tpe_ptr, T, E, stride_l,
+                          scale, BT: tl.constexpr, K_TOP: tl.constexpr, BE: tl.constexpr,
+                          BK: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          NORMALIZE: tl.constexpr):
+    """Ungrouped routing on a ``[BT, E]`` tile of rows: every reduction runs over ``BT``
+    rows at once (same semantics as ``_topk_fwd_kernel`` with one group)."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    eb = tl.arange(0, BE)
+    emask = eb < E
+    m2 = rmask[:, None] & emask[None, :]
+    neg = float("-inf")
+    x = tl.load(logits_ptr + rows[:, None] * stride_l + eb[None, :], mask=m2,
+                other=neg).to(tl.float32)
+    if SIGMOID:
+        s = 1.0 / (1.0 + tl.exp(-x))
+        s = tl.where(emask[None, :], s, 0.0)
+    else:
+        mx = tl.max(x, axis=1)
+        ex = tl.where(emask[None, :], tl.exp(x - mx[:, None]), 0.0)
+        s = ex / tl.sum(ex, axis=1)[:, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + eb, mask=emask, other=0.0).to(tl.float32)
+        sel = tl.where(emask[None, :], s + bias[None, :], neg)
+    else:
+        sel = tl.where(emask[None, :], s, neg)
+    kk = tl.arange(0, BK)
+    pk = tl.zeros([BT, BK], dtype=tl.float32)
+    ik = tl.zeros([BT, BK], dtype=tl.int32)
+    hist2 = tl.zeros([BT, BE], dtype=tl.int32)
+    for j in range(K_TOP):
+        m = tl.max(sel, axis=1)
+        idx = tl.min(tl.where((sel == m[:, None]) & emask[None, :], eb[None, :], BE), axis=1)
+        hit = eb[None, :] == idx[:, None]
+        sv = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        pk = tl.where(kk[None, :] == j, sv[:, None], pk)
+        ik = tl.where(kk[None, :] == j, idx[:, None], ik)
+        sel = tl.where(hit, neg, sel)
+        hist2 += (hit & m2).to(tl.int32)
+    if NORMALIZE:
+        pk = pk / tl.sum(pk, axis=1)[:, None]
+    pk = pk * scale
+    ik = tl.where(ik < BE, ik, -1)
+    om = rmask[:, None] & (kk < K_TOP)[None, :]
+    tl.store(probs_ptr + rows[:, None] * K_TOP + kk[None, :], pk, mask=om)
+    tl.store(ids_ptr + rows[:, None] * K_TOP + kk[None, :], ik, mask=om)
+    hist = tl.sum(hist2, axis=0)
+    tl.atomic_add(tpe_ptr + eb, hist, mask=emask & (hist > 0))
+
+
+_SMS: dict = {}
+
+
 def _rows_per_prog(T: int, dev) -> int:
     if INTERPRET:
         return 4
-    return max(1, min(16, cdiv(T, 8 * num_sms(dev))))
+    sms = _SMS.get(dev)
+    if sms is None:
+        sms = _SMS[dev] = num_sms(dev)
+    # ~32 single-warp programs per SM: the per-row reductions are latency-bound, so
+    # parallelism comes from many resident programs rather than long loops
+    return max(1, min(16, cdiv(T, 32 * sms)))
 
 
 def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None,
@@ -221,6 +329,16 @@ def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tens
     ids = empty(T, k, dtype=torch.int32, device=dev)
     tpe = torch.zeros(E, dtype=torch.int32, device=dev)
     if T == 0:
+        return probs, ids, tpe
+    if num_groups == 1:
+        BE = next_power_of_2(E)
+        BT = max(1, (512 if INTERPRET else 2048) // BE)
+        with device_guard(logits):
+            _topk_fwd_rows_kernel[(cdiv(T, BT),)](
+                logits, bias if bias is not None else logits, probs, ids, tpe, T, E,
+                logits.stride(0), float(scale), BT=BT, K_TOP=k, BE=BE,
+                BK=next_power_of_2(k), SIGMOID=sigmoid, HAS_BIAS=bias is not None,
+                NORMALIZE=normalize, num_warps=4 if BT * BE <= 4096 else 8)
         return probs, ids, tpe
     G = num_groups
     EG = E // G
@@ -238,8 +356,9 @@ def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tens
 
 # ------------------------------------------------------------------------------ z-loss
 @triton.jit
-def _zloss_fwd_kernel(logits_ptr, lse_ptr, z_ptr, T, E, stride_l, ROWS: tl.constexpr,
-                      BE: tl.constexpr):
+def _zloss_fwd_kernel(logits_ptr, lse_ptr, part_ptr, loss_ptr, cnt_ptr, T, E, stride_l, inv_t,
+                      n_progs,
+                      ROWS: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr):
     pid = tl.program_id(0)
     eb = tl.arange(0, BE)
     zero_v = tl.zeros([BE], dtype=tl.float32)
@@ -262,11 +381,38 @@ def _zloss_fwd_kernel(logits_ptr, lse_ptr, z_ptr, T, E, stride_l, ROWS: tl.const
         lse_v = zero_v + lse
         tl.store(lse_ptr + t + eb, lse_v, mask=(eb == 0) & rv)
         acc += tl.sum(tl.where((eb == 0) & rv, lse_v * lse_v, 0.0), axis=0)
-    tl.store(z_ptr + pid, acc)
+    tl.store(part_ptr + pid, acc)
+    tl.debug_barrier()  # the partial is written before this program's release below
+    # The last program to finish sums the per-program partials in a fixed order (so the
+    # result is deterministic) and writes the loss; it then resets the
+    # counter for the next call. Branch-free: other programs' loads/stores are masked off.
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    pb = tl.arange(0, BP)
+    last = (pb * 0 + done) == n_progs - 1
+    tot = tl.zeros([BP], dtype=tl.float32)
+    for p0 in range(0, n_progs, BP):
+        tot += tl.load(part_ptr + p0 + pb, mask=(p0 + pb < n_progs) & last, other=0.0,
+                       cache_modifier=".cg")
+    loss = tl.sum(tot, axis=0) * inv_t
+    tl.store(loss_ptr + pb, tot * 0.0 + loss, mask=(pb == 0) & last)
+    tl.store(cnt_ptr + pb, pb * 0, mask=(pb == 0) & last)
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(dev) -> torch.Tensor:
+    """A per-device int32 zero that ``_zloss_fwd_kernel`` increments and resets to zero
+    (calls on one device are assumed stream-ordered, as all of a training step's are)."""
+    c = _COUNTERS.get(dev)
+    if c is None:
+        c = _COUNTERS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return c
 
 
 def router_z_loss_fwd(logits: torch.Tensor):
-    """Returns ``(loss [] fp32, lse [T] fp32)`` for ``logits [T, E]``."""
+    """Returns ``(loss [] fp32, lse [T] fp32)`` for ``logits [T, E]``: one launch (the loss
+    is reduced in-kernel by the last program)."""
     T, E = logits.shape
     dev = logits.device
     lse = empty(T, dtype=torch.float32, device=dev)
@@ -274,9 +420,13 @@ def router_z_loss_fwd(logits: torch.Tensor):
         return torch.zeros((), dtype=torch.float32, device=dev), lse
     ROWS = _rows_per_prog(T, dev)
     n = cdiv(T, ROWS)
-    z = empty(n, dtype=torch.float32, device=dev)
+    part = empty(n, dtype=torch.float32, device=dev)
+    # its own tensor (not a view of ``part``: in-place ops on the returned loss must work)
+    loss = empty((), dtype=torch.float32, device=dev)
     BE = min(next_power_of_2(max(E, 1)), 4096)
+    BP = min(next_power_of_2(n), 256)
     with device_guard(logits):
-        _zloss_fwd_kernel[(n,)](logits, lse, z, T, E, logits.stride(0), ROWS=ROWS, BE=BE,
+        _zloss_fwd_kernel[(n,)](logits, lse, part, loss, _counter(dev), T, E, logits.stride(0),
+                                1.0 / T, n, ROWS=ROWS, BE=BE, BP=BP,
                                 num_warps=1 if BE <= 512 else 4)
-    return z.sum() / T, lse
+    return loss, lse
