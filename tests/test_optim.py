@@ -182,6 +182,41 @@ def test_plan_cache_reused_and_correct_after_change(device):
     assert_close(optim.grad_norm(ts2), ref.total_norm(ts2), tol=1e-5)
 
 
+def test_fast_path_cache_identity(device):
+    """The fast path keys on tensor identities + data_ptrs: new objects at the same address
+    (views of another size, a freed list's reused memory), set_, and None grads are
+    recomputed, not served from a stale entry."""
+    optim.clear_plan_cache()
+    buf = torch.randn(1000, device=device)
+    a = [buf[:600]]
+    assert_close(optim.grad_norm(a), ref.total_norm(a), tol=1e-5)
+    b = [buf[:300]]  # same data_ptr, other numel
+    assert_close(optim.grad_norm(b), ref.total_norm(b), tol=1e-5)
+    assert optim.count_zeros(a).item() == 0
+    a[0].zero_()
+    assert optim.count_zeros(a).item() == 600
+    assert optim.count_zeros(b).item() == 300
+    del a, b
+    c = [torch.randn(37, 3, device=device).t()]  # non-contiguous: copied, not cached
+    assert_close(optim.grad_norm(c), ref.total_norm(c), tol=1e-5)
+    t = torch.randn(64, device=device)
+    d = [t]
+    assert_close(optim.grad_norm(d), ref.total_norm(d), tol=1e-5)
+    t.set_(torch.randn(200, device=device))  # same object, new storage and size
+    assert_close(optim.grad_norm(d), ref.total_norm(d), tol=1e-5)
+    for _ in range(3):  # freed and re-created lists (ids/addresses may be reused)
+        e = [torch.randn(n, device=device) for n in (5, 17, 9)]
+        assert_close(optim.grad_norm(e), ref.total_norm(e), tol=1e-5)
+    ps = _params([10, 20], torch.float32, device)
+    g0 = ps[0].grad.clone()
+    ps[1].grad = None
+    optim.clip_grad_norm_(ps, 1e-3)
+    assert_close(ps[0].grad, g0 * min(1.0, 1e-3 / (g0.norm().item() + 1e-6)), tol=1e-5)
+    ps[1].grad = torch.randn(20, device=device)  # the None becomes a gradient
+    exp = ref.total_norm([ps[0].grad, ps[1].grad])
+    assert_close(optim.clip_grad_norm_(ps, 1e9), exp, tol=1e-5)
+
+
 def test_unaligned_views(device):
     buf = torch.randn(70_000 + 3, device=device)
     ts = [buf[1:40_001], buf[40_001:70_003]]  # storage offsets: not 16-byte aligned

@@ -27,6 +27,7 @@ a non-blocking copy: building or reusing a plan never syncs the host with the de
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -331,6 +332,62 @@ def clear_plan_cache() -> None:
         c.clear()
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class TensorListCache:
+    """LRU cache of validated tensor lists (the front ends' steady-state fast path), keyed on
+    the *identities* of the tensors (``tuple(map(id, ts))``: one cheap C-level map) and
+    verified by their ``data_ptr`` (one more map). No tensor references are held: each entry
+    keeps weak references whose callbacks drop the entry when any of its tensors is freed,
+    so an id can never be confused with a later object's. Cost of a hit for 2000 tensors:
+    two maps and a tuple hash, instead of five per-tensor maps (type, is_contiguous,
+    data_ptr, numel, dtype) for a key built from the tensors' properties.
+
+    Assumption: a live tensor's numel, dtype or contiguity change only together with its
+    ``data_ptr`` (``set_``, ``.data =``, reallocation). In-place metadata changes that keep
+    the pointer (``resize_`` to fewer elements, ``transpose_``, ``as_strided_``) are not
+    detected: call :func:`clear_plan_cache` after them. ``None`` entries (parameters without
+    a gradient) are allowed in the list and part of the key."""
+
+    def __init__(self, size: int = 32):
+        self.d: OrderedDict = OrderedDict()
+        self.size = size
+        _DEPENDENT_CACHES.append(self)
+
+    def clear(self) -> None:
+        self.d.clear()
+
+    def get(self, extra, ts: list):
+        """``(key, value or None)``; ``key`` is for :meth:`put` on a miss."""
+        key = (extra, tuple(map(id, ts)))
+        e = self.d.get(key)
+        if e is None:
+            return key, None
+        ptrs, value, has_none, _tok, _refs = e
+        live = [t for t in ts if t is not None] if has_none else ts
+        if tuple(map(_DATA_PTR, live)) != ptrs:
+            return key, None
+        self.d.move_to_end(key)
+        return key, value
+
+    def put(self, key, ts: list, value) -> None:
+        live = [t for t in ts if t is not None]
+        tok = object()
+        d = self.d
+
+        def drop(_ref, key=key, tok=tok, d=d):
+            e = d.get(key)
+            if e is not None and e[3] is tok:
+                d.pop(key, None)
+
+        refs = [weakref.ref(t, drop) for t in live]
+        d[key] = (tuple(map(_DATA_PTR, live)), value, len(live) != len(ts), tok, refs)
+        d.move_to_end(key)
+        if len(d) > self.size:
+            d.popitem(last=False)
+
+
 def _max_programs(device: torch.device) -> int:
     return num_sms(device) * PROGRAMS_PER_SM
 
@@ -484,5 +541,6 @@ def count_zeros_partials(plan: Plan) -> torch.Tensor:
     return partials
 
 
-__all__ = ["CHUNK", "INTERPRET", "cdiv", "clear_plan_cache", "get_plan", "norm_partials",
+__all__ = ["CHUNK", "INTERPRET", "cdiv", "clear_plan_cache", "get_plan", "TensorListCache",
+           "norm_partials",
            "reduce_partials", "finish_norm", "scale_", "count_zeros_partials", "NORM_DTYPES"]
