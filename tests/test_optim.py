@@ -453,11 +453,18 @@ def comp(fn, sig, consts):
 
 
 B = K._block(4, "float")
-comp(K._norm_partials_kernel,
-     dict(table_ptr="*i64", n_chunks="i32", partial_ptr="*fp32", p="fp32", DTYPE="constexpr",
-          ACC="constexpr", MODE="constexpr", IDENT="constexpr", BLOCK="constexpr",
-          ALIGNED="constexpr"),
-     dict(DTYPE=tl.float32, ACC=tl.float32, MODE=2, IDENT=0.0, BLOCK=B, ALIGNED=True))
+for last in (False, True):
+    k = comp(K._norm_partials_kernel,
+             dict(table_ptr="*i64", n_chunks="i32", partial_ptr="*fp32", p="fp32",
+                  counter_ptr="*i32", norm_out_ptr="*fp32", coef_out_ptr="*fp32",
+                  max_norm="fp32", DTYPE="constexpr", ACC="constexpr", MODE="constexpr",
+                  IDENT="constexpr", BLOCK="constexpr", ALIGNED="constexpr", LAST="constexpr",
+                  COEF="constexpr", RBLOCK="constexpr"),
+             dict(DTYPE=tl.float32, ACC=tl.float32, MODE=2, IDENT=0.0, BLOCK=B, ALIGNED=True,
+                  LAST=last, COEF=last, RBLOCK=K.REDUCE_BLOCK))
+    if last:
+        ptx = k.asm["ptx"]
+        assert "atom" in ptx and "acq_rel" in ptx and "ld.global.cg" in ptx, "LAST"
 comp(K._scale_kernel,
      dict(table_ptr="*i64", n_chunks="i32", coef_ptr="*fp32", DTYPE="constexpr", CT="constexpr",
           BLOCK="constexpr", ALIGNED="constexpr"),

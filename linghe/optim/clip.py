@@ -265,10 +265,14 @@ def _norm_and_coef(groups, device, plan, keep, p: float, acc_dtype: torch.dtype,
     if plan is None:
         return torch.tensor(0.0, dtype=acc_dtype), None
     all_groups = [g for gs in groups for g in gs]
-    partials = K.norm_partials(plan, p, acc_dtype)
     norm = empty((), dtype=acc_dtype, device=device)
     coef = plan.buffer("coef", 1, torch.float32) if max_norm is not None else None
     mn = 0.0 if max_norm is None else max_norm
+    if not all_groups and len(groups) == 1 and len(plan.launches) == 1:
+        # one launch: partials, final reduce, norm and coefficient (no reduce launch)
+        K.norm_single_launch(plan, p, acc_dtype, norm_out=norm, coef_out=coef, max_norm=mn)
+        return norm, coef
+    partials = K.norm_partials(plan, p, acc_dtype)
     if not all_groups and len(groups) == 1:
         acc = plan.buffer("acc", 1, acc_dtype)
         off, n = plan.buckets[0]

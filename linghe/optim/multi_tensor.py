@@ -155,10 +155,18 @@ def _table_row(table_ptr, c, n_chunks):
 
 
 @triton.jit
-def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p,
+def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p, counter_ptr, norm_out_ptr,
+                          coef_out_ptr, max_norm,
                           DTYPE: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
-                          IDENT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """Program ``pid`` folds chunks ``pid, pid + G, ...`` of the table into one partial."""
+                          IDENT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                          LAST: tl.constexpr = False, COEF: tl.constexpr = False,
+                          RBLOCK: tl.constexpr = 1024):
+    """Program ``pid`` folds chunks ``pid, pid + G, ...`` of the table into one partial.
+
+    ``LAST`` (single launch, not distributed): the program that finishes last (an atomic
+    ticket on ``counter[0]``, which it resets to 0) reduces all ``G`` partials in a fixed
+    order (deterministic) and writes the norm (and with ``COEF`` the clip coefficient):
+    no separate reduce launch."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
@@ -184,6 +192,27 @@ def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p,
             v = tl.where(m, _elem(x, p, MODE), IDENT)
             acc = _combine(acc, v, MODE)
     tl.store(partial_ptr + pid, _reduce_all(acc, MODE))
+    if LAST:
+        tl.debug_barrier()  # this program's partial is stored before its ticket (release)
+        ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        is_last = ticket == G - 1
+        # only the last program reads (the others' loop is empty): .cg reads from L2, where
+        # the other programs' partials are (their tickets were released after the stores)
+        n_red = tl.where(is_last, G, 0)
+        rl = tl.arange(0, RBLOCK)
+        racc = tl.full([RBLOCK], IDENT, ACC)
+        for off in range(0, n_red, RBLOCK):
+            m = off + rl < n_red
+            v = tl.load(partial_ptr + off + rl, mask=m, other=IDENT, cache_modifier=".cg")
+            racc = _combine(racc, v.to(ACC), MODE)
+        norm = _finish(_reduce_all(racc, MODE), p, MODE)
+        tl.store(norm_out_ptr, norm, mask=is_last)
+        tl.store(counter_ptr, 0, mask=is_last)  # ready for the next call
+        if COEF:
+            nf = norm.to(tl.float32)
+            coef = tl.div_rn(tl.zeros([], tl.float32) + max_norm, nf + 1e-6)
+            coef = tl.where(coef > 1.0, 1.0, coef)  # clamp(max=1) keeps NaN
+            tl.store(coef_out_ptr, coef, mask=is_last)
 
 
 @triton.jit
@@ -509,11 +538,32 @@ def norm_partials(plan: Plan, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
     acc_tl = _TL_DTYPE[acc_dtype]
     with device_guard(plan.table):
         for ln in plan.launches:
+            part = partials[ln.partial_off:]
             _norm_partials_kernel[(ln.grid,)](
-                ln.table, ln.n_chunks, partials[ln.partial_off:], float(p),
+                ln.table, ln.n_chunks, part, float(p), part, part, part, 0.0,
                 DTYPE=ln.key, ACC=acc_tl, MODE=mode, IDENT=_ident(mode), BLOCK=ln.block,
                 ALIGNED=ln.aligned, num_warps=NUM_WARPS)
     return partials
+
+
+def norm_single_launch(plan: Plan, p: float, acc_dtype: torch.dtype, *, norm_out: torch.Tensor,
+                       coef_out: torch.Tensor | None = None, max_norm: float = 0.0) -> None:
+    """For a plan of exactly one launch (one dtype, not distributed): partials, the final
+    reduce, the norm and the clip coefficient in that one launch (``LAST``)."""
+    (ln,) = plan.launches
+    mode = norm_mode(p)
+    partials = plan.buffer("partials", max(plan.n_partials, 1), acc_dtype)
+    counter = plan.scratch.get("counter")
+    if counter is None:  # zeroed once; the last program of every launch resets it
+        counter = plan.scratch["counter"] = torch.zeros(1, dtype=torch.int32,
+                                                        device=plan.device)
+    coef = coef_out if coef_out is not None else norm_out
+    with device_guard(plan.table):
+        _norm_partials_kernel[(ln.grid,)](
+            ln.table, ln.n_chunks, partials, float(p), counter, norm_out, coef,
+            float(max_norm), DTYPE=ln.key, ACC=_TL_DTYPE[acc_dtype], MODE=mode,
+            IDENT=_ident(mode), BLOCK=ln.block, ALIGNED=ln.aligned, LAST=True,
+            COEF=coef_out is not None, RBLOCK=REDUCE_BLOCK, num_warps=NUM_WARPS)
 
 
 def reduce_partials(partials: torch.Tensor, off: int, n: int, p: float, *, acc_out: torch.Tensor,
@@ -566,5 +616,5 @@ def count_zeros_partials(plan: Plan) -> torch.Tensor:
 
 
 __all__ = ["CHUNK", "INTERPRET", "cdiv", "clear_plan_cache", "get_plan", "TensorListCache",
-           "norm_partials",
+           "norm_partials", "norm_single_launch",
            "reduce_partials", "finish_norm", "scale_", "count_zeros_partials", "NORM_DTYPES"]
