@@ -12,7 +12,10 @@ How a list of tensors becomes a fixed number of launches:
   chunks ``p, p + G, ...``) and write one partial each. Buckets are the distributed groups
   of :func:`linghe.optim.clip_grad_norm_` (one bucket when not distributed).
 * A one-program kernel reduces a bucket's partials (and, when not distributed, finishes the
-  norm and the clip coefficient in the same launch).
+  norm and the clip coefficient in the same launch). When the whole list is one launch and
+  not distributed (the common case), there is no reduce launch: the partial-norm program
+  that finishes last (an atomic ticket) reduces the partials and finishes the norm and
+  coefficient (:func:`norm_single_launch`).
 
 Addresses are stored as int64 and cast with ``tl.pointer_type`` in the kernel (this works on
 the Triton interpreter too). When every pointer of a launch is 16-byte aligned the launch is
