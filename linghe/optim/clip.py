@@ -313,7 +313,8 @@ def grad_norm(tensors, norm_type: float = 2.0, *, dtype: torch.dtype = torch.flo
 
     Returns a 0-dim tensor of ``dtype`` on the tensors' device (``tensor(0.)`` on the CPU for
     an empty list, as PyTorch). NaN/Inf propagate. Launches: one per (bucket, dtype) group of
-    the list plus one reduce, whatever the number of tensors; no host sync.
+    the list plus one reduce (none for a one-dtype list without ``group``), whatever
+    the number of tensors; no host sync.
     """
     p = check_norm_type(norm_type)
     if dtype not in (torch.float32, torch.float64):
@@ -364,7 +365,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     skipped) and scales them in place by ``clamp(max_norm / (total + 1e-6), max=1)``. The
     coefficient is computed on the device by the reduce kernel and read by the multi-tensor
     scaling kernel: no host sync unless ``error_if_nonfinite=True``. Launches: one
-    partial-norm launch and one scaling launch per dtype in the list, one reduce.
+    partial-norm launch and one scaling launch per dtype in the list, one reduce (none for a
+    one-dtype list without ``group``).
 
     Args:
         parameters: a tensor or an iterable of tensors (parameters), or a list of such
