@@ -95,6 +95,13 @@ def main(argv=None) -> int:
             if device == "cuda":
                 torch.cuda.empty_cache()
     print_table(rows)
+    # notes that carry measurements (e.g. peak memory), once per case
+    seen = set()
+    for r in rows:
+        note = r.get("note") or ""
+        if r.get("case") not in seen and ("MiB" in note or "GB" in note):
+            seen.add(r.get("case"))
+            print(f"note: {r['case']}: {note}")
     failed = [r for r in rows if r.get("ok") is False]
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -299,7 +299,11 @@ def comp(fn, sig, consts, warps):
              if sig[n].startswith("*") or n in ("stride_x", "stride_dx", "N", "V", "V_total")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert "ld.global.v4" in k.asm["ptx"] or "BLOCK" in consts, fn.__name__
+    import re  # 16-byte loads, also with a cache hint (ld.global.L1::evict_first...v4)
+    assert re.search(r"ld\.global\.[\w:.]*v4", k.asm["ptx"]) or "BLOCK" in consts, fn.__name__
+    if consts.get("EVICT"):
+        assert re.search(r"st\.global\.[\w:.]*v4", k.asm["ptx"]), fn.__name__
+        print(sorted(set(re.findall(r"(?:ld|st)\.global[\w:.]*", k.asm["ptx"]))))
 
 ptr = "*bf16"
 fsig = dict(x_ptr=ptr, stride_x="i32", lab_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32",
@@ -314,8 +318,11 @@ for split, fuse in [(False, False), (True, False), (False, True)]:
 bsig = dict(x_ptr=ptr, stride_x="i32", dx_ptr=ptr, stride_dx="i32", lab_ptr="*i64",
             lse_ptr="*fp32", go_ptr="*fp32", go_stride="i32", inv_n_ptr="*fp32", V="i32",
             vocab_start="i32", V_total="i32", ignore_index="i32", eps="fp32", z_loss="fp32",
-            CHUNK="constexpr", BLOCK_V="constexpr", PER_ROW="constexpr", PREFETCH="constexpr")
-comp(B._ce_bwd_kernel, bsig, dict(CHUNK=32768, BLOCK_V=4096, PER_ROW=True, PREFETCH=True), 8)
+            CHUNK="constexpr", BLOCK_V="constexpr", PER_ROW="constexpr", PREFETCH="constexpr",
+            EVICT="constexpr")
+for ev in ("evict_first", ""):
+    comp(B._ce_bwd_kernel, bsig, dict(CHUNK=32768, BLOCK_V=4096, PER_ROW=True, PREFETCH=True,
+                                      EVICT=ev), 8)
 csig = dict(part_ptr="*fp32", lab_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32", N="i32",
             S="i32", V_total="i32", ignore_index="i32", eps="fp32", z_loss="fp32",
             SMOOTH="constexpr", S_P2="constexpr", BLOCK="constexpr")

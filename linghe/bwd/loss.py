@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwd.loss import LOG2E, PREFETCH_DEFAULT, _row_label, block_v, split_v
+from ..fwd.loss import EVICT_POLICY, LOG2E, PREFETCH_DEFAULT, _row_label, block_v, split_v
 from ..utils import device_guard, empty
 
 
@@ -27,7 +27,8 @@ from ..utils import device_guard, empty
 def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr, go_stride,
                    inv_n_ptr, V, vocab_start, V_total, ignore_index, eps, z_loss,
                    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW: tl.constexpr,
-                   PREFETCH: tl.constexpr = PREFETCH_DEFAULT):
+                   PREFETCH: tl.constexpr = PREFETCH_DEFAULT,
+                   EVICT: tl.constexpr = EVICT_POLICY):
     row = tl.program_id(0).to(tl.int64)
     valid, local, in_slice = _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index)
     lse = tl.load(lse_ptr + row)
@@ -52,7 +53,8 @@ def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr,
     c = lo + cols
     if PREFETCH:
         # (the first block's load does not wait for the label)
-        x_nxt = tl.load(xb + c, mask=c < hi, other=0.0)
+        x_nxt = tl.load(xb + c, mask=c < hi, other=0.0,
+                        eviction_policy=EVICT)
     else:
         x_nxt = tl.zeros([BLOCK_V], dtype=x_ptr.dtype.element_ty)
     for off in range(lo, hi, BLOCK_V):
@@ -61,13 +63,16 @@ def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr,
         if PREFETCH:
             x = x_nxt.to(tl.float32)
             cn = c + BLOCK_V
-            x_nxt = tl.load(xb + cn, mask=cn < n_read, other=0.0)
+            x_nxt = tl.load(xb + cn, mask=cn < n_read, other=0.0,
+                            eviction_policy=EVICT)
         else:
-            x = tl.load(xb + c, mask=c < n_read, other=0.0).to(tl.float32)
+            x = tl.load(xb + c, mask=c < n_read, other=0.0,
+                        eviction_policy=EVICT).to(tl.float32)
         p = tl.exp2(x * LOG2E - lse2)
         d = coef * p - smooth - tl.where(c == local, hit, 0.0)
         d = tl.where(valid, d, 0.0)
-        tl.store(db + c, d.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(db + c, d.to(dx_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy=EVICT)
 
 
 def ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,

@@ -38,7 +38,6 @@ is the norm of the full (unsharded) gradients on every rank (a plain tensor, not
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Iterable
 from operator import attrgetter
 
@@ -204,10 +203,7 @@ def _default_device(groups) -> torch.device:
 
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _GRAD = attrgetter("grad")
-_DTYPE = attrgetter("dtype")
-_FAST: OrderedDict = OrderedDict()
-_FAST_SIZE = 32
-K._DEPENDENT_CACHES.append(_FAST)
+_FAST = K.TensorListCache(32)
 
 
 def prepare(items, group, *, name: str, grads: bool, write: bool):
@@ -215,9 +211,11 @@ def prepare(items, group, *, name: str, grads: bool, write: bool):
     there is nothing to compute (no tensors, no collectives); ``keep`` holds contiguous
     copies the plan points to (the caller keeps it until the kernels are launched).
 
-    Steady-state fast path: a flat list of plain tensors whose ``(data_ptr, numel, dtype)``
-    were validated before skips validation and table building (a handful of C-level
-    ``map`` calls per call). The cache holds no tensor references.
+    Steady-state fast path: a flat list of plain contiguous tensors (or parameters whose
+    ``.grad`` are such) validated before skips validation and table building: a hit costs
+    a few C-level ``map`` calls over the list (type, [grad], id, data_ptr; see
+    :class:`linghe.optim.multi_tensor.TensorListCache`). The cache holds no tensor
+    references.
     """
     lst = None
     if not isinstance(group, list):
@@ -228,20 +226,16 @@ def prepare(items, group, *, name: str, grads: bool, write: bool):
         else:
             lst = _as_list(items, name)
         if _PLAIN_TYPES.issuperset(map(type, lst)):
-            ts = [g for g in map(_GRAD, lst) if g is not None] if grads else lst
-            if _PLAIN_TYPES.issuperset(map(type, ts)) and all(
-                    map(torch.Tensor.is_contiguous, ts)):
-                groups = _norm_group(group, "group")
-                key = (groups, grads, tuple(map(torch.Tensor.data_ptr, ts)),
-                       tuple(map(torch.Tensor.nelement, ts)), tuple(map(_DTYPE, ts)))
-                hit = _FAST.get(key)
-                if hit is not None:
-                    _FAST.move_to_end(key)
-                    return hit
+            ts = list(map(_GRAD, lst)) if grads else lst
+            groups = _norm_group(group, "group")
+            key, hit = _FAST.get((groups, grads, write), ts)
+            if hit is not None:
+                return hit
+            live = [g for g in ts if g is not None] if grads else ts
+            if _PLAIN_TYPES.issuperset(map(type, live)) and all(
+                    map(torch.Tensor.is_contiguous, live)):
                 res = _prepare_slow(lst, group, name=name, grads=grads, write=write)
-                _FAST[key] = res[:3] + ((),)  # contiguous: no copies to keep
-                if len(_FAST) > _FAST_SIZE:
-                    _FAST.popitem(last=False)
+                _FAST.put(key, ts, res[:3] + ((),))  # contiguous: no copies to keep
                 return res
     return _prepare_slow(items if lst is None else lst, group, name=name, grads=grads,
                          write=write)
@@ -271,10 +265,14 @@ def _norm_and_coef(groups, device, plan, keep, p: float, acc_dtype: torch.dtype,
     if plan is None:
         return torch.tensor(0.0, dtype=acc_dtype), None
     all_groups = [g for gs in groups for g in gs]
-    partials = K.norm_partials(plan, p, acc_dtype)
     norm = empty((), dtype=acc_dtype, device=device)
     coef = plan.buffer("coef", 1, torch.float32) if max_norm is not None else None
     mn = 0.0 if max_norm is None else max_norm
+    if not all_groups and len(groups) == 1 and len(plan.launches) == 1:
+        # one launch: partials, final reduce, norm and coefficient (no reduce launch)
+        K.norm_single_launch(plan, p, acc_dtype, norm_out=norm, coef_out=coef, max_norm=mn)
+        return norm, coef
+    partials = K.norm_partials(plan, p, acc_dtype)
     if not all_groups and len(groups) == 1:
         acc = plan.buffer("acc", 1, acc_dtype)
         off, n = plan.buckets[0]
@@ -315,7 +313,8 @@ def grad_norm(tensors, norm_type: float = 2.0, *, dtype: torch.dtype = torch.flo
 
     Returns a 0-dim tensor of ``dtype`` on the tensors' device (``tensor(0.)`` on the CPU for
     an empty list, as PyTorch). NaN/Inf propagate. Launches: one per (bucket, dtype) group of
-    the list plus one reduce, whatever the number of tensors; no host sync.
+    the list plus one reduce (none for a one-dtype list without ``group``), whatever
+    the number of tensors; no host sync.
     """
     p = check_norm_type(norm_type)
     if dtype not in (torch.float32, torch.float64):
@@ -366,7 +365,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     skipped) and scales them in place by ``clamp(max_norm / (total + 1e-6), max=1)``. The
     coefficient is computed on the device by the reduce kernel and read by the multi-tensor
     scaling kernel: no host sync unless ``error_if_nonfinite=True``. Launches: one
-    partial-norm launch and one scaling launch per dtype in the list, one reduce.
+    partial-norm launch and one scaling launch per dtype in the list, one reduce (none for a
+    one-dtype list without ``group``).
 
     Args:
         parameters: a tensor or an iterable of tensors (parameters), or a list of such

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from ..utils import check_kernel_device
 from . import multi_tensor as K
-from .clip import _DTYPE, _PLAIN_TYPES, _as_list, _default_device, _dtensor_cls, _norm_group
+from .clip import _PLAIN_TYPES, _as_list, _default_device, _dtensor_cls, _norm_group
 
-_FAST: OrderedDict = OrderedDict()  # (ptrs, numels, dtypes) -> (device, plan); no tensors
-_FAST_SIZE = 32
-K._DEPENDENT_CACHES.append(_FAST)
+_FAST = K.TensorListCache(32)  # validated lists -> (device, plan); no tensor references
 
 
 def count_zeros(tensors, *, group=None) -> torch.Tensor:
@@ -32,14 +28,12 @@ def count_zeros(tensors, *, group=None) -> torch.Tensor:
     groups = _norm_group(group, "group")
     lst = _as_list(tensors, "tensors")
     key = None
-    if lst and _PLAIN_TYPES.issuperset(map(type, lst)) and all(
-            map(torch.Tensor.is_contiguous, lst)):
-        key = (tuple(map(torch.Tensor.data_ptr, lst)), tuple(map(torch.Tensor.nelement, lst)),
-               tuple(map(_DTYPE, lst)))
-        hit = _FAST.get(key)
+    if lst and _PLAIN_TYPES.issuperset(map(type, lst)):
+        key, hit = _FAST.get(None, lst)
         if hit is not None:  # validated before: skip the per-tensor checks
-            _FAST.move_to_end(key)
             return _count(hit[1], hit[0], groups)
+        if not all(map(torch.Tensor.is_contiguous, lst)):
+            key = None
     DTensor = _dtensor_cls()
     ts = []
     device = None
@@ -64,9 +58,7 @@ def count_zeros(tensors, *, group=None) -> torch.Tensor:
         device = _default_device(groups) if groups else torch.device("cpu")
     plan = K.get_plan("bits", [ts], device) if ts else None
     if key is not None:
-        _FAST[key] = (device, plan)
-        if len(_FAST) > _FAST_SIZE:
-            _FAST.popitem(last=False)
+        _FAST.put(key, lst, (device, plan))
     return _count(plan, device, groups)
 
 
