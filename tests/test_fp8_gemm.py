@@ -15,6 +15,13 @@ E4M3_TOL = 6e-2  # vs the unquantized product: 3 mantissa bits
 E5M2_TOL = 1.2e-1  # gradients in e5m2 (2 mantissa bits)
 
 
+def dq_tol(device):
+    """Bound vs the dequantized-operand float32 reference: Hopper's FP8 MMA accumulates in
+    less than IEEE fp32 (~1e-4 relative error measured on an H200), the CPU interpreter
+    exactly."""
+    return 1e-3 if str(device).startswith("cuda") else 1e-5
+
+
 def _operands(recipe, M, N, K, device, pow2):
     x = torch.randn(M, K, device=device) * 3
     w = torch.randn(N, K, device=device) * 0.1
@@ -45,7 +52,7 @@ def test_fprop_dgrad_wgrad(device, recipe, shape, pow2):
     y_ref = ref.fp8_gemm(xq.rowwise_data, xq.rowwise_scale, wq.rowwise_data, wq.rowwise_scale,
                          sc_a, sc_w)
     assert y.shape == (M, N) and y.dtype == torch.float32
-    assert_close(y, y_ref, tol=1e-5, name="fprop vs dequantized operands")
+    assert_close(y, y_ref, tol=dq_tol(device), name="fprop vs dequantized operands")
     assert_close(y, x @ w.t(), tol=E4M3_TOL, name="fprop vs unquantized")
 
     # dgrad: dY rowwise [M, N] · W columnwise [K, N]^T
@@ -53,7 +60,7 @@ def test_fprop_dgrad_wgrad(device, recipe, shape, pow2):
     dx_ref = ref.fp8_gemm(dyq.rowwise_data, dyq.rowwise_scale, wq.columnwise_data,
                           wq.columnwise_scale, sc_a, sc_w)
     assert dx.shape == (M, K)
-    assert_close(dx, dx_ref, tol=1e-5, name="dgrad vs dequantized operands")
+    assert_close(dx, dx_ref, tol=dq_tol(device), name="dgrad vs dequantized operands")
     tol = E4M3_TOL if recipe == "blockwise" else E5M2_TOL
     assert_close(dx, dy @ w, tol=tol, name="dgrad vs unquantized")
 
@@ -62,7 +69,7 @@ def test_fprop_dgrad_wgrad(device, recipe, shape, pow2):
     dw_ref = ref.fp8_gemm(dyq.columnwise_data, dyq.columnwise_scale, xq.columnwise_data,
                           xq.columnwise_scale, sc_a, sc_a)
     assert dw.shape == (N, K)
-    assert_close(dw, dw_ref, tol=1e-5, name="wgrad vs dequantized operands")
+    assert_close(dw, dw_ref, tol=dq_tol(device), name="wgrad vs dequantized operands")
     assert_close(dw, dy.t() @ x, tol=tol, name="wgrad vs unquantized")
 
 
@@ -78,7 +85,7 @@ def test_out_dtype_and_bias(device, out_dtype):
     assert y.dtype == out_dtype
     y_ref = ref.fp8_gemm(xq.rowwise_data, xq.rowwise_scale, wq.rowwise_data, wq.rowwise_scale,
                          bias=bias)
-    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out_dtype]
+    tol = {torch.float32: dq_tol(device), torch.float16: 1e-3, torch.bfloat16: 8e-3}[out_dtype]
     assert_close(y, y_ref, tol=tol)
 
 
@@ -96,7 +103,7 @@ def test_k_blocks_use_their_own_scales(device):
     wq = linghe.quantize_128x128(w, columnwise=True)
     y = gemm.fprop(xq, wq, out_dtype=torch.float32)
     assert_close(y, ref.fp8_gemm(xq.rowwise_data, xq.rowwise_scale, wq.rowwise_data,
-                                 wq.rowwise_scale), tol=1e-5)
+                                 wq.rowwise_scale), tol=dq_tol(device))
     assert rel_err(y, x @ w.t()) < E4M3_TOL
 
 
@@ -167,7 +174,24 @@ def test_standard_shapes_and_backends_agree(device, shape, recipe):
                          wq.rowwise_scale, sc_a, sc_w)
     y_tr = gemm.fprop(xq, wq, backend="triton")
     assert_close(y_tr, y_ref, tol=8e-3)
+    # Round 1 on an H200: the Triton dgrad at these shapes gave NaN/garbage in the first
+    # columns although the same kernel launch passed as fprop. Check it against its
+    # dequantized operands *before* any torch._scaled_mm call, and check that the auto
+    # (torch) fprop leaves the operands untouched, to tell the two suspects apart.
+    dx_ref = ref.fp8_gemm(dyq.rowwise_data, dyq.rowwise_scale, wq.columnwise_data,
+                          wq.columnwise_scale, sc_a, sc_w)
+    assert_close(gemm.dgrad(dyq, wq, backend="triton"), dx_ref, tol=8e-3,
+                 name="triton dgrad vs dequantized")
+    snap = [t.clone() for t in (dyq.rowwise_data, dyq.rowwise_scale, wq.columnwise_data,
+                                wq.columnwise_scale, xq.columnwise_data)]
     assert_close(gemm.fprop(xq, wq), y_ref, tol=8e-3)  # auto (torch where probed OK)
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(snap, (dyq.rowwise_data, dyq.rowwise_scale,
+                                          wq.columnwise_data, wq.columnwise_scale,
+                                          xq.columnwise_data))):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+            f"operand {i} changed by the auto fprop (torch._scaled_mm)"
+    assert_close(gemm.dgrad(dyq, wq), dx_ref, tol=8e-3, name="auto dgrad vs dequantized")
     assert_close(gemm.dgrad(dyq, wq, backend="triton"), dy @ w, tol=0.12)
     assert_close(gemm.wgrad(dyq, xq, backend="triton"), dy.t() @ x, tol=0.12)
     assert_close(gemm.wgrad(dyq, xq), dy.t() @ x, tol=0.12)
