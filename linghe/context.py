@@ -24,23 +24,16 @@ def current_recipe() -> Fp8Recipe | None:
     return _RECIPE.get()
 
 
-_FP8_OK_DEVICES: set[int] = set()
-
-
 def check_fp8_device() -> None:
     """Raise ``RuntimeError`` unless FP8 GEMMs can run here: a CUDA GPU of compute
     capability >= 8.9 (Ada, Hopper or newer), or the CPU Triton interpreter."""
     if torch.cuda.is_available():
-        dev = torch.cuda.current_device()
-        if dev in _FP8_OK_DEVICES:  # checked once per device: no per-step host cost
-            return
         cap = torch.cuda.get_device_capability()
         if tuple(cap) < (8, 9):
             name = torch.cuda.get_device_name()
             raise RuntimeError(
                 f"FP8 training needs a GPU with compute capability >= 8.9 (Ada/Hopper or "
                 f"newer); {name} has {cap[0]}.{cap[1]}. Use TrainingContext(fp8=None).")
-        _FP8_OK_DEVICES.add(dev)
         return
     if not INTERPRET:
         raise RuntimeError("FP8 training needs a CUDA GPU with compute capability >= 8.9 "
