@@ -209,3 +209,60 @@ def test_weight_columnwise_copy_is_exact_transpose(device, dtype):
     wq = linghe.quantize_128x128(w, columnwise=True, pow2_scale=True)
     assert torch.equal(wq.columnwise_data.view(torch.uint8), wq.rowwise_data.view(torch.uint8).t())
     assert torch.equal(wq.columnwise_scale, wq.rowwise_scale.t())
+
+
+_COMPILE_SCRIPT = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linghe.fp8 import gemm as G
+from linghe.fp8 import quantize as Q
+
+def comp(fn, sig, consts, warps, stages):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+for dt in ("fp32", "bf16"):
+    sig = dict(w_ptr="*" + dt, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv",
+               st_ptr="*fp32", N="i32", K="i32", stride_wn="i32", COLWISE="constexpr",
+               POW2="constexpr", RELOAD_T="constexpr")
+    comp(Q._quantize_128x128_kernel, sig,
+         dict(COLWISE=True, POW2=True, RELOAD_T=dt == "fp32"), 8, 3)
+sig = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32",
+           bias_ptr="*bf16", M="i32", N="i32", K="i32", M_BUCKET="i32", stride_am="i32",
+           stride_bn="i32", stride_cm="i32", stride_sam="i32", stride_sak="i32",
+           stride_sbn="i32", stride_sbk="i32", A_ROWS="constexpr", B_ROWS="constexpr",
+           PROMOTE="constexpr", EVEN_K="constexpr", HAS_BIAS="constexpr", BM="constexpr",
+           BN="constexpr", BK="constexpr", GROUP_M="constexpr")
+for a_rows, b_rows, even, bias in [(1, 128, True, False), (1, 1, False, False),
+                                   (0, 0, True, True)]:
+    for bm, warps in [(128, 8), (64, 4)]:
+        k = comp(G._fp8_gemm_kernel, sig,
+                 dict(A_ROWS=a_rows, B_ROWS=b_rows, PROMOTE=a_rows + b_rows > 0,
+                      EVEN_K=even, HAS_BIAS=bias, BM=bm, BN=128, BK=128, GROUP_M=8), warps, 4)
+        assert "wgmma" in k.asm["ptx"], "the FP8 GEMM should use Hopper wgmma"
+print("COMPILED")
+'''
+
+
+def test_kernels_compile_for_sm90(device):
+    """Compile the FP8 GEMM and the 128x128 quantizer for sm_90 without a GPU (subprocess,
+    no TRITON_INTERPRET): catches GPU-only compile errors and checks wgmma is used."""
+    if device == "cuda":
+        pytest.skip("the GPU tests compile the kernels for real")
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "ptxas" in r.stderr and "fatal" in r.stderr:
+        pytest.skip("this triton's ptxas cannot assemble for sm_90 here")
+    assert r.returncode == 0 and "COMPILED" in r.stdout, r.stderr[-3000:]
