@@ -6,8 +6,10 @@
 The language is a fixed-seed Markov chain over a small vocabulary (each previous token, or
 pair of tokens with ``--order 2``, allows only a few next tokens), so the loss has a known
 floor, the chain's entropy ln(3), and falls quickly. Projections and the MLP are
-``linghe.nn.Linear``; the norms are ``linghe.nn.RMSNorm`` when that module exists, else
-``torch.nn.RMSNorm``; attention is ``torch.nn.functional.scaled_dot_product_attention``;
+``linghe.nn.Linear``, the MLP is ``linghe.nn.SwiGLU`` and the norms ``linghe.nn.RMSNorm``
+(under the blockwise recipe the pre-projection norms and the SwiGLU activation emit FP8
+directly: ``rms_norm_quant`` / ``silu_mul_quant`` fused, consumed by the FP8 GEMMs without
+re-quantizing); attention is ``torch.nn.functional.scaled_dot_product_attention``;
 the LM head stays in high precision (tied to the embedding or not). FP8 is turned on with
 ``linghe.TrainingContext(fp8=...)`` around forward and backward; nothing else changes.
 """
@@ -30,8 +32,7 @@ import linghe  # noqa: E402
 
 
 def _rms_norm(dim: int, device, dtype):
-    cls = getattr(linghe.nn, "RMSNorm", None) or torch.nn.RMSNorm
-    return cls(dim, eps=1e-6, device=device, dtype=dtype)
+    return linghe.nn.RMSNorm(dim, eps=1e-6, device=device, dtype=dtype)
 
 
 class Block(torch.nn.Module):
@@ -43,8 +44,7 @@ class Block(torch.nn.Module):
         self.qkv = L(dim, 3 * dim)
         self.proj = L(dim, dim)
         self.norm2 = _rms_norm(dim, device, dtype)
-        self.gate_up = L(dim, 2 * ffn)
-        self.down = L(ffn, dim)
+        self.mlp = linghe.nn.SwiGLU(dim, ffn, device=device, dtype=dtype)
 
     def forward(self, x):
         B, T, D = x.shape
@@ -52,8 +52,7 @@ class Block(torch.nn.Module):
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
+        return x + self.mlp(self.norm2(x))
 
 
 class TinyDecoder(torch.nn.Module):
@@ -65,6 +64,7 @@ class TinyDecoder(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(
             Block(dim, n_heads, ffn, device, dtype) for _ in range(n_layers))
         self.norm = _rms_norm(dim, device, dtype)
+        self.norm.quantize_output = False  # it feeds the high-precision LM head
         # LM head in high precision: a plain torch Linear (or the tied embedding).
         self.head = None if tie else torch.nn.Linear(dim, vocab, bias=False, device=device,
                                                      dtype=dtype)

@@ -6,9 +6,8 @@ once per step (:meth:`DelayedScalingState.update`, called when a ``TrainingConte
 reduces the current amaxes across the recipe's ``amax_group`` and recomputes the scales.
 Forward tensors (e4m3, max 448) and gradients (e5m2, max 57344) keep separate histories.
 
-The history itself is ``linghe.optim.AmaxHistory`` (fused all-reduce + scale recompute +
-roll). Until that lands on this branch, :class:`_TorchAmaxHistory` implements the same API
-in plain PyTorch; :data:`_AMAX_HISTORY` is the one line to swap.
+The history itself is ``linghe.optim.AmaxHistory`` (one all-reduce, then one fused kernel
+for the scale recompute and the roll).
 """
 
 from __future__ import annotations
@@ -21,58 +20,12 @@ from .tensor import Fp8Tensor
 from .tensorwise import FP8_MAX, quantize_tensorwise
 
 
-class _TorchAmaxHistory:
-    """Private stand-in for ``linghe.optim.AmaxHistory`` (same constructor, buffers and
-    methods), in plain PyTorch. ``scale`` is the *quantization* scale (``x_fp8 = x *
-    scale``), ``amax_history [history_len, n]`` has the current step in row 0."""
-
-    def __init__(self, num_tensors: int, history_len: int = 16, *, amax_compute: str = "max",
-                 margin: float = 0, fp8_max: float = 448.0, device=None):
-        self.num_tensors = num_tensors
-        self.history_len = history_len
-        self.amax_compute = amax_compute
-        self.margin = margin
-        self.fp8_max = fp8_max
-        self.amax_history = torch.zeros(history_len, num_tensors, dtype=torch.float32,
-                                        device=device)
-        self.scale = torch.ones(num_tensors, dtype=torch.float32, device=device)
-
-    def record(self, index: int, amax: torch.Tensor) -> None:
-        row = self.amax_history[0]
-        row[index] = torch.maximum(row[index], amax.float().reshape(()))
-
-    def update(self, group=None) -> None:
-        if group is not None:
-            import torch.distributed as dist
-
-            cur = self.amax_history[0].clone()
-            dist.all_reduce(cur, op=dist.ReduceOp.MAX, group=group)
-            self.amax_history[0].copy_(cur)
-        if self.amax_compute == "max":
-            amax = self.amax_history.amax(dim=0)
-        else:
-            amax = self.amax_history[0]
-        new = self.fp8_max / amax / (2.0 ** self.margin)
-        ok = (amax > 0) & torch.isfinite(amax)
-        self.scale.copy_(torch.where(ok, new, self.scale))
-        self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=0))
-        self.amax_history[0].zero_()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"amax_history": self.amax_history.clone(), "scale": self.scale.clone()}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.amax_history.copy_(sd["amax_history"])
-        self.scale.copy_(sd["scale"])
-
-
-# TODO(lead): once linghe.optim lands, swap to `from ..optim import AmaxHistory` here.
-_AMAX_HISTORY = _TorchAmaxHistory
-
-
 def _new_history(num_tensors, history_len, amax_compute, margin, fp8_max, device):
-    return _AMAX_HISTORY(num_tensors, history_len, amax_compute=amax_compute, margin=margin,
-                         fp8_max=fp8_max, device=device)
+    # Imported here: linghe.optim imports linghe.fp8 (avoid a cycle at import time).
+    from ..optim import AmaxHistory
+
+    return AmaxHistory(num_tensors, history_len, amax_compute=amax_compute, margin=margin,
+                       fp8_max=fp8_max, device=device)
 
 
 class DelayedScalingState:

@@ -215,13 +215,14 @@ def _torch_shape_ok(M, N, K, a_scaling, b_scaling) -> bool:
     return b_scaling != "128x128" or N % 128 == 0
 
 
-def _torch_scales(sa, a_scaling, sb, b_scaling, K):
-    """Scales in the layouts cuBLAS wants: 1x128 scales outer-dim-major (stride [1, M]);
-    128x128 scales as ``[K/128, N/128]`` with strides ``[1, L4]``, L4 = K/128 rounded up
-    to a multiple of 4; a 1x128 B scale as ``[K/128, N]``."""
-    if a_scaling == "tensor":
-        return sa.reshape(()).float(), sb.reshape(()).float()
-    sa_t = sa.t().contiguous().t()
+def _torch_b_scale(sb, b_scaling):
+    """B's scale in cuBLAS's layout. 128x128: ``[K/128, N/128]`` with strides ``[1, L4]``,
+    L4 = K/128 rounded up to a multiple of 4 (a zero-padded copy); 1x128: ``[K/128, N]``
+    contiguous. Weights' 128x128 scales live for a whole optimizer step, so the re-layout is
+    cached on the scale tensor itself (keyed by its ``_version``): no torch ops per GEMM."""
+    cached = getattr(sb, "_linghe_cublas", None)
+    if cached is not None and cached[0] == sb._version:
+        return cached[1]
     if b_scaling == "128x128":
         gn, gk = sb.shape
         l4 = -(-gk // 4) * 4
@@ -230,7 +231,19 @@ def _torch_scales(sa, a_scaling, sb, b_scaling, K):
         sb_t = pad[:, :gk].t()
     else:
         sb_t = sb.t().contiguous()
-    return sa_t, sb_t
+    try:
+        sb._linghe_cublas = (sb._version, sb_t)
+    except (AttributeError, RuntimeError):  # pragma: no cover - e.g. a tensor subclass
+        pass
+    return sb_t
+
+
+def _torch_scales(sa, a_scaling, sb, b_scaling, K):
+    """Scales in the layouts cuBLAS wants: 1x128 A scales outer-dim-major (stride [1, M],
+    one small transposing copy per call), B scales as :func:`_torch_b_scale` says."""
+    if a_scaling == "tensor":
+        return sa.reshape(()).float(), sb.reshape(()).float()
+    return sa.t().contiguous().t(), _torch_b_scale(sb, b_scaling)
 
 
 def _torch_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
@@ -345,20 +358,38 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     choice = backend or _backend_choice()
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    use_torch = False
-    if choice != "triton" and a.device.type == "cuda" and M and N and K:
-        shape_ok = _torch_shape_ok(M, N, K, a_scaling, b_scaling)
-        if choice == "torch":
-            if not shape_ok:
-                raise ValueError(f"backend='torch' cannot run M={M}, N={N}, K={K} with "
-                                 f"{a_scaling}/{b_scaling} scaling (alignment)")
-            use_torch = True
-        else:
-            use_torch = shape_ok and _probe_torch(a.device, a_scaling, b_scaling, a.dtype,
-                                                  b.dtype, out_dtype, cdiv(K, 128) % 4 == 0)
+    if choice == "torch" and a.device.type == "cuda" and M and N and K and \
+            not _torch_shape_ok(M, N, K, a_scaling, b_scaling):
+        raise ValueError(f"backend='torch' cannot run M={M}, N={N}, K={K} with "
+                         f"{a_scaling}/{b_scaling} scaling (alignment)")
+    return _gemm(a, a_scale, a_scaling, b, b_scale, b_scaling, out_dtype, bias, choice)
+
+
+# (device, M, N, K, scalings, dtypes, out dtype, backend choice) -> use torch._scaled_mm
+_decision_cache: dict[tuple, bool] = {}
+
+
+def _gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias, choice=None):
+    """Dispatch without validation (callers validated, or built the operands themselves).
+    The backend decision is cached per shape/format, so a steady-state call costs a dict
+    lookup plus the GEMM (and, for torch, one small A-scale transpose)."""
+    if choice is None:
+        choice = _backend_choice()
+    M, K = a.shape
+    N = b.shape[0]
+    key = (a.device, M, N, K, a_scaling, b_scaling, a.dtype, b.dtype, out_dtype, choice)
+    use_torch = _decision_cache.get(key)
+    if use_torch is None:
+        use_torch = False
+        if choice != "triton" and a.device.type == "cuda" and M and N and K:
+            shape_ok = _torch_shape_ok(M, N, K, a_scaling, b_scaling)
+            use_torch = shape_ok and (choice == "torch" or _probe_torch(
+                a.device, a_scaling, b_scaling, a.dtype, b.dtype, out_dtype,
+                cdiv(K, 128) % 4 == 0))
+        _decision_cache[key] = use_torch
     if use_torch:
-        return _torch_gemm(a, a_scale, a_scaling, b, b_scale, b_scaling, out_dtype, bias)
-    return _triton_gemm(a, a_scale, a_scaling, b, b_scale, b_scaling, out_dtype, bias)
+        return _torch_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias)
+    return _triton_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias)
 
 
 def _need(t: Fp8Tensor, name: str, copy: str):
@@ -405,3 +436,13 @@ def wgrad(dy: Fp8Tensor, x: Fp8Tensor, *, out_dtype: torch.dtype = torch.bfloat1
     sa, sb = _act_scaling(dy, "dy"), _act_scaling(x, "x")
     return fp8_gemm(dd, ds, xd, xs, a_scaling=sa, b_scaling=sb, out_dtype=out_dtype,
                     backend=backend)
+
+
+# Unvalidated fprop for linghe's own layers (fp8_linear validated its inputs and built
+# the Fp8Tensors itself): no per-call argument checks on the hot path.
+
+
+def _fprop(x: Fp8Tensor, w: Fp8Tensor, bias, out_dtype) -> torch.Tensor:
+    return _gemm(x.rowwise_data, x.rowwise_scale, x.scaling, w.rowwise_data,
+                 w.rowwise_scale, w.scaling, out_dtype, bias)
+

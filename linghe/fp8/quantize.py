@@ -112,7 +112,8 @@ def _quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
 
 @triton.jit
 def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn,
-                             COLWISE: tl.constexpr, POW2: tl.constexpr):
+                             COLWISE: tl.constexpr, POW2: tl.constexpr,
+                             RELOAD_T: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n.to(tl.int64) * 128 + tl.arange(0, 128)
@@ -125,8 +126,18 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     tl.store(s_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
     if COLWISE:
-        tl.store(qt_ptr + cols[:, None] * N + rows[None, :], tl.trans(q),
-                 mask=(cols < K)[:, None] & (rows < N)[None, :])
+        tmask = (cols < K)[:, None] & (rows < N)[None, :]
+        if RELOAD_T:
+            # float32 input: re-read the block transposed (from L2) and quantize it with the
+            # same scale instead of transposing the fp8 tile in registers (tl.trans of that
+            # fp8 layout is the suspect for the corrupted columnwise copies of fp32 weights
+            # seen on an H200; bf16 inputs were verified there). Bit-identical result.
+            wt = tl.load(w_ptr + rows[None, :] * stride_wn + cols[:, None], mask=tmask,
+                         other=0.0).to(tl.float32)
+            qt = to_e4m3(wt * (1.0 / scale))
+        else:
+            qt = tl.trans(q)
+        tl.store(qt_ptr + cols[:, None] * N + rows[None, :], qt, mask=tmask)
         tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 
 
@@ -204,6 +215,6 @@ def quantize_128x128(w: torch.Tensor, *, columnwise: bool = False,
         with device_guard(w):
             _quantize_128x128_kernel[(GN, GK)](
                 w, q, s, qt, st, N, K, w.stride(0), COLWISE=columnwise, POW2=pow2_scale,
-                num_warps=8)
+                RELOAD_T=w.dtype == torch.float32, num_warps=8)
     return Fp8Tensor(w.shape, w.dtype, rowwise_data=q, rowwise_scale=s,
                      columnwise_data=qt, columnwise_scale=st, scaling="128x128")

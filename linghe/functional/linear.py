@@ -107,7 +107,7 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             with torch.no_grad():
                 wq = recipe.quantize_weight(weight.detach().contiguous(), key=wslot)
-        y = gemm.fprop(xq, wq, bias, out_dtype=out_dtype)
+        y = gemm._fprop(xq, wq, bias, out_dtype)
 
         ctx.recipe, ctx.owner, ctx.lead, ctx.K = recipe, owner, lead, K
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -115,11 +115,12 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         # Saved for backward: W's columnwise copy (dgrad) and X's columnwise copy (FP8
         # wgrad) or X itself (high-precision wgrad); the rowwise copies are dropped.
-        ctx.wq = wq.with_components(rowwise_data=None, rowwise_scale=None)
+        # (Raw tensors, not new Fp8Tensor wrappers: less host work per call.)
+        ctx.wq = (wq.columnwise_data, wq.columnwise_scale, wq.scaling)
         ctx.xq = ctx.x_hp = None
         if need_dw:
             if fp8_wgrad:
-                ctx.xq = xq.with_components(rowwise_data=None, rowwise_scale=None)
+                ctx.xq = (xq.columnwise_data, xq.columnwise_scale, xq.scaling)
             else:
                 xh = x.dequantize() if isinstance(x, Fp8Tensor) else x
                 ctx.x_hp = xh.reshape(-1, K)
@@ -141,11 +142,13 @@ class _Fp8Linear(torch.autograd.Function):
                                         key=(ctx.owner, "dy"), grad=True)
         if need_dx:
             gdt = ctx.x_dtype if ctx.x_dtype in gemm.OUT_DTYPES else torch.bfloat16
-            dx = gemm.dgrad(dyq, ctx.wq, out_dtype=gdt).reshape(*ctx.lead, ctx.K)
+            dx = gemm._gemm(dyq.rowwise_data, dyq.rowwise_scale, dyq.scaling, *ctx.wq, gdt,
+                            None).reshape(*ctx.lead, ctx.K)
         if need_dw:
             wdt = ctx.w_dtype if ctx.w_dtype in gemm.OUT_DTYPES else torch.float32
             if fp8_dw:
-                dw = gemm.wgrad(dyq, ctx.xq, out_dtype=wdt)
+                dw = gemm._gemm(dyq.columnwise_data, dyq.columnwise_scale, dyq.scaling,
+                                *ctx.xq, wdt, None)
             else:
                 x2 = ctx.x_hp
                 dw = (dy2.to(x2.dtype).t() @ x2).to(wdt)

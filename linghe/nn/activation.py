@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..functional.activation import silu_mul
+from ..context import current_recipe
+from ..functional.activation import silu_mul, silu_mul_quant
+from .linear import Linear
 
 __all__ = ["SwiGLU"]
 
@@ -18,9 +20,14 @@ class SwiGLU(nn.Module):
         intermediate_size: ``I``.
         device, dtype: for the parameters.
 
-    Parameters: ``gate_up_proj`` (``nn.Linear(H, 2I)``, weight ``[2I, H]`` with the gate
-    rows first, then the up rows) and ``down_proj`` (``nn.Linear(I, H)``). Input
-    ``[..., H]`` → output ``[..., H]``.
+    Parameters: ``gate_up_proj`` (``linghe.nn.Linear(H, 2I)``, weight ``[2I, H]`` with the
+    gate rows first, then the up rows) and ``down_proj`` (``linghe.nn.Linear(I, H)``); same
+    ``state_dict`` as with ``torch.nn.Linear``. Input ``[..., H]`` → output ``[..., H]``.
+
+    Outside an FP8 ``linghe.TrainingContext`` it is plain bf16/fp32 math. Inside one the
+    projections run FP8 GEMMs; under the blockwise recipe the activation is
+    :func:`linghe.silu_mul_quant` (SwiGLU fused with 1x128 quantization), whose
+    :class:`~linghe.Fp8Tensor` ``down_proj`` consumes without re-quantizing.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, device=None, dtype=None):
@@ -28,11 +35,18 @@ class SwiGLU(nn.Module):
         fk = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, **fk)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **fk)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, **fk)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, **fk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        recipe = current_recipe()
+        if recipe is not None and recipe.name == "blockwise":
+            a = silu_mul_quant(h, columnwise=recipe.fp8_wgrad and torch.is_grad_enabled(),
+                               pow2_scale=recipe.pow2_scale)
+        else:
+            a = silu_mul(h)
+        return self.down_proj(a)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"

@@ -8,6 +8,7 @@ import torch
 
 from ..functional.linear import WeightCache
 from .linear import Linear
+from .norm import RMSNorm
 
 #: Smallest in/out features worth an FP8 GEMM (below it quantization costs more than it saves).
 MIN_FEATURES = 64
@@ -20,14 +21,6 @@ def fp8_suitable(module: torch.nn.Linear) -> bool:
                for d in (module.in_features, module.out_features))
 
 
-def _rmsnorm_cls():
-    try:
-        from .norm import RMSNorm  # linghe.nn.RMSNorm (norm family), when present
-    except ImportError:
-        return None
-    return RMSNorm
-
-
 def _swap_linear(mod: torch.nn.Linear) -> Linear:
     new = Linear.__new__(Linear)
     new.__dict__.update(mod.__dict__)  # the very same Parameters (no copy), hooks, flags
@@ -35,20 +28,25 @@ def _swap_linear(mod: torch.nn.Linear) -> Linear:
     return new
 
 
-def _swap_rmsnorm(mod: torch.nn.Module, cls) -> torch.nn.Module:
-    from_torch = getattr(cls, "from_torch", None)
-    if from_torch is not None:  # preferred: the norm family's own converter
-        return from_torch(mod)
-    new = cls.__new__(cls)
-    new.__dict__.update(mod.__dict__)
+def _swap_rmsnorm(mod: torch.nn.Module) -> RMSNorm | None:
+    """A ``linghe.nn.RMSNorm`` sharing ``mod``'s weight Parameter, or None when ``mod`` is
+    not over one last dimension with an affine weight (then it stays as is)."""
+    shape = tuple(mod.normalized_shape)
+    if len(shape) != 1 or getattr(mod, "weight", None) is None:
+        return None
+    eps = mod.eps if mod.eps is not None else torch.finfo(mod.weight.dtype).eps
+    new = RMSNorm(shape[0], eps=eps, device="meta", dtype=mod.weight.dtype)
+    new.weight = mod.weight  # the very same Parameter
+    new.train(mod.training)
     return new
 
 
 def convert(model: torch.nn.Module, *,
             fp8_filter: Callable[[str, torch.nn.Module], bool] | None = None) -> torch.nn.Module:
-    """Swap ``torch.nn.Linear`` for :class:`linghe.nn.Linear` (and ``torch.nn.RMSNorm`` for
-    ``linghe.nn.RMSNorm`` once that module exists) in place, keeping the very same
-    Parameters (no copy: optimizers and tied weights stay valid).
+    """Swap ``torch.nn.Linear`` for :class:`linghe.nn.Linear` and ``torch.nn.RMSNorm`` (over
+    the last dim, with a weight) for :class:`linghe.nn.RMSNorm` in place, keeping the very
+    same Parameters (no copy: optimizers and tied weights stay valid). ``eps=None`` becomes
+    the weight dtype's machine epsilon (what ``torch.nn.RMSNorm`` uses for that dtype).
 
     A Linear stays in high precision (untouched) when its dims do not suit FP8 (in or out
     features not a multiple of 16, or under :data:`MIN_FEATURES`) or when
@@ -61,7 +59,6 @@ def convert(model: torch.nn.Module, *,
     if fp8_filter is not None and not callable(fp8_filter):
         raise TypeError(f"fp8_filter must be callable (name, module) -> bool, got "
                         f"{type(fp8_filter).__name__}")
-    rms_cls = _rmsnorm_cls()
     torch_rms = getattr(torch.nn, "RMSNorm", None)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -72,8 +69,10 @@ def convert(model: torch.nn.Module, *,
                 if fp8_filter is not None and not fp8_filter(name, child):
                     continue
                 setattr(parent, child_name, _swap_linear(child))
-            elif rms_cls is not None and torch_rms is not None and type(child) is torch_rms:
+            elif torch_rms is not None and type(child) is torch_rms:
                 if fp8_filter is not None and not fp8_filter(name, child):
                     continue
-                setattr(parent, child_name, _swap_rmsnorm(child, rms_cls))
+                new = _swap_rmsnorm(child)
+                if new is not None:
+                    setattr(parent, child_name, new)
     return model

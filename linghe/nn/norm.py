@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..functional.norm import rms_norm
+from ..context import current_recipe
+from ..functional.norm import rms_norm, rms_norm_quant
 
 
 class RMSNorm(torch.nn.Module):
@@ -12,7 +13,17 @@ class RMSNorm(torch.nn.Module):
 
     Like ``torch.nn.RMSNorm(hidden_size, eps=eps)``: one parameter ``weight [hidden_size]``
     initialized to ones, so state dicts load either way. Calls :func:`linghe.rms_norm`.
+
+    Inside ``linghe.TrainingContext(fp8="blockwise")`` the forward returns
+    :func:`linghe.rms_norm_quant`'s :class:`~linghe.Fp8Tensor` (1x128 e4m3, the recipe's
+    ``pow2_scale``; the columnwise copy too when FP8 wgrad will need it), which a following
+    :class:`linghe.nn.Linear` consumes without re-quantizing. Set ``quantize_output =
+    False`` on a norm whose output does not feed an FP8 Linear (e.g. the final norm before
+    a high-precision LM head; other ops would see the dequantized values).
     """
+
+    #: Return an Fp8Tensor under the blockwise recipe (plain attribute, not in state_dict).
+    quantize_output: bool = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
@@ -33,6 +44,11 @@ class RMSNorm(torch.nn.Module):
         torch.nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = current_recipe()
+        if recipe is not None and recipe.name == "blockwise" and self.quantize_output:
+            return rms_norm_quant(x, self.weight, self.eps,
+                                  columnwise=recipe.fp8_wgrad and torch.is_grad_enabled(),
+                                  pow2_scale=recipe.pow2_scale)
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
