@@ -5,8 +5,9 @@ backward reads anyway. With ``n = xhat * w`` and ``sig = sigmoid(gate)``:
 ``dgate = dy * n * sig * (1 - sig)``, ``dn = dy * sig``, ``dw = sum(dn * xhat)``,
 ``dx = rstd * (dn*w - xhat * mean_group(dn*w*xhat))``.
 
-A persistent grid (``PROGRAMS_PER_SM`` programs per SM) walks token blocks; each program
-keeps its weight-gradient partial in float32 registers and writes it once; the partials
+A persistent grid (``PROGRAMS_PER_SM`` programs per SM) walks token blocks, prefetching the
+next block's loads before the current block's math; each program keeps its weight-gradient
+partial in float32 registers and writes it once; the partials
 ``[P, len(weight)]`` are summed in float32 afterwards.
 """
 
@@ -25,6 +26,18 @@ PROGRAMS_PER_SM = 4
 
 
 @triton.jit
+def _load_tile_bwd(x_ptr, gate_ptr, dy_ptr, blk, T, S, G, C, sxb, sxs, sgb, sgs, syb, sys,
+                   SHARED_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """Raw (input dtype) x, gate and dy of token block ``blk`` (all masked off past T)."""
+    b, s, offs, _, mask = gate_tile(blk, T, S, G, C, SHARED_W, BLOCK_T, BLOCK_G, BLOCK_C)
+    x = tl.load(x_ptr + (b * sxb + s * sxs)[:, None] + offs, mask=mask, other=0.0)
+    gt = tl.load(gate_ptr + (b * sgb + s * sgs)[:, None] + offs, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + (b * syb + s * sys)[:, None] + offs, mask=mask, other=0.0)
+    return x, gt, dy
+
+
+@triton.jit
 def _group_rms_norm_gate_bwd_kernel(x_ptr, gate_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dw_ptr,
                                     T, S, G, C, sxb, sxs, sgb, sgs, syb, sys, sdxb, sdxs,
                                     sdgb, sdgs, eps, SHARED_W: tl.constexpr,
@@ -37,15 +50,20 @@ def _group_rms_norm_gate_bwd_kernel(x_ptr, gate_ptr, w_ptr, dy_ptr, dx_ptr, dg_p
                                          BLOCK_C)
     w = tl.load(w_ptr + woffs, mask=wmask, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_G, BLOCK_C], dtype=tl.float32)
+    # Software prefetch: the loads of the next block are issued before the math and the
+    # stores of the current one, so each program keeps two blocks of loads in flight.
+    x_raw, gt_raw, dy_raw = _load_tile_bwd(x_ptr, gate_ptr, dy_ptr, pid, T, S, G, C, sxb,
+                                           sxs, sgb, sgs, syb, sys, SHARED_W, BLOCK_T,
+                                           BLOCK_G, BLOCK_C)
     for blk in range(pid, nblk, P):
-        b, s, offs, woffs, mask = gate_tile(blk + pid * 0, T, S, G, C, SHARED_W, BLOCK_T,
-                                            BLOCK_G, BLOCK_C)
-        x = tl.load(x_ptr + (b * sxb + s * sxs)[:, None] + offs, mask=mask,
-                    other=0.0).to(tl.float32)
-        gt = tl.load(gate_ptr + (b * sgb + s * sgs)[:, None] + offs, mask=mask,
-                     other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + (b * syb + s * sys)[:, None] + offs, mask=mask,
-                     other=0.0).to(tl.float32)
+        cur = blk + pid * 0
+        xn, gn, dyn = _load_tile_bwd(x_ptr, gate_ptr, dy_ptr, cur + P, T, S, G, C, sxb, sxs,
+                                     sgb, sgs, syb, sys, SHARED_W, BLOCK_T, BLOCK_G, BLOCK_C)
+        b, s, offs, woffs, mask = gate_tile(cur, T, S, G, C, SHARED_W, BLOCK_T, BLOCK_G,
+                                            BLOCK_C)
+        x = x_raw.to(tl.float32)
+        gt = gt_raw.to(tl.float32)
+        dy = dy_raw.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / C + eps)
         xhat = x * rstd[:, None]
         sig = tl.sigmoid(gt)
@@ -59,6 +77,7 @@ def _group_rms_norm_gate_bwd_kernel(x_ptr, gate_ptr, w_ptr, dy_ptr, dx_ptr, dg_p
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dg_ptr + (b * sdgb + s * sdgs)[:, None] + offs,
                  dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        x_raw, gt_raw, dy_raw = xn, gn, dyn
     c = tl.arange(0, BLOCK_C)
     if SHARED_W:
         tl.store(dw_ptr + pid * C + c, tl.sum(acc, axis=0), mask=c < C)
@@ -67,6 +86,18 @@ def _group_rms_norm_gate_bwd_kernel(x_ptr, gate_ptr, w_ptr, dy_ptr, dx_ptr, dg_p
         g = tl.arange(0, BLOCK_G)
         tl.store(dw_ptr + pid * (G * C) + g[:, None] * C + c[None, :], tl.sum(acc3, axis=0),
                  mask=(g < G)[:, None] & (c < C)[None, :])
+
+
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    """Cached SM count per device (a per-call device-properties query costs host time)."""
+    key = (device.type, device.index)
+    n = _SMS.get(key)
+    if n is None:
+        n = _SMS[key] = num_sms(device)
+    return n
 
 
 def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layout):
@@ -80,8 +111,10 @@ def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layou
     dg = empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if T == 0 or dim == 0:
         return dx, dg, torch.zeros_like(weight)
-    BT, BG, BC, nw = gate_blocks(G, C, elems=4096)
-    P = max(1, min(cdiv(T, BT), num_sms(x3.device) * PROGRAMS_PER_SM))
+    # One token (2048 elements at the standard shape) per block, 4 warps: small register
+    # tiles so that PROGRAMS_PER_SM programs (each with two blocks in flight) stay resident.
+    BT, BG, BC, nw = gate_blocks(G, C, elems=2048)
+    P = max(1, min(cdiv(T, BT), _sms(x3.device) * PROGRAMS_PER_SM))
     partial = empty(P, weight.numel(), dtype=torch.float32, device=x3.device)
     sgb, sgs = gate_token_strides(gate, gate_layout)
     syb, sys = gate_token_strides(dy, gate_layout)
