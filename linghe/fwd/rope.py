@@ -240,31 +240,51 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
 
 
 @triton.jit
+def _hf_load(x_ptr, b, s, h0, NH, D, HALF, sxb, sxh, sxs, BLOCK_H: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """Heads ``h0 ..`` of token ``(b, s)``: ``(x fp32, x[partner] fp32, h int64, mask)``."""
+    d = tl.arange(0, BLOCK_D)
+    h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+    mask = (h < NH)[:, None] & (d < D)[None, :]
+    src = x_ptr + b * sxb + s * sxs + h[:, None] * sxh
+    x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = load_partner(src, d[None, :], HALF, D, mask)
+    return x, xp, h, mask
+
+
+@triton.jit
+def _hf_store(x, xp, h, mask, o_ptr, b, s, NH, S, D, cos, sin, sgn, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    y = x * cos[None, :] + xp * (sgn * sin)[None, :]
+    dst = o_ptr + ((b * NH + h[:, None]) * S + s) * D + d[None, :]
+    tl.store(dst, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _hf_part(x_ptr, o_ptr, b, s, NH, S, D, HALF, sxb, sxh, sxs, cos, sin, sgn,
              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
     for h0 in range(0, NH, BLOCK_H):
-        h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        mask = (h < NH)[:, None] & dmask[None, :]
-        src = x_ptr + b * sxb + s * sxs + h[:, None] * sxh
-        x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        xp = load_partner(src, d[None, :], HALF, D, mask)
-        y = x * cos[None, :] + xp * (sgn * sin)[None, :]
-        dst = o_ptr + ((b * NH + h[:, None]) * S + s) * D + d[None, :]
-        tl.store(dst, y.to(o_ptr.dtype.element_ty), mask=mask)
+        x, xp, h, mask = _hf_load(x_ptr, b, s, h0, NH, D, HALF, sxb, sxh, sxs, BLOCK_H,
+                                  BLOCK_D)
+        _hf_store(x, xp, h, mask, o_ptr, b, s, NH, S, D, cos, sin, sgn, BLOCK_D)
 
 
 @triton.jit
 def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPOS, S, HQ, HK,
                     D, HALF, sqb, sqh, sqs, skb, skh, sks, scb, scs, HAS_POS: tl.constexpr,
-                    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BACKWARD: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                    BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (b, s) token: all heads of q and k. Forward ``y = x*cos[i] + sgn*x[p]*sin[i]``
     (sgn -1 in the first half); backward ``dx = dy*cos[i] - sgn*dy[p]*sin[p]``."""
     t = tl.program_id(0).to(tl.int64)
     b = t // S
     s = t - b * S
+    if ONE_BLOCK:
+        # All heads fit one tile per tensor: issue the q and k loads before anything else.
+        xq, xqp, hq, mq = _hf_load(q_ptr, b, s, 0, HQ, D, HALF, sqb, sqh, sqs, BLOCK_HQ,
+                                   BLOCK_D)
+        xk, xkp, hk, mk = _hf_load(k_ptr, b, s, 0, HK, D, HALF, skb, skh, sks, BLOCK_HK,
+                                   BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     first = d < HALF
@@ -282,10 +302,14 @@ def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPO
     else:
         sin = tl.load(sin_ptr + crow + d, mask=cmask, other=0.0).to(tl.float32)
         sgn = tl.where(first, -1.0, 1.0)
-    _hf_part(q_ptr, qo_ptr, b, s, HQ, S, D, HALF, sqb, sqh, sqs, cos, sin, sgn,
-             BLOCK_HQ, BLOCK_D)
-    _hf_part(k_ptr, ko_ptr, b, s, HK, S, D, HALF, skb, skh, sks, cos, sin, sgn,
-             BLOCK_HK, BLOCK_D)
+    if ONE_BLOCK:
+        _hf_store(xq, xqp, hq, mq, qo_ptr, b, s, HQ, S, D, cos, sin, sgn, BLOCK_D)
+        _hf_store(xk, xkp, hk, mk, ko_ptr, b, s, HK, S, D, cos, sin, sgn, BLOCK_D)
+    else:
+        _hf_part(q_ptr, qo_ptr, b, s, HQ, S, D, HALF, sqb, sqh, sqs, cos, sin, sgn,
+                 BLOCK_HQ, BLOCK_D)
+        _hf_part(k_ptr, ko_ptr, b, s, HK, S, D, HALF, skb, skh, sks, cos, sin, sgn,
+                 BLOCK_HK, BLOCK_D)
 
 
 def hf_rope(q, k, cos, sin, position_ids, backward: bool):
@@ -308,5 +332,5 @@ def hf_rope(q, k, cos, sin, position_ids, backward: bool):
             q, k, qo, ko, cos, sin, position_ids if position_ids is not None else cos,
             cos.shape[0], S, HQ, HK, D, D // 2, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
             k.stride(1), k.stride(2), scb, scs, HAS_POS=position_ids is not None, BACKWARD=backward,
-            BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+            ONE_BLOCK=HQ <= BHQ and HK <= BHK, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
     return qo, ko
