@@ -7,6 +7,8 @@ A program works on a tile of ``BLOCK_T`` tokens x ``BLOCK_G`` groups (rows) by
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,7 @@ def _group_rms_norm_gate_fwd_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, T, S, G, C, s
              mask=mask)
 
 
+@functools.cache  # per-shape decision, cached (host time)
 def gate_blocks(G: int, C: int, elems: int = 2048):
     """(BLOCK_T, BLOCK_G, BLOCK_C, num_warps): tiles of about ``elems`` elements (at least
     one whole token)."""

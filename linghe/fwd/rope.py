@@ -6,6 +6,8 @@ used by :mod:`linghe.bwd.rope`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -187,6 +189,7 @@ def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
                       INTERLEAVED, False, False, BLOCK_HK, BLOCK_D)
 
 
+@functools.cache  # per-shape decision, cached (host time)
 def head_blocks(H: int, Hkv: int, D: int):
     """(BLOCK_HQ, BLOCK_HK, BLOCK_D, num_warps): head tiles of at most 4096 elements."""
     BLOCK_D = next_power_of_2(max(D, 2))
