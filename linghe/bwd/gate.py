@@ -19,10 +19,13 @@ import triton.language as tl
 
 from ..fwd.gate import gate_blocks, gate_tile, gate_token_strides
 from ..utils import cdiv, device_guard, empty, num_sms, sum_partials
+from .resident import learn_resident, resident_programs
 
-#: Persistent programs per SM (knob: more hides latency, but each adds a float32 partial
-#: of the weight gradient that is written and summed).
-PROGRAMS_PER_SM = 4
+#: Persistent programs per SM before the kernel's fit is known (knob: more hides latency,
+#: but each adds a float32 partial of the weight gradient that is written and summed); after
+#: the first launch, what fits an SM (register use), at most ``MAX_PROGRAMS_PER_SM``.
+PROGRAMS_PER_SM = 3
+MAX_PROGRAMS_PER_SM = 6
 
 
 @triton.jit
@@ -114,15 +117,18 @@ def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layou
     # One token (2048 elements at the standard shape) per block, 4 warps: small register
     # tiles so that PROGRAMS_PER_SM programs (each with two blocks in flight) stay resident.
     BT, BG, BC, nw = gate_blocks(G, C, elems=2048)
-    P = max(1, min(cdiv(T, BT), _sms(x3.device) * PROGRAMS_PER_SM))
+    shared_w = weight.numel() != dim
+    key = ("gate_bwd", x3.device.index, x3.dtype, gate.dtype, weight.dtype, shared_w, BT, BG,
+           BC, nw)
+    P = max(1, min(cdiv(T, BT), _sms(x3.device) * resident_programs(key, PROGRAMS_PER_SM)))
     partial = empty(P, weight.numel(), dtype=torch.float32, device=x3.device)
     sgb, sgs = gate_token_strides(gate, gate_layout)
     syb, sys = gate_token_strides(dy, gate_layout)
     sdgb, sdgs = gate_token_strides(dg, gate_layout)
     with device_guard(x3):
-        _group_rms_norm_gate_bwd_kernel[(P,)](
+        ck = _group_rms_norm_gate_bwd_kernel[(P,)](
             x3, gate, weight, dy, dx, dg, partial, T, S, G, C, x3.stride(0), x3.stride(1),
             sgb, sgs, syb, sys, dx.stride(0), dx.stride(1), sdgb, sdgs, eps,
-            SHARED_W=weight.numel() != dim, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC,
-            num_warps=nw)
+            SHARED_W=shared_w, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC, num_warps=nw)
+    learn_resident(key, ck, nw, MAX_PROGRAMS_PER_SM)
     return dx, dg, sum_partials(partial, weight.dtype)

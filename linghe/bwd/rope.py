@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ..fwd.rope import head_blocks, head_columns, load_partner, rope_tables, token_strides
 from ..utils import device_guard, empty, num_sms, sum_partials
+from .resident import learn_resident, resident_programs
 
 
 @triton.jit
@@ -194,18 +195,20 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
 
 #: Persistent backward programs per SM (knob: each program loops over tokens and writes
 #: one float32 partial row of the norm-weight gradients; with the prefetch each program
-#: holds two tokens' tiles in registers, so fewer programs fit an SM than before).
-PROGRAMS_PER_SM = 4
+#: holds two tokens' tiles in registers). This is the guess before the kernel's fit is
+#: known; after the first launch, what fits an SM (register use), at most the MAX.
+PROGRAMS_PER_SM = 3
+MAX_PROGRAMS_PER_SM = 8
 
 _SMS: dict = {}
 
 
-def _programs(T: int, device) -> int:
-    key = (device.type, device.index)
-    n = _SMS.get(key)
+def _programs(T: int, device, key) -> int:
+    dkey = (device.type, device.index)
+    n = _SMS.get(dkey)
     if n is None:  # cached: a device-properties query per call costs host time
-        n = _SMS[key] = num_sms(device)
-    return max(1, min(T, n * PROGRAMS_PER_SM))
+        n = _SMS[dkey] = num_sms(device)
+    return max(1, min(T, n * resident_programs(key, PROGRAMS_PER_SM)))
 
 
 def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *,
@@ -228,14 +231,16 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
         dqkv = empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     _, _, dstride_b, dstride_s = token_strides(dqkv, layout)
     T = B * S
-    P = _programs(T, qkv.device)
+    BHQ, BHK, BD, nw = head_blocks(H, Hkv, D)
+    key = ("qk_norm_rope_bwd", qkv.device.index, qkv.dtype, nq, nk, interleaved,
+           position_ids is not None, BHQ, BHK, BD, nw)
+    P = _programs(T, qkv.device, key)
     # One float32 partial row per program: [q weight grad | k weight grad].
     partial = empty(P, 2 * D, dtype=torch.float32, device=qkv.device) if nq or nk else None
     if T > 0:
-        BHQ, BHK, BD, nw = head_blocks(H, Hkv, D)
         dummy = freqs
         with device_guard(qkv):
-            _qk_norm_rope_bwd_kernel[(P,)](
+            ck = _qk_norm_rope_bwd_kernel[(P,)](
                 qkv, dq, dk, dv, dqkv, freqs,
                 position_ids if position_ids is not None else dummy,
                 q_norm_weight if nq else dummy, k_norm_weight if nk else dummy,
@@ -245,6 +250,7 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
                 INTERLEAVED=interleaved, HAS_POS=position_ids is not None, NORM_Q=nq,
                 NORM_K=nk, ONE_BLOCK=H <= BHQ and Hkv <= BHK, BLOCK_HQ=BHQ, BLOCK_HK=BHK,
                 BLOCK_D=BD, num_warps=nw)
+        learn_resident(key, ck, nw, MAX_PROGRAMS_PER_SM)
     gq = gk = None
     if T == 0:
         gq = torch.zeros_like(q_norm_weight) if nq else None
