@@ -23,7 +23,7 @@ def load_heads_bwd(x_row, dy_row, h0, NH, H, HKV, G, D, HALF, R, live, KIND: tl.
     """Gradient heads ``h0 ..`` of one kind of one token (contiguous ``[NH, D]`` at
     ``dy_row``), their rotate-half partners and (for the norm) the input heads of qkv;
     nothing is read unless ``live`` (int 1: the token exists; 0: it does not).
-    Returns ``(dy, dy[partner] fp32, x (qkv's dtype; dy[partner] without norm), col
+    Returns ``(dy, dy[partner] (dy dtype), x (qkv's dtype; dy[partner] without norm), col
     offsets, mask)``."""
     d = tl.arange(0, BLOCK_D)
     h = h0 + tl.arange(0, BLOCK_H)

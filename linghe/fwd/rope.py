@@ -50,14 +50,16 @@ def rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def load_partner(ptr, d, HALF, R, mask):
-    """``x[partner(d)]`` as fp32 for rows at ``ptr`` (``d`` broadcast against ``ptr``):
-    ``x[d + HALF]`` for ``d < HALF``, ``x[d - HALF]`` for ``HALF <= d < R``, 0 beyond.
-    Two loads with affine (vectorizable) offsets instead of a gather; they hit L1."""
+    """``x[partner(d)]`` in ``ptr``'s dtype for rows at ``ptr`` (``d`` broadcast against
+    ``ptr``): ``x[d + HALF]`` for ``d < HALF``, ``x[d - HALF]`` for ``HALF <= d < R``, 0
+    beyond. Two loads with affine (vectorizable) offsets instead of a gather; they hit L1.
+    Kept in the narrow dtype (fewer registers while it waits, e.g. across the backward's
+    prefetch); float32 math promotes it exactly."""
     first = d < HALF
     second = (d >= HALF) & (d < R)
     a = tl.load(ptr + (d + HALF), mask=mask & first, other=0.0)
     b = tl.load(ptr + (d - HALF), mask=mask & second, other=0.0)
-    return tl.where(first, a.to(tl.float32), b.to(tl.float32))
+    return tl.where(first, a, b)
 
 
 @triton.jit
@@ -100,8 +102,8 @@ def load_heads(in_row, h0, NH, H, HKV, G, D, HALF, R, KIND: tl.constexpr,
                INTERLEAVED: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_D: tl.constexpr):
     """Heads ``h0 .. h0+BLOCK_H`` of one kind of one token of the fused projection.
-    Returns ``(x [BLOCK_H, BLOCK_D] in the input dtype, x[partner] fp32 (x when not ROPE),
-    h, col offsets, mask)``."""
+    Returns ``(x [BLOCK_H, BLOCK_D] and x[partner] in the input dtype (x when not ROPE), h,
+    col offsets, mask)``."""
     d = tl.arange(0, BLOCK_D)
     h = h0 + tl.arange(0, BLOCK_H)
     mask = (h < NH)[:, None] & (d < D)[None, :]
@@ -245,7 +247,8 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
 @triton.jit
 def _hf_load(x_ptr, b, s, h0, NH, D, HALF, sxb, sxh, sxs, BLOCK_H: tl.constexpr,
              BLOCK_D: tl.constexpr):
-    """Heads ``h0 ..`` of token ``(b, s)``: ``(x fp32, x[partner] fp32, h int64, mask)``."""
+    """Heads ``h0 ..`` of token ``(b, s)``: ``(x fp32, x[partner] input dtype, h int64,
+    mask)``."""
     d = tl.arange(0, BLOCK_D)
     h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
     mask = (h < NH)[:, None] & (d < D)[None, :]
