@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from ..fwd.gate import gate_blocks, gate_tile, gate_token_strides
-from ..utils import cdiv, device_guard, empty, num_sms, sum_partials
-from .resident import learn_resident, resident_programs
+from ..utils import cdiv, device_guard, empty, num_sms
+from .resident import learn_resident, resident_programs, sum_partials_tall
 
 #: Persistent programs per SM before the kernel's fit is known (knob: more hides latency,
 #: but each adds a float32 partial of the weight gradient that is written and summed); after
@@ -131,4 +131,4 @@ def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layou
             sgb, sgs, syb, sys, dx.stride(0), dx.stride(1), sdgb, sdgs, eps,
             SHARED_W=shared_w, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC, num_warps=nw)
     learn_resident(key, ck, nw, MAX_PROGRAMS_PER_SM)
-    return dx, dg, sum_partials(partial, weight.dtype)
+    return dx, dg, sum_partials_tall(partial, weight.dtype)

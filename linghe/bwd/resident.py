@@ -10,6 +10,8 @@ whatever the grid: only speed depends on it.
 
 from __future__ import annotations
 
+from ..utils import _sum_partials_kernel, cdiv, device_guard, empty, sum_partials
+
 _RESIDENT: dict = {}
 
 #: Hopper/Ampere per-SM limits: 64K 32-bit registers, 64 warps, 32 blocks, 227 KiB smem.
@@ -38,3 +40,18 @@ def learn_resident(key, compiled, num_warps: int, cap: int) -> None:
     if shared > 0:
         n = min(n, _SMEM // (shared + 1024))
     _RESIDENT[key] = max(1, min(n, cap))
+
+
+def sum_partials_tall(partial, dtype):
+    """:func:`linghe.utils.sum_partials` for tall ``[P, N]`` partials (hundreds of rows,
+    few columns): the same kernel with narrower column blocks and taller row blocks, so
+    more programs share the work and each walks fewer row blocks (it is latency-bound)."""
+    P, N = partial.shape
+    if N == 0 or P == 0:
+        return sum_partials(partial, dtype)
+    out = empty(N, dtype=dtype, device=partial.device)
+    BLOCK_N = 16
+    with device_guard(partial):
+        _sum_partials_kernel[(cdiv(N, BLOCK_N),)](partial, out, P, N, BLOCK_P=128,
+                                                  BLOCK_N=BLOCK_N, num_warps=4)
+    return out

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from ..fwd.rope import head_blocks, head_columns, load_partner, rope_tables, token_strides
-from ..utils import device_guard, empty, num_sms, sum_partials
-from .resident import learn_resident, resident_programs
+from ..utils import device_guard, empty, num_sms
+from .resident import learn_resident, resident_programs, sum_partials_tall
 
 
 @triton.jit
@@ -256,11 +256,11 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
         gq = torch.zeros_like(q_norm_weight) if nq else None
         gk = torch.zeros_like(k_norm_weight) if nk else None
     elif nq and nk and q_norm_weight.dtype == k_norm_weight.dtype:
-        both = sum_partials(partial, q_norm_weight.dtype)  # one launch for both weights
+        both = sum_partials_tall(partial, q_norm_weight.dtype)  # one launch for both weights
         gq, gk = both[:D], both[D:]
     else:
         if nq:
-            gq = sum_partials(partial[:, :D].contiguous(), q_norm_weight.dtype)
+            gq = sum_partials_tall(partial[:, :D].contiguous(), q_norm_weight.dtype)
         if nk:
-            gk = sum_partials(partial[:, D:].contiguous(), k_norm_weight.dtype)
+            gk = sum_partials_tall(partial[:, D:].contiguous(), k_norm_weight.dtype)
     return dqkv, gq, gk
