@@ -9,7 +9,7 @@ import torch
 
 from ..bwd.gate import group_rms_norm_gate_bwd
 from ..fwd.gate import group_rms_norm_gate_fwd
-from ..utils import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
+from ..utils import FLOAT_DTYPES, check_kernel_device, check_tensor
 
 
 class _GroupRMSNormGate(torch.autograd.Function):
@@ -73,6 +73,6 @@ def group_rms_norm_gate(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
                          f"(dim or dim/num_groups), got {tuple(weight.shape)}")
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    check_same_device(x=x, gate=gate, weight=weight)
+    # (gate and weight were checked on x's device above: no separate same-device pass)
     opts = dict(num_groups=num_groups, eps=float(eps), gate_layout=gate_layout)
     return _GroupRMSNormGate.apply(x, gate, weight, opts)

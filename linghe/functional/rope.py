@@ -11,7 +11,6 @@ from ..fwd.rope import hf_rope, qk_norm_rope_fwd
 from ..utils import (
     FLOAT_DTYPES,
     check_kernel_device,
-    check_same_device,
     check_tensor,
     debug_enabled,
 )
@@ -147,8 +146,7 @@ def qk_norm_rope(qkv: torch.Tensor, freqs: torch.Tensor, *, num_heads: int,
                          contiguous=True)
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    check_same_device(qkv=qkv, freqs=freqs, position_ids=position_ids,
-                      q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
+    # (every tensor was checked on qkv's device above: no separate same-device pass)
     opts = dict(num_heads=H, num_kv_heads=Hkv, head_dim=D, rotary_dim=R, layout=layout,
                 interleaved=bool(interleaved), eps=float(eps))
     return _QKNormRope.apply(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, opts)

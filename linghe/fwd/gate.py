@@ -7,11 +7,14 @@ A program works on a tile of ``BLOCK_T`` tokens x ``BLOCK_G`` groups (rows) by
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ..utils import cdiv, device_guard, empty, next_power_of_2
+from ..bwd.resident import learn_resident, resident_programs
+from ..utils import cdiv, device_guard, empty, next_power_of_2, num_sms
 
 
 @triton.jit
@@ -52,6 +55,63 @@ def _group_rms_norm_gate_fwd_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, T, S, G, C, s
              mask=mask)
 
 
+@triton.jit
+def _load_tile_fwd(x_ptr, gate_ptr, blk, T, S, G, C, sxb, sxs, sgb, sgs,
+                   SHARED_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """Raw (input dtype) x and gate of token block ``blk`` (masked off past T)."""
+    b, s, offs, _, mask = gate_tile(blk, T, S, G, C, SHARED_W, BLOCK_T, BLOCK_G, BLOCK_C)
+    x = tl.load(x_ptr + (b * sxb + s * sxs)[:, None] + offs, mask=mask, other=0.0)
+    gt = tl.load(gate_ptr + (b * sgb + s * sgs)[:, None] + offs, mask=mask, other=0.0)
+    return x, gt
+
+
+@triton.jit
+def _group_rms_norm_gate_fwd_persistent_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, T, S, G, C,
+                                               sxb, sxs, sgb, sgs, syb, sys, eps,
+                                               SHARED_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                                               BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Persistent variant: the weight is loaded once per program, and the next block's
+    loads are issued before the current block's math and store (two blocks in flight)."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    nblk = tl.cdiv(T, BLOCK_T)
+    _, _, _, woffs, wmask = gate_tile(pid * 0, T, S, G, C, SHARED_W, BLOCK_T, BLOCK_G,
+                                      BLOCK_C)
+    w = tl.load(w_ptr + woffs, mask=wmask, other=0.0).to(tl.float32)
+    x_raw, g_raw = _load_tile_fwd(x_ptr, gate_ptr, pid, T, S, G, C, sxb, sxs, sgb, sgs,
+                                  SHARED_W, BLOCK_T, BLOCK_G, BLOCK_C)
+    for blk in range(pid, nblk, P):
+        cur = blk + pid * 0
+        xn, gn = _load_tile_fwd(x_ptr, gate_ptr, cur + P, T, S, G, C, sxb, sxs, sgb, sgs,
+                                SHARED_W, BLOCK_T, BLOCK_G, BLOCK_C)
+        b, s, offs, _, mask = gate_tile(cur, T, S, G, C, SHARED_W, BLOCK_T, BLOCK_G, BLOCK_C)
+        x = x_raw.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / C + eps)
+        y = x * rstd[:, None] * w * tl.sigmoid(g_raw.to(tl.float32))
+        tl.store(y_ptr + (b * syb + s * sys)[:, None] + offs, y.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+        x_raw, g_raw = xn, gn
+
+
+#: Use the persistent, prefetching forward (knob: False = one program per token block).
+FWD_PERSISTENT = True
+#: Persistent forward programs per SM before the kernel's fit is known, and the cap after.
+FWD_PROGRAMS_PER_SM = 4
+FWD_MAX_PROGRAMS_PER_SM = 16
+
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    key = (device.type, device.index)
+    n = _SMS.get(key)
+    if n is None:  # cached: a device-properties query per call costs host time
+        n = _SMS[key] = num_sms(device)
+    return n
+
+
+@functools.cache  # per-shape decision, cached (host time)
 def gate_blocks(G: int, C: int, elems: int = 2048):
     """(BLOCK_T, BLOCK_G, BLOCK_C, num_warps): tiles of about ``elems`` elements (at least
     one whole token)."""
@@ -81,6 +141,18 @@ def group_rms_norm_gate_fwd(x3, gate, weight, *, num_groups, eps, gate_layout):
     BT, BG, BC, nw = gate_blocks(G, C)
     sgb, sgs = gate_token_strides(gate, gate_layout)
     syb, sys = gate_token_strides(y, gate_layout)
+    shared_w = weight.numel() != dim
+    if FWD_PERSISTENT:
+        key = ("gate_fwd", x3.device.index, x3.dtype, weight.dtype, shared_w, BT, BG, BC, nw)
+        P = max(1, min(cdiv(T, BT), _sms(x3.device) * resident_programs(key,
+                                                                     FWD_PROGRAMS_PER_SM)))
+        with device_guard(x3):
+            ck = _group_rms_norm_gate_fwd_persistent_kernel[(P,)](
+                x3, gate, weight, y, T, S, G, C, x3.stride(0), x3.stride(1), sgb, sgs, syb,
+                sys, eps, SHARED_W=shared_w, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC,
+                num_warps=nw)
+        learn_resident(key, ck, nw, FWD_MAX_PROGRAMS_PER_SM)
+        return y
     with device_guard(x3):
         _group_rms_norm_gate_fwd_kernel[(cdiv(T, BT),)](
             x3, gate, weight, y, T, S, G, C, x3.stride(0), x3.stride(1), sgb, sgs, syb, sys,

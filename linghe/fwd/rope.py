@@ -6,11 +6,14 @@ used by :mod:`linghe.bwd.rope`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ..utils import device_guard, empty, next_power_of_2
+from ..bwd.resident import learn_resident, resident_programs
+from ..utils import device_guard, empty, next_power_of_2, num_sms
 
 
 @triton.jit
@@ -48,14 +51,16 @@ def rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def load_partner(ptr, d, HALF, R, mask):
-    """``x[partner(d)]`` as fp32 for rows at ``ptr`` (``d`` broadcast against ``ptr``):
-    ``x[d + HALF]`` for ``d < HALF``, ``x[d - HALF]`` for ``HALF <= d < R``, 0 beyond.
-    Two loads with affine (vectorizable) offsets instead of a gather; they hit L1."""
+    """``x[partner(d)]`` in ``ptr``'s dtype for rows at ``ptr`` (``d`` broadcast against
+    ``ptr``): ``x[d + HALF]`` for ``d < HALF``, ``x[d - HALF]`` for ``HALF <= d < R``, 0
+    beyond. Two loads with affine (vectorizable) offsets instead of a gather; they hit L1.
+    Kept in the narrow dtype (fewer registers while it waits, e.g. across the backward's
+    prefetch); float32 math promotes it exactly."""
     first = d < HALF
     second = (d >= HALF) & (d < R)
     a = tl.load(ptr + (d + HALF), mask=mask & first, other=0.0)
     b = tl.load(ptr + (d - HALF), mask=mask & second, other=0.0)
-    return tl.where(first, a.to(tl.float32), b.to(tl.float32))
+    return tl.where(first, a, b)
 
 
 @triton.jit
@@ -98,8 +103,8 @@ def load_heads(in_row, h0, NH, H, HKV, G, D, HALF, R, KIND: tl.constexpr,
                INTERLEAVED: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_D: tl.constexpr):
     """Heads ``h0 .. h0+BLOCK_H`` of one kind of one token of the fused projection.
-    Returns ``(x [BLOCK_H, BLOCK_D] in the input dtype, x[partner] fp32 (x when not ROPE),
-    h, col offsets, mask)``."""
+    Returns ``(x [BLOCK_H, BLOCK_D] and x[partner] in the input dtype (x when not ROPE), h,
+    col offsets, mask)``."""
     d = tl.arange(0, BLOCK_D)
     h = h0 + tl.arange(0, BLOCK_H)
     mask = (h < NH)[:, None] & (d < D)[None, :]
@@ -187,6 +192,87 @@ def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
                       INTERLEAVED, False, False, BLOCK_HK, BLOCK_D)
 
 
+@triton.jit
+def _load_token_fwd(qkv_ptr, t, T, S, H, HKV, G, D, HALF, R, stride_b, stride_s,
+                    INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Every load of token ``t`` (int64, output order; nothing is read when ``t >= T``)
+    when all heads of a kind fit one tile: ``(xq, xq[p], xk, xk[p], xv)``, input dtype."""
+    live = (t < T).to(tl.int32)
+    b = t // S
+    s = t - b * S
+    in_row = qkv_ptr + b * stride_b + s * stride_s
+    xq, xqp, _, _, _ = load_heads(in_row, 0, H * live, H, HKV, G, D, HALF, R, 0, INTERLEAVED,
+                                  True, BLOCK_HQ, BLOCK_D)
+    xk, xkp, _, _, _ = load_heads(in_row, 0, HKV * live, H, HKV, G, D, HALF, R, 1,
+                                  INTERLEAVED, True, BLOCK_HK, BLOCK_D)
+    xv, _, _, _, _ = load_heads(in_row, 0, HKV * live, H, HKV, G, D, HALF, R, 2, INTERLEAVED,
+                                False, BLOCK_HK, BLOCK_D)
+    return xq, xqp, xk, xkp, xv
+
+
+@triton.jit
+def _qk_norm_rope_fwd_persistent_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
+                                        k_ptr, v_ptr, T, S, H, HKV, D, HALF, R, NPOS,
+                                        stride_b, stride_s, eps, INTERLEAVED: tl.constexpr,
+                                        HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
+                                        NORM_K: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                                        BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Persistent variant of :func:`_qk_norm_rope_fwd_kernel` for heads that fit one tile
+    per kind: program ``pid`` handles tokens ``pid, pid + P, ...`` and issues the next
+    token's loads before the current token's math and stores (two tokens in flight)."""
+    pid = tl.program_id(0)
+    zero64 = pid.to(tl.int64) * 0
+    P = tl.num_programs(0)
+    G = H // HKV
+    d = tl.arange(0, BLOCK_D)
+    hq = tl.arange(0, BLOCK_HQ)
+    hk = tl.arange(0, BLOCK_HK)
+    mq = (hq < H)[:, None] & (d < D)[None, :]
+    mk = (hk < HKV)[:, None] & (d < D)[None, :]
+    wq, wqp = load_norm_weight(qw_ptr, D, HALF, R, NORM_Q, BLOCK_D)
+    wk, wkp = load_norm_weight(kw_ptr, D, HALF, R, NORM_K, BLOCK_D)
+    xq, xqp, xk, xkp, xv = _load_token_fwd(qkv_ptr, pid + zero64, T, S, H, HKV, G, D, HALF,
+                                           R, stride_b, stride_s, INTERLEAVED, BLOCK_HQ,
+                                           BLOCK_HK, BLOCK_D)
+    for t32 in range(pid, T, P):
+        t = t32 + zero64  # int64 (t32 is a plain int in the interpreter)
+        nxq, nxqp, nxk, nxkp, nxv = _load_token_fwd(qkv_ptr, t + P, T, S, H, HKV, G, D, HALF,
+                                                    R, stride_b, stride_s, INTERLEAVED,
+                                                    BLOCK_HQ, BLOCK_HK, BLOCK_D)
+        if HAS_POS:
+            pos = tl.load(pos_ptr + t).to(tl.int64)
+        else:
+            pos = t - (t // S) * S
+        cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D)
+        finish_heads_fwd(xv, xv, hk, mk, v_ptr + t * HKV * D, wk, wkp, D, eps, cos, sin_s,
+                         False, False, BLOCK_D)
+        finish_heads_fwd(xq, xqp, hq, mq, q_ptr + t * H * D, wq, wqp, D, eps, cos, sin_s,
+                         NORM_Q, True, BLOCK_D)
+        finish_heads_fwd(xk, xkp, hk, mk, k_ptr + t * HKV * D, wk, wkp, D, eps, cos, sin_s,
+                         NORM_K, True, BLOCK_D)
+        xq, xqp, xk, xkp, xv = nxq, nxqp, nxk, nxkp, nxv
+
+
+#: Use the persistent, prefetching forward when all heads fit one tile per kind (knob:
+#: False = one program per token, the round-1 kernel).
+FWD_PERSISTENT = True
+#: Persistent forward programs per SM before the kernel's fit is known, and the cap after.
+FWD_PROGRAMS_PER_SM = 4
+FWD_MAX_PROGRAMS_PER_SM = 16
+
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    key = (device.type, device.index)
+    n = _SMS.get(key)
+    if n is None:  # cached: a device-properties query per call costs host time
+        n = _SMS[key] = num_sms(device)
+    return n
+
+
+@functools.cache  # per-shape decision, cached (host time)
 def head_blocks(H: int, Hkv: int, D: int):
     """(BLOCK_HQ, BLOCK_HK, BLOCK_D, num_warps): head tiles of at most 4096 elements."""
     BLOCK_D = next_power_of_2(max(D, 2))
@@ -220,6 +306,21 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
         return q, k, v
     BHQ, BHK, BD, nw = head_blocks(H, Hkv, D)
     dummy = freqs
+    one_block = H <= BHQ and Hkv <= BHK
+    if FWD_PERSISTENT and one_block:
+        nq, nk, pos = q_norm_weight is not None, k_norm_weight is not None, position_ids
+        key = ("qk_norm_rope_fwd", dev.index, qkv.dtype, nq, nk, interleaved,
+               pos is not None, BHQ, BHK, BD, nw)
+        P = max(1, min(T, _sms(dev) * resident_programs(key, FWD_PROGRAMS_PER_SM)))
+        with device_guard(qkv):
+            ck = _qk_norm_rope_fwd_persistent_kernel[(P,)](
+                qkv, freqs, pos if pos is not None else dummy,
+                q_norm_weight if nq else dummy, k_norm_weight if nk else dummy,
+                q, k, v, T, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0],
+                stride_b, stride_s, eps, INTERLEAVED=interleaved, HAS_POS=pos is not None,
+                NORM_Q=nq, NORM_K=nk, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+        learn_resident(key, ck, nw, FWD_MAX_PROGRAMS_PER_SM)
+        return q, k, v
     with device_guard(qkv):
         _qk_norm_rope_fwd_kernel[(T,)](
             qkv, freqs, position_ids if position_ids is not None else dummy,
@@ -229,8 +330,7 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
             stride_s, eps,
             INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
             NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None,
-            ONE_BLOCK=H <= BHQ and Hkv <= BHK, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD,
-            num_warps=nw)
+            ONE_BLOCK=one_block, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
     return q, k, v
 
 
@@ -240,31 +340,52 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
 
 
 @triton.jit
+def _hf_load(x_ptr, b, s, h0, NH, D, HALF, sxb, sxh, sxs, BLOCK_H: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """Heads ``h0 ..`` of token ``(b, s)``: ``(x fp32, x[partner] input dtype, h int64,
+    mask)``."""
+    d = tl.arange(0, BLOCK_D)
+    h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+    mask = (h < NH)[:, None] & (d < D)[None, :]
+    src = x_ptr + b * sxb + s * sxs + h[:, None] * sxh
+    x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = load_partner(src, d[None, :], HALF, D, mask)
+    return x, xp, h, mask
+
+
+@triton.jit
+def _hf_store(x, xp, h, mask, o_ptr, b, s, NH, S, D, cos, sin, sgn, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    y = x * cos[None, :] + xp * (sgn * sin)[None, :]
+    dst = o_ptr + ((b * NH + h[:, None]) * S + s) * D + d[None, :]
+    tl.store(dst, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _hf_part(x_ptr, o_ptr, b, s, NH, S, D, HALF, sxb, sxh, sxs, cos, sin, sgn,
              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
     for h0 in range(0, NH, BLOCK_H):
-        h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        mask = (h < NH)[:, None] & dmask[None, :]
-        src = x_ptr + b * sxb + s * sxs + h[:, None] * sxh
-        x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        xp = load_partner(src, d[None, :], HALF, D, mask)
-        y = x * cos[None, :] + xp * (sgn * sin)[None, :]
-        dst = o_ptr + ((b * NH + h[:, None]) * S + s) * D + d[None, :]
-        tl.store(dst, y.to(o_ptr.dtype.element_ty), mask=mask)
+        x, xp, h, mask = _hf_load(x_ptr, b, s, h0, NH, D, HALF, sxb, sxh, sxs, BLOCK_H,
+                                  BLOCK_D)
+        _hf_store(x, xp, h, mask, o_ptr, b, s, NH, S, D, cos, sin, sgn, BLOCK_D)
 
 
 @triton.jit
 def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPOS, S, HQ, HK,
                     D, HALF, sqb, sqh, sqs, skb, skh, sks, scb, scs, HAS_POS: tl.constexpr,
-                    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BACKWARD: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                    BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (b, s) token: all heads of q and k. Forward ``y = x*cos[i] + sgn*x[p]*sin[i]``
     (sgn -1 in the first half); backward ``dx = dy*cos[i] - sgn*dy[p]*sin[p]``."""
     t = tl.program_id(0).to(tl.int64)
     b = t // S
     s = t - b * S
+    if ONE_BLOCK:
+        # All heads fit one tile per tensor: issue the q and k loads before anything else.
+        xq, xqp, hq, mq = _hf_load(q_ptr, b, s, 0, HQ, D, HALF, sqb, sqh, sqs, BLOCK_HQ,
+                                   BLOCK_D)
+        xk, xkp, hk, mk = _hf_load(k_ptr, b, s, 0, HK, D, HALF, skb, skh, sks, BLOCK_HK,
+                                   BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     first = d < HALF
@@ -282,10 +403,14 @@ def _hf_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, NPO
     else:
         sin = tl.load(sin_ptr + crow + d, mask=cmask, other=0.0).to(tl.float32)
         sgn = tl.where(first, -1.0, 1.0)
-    _hf_part(q_ptr, qo_ptr, b, s, HQ, S, D, HALF, sqb, sqh, sqs, cos, sin, sgn,
-             BLOCK_HQ, BLOCK_D)
-    _hf_part(k_ptr, ko_ptr, b, s, HK, S, D, HALF, skb, skh, sks, cos, sin, sgn,
-             BLOCK_HK, BLOCK_D)
+    if ONE_BLOCK:
+        _hf_store(xq, xqp, hq, mq, qo_ptr, b, s, HQ, S, D, cos, sin, sgn, BLOCK_D)
+        _hf_store(xk, xkp, hk, mk, ko_ptr, b, s, HK, S, D, cos, sin, sgn, BLOCK_D)
+    else:
+        _hf_part(q_ptr, qo_ptr, b, s, HQ, S, D, HALF, sqb, sqh, sqs, cos, sin, sgn,
+                 BLOCK_HQ, BLOCK_D)
+        _hf_part(k_ptr, ko_ptr, b, s, HK, S, D, HALF, skb, skh, sks, cos, sin, sgn,
+                 BLOCK_HK, BLOCK_D)
 
 
 def hf_rope(q, k, cos, sin, position_ids, backward: bool):
@@ -308,5 +433,5 @@ def hf_rope(q, k, cos, sin, position_ids, backward: bool):
             q, k, qo, ko, cos, sin, position_ids if position_ids is not None else cos,
             cos.shape[0], S, HQ, HK, D, D // 2, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
             k.stride(1), k.stride(2), scb, scs, HAS_POS=position_ids is not None, BACKWARD=backward,
-            BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+            ONE_BLOCK=HQ <= BHQ and HK <= BHK, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
     return qo, ko
