@@ -51,6 +51,8 @@ class DispatchHandle:
         capacity: rows per (source, destination) pair in capacity mode, else ``None``.
         num_dropped: int64 device scalar, routed copies dropped by the capacity limit.
         num_tokens: ``T`` of the dispatched ``x``.
+        slot_of_send_row: capacity mode only: ``[T*k]`` int64, the exchange slot each
+            source-side row comes back in (``W*C`` = dropped: reads a zero row).
     """
 
     layout: ExpertLayout
