@@ -119,7 +119,21 @@ def main():
              for r in range(args.world)]
     for p in procs:
         p.start()
-    results = q.get(timeout=600)
+    import queue
+    import time
+    deadline = time.monotonic() + 600
+    results = None
+    while results is None:
+        try:
+            results = q.get(timeout=5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()
+                raise SystemExit(f"a rank failed or timed out: exit codes "
+                                 f"{[p.exitcode for p in procs]}") from None
     for p in procs:
         p.join(60)
     base = {r["name"]: r["GBps"] for r in results}

@@ -76,7 +76,7 @@ class _Fp8AllToAll(torch.autograd.Function):
         q = quantize_1x128(x.contiguous(), rowwise=True)
         data = _all_to_all(q.rowwise_data.view(torch.uint8), out_splits, in_splits, group)
         scale = _all_to_all(q.rowwise_scale, out_splits, in_splits, group)
-        return dequantize_1x128(data.view(q.rowwise_data.dtype), scale).to(x.dtype)
+        return _dequant_rows(data.view(q.rowwise_data.dtype), scale, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -279,11 +279,21 @@ class _QuantizeSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         q = quantize_1x128(x.contiguous(), rowwise=True)
-        return dequantize_1x128(q.rowwise_data, q.rowwise_scale).to(x.dtype)
+        return _dequant_rows(q.rowwise_data, q.rowwise_scale, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """1x128 rowwise dequantization to ``dtype`` (a broadcast multiply when ``H % 128 ==
+    0``: no repeated-scale temporary)."""
+    n, H = data.shape
+    if H % 128 == 0:
+        return (data.view(n, H // 128, 128).float() * scale.float()[:, :, None]).view(n, H) \
+            .to(dtype)
+    return dequantize_1x128(data, scale).to(dtype)
 
 
 def _num_dropped(expert_ids: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
