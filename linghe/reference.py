@@ -610,3 +610,39 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     in the input dtype, as eager PyTorch would)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     return cross_entropy(logits, labels, ignore_index, reduction, label_smoothing, z_loss)
+
+
+# ======================================================================================
+# === moe: routed SwiGLU experts (loop over experts) + shared experts ===
+# ======================================================================================
+
+
+def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
+        down: torch.Tensor, top_k: int, *, score: str = "sigmoid",
+        expert_bias: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1,
+        shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None):
+    """What :class:`linghe.nn.MoE` computes (unsharded), by a plain loop over experts.
+
+    ``x [T, H]``; ``router_weight [E, H]``; ``gate_up [E, 2I, H]`` (gate rows first);
+    ``down [E, H, I]``; optional shared SwiGLU weights ``[2Is, H]`` / ``[H, Is]``.
+    ``out[t] = sum_j p[t,j] * down_e @ silu_mul(gate_up_e @ x[t])`` with ``(p, e)`` from
+    :func:`topk_route` of :func:`router_logits`, each expert's SwiGLU computed in ``x``'s
+    dtype per GEMM (fp32 math in silu_mul, the result rounded to ``x``'s dtype), plus the
+    shared experts. Returns ``(out [T, H], logits, expert_ids, tokens_per_expert)``.
+    """
+    logits = router_logits(x, router_weight)
+    probs, ids, tpe = topk_route(logits, top_k, score=score, expert_bias=expert_bias,
+                                 num_groups=num_groups, topk_groups=topk_groups)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(gate_up.shape[0]):
+        t, j = (ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            # keep the expert's weights in the graph (zero gradient, like a grouped GEMM)
+            out = out + 0 * (gate_up[e].sum() + down[e].sum()).float()
+            continue
+        h = x[t] @ gate_up[e].t()
+        a = silu_mul(h, probs[t, j]).to(x.dtype)
+        out = out.index_add(0, t, (a @ down[e].t()).float())
+    if shared_gate_up is not None:
+        out = out + (silu_mul(x @ shared_gate_up.t()).to(x.dtype) @ shared_down.t()).float()
+    return out.to(x.dtype), logits, ids, tpe

@@ -16,9 +16,11 @@ differentiable: the backward of an exchange is the adjoint exchange.
 
 Host syncs: the default mode syncs once per ``dispatch`` to learn the split sizes (one
 ``.tolist()`` of a ``2*W``-element tensor). ``capacity_factor`` gives a static-shape
-mode with no host sync: each rank sends at most ``C = ceil(capacity_factor * T * k / W)``
-rows to each peer; copies beyond ``C`` are dropped (the later experts of that peer's block
-lose them first), counted in ``handle.num_dropped`` and contribute nothing to ``combine``.
+mode with no host sync: each rank sends at most ``C = min(T*k, ceil(capacity_factor * T * k
+/ W))`` rows to each peer (every rank of the group must dispatch the same ``T``, as with a
+fixed micro-batch, since the exchange has equal splits of ``C`` rows); copies beyond
+``C`` are dropped (the later experts of that peer's block lose them first), counted in
+``handle.num_dropped``, and contribute nothing to ``combine``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fp8 import Fp8Tensor, quantize_1x128
+from ..fp8 import quantize_1x128
 from ..functional.permute import permute, unpermute
 from ..layout import ExpertLayout
+from ..reference import dequantize_1x128
 from ..utils import check_same_device, check_tensor
 from .collectives import _all_to_all, all_to_all, group_size_rank
 
@@ -48,6 +51,8 @@ class DispatchHandle:
         capacity: rows per (source, destination) pair in capacity mode, else ``None``.
         num_dropped: int64 device scalar, routed copies dropped by the capacity limit.
         num_tokens: ``T`` of the dispatched ``x``.
+        slot_of_send_row: capacity mode only: ``[T*k]`` int64, the exchange slot each
+            source-side row comes back in (``W*C`` = dropped: reads a zero row).
     """
 
     layout: ExpertLayout
@@ -61,17 +66,17 @@ class DispatchHandle:
 
 
 class _Fp8AllToAll(torch.autograd.Function):
-    """Send rows as 1x128 FP8 (data + scales, about half the bytes of bf16); the receiver
-    gets an ``Fp8Tensor``. Backward exchanges the plain gradient (straight-through)."""
+    """Send rows as 1x128 FP8 (e4m3 data + fp32 scales, about half the bytes of bf16) and
+    dequantize them on arrival: the receiver gets a plain tensor in ``x``'s dtype holding
+    the 1x128-quantized values. Backward exchanges the plain gradient (straight-through)."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        q = quantize_1x128(x, rowwise=True)
+        q = quantize_1x128(x.contiguous(), rowwise=True)
         data = _all_to_all(q.rowwise_data.view(torch.uint8), out_splits, in_splits, group)
         scale = _all_to_all(q.rowwise_scale, out_splits, in_splits, group)
-        return Fp8Tensor((data.shape[0], x.shape[1]), x.dtype,
-                         rowwise_data=data.view(q.rowwise_data.dtype), rowwise_scale=scale)
+        return _dequant_rows(data.view(q.rowwise_data.dtype), scale, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -88,8 +93,11 @@ class ExpertParallelDispatcher:
             permute/unpermute, no collectives).
         align: each local expert's segment is padded to a multiple of ``align`` rows.
         capacity_factor: static-shape mode without host syncs (see module docstring).
-        fp8_payload: send 1x128-quantized rows plus scales; ``rows`` is then an
-            :class:`~linghe.fp8.Fp8Tensor` (rowwise copy) whose gradient flows back as bf16.
+        fp8_payload: send 1x128-quantized rows plus scales (about half the bytes); the
+            receiver dequantizes them, so ``rows`` is a plain tensor in ``x``'s dtype that
+            holds ``x`` rounded through 1x128 FP8 (also on one rank, so results do not
+            depend on the world size). The gradient flows back unquantized
+            (straight-through) in ``x``'s dtype.
     """
 
     def __init__(self, num_experts: int, *, group=None, align: int = 16,
@@ -131,9 +139,12 @@ class ExpertParallelDispatcher:
             (0 on padding), and a :class:`DispatchHandle`.
         """
         check_tensor("x", x, dtypes=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
-        check_tensor("expert_ids", expert_ids, ndim=2, shape=(x.shape[0], None))
-        check_tensor("probs", probs, ndim=2, shape=tuple(expert_ids.shape))
+        check_tensor("expert_ids", expert_ids, dtypes=(torch.int32, torch.int64), ndim=2,
+                     shape=(x.shape[0], None))
+        check_tensor("probs", probs, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                     ndim=2, shape=tuple(expert_ids.shape))
         check_same_device(x=x, expert_ids=expert_ids, probs=probs)
+        probs = probs.float()
         if self.world_size == 1:
             return self._dispatch_local(x, expert_ids, probs)
         if self.capacity_factor is not None:
@@ -187,7 +198,8 @@ class ExpertParallelDispatcher:
     def _dispatch_capacity(self, x, expert_ids, probs):
         W, El = self.world_size, self.num_local_experts
         T, k = expert_ids.shape
-        C = max(1, math.ceil(self.capacity_factor * T * k / W))
+        # Never more slots than copies (T*k): the same C on every rank needs the same T.
+        C = max(1, min(T * k, math.ceil(self.capacity_factor * T * k / W)))
         send_rows, send_probs, send_layout = self._send_side(x, expert_ids, probs)
         dev = x.device
         offs = send_layout.offsets.to(torch.int64)
@@ -218,7 +230,7 @@ class ExpertParallelDispatcher:
         rows, probs_rows, layout = self._regroup(recv_rows, recv_probs, local_ids, num_rows)
         # Where each send row's result comes back: its slot, or the zero row past the end.
         i = torch.arange(T * k, device=dev)
-        r_of = torch.searchsorted(offs[El::El], i, right=True).clamp(max=W - 1)
+        r_of = torch.searchsorted(offs[El::El].contiguous(), i, right=True).clamp(max=W - 1)
         pos = i - rank_start[r_of]
         back_slot = torch.where((pos < C) & (i < offs[-1]), r_of * C + pos, W * C)
         handle = DispatchHandle(layout, send_layout, None, None, C, num_dropped, T,
@@ -257,19 +269,31 @@ class ExpertParallelDispatcher:
         return unpermute(returned, handle.send_layout, probs)
 
 
-def quantize_1x128_ste(x: torch.Tensor) -> Fp8Tensor:
-    """Rowwise 1x128 quantization whose gradient passes straight through."""
+def quantize_1x128_ste(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded through rowwise 1x128 FP8 (quantize + dequantize, in ``x``'s dtype);
+    the gradient passes straight through. What ``fp8_payload`` does to rows on one rank."""
     return _QuantizeSTE.apply(x)
 
 
 class _QuantizeSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return quantize_1x128(x, rowwise=True)
+        q = quantize_1x128(x.contiguous(), rowwise=True)
+        return _dequant_rows(q.rowwise_data, q.rowwise_scale, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """1x128 rowwise dequantization to ``dtype`` (a broadcast multiply when ``H % 128 ==
+    0``: no repeated-scale temporary)."""
+    n, H = data.shape
+    if H % 128 == 0:
+        return (data.view(n, H // 128, 128).float() * scale.float()[:, :, None]).view(n, H) \
+            .to(dtype)
+    return dequantize_1x128(data, scale).to(dtype)
 
 
 def _num_dropped(expert_ids: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:

@@ -4,6 +4,7 @@ from .activation import SwiGLU
 from .convert import convert
 from .linear import Linear
 from .loss import CrossEntropyLoss
+from .moe import MoE, MoEAux
 from .norm import RMSNorm
 
-__all__ = ["CrossEntropyLoss", "Linear", "RMSNorm", "SwiGLU", "convert"]
+__all__ = ["CrossEntropyLoss", "Linear", "MoE", "MoEAux", "RMSNorm", "SwiGLU", "convert"]

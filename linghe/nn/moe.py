@@ -1,0 +1,245 @@
+"""``MoE``: a routed mixture-of-experts layer with optional expert parallelism (no math
+here: it chains ``router_logits`` -> ``topk_route`` -> ``ExpertParallelDispatcher`` ->
+``grouped_mm`` -> ``silu_mul`` -> ``grouped_mm`` -> combine, plus shared experts)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..context import current_recipe
+from ..dist.collectives import group_size_rank
+from ..dist.dispatcher import ExpertParallelDispatcher
+from ..functional.activation import silu_mul
+from ..functional.grouped_mm import grouped_mm
+from ..functional.router import router_logits, router_z_loss, topk_route
+from ..utils import FLOAT_DTYPES, check_tensor
+from .activation import SwiGLU
+
+__all__ = ["MoE", "MoEAux"]
+
+_EXPERT_PARAMS = ("experts_gate_up", "experts_down")
+
+
+@dataclass
+class MoEAux:
+    """Auxiliary router outputs of :class:`MoE`.
+
+    Attributes:
+        tokens_per_expert: ``[E]`` int32 routed copies per expert, summed over the
+            expert-parallel group (before any capacity drop); feed it to
+            :meth:`MoE.update_expert_bias`.
+        z_loss: float32 scalar router z-loss of this rank's tokens (differentiable; scale
+            it by your coefficient and add it to the loss).
+        logits: ``[T, E]`` float32 router logits (differentiable).
+        num_dropped: int64 device scalar, routed copies dropped by the capacity limit.
+    """
+
+    tokens_per_expert: torch.Tensor
+    z_loss: torch.Tensor
+    logits: torch.Tensor
+    num_dropped: torch.Tensor
+
+
+class MoE(nn.Module):
+    """Routed MoE with SwiGLU experts, DeepSeek-V3-style routing and expert parallelism.
+
+    Args:
+        hidden_size: ``H``.
+        num_experts: routed experts ``E`` (divisible by the ``ep_group`` size).
+        top_k: experts per token, ``1 <= top_k <= E``.
+        intermediate_size: ``I`` of each routed expert.
+        num_shared_experts: shared experts, fused into one ``SwiGLU(H, I *
+            num_shared_experts)`` applied to every token.
+        score: ``"sigmoid"`` or ``"softmax"`` (see :func:`linghe.topk_route`).
+        num_groups, topk_groups: group-limited routing.
+        ep_group: expert-parallel process group (``None``: all experts local). Rank ``r``
+            of the group holds experts ``r*E/W .. (r+1)*E/W - 1``.
+        align: expert segment alignment in rows (a multiple of 8 lets bf16 use
+            ``torch._grouped_mm`` on Hopper).
+        capacity_factor: static-shape dispatch without host syncs (see
+            :class:`~linghe.dist.ExpertParallelDispatcher`).
+        fp8_payload: send the dispatched tokens as 1x128 FP8.
+        device, dtype: for the expert and shared-expert weights (the router weight and
+            the expert bias are always float32).
+
+    Parameters / buffers (state_dict names):
+
+    - ``router_weight [E, H]`` float32 (replicated);
+    - ``expert_bias [E]`` float32 buffer (aux-loss-free load balancing; selection only);
+    - ``experts_gate_up [E_local, 2I, H]`` (gate rows first, then up rows) and
+      ``experts_down [E_local, H, I]``: only this rank's experts (``E_local = E / W``);
+      :meth:`gather_full_state_dict` all-gathers a full one and
+      :meth:`load_full_state_dict` loads a full one into any sharding;
+    - ``shared_experts.*`` (a :class:`SwiGLU`) when ``num_shared_experts > 0``.
+
+    ``forward(x [..., H])`` returns ``(out [..., H], aux: MoEAux)``. ``x`` must have the
+    experts' dtype. The router probabilities weight each expert's SwiGLU output
+    (``silu_mul(h, probs_rows)``), so combine is a plain sum. Under
+    ``linghe.TrainingContext(fp8="blockwise")`` both grouped GEMMs run FP8 blockwise
+    (``grouped_mm(..., fp8=True)``, which needs ``2I`` and ``H`` multiples of 128); the
+    fused ``batch_silu_mul_quant`` is not wired in yet (the down GEMM quantizes the bf16
+    SwiGLU output itself).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 *, num_shared_experts: int = 0, score: str = "sigmoid", num_groups: int = 1,
+                 topk_groups: int = 1, ep_group=None, align: int = 16,
+                 capacity_factor: float | None = None, fp8_payload: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts),
+                        ("top_k", top_k), ("intermediate_size", intermediate_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be an int >= 0, got "
+                             f"{num_shared_experts!r}")
+        if score not in ("sigmoid", "softmax"):
+            raise ValueError(f"score must be 'sigmoid' or 'softmax', got {score!r}")
+        if not isinstance(num_groups, int) or num_groups < 1 or num_experts % num_groups:
+            raise ValueError(f"num_groups must be an int >= 1 dividing num_experts="
+                             f"{num_experts}, got {num_groups!r}")
+        if not isinstance(topk_groups, int) or not 1 <= topk_groups <= num_groups:
+            raise ValueError(f"topk_groups must be in [1, num_groups={num_groups}], got "
+                             f"{topk_groups!r}")
+        eligible = num_experts if num_groups == 1 else topk_groups * (num_experts // num_groups)
+        if top_k > eligible:
+            raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts}; "
+                             f"{eligible} eligible with groups {topk_groups}/{num_groups})")
+        world, rank = group_size_rank(ep_group)
+        if num_experts % world:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep_group "
+                             f"size ({world})")
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float32/float16/bfloat16, got {dtype}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.intermediate_size = intermediate_size
+        self.num_shared_experts = num_shared_experts
+        self.score, self.num_groups, self.topk_groups = score, num_groups, topk_groups
+        self.ep_group, self.ep_size, self.ep_rank = ep_group, world, rank
+        self.num_local_experts = num_experts // world
+        self.dispatcher = ExpertParallelDispatcher(
+            num_experts, group=ep_group, align=align, capacity_factor=capacity_factor,
+            fp8_payload=fp8_payload)
+        fk = {"device": device, "dtype": dtype}
+        El, H, In = self.num_local_experts, hidden_size, intermediate_size
+        self.router_weight = nn.Parameter(torch.empty(num_experts, H, device=device,
+                                                      dtype=torch.float32))
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device,
+                                                        dtype=torch.float32))
+        self.experts_gate_up = nn.Parameter(torch.empty(El, 2 * In, H, **fk))
+        self.experts_down = nn.Parameter(torch.empty(El, H, In, **fk))
+        self.shared_experts = (SwiGLU(H, In * num_shared_experts, **fk)
+                               if num_shared_experts else None)
+        self.reset_parameters()
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """Global ids ``[first, last + 1)`` of this rank's experts."""
+        return self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init per expert (uniform ``+-1/sqrt(fan_in)``), router
+        normal(0, 0.02), expert bias 0."""
+        with torch.no_grad():
+            nn.init.normal_(self.router_weight, std=0.02)
+            self.expert_bias.zero_()
+            b1, b2 = 1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.intermediate_size)
+            self.experts_gate_up.uniform_(-b1, b1)
+            self.experts_down.uniform_(-b2, b2)
+
+    def extra_repr(self) -> str:
+        d = self.dispatcher
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k="
+                f"{self.top_k}, intermediate_size={self.intermediate_size}, "
+                f"num_shared_experts={self.num_shared_experts}, score={self.score!r}, "
+                f"num_groups={self.num_groups}, topk_groups={self.topk_groups}, ep_size="
+                f"{self.ep_size}, local_experts={self.expert_range}, align={d.align}, "
+                f"capacity_factor={d.capacity_factor}, fp8_payload={d.fp8_payload}")
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor):
+        check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+        H = self.hidden_size
+        if x.shape[-1] != H:
+            raise ValueError(f"x must have last dim hidden_size={H}, got shape "
+                             f"{tuple(x.shape)}")
+        w1, w2 = self.experts_gate_up, self.experts_down
+        if x.dtype != w1.dtype:
+            raise TypeError(f"x must have the experts' dtype {w1.dtype}, got {x.dtype}")
+        if x.device != w1.device:
+            raise ValueError(f"x is on {x.device} but the MoE weights are on {w1.device}")
+        shape = x.shape
+        x2 = x.reshape(-1, H)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        logits = router_logits(x2, self.router_weight)
+        probs, ids, tpe = topk_route(logits, self.top_k, score=self.score,
+                                     expert_bias=self.expert_bias, num_groups=self.num_groups,
+                                     topk_groups=self.topk_groups)
+        z_loss = router_z_loss(logits)
+        rows, prow, handle = self.dispatcher.dispatch(x2, ids, probs)
+        layout = handle.layout
+        recipe = current_recipe()
+        fp8 = recipe is not None and recipe.name == "blockwise"
+        h = grouped_mm(rows, w1, layout, fp8=fp8)
+        a = silu_mul(h, prow)
+        y = grouped_mm(a, w2, layout, fp8=fp8)
+        out = self.dispatcher.combine(y, handle)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
+        if self.ep_group is not None:
+            tpe = tpe.clone()
+            dist.all_reduce(tpe, group=self.ep_group)
+        aux = MoEAux(tokens_per_expert=tpe, z_loss=z_loss, logits=logits,
+                     num_dropped=handle.num_dropped)
+        return out.view(shape), aux
+
+    # ------------------------------------------------------------------ balancing
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3,
+                           group=None) -> None:
+        """DeepSeek-V3 auxiliary-loss-free balancing: ``expert_bias += rate *
+        sign(mean(count) - count)``. ``tokens_per_expert [E]`` (e.g. ``aux.tokens_per_expert``,
+        or their sum over micro-batches) is first summed over ``group`` (e.g. the
+        data-parallel group; ``None``: as given). No host sync."""
+        check_tensor("tokens_per_expert", tokens_per_expert, shape=(self.num_experts,))
+        counts = tokens_per_expert.to(device=self.expert_bias.device, dtype=torch.float32)
+        if group is not None:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=group)
+        self.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=float(rate))
+
+    # ------------------------------------------------------------------ state dicts
+    def gather_full_state_dict(self) -> dict:
+        """A full (unsharded) state dict: this module's ``state_dict()`` with the expert
+        weights all-gathered over ``ep_group`` to ``[E, ...]`` in global expert order.
+        A collective: every rank of ``ep_group`` must call it. Load it into a layer of any
+        sharding with :meth:`load_full_state_dict`."""
+        sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        if self.ep_group is None:
+            return sd
+        for name in _EXPERT_PARAMS:
+            local = getattr(self, name).detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.ep_size)]
+            dist.all_gather(parts, local, group=self.ep_group)
+            sd[name] = torch.cat(parts)
+        return sd
+
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load a full state dict (experts ``[E, ...]``): each rank keeps its slice."""
+        sd = dict(state_dict)
+        lo, hi = self.expert_range
+        for name in _EXPERT_PARAMS:
+            if name in sd:
+                w = sd[name]
+                if w.shape[0] != self.num_experts:
+                    raise ValueError(f"{name} must hold all {self.num_experts} experts, got "
+                                     f"shape {tuple(w.shape)}")
+                sd[name] = w[lo:hi]
+        return self.load_state_dict(sd, strict=strict)
