@@ -31,14 +31,33 @@ def _ref_grads(x, probs, dy):
     return torch.autograd.grad(y, ins, dy.double())
 
 
+def _dx_magnitude(x, probs, dy):
+    """``|dy*p*u*s| * (1 + |g|*(1 - s))`` for the gate half, ``|du|`` for the up half: the
+    size of dx's terms before cancellation (fp32 rounding error is relative to it)."""
+    g, u = x.double().chunk(2, dim=-1)
+    d = dy.double() * (probs.double()[:, None] if probs is not None else 1.0)
+    s = torch.sigmoid(g)
+    return torch.cat([(d * u * s).abs() * (1 + g.abs() * (1 - s)), (d * g * s).abs()],
+                     dim=-1).float()
+
+
 def _grads(out, x, probs, dy):
     ins = [x] + ([probs] if probs is not None else [])
     return torch.autograd.grad(out, ins, dy)
 
 
-def _check_scales(s, s_ref, name):
+def _check_scales(s, s_ref, name, s_mag=None):
     # fp32 sigmoid/exp differ from float64's in the last bits: scales agree to ~1e-6.
-    torch.testing.assert_close(s, s_ref.float(), rtol=1e-5, atol=0, msg=name)
+    # dg = dy*u*s*(1 + g*(1 - s)) cancels near g = -1.28, where its fp32 error is relative
+    # to the terms' size, not to dg (the GPU's exp also differs from numpy's by a few ulp):
+    # a group of few elements (the 1-row last columnwise group of M = 129) may have such
+    # an element as its amax. ``s_mag`` (the scales of the terms' magnitudes) bounds that.
+    assert s.shape == s_ref.shape and s.dtype == torch.float32, (name, s.shape, s_ref.shape)
+    atol = 0 if s_mag is None else 1e-5 * s_mag.float()
+    err = (s.float() - s_ref.float()).abs()
+    bad = err > 1e-5 * s_ref.float().abs() + atol
+    assert not bool(bad.any()), (f"{name}: {int(bad.sum())} scales differ, max err "
+                                 f"{float(err.max()):.3g}")
 
 
 # ------------------------------------------------------------------------- silu_mul
@@ -158,9 +177,11 @@ def test_bwd_quant_kernel(device, shape, with_probs, pow2):
     rdx = want[0].float()
     q, s = ref.quantize_1x128(rdx, pow2)
     qt, st = ref.quantize_1x128_columnwise(rdx, pow2)
+    mag = _dx_magnitude(x, probs, dy)
     assert dx.shape == (M, 2 * n) and dx.dtype == torch.bfloat16
-    _check_scales(dx.rowwise_scale, s, "rowwise scale")
-    _check_scales(dx.columnwise_scale, st, "columnwise scale")
+    _check_scales(dx.rowwise_scale, s, "rowwise scale", ref.quantize_1x128(mag)[1])
+    _check_scales(dx.columnwise_scale, st, "columnwise scale",
+                  ref.quantize_1x128_columnwise(mag)[1])
     assert_fp8_close(dx.rowwise_data, q)
     assert_fp8_close(dx.columnwise_data, qt)
     if with_probs:

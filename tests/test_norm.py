@@ -155,6 +155,10 @@ def test_rms_norm_persistent_loops(device, monkeypatch, prefetch):
     monkeypatch.setattr(bwd_norm, "BWD_PREFETCH", prefetch)
     monkeypatch.setattr(fwd_norm, "FWD_PROGRAMS_PER_SM", 1)
     monkeypatch.setattr(bwd_norm, "BWD_PROGRAMS_PER_SM", 1)
+    # Launch plans are cached per shape: start from (and leave behind) unpatched caches.
+    monkeypatch.setattr(fwd_norm, "_FWD_PLANS", {})
+    monkeypatch.setattr(fwd_norm, "_QUANT_PLANS", {})
+    monkeypatch.setattr(bwd_norm, "_PLANS", {})
     x = torch.randn(301, 200, device=device, dtype=BF16, requires_grad=True)
     r = torch.randn(301, 200, device=device, dtype=BF16, requires_grad=True)
     w = torch.randn(200, device=device, dtype=BF16, requires_grad=True)
@@ -256,6 +260,7 @@ def test_rms_norm_quant_modes(device, monkeypatch, mode, split, M, K, columnwise
     # Both launch modes, and several programs per 128-row slab.
     monkeypatch.setattr(fwd_norm, "QUANT_MODE", mode)
     monkeypatch.setattr(fwd_norm, "quant_split", lambda M, K, bm, dev: split)
+    monkeypatch.setattr(fwd_norm, "_QUANT_PLANS", {})  # plans are cached per shape
     x = torch.randn(M, K, device=device, requires_grad=True)
     w = torch.randn(K, device=device)
     t = linghe.rms_norm_quant(x, w, columnwise=columnwise)

@@ -109,12 +109,12 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         qg, sg = quant_rows(dg, POW2)
         tl.store(qp, qg, mask=m)
         tl.store(s_ptr + rows * GK + pid_n, sg, mask=rmask)
-        mt = (j < N)[:, None] & rmask[None, :]
-        jt = j.to(tl.int64)[:, None]
+        jt = j.to(tl.int64)[None, :]
         GM = tl.cdiv(M, 128)
         if COLWISE:
             qgt, sgt = quant_cols(dg, POW2)
-            tl.store(qt_ptr + jt * M + rows[None, :], tl.trans(qgt), mask=mt)
+            # qt[c, m] = q[m, c]: stored through transposed addresses.
+            tl.store(qt_ptr + jt * M + rows[:, None], qgt, mask=m)
             tl.store(st_ptr + j.to(tl.int64) * GM + pid_m, sgt)
         du = dy * silu
         qu, su = quant_rows(du, POW2)
@@ -122,7 +122,7 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         tl.store(s_ptr + rows * GK + N // 128 + pid_n, su, mask=rmask)
         if COLWISE:
             qut, sut = quant_cols(du, POW2)
-            tl.store(qt_ptr + (jt + N) * M + rows[None, :], tl.trans(qut), mask=mt)
+            tl.store(qt_ptr + (jt + N) * M + rows[:, None], qut, mask=m)
             tl.store(st_ptr + (j + N).to(tl.int64) * GM + pid_m, sut)
     else:
         # General N: the program owns dx columns c of the 2N; column c reads gate/up
@@ -145,8 +145,7 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         tl.store(s_ptr + rows * GK + pid_n, sx, mask=rmask)
         if COLWISE:
             qxt, sxt = quant_cols(dx, POW2)
-            tl.store(qt_ptr + c.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(qxt),
-                     mask=cmask[:, None] & rmask[None, :])
+            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=m)
             tl.store(st_ptr + c.to(tl.int64) * tl.cdiv(M, 128) + pid_m, sxt, mask=cmask)
     if NEED_DP:
         tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=rmask)
@@ -219,7 +218,7 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
             _silu_mul_bwd_quant_kernel[(cdiv(M, BLOCK), nprog_n)](
                 dy, x, probs, q, s, qt, st, part, M, N, dy.stride(0), x.stride(0), nprog_n,
                 COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-                NEED_DP=need_dprobs, SPLIT=split, num_warps=_fwd.QUANT_NUM_WARPS)
+                NEED_DP=need_dprobs, SPLIT=split, num_warps=_fwd.QUANT_BWD_NUM_WARPS)
         if need_dprobs:
             dp = part.sum(1).to(probs.dtype)
     elif need_dprobs:

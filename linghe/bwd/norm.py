@@ -192,10 +192,11 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     if M == 0 or K == 0:
         dw = torch.zeros(K, dtype=weight.dtype, device=x.device) if need_dweight else None
         return dx, dw
-    bm, bk, single, warps = bwd_config(K)
-    nblk = cdiv(M, bm)
-    P = min(nblk, num_sms(x.device) * (BWD_PROGRAMS_PER_SM if single
-                                       else BWD_PROGRAMS_PER_SM_MULTI))
+    key = (M, K, x.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(M, K, x.device)
+    bm, bk, single, warps, P, BN, BP = plan
     partial = torch.empty(P, K, dtype=torch.float32, device=x.device)
     d = dh if dh is not None else dy
     with device_guard(x):
@@ -210,10 +211,21 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         dw = None
         if need_dweight:
             dw = empty(K, dtype=weight.dtype, device=x.device)
-            BN = 32 if K <= 4096 else 128
-            BP = min(64, max(8, next_power_of_2(P)))
             _sum_rows_kernel[(cdiv(K, BN),)](partial, dw, P, K, BP=BP, BN=BN, num_warps=4)
     return dx, dw
+
+
+#: Launch plans per (M, K, device): the per-call host work is a dict lookup.
+_PLANS: dict = {}
+
+
+def _plan(M: int, K: int, device: torch.device):
+    bm, bk, single, warps = bwd_config(K)
+    P = min(cdiv(M, bm), num_sms(device) * (BWD_PROGRAMS_PER_SM if single
+                                            else BWD_PROGRAMS_PER_SM_MULTI))
+    BN = 32 if K <= 4096 else 128
+    BP = min(64, max(8, next_power_of_2(P)))
+    return bm, bk, single, warps, P, BN, BP
 
 
 __all__ = ["rms_norm_bwd"]

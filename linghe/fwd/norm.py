@@ -157,10 +157,24 @@ def _rms_norm_fwd_prefetch_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M
 FWD_PREFETCH = True
 
 
-def _launch_fwd(x, r, weight, y, h, rstd, M, K, eps, *, has_res, store_y):
+#: Launch plans per (M, K, device) (rms_norm) and per (M, K, columnwise, device)
+#: (rms_norm_quant): the per-call host work is a dict lookup.
+_FWD_PLANS: dict = {}
+_QUANT_PLANS: dict = {}
+
+
+def _fwd_plan(M: int, K: int, device: torch.device):
     bm, bk, single, warps = fwd_config(K)
     per_sm = FWD_PROGRAMS_PER_SM if single else FWD_PROGRAMS_PER_SM_MULTI
-    grid = (min(cdiv(M, bm), num_sms(x.device) * per_sm),)
+    return bm, bk, single, warps, (min(cdiv(M, bm), num_sms(device) * per_sm),)
+
+
+def _launch_fwd(x, r, weight, y, h, rstd, M, K, eps, *, has_res, store_y):
+    key = (M, K, x.device)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        plan = _FWD_PLANS[key] = _fwd_plan(M, K, x.device)
+    bm, bk, single, warps, grid = plan
     args = (x, r, weight, y, h, rstd, M, K, x.stride(0), r.stride(0), float(eps))
     if single and FWD_PREFETCH:
         _rms_norm_fwd_prefetch_kernel[grid](*args, BM=bm, BK=bk, HAS_RES=has_res,
@@ -253,8 +267,8 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr,
         tl.store(s_ptr + rows * nkb + kb, s, mask=rmask)
         if COLWISE:
             qt, st = quant_cols(y, POW2)
-            tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(qt),
-                     mask=cmask[:, None] & rmask[None, :])
+            # qt[c, m] = q[m, c]: stored through transposed addresses (as quantize_1x128).
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
             tl.store(st_ptr + cols * nmb + pid_m, st, mask=cmask)
 
 
@@ -263,7 +277,9 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr,
 #: chunk, warps.
 QUANT_MODE = "auto"
 QUANT_MAX_SPLIT = 2
-QUANT_WARPS_TILE = 8
+#: 4 warps per [128, 128] tile: the best setting of the same tile in quantize_1x128 on
+#: an H200 (more programs in flight per SM).
+QUANT_WARPS_TILE = 4
 QUANT_P1_BK = 256
 QUANT_WARPS_COLWISE = 16
 QUANT_WARPS_ROWWISE = 4
@@ -285,6 +301,19 @@ def quant_mode(M: int, bm: int, device: torch.device) -> str:
     return "two_kernel" if cdiv(M, bm) * QUANT_MAX_SPLIT < num_sms(device) else "slab"
 
 
+def _quant_plan(M: int, K: int, columnwise: bool, device: torch.device):
+    """``(BM, mode, grid, num_warps)`` of rms_norm_quant."""
+    bm = 128 if columnwise else 32
+    mode = quant_mode(M, bm, device)
+    if mode == "two_kernel":
+        grid = (cdiv(M, bm), cdiv(K, BLOCK))
+        warps = QUANT_WARPS_TILE if columnwise else QUANT_WARPS_ROWWISE
+    else:
+        grid = (cdiv(M, bm), quant_split(M, K, bm, device))
+        warps = QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE
+    return bm, mode, grid, warps
+
+
 def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
                        columnwise: bool, pow2_scale: bool):
     """``x [M, K]``, ``weight [K]`` -> ``(q, s, q_t, s_t, rstd)`` (1x128 layout of
@@ -294,16 +323,14 @@ def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     rstd = empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return q, s, qt, st, rstd
-    bm = 128 if columnwise else 32
-    mode = quant_mode(M, bm, x.device)
+    key = (M, K, columnwise, x.device)
+    plan = _QUANT_PLANS.get(key)
+    if plan is None:
+        plan = _QUANT_PLANS[key] = _quant_plan(M, K, columnwise, x.device)
+    bm, mode, grid, warps = plan
     with device_guard(x):
         if mode == "two_kernel":
             _launch_fwd(x, x, weight, x, x, rstd, M, K, eps, has_res=False, store_y=False)
-            grid = (cdiv(M, bm), cdiv(K, BLOCK))
-            warps = QUANT_WARPS_TILE if columnwise else QUANT_WARPS_ROWWISE
-        else:
-            grid = (cdiv(M, bm), quant_split(M, K, bm, x.device))
-            warps = QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE
         _rms_norm_quant_kernel[grid](
             x, weight, q, s, qt if qt is not None else q, st if st is not None else s, rstd,
             M, K, x.stride(0), float(eps), BM=bm, P1_BK=QUANT_P1_BK if columnwise else 128,
