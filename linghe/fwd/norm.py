@@ -223,7 +223,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # rstd [M] alone (full parallelism, one read of x), then the same quant kernel with
 # RSTD_IN runs one program per [128 rows, 128 cols] tile (like quantize_1x128), re-reading
 # x (L2-hot when x fits in L2: 32 MB at [8192, 2048] bf16). QUANT_MODE picks: "slab",
-# "two_kernel", or "auto" (two_kernel when slabs * QUANT_MAX_SPLIT < #SMs). Both modes
+# "two_kernel", or "auto" (two_kernel when slabs * QUANT_MAX_SPLIT < #SMs / 2). Both modes
 # give identical results up to rstd's summation order.
 
 
@@ -298,7 +298,10 @@ def quant_mode(M: int, bm: int, device: torch.device) -> str:
     """``"slab"`` or ``"two_kernel"`` (see the design note above; knob ``QUANT_MODE``)."""
     if QUANT_MODE != "auto":
         return QUANT_MODE
-    return "two_kernel" if cdiv(M, bm) * QUANT_MAX_SPLIT < num_sms(device) else "slab"
+    # Slab mode is one launch and one HBM read of x; two_kernel costs a second launch
+    # and a second (L2) read of x plus the rstd pass, so it only pays when the slab grid
+    # would leave most SMs idle (M = 8192: 64 slabs x 2 = 128 programs on 132 SMs: slab).
+    return "two_kernel" if cdiv(M, bm) * QUANT_MAX_SPLIT < num_sms(device) // 2 else "slab"
 
 
 def _quant_plan(M: int, K: int, columnwise: bool, device: torch.device):
