@@ -402,3 +402,30 @@ def test_gpu_residual_standard(device):
     assert_close(x.grad, dx_ref)
     assert_close(r.grad, dr_ref)
     assert_close(w.grad, dw_ref)
+
+
+@pytest.mark.parametrize("fused,group,K", [(True, 2, 200), (True, 3, 200), (True, 3, 9000),
+                                           (False, 16, 200)])
+def test_rms_norm_bwd_dweight_reduction(device, monkeypatch, fused, group, K):
+    # The in-kernel dweight reduction with several groups (group of 3: a partial last
+    # group), run twice (the counters must be reset), against the reference and against
+    # the two-kernel reduction.
+    from linghe.bwd import norm as bwd_norm
+    monkeypatch.setattr(bwd_norm, "BWD_FUSED_DW", fused)
+    monkeypatch.setattr(bwd_norm, "RED_GROUP", group)
+    monkeypatch.setattr(bwd_norm, "BWD_PROGRAMS_PER_SM", 2)
+    monkeypatch.setattr(bwd_norm, "BWD_PROGRAMS_PER_SM_MULTI", 2)
+    monkeypatch.setattr(bwd_norm, "_PLANS", {})
+    M = 37 if K > 8192 else 300
+    x = torch.randn(M, K, device=device)
+    w = torch.randn(K, device=device)
+    for _ in range(2):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = linghe.rms_norm(xg, wg)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        _, dx_ref, dw_ref, _ = _ref_grads(x, w, None, 1e-6, [dy])
+        _assert_dx_close(xg.grad, dx_ref, x, w, dy, 1e-6)
+        assert_close(wg.grad, dw_ref, name="dweight")
+    P = bwd_norm._PLANS[(M, K, x.device)][4]
+    assert P > group or not fused  # several groups really ran
