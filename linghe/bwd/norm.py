@@ -38,7 +38,7 @@ def bwd_config(K: int):
 
 @triton.jit
 def _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP: tl.constexpr,
-               NGP: tl.constexpr, RBK: tl.constexpr):
+               NGP: tl.constexpr, RBK: tl.constexpr, RBK2: tl.constexpr):
     """In-kernel deterministic ``dweight = sum_p partial[p]`` (no second launch).
 
     Called by every program once its partial row ``partial[pid]`` is stored. Programs
@@ -73,8 +73,8 @@ def _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP: tl.constexpr,
             g = tl.arange(0, NGP)
             gm = g < ng
             gsrc = dwp_ptr + (nprog + g).to(tl.int64)[:, None] * K
-            for k0 in range(0, K, RBK):
-                cols = k0 + tl.arange(0, RBK)
+            for k0 in range(0, K, RBK2):
+                cols = k0 + tl.arange(0, RBK2)
                 cm = cols < K
                 v = tl.load(gsrc + cols[None, :], mask=gm[:, None] & cm[None, :], other=0.0,
                             cache_modifier=".cg")
@@ -88,7 +88,8 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr
                          stride_x, stride_dy, stride_dh, cnt_ptr, dw_ptr, GS,
                          BM: tl.constexpr, BK: tl.constexpr,
                          SINGLE: tl.constexpr, HAS_DH: tl.constexpr, FUSED: tl.constexpr,
-                         GSP: tl.constexpr, NGP: tl.constexpr, RBK: tl.constexpr):
+                         GSP: tl.constexpr, NGP: tl.constexpr, RBK: tl.constexpr,
+                         RBK2: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblk = tl.cdiv(M, BM)
@@ -160,7 +161,7 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr
     if SINGLE:
         tl.store(dwp_row + cols0, dw_acc, mask=cmask)
     if FUSED:
-        _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP, NGP, RBK)
+        _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP, NGP, RBK, RBK2)
 
 
 @triton.jit
@@ -168,7 +169,7 @@ def _rms_norm_bwd_prefetch_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr
                                   M, K, stride_x, stride_dy, stride_dh, cnt_ptr, dw_ptr, GS,
                                   BM: tl.constexpr, BK: tl.constexpr, HAS_DH: tl.constexpr,
                                   FUSED: tl.constexpr, GSP: tl.constexpr, NGP: tl.constexpr,
-                                  RBK: tl.constexpr):
+                                  RBK: tl.constexpr, RBK2: tl.constexpr):
     """Single-tile path of :func:`_rms_norm_bwd_kernel` with the next row block's loads
     issued before the current block is reduced."""
     pid = tl.program_id(0)
@@ -212,7 +213,7 @@ def _rms_norm_bwd_prefetch_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr
         rstd = rstd_next
     tl.store(dwp_ptr + pid.to(tl.int64) * K + cols, dw_acc, mask=cmask)
     if FUSED:
-        _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP, NGP, RBK)
+        _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP, NGP, RBK, RBK2)
 
 
 #: Use the prefetching single-tile kernel (knob for A/B on the GPU).
@@ -253,7 +254,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(M, K, x.device)
-    bm, bk, single, warps, P, BN, BP, GS, GSP, NGP, RBK = plan
+    bm, bk, single, warps, P, BN, BP, GS, GSP, NGP, RBK, RBK2 = plan
     fused = need_dweight and BWD_FUSED_DW
     # Fused: rows [P, P + groups) of the partial buffer hold the group sums.
     partial = torch.empty(P + (cdiv(P, GS) if fused else 0), K, dtype=torch.float32,
@@ -266,12 +267,12 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                 d.stride(0), cnt, dw, GS)
         if single and BWD_PREFETCH:
             _rms_norm_bwd_prefetch_kernel[(P,)](*args, BM=bm, BK=bk, HAS_DH=dh is not None,
-                                                FUSED=fused, GSP=GSP, NGP=NGP, RBK=RBK,
+                                                FUSED=fused, GSP=GSP, NGP=NGP, RBK=RBK, RBK2=RBK2,
                                                 num_warps=warps)
         else:
             _rms_norm_bwd_kernel[(P,)](*args, BM=bm, BK=bk, SINGLE=single,
                                        HAS_DH=dh is not None, FUSED=fused, GSP=GSP,
-                                       NGP=NGP, RBK=RBK, num_warps=warps)
+                                       NGP=NGP, RBK=RBK, RBK2=RBK2, num_warps=warps)
         if need_dweight and not fused:
             _sum_rows_kernel[(cdiv(K, BN),)](partial, dw, P, K, BP=BP, BN=BN, num_warps=4)
     return dx, dw
@@ -291,9 +292,12 @@ def _plan(M: int, K: int, device: torch.device):
     GS = max(RED_GROUP, cdiv(P, MAX_GROUPS))
     GSP = max(2, next_power_of_2(GS))
     NGP = max(2, next_power_of_2(cdiv(P, GS)))
-    # Column chunk of the reduction: its [NGP, RBK] tile stays <= 8K fp32 elements.
-    RBK = max(16, min(RED_BK, bk, 8192 // max(NGP, GSP)))
-    return bm, bk, single, warps, P, BN, BP, GS, GSP, NGP, RBK
+    # Column chunks of the two reduction levels: [GSP, RBK] and [NGP, RBK2] tiles of
+    # 64 fp32 per thread (few, large loads: the reduction is the kernel's serial tail).
+    cap = 2048 * warps
+    RBK = max(16, min(RED_BK, bk, cap // GSP))
+    RBK2 = max(16, min(RED_BK, bk, cap // NGP))
+    return bm, bk, single, warps, P, BN, BP, GS, GSP, NGP, RBK, RBK2
 
 
 #: Reduce dweight inside the backward kernel (last-finisher tickets; one launch instead of
@@ -302,7 +306,7 @@ BWD_FUSED_DW = True
 #: Programs per group of the fused reduction, most groups, column chunk of its loads.
 RED_GROUP = 16
 MAX_GROUPS = 64
-RED_BK = 512
+RED_BK = 4096
 #: One int32 counter buffer [1 + MAX_GROUPS] per (device, stream), zero between launches.
 _COUNTERS: dict = {}
 
