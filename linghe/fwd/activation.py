@@ -26,9 +26,11 @@ BLOCK = 128
 # Launch knobs (GPU performance; semantics do not depend on them).
 #: elements of one [BM, BN] tile per program in the plain (non-quantizing) kernels.
 TILE_ELEMS = 4096
-#: warps of the 128x128-tile quantizing forward kernels (4 was best for the same tile in
-#: quantize_1x128 on an H200: more programs in flight per SM).
-QUANT_NUM_WARPS = 4
+#: warps of the 128x128-tile quantizing forward kernels. ptxas (sm_90, offline): 8 warps
+#: use 128 registers, 4 warps 176 (255 for the batch form), so either way 2 programs fit
+#: on an SM; 8 warps give those two tiles twice the warps. (quantize_1x128 prefers 4 warps
+#: because its single-input tile needs only 168 registers there: 3 programs per SM.)
+QUANT_NUM_WARPS = 8
 #: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy).
 QUANT_BWD_NUM_WARPS = 8
 

@@ -277,8 +277,8 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr,
 #: chunk, warps.
 QUANT_MODE = "auto"
 QUANT_MAX_SPLIT = 2
-#: 4 warps per [128, 128] tile: the best setting of the same tile in quantize_1x128 on
-#: an H200 (more programs in flight per SM).
+#: 4 warps per [128, 128] tile (two_kernel mode). ptxas (sm_90, offline): 8 warps need
+#: 179 registers per thread, so only ONE program fits on an SM; 4 warps fit two.
 QUANT_WARPS_TILE = 4
 QUANT_P1_BK = 256
 QUANT_WARPS_COLWISE = 16
