@@ -21,7 +21,10 @@ MAX_SINGLE_BK = 8192
 #: Column block of the multi-pass path.
 MULTI_BK = 4096
 #: Persistent grid size of rms_norm: programs per SM (single-tile / multi-pass rows).
-FWD_PROGRAMS_PER_SM = 8
+#: ptxas (sm_90, offline) gives the prefetching kernel 80 registers at [4, 2048] x 8 warps:
+#: 3 programs fit on an SM, so a grid of 3/SM is truly persistent (8/SM ran in ~2.7
+#: waves of short-lived programs, with a partial last wave).
+FWD_PROGRAMS_PER_SM = 3
 FWD_PROGRAMS_PER_SM_MULTI = 4
 
 
