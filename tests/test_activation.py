@@ -55,7 +55,7 @@ def _check_scales(s, s_ref, name, s_mag=None):
     assert s.shape == s_ref.shape and s.dtype == torch.float32, (name, s.shape, s_ref.shape)
     atol = 0 if s_mag is None else 1e-5 * s_mag.float()
     err = (s.float() - s_ref.float()).abs()
-    bad = err > 1e-5 * s_ref.float().abs() + atol
+    bad = ~(err <= 1e-5 * s_ref.float().abs() + atol)  # NaN (an unwritten scale) is bad
     assert not bool(bad.any()), (f"{name}: {int(bad.sum())} scales differ, max err "
                                  f"{float(err.max()):.3g}")
 
