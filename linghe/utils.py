@@ -6,6 +6,7 @@ workarounds (TRITON_INTERPRET=1 on CPU) live in this one place.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -78,13 +79,16 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def device_guard(t: torch.Tensor):
-    """Context manager that makes ``t``'s device current for a launch."""
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    import contextlib
+_NO_GUARD = contextlib.nullcontext()
 
-    return contextlib.nullcontext()
+
+def device_guard(t: torch.Tensor):
+    """Context manager that makes ``t``'s device current for a launch (a no-op, and no
+    device switch on the hot path, when it already is)."""
+    dev = t.device
+    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        return torch.cuda.device(dev)
+    return _NO_GUARD
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:

@@ -90,40 +90,36 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
     if HAS_P:
         p = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if SPLIT:
-        # N % 128 == 0: gate column block j is dx group pid_n, up block is N/128 + pid_n.
-        j = pid_n * 128 + tl.arange(0, 128)
+        # N % 128 == 0: program pid_n owns dx group pid_n, a whole 128-column block of the
+        # gate half (pid_n < N/128: dg, and the dprobs partial) or of the up half (du; u
+        # is not read). One 128x128 fp32 result tile is live at a time (fewer registers
+        # than forming dg and du in one program), and loads stay contiguous.
+        NB = N // 128
+        gate = (tl.zeros([128], tl.int32) + pid_n) < NB  # uniform: the whole block
+        j = (pid_n % NB) * 128 + tl.arange(0, 128)
+        c = pid_n * 128 + tl.arange(0, 128)
         m = rmask[:, None] & (j < N)[None, :]
         xp = x_ptr + rows[:, None] * stride_x + j[None, :]
         g = tl.load(xp, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(xp + N, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(xp + N, mask=m & gate[None, :], other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + j[None, :], mask=m,
                      other=0.0).to(tl.float32)
-        # Phase by phase (dg quantized and stored before du is formed) to keep fewer
-        # 128x128 fp32 tiles live at once.
         silu, sig = silu_f32(g)
-        dyh = dy * silu * u
+        dyh = dy * silu * u  # zero in up-half programs (u = 0 there)
         if HAS_P:
             dy = dy * p[:, None]
-        dg = dy * u * (sig * (1.0 + g * (1.0 - sig)))
-        qp = q_ptr + rows[:, None] * K + j[None, :]
-        qg, sg = quant_rows(dg, POW2)
-        tl.store(qp, qg, mask=m)
-        tl.store(s_ptr + rows * GK + pid_n, sg, mask=rmask)
-        mt = (j < N)[:, None] & rmask[None, :]
-        jt = j.to(tl.int64)[:, None]
-        GM = tl.cdiv(M, 128)
+        dx = tl.where(gate[None, :], dy * u * (sig * (1.0 + g * (1.0 - sig))), dy * silu)
+        qx, sx = quant_rows(dx, POW2)
+        tl.store(q_ptr + rows[:, None] * K + c[None, :], qx, mask=m)
+        tl.store(s_ptr + rows * GK + pid_n, sx, mask=rmask)
         if COLWISE:
-            qgt, sgt = quant_cols(dg, POW2)
-            tl.store(qt_ptr + jt * M + rows[None, :], tl.trans(qgt), mask=mt)
-            tl.store(st_ptr + j.to(tl.int64) * GM + pid_m, sgt)
-        du = dy * silu
-        qu, su = quant_rows(du, POW2)
-        tl.store(qp + N, qu, mask=m)
-        tl.store(s_ptr + rows * GK + N // 128 + pid_n, su, mask=rmask)
-        if COLWISE:
-            qut, sut = quant_cols(du, POW2)
-            tl.store(qt_ptr + (jt + N) * M + rows[None, :], tl.trans(qut), mask=mt)
-            tl.store(st_ptr + (j + N).to(tl.int64) * GM + pid_m, sut)
+            qxt, sxt = quant_cols(dx, POW2)
+            # qt[c, m] = q[m, c]: stored through transposed addresses.
+            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=m)
+            tl.store(st_ptr + c.to(tl.int64) * tl.cdiv(M, 128) + pid_m, sxt)
+        if NEED_DP:
+            tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1),
+                     mask=rmask & gate)  # gate is uniform: any [128] vector works
     else:
         # General N: the program owns dx columns c of the 2N; column c reads gate/up
         # column j = c mod N (a gather only in the block straddling the halves).
@@ -145,11 +141,10 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         tl.store(s_ptr + rows * GK + pid_n, sx, mask=rmask)
         if COLWISE:
             qxt, sxt = quant_cols(dx, POW2)
-            tl.store(qt_ptr + c.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(qxt),
-                     mask=cmask[:, None] & rmask[None, :])
+            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=m)
             tl.store(st_ptr + c.to(tl.int64) * tl.cdiv(M, 128) + pid_m, sxt, mask=cmask)
-    if NEED_DP:
-        tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=rmask)
+        if NEED_DP:
+            tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=rmask)
 
 
 def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, *,
@@ -212,14 +207,15 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
     dp = None
     if M > 0 and N > 0:
         split = N % BLOCK == 0
+        # dprobs partials: one column per gate block (split) or per dx block (general).
         nprog_n = N // BLOCK if split else cdiv(K, BLOCK)
         part = (empty(M, nprog_n, dtype=torch.float32, device=dev)
                 if need_dprobs else None)
         with device_guard(x):
-            _silu_mul_bwd_quant_kernel[(cdiv(M, BLOCK), nprog_n)](
+            _silu_mul_bwd_quant_kernel[(cdiv(M, BLOCK), cdiv(K, BLOCK))](
                 dy, x, probs, q, s, qt, st, part, M, N, dy.stride(0), x.stride(0), nprog_n,
                 COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-                NEED_DP=need_dprobs, SPLIT=split, num_warps=_fwd.QUANT_NUM_WARPS)
+                NEED_DP=need_dprobs, SPLIT=split, num_warps=_fwd.QUANT_BWD_NUM_WARPS)
         if need_dprobs:
             dp = part.sum(1).to(probs.dtype)
     elif need_dprobs:

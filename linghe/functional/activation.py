@@ -50,6 +50,8 @@ def _check_probs(probs, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _grad_rows(dy: torch.Tensor, M: int, N: int) -> torch.Tensor:
+    if dy.dim() == 2 and dy.is_contiguous():
+        return dy
     return dy.contiguous().reshape(M, N)
 
 
@@ -61,7 +63,7 @@ class _SiluMul(torch.autograd.Function):
         y = _fwd.silu_mul_fwd(x2, p1)
         ctx.save_for_backward(x2, p1)
         ctx.x_shape = x.shape
-        return y.view(*x.shape[:-1], x.shape[-1] // 2)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], x.shape[-1] // 2)
 
     @staticmethod
     def backward(ctx, dy):
@@ -69,7 +71,7 @@ class _SiluMul(torch.autograd.Function):
         M, N = x2.shape[0], x2.shape[1] // 2
         dx, dp = _bwd.silu_mul_bwd(_grad_rows(dy, M, N), x2, p1,
                                    need_dprobs=ctx.needs_input_grad[1])
-        return dx.view(ctx.x_shape), dp
+        return (dx if len(ctx.x_shape) == 2 else dx.view(ctx.x_shape)), dp
 
 
 def silu_mul(x: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,8 +26,13 @@ BLOCK = 128
 # Launch knobs (GPU performance; semantics do not depend on them).
 #: elements of one [BM, BN] tile per program in the plain (non-quantizing) kernels.
 TILE_ELEMS = 4096
-#: warps of the 128x128-tile quantizing kernels (fwd and the quantized-dx bwd).
+#: warps of the 128x128-tile quantizing forward kernels. ptxas (sm_90, offline): 8 warps
+#: use 128 registers, 4 warps 176 (255 for the batch form), so either way 2 programs fit
+#: on an SM; 8 warps give those two tiles twice the warps. (quantize_1x128 prefers 4 warps
+#: because its single-input tile needs only 168 registers there: 3 programs per SM.)
 QUANT_NUM_WARPS = 8
+#: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy).
+QUANT_BWD_NUM_WARPS = 8
 
 
 @triton.jit
@@ -110,7 +115,8 @@ def _silu_mul_fwd_kernel(x_ptr, p_ptr, y_ptr, M, N, stride_x, stride_y,
 def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, goff_ptr,
                                M, N, E, stride_x, ALIGN, NG,
                                BM: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
-                               HAS_P: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr):
+                               HAS_P: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr,
+                               ALIGN16: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if BATCH:
@@ -120,6 +126,10 @@ def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_p
         # (EP2 > E, so entry E fits in the same vector.)
         first = (eidx * 0 + pid_m + pid_n) == 0
         tl.store(goff_ptr + eidx, tl.where(eidx < E, g_off, g_used), mask=(eidx <= E) & first)
+        if ALIGN16:
+            # Segment starts are multiples of ALIGN (a multiple of 16): tell the compiler,
+            # so that the transposed (row-contiguous) fp8 stores are 16-byte vectors.
+            tile_start = tl.multiple_of(tile_start, 16)
         rows = tile_start.to(tl.int64) + tl.arange(0, BM)
         smask = (rows < seg_stop) & (rows < M)   # rows this program writes
         lmask = (rows < real_end) & smask        # rows it reads (real rows)
@@ -145,16 +155,24 @@ def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_p
     tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask & nvalid)
     if COLWISE:
         qt, st = quant_cols(y, POW2)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(qt),
-                 mask=cmask[:, None] & smask[None, :])
+        # qt[c, m] = quant(y)[m, c]: stored through transposed addresses.
+        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qt,
+                 mask=smask[:, None] & cmask[None, :])
         tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
 
 
+_TILE_CONFIGS: dict = {}
+
+
 def tile_config(M: int, N: int):
-    """``(BM, BN, num_warps)`` for the plain kernels over ``[M, N]`` outputs."""
-    BN = min(next_power_of_2(N), 1024)
-    BM = max(1, min(max(TILE_ELEMS // BN, 1), next_power_of_2(M)))
-    return BM, BN, (4 if BM * BN <= 4096 else 8)
+    """``(BM, BN, num_warps)`` for the plain kernels over ``[M, N]`` outputs (cached per
+    shape: the per-call host work is a dict lookup)."""
+    cfg = _TILE_CONFIGS.get((M, N))
+    if cfg is None:
+        BN = min(next_power_of_2(N), 1024)
+        BM = max(1, min(max(TILE_ELEMS // BN, 1), next_power_of_2(M)))
+        cfg = _TILE_CONFIGS[(M, N)] = (BM, BN, (4 if BM * BN <= 4096 else 8))
+    return cfg
 
 
 def silu_mul_fwd(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
@@ -190,7 +208,7 @@ def silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None, *, columnwis
             _silu_mul_quant_fwd_kernel[(cdiv(M, BM), cdiv(N, BLOCK))](
                 x, probs, None, q, s, qt, st, None, M, N, 0, x.stride(0), 1,
                 cdiv(M, BLOCK), BM=BM, COLWISE=columnwise, POW2=pow2_scale,
-                HAS_P=probs is not None, BATCH=False, EP2=1,
+                HAS_P=probs is not None, BATCH=False, EP2=1, ALIGN16=False,
                 num_warps=QUANT_NUM_WARPS if columnwise else 4)
     return q, s, qt, st
 
@@ -228,5 +246,6 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
         _silu_mul_quant_fwd_kernel[(G, max(cdiv(N, BLOCK), 1))](
             x, probs, counts, q, s, qt, st, g_off, R, N, E, x.stride(0), align, G,
             BM=BLOCK, COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-            BATCH=True, EP2=next_power_of_2(E + 1), num_warps=QUANT_NUM_WARPS)
+            BATCH=True, EP2=next_power_of_2(E + 1), ALIGN16=align % 16 == 0,
+            num_warps=QUANT_NUM_WARPS)
     return q, s, qt, st, g_off
