@@ -2,10 +2,8 @@
 
 One persistent kernel walks row blocks, writes ``dx`` and accumulates each program's
 partial ``dweight`` in fp32 (registers, or its own row of the partial buffer for wide
-hidden sizes); the last programs to finish then sum the ``[P, K]`` partials in a fixed
-order (deterministic) into ``dweight`` in the same launch (``_reduce_dw``; knob
-``BWD_FUSED_DW=False``: a second small kernel does it). Shared by ``rms_norm`` and
-``rms_norm_quant``.
+hidden sizes); a second small kernel sums the ``[P, K]`` partials in a fixed order
+(deterministic) into ``dweight``. Shared by ``rms_norm`` and ``rms_norm_quant``.
 """
 
 from __future__ import annotations
@@ -37,59 +35,9 @@ def bwd_config(K: int):
 
 
 @triton.jit
-def _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP: tl.constexpr,
-               NGP: tl.constexpr, RBK: tl.constexpr, RBK2: tl.constexpr):
-    """In-kernel deterministic ``dweight = sum_p partial[p]`` (no second launch).
-
-    Called by every program once its partial row ``partial[pid]`` is stored. Programs
-    form groups of ``GS``; the last of a group to finish (atomic ticket on
-    ``cnt[1 + group]``) sums the group's rows in order into ``partial[nprog + group]``;
-    the last group to finish (ticket on ``cnt[0]``) sums the group rows in order into
-    ``dw``. Nobody waits, so there is no deadlock whatever the scheduling. The finishing
-    programs reset the counters to 0 for the next launch (launches on one stream are
-    ordered; the launcher keeps one counter buffer per stream).
-    """
-    # Every thread's partial stores precede this program's release (atomic, acq_rel).
-    tl.debug_barrier()
-    ng = tl.cdiv(nprog, GS)
-    grp = pid // GS
-    gsize = tl.minimum(GS, nprog - grp * GS)
-    ticket = tl.atomic_add(cnt_ptr + 1 + grp, 1)
-    if ticket == gsize - 1:
-        r = tl.arange(0, GSP)
-        rm = r < gsize
-        src = dwp_ptr + (grp * GS).to(tl.int64) * K
-        dst = dwp_ptr + (nprog + grp).to(tl.int64) * K
-        for k0 in range(0, K, RBK):
-            cols = k0 + tl.arange(0, RBK)
-            cm = cols < K
-            v = tl.load(src + r[:, None].to(tl.int64) * K + cols[None, :],
-                        mask=rm[:, None] & cm[None, :], other=0.0, cache_modifier=".cg")
-            tl.store(dst + cols, tl.sum(v, axis=0), mask=cm)
-        tl.store(cnt_ptr + 1 + grp, 0)
-        tl.debug_barrier()
-        ticket2 = tl.atomic_add(cnt_ptr, 1)
-        if ticket2 == ng - 1:
-            g = tl.arange(0, NGP)
-            gm = g < ng
-            gsrc = dwp_ptr + (nprog + g).to(tl.int64)[:, None] * K
-            for k0 in range(0, K, RBK2):
-                cols = k0 + tl.arange(0, RBK2)
-                cm = cols < K
-                v = tl.load(gsrc + cols[None, :], mask=gm[:, None] & cm[None, :], other=0.0,
-                            cache_modifier=".cg")
-                tl.store(dw_ptr + cols, tl.sum(v, axis=0).to(dw_ptr.dtype.element_ty),
-                         mask=cm)
-            tl.store(cnt_ptr, 0)
-
-
-@triton.jit
 def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr, M, K,
-                         stride_x, stride_dy, stride_dh, cnt_ptr, dw_ptr, GS,
-                         BM: tl.constexpr, BK: tl.constexpr,
-                         SINGLE: tl.constexpr, HAS_DH: tl.constexpr, FUSED: tl.constexpr,
-                         GSP: tl.constexpr, NGP: tl.constexpr, RBK: tl.constexpr,
-                         RBK2: tl.constexpr):
+                         stride_x, stride_dy, stride_dh, BM: tl.constexpr, BK: tl.constexpr,
+                         SINGLE: tl.constexpr, HAS_DH: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblk = tl.cdiv(M, BM)
@@ -160,16 +108,12 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr
             tl.debug_barrier()
     if SINGLE:
         tl.store(dwp_row + cols0, dw_acc, mask=cmask)
-    if FUSED:
-        _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP, NGP, RBK, RBK2)
 
 
 @triton.jit
 def _rms_norm_bwd_prefetch_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr, dwp_ptr,
-                                  M, K, stride_x, stride_dy, stride_dh, cnt_ptr, dw_ptr, GS,
-                                  BM: tl.constexpr, BK: tl.constexpr, HAS_DH: tl.constexpr,
-                                  FUSED: tl.constexpr, GSP: tl.constexpr, NGP: tl.constexpr,
-                                  RBK: tl.constexpr, RBK2: tl.constexpr):
+                                  M, K, stride_x, stride_dy, stride_dh, BM: tl.constexpr,
+                                  BK: tl.constexpr, HAS_DH: tl.constexpr):
     """Single-tile path of :func:`_rms_norm_bwd_kernel` with the next row block's loads
     issued before the current block is reduced."""
     pid = tl.program_id(0)
@@ -212,8 +156,6 @@ def _rms_norm_bwd_prefetch_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dh_ptr, dx_ptr
         dy_raw = dy_next
         rstd = rstd_next
     tl.store(dwp_ptr + pid.to(tl.int64) * K + cols, dw_acc, mask=cmask)
-    if FUSED:
-        _reduce_dw(dwp_ptr, dw_ptr, cnt_ptr, pid, nprog, K, GS, GSP, NGP, RBK, RBK2)
 
 
 #: Use the prefetching single-tile kernel (knob for A/B on the GPU).
@@ -250,76 +192,28 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     if M == 0 or K == 0:
         dw = torch.zeros(K, dtype=weight.dtype, device=x.device) if need_dweight else None
         return dx, dw
-    key = (M, K, x.device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _plan(M, K, x.device)
-    bm, bk, single, warps, P, BN, BP, GS, GSP, NGP, RBK, RBK2 = plan
-    fused = need_dweight and BWD_FUSED_DW
-    # Fused: rows [P, P + groups) of the partial buffer hold the group sums.
-    partial = torch.empty(P + (cdiv(P, GS) if fused else 0), K, dtype=torch.float32,
-                          device=x.device)
-    dw = empty(K, dtype=weight.dtype, device=x.device) if need_dweight else None
-    cnt = _counters(x.device) if fused else None
+    bm, bk, single, warps = bwd_config(K)
+    nblk = cdiv(M, bm)
+    P = min(nblk, num_sms(x.device) * (BWD_PROGRAMS_PER_SM if single
+                                       else BWD_PROGRAMS_PER_SM_MULTI))
+    partial = torch.empty(P, K, dtype=torch.float32, device=x.device)
     d = dh if dh is not None else dy
     with device_guard(x):
         args = (x, weight, rstd, dy, d, dx, partial, M, K, x.stride(0), dy.stride(0),
-                d.stride(0), cnt, dw, GS)
+                d.stride(0))
         if single and BWD_PREFETCH:
             _rms_norm_bwd_prefetch_kernel[(P,)](*args, BM=bm, BK=bk, HAS_DH=dh is not None,
-                                                FUSED=fused, GSP=GSP, NGP=NGP, RBK=RBK, RBK2=RBK2,
                                                 num_warps=warps)
         else:
             _rms_norm_bwd_kernel[(P,)](*args, BM=bm, BK=bk, SINGLE=single,
-                                       HAS_DH=dh is not None, FUSED=fused, GSP=GSP,
-                                       NGP=NGP, RBK=RBK, RBK2=RBK2, num_warps=warps)
-        if need_dweight and not fused:
+                                       HAS_DH=dh is not None, num_warps=warps)
+        dw = None
+        if need_dweight:
+            dw = empty(K, dtype=weight.dtype, device=x.device)
+            BN = 32 if K <= 4096 else 128
+            BP = min(64, max(8, next_power_of_2(P)))
             _sum_rows_kernel[(cdiv(K, BN),)](partial, dw, P, K, BP=BP, BN=BN, num_warps=4)
     return dx, dw
-
-
-#: Launch plans per (M, K, device): the per-call host work is a dict lookup.
-_PLANS: dict = {}
-
-
-def _plan(M: int, K: int, device: torch.device):
-    bm, bk, single, warps = bwd_config(K)
-    P = min(cdiv(M, bm), num_sms(device) * (BWD_PROGRAMS_PER_SM if single
-                                            else BWD_PROGRAMS_PER_SM_MULTI))
-    BN = 32 if K <= 4096 else 128
-    BP = min(64, max(8, next_power_of_2(P)))
-    # Fused dweight reduction: ~sqrt(P) programs per group, at most MAX_GROUPS groups.
-    GS = max(RED_GROUP, cdiv(P, MAX_GROUPS))
-    GSP = max(2, next_power_of_2(GS))
-    NGP = max(2, next_power_of_2(cdiv(P, GS)))
-    # Column chunks of the two reduction levels: [GSP, RBK] and [NGP, RBK2] tiles of
-    # 64 fp32 per thread (few, large loads: the reduction is the kernel's serial tail).
-    cap = 2048 * warps
-    RBK = max(16, min(RED_BK, bk, cap // GSP))
-    RBK2 = max(16, min(RED_BK, bk, cap // NGP))
-    return bm, bk, single, warps, P, BN, BP, GS, GSP, NGP, RBK, RBK2
-
-
-#: Reduce dweight inside the backward kernel (last-finisher tickets; one launch instead of
-#: two). False: a second kernel sums the partials (same values up to summation order).
-BWD_FUSED_DW = True
-#: Programs per group of the fused reduction, most groups, column chunk of its loads.
-RED_GROUP = 16
-MAX_GROUPS = 64
-RED_BK = 4096
-#: One int32 counter buffer [1 + MAX_GROUPS] per (device, stream), zero between launches.
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
-    else:
-        key = (device.type, 0)
-    c = _COUNTERS.get(key)
-    if c is None:
-        c = _COUNTERS[key] = torch.zeros(1 + MAX_GROUPS, dtype=torch.int32, device=device)
-    return c
 
 
 __all__ = ["rms_norm_bwd"]

@@ -21,10 +21,7 @@ MAX_SINGLE_BK = 8192
 #: Column block of the multi-pass path.
 MULTI_BK = 4096
 #: Persistent grid size of rms_norm: programs per SM (single-tile / multi-pass rows).
-#: ptxas (sm_90, offline) gives the prefetching kernel 80 registers at [4, 2048] x 8 warps:
-#: 3 programs fit on an SM, so a grid of 3/SM is truly persistent (8/SM ran in ~2.7
-#: waves of short-lived programs, with a partial last wave).
-FWD_PROGRAMS_PER_SM = 3
+FWD_PROGRAMS_PER_SM = 8
 FWD_PROGRAMS_PER_SM_MULTI = 4
 
 
@@ -160,24 +157,10 @@ def _rms_norm_fwd_prefetch_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M
 FWD_PREFETCH = True
 
 
-#: Launch plans per (M, K, device) (rms_norm) and per (M, K, columnwise, device)
-#: (rms_norm_quant): the per-call host work is a dict lookup.
-_FWD_PLANS: dict = {}
-_QUANT_PLANS: dict = {}
-
-
-def _fwd_plan(M: int, K: int, device: torch.device):
+def _launch_fwd(x, r, weight, y, h, rstd, M, K, eps, *, has_res, store_y):
     bm, bk, single, warps = fwd_config(K)
     per_sm = FWD_PROGRAMS_PER_SM if single else FWD_PROGRAMS_PER_SM_MULTI
-    return bm, bk, single, warps, (min(cdiv(M, bm), num_sms(device) * per_sm),)
-
-
-def _launch_fwd(x, r, weight, y, h, rstd, M, K, eps, *, has_res, store_y):
-    key = (M, K, x.device)
-    plan = _FWD_PLANS.get(key)
-    if plan is None:
-        plan = _FWD_PLANS[key] = _fwd_plan(M, K, x.device)
-    bm, bk, single, warps, grid = plan
+    grid = (min(cdiv(M, bm), num_sms(x.device) * per_sm),)
     args = (x, r, weight, y, h, rstd, M, K, x.stride(0), r.stride(0), float(eps))
     if single and FWD_PREFETCH:
         _rms_norm_fwd_prefetch_kernel[grid](*args, BM=bm, BK=bk, HAS_RES=has_res,
@@ -226,7 +209,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # rstd [M] alone (full parallelism, one read of x), then the same quant kernel with
 # RSTD_IN runs one program per [128 rows, 128 cols] tile (like quantize_1x128), re-reading
 # x (L2-hot when x fits in L2: 32 MB at [8192, 2048] bf16). QUANT_MODE picks: "slab",
-# "two_kernel", or "auto" (two_kernel when slabs * QUANT_MAX_SPLIT < #SMs / 2). Both modes
+# "two_kernel", or "auto" (two_kernel when slabs * QUANT_MAX_SPLIT < #SMs). Both modes
 # give identical results up to rstd's summation order.
 
 
@@ -270,8 +253,8 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr,
         tl.store(s_ptr + rows * nkb + kb, s, mask=rmask)
         if COLWISE:
             qt, st = quant_cols(y, POW2)
-            # qt[c, m] = q[m, c]: stored through transposed addresses (as quantize_1x128).
-            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(qt),
+                     mask=cmask[:, None] & rmask[None, :])
             tl.store(st_ptr + cols * nmb + pid_m, st, mask=cmask)
 
 
@@ -280,9 +263,7 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr,
 #: chunk, warps.
 QUANT_MODE = "auto"
 QUANT_MAX_SPLIT = 2
-#: 4 warps per [128, 128] tile (two_kernel mode). ptxas (sm_90, offline): 8 warps need
-#: 179 registers per thread, so only ONE program fits on an SM; 4 warps fit two.
-QUANT_WARPS_TILE = 4
+QUANT_WARPS_TILE = 8
 QUANT_P1_BK = 256
 QUANT_WARPS_COLWISE = 16
 QUANT_WARPS_ROWWISE = 4
@@ -301,23 +282,7 @@ def quant_mode(M: int, bm: int, device: torch.device) -> str:
     """``"slab"`` or ``"two_kernel"`` (see the design note above; knob ``QUANT_MODE``)."""
     if QUANT_MODE != "auto":
         return QUANT_MODE
-    # Slab mode is one launch and one HBM read of x; two_kernel costs a second launch
-    # and a second (L2) read of x plus the rstd pass, so it only pays when the slab grid
-    # would leave most SMs idle (M = 8192: 64 slabs x 2 = 128 programs on 132 SMs: slab).
-    return "two_kernel" if cdiv(M, bm) * QUANT_MAX_SPLIT < num_sms(device) // 2 else "slab"
-
-
-def _quant_plan(M: int, K: int, columnwise: bool, device: torch.device):
-    """``(BM, mode, grid, num_warps)`` of rms_norm_quant."""
-    bm = 128 if columnwise else 32
-    mode = quant_mode(M, bm, device)
-    if mode == "two_kernel":
-        grid = (cdiv(M, bm), cdiv(K, BLOCK))
-        warps = QUANT_WARPS_TILE if columnwise else QUANT_WARPS_ROWWISE
-    else:
-        grid = (cdiv(M, bm), quant_split(M, K, bm, device))
-        warps = QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE
-    return bm, mode, grid, warps
+    return "two_kernel" if cdiv(M, bm) * QUANT_MAX_SPLIT < num_sms(device) else "slab"
 
 
 def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -329,14 +294,16 @@ def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     rstd = empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return q, s, qt, st, rstd
-    key = (M, K, columnwise, x.device)
-    plan = _QUANT_PLANS.get(key)
-    if plan is None:
-        plan = _QUANT_PLANS[key] = _quant_plan(M, K, columnwise, x.device)
-    bm, mode, grid, warps = plan
+    bm = 128 if columnwise else 32
+    mode = quant_mode(M, bm, x.device)
     with device_guard(x):
         if mode == "two_kernel":
             _launch_fwd(x, x, weight, x, x, rstd, M, K, eps, has_res=False, store_y=False)
+            grid = (cdiv(M, bm), cdiv(K, BLOCK))
+            warps = QUANT_WARPS_TILE if columnwise else QUANT_WARPS_ROWWISE
+        else:
+            grid = (cdiv(M, bm), quant_split(M, K, bm, x.device))
+            warps = QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE
         _rms_norm_quant_kernel[grid](
             x, weight, q, s, qt if qt is not None else q, st if st is not None else s, rstd,
             M, K, x.stride(0), float(eps), BM=bm, P1_BK=QUANT_P1_BK if columnwise else 128,
