@@ -82,13 +82,20 @@ def compiled(fn: Callable) -> Callable:
 
 def backward_of(fwd: Callable[[], Any], inputs: Sequence[torch.Tensor],
                 grads: Sequence[torch.Tensor] | torch.Tensor) -> Callable[[], Any]:
-    """A callable that runs only the backward of ``fwd()`` (the graph is built once) and
-    returns the gradients of ``inputs``."""
-    out = fwd()
-    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
-            if isinstance(o, torch.Tensor) and o.requires_grad]
+    """A callable that runs only the backward of ``fwd()`` and returns the gradients of
+    ``inputs``. The forward graph is built once, on the first call, so a provider that is
+    not run (e.g. ``compile`` on CPU) costs nothing."""
     gs = [grads] if isinstance(grads, torch.Tensor) else list(grads)
-    return lambda: torch.autograd.grad(outs, list(inputs), gs[: len(outs)], retain_graph=True)
+    graph = []
+
+    def run():
+        if not graph:
+            out = fwd()
+            graph.extend(o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                         if isinstance(o, torch.Tensor) and o.requires_grad)
+        return torch.autograd.grad(graph, list(inputs), gs[: len(graph)], retain_graph=True)
+
+    return run
 
 
 def flat_tensors(x) -> list[torch.Tensor]:

@@ -13,18 +13,6 @@ from linghe import reference as ref
 from ..harness import Bench, Config, backward_of, case, compiled
 
 
-def _lazy_backward(fwd, ins, grads):
-    """``backward_of`` built on first call (so torch.compile runs only when timed)."""
-    holder = {}
-
-    def run():
-        if "f" not in holder:
-            holder["f"] = backward_of(fwd, ins, grads)
-        return holder["f"]()
-
-    return run
-
-
 def _shape(cfg: Config):
     if cfg.cpu:
         return dict(B=1, S=8, H=4, Hkv=2, D=16, R=8)
@@ -71,7 +59,7 @@ def qk_norm_rope_case(cfg: Config):
               run={"eager": eager, "compile": comp, "linghe": ours}),
         Bench(name=name + " bwd", bytes=bwd_bytes, tol=1e-2,
               run={"eager": backward_of(eager, ins, grads),
-                   "compile": _lazy_backward(comp, ins, grads),
+                   "compile": backward_of(comp, ins, grads),
                    "linghe": backward_of(ours, ins, grads)},
               note="bytes count only q/k of qkv re-read"),
     ]
