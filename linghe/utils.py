@@ -243,3 +243,13 @@ def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         _sum_partials_kernel[(cdiv(N, BLOCK_N),)](partial, out, P, N, BLOCK_P=64,
                                                   BLOCK_N=BLOCK_N, num_warps=4)
     return out
+
+
+@triton.jit
+def grouped_tile_order(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of GEMM program ``pid`` in grouped order: ``GROUP_M`` row tiles
+    sweep the column tiles together, so the ``B`` tiles they share stay in L2."""
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import reference as _ref
-from ..utils import INTERPRET, cdiv, check_tensor, device_guard, empty
+from ..utils import INTERPRET, cdiv, check_tensor, device_guard, empty, grouped_tile_order
 from .tensor import Fp8Tensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -69,13 +69,7 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, M_B
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    # Grouped ordering: GROUP_M row tiles share the B columns they read (L2 reuse).
-    width = GROUP_M * num_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile_order(pid, num_m, num_n, GROUP_M)
 
     offs_m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     offs_n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..fp8 import Fp8Tensor, quantize_128x128
 from ..fp8.quantize import FP8_DTYPE
-from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty
+from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, grouped_tile_order
 
 BLOCK = 128  # FP8 group / block size
 
@@ -126,13 +126,7 @@ def _grouped_rows_kernel(
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(J, BN)
-    # Grouped ordering: GROUP_M row tiles sweep the column tiles together (L2 reuse).
-    width = GROUP_M * num_n
-    group = pid // width
-    first_m = group * GROUP_M
-    gsize = tl.minimum(num_row_tiles - first_m, GROUP_M)
-    t = first_m + (pid % width) % gsize
-    pid_n = (pid % width) // gsize
+    t, pid_n = grouped_tile_order(pid, num_row_tiles, num_n, GROUP_M)
 
     e, start, end = find_tile(offsets_ptr, t, E, BM, EP2)
     valid = e < E

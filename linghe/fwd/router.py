@@ -25,7 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, next_power_of_2, num_sms
+from ..utils import (
+    INTERPRET,
+    cdiv,
+    device_guard,
+    dot_f32acc,
+    empty,
+    grouped_tile_order,
+    next_power_of_2,
+    num_sms,
+)
 
 
 @triton.jit
@@ -46,13 +55,7 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
     pid_s = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    # grouped ordering: programs sharing B tiles run together (L2 reuse)
-    width = GROUP_M * num_n
-    group = pid // width
-    first_m = group * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % gsize
-    pid_n = (pid % width) // gsize
+    pid_m, pid_n = grouped_tile_order(pid, num_m, num_n, GROUP_M)
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     mmask = rm < M
