@@ -6,20 +6,15 @@ time); each rank holds a contiguous slice of the vocabulary (the slices differ i
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.dist._spawn import free_port
+
 WORLD = 2
 TIMEOUT_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, cases, results):
@@ -103,7 +98,7 @@ def test_vocab_parallel_cross_entropy_equals_unsharded():
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, port, cases, results))
                  for r in range(WORLD)]
         for p in procs:

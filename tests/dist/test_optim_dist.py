@@ -7,29 +7,20 @@ On a GPU machine the ranks still use CPU tensors through gloo (the kernels then 
 interpreter, so the test is skipped there unless TRITON_INTERPRET=1).
 """
 
-import datetime
 import math
 import os
-import socket
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.dist._spawn import run_ranks
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs torch.distributed (gloo) and CPU tensors through the Triton interpreter")
 
 TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full(seed, sizes, dtype=torch.float32):
@@ -162,42 +153,13 @@ def _check_count_zeros_and_amax(rank, world):
     assert torch.all(h.amax_history[0] == 0)
 
 
-def _worker(rank, world, port, errq):
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        _check_sharded(rank, world)
-        _check_buckets(rank, world)
-        _check_count_zeros_and_amax(rank, world)
-        _check_dtensor(rank, world)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errq.put((rank, traceback.format_exc()))
-        raise
+def _all_checks(rank, world):
+    _check_sharded(rank, world)
+    _check_buckets(rank, world)
+    _check_count_zeros_and_amax(rank, world)
+    _check_dtensor(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_optim_distributed(world):
-    ctx = mp.get_context("spawn")
-    errq = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, errq)) for r in range(world)]
-    for pr in procs:
-        pr.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for pr in procs:
-            pr.join(max(1.0, deadline - time.monotonic()))
-    finally:
-        hung = [pr for pr in procs if pr.is_alive()]
-        for pr in hung:
-            pr.terminate()
-        for pr in hung:
-            pr.join(10)
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    assert not errors, "\n".join(f"rank {r}:\n{tb}" for r, tb in errors)
-    assert not hung, f"ranks {[procs.index(p) for p in hung]} did not finish in {TIMEOUT_S}s"
-    assert all(pr.exitcode == 0 for pr in procs), [pr.exitcode for pr in procs]
+    run_ranks(_all_checks, world, timeout_s=TIMEOUT_S)
