@@ -72,11 +72,21 @@ cdiv = triton.cdiv
 next_power_of_2 = triton.next_power_of_2
 
 
+_NUM_SMS: dict = {}
+
+
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a small constant on the CPU interpreter)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    """Streaming multiprocessors of ``device`` (a small constant on the CPU interpreter).
+
+    Cached per device: a device-properties query on every launch costs host time."""
+    key = (device.type, device.index)
+    n = _NUM_SMS.get(key)
+    if n is None:
+        n = 4
+        if device.type == "cuda":
+            n = torch.cuda.get_device_properties(device).multi_processor_count
+        _NUM_SMS[key] = n
+    return n
 
 
 _NO_GUARD = contextlib.nullcontext()

@@ -91,18 +91,6 @@ def _group_rms_norm_gate_bwd_kernel(x_ptr, gate_ptr, w_ptr, dy_ptr, dx_ptr, dg_p
                  mask=(g < G)[:, None] & (c < C)[None, :])
 
 
-_SMS: dict = {}
-
-
-def _sms(device) -> int:
-    """Cached SM count per device (a per-call device-properties query costs host time)."""
-    key = (device.type, device.index)
-    n = _SMS.get(key)
-    if n is None:
-        n = _SMS[key] = num_sms(device)
-    return n
-
-
 def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layout):
     """``dy`` contiguous in the gate's layout. Returns ``(dx3 [B, S, dim], dgate, dweight)``:
     ``dx3`` contiguous in x's dtype, ``dgate`` contiguous like the gate, ``dweight`` from
@@ -120,7 +108,7 @@ def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layou
     shared_w = weight.numel() != dim
     key = ("gate_bwd", x3.device.index, x3.dtype, gate.dtype, weight.dtype, shared_w, BT, BG,
            BC, nw)
-    P = max(1, min(cdiv(T, BT), _sms(x3.device) * resident_programs(key, PROGRAMS_PER_SM)))
+    P = max(1, min(cdiv(T, BT), num_sms(x3.device) * resident_programs(key, PROGRAMS_PER_SM)))
     partial = empty(P, weight.numel(), dtype=torch.float32, device=x3.device)
     sgb, sgs = gate_token_strides(gate, gate_layout)
     syb, sys = gate_token_strides(dy, gate_layout)

@@ -200,15 +200,8 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
 PROGRAMS_PER_SM = 3
 MAX_PROGRAMS_PER_SM = 8
 
-_SMS: dict = {}
-
-
 def _programs(T: int, device, key) -> int:
-    dkey = (device.type, device.index)
-    n = _SMS.get(dkey)
-    if n is None:  # cached: a device-properties query per call costs host time
-        n = _SMS[dkey] = num_sms(device)
-    return max(1, min(T, n * resident_programs(key, PROGRAMS_PER_SM)))
+    return max(1, min(T, num_sms(device) * resident_programs(key, PROGRAMS_PER_SM)))
 
 
 def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *,

@@ -100,17 +100,6 @@ FWD_PERSISTENT = True
 FWD_PROGRAMS_PER_SM = 4
 FWD_MAX_PROGRAMS_PER_SM = 16
 
-_SMS: dict = {}
-
-
-def _sms(device) -> int:
-    key = (device.type, device.index)
-    n = _SMS.get(key)
-    if n is None:  # cached: a device-properties query per call costs host time
-        n = _SMS[key] = num_sms(device)
-    return n
-
-
 @functools.cache  # per-shape decision, cached (host time)
 def gate_blocks(G: int, C: int, elems: int = 2048):
     """(BLOCK_T, BLOCK_G, BLOCK_C, num_warps): tiles of about ``elems`` elements (at least
@@ -144,7 +133,7 @@ def group_rms_norm_gate_fwd(x3, gate, weight, *, num_groups, eps, gate_layout):
     shared_w = weight.numel() != dim
     if FWD_PERSISTENT:
         key = ("gate_fwd", x3.device.index, x3.dtype, weight.dtype, shared_w, BT, BG, BC, nw)
-        P = max(1, min(cdiv(T, BT), _sms(x3.device) * resident_programs(key,
+        P = max(1, min(cdiv(T, BT), num_sms(x3.device) * resident_programs(key,
                                                                      FWD_PROGRAMS_PER_SM)))
         with device_guard(x3):
             ck = _group_rms_norm_gate_fwd_persistent_kernel[(P,)](

@@ -28,7 +28,6 @@ from ..layout import ExpertLayout
 from ..utils import INTERPRET, cdiv, device_guard, empty, next_power_of_2, num_sms
 
 CHUNK = 256  # copies per index program: T*k = 65536 -> 256 programs (latency-bound scans)
-_SMS: dict = {}
 
 
 @triton.jit
@@ -257,9 +256,7 @@ def scatter_rows(x: torch.Tensor, layout: ExpertLayout, *, x_scale: torch.Tensor
     BR = 16
     BHZ = min(max(next_power_of_2(max(H, 1)), 16), 256 if INTERPRET else 1024)
     n_tok = cdiv(T, BT)
-    sms = _SMS.get(dev)
-    if sms is None:
-        sms = _SMS[dev] = num_sms(dev)
+    sms = num_sms(dev)
     n_tail = max(1, min(cdiv(R, BR), 2 * sms))
     grid = (n_tok + E + n_tail,)
     dummy = out

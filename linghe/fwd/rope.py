@@ -261,17 +261,6 @@ FWD_PERSISTENT = True
 FWD_PROGRAMS_PER_SM = 4
 FWD_MAX_PROGRAMS_PER_SM = 16
 
-_SMS: dict = {}
-
-
-def _sms(device) -> int:
-    key = (device.type, device.index)
-    n = _SMS.get(key)
-    if n is None:  # cached: a device-properties query per call costs host time
-        n = _SMS[key] = num_sms(device)
-    return n
-
-
 @functools.cache  # per-shape decision, cached (host time)
 def head_blocks(H: int, Hkv: int, D: int):
     """(BLOCK_HQ, BLOCK_HK, BLOCK_D, num_warps): head tiles of at most 4096 elements."""
@@ -311,7 +300,7 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
         nq, nk, pos = q_norm_weight is not None, k_norm_weight is not None, position_ids
         key = ("qk_norm_rope_fwd", dev.index, qkv.dtype, nq, nk, interleaved,
                pos is not None, BHQ, BHK, BD, nw)
-        P = max(1, min(T, _sms(dev) * resident_programs(key, FWD_PROGRAMS_PER_SM)))
+        P = max(1, min(T, num_sms(dev) * resident_programs(key, FWD_PROGRAMS_PER_SM)))
         with device_guard(qkv):
             ck = _qk_norm_rope_fwd_persistent_kernel[(P,)](
                 qkv, freqs, pos if pos is not None else dummy,

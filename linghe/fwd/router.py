@@ -308,15 +308,10 @@ def _topk_fwd_rows_kernel(logits_ptr, bias_ptr, probs_ptr, ids_ptr, tpe_ptr, T, 
     tl.atomic_add(tpe_ptr + eb, hist, mask=emask & (hist > 0))
 
 
-_SMS: dict = {}
-
-
 def _rows_per_prog(T: int, dev) -> int:
     if INTERPRET:
         return 4
-    sms = _SMS.get(dev)
-    if sms is None:
-        sms = _SMS[dev] = num_sms(dev)
+    sms = num_sms(dev)
     # ~32 single-warp programs per SM: the per-row reductions are latency-bound, so
     # parallelism comes from many resident programs rather than long loops
     return max(1, min(16, cdiv(T, 32 * sms)))
