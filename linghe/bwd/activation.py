@@ -20,7 +20,7 @@ from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import activation as _fwd
 from ..fwd.activation import rows_valid, silu_f32
-from ..utils import cdiv, device_guard, empty, next_power_of_2
+from ..utils import cdiv, device_guard, empty, launch, next_power_of_2
 
 BLOCK = 128
 
@@ -164,7 +164,7 @@ def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, 
         BM, BN, warps = _fwd.tile_config(M, max(N, 1))
         E = counts.numel() if counts is not None else 0
         with device_guard(x):
-            _silu_mul_bwd_kernel[(cdiv(M, BM),)](
+            launch(_silu_mul_bwd_kernel, (cdiv(M, BM),),
                 dy, x, probs, counts, dx, dp, M, N, E, dy.stride(0), x.stride(0),
                 dx.stride(0), align, BM=BM, BN=BN, HAS_P=probs is not None,
                 NEED_DP=need_dprobs, BATCH=counts is not None,
@@ -212,7 +212,7 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
         part = (empty(M, nprog_n, dtype=torch.float32, device=dev)
                 if need_dprobs else None)
         with device_guard(x):
-            _silu_mul_bwd_quant_kernel[(cdiv(M, BLOCK), cdiv(K, BLOCK))](
+            launch(_silu_mul_bwd_quant_kernel, (cdiv(M, BLOCK), cdiv(K, BLOCK)),
                 dy, x, probs, q, s, qt, st, part, M, N, dy.stride(0), x.stride(0), nprog_n,
                 COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
                 NEED_DP=need_dprobs, SPLIT=split, num_warps=_fwd.QUANT_BWD_NUM_WARPS)

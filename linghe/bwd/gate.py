@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..fwd.gate import gate_blocks, gate_tile, gate_token_strides
-from ..utils import cdiv, device_guard, empty, num_sms
+from ..utils import cdiv, device_guard, empty, launch, num_sms
 from .resident import learn_resident, resident_programs, sum_partials_tall
 
 #: Persistent programs per SM before the kernel's fit is known (knob: more hides latency,
@@ -114,7 +114,7 @@ def group_rms_norm_gate_bwd(dy, x3, gate, weight, *, num_groups, eps, gate_layou
     syb, sys = gate_token_strides(dy, gate_layout)
     sdgb, sdgs = gate_token_strides(dg, gate_layout)
     with device_guard(x3):
-        ck = _group_rms_norm_gate_bwd_kernel[(P,)](
+        ck = launch(_group_rms_norm_gate_bwd_kernel, (P,),
             x3, gate, weight, dy, dx, dg, partial, T, S, G, C, x3.stride(0), x3.stride(1),
             sgb, sgs, syb, sys, dx.stride(0), dx.stride(1), sdgb, sdgs, eps,
             SHARED_W=shared_w, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC, num_warps=nw)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..fp8 import Fp8Tensor
 from ..fwd.grouped_mm import BLOCK, launch_grouped_rows, torch_grouped_mm_ok, zero_tail
-from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty
+from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, launch
 
 # --------------------------------------------------------------------------------------
 # dgrad
@@ -206,7 +206,7 @@ def _launch_wgrad(g, x, dw, offsets, strides):
     grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
     R = strides[-1]
     with device_guard(dw):
-        _wgrad_kernel[grid](
+        launch(_wgrad_kernel, grid,
             g, x, dw, offsets, N, K, R, *strides[:-1], dw.stride(0), dw.stride(1),
             BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], IEEE=(g.dtype == torch.float32),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -249,7 +249,7 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.T
     cfg = _wgrad_config(True, False)
     grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
     with device_guard(dw):
-        _wgrad_fp8_kernel[grid](
+        launch(_wgrad_fp8_kernel, grid,
             gq, xq, dw, gs, xs, offsets, N, K, R, gq.stride(0), xq.stride(0),
             gs.stride(0), xs.stride(0), dw.stride(0), dw.stride(1),
             BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], num_warps=cfg["num_warps"],

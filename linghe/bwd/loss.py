@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..fwd.loss import EVICT_POLICY, LOG2E, PREFETCH_DEFAULT, _row_label, block_v, split_v
-from ..utils import device_guard, empty
+from ..utils import device_guard, empty, launch
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     BV, warps = block_v(V, "bwd")
     chunk, S = split_v(V, BV, "bwd")
     with device_guard(logits):
-        _ce_bwd_kernel[(N, S)](
+        launch(_ce_bwd_kernel, (N, S),
             logits, logits.stride(0), dx, dx.stride(0), labels, lse, go, go_stride,
             inv_n if inv_n is not None else lse, V, vocab_start, Vt, ignore_index,
             float(label_smoothing), float(z_loss), CHUNK=chunk, BLOCK_V=BV, PER_ROW=per_row,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import cdiv, device_guard, empty, next_power_of_2, num_sms
+from ..utils import cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
 #: Widest power-of-two hidden tile kept in registers; wider rows go in MULTI_BK blocks.
 MAX_SINGLE_BK = 8192
@@ -202,17 +202,17 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         args = (x, weight, rstd, dy, d, dx, partial, M, K, x.stride(0), dy.stride(0),
                 d.stride(0))
         if single and BWD_PREFETCH:
-            _rms_norm_bwd_prefetch_kernel[(P,)](*args, BM=bm, BK=bk, HAS_DH=dh is not None,
-                                                num_warps=warps)
+            launch(_rms_norm_bwd_prefetch_kernel, (P,), *args, BM=bm, BK=bk, HAS_DH=dh is not None,
+                   num_warps=warps)
         else:
-            _rms_norm_bwd_kernel[(P,)](*args, BM=bm, BK=bk, SINGLE=single,
-                                       HAS_DH=dh is not None, num_warps=warps)
+            launch(_rms_norm_bwd_kernel, (P,), *args, BM=bm, BK=bk, SINGLE=single,
+                   HAS_DH=dh is not None, num_warps=warps)
         dw = None
         if need_dweight:
             dw = empty(K, dtype=weight.dtype, device=x.device)
             BN = 32 if K <= 4096 else 128
             BP = min(64, max(8, next_power_of_2(P)))
-            _sum_rows_kernel[(cdiv(K, BN),)](partial, dw, P, K, BP=BP, BN=BN, num_warps=4)
+            launch(_sum_rows_kernel, (cdiv(K, BN),), partial, dw, P, K, BP=BP, BN=BN, num_warps=4)
     return dx, dw
 
 

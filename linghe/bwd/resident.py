@@ -10,7 +10,7 @@ whatever the grid: only speed depends on it.
 
 from __future__ import annotations
 
-from ..utils import _sum_partials_kernel, cdiv, device_guard, empty, sum_partials
+from ..utils import _sum_partials_kernel, cdiv, device_guard, empty, launch, sum_partials
 
 _RESIDENT: dict = {}
 
@@ -52,6 +52,6 @@ def sum_partials_tall(partial, dtype):
     out = empty(N, dtype=dtype, device=partial.device)
     BLOCK_N = 16
     with device_guard(partial):
-        _sum_partials_kernel[(cdiv(N, BLOCK_N),)](partial, out, P, N, BLOCK_P=128,
-                                                  BLOCK_N=BLOCK_N, num_warps=4)
+        launch(_sum_partials_kernel, (cdiv(N, BLOCK_N),), partial, out, P, N, BLOCK_P=128,
+               BLOCK_N=BLOCK_N, num_warps=4)
     return out

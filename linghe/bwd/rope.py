@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..fwd.rope import head_blocks, head_columns, load_partner, rope_tables, token_strides
-from ..utils import device_guard, empty, num_sms
+from ..utils import device_guard, empty, launch, num_sms
 from .resident import learn_resident, resident_programs, sum_partials_tall
 
 
@@ -233,7 +233,7 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
     if T > 0:
         dummy = freqs
         with device_guard(qkv):
-            ck = _qk_norm_rope_bwd_kernel[(P,)](
+            ck = launch(_qk_norm_rope_bwd_kernel, (P,),
                 qkv, dq, dk, dv, dqkv, freqs,
                 position_ids if position_ids is not None else dummy,
                 q_norm_weight if nq else dummy, k_norm_weight if nk else dummy,

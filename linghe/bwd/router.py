@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..fwd.router import _rows_per_prog, matmul_exact
-from ..utils import INTERPRET, cdiv, device_guard, empty, empty_like, next_power_of_2
+from ..utils import INTERPRET, cdiv, device_guard, empty, empty_like, launch, next_power_of_2
 
 #: Part-product order of ``dx`` when x is bf16/fp16: 0 (default) is a single bf16 GEMM
 #: ``bf16(dl) @ bf16(W)`` (relative error ~2e-3, the size of the bf16 output's own rounding;
@@ -105,7 +105,7 @@ def topk_route_bwd(dprobs: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor
     BT = max(1, (512 if INTERPRET else 2048) // BE)
     nw = 4 if BT * BE <= 4096 else 8
     with device_guard(logits):
-        _topk_bwd_kernel[(cdiv(T, BT),)](
+        launch(_topk_bwd_kernel, (cdiv(T, BT),),
             logits, ids, dprobs, dl, T, E, E, float(scale), BT=BT, K_TOP=k,
             BK=next_power_of_2(k), BE=BE, SIGMOID=sigmoid, NORMALIZE=normalize, num_warps=nw)
     return dl
@@ -138,7 +138,7 @@ def router_z_loss_bwd(g: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor) 
     ROWS = _rows_per_prog(T, logits.device)
     BE = min(next_power_of_2(max(E, 1)), 4096)
     with device_guard(logits):
-        _zloss_bwd_kernel[(cdiv(T, ROWS),)](
+        launch(_zloss_bwd_kernel, (cdiv(T, ROWS),),
             logits, lse, g if g.dtype == torch.float32 else g.float(), dl, T, E, logits.stride(0),
             1.0 / T, ROWS=ROWS, BE=BE, num_warps=1 if BE <= 512 else 4)
     return dl

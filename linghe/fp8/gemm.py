@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import reference as _ref
-from ..utils import INTERPRET, cdiv, check_tensor, device_guard, empty, grouped_tile_order
+from ..utils import INTERPRET, cdiv, check_tensor, device_guard, empty, grouped_tile_order, launch
 from .tensor import Fp8Tensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -175,7 +175,7 @@ def _triton_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
             _fp8_gemm_tuned[grid](*args, **flags)
         else:
             BM, BN, warps, stages = _tiles(M, N)
-            _fp8_gemm_kernel[(cdiv(M, BM) * cdiv(N, BN),)](
+            launch(_fp8_gemm_kernel, (cdiv(M, BM) * cdiv(N, BN),),
                 *args, **flags, BM=BM, BN=BN, num_warps=warps, num_stages=stages)
     return c
 

@@ -30,6 +30,7 @@ from ..utils import (
     check_tensor,
     device_guard,
     empty,
+    launch,
     rows_view,
 )
 from .tensor import Fp8Tensor
@@ -185,7 +186,7 @@ def quantize_1x128(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = 
         BM = 128 if columnwise else 32
         grid = (cdiv(M, BM), cdiv(K, BLOCK))
         with device_guard(x):
-            _quantize_1x128_kernel[grid](
+            launch(_quantize_1x128_kernel, grid,
                 x2, q, s, qt, st, M, K, x2.stride(0), BM=BM, ROWWISE=rowwise,
                 COLWISE=columnwise, POW2=pow2_scale, num_warps=4 if columnwise else 8)
     return Fp8Tensor(x.shape, x.dtype, rowwise_data=q, rowwise_scale=s,
@@ -213,7 +214,7 @@ def quantize_128x128(w: torch.Tensor, *, columnwise: bool = False,
         st = empty(GK, GN, dtype=torch.float32, device=w.device)
     if N > 0 and K > 0:
         with device_guard(w):
-            _quantize_128x128_kernel[(GN, GK)](
+            launch(_quantize_128x128_kernel, (GN, GK),
                 w, q, s, qt, st, N, K, w.stride(0), COLWISE=columnwise, POW2=pow2_scale,
                 RELOAD_T=w.dtype == torch.float32, num_warps=8)
     return Fp8Tensor(w.shape, w.dtype, rowwise_data=q, rowwise_scale=s,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
-from ..utils import cdiv, device_guard, empty, next_power_of_2
+from ..utils import cdiv, device_guard, empty, launch, next_power_of_2
 
 BLOCK = 128
 
@@ -182,7 +182,7 @@ def silu_mul_fwd(x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     if M > 0 and N > 0:
         BM, BN, warps = tile_config(M, N)
         with device_guard(x):
-            _silu_mul_fwd_kernel[(cdiv(M, BM), cdiv(N, BN))](
+            launch(_silu_mul_fwd_kernel, (cdiv(M, BM), cdiv(N, BN)),
                 x, probs, y, M, N, x.stride(0), y.stride(0), BM=BM, BN=BN,
                 HAS_P=probs is not None, num_warps=warps)
     return y
@@ -205,7 +205,7 @@ def silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None, *, columnwis
     if M > 0 and N > 0:
         BM = 128 if columnwise else 32
         with device_guard(x):
-            _silu_mul_quant_fwd_kernel[(cdiv(M, BM), cdiv(N, BLOCK))](
+            launch(_silu_mul_quant_fwd_kernel, (cdiv(M, BM), cdiv(N, BLOCK)),
                 x, probs, None, q, s, qt, st, None, M, N, 0, x.stride(0), 1,
                 cdiv(M, BLOCK), BM=BM, COLWISE=columnwise, POW2=pow2_scale,
                 HAS_P=probs is not None, BATCH=False, EP2=1, ALIGN16=False,
@@ -243,7 +243,7 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     g_off = empty(E + 1, dtype=torch.int32, device=dev)
     # N == 0 still runs one column of programs so that g_off is written.
     with device_guard(x):
-        _silu_mul_quant_fwd_kernel[(G, max(cdiv(N, BLOCK), 1))](
+        launch(_silu_mul_quant_fwd_kernel, (G, max(cdiv(N, BLOCK), 1)),
             x, probs, counts, q, s, qt, st, g_off, R, N, E, x.stride(0), align, G,
             BM=BLOCK, COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
             BATCH=True, EP2=next_power_of_2(E + 1), ALIGN16=align % 16 == 0,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..bwd.resident import learn_resident, resident_programs
-from ..utils import cdiv, device_guard, empty, next_power_of_2, num_sms
+from ..utils import cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
 
 @triton.jit
@@ -136,14 +136,14 @@ def group_rms_norm_gate_fwd(x3, gate, weight, *, num_groups, eps, gate_layout):
         P = max(1, min(cdiv(T, BT), num_sms(x3.device) * resident_programs(key,
                                                                      FWD_PROGRAMS_PER_SM)))
         with device_guard(x3):
-            ck = _group_rms_norm_gate_fwd_persistent_kernel[(P,)](
+            ck = launch(_group_rms_norm_gate_fwd_persistent_kernel, (P,),
                 x3, gate, weight, y, T, S, G, C, x3.stride(0), x3.stride(1), sgb, sgs, syb,
                 sys, eps, SHARED_W=shared_w, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC,
                 num_warps=nw)
         learn_resident(key, ck, nw, FWD_MAX_PROGRAMS_PER_SM)
         return y
     with device_guard(x3):
-        _group_rms_norm_gate_fwd_kernel[(cdiv(T, BT),)](
+        launch(_group_rms_norm_gate_fwd_kernel, (cdiv(T, BT),),
             x3, gate, weight, y, T, S, G, C, x3.stride(0), x3.stride(1), sgb, sgs, syb, sys,
             eps, SHARED_W=weight.numel() != dim, BLOCK_T=BT, BLOCK_G=BG, BLOCK_C=BC,
             num_warps=nw)

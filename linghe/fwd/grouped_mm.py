@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..fp8 import Fp8Tensor, quantize_128x128
 from ..fp8.quantize import FP8_DTYPE
-from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, grouped_tile_order
+from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, grouped_tile_order, launch
 
 BLOCK = 128  # FP8 group / block size
 
@@ -74,8 +74,8 @@ def tile_map(offsets: torch.Tensor, num_rows: int, block_m: int):
     EP2 = max(16, triton.next_power_of_2(E))
     BT = max(16, min(256, 16384 // EP2))
     with device_guard(offsets):
-        _tile_map_kernel[(1,)](offsets, tile_off, tile_expert, E, n_tiles, BM=block_m,
-                               EP2=EP2, BT=BT, num_warps=4)
+        launch(_tile_map_kernel, (1,), offsets, tile_off, tile_expert, E, n_tiles, BM=block_m,
+               EP2=EP2, BT=BT, num_warps=4)
     return tile_off, tile_expert, n_tiles
 
 
@@ -211,7 +211,7 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
                               max(16, triton.next_power_of_2(E)))
     cfg, n_tiles, grid, EP2 = plan
     with device_guard(a):
-        _grouped_rows_kernel[grid](
+        launch(_grouped_rows_kernel, grid,
             a, b, out, a_scale if fp8 else offsets, b_scale if fp8 else offsets, offsets,
             R, I, J, E, n_tiles,
             a.stride(0), stride_be, stride_bi, stride_bj, out.stride(0),
@@ -280,7 +280,7 @@ def zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if R and J:
         BM, BN = 32, 256
         with device_guard(out):
-            _zero_tail_kernel[(min(cdiv(R, BM), 128),)](
+            launch(_zero_tail_kernel, (min(cdiv(R, BM), 128),),
                 out, offsets, R, J, offsets.numel() - 1, out.stride(0), BM=BM, BN=BN,
                 num_warps=4)
     return out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import INTERPRET, cdiv, device_guard, empty, next_power_of_2
+from ..utils import INTERPRET, cdiv, device_guard, empty, launch, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -268,19 +268,19 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
     eps, z = float(label_smoothing), float(z_loss)
     with device_guard(logits):
         if S == 1:
-            _ce_fwd_kernel[(N,)](
+            launch(_ce_fwd_kernel, (N,),
                 logits, logits.stride(0), labels, loss, lse, loss, N, V, 0, V,
                 ignore_index, eps, z, CHUNK=BV, BLOCK_V=BV, SMOOTH=smooth, SPLIT=False,
                 FUSE_BWD=fuse_bwd, num_warps=warps)
         else:
             part = empty(S, 4, N, dtype=torch.float32, device=dev)
-            _ce_fwd_kernel[(N, S)](
+            launch(_ce_fwd_kernel, (N, S),
                 logits, logits.stride(0), labels, loss, lse, part, N, V, 0, V, ignore_index,
                 eps, z, CHUNK=chunk, BLOCK_V=BV, SMOOTH=smooth, SPLIT=True, FUSE_BWD=False,
                 num_warps=warps)
             S_P2 = next_power_of_2(S)
             BR = max(16, min(256, 2048 // S_P2))
-            _ce_combine_kernel[(cdiv(N, BR),)](
+            launch(_ce_combine_kernel, (cdiv(N, BR),),
                 part, labels, loss, lse, N, S, V, ignore_index, eps, z, SMOOTH=smooth,
                 S_P2=S_P2, BLOCK=BR, num_warps=4)
     if reduce:
@@ -300,7 +300,7 @@ def ce_partials(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int
         return part[0]
     BV, warps = block_v(V)
     with device_guard(logits):
-        _ce_fwd_kernel[(N, 1)](
+        launch(_ce_fwd_kernel, (N, 1),
             logits, logits.stride(0), labels, part, part, part, N, V, vocab_start,
             vocab_total, ignore_index, 0.0, 0.0, CHUNK=cdiv(V, BV) * BV, BLOCK_V=BV,
             SMOOTH=True, SPLIT=True, FUSE_BWD=False, num_warps=warps)
@@ -316,6 +316,6 @@ def ce_reduce(loss_rows: torch.Tensor, labels: torch.Tensor, *, ignore_index: in
     with device_guard(loss_rows):
         # one program; N = 8192 rows in one 8192-wide step (loads all in flight at once)
         B = min(max(next_power_of_2(max(N, 1)), 128), 256 if INTERPRET else 8192)
-        _ce_reduce_kernel[(1,)](loss_rows, labels, out, inv_n, N, vocab_total, ignore_index,
-                                MEAN=mean, BLOCK=B, num_warps=max(1, min(16, B // 256)))
+        launch(_ce_reduce_kernel, (1,), loss_rows, labels, out, inv_n, N, vocab_total, ignore_index,
+               MEAN=mean, BLOCK=B, num_warps=max(1, min(16, B // 256)))
     return out, inv_n

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..fp8.quantize import BLOCK, empty_1x128, quant_cols, quant_rows
-from ..utils import cdiv, device_guard, empty, next_power_of_2, num_sms
+from ..utils import cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
 #: Largest power-of-two hidden tile held in registers in one piece; wider rows are
 #: processed in MULTI_BK column blocks (two passes: sum of squares, then normalize; the
@@ -163,11 +163,11 @@ def _launch_fwd(x, r, weight, y, h, rstd, M, K, eps, *, has_res, store_y):
     grid = (min(cdiv(M, bm), num_sms(x.device) * per_sm),)
     args = (x, r, weight, y, h, rstd, M, K, x.stride(0), r.stride(0), float(eps))
     if single and FWD_PREFETCH:
-        _rms_norm_fwd_prefetch_kernel[grid](*args, BM=bm, BK=bk, HAS_RES=has_res,
-                                            STORE_Y=store_y, num_warps=warps)
+        launch(_rms_norm_fwd_prefetch_kernel, grid, *args, BM=bm, BK=bk, HAS_RES=has_res,
+               STORE_Y=store_y, num_warps=warps)
     else:
-        _rms_norm_fwd_kernel[grid](*args, BM=bm, BK=bk, SINGLE=single, HAS_RES=has_res,
-                                   STORE_Y=store_y, num_warps=warps)
+        launch(_rms_norm_fwd_kernel, grid, *args, BM=bm, BK=bk, SINGLE=single, HAS_RES=has_res,
+               STORE_Y=store_y, num_warps=warps)
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -304,7 +304,7 @@ def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         else:
             grid = (cdiv(M, bm), quant_split(M, K, bm, x.device))
             warps = QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE
-        _rms_norm_quant_kernel[grid](
+        launch(_rms_norm_quant_kernel, grid,
             x, weight, q, s, qt if qt is not None else q, st if st is not None else s, rstd,
             M, K, x.stride(0), float(eps), BM=bm, P1_BK=QUANT_P1_BK if columnwise else 128,
             COLWISE=columnwise, POW2=pow2_scale, RSTD_IN=mode == "two_kernel",

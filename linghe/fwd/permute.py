@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..layout import ExpertLayout
-from ..utils import INTERPRET, cdiv, device_guard, empty, next_power_of_2, num_sms
+from ..utils import INTERPRET, cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
 CHUNK = 256  # copies per index program: T*k = 65536 -> 256 programs (latency-bound scans)
 
@@ -111,11 +111,11 @@ def build_index(expert_ids: torch.Tensor, num_experts: int, align: int,
         hist = buf[N + 3 * E + 1:]
         nw = 4 if BLOCK_E <= 256 else 8
         with device_guard(expert_ids):
-            _hist_kernel[(C,)](expert_ids, hist, N, E, CHUNK=chunk, SUB=SUB, BLOCK_E=BLOCK_E,
-                               num_warps=nw)
-            _index_kernel[(C,)](expert_ids, hist, row_index, tpe, padded, offsets, N, E, C,
-                                align, num_rows, CHUNK=chunk, SUB=SUB, BLOCK_E=BLOCK_E,
-                                BLOCK_C=BLOCK_C, num_warps=nw)
+            launch(_hist_kernel, (C,), expert_ids, hist, N, E, CHUNK=chunk, SUB=SUB,
+                   BLOCK_E=BLOCK_E, num_warps=nw)
+            launch(_index_kernel, (C,), expert_ids, hist, row_index, tpe, padded, offsets, N, E, C,
+                   align, num_rows, CHUNK=chunk, SUB=SUB, BLOCK_E=BLOCK_E,
+                   BLOCK_C=BLOCK_C, num_warps=nw)
     return ExpertLayout(num_experts=E, align=align, num_rows=num_rows, tokens_per_expert=tpe,
                         padded_tokens_per_expert=padded, offsets=offsets, row_index=row_index)
 
@@ -261,7 +261,7 @@ def scatter_rows(x: torch.Tensor, layout: ExpertLayout, *, x_scale: torch.Tensor
     grid = (n_tok + E + n_tail,)
     dummy = out
     with device_guard(x):
-        _scatter_kernel[grid](
+        launch(_scatter_kernel, grid,
             x, x_scale if x_scale is not None else dummy, layout.row_index,
             weights if weights is not None else dummy, probs if probs is not None else dummy,
             out, out_s if out_s is not None else dummy, prow if prow is not None else dummy,
@@ -341,7 +341,7 @@ def gather_rows(rows: torch.Tensor, layout: ExpertLayout, *, weights: torch.Tens
     BT, BH = _token_tiles(H, rows.element_size())
     dummy = out
     with device_guard(rows):
-        _gather_kernel[(cdiv(T, BT),)](
+        launch(_gather_kernel, (cdiv(T, BT),),
             rows, layout.row_index, weights if weights is not None else dummy, out,
             probs_rows_grad if probs_rows_grad is not None else dummy,
             dp if dp is not None else dummy, T, H, H,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..bwd.resident import learn_resident, resident_programs
-from ..utils import device_guard, empty, next_power_of_2, num_sms
+from ..utils import device_guard, empty, launch, next_power_of_2, num_sms
 
 
 @triton.jit
@@ -302,7 +302,7 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
                pos is not None, BHQ, BHK, BD, nw)
         P = max(1, min(T, num_sms(dev) * resident_programs(key, FWD_PROGRAMS_PER_SM)))
         with device_guard(qkv):
-            ck = _qk_norm_rope_fwd_persistent_kernel[(P,)](
+            ck = launch(_qk_norm_rope_fwd_persistent_kernel, (P,),
                 qkv, freqs, pos if pos is not None else dummy,
                 q_norm_weight if nq else dummy, k_norm_weight if nk else dummy,
                 q, k, v, T, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0],
@@ -311,7 +311,7 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
         learn_resident(key, ck, nw, FWD_MAX_PROGRAMS_PER_SM)
         return q, k, v
     with device_guard(qkv):
-        _qk_norm_rope_fwd_kernel[(T,)](
+        launch(_qk_norm_rope_fwd_kernel, (T,),
             qkv, freqs, position_ids if position_ids is not None else dummy,
             q_norm_weight if q_norm_weight is not None else dummy,
             k_norm_weight if k_norm_weight is not None else dummy,
@@ -418,7 +418,7 @@ def hf_rope(q, k, cos, sin, position_ids, backward: bool):
         scb, scs = cos.stride(0), cos.stride(1)
     BHQ, BHK, BD, nw = head_blocks(HQ, HK, D)
     with device_guard(q):
-        _hf_rope_kernel[(B * S,)](
+        launch(_hf_rope_kernel, (B * S,),
             q, k, qo, ko, cos, sin, position_ids if position_ids is not None else cos,
             cos.shape[0], S, HQ, HK, D, D // 2, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
             k.stride(1), k.stride(2), scb, scs, HAS_POS=position_ids is not None, BACKWARD=backward,

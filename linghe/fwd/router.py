@@ -32,6 +32,7 @@ from ..utils import (
     dot_f32acc,
     empty,
     grouped_tile_order,
+    launch,
     next_power_of_2,
     num_sms,
 )
@@ -174,7 +175,7 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
     s_cm, s_cn = (1, N) if swap else (N, 1)
     tiles = cdiv(M_, BM) * cdiv(N_, BN)
     with device_guard(a):
-        _mm_kernel[(tiles, split_k)](
+        launch(_mm_kernel, (tiles, split_k),
             a_, b_, c, M_, N_, K, a_.stride(0), a_.stride(1), b_.stride(0), b_.stride(1),
             s_cm, s_cn, k_per, SA=_PARTS[a_.dtype], SB=_PARTS[b_.dtype], ORDER=order, BM=BM,
             BN=BN, BK=BK, GROUP_M=8, num_warps=nw, num_stages=ns)
@@ -332,7 +333,7 @@ def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tens
         BE = next_power_of_2(E)
         BT = max(1, (512 if INTERPRET else 2048) // BE)
         with device_guard(logits):
-            _topk_fwd_rows_kernel[(cdiv(T, BT),)](
+            launch(_topk_fwd_rows_kernel, (cdiv(T, BT),),
                 logits, bias if bias is not None else logits, probs, ids, tpe, T, E,
                 logits.stride(0), float(scale), BT=BT, K_TOP=k, BE=BE,
                 BK=next_power_of_2(k), SIGMOID=sigmoid, HAS_BIAS=bias is not None,
@@ -344,7 +345,7 @@ def topk_route_fwd(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tens
     ROWS = _rows_per_prog(T, dev)
     nw = 1 if BG * BGE <= 512 else (2 if BG * BGE <= 2048 else 4)
     with device_guard(logits):
-        _topk_fwd_kernel[(cdiv(T, ROWS),)](
+        launch(_topk_fwd_kernel, (cdiv(T, ROWS),),
             logits, bias if bias is not None else logits, probs, ids, tpe, T, logits.stride(0),
             G, EG, topk_groups, float(scale), ROWS=ROWS, K_TOP=k, BG=BG, BGE=BGE,
             BK=next_power_of_2(k), SIGMOID=sigmoid, HAS_BIAS=bias is not None,
@@ -424,7 +425,8 @@ def router_z_loss_fwd(logits: torch.Tensor):
     BE = min(next_power_of_2(max(E, 1)), 4096)
     BP = min(next_power_of_2(n), 256)
     with device_guard(logits):
-        _zloss_fwd_kernel[(n,)](logits, lse, part, loss, _counter(dev), T, E, logits.stride(0),
-                                1.0 / T, n, ROWS=ROWS, BE=BE, BP=BP,
-                                num_warps=1 if BE <= 512 else 4)
+        launch(_zloss_fwd_kernel, (n,), logits, lse, part, loss, _counter(dev), T, E,
+               logits.stride(0),
+               1.0 / T, n, ROWS=ROWS, BE=BE, BP=BP,
+               num_warps=1 if BE <= 512 else 4)
     return loss, lse

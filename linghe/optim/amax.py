@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import cdiv, device_guard, empty
+from ..utils import cdiv, device_guard, empty, launch
 
 
 @triton.jit
@@ -110,7 +110,7 @@ class AmaxHistory:
             return
         block = min(1024, max(16, triton.next_power_of_2(n)))
         with device_guard(self.scale):
-            _amax_update_kernel[(cdiv(n, block),)](
+            launch(_amax_update_kernel, (cdiv(n, block),),
                 self.amax_history, self.scale, n, self.history_len, self.fp8_max,
                 float(2.0 ** self.margin), MOST_RECENT=self.amax_compute == "most_recent",
                 BLOCK_N=block, num_warps=4)

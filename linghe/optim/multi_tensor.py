@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import INTERPRET, cdiv, device_guard, empty, num_sms
+from ..utils import INTERPRET, cdiv, device_guard, empty, launch, num_sms
 
 #: Elements per chunk (a multiple of 2x every BLOCK below). 16384 (round 2): the persistent
 #: programs' finishing times differ by at most one chunk, so smaller chunks shorten the
@@ -542,7 +542,7 @@ def norm_partials(plan: Plan, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
     with device_guard(plan.table):
         for ln in plan.launches:
             part = partials[ln.partial_off:]
-            _norm_partials_kernel[(ln.grid,)](
+            launch(_norm_partials_kernel, (ln.grid,),
                 ln.table, ln.n_chunks, part, float(p), part, part, part, 0.0,
                 DTYPE=ln.key, ACC=acc_tl, MODE=mode, IDENT=_ident(mode), BLOCK=ln.block,
                 ALIGNED=ln.aligned, num_warps=NUM_WARPS)
@@ -562,7 +562,7 @@ def norm_single_launch(plan: Plan, p: float, acc_dtype: torch.dtype, *, norm_out
                                                         device=plan.device)
     coef = coef_out if coef_out is not None else norm_out
     with device_guard(plan.table):
-        _norm_partials_kernel[(ln.grid,)](
+        launch(_norm_partials_kernel, (ln.grid,),
             ln.table, ln.n_chunks, partials, float(p), counter, norm_out, coef,
             float(max_norm), DTYPE=ln.key, ACC=_TL_DTYPE[acc_dtype], MODE=mode,
             IDENT=_ident(mode), BLOCK=ln.block, ALIGNED=ln.aligned, LAST=True,
@@ -576,7 +576,7 @@ def reduce_partials(partials: torch.Tensor, off: int, n: int, p: float, *, acc_o
     mode = norm_mode(p)
     finish = norm_out is not None
     with device_guard(partials):
-        _norm_reduce_kernel[(1,)](
+        launch(_norm_reduce_kernel, (1,),
             partials[off:], n, acc_out, norm_out if finish else acc_out,
             coef_out if coef_out is not None else acc_out, float(p), float(max_norm),
             ACC=_TL_DTYPE[partials.dtype], MODE=mode, IDENT=_ident(mode), FINISH=finish,
@@ -588,7 +588,7 @@ def finish_norm(accs: torch.Tensor, p: float, *, norm_out: torch.Tensor,
     """Combine per-bucket accumulators ``accs [B]`` into the norm (and coefficient)."""
     mode = norm_mode(p)
     with device_guard(accs):
-        _norm_finish_kernel[(1,)](
+        launch(_norm_finish_kernel, (1,),
             accs, accs.numel(), norm_out, coef_out if coef_out is not None else norm_out,
             float(p), float(max_norm), ACC=_TL_DTYPE[accs.dtype], MODE=mode, IDENT=_ident(mode),
             COEF=coef_out is not None, BLOCK=max(16, triton.next_power_of_2(accs.numel())),
@@ -600,9 +600,9 @@ def scale_(plan: Plan, coef: torch.Tensor) -> None:
     with device_guard(plan.table):
         for ln in plan.launches:
             ct = tl.float64 if ln.key == tl.float64 else tl.float32
-            _scale_kernel[(ln.grid,)](ln.table, ln.n_chunks, coef,
-                                      DTYPE=ln.key, CT=ct, BLOCK=ln.block, ALIGNED=ln.aligned,
-                                      num_warps=NUM_WARPS)
+            launch(_scale_kernel, (ln.grid,), ln.table, ln.n_chunks, coef,
+                   DTYPE=ln.key, CT=ct, BLOCK=ln.block, ALIGNED=ln.aligned,
+                   num_warps=NUM_WARPS)
 
 
 def count_zeros_partials(plan: Plan) -> torch.Tensor:
@@ -611,10 +611,10 @@ def count_zeros_partials(plan: Plan) -> torch.Tensor:
         partials.zero_()
     with device_guard(plan.table):
         for ln in plan.launches:
-            _count_zeros_kernel[(ln.grid,)](ln.table, ln.n_chunks,
-                                            partials[ln.partial_off:], ITYPE=ln.key,
-                                            BLOCK=ln.block, ALIGNED=ln.aligned,
-                                            num_warps=NUM_WARPS)
+            launch(_count_zeros_kernel, (ln.grid,), ln.table, ln.n_chunks,
+                   partials[ln.partial_off:], ITYPE=ln.key,
+                   BLOCK=ln.block, ALIGNED=ln.aligned,
+                   num_warps=NUM_WARPS)
     return partials
 
 

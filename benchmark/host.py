@@ -1,0 +1,205 @@
+"""Host time per call of linghe's public ops: ``python -m benchmark.host``.
+
+What a training step feels when the GPU is fast and the host is slow: the Python and launch
+work one call costs on the CPU. Measured as in ANCHORS.md: ``--calls`` back-to-back calls
+after warm-up, no sync inside the loop, with a long spin kernel queued first so that the
+host never waits for the GPU (the queue never drains while timing). ``fwd`` times the op;
+``fwd+bwd`` times ``op(...)`` plus ``backward()`` through autograd.
+
+The ``linghe 0.3`` and ``torch`` columns are the reference numbers of ANCHORS.md (the
+earlier open-source linghe's raw launcher and PyTorch's native op, measured on the H200
+host); the ``torch`` rows measured here (``F.rms_norm``...) run in the same process as
+ours, so compare ours with those first. ``--profile NAME`` prints cProfile's top entries
+for one row, to see where a call's host time goes.
+
+On CPU (no GPU) the kernels run through the Triton interpreter, so the numbers are
+interpreter time, not host overhead: use it only to check that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import linghe  # noqa: E402
+from linghe.utils import launch  # noqa: E402
+
+#: Reference host µs per call from ANCHORS.md (H200 host, torch 2.11, triton 3.6):
+#: (earlier linghe 0.3 raw launcher, PyTorch native) or None where not measured.
+ANCHOR_US = {
+    "rms_norm fwd": (50.3, 11.5),
+    "rms_norm fwd+bwd": (None, 114.3),
+    "silu_mul(probs) fwd": (37.3, None),
+    "quantize_1x128 row+col": (None, None),
+    "rms_norm_quant row+col": (None, None),
+}
+
+
+@triton.jit
+def _copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@dataclass
+class HostCase:
+    name: str
+    run: Callable[[], object]
+    backward: bool = False
+
+
+def _cases(device: str, small: bool) -> list[HostCase]:
+    T, H = (64, 256) if small else (8192, 2048)
+    E, k, In = (8, 2, 128) if small else (256, 8, 1024)
+    bf = torch.bfloat16
+    x = torch.randn(T, H, device=device, dtype=bf)
+    xg = x.clone().requires_grad_()
+    w = torch.rand(H, device=device, dtype=bf) + 0.5
+    wg = w.clone().requires_grad_()
+    h2 = torch.randn(T, 2 * In, device=device, dtype=bf, requires_grad=True)
+    probs_t = torch.rand(T, device=device)
+    router_w = torch.randn(E, H, device=device) * 0.02
+    logits = torch.randn(T, E, device=device)
+    out: list[HostCase] = [
+        HostCase("rms_norm fwd", lambda: linghe.rms_norm(x, w)),
+        HostCase("torch F.rms_norm fwd", lambda: F.rms_norm(x, (H,), w, 1e-6)),
+        HostCase("rms_norm fwd+bwd", lambda: linghe.rms_norm(xg, wg), backward=True),
+        HostCase("torch F.rms_norm fwd+bwd", lambda: F.rms_norm(xg, (H,), wg, 1e-6),
+                 backward=True),
+        HostCase("rms_norm_quant row+col", lambda: linghe.rms_norm_quant(x, w)),
+        HostCase("quantize_1x128 row+col",
+                 lambda: linghe.quantize_1x128(x, rowwise=True, columnwise=True)),
+        HostCase("silu_mul(probs) fwd", lambda: linghe.silu_mul(h2.detach(), probs_t)),
+        HostCase("silu_mul fwd+bwd", lambda: linghe.silu_mul(h2), backward=True),
+        HostCase("silu_mul_quant row+col", lambda: linghe.silu_mul_quant(h2.detach())),
+        HostCase("router_logits fwd", lambda: linghe.router_logits(x, router_w)),
+        HostCase("topk_route sigmoid groups",
+                 lambda: linghe.topk_route(logits, k, score="sigmoid", num_groups=8 if not small
+                                           else 2, topk_groups=4 if not small else 1)),
+        HostCase("empty torch op (x.add_(0))", lambda: probs_t.add_(0)),
+        HostCase("triton launch kernel[grid](...)",
+                 lambda: _copy_kernel[(1,)](probs_t, probs_t, 64, BLOCK=64)),
+        HostCase("triton launch linghe.utils.launch",
+                 lambda: launch(_copy_kernel, (1,), probs_t, probs_t, 64, BLOCK=64)),
+    ]
+    # nn.Linear bf16 vs FP8 (fwd+bwd), the layer FP8 training lives in.
+    lin = linghe.nn.Linear(H, 3 * H // 2 if not small else 384, bias=False, device=device,
+                           dtype=bf)
+    ctx = linghe.TrainingContext(fp8="blockwise")
+
+    def fp8_linear():
+        with ctx:
+            return lin(xg)
+
+    out += [HostCase("nn.Linear bf16 fwd+bwd", lambda: lin(xg), backward=True),
+            HostCase("nn.Linear fp8 fwd+bwd", fp8_linear, backward=True)]
+    return out
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    return next(o for o in out if isinstance(o, torch.Tensor))
+
+
+def _call(c: HostCase):
+    out = c.run()
+    if c.backward:
+        y = _first_tensor(out)
+        y.backward(torch.ones_like(y) if y.dim() == 0 else _GRADS.setdefault(
+            (y.shape, y.dtype, y.device), torch.randn_like(y)))
+    return out
+
+
+_GRADS: dict = {}
+
+
+def host_us(c: HostCase, calls: int, device: str) -> float:
+    """Host µs per call: ``calls`` back-to-back calls, no sync, GPU kept busy."""
+    for _ in range(3):
+        _call(c)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        # Queue a spin long enough to cover the loop, so no call waits on the GPU.
+        torch.cuda._sleep(int(2e9))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        _call(c)
+    t1 = time.perf_counter()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def profile(c: HostCase, calls: int, device: str) -> None:
+    import cProfile
+    import pstats
+
+    for _ in range(3):
+        _call(c)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        _call(c)
+    pr.disable()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmark.host", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--case", nargs="*", default=None, help="substrings of row names")
+    p.add_argument("--profile", default=None, help="cProfile one row (substring)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = args.calls if device == "cuda" else 2
+    cases = _cases(device, small=device == "cpu")
+    if args.case:
+        cases = [c for c in cases if any(s in c.name for s in args.case)]
+    if args.profile:
+        for c in cases:
+            if args.profile in c.name:
+                print(f"== cProfile: {c.name} ({calls} calls)")
+                profile(c, calls, device)
+        return 0
+    rows = []
+    for c in cases:
+        us = host_us(c, calls, device)
+        old, native = ANCHOR_US.get(c.name, (None, None))
+        rows.append({"op": c.name, "host_us": us, "linghe03_us": old, "torch_anchor_us": native})
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    print(f"host µs per call ({device}, {calls} back-to-back calls, GPU kept busy)")
+    print(f"{'op':34s} {'ours':>8s} {'linghe0.3':>10s} {'torch(anchor)':>14s}")
+    for r in rows:
+        print(f"{r['op']:34s} {fmt(r['host_us']):>8s} {fmt(r['linghe03_us']):>10s} "
+              f"{fmt(r['torch_anchor_us']):>14s}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
