@@ -14,6 +14,7 @@ from ..fwd import activation as _fwd
 from ..layout import ExpertLayout
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -88,7 +89,7 @@ def silu_mul(x: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor
     """
     _check_x(x)
     p1 = _check_probs(probs, x)
-    return _SiluMul.apply(x, p1)
+    return apply_function(_SiluMul, x, p1)
 
 
 # ------------------------------------------------------------------------- silu_mul_quant
@@ -135,7 +136,7 @@ def silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None = None, *,
     """
     _check_x(x)
     p1 = _check_probs(probs, x)
-    return _SiluMulQuant.apply(x, p1, bool(columnwise), bool(pow2_scale))
+    return apply_function(_SiluMulQuant, x, p1, bool(columnwise), bool(pow2_scale))
 
 
 # ------------------------------------------------------------------------- batch form
@@ -236,4 +237,5 @@ def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
         if used > R:
             raise ValueError(f"tokens_per_expert padded to align={align} needs {used} rows, "
                              f"but x has {R}")
-    return _BatchSiluMulQuant.apply(x, p1, counts, align, bool(columnwise), bool(pow2_scale))
+    return apply_function(_BatchSiluMulQuant, x, p1, counts, align, bool(columnwise),
+                          bool(pow2_scale))

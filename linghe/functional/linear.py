@@ -7,7 +7,7 @@ import torch
 from ..fp8 import gemm
 from ..fp8.recipe import Fp8Recipe
 from ..fp8.tensor import Fp8Tensor
-from ..utils import FLOAT_DTYPES, check_tensor
+from ..utils import FLOAT_DTYPES, apply_function, check_tensor
 
 
 class WeightCache:
@@ -194,4 +194,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     # Inside Function.forward grad mode is off, so decide here whether wgrad will be needed.
     need_dw = weight.requires_grad and torch.is_grad_enabled()
-    return _Fp8Linear.apply(x, weight, bias, recipe, cache, owner, need_dw)
+    return apply_function(_Fp8Linear, x, weight, bias, recipe, cache, owner, need_dw)

@@ -9,6 +9,7 @@ from ..bwd.loss import ce_backward
 from ..fwd.loss import ce_forward, ce_partials, ce_reduce
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -169,9 +170,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     """
     _check_ce_inputs(logits, labels)
     _check_options(ignore_index, reduction, label_smoothing, z_loss)
-    return _CrossEntropy.apply(logits, labels.contiguous(), int(ignore_index), reduction,
-                               float(label_smoothing), float(z_loss), bool(inplace_backward),
-                               process_group)
+    return apply_function(_CrossEntropy, logits, labels.contiguous(), int(ignore_index), reduction,
+                          float(label_smoothing), float(z_loss), bool(inplace_backward),
+                          process_group)
 
 
 # ---------------------------------------------------------------------------------------
@@ -370,7 +371,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     grad_on = torch.is_grad_enabled()
     need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad)
-    return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), bias,
-                                     labels.contiguous(), int(ignore_index), reduction,
-                                     float(label_smoothing), float(z_loss), int(chunk_size),
-                                     need, process_group)
+    return apply_function(_LinearCrossEntropy, hidden.contiguous(), weight.contiguous(), bias,
+                          labels.contiguous(), int(ignore_index), reduction,
+                          float(label_smoothing), float(z_loss), int(chunk_size),
+                          need, process_group)
