@@ -290,7 +290,12 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 
 def check_kernel_device(name: str, t: torch.Tensor) -> None:
-    """Kernels run on CUDA, or on CPU only through the Triton interpreter."""
+    """Kernels run on CUDA, or on CPU only through the Triton interpreter. They read raw
+    memory, so a quantized container (``linghe.Fp8Tensor``, which has no storage of its
+    own) is refused with a clear error here rather than failing inside the launch."""
+    if type(t) is not torch.Tensor and getattr(t, "_linghe_fp8", False):
+        raise TypeError(f"{name} is an Fp8Tensor, but this op takes a high-precision "
+                        f"tensor: pass {name}.dequantize()")
     if t.device.type == "cuda":
         return
     if t.device.type == "cpu" and INTERPRET:

@@ -401,6 +401,13 @@ def _need(t: Fp8Tensor, name: str, copy: str):
     data = getattr(t, copy + "_data")
     if data is None:
         raise ValueError(f"{name} needs its {copy} copy (quantize with {copy}=True)")
+    if copy == "columnwise" and t.col_segments is not None:
+        # Its groups follow expert segments, not 128-token blocks of the whole tensor:
+        # this dense GEMM would scale most groups wrongly.
+        raise ValueError(f"{name}'s columnwise copy is grouped by expert segments "
+                         "(col_segments, e.g. from batch_silu_mul_quant); this GEMM needs "
+                         "plain 1x128 groups: requantize it (quantize_1x128(t.dequantize(), "
+                         "columnwise=True)) or use the grouped GEMMs")
     return data, getattr(t, copy + "_scale")
 
 

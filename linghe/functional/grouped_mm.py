@@ -216,7 +216,11 @@ def _check_fp8_rows(name, t, *, rowwise: bool, columnwise: bool):
         raise ValueError(f"{name} needs its rowwise copy (quantize_1x128(rowwise=True))")
     if columnwise and t.columnwise_data is None:
         raise ValueError(f"{name} needs its columnwise copy (quantize_1x128(columnwise=True))")
-    check_kernel_device(name, t)
+    if columnwise and t.col_segments is not None:
+        raise ValueError(f"{name}'s columnwise copy is grouped by expert segments "
+                         "(col_segments); this wgrad reads plain 128-token groups: "
+                         "requantize it with quantize_1x128(t.dequantize(), columnwise=True)")
+    check_kernel_device(name, t.rowwise_data if rowwise else t.columnwise_data)
 
 
 def _check_fp8_weight(name, w, *, rowwise: bool, columnwise: bool):
