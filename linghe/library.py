@@ -1,0 +1,240 @@
+"""linghe's ops registered with ``torch.library``, so that ``torch.compile`` traces them.
+
+Dynamo cannot trace a Triton launch through :func:`linghe.utils.launch` (and need not: a
+kernel is one opaque step of the graph). So every launcher pair of ``linghe/fwd`` and
+``linghe/bwd`` is wrapped here as a custom op ``linghe::<op>_fwd`` / ``linghe::<op>_bwd``
+with
+
+- a fake (meta) implementation that gives the shapes, dtypes and strides the launcher
+  gives (its outputs are fresh contiguous buffers), so the graph is built without running
+  a kernel;
+- ``register_autograd`` wiring the forward op to the backward op.
+
+The public functions in ``linghe/functional`` validate their inputs as always and then call
+the wrappers of this module only when ``torch.compiler.is_compiling()`` is true: eager
+calls keep their ``autograd.Function`` path, whose host time per call is what the
+benchmark measures (``is_compiling()`` costs about 0.1 µs).
+
+Conventions:
+
+- A custom op cannot return ``None``; an output the launcher leaves out (e.g. the ``h`` of
+  ``rms_norm`` without a residual) is a 0-element placeholder (:func:`_absent`) that the
+  wrapper drops. Outputs never alias inputs or each other (a launcher that returns two
+  views of one buffer is given a copy of the small one).
+- Ops whose result is an :class:`~linghe.fp8.Fp8Tensor` return its component tensors, and
+  the wrapper builds the ``Fp8Tensor`` outside the op. Their gradient is taken with respect
+  to the logical high-precision tensor (straight-through the quantization), which no
+  component stands for; so their autograd is a small ``autograd.Function`` here that
+  dynamo traces (forward: the op plus the ``Fp8Tensor``; backward: the backward op).
+- Integer outputs (ids, counts, offsets) are never differentiable; float outputs that
+  are not (``rstd``, ``lse``) are marked non-differentiable.
+"""
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from .bwd import norm as _bwd_norm
+from .fp8 import quantize as _quant
+from .fp8.tensor import Fp8Tensor
+from .fwd import norm as _fwd_norm
+from .utils import cdiv, rows_view
+
+FP8 = torch.float8_e4m3fn
+F32 = torch.float32
+
+
+def _absent(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The placeholder for an output the launcher did not produce."""
+    return like.new_empty(0, dtype=dtype or like.dtype)
+
+
+def _or_absent(t: Tensor | None, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return t if t is not None else _absent(like, dtype)
+
+
+def _new(like: Tensor, *shape, dtype: torch.dtype | None = None) -> Tensor:
+    """A fake output: contiguous, on ``like``'s device."""
+    return like.new_empty(shape, dtype=dtype or like.dtype)
+
+
+def _fake_1x128(x: Tensor, M: int, K: int, rowwise: bool, columnwise: bool):
+    """Fake ``(q, s, qt, st)`` of a 1x128 quantization of ``[M, K]`` (placeholders for the
+    copies not made)."""
+    q = _new(x, M, K, dtype=FP8) if rowwise else _absent(x, FP8)
+    s = _new(x, M, cdiv(K, 128), dtype=F32) if rowwise else _absent(x, F32)
+    qt = _new(x, K, M, dtype=FP8) if columnwise else _absent(x, FP8)
+    st = _new(x, K, cdiv(M, 128), dtype=F32) if columnwise else _absent(x, F32)
+    return q, s, qt, st
+
+
+def _fp8_tensor(shape, dtype, q, s, qt, st, rowwise: bool, columnwise: bool,
+                scaling: str = "1x128") -> Fp8Tensor:
+    """An ``Fp8Tensor`` from an op's components (placeholders dropped)."""
+    return Fp8Tensor(shape, dtype, rowwise_data=q if rowwise else None,
+                     rowwise_scale=s if rowwise else None,
+                     columnwise_data=qt if columnwise else None,
+                     columnwise_scale=st if columnwise else None, scaling=scaling)
+
+
+def _dense_grad(g: Tensor) -> Tensor:
+    """An incoming gradient as a plain contiguous tensor (an ``Fp8Tensor`` gradient is
+    dequantized; a broadcast one, e.g. of ``.sum()``, is materialized)."""
+    if isinstance(g, Fp8Tensor):
+        g = g.dequantize()
+    return g.contiguous()
+
+
+# ======================================================================================
+# norm: rms_norm, rms_norm_quant
+# ======================================================================================
+
+
+@custom_op("linghe::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: Tensor, weight: Tensor, residual: Tensor | None,
+                 eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y [M, K], h [M, K] or absent, rstd [M] fp32)`` of ``x [M, K]``."""
+    y, h, rstd = _fwd_norm.rms_norm_fwd(x, weight, eps, residual)
+    return y, _or_absent(h, x), rstd
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, residual, eps):
+    M, K = x.shape
+    h = _new(x, M, K) if residual is not None else _absent(x)
+    return _new(x, M, K), h, _new(x, M, dtype=F32)
+
+
+@custom_op("linghe::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor | None,
+                 need_dweight: bool) -> tuple[Tensor, Tensor]:
+    """``(dx [M, K] x.dtype, dweight [K] or absent)``; ``dh`` adds the residual stream's
+    gradient."""
+    dx, dw = _bwd_norm.rms_norm_bwd(dy, x, weight, rstd, dh, need_dweight=need_dweight)
+    return dx, _or_absent(dw, weight)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, dh, need_dweight):
+    dw = _new(weight, weight.shape[0]) if need_dweight else _absent(weight)
+    return _new(x, *x.shape), dw
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, residual, _ = inputs
+    _, h, rstd = output
+    ctx.has_res = residual is not None
+    ctx.save_for_backward(h if ctx.has_res else x, weight, rstd)
+    ctx.mark_non_differentiable(rstd)
+
+
+def _rms_norm_backward(ctx, dy, dh, _drstd):
+    saved, weight, rstd = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[1]
+    dx, dw = rms_norm_bwd(dy.contiguous(), saved, weight, rstd,
+                          dh.contiguous() if ctx.has_res else None, need_dw)
+    return dx, (dw if need_dw else None), (dx if ctx.has_res else None), None
+
+
+rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None):
+    """:func:`linghe.rms_norm` through the custom ops (inputs already validated)."""
+    y, h, _ = rms_norm_fwd(rows_view(x), weight.contiguous(),
+                           rows_view(residual) if residual is not None else None, float(eps))
+    if residual is None:
+        return y.view(x.shape)
+    return y.view(x.shape), h.view(x.shape)
+
+
+@custom_op("linghe::rms_norm_quant_fwd", mutates_args=())
+def rms_norm_quant_fwd(x: Tensor, weight: Tensor, eps: float, columnwise: bool,
+                       pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, s, qt or absent, st or absent, rstd)`` of ``x [M, K]`` (1x128 layout)."""
+    q, s, qt, st, rstd = _fwd_norm.rms_norm_quant_fwd(x, weight, eps, columnwise=columnwise,
+                                                      pow2_scale=pow2_scale)
+    return q, s, _or_absent(qt, q), _or_absent(st, s), rstd
+
+
+@rms_norm_quant_fwd.register_fake
+def _(x, weight, eps, columnwise, pow2_scale):
+    M, K = x.shape
+    return (*_fake_1x128(x, M, K, True, columnwise), _new(x, M, dtype=F32))
+
+
+class _RMSNormQuant(torch.autograd.Function):
+    """Straight-through autograd of ``rms_norm_quant`` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, columnwise, pow2_scale):
+        x2 = rows_view(x)
+        q, s, qt, st, rstd = rms_norm_quant_fwd(x2, weight, eps, columnwise, pow2_scale)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.x_shape = x.shape
+        return _fp8_tensor(x.shape, x.dtype, q, s, qt, st, True, columnwise)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        need_dw = ctx.needs_input_grad[1]
+        dx, dw = rms_norm_bwd(rows_view(_dense_grad(dy)), x2, weight, rstd, None, need_dw)
+        return dx.view(ctx.x_shape), (dw if need_dw else None), None, None, None
+
+
+def rms_norm_quant(x: Tensor, weight: Tensor, eps: float, columnwise: bool,
+                   pow2_scale: bool) -> Fp8Tensor:
+    """:func:`linghe.rms_norm_quant` through the custom ops (inputs already validated)."""
+    return _RMSNormQuant.apply(x, weight.contiguous(), float(eps), bool(columnwise),
+                               bool(pow2_scale))
+
+
+# ======================================================================================
+# fp8: quantize_1x128, quantize_128x128 (no autograd, as in eager)
+# ======================================================================================
+
+
+@custom_op("linghe::quantize_1x128", mutates_args=())
+def quantize_1x128_op(x: Tensor, rowwise: bool, columnwise: bool,
+                      pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(q, s, qt, st)`` of ``x [M, K]``, placeholders for the copies not asked for."""
+    q, s, qt, st = _quant.quantize_1x128_launch(x, rowwise, columnwise, pow2_scale)
+    return (_or_absent(q, x, FP8), _or_absent(s, x, F32), _or_absent(qt, x, FP8),
+            _or_absent(st, x, F32))
+
+
+@quantize_1x128_op.register_fake
+def _(x, rowwise, columnwise, pow2_scale):
+    M, K = x.shape
+    return _fake_1x128(x, M, K, rowwise, columnwise)
+
+
+def quantize_1x128(x: Tensor, rowwise: bool, columnwise: bool, pow2_scale: bool) -> Fp8Tensor:
+    """:func:`linghe.quantize_1x128` through the custom op (inputs already validated)."""
+    q, s, qt, st = quantize_1x128_op(rows_view(x.detach()), bool(rowwise), bool(columnwise),
+                                     bool(pow2_scale))
+    return _fp8_tensor(x.shape, x.dtype, q, s, qt, st, rowwise, columnwise)
+
+
+@custom_op("linghe::quantize_128x128", mutates_args=())
+def quantize_128x128_op(w: Tensor, columnwise: bool,
+                        pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(q [N, K], s [N/128, K/128], qt [K, N] or absent, st or absent)`` of ``w``."""
+    q, s, qt, st = _quant.quantize_128x128_launch(w, columnwise, pow2_scale)
+    return q, s, _or_absent(qt, q), _or_absent(st, s)
+
+
+@quantize_128x128_op.register_fake
+def _(w, columnwise, pow2_scale):
+    N, K = w.shape
+    GN, GK = cdiv(N, 128), cdiv(K, 128)
+    if columnwise:
+        return (_new(w, N, K, dtype=FP8), _new(w, GN, GK, dtype=F32), _new(w, K, N, dtype=FP8),
+                _new(w, GK, GN, dtype=F32))
+    return _new(w, N, K, dtype=FP8), _new(w, GN, GK, dtype=F32), _absent(w, FP8), _absent(w, F32)
+
+
+def quantize_128x128(w: Tensor, columnwise: bool, pow2_scale: bool) -> Fp8Tensor:
+    """:func:`linghe.quantize_128x128` through the custom op (inputs already validated)."""
+    q, s, qt, st = quantize_128x128_op(w.detach(), bool(columnwise), bool(pow2_scale))
+    return _fp8_tensor(w.shape, w.dtype, q, s, qt, st, True, columnwise, scaling="128x128")
