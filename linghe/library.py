@@ -30,14 +30,20 @@ Conventions:
   are not (``rstd``, ``lse``) are marked non-differentiable.
 """
 
+import math
+
 import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from .bwd import gate as _bwd_gate
 from .bwd import norm as _bwd_norm
+from .bwd import rope as _bwd_rope
 from .fp8 import quantize as _quant
 from .fp8.tensor import Fp8Tensor
+from .fwd import gate as _fwd_gate
 from .fwd import norm as _fwd_norm
+from .fwd import rope as _fwd_rope
 from .utils import cdiv, rows_view
 
 FP8 = torch.float8_e4m3fn
@@ -238,3 +244,185 @@ def quantize_128x128(w: Tensor, columnwise: bool, pow2_scale: bool) -> Fp8Tensor
     """:func:`linghe.quantize_128x128` through the custom op (inputs already validated)."""
     q, s, qt, st = quantize_128x128_op(w.detach(), bool(columnwise), bool(pow2_scale))
     return _fp8_tensor(w.shape, w.dtype, q, s, qt, st, True, columnwise, scaling="128x128")
+
+
+# ======================================================================================
+# rope: qk_norm_rope, apply_rope
+# ======================================================================================
+
+
+@custom_op("linghe::qk_norm_rope_fwd", mutates_args=())
+def qk_norm_rope_fwd(qkv: Tensor, freqs: Tensor, position_ids: Tensor | None,
+                     q_norm_weight: Tensor | None, k_norm_weight: Tensor | None,
+                     num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
+                     layout: str, interleaved: bool, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, D])``, contiguous."""
+    return _fwd_rope.qk_norm_rope_fwd(
+        qkv, freqs, position_ids, q_norm_weight, k_norm_weight, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, layout=layout,
+        interleaved=interleaved, eps=eps)
+
+
+@qk_norm_rope_fwd.register_fake
+def _(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, num_heads, num_kv_heads,
+      head_dim, rotary_dim, layout, interleaved, eps):
+    B, S = (qkv.shape[1], qkv.shape[0]) if layout == "sbh" else (qkv.shape[0], qkv.shape[1])
+    return (_new(qkv, B, S, num_heads, head_dim), _new(qkv, B, S, num_kv_heads, head_dim),
+            _new(qkv, B, S, num_kv_heads, head_dim))
+
+
+@custom_op("linghe::qk_norm_rope_bwd", mutates_args=())
+def qk_norm_rope_bwd(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor | None, freqs: Tensor,
+                     position_ids: Tensor | None, q_norm_weight: Tensor | None,
+                     k_norm_weight: Tensor | None, num_heads: int, num_kv_heads: int,
+                     head_dim: int, rotary_dim: int, layout: str, interleaved: bool,
+                     eps: float, qkv_shape: list[int],
+                     qkv_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dqkv, dq_norm_weight or absent, dk_norm_weight or absent)``; ``qkv`` is needed
+    only with a norm weight."""
+    dqkv, gq, gk = _bwd_rope.qk_norm_rope_bwd(
+        dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rotary_dim=rotary_dim, layout=layout, interleaved=interleaved, eps=eps,
+        qkv_shape=qkv_shape, qkv_dtype=qkv_dtype)
+    if gq is not None and gk is not None and gk._base is not None and gk._base is gq._base:
+        gk = gk.clone()  # both were reduced in one launch into halves of one buffer
+    return dqkv, _or_absent(gq, dqkv), _or_absent(gk, dqkv)
+
+
+@qk_norm_rope_bwd.register_fake
+def _(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, num_heads,
+      num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps, qkv_shape, qkv_dtype):
+    dqkv = dq.new_empty(qkv_shape, dtype=qkv_dtype)
+    gq = _new(q_norm_weight, head_dim) if q_norm_weight is not None else _absent(dqkv)
+    gk = _new(k_norm_weight, head_dim) if k_norm_weight is not None else _absent(dqkv)
+    return dqkv, gq, gk
+
+
+_ROPE_OPTS = ("num_heads", "num_kv_heads", "head_dim", "rotary_dim", "layout", "interleaved",
+              "eps")
+
+
+def _qk_norm_rope_setup(ctx, inputs, output):
+    qkv, freqs, position_ids, qw, kw = inputs[:5]
+    ctx.opts = inputs[5:]
+    # As in eager: qkv is saved only when the norm backward needs it.
+    ctx.save_for_backward(qkv if (qw is not None or kw is not None) else None, freqs,
+                          position_ids, qw, kw)
+    ctx.qkv_meta = (list(qkv.shape), qkv.dtype)
+
+
+def _qk_norm_rope_backward(ctx, dq, dk, dv):
+    qkv, freqs, position_ids, qw, kw = ctx.saved_tensors
+    dqkv, gq, gk = qk_norm_rope_bwd(dq.contiguous(), dk.contiguous(), dv.contiguous(), qkv,
+                                    freqs, position_ids, qw, kw, *ctx.opts, *ctx.qkv_meta)
+    return (dqkv, None, None, gq if qw is not None else None, gk if kw is not None else None,
+            *([None] * len(_ROPE_OPTS)))
+
+
+qk_norm_rope_fwd.register_autograd(_qk_norm_rope_backward, setup_context=_qk_norm_rope_setup)
+
+
+def qk_norm_rope(qkv: Tensor, freqs: Tensor, position_ids: Tensor | None,
+                 q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, opts: dict):
+    """:func:`linghe.qk_norm_rope` through the custom ops (``opts`` as the functional
+    layer builds them; inputs already validated)."""
+    return qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight,
+                            *(opts[k] for k in _ROPE_OPTS))
+
+
+@custom_op("linghe::apply_rope_fwd", mutates_args=())
+def apply_rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+                   position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Hugging Face-layout RoPE of ``q``, ``k``: contiguous ``(q_embed, k_embed)``."""
+    return _fwd_rope.hf_rope(q, k, cos, sin, position_ids, backward=False)
+
+
+@custom_op("linghe::apply_rope_bwd", mutates_args=())
+def apply_rope_bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor,
+                   position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The adjoint rotation of the gradients: contiguous ``(dq, dk)``."""
+    return _fwd_rope.hf_rope(dq, dk, cos, sin, position_ids, backward=True)
+
+
+def _fake_rope(q, k, cos, sin, position_ids):
+    return _new(q, *q.shape), _new(k, *k.shape)
+
+
+apply_rope_fwd.register_fake(_fake_rope)
+apply_rope_bwd.register_fake(_fake_rope)
+
+
+def _apply_rope_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[2:])
+
+
+def _apply_rope_backward(ctx, dq, dk):
+    cos, sin, position_ids = ctx.saved_tensors
+    gq, gk = apply_rope_bwd(dq, dk, cos, sin, position_ids)
+    return gq, gk, None, None, None
+
+
+apply_rope_fwd.register_autograd(_apply_rope_backward, setup_context=_apply_rope_setup)
+
+
+def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None):
+    """:func:`linghe.apply_rope` through the custom ops (inputs already validated and
+    ``cos``/``sin`` broadcast as the functional layer does)."""
+    return apply_rope_fwd(q, k, cos, sin, position_ids)
+
+
+# ======================================================================================
+# gate: group_rms_norm_gate
+# ======================================================================================
+
+
+@custom_op("linghe::group_rms_norm_gate_fwd", mutates_args=())
+def group_rms_norm_gate_fwd(x3: Tensor, gate: Tensor, weight: Tensor, num_groups: int,
+                            eps: float, gate_layout: str) -> Tensor:
+    """``y`` contiguous with the gate's shape, in ``x3``'s dtype."""
+    return _fwd_gate.group_rms_norm_gate_fwd(x3, gate, weight, num_groups=num_groups, eps=eps,
+                                             gate_layout=gate_layout)
+
+
+@group_rms_norm_gate_fwd.register_fake
+def _(x3, gate, weight, num_groups, eps, gate_layout):
+    return _new(gate, *gate.shape, dtype=x3.dtype)
+
+
+@custom_op("linghe::group_rms_norm_gate_bwd", mutates_args=())
+def group_rms_norm_gate_bwd(dy: Tensor, x3: Tensor, gate: Tensor, weight: Tensor,
+                            num_groups: int, eps: float,
+                            gate_layout: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx3, dgate, dweight)``, contiguous."""
+    return _bwd_gate.group_rms_norm_gate_bwd(dy, x3, gate, weight, num_groups=num_groups,
+                                             eps=eps, gate_layout=gate_layout)
+
+
+@group_rms_norm_gate_bwd.register_fake
+def _(dy, x3, gate, weight, num_groups, eps, gate_layout):
+    return _new(x3, *x3.shape), _new(gate, *gate.shape), _new(weight, *weight.shape)
+
+
+def _gate_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+    ctx.opts = inputs[3:]
+
+
+def _gate_backward(ctx, dy):
+    x3, gate, weight = ctx.saved_tensors
+    dx3, dg, dw = group_rms_norm_gate_bwd(dy.contiguous(), x3, gate, weight, *ctx.opts)
+    return dx3, dg, dw, None, None, None
+
+
+group_rms_norm_gate_fwd.register_autograd(_gate_backward, setup_context=_gate_setup)
+
+
+def group_rms_norm_gate(x: Tensor, gate: Tensor, weight: Tensor, opts: dict) -> Tensor:
+    """:func:`linghe.group_rms_norm_gate` through the custom ops (inputs validated)."""
+    B, S = x.shape[0], x.shape[1]
+    x3 = x.reshape(B, S, math.prod(x.shape[2:]))  # (keeps the autograd link when empty)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    return group_rms_norm_gate_fwd(x3, gate, weight, opts["num_groups"], opts["eps"],
+                                   opts["gate_layout"])

@@ -113,3 +113,30 @@ def test_quantize():
     w = _leaf(130, 200, grad=False)
     check_compiles(lambda w: linghe.quantize_128x128(w, columnwise=True), w)
     check_compiles(lambda w: linghe.quantize_128x128(w), w)
+
+
+# ------------------------------------------------------------------------------ rope
+@pytest.mark.parametrize("norm,packed", [(True, True), (False, False)])
+def test_qk_norm_rope(norm, packed):
+    B, S, H, Hkv, D = (2, 5, 4, 2, 8) if norm else (1, 3, 2, 1, 8)
+    qkv = _leaf(S, B, (H + 2 * Hkv) * D)
+    freqs = linghe.rope_freqs(16, 4)
+    w = (_leaf(D), _leaf(D)) if norm else (None, None)
+    pos = torch.randint(0, 16, (B, S)) if packed else None
+    check_compiles(lambda qkv, qw, kw, pos: linghe.qk_norm_rope(
+        qkv, freqs, num_heads=H, num_kv_heads=Hkv, q_norm_weight=qw, k_norm_weight=kw,
+        rotary_dim=4, position_ids=pos), qkv, *w, pos)
+
+
+def test_apply_rope():
+    B, H, Hk, S, D = 2, 3, 1, 5, 8
+    q, k = _leaf(B, S, H, D).transpose(1, 2), _leaf(B, Hk, S, D)
+    cos, sin = torch.randn(S, D), torch.randn(S, D)
+    check_compiles(lambda q, k: linghe.apply_rope(q, k, cos, sin), q, k)
+
+
+# ------------------------------------------------------------------------------ gate
+def test_group_rms_norm_gate():
+    B, S, H, d = 2, 3, 4, 6
+    x, gate, w = _leaf(B, S, H, d), _leaf(S, B, H * d), _leaf(H * d)
+    check_compiles(lambda x, g, w: linghe.group_rms_norm_gate(x, g, w, num_groups=2), x, gate, w)
