@@ -140,3 +140,55 @@ def test_group_rms_norm_gate():
     B, S, H, d = 2, 3, 4, 6
     x, gate, w = _leaf(B, S, H, d), _leaf(S, B, H * d), _leaf(H * d)
     check_compiles(lambda x, g, w: linghe.group_rms_norm_gate(x, g, w, num_groups=2), x, gate, w)
+
+
+# ------------------------------------------------------------------------------ activation
+@pytest.mark.parametrize("probs", [False, True])
+def test_silu_mul(probs):
+    x = _leaf(3, 4, 2 * 37)
+    p = _leaf(3, 4) if probs else None
+    check_compiles(lambda x, p: linghe.silu_mul(x, p), x, p)
+
+
+def test_silu_mul_quant():
+    x, p = _leaf(131, 2 * 40, dtype=torch.bfloat16), _leaf(131)
+    check_compiles(lambda x, p: fp8_parts(linghe.silu_mul_quant(x, p)), x, p)
+    check_compiles(lambda x: fp8_parts(linghe.silu_mul_quant(x, columnwise=False)), x)
+
+
+# ------------------------------------------------------------------------------ router
+def test_router():
+    T, E, K = 37, 12, 40
+    x, w = _leaf(T, K, dtype=torch.bfloat16), _leaf(E, K)
+    bias = torch.randn(E)
+
+    def route(x, w):
+        logits = linghe.router_logits(x, w)
+        probs, ids, tpe = linghe.topk_route(logits, 3, score="sigmoid", expert_bias=bias,
+                                            num_groups=4, topk_groups=2, scale=2.5)
+        return logits, probs, ids, tpe, linghe.router_z_loss(logits)
+
+    check_compiles(route, x, w)
+    check_compiles(lambda l: linghe.topk_route(l, 2), _leaf(T, E))
+
+
+# ------------------------------------------------------------------------------ loss
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy(reduction):
+    N, V = 9, 300
+    logits = _leaf(N, V, dtype=torch.bfloat16)
+    labels = torch.randint(0, V, (N,))
+    labels[2] = -100
+    check_compiles(lambda l: linghe.cross_entropy(l, labels, reduction=reduction,
+                                                  label_smoothing=0.1, z_loss=1e-3), logits)
+
+
+@pytest.mark.parametrize("reduction,bias", [("mean", True), ("none", False)])
+def test_linear_cross_entropy(reduction, bias):
+    N, H, V = 11, 24, 70
+    h, w = _leaf(N, H), _leaf(V, H)
+    b = _leaf(V) if bias else None
+    labels = torch.randint(0, V, (N,))
+    labels[0] = -100
+    check_compiles(lambda h, w, b: linghe.linear_cross_entropy(
+        h, w, labels, bias=b, reduction=reduction, chunk_size=4), h, w, b)
