@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from .. import library
 from ..bwd import activation as _bwd
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import activation as _fwd
@@ -89,6 +90,8 @@ def silu_mul(x: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor
     """
     _check_x(x)
     p1 = _check_probs(probs, x)
+    if torch.compiler.is_compiling():
+        return library.silu_mul(x, p1)
     return apply_function(_SiluMul, x, p1)
 
 
@@ -136,6 +139,8 @@ def silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None = None, *,
     """
     _check_x(x)
     p1 = _check_probs(probs, x)
+    if torch.compiler.is_compiling():
+        return library.silu_mul_quant(x, p1, columnwise, pow2_scale)
     return apply_function(_SiluMulQuant, x, p1, bool(columnwise), bool(pow2_scale))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd.router import router_logits_bwd, router_z_loss_bwd, topk_route_bwd
 from ..fwd.router import router_logits_fwd, router_z_loss_fwd, topk_route_fwd
 from ..utils import (
@@ -65,6 +66,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"got {tuple(weight.shape)}")
     check_same_device(x=x, weight=weight)
     check_kernel_device("x", x)
+    if torch.compiler.is_compiling():
+        return library.router_logits(x, weight)
     return apply_function(_RouterLogits, x, weight)
 
 
@@ -134,6 +137,9 @@ def topk_route(logits: torch.Tensor, k: int, *, score: str = "softmax",
     check_same_device(logits=logits, expert_bias=expert_bias)
     check_kernel_device("logits", logits)
     bias = expert_bias.detach().contiguous() if expert_bias is not None else None
+    if torch.compiler.is_compiling():
+        return library.topk_route(logits.contiguous(), k, score == "sigmoid", bias, num_groups,
+                                  topk_groups, bool(normalize), float(scale))
     return apply_function(_TopkRoute, logits.contiguous(), k, score == "sigmoid", bias, num_groups,
                           topk_groups, bool(normalize), float(scale))
 
@@ -163,4 +169,6 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_ndim=1, last_dim_contiguous=True)
     check_kernel_device("logits", logits)
+    if torch.compiler.is_compiling():
+        return library.router_z_loss(logits)
     return apply_function(_ZLoss, logits)
