@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sysconfig
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -189,12 +190,14 @@ class _EmbeddingIndexAdd(torch.autograd.Function):
         return dw.to(ctx.dtype), None
 
 
-def _torch_grouped_mm(rows: torch.Tensor, weight: torch.Tensor,
-                      offsets: torch.Tensor) -> torch.Tensor:
+def _torch_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                      align: int) -> torch.Tensor:
     """Plain-PyTorch grouped GEMM ``rows_e @ weight[e]^T``: ``torch._grouped_mm`` for bf16
-    on a CUDA GPU of compute capability 9.0 or newer, else the reference's per-expert loop."""
+    on a CUDA GPU of compute capability 9.0 or newer when segments start on multiples of 8
+    rows (its weight gradient needs 16-byte aligned segments), else the reference's
+    per-expert loop."""
     if (rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(rows.device) >= (9, 0)):
+            and align % 8 == 0 and torch.cuda.get_device_capability(rows.device) >= (9, 0)):
         return torch._grouped_mm(rows, weight.transpose(1, 2),
                                  offs=offsets[1:].to(torch.int32))
     return ref.grouped_mm(rows, weight, offsets)
@@ -212,9 +215,9 @@ def torch_moe(moe: linghe.nn.MoE, x: torch.Tensor):
     rows, prow, row_index, offsets, _ = ref.permute(x, ids, probs, num_experts=moe.num_experts,
                                                     align=align)
     n = int(offsets[-1])  # the rows in use (a host sync: plain PyTorch has no static bound)
-    h = _torch_grouped_mm(rows[:n], moe.experts_gate_up, offsets)
+    h = _torch_grouped_mm(rows[:n], moe.experts_gate_up, offsets, align)
     a = ref.silu_mul(h.float(), prow[:n]).to(x.dtype)   # fp32 math, as linghe.silu_mul
-    y = _torch_grouped_mm(a, moe.experts_down, offsets)
+    y = _torch_grouped_mm(a, moe.experts_down, offsets, align)
     out = ref.unpermute(y, row_index)
     if moe.shared_experts is not None:
         se = moe.shared_experts
@@ -229,16 +232,17 @@ class Block(nn.Module):
     def __init__(self, cfg: E2EConfig, device=None, dtype=None):
         super().__init__()
         fk = {"device": device, "dtype": dtype}
+        nk = {"device": device, "dtype": torch.float32}   # norm weights: see E2EModel
         H, D = cfg.hidden, cfg.head_dim
         self.cfg = cfg
-        self.attn_norm = linghe.nn.RMSNorm(H, eps=cfg.eps, **fk)
+        self.attn_norm = linghe.nn.RMSNorm(H, eps=cfg.eps, **nk)
         # q, k, v (plain [q | k | v] head order) and the output gate in one projection
         self.qkv_gate = linghe.nn.Linear(H, cfg.qkv_width + cfg.attn_width, bias=False, **fk)
-        self.q_norm = nn.Parameter(torch.ones(D, **fk))
-        self.k_norm = nn.Parameter(torch.ones(D, **fk))
-        self.gate_norm = nn.Parameter(torch.ones(cfg.attn_width, **fk))
+        self.q_norm = nn.Parameter(torch.ones(D, **nk))
+        self.k_norm = nn.Parameter(torch.ones(D, **nk))
+        self.gate_norm = nn.Parameter(torch.ones(cfg.attn_width, **nk))
         self.o_proj = linghe.nn.Linear(cfg.attn_width, H, bias=False, **fk)
-        self.moe_norm = linghe.nn.RMSNorm(H, eps=cfg.eps, **fk)
+        self.moe_norm = linghe.nn.RMSNorm(H, eps=cfg.eps, **nk)
         self.moe_norm.quantize_output = False   # the router reads it in high precision
         self.moe = linghe.nn.MoE(H, cfg.experts, cfg.topk, cfg.moe_intermediate,
                                  num_shared_experts=cfg.shared_experts, score="sigmoid",
@@ -285,15 +289,23 @@ class Block(nn.Module):
 
 class E2EModel(nn.Module):
     """The decoder; ``forward(tokens [B, S], labels [B, S], mode)`` returns ``(loss,
-    tokens_per_expert per layer)``. Parameters are the same in every mode."""
+    tokens_per_expert per layer)``. Parameters are the same in every mode.
+
+    Weights are ``dtype`` (bf16; AdamW keeps its moments in it too), except the router
+    (float32, as :class:`linghe.nn.MoE` has it) and the 1-D norm weights, kept in float32:
+    they start at 1, where a bf16 step is 2^-8..2^-7, so bf16 would round AdamW's updates
+    of about ``lr`` away and they would never train. The embedding is initialised with
+    std 0.02 (bf16 resolves updates of 1e-3 on it), the projections as ``nn.Linear``."""
 
     def __init__(self, cfg: E2EConfig, device=None, dtype=torch.bfloat16):
         super().__init__()
         fk = {"device": device, "dtype": dtype}
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden, **fk)
+        nn.init.normal_(self.embed.weight, std=0.02)
         self.layers = nn.ModuleList(Block(cfg, **fk) for _ in range(cfg.layers))
-        self.final_norm = linghe.nn.RMSNorm(cfg.hidden, eps=cfg.eps, **fk)
+        self.final_norm = linghe.nn.RMSNorm(cfg.hidden, eps=cfg.eps, device=device,
+                                            dtype=torch.float32)
         self.final_norm.quantize_output = False  # feeds the high-precision LM head
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, **fk)
         self.register_buffer("freqs", linghe.rope_freqs(cfg.seq, cfg.rotary_dim,
@@ -369,15 +381,19 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def train_step(model: E2EModel, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-               labels: torch.Tensor, mode: str, max_norm: float = 1.0) -> torch.Tensor:
+               labels: torch.Tensor, mode: str, max_norm: float = 1.0,
+               on_grads: Callable[[], None] | None = None) -> torch.Tensor:
     """One step: zero the gradients in place (they keep their storage, so a CUDA graph
     and ``clip_grad_norm_``'s pointer tables see fixed addresses), forward and backward
     (under the mode's TrainingContext), clip, AdamW, expert-bias update. Returns the loss
-    (a device scalar, detached). No host sync in the linghe modes."""
+    (a device scalar, detached). No host sync in the linghe modes. ``on_grads`` is called
+    between backward and clipping (tests read the raw gradients there)."""
     opt.zero_grad(set_to_none=False)
     with fp8_context(mode):
         loss, tpes = model(tokens, labels, mode)
         loss.backward()
+    if on_grads is not None:
+        on_grads()
     params = [p for p in model.parameters() if p.grad is not None]
     if mode == "torch":
         torch.nn.utils.clip_grad_norm_(params, max_norm)
