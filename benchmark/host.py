@@ -4,7 +4,10 @@ What a training step feels when the GPU is fast and the host is slow: the Python
 work one call costs on the CPU. Measured as in ANCHORS.md: ``--calls`` back-to-back calls
 after warm-up, no sync inside the loop, with a long spin kernel queued first so that the
 host never waits for the GPU (the queue never drains while timing). ``fwd`` times the op;
-``fwd+bwd`` times ``op(...)`` plus ``backward()`` through autograd.
+``fwd+bwd`` times ``op(...)`` plus ``backward()`` through autograd. A CUDA stream holds
+about a thousand pending launches; past that a launch blocks until the GPU drains, which
+behind the spin means waiting for it. So fwd+bwd rows, which launch several kernels per
+call, run fewer calls (``--calls-bwd``), keeping the queue under that depth.
 
 The ``linghe 0.3`` and ``torch`` columns are the reference numbers of ANCHORS.md (the
 earlier open-source linghe's raw launcher and PyTorch's native op, measured on the H200
@@ -168,6 +171,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--calls-bwd", type=int, default=40,
+                   help="calls for fwd+bwd rows (each launches several kernels)")
     p.add_argument("--case", nargs="*", default=None, help="substrings of row names")
     p.add_argument("--profile", default=None, help="cProfile one row (substring)")
     p.add_argument("--json", default=None)
@@ -180,16 +185,19 @@ def main(argv=None) -> int:
     if args.profile:
         for c in cases:
             if args.profile in c.name:
-                print(f"== cProfile: {c.name} ({calls} calls)")
-                profile(c, calls, device)
+                n = calls if not c.backward or device != "cuda" else args.calls_bwd
+                print(f"== cProfile: {c.name} ({n} calls)")
+                profile(c, n, device)
         return 0
     rows = []
     for c in cases:
-        us = host_us(c, calls, device)
+        us = host_us(c, calls if not c.backward or device != "cuda" else args.calls_bwd,
+                     device)
         old, native = ANCHOR_US.get(c.name, (None, None))
         rows.append({"op": c.name, "host_us": us, "linghe03_us": old, "torch_anchor_us": native})
     fmt = lambda v: "-" if v is None else f"{v:.1f}"
-    print(f"host µs per call ({device}, {calls} back-to-back calls, GPU kept busy)")
+    print(f"host µs per call ({device}, {calls} back-to-back calls ({args.calls_bwd} for "
+          f"fwd+bwd), GPU kept busy)")
     print(f"{'op':34s} {'ours':>8s} {'linghe0.3':>10s} {'torch(anchor)':>14s}")
     for r in rows:
         print(f"{r['op']:34s} {fmt(r['host_us']):>8s} {fmt(r['linghe03_us']):>10s} "

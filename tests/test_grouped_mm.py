@@ -320,7 +320,8 @@ def _ling_layout(E, T, topk, align, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "torch", "fp8"])
-@pytest.mark.parametrize("E,K,N", [(32, 2048, 2048), (32, 1024, 2048), (256, 2048, 2048)])
+@pytest.mark.parametrize("E,K,N", [(32, 2048, 2048), (32, 1024, 2048),
+                                   pytest.param(256, 2048, 2048, marks=pytest.mark.gpu_big)])
 def test_ling_mini_shapes(device, backend, E, K, N):
     if backend == "torch" and not fwd_gm.torch_grouped_mm_ok(
             torch.empty(8, 8, device=device, dtype=torch.bfloat16)):

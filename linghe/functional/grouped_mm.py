@@ -21,7 +21,13 @@ from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fwd import grouped_mm as fwd
 from ..fwd.grouped_mm import quantize_grouped_weight
 from ..layout import ExpertLayout
-from ..utils import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
+from ..utils import (
+    FLOAT_DTYPES,
+    apply_function,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+)
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -190,8 +196,8 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
         # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
         aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
         backend = "torch" if aligned and fwd.torch_grouped_mm_ok(rows, weight) else "triton"
-    return GroupedMMFunction.apply(rows, weight, offsets, bool(fp8), backend,
-                                   bool(pow2_scale))
+    return apply_function(GroupedMMFunction, rows, weight, offsets, bool(fp8), backend,
+                          bool(pow2_scale))
 
 
 # --------------------------------------------------------------------------------------
@@ -210,7 +216,11 @@ def _check_fp8_rows(name, t, *, rowwise: bool, columnwise: bool):
         raise ValueError(f"{name} needs its rowwise copy (quantize_1x128(rowwise=True))")
     if columnwise and t.columnwise_data is None:
         raise ValueError(f"{name} needs its columnwise copy (quantize_1x128(columnwise=True))")
-    check_kernel_device(name, t)
+    if columnwise and t.col_segments is not None:
+        raise ValueError(f"{name}'s columnwise copy is grouped by expert segments "
+                         "(col_segments); this wgrad reads plain 128-token groups: "
+                         "requantize it with quantize_1x128(t.dequantize(), columnwise=True)")
+    check_kernel_device(name, t.rowwise_data if rowwise else t.columnwise_data)
 
 
 def _check_fp8_weight(name, w, *, rowwise: bool, columnwise: bool):

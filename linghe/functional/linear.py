@@ -8,7 +8,7 @@ from .. import library
 from ..fp8 import gemm
 from ..fp8.recipe import Fp8Recipe
 from ..fp8.tensor import Fp8Tensor
-from ..utils import FLOAT_DTYPES, check_tensor
+from ..utils import FLOAT_DTYPES, apply_function, check_tensor
 
 
 class WeightCache:
@@ -72,10 +72,13 @@ def _prepare_input(x, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
         x2 = _as_2d(x)
         if recipe.accepts(x2):
             has_row = x2.rowwise_data is not None
-            has_col = x2.columnwise_data is not None
+            # A columnwise copy grouped by expert segments is not what the dense wgrad
+            # reads: treat it as missing (requantized from the rowwise copy below).
+            has_col = x2.columnwise_data is not None and x2.col_segments is None
             if has_row and (has_col or not need_col):
                 return x2
-            # Quantize the missing copy from the one we have.
+            # Quantize the missing copy from the one we have (dequantize follows
+            # col_segments, so a segment-grouped copy is read right).
             hp = x2.dequantize(columnwise=not has_row)
             fill = recipe.quantize_input(hp, rowwise=not has_row, columnwise=need_col and
                                          not has_col, key=slot)
@@ -200,4 +203,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     need_dw = weight.requires_grad and torch.is_grad_enabled()
     if torch.compiler.is_compiling():
         return library.fp8_linear(x, weight, bias, recipe, need_dw)
-    return _Fp8Linear.apply(x, weight, bias, recipe, cache, owner, need_dw)
+    return apply_function(_Fp8Linear, x, weight, bias, recipe, cache, owner, need_dw)

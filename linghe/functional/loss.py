@@ -10,6 +10,7 @@ from ..bwd.loss import ce_backward
 from ..fwd.loss import ce_forward, ce_partials, ce_reduce
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -173,9 +174,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     if torch.compiler.is_compiling() and process_group is None:
         return library.cross_entropy(logits, labels.contiguous(), int(ignore_index), reduction,
                                      float(label_smoothing), float(z_loss))
-    return _CrossEntropy.apply(logits, labels.contiguous(), int(ignore_index), reduction,
-                               float(label_smoothing), float(z_loss), bool(inplace_backward),
-                               process_group)
+    return apply_function(_CrossEntropy, logits, labels.contiguous(), int(ignore_index), reduction,
+                          float(label_smoothing), float(z_loss), bool(inplace_backward),
+                          process_group)
 
 
 # ---------------------------------------------------------------------------------------
@@ -409,7 +410,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             hidden.contiguous(), weight.contiguous(), bias, labels.contiguous(),
             int(ignore_index), reduction, float(label_smoothing), float(z_loss),
             int(chunk_size), need)
-    return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), bias,
-                                     labels.contiguous(), int(ignore_index), reduction,
-                                     float(label_smoothing), float(z_loss), int(chunk_size),
-                                     need, process_group)
+    return apply_function(_LinearCrossEntropy, hidden.contiguous(), weight.contiguous(), bias,
+                          labels.contiguous(), int(ignore_index), reduction,
+                          float(label_smoothing), float(z_loss), int(chunk_size),
+                          need, process_group)

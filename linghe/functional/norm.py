@@ -14,6 +14,7 @@ from ..fp8.tensor import Fp8Tensor
 from ..fwd import norm as fwd
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -101,7 +102,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     _check(x, weight, eps, residual)
     if torch.compiler.is_compiling():
         return library.rms_norm(x, weight, eps, residual)
-    return RMSNormFunction.apply(x, weight.contiguous(), residual, float(eps))
+    return apply_function(RMSNormFunction, x, weight.contiguous(), residual, float(eps))
 
 
 class RMSNormQuantFunction(torch.autograd.Function):
@@ -147,8 +148,8 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     _check(x, weight, eps)
     if torch.compiler.is_compiling():
         return library.rms_norm_quant(x, weight, eps, columnwise, pow2_scale)
-    return RMSNormQuantFunction.apply(x, weight.contiguous(), float(eps), bool(columnwise),
-                                      bool(pow2_scale))
+    return apply_function(RMSNormQuantFunction, x, weight.contiguous(), float(eps),
+                          bool(columnwise), bool(pow2_scale))
 
 
 __all__ = ["RMSNormFunction", "RMSNormQuantFunction", "rms_norm", "rms_norm_quant"]

@@ -10,6 +10,7 @@ from ..bwd.rope import qk_norm_rope_bwd
 from ..fwd.rope import hf_rope, qk_norm_rope_fwd
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_tensor,
     debug_enabled,
@@ -151,7 +152,7 @@ def qk_norm_rope(qkv: torch.Tensor, freqs: torch.Tensor, *, num_heads: int,
                 interleaved=bool(interleaved), eps=float(eps))
     if torch.compiler.is_compiling():
         return library.qk_norm_rope(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, opts)
-    return _QKNormRope.apply(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, opts)
+    return apply_function(_QKNormRope, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, opts)
 
 
 class _ApplyRope(torch.autograd.Function):
@@ -227,4 +228,4 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         cos, sin = cos.expand(B, S, D), sin.expand(B, S, D)
     if torch.compiler.is_compiling():
         return library.apply_rope(q, k, cos, sin, position_ids)
-    return _ApplyRope.apply(q, k, cos, sin, position_ids)
+    return apply_function(_ApplyRope, q, k, cos, sin, position_ids)

@@ -7,7 +7,14 @@ import torch
 from .. import library
 from ..bwd.router import router_logits_bwd, router_z_loss_bwd, topk_route_bwd
 from ..fwd.router import router_logits_fwd, router_z_loss_fwd, topk_route_fwd
-from ..utils import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor, rows_view
+from ..utils import (
+    FLOAT_DTYPES,
+    apply_function,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+    rows_view,
+)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -61,7 +68,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     check_kernel_device("x", x)
     if torch.compiler.is_compiling():
         return library.router_logits(x, weight)
-    return _RouterLogits.apply(x, weight)
+    return apply_function(_RouterLogits, x, weight)
 
 
 class _TopkRoute(torch.autograd.Function):
@@ -133,8 +140,8 @@ def topk_route(logits: torch.Tensor, k: int, *, score: str = "softmax",
     if torch.compiler.is_compiling():
         return library.topk_route(logits.contiguous(), k, score == "sigmoid", bias, num_groups,
                                   topk_groups, bool(normalize), float(scale))
-    return _TopkRoute.apply(logits.contiguous(), k, score == "sigmoid", bias, num_groups,
-                            topk_groups, bool(normalize), float(scale))
+    return apply_function(_TopkRoute, logits.contiguous(), k, score == "sigmoid", bias, num_groups,
+                          topk_groups, bool(normalize), float(scale))
 
 
 class _ZLoss(torch.autograd.Function):
@@ -164,4 +171,4 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     check_kernel_device("logits", logits)
     if torch.compiler.is_compiling():
         return library.router_z_loss(logits)
-    return _ZLoss.apply(logits)
+    return apply_function(_ZLoss, logits)
