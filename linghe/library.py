@@ -30,6 +30,7 @@ Conventions:
   are not (``rstd``, ``lse``) are marked non-differentiable.
 """
 
+import functools
 import math
 
 import torch
@@ -42,7 +43,9 @@ from .bwd import loss as _bwd_loss
 from .bwd import norm as _bwd_norm
 from .bwd import rope as _bwd_rope
 from .bwd import router as _bwd_router
+from .fp8 import gemm as _gemm
 from .fp8 import quantize as _quant
+from .fp8.recipe import Fp8Recipe
 from .fp8.tensor import Fp8Tensor
 from .fwd import activation as _fwd_act
 from .fwd import gate as _fwd_gate
@@ -834,3 +837,169 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, la
     made contiguous; ``need``: which of hidden, weight, bias want a gradient)."""
     return linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, reduction,
                                     label_smoothing, z_loss, chunk_size, *need)[0]
+
+
+# ======================================================================================
+# linear: FP8 Linear (blockwise and tensorwise recipes)
+# ======================================================================================
+
+#: Recipes whose FP8 Linear compiles: they are functions of the tensors alone. The delayed
+#: recipe reads and updates an amax history (state outside the graph) on every call.
+COMPILED_RECIPES = ("blockwise", "tensorwise")
+
+
+@functools.cache
+def _recipe(name: str, pow2_scale: bool) -> Fp8Recipe:
+    return Fp8Recipe(name, pow2_scale=pow2_scale)
+
+
+def _fake_act_copy(like: Tensor, rows: int, cols: int, scaling: str):
+    """Fake ``(data [rows, cols], scale)`` of an activation copy grouped along ``cols``."""
+    s = _new(like, rows, cdiv(cols, 128), dtype=F32) if scaling == "1x128" else \
+        _new(like, 1, dtype=F32)
+    return _new(like, rows, cols, dtype=FP8), s
+
+
+@custom_op("linghe::fp8_linear_fwd", mutates_args=())
+def fp8_linear_fwd(x: Tensor, x_scale: Tensor | None, x_col: Tensor | None,
+                   x_col_scale: Tensor | None, x_dtype: torch.dtype, weight: Tensor,
+                   bias: Tensor | None, recipe: str, pow2_scale: bool,
+                   need_col: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``y [M, N] = x [M, K] · weight [N, K]^T + bias`` with the recipe's FP8 GEMMs.
+
+    ``x`` is high precision (``x_scale`` None) or the rowwise FP8 data of an input already
+    in the recipe's activation format (with its optional columnwise copy); ``x_dtype`` is
+    its logical dtype. The weight is quantized here (no cache across calls in a graph).
+    Returns ``(y, x_col, x_col_scale, w_col, w_col_scale)``: the columnwise copies the
+    backward needs; ``x``'s is made here only when ``need_col`` and not given (else
+    absent)."""
+    r = _recipe(recipe, pow2_scale)
+    if x_scale is None:
+        xq = r.quantize_input(x, rowwise=True, columnwise=need_col)
+    else:
+        xq = Fp8Tensor(x.shape, x_dtype, rowwise_data=x, rowwise_scale=x_scale,
+                       columnwise_data=x_col, columnwise_scale=x_col_scale,
+                       scaling=r.act_scaling)
+        if need_col and x_col is None:  # the missing copy, from the values we have
+            fill = r.quantize_input(xq.dequantize(), rowwise=False, columnwise=True)
+            xq = xq.with_components(columnwise_data=fill.columnwise_data,
+                                    columnwise_scale=fill.columnwise_scale)
+    wq = r.quantize_weight(weight)
+    out_dtype = x_dtype if x_dtype in _gemm.OUT_DTYPES else torch.bfloat16
+    y = _gemm._fprop(xq, wq, bias, out_dtype)
+    made = need_col and x_col is None
+    return (y, xq.columnwise_data if made else _absent(x, FP8),
+            xq.columnwise_scale if made else _absent(x, F32), wq.columnwise_data,
+            wq.columnwise_scale)
+
+
+@fp8_linear_fwd.register_fake
+def _(x, x_scale, x_col, x_col_scale, x_dtype, weight, bias, recipe, pow2_scale, need_col):
+    M, K = x.shape
+    N = weight.shape[0]
+    out_dtype = x_dtype if x_dtype in _gemm.OUT_DTYPES else torch.bfloat16
+    act = "1x128" if recipe == "blockwise" else "tensor"
+    xc, xcs = (_fake_act_copy(x, K, M, act) if need_col and x_col is None
+               else (_absent(x, FP8), _absent(x, F32)))
+    if recipe == "blockwise":
+        wc, wcs = _new(x, K, N, dtype=FP8), _new(x, cdiv(K, 128), cdiv(N, 128), dtype=F32)
+    else:
+        wc, wcs = _new(x, K, N, dtype=FP8), _new(x, 1, dtype=F32)
+    return _new(x, M, N, dtype=out_dtype), xc, xcs, wc, wcs
+
+
+@custom_op("linghe::fp8_linear_bwd", mutates_args=())
+def fp8_linear_bwd(dy: Tensor, w_col: Tensor, w_col_scale: Tensor, x_col: Tensor | None,
+                   x_col_scale: Tensor | None, x_hp: Tensor | None, recipe: str,
+                   pow2_scale: bool, need_dx: bool, need_dw: bool, x_dtype: torch.dtype,
+                   w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(dx [M, K], dweight [N, K])`` (absent where not needed) from ``dy [M, N]``: dY is
+    quantized (rowwise for dgrad, columnwise for an FP8 wgrad from ``x_col``; the wgrad
+    is ``dy^T @ x_hp`` in high precision when ``x_hp`` is given instead)."""
+    r = _recipe(recipe, pow2_scale)
+    fp8_dw = need_dw and x_col is not None
+    dx = dw = None
+    if need_dx or fp8_dw:
+        dyq = r.quantize_input(dy, rowwise=need_dx, columnwise=fp8_dw, grad=True)
+    if need_dx:
+        gdt = x_dtype if x_dtype in _gemm.OUT_DTYPES else torch.bfloat16
+        dx = _gemm._gemm(dyq.rowwise_data, dyq.rowwise_scale, dyq.scaling, w_col, w_col_scale,
+                         r.weight_scaling, gdt, None)
+    if need_dw:
+        wdt = w_dtype if w_dtype in _gemm.OUT_DTYPES else F32
+        if fp8_dw:
+            dw = _gemm._gemm(dyq.columnwise_data, dyq.columnwise_scale, dyq.scaling, x_col,
+                             x_col_scale, r.act_scaling, wdt, None)
+        else:
+            dw = (dy.to(x_hp.dtype).t() @ x_hp).to(wdt)
+    return _or_absent(dx, dy, x_dtype), _or_absent(dw, dy, w_dtype)
+
+
+@fp8_linear_bwd.register_fake
+def _(dy, w_col, w_col_scale, x_col, x_col_scale, x_hp, recipe, pow2_scale, need_dx, need_dw,
+      x_dtype, w_dtype):
+    M, N = dy.shape
+    K = w_col.shape[0]
+    gdt = x_dtype if x_dtype in _gemm.OUT_DTYPES else torch.bfloat16
+    wdt = w_dtype if w_dtype in _gemm.OUT_DTYPES else F32
+    return (_new(dy, M, K, dtype=gdt) if need_dx else _absent(dy, x_dtype),
+            _new(dy, N, K, dtype=wdt) if need_dw else _absent(dy, w_dtype))
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """FP8 Linear under torch.compile. A Function (traced by dynamo) rather than
+    ``register_autograd`` because its input may be an ``Fp8Tensor`` (e.g. from
+    ``rms_norm_quant``), whose gradient is the plain high-precision one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, need_dw):
+        K = weight.shape[1]
+        lead = x.shape[:-1]
+        need_col = need_dw and recipe.fp8_wgrad
+        xd = xs = xc = xcs = None
+        if isinstance(x, Fp8Tensor) and x.rowwise_data is not None and recipe.accepts(x):
+            xd, xs = x.rowwise_data, x.rowwise_scale
+            xc, xcs = x.columnwise_data, x.columnwise_scale
+        else:
+            if isinstance(x, Fp8Tensor):  # another format: requantized from its values
+                x = x.dequantize(columnwise=x.rowwise_data is None)
+            xd = x.reshape(-1, K)
+            if xd.stride(-1) != 1:
+                xd = xd.contiguous()
+        y, xc_new, xcs_new, wc, wcs = fp8_linear_fwd(
+            xd, xs, xc, xcs, x.dtype, weight, bias, recipe.name, recipe.pow2_scale, need_col)
+        if xc is None:
+            xc, xcs = xc_new, xcs_new
+        x_hp = None
+        if need_dw and not recipe.fp8_wgrad:
+            x_hp = xd if xs is None else x.dequantize().reshape(-1, K)
+        ctx.save_for_backward(wc, wcs, xc if need_col else None, xcs if need_col else None,
+                              x_hp)
+        ctx.meta = (recipe.name, recipe.pow2_scale, x.dtype, weight.dtype, lead, K)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.view(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        wc, wcs, xc, xcs, x_hp = ctx.saved_tensors
+        name, pow2, x_dtype, w_dtype, lead, K = ctx.meta
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        dx, dw = fp8_linear_bwd(dy2, wc, wcs, xc, xcs, x_hp, name, pow2, need_dx, need_dw,
+                                x_dtype, w_dtype)
+        db = dy2.float().sum(0).to(ctx.bias_dtype) if need_db else None
+        return (dx.view(*lead, K) if need_dx else None), (dw if need_dw else None), db, None, \
+            None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe,
+               need_dw: bool) -> Tensor:
+    """:func:`linghe.functional.linear.fp8_linear` through the custom ops (inputs already
+    validated). The weight is quantized in every call: a compiled graph keeps no
+    :class:`~linghe.functional.linear.WeightCache`."""
+    if recipe.name not in COMPILED_RECIPES:
+        raise RuntimeError(
+            f"the {recipe.name!r} FP8 recipe does not run under torch.compile (its amax "
+            f"history is state updated outside the graph); use one of {COMPILED_RECIPES}, "
+            "or run this module eagerly")
+    return _Fp8Linear.apply(x, weight, bias, recipe, bool(need_dw))

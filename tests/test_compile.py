@@ -49,9 +49,9 @@ def _loss(outs, cots):
     return total
 
 
-def check_compiles(fn, *args, backward=True):
+def check_compiles(fn, *args, backward=True, params=()):
     """Compile ``fn`` (fullgraph, aot_eager), check no graph break, and that outputs and
-    the gradients of every input requiring grad equal eager linghe's."""
+    the gradients of every input requiring grad (and of ``params``) equal eager linghe's."""
     counters.clear()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     out_c = _flat(compiled(*args))
@@ -61,6 +61,7 @@ def check_compiles(fn, *args, backward=True):
         _same(a, b, f"output {i}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    leaves += list(params)
     if not backward or not leaves:
         return out_c
     # The same random cotangent for every differentiable output, compiled and eager.
@@ -192,3 +193,32 @@ def test_linear_cross_entropy(reduction, bias):
     labels[0] = -100
     check_compiles(lambda h, w, b: linghe.linear_cross_entropy(
         h, w, labels, bias=b, reduction=reduction, chunk_size=4), h, w, b)
+
+
+# ------------------------------------------------------------------------------ Linear
+@pytest.mark.parametrize("recipe,fp8_wgrad", [("blockwise", True), ("blockwise", False),
+                                              ("tensorwise", True)])
+def test_fp8_linear(recipe, fp8_wgrad):
+    norm = linghe.nn.RMSNorm(160)
+    lin = linghe.nn.Linear(160, 136)
+    x = _leaf(2, 75, 160, dtype=torch.bfloat16)
+    params = [norm.weight, lin.weight, lin.bias]
+    with linghe.TrainingContext(fp8=recipe, fp8_wgrad=fp8_wgrad):
+        # blockwise: RMSNorm's Fp8Tensor feeds the Linear as is; both inputs kinds.
+        check_compiles(lambda x: (lin(norm(x)), lin(x)), x, params=params)
+
+
+def test_linear_recipe_guard_and_delayed():
+    lin = linghe.nn.Linear(160, 136)
+    x = _leaf(150, 160)
+    f = torch.compile(lambda x: lin(x), fullgraph=True, backend="aot_eager")
+    with linghe.TrainingContext(fp8="blockwise"):
+        y_fp8 = f(x)
+        _same(y_fp8, lin(x), "blockwise")
+    # Outside the context the compiled function must not reuse the FP8 graph.
+    y_hp = f(x)
+    _same(y_hp, torch.nn.functional.linear(x, lin.weight, lin.bias), "no recipe")
+    assert not torch.equal(y_fp8, y_hp)
+    with linghe.TrainingContext(fp8="delayed"), \
+            pytest.raises(RuntimeError, match="'delayed' FP8 recipe does not run under"):
+        f(x)
