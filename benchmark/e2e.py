@@ -433,8 +433,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", default=None,
                    help="decoder layers, or 'auto' (as many as fit the GPU's memory by "
                         "estimate_layers); default 4 (the width's preset off the GPU)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per mode")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per mode (default 10; 2 on the CPU interpreter)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (default 3; 1 on the CPU interpreter)")
     p.add_argument("--profile-steps", type=int, default=3,
                    help="steps profiled for GPU-busy time and the op breakdown (0: none)")
     p.add_argument("--mode", default=",".join(MODES),
@@ -459,8 +461,13 @@ def parse_args(argv=None):
     bad = [m for m in args.mode if m not in MODES]
     if bad or not args.mode:
         p.error(f"--mode must be a comma-separated subset of {','.join(MODES)}, got {bad}")
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    gpu = torch.cuda.is_available()
+    if args.steps is None:
+        args.steps = 10 if gpu else 2
+    if args.warmup is None:
+        args.warmup = 3 if gpu else 1
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
     return args
 
 
