@@ -382,8 +382,16 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
         for i in range(steps):
             w.writerow([i] + [f"{curves[m][i]:.6f}" for m in curves])
     print(f"wrote {stem}.csv")
-    plot = write_plot(curves, stem + ".png", cfg, args.width)
-    n = min(20, steps)
+    plot = write_plot(curves, stem + ".png", _plot_title(cfg, args.width))
+    return {"job": "loss_curve", "config": cfg.as_dict(), "steps": steps, "lr": args.lr,
+            "curves": curves, **summarize_curves(curves), "seconds": times,
+            "csv": stem + ".csv", "png": plot, "corpus_bytes": len(data)}
+
+
+def summarize_curves(curves: dict, window: int = 20) -> dict:
+    """Final loss per mode (mean of the last ``window`` steps) and the relative gap of FP8
+    against bf16; printed."""
+    n = min(window, min(len(c) for c in curves.values()))
     final = {m: sum(c[-n:]) / n for m, c in curves.items()}
     gap = None
     if "fp8" in final and "bf16" in final:
@@ -391,13 +399,23 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
     print(f"\nfinal loss (mean of the last {n} steps): " +
           ", ".join(f"{m} {v:.4f}" for m, v in final.items()) +
           ("" if gap is None else f"; FP8 vs bf16 {100 * gap:+.2f}% (target within 1%)"))
-    return {"job": "loss_curve", "config": cfg.as_dict(), "steps": steps, "lr": args.lr,
-            "curves": curves, "final_mean_last": final, "final_window": n,
-            "fp8_vs_bf16_rel_gap": gap, "seconds": times, "csv": stem + ".csv",
-            "png": plot, "corpus_bytes": len(data)}
+    return {"final_mean_last": final, "final_window": n, "fp8_vs_bf16_rel_gap": gap}
 
 
-def write_plot(curves: dict, path: str, cfg: E2EConfig, width: str) -> str | None:
+def read_curves(path: str) -> dict:
+    """The curves of a loss-curve CSV (``step, loss_<mode>...``)."""
+    with open(path, newline="") as fh:
+        rows = list(csv.reader(fh))
+    modes = [h.removeprefix("loss_") for h in rows[0][1:]]
+    return {m: [float(r[j + 1]) for r in rows[1:]] for j, m in enumerate(modes)}
+
+
+def _plot_title(cfg: E2EConfig, width: str) -> str:
+    return (f"e2e decoder, width {width}: hidden {cfg.hidden}, {cfg.layers} layers, "
+            f"{cfg.experts} experts top-{cfg.topk}; stdlib bytes")
+
+
+def write_plot(curves: dict, path: str, title: str) -> str | None:
     try:
         import matplotlib
 
@@ -411,8 +429,7 @@ def write_plot(curves: dict, path: str, cfg: E2EConfig, width: str) -> str | Non
         ax.plot(range(len(c)), c, label=m, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats / byte)")
-    ax.set_title(f"e2e decoder, width {width}: hidden {cfg.hidden}, {cfg.layers} layers, "
-                 f"{cfg.experts} experts top-{cfg.topk}; stdlib bytes")
+    ax.set_title(title, fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -454,6 +471,9 @@ def parse_args(argv=None):
                    help="peak learning rate (default 1e-3; 2e-3 for the loss curves)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot-csv", default=None,
+                   help="only plot an existing loss-curve CSV (e.g. from a GPU machine "
+                        "without matplotlib) next to it, and print the final-loss gap")
     p.add_argument("--out-dir", default=os.path.join("benchmark", "results"),
                    help="where the loss-curve CSV and PNG go")
     args = p.parse_args(argv)
@@ -493,6 +513,12 @@ def config_from_args(args, device) -> E2EConfig:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot_csv:
+        curves = read_curves(args.plot_csv)
+        summarize_curves(curves)
+        stem = os.path.splitext(args.plot_csv)[0]
+        write_plot(curves, stem + ".png", f"e2e decoder loss curves ({os.path.basename(stem)})")
+        return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = config_from_args(args, device)
     env = environment()
