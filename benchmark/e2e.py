@@ -344,7 +344,8 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
         print(f"[e2e] loss curve {mode}: {steps} steps ...", flush=True)
         model = build_model(cfg, device=device, seed=args.seed)
         graph = args.cuda_graph and mode != "torch"
-        opt = make_optimizer(model, lr_at(0, steps, args.lr), capturable=graph)
+        opt = make_optimizer(model, lr_at(0, steps, args.lr), capturable=graph,
+                             lr_tensor=graph)
         batches = ByteBatches(data, cfg.batch, cfg.seq, device)
         if graph:
             # Capture (its warmup steps) from a copy of the initial state, so the curve

@@ -23,6 +23,7 @@ from benchmark.e2e_model import (
     estimate_layers,
     make_optimizer,
     preset,
+    set_lr,
     stdlib_corpus,
     stdlib_files,
     step_flops,
@@ -234,9 +235,10 @@ def test_step_has_no_host_sync(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_cuda_graph_replay_matches_eager(mode):
-    """The whole step captured once and replayed on new batches gives the losses and the
-    weight updates of the same steps run eagerly (up to float atomics' summation order).
-    The updates are compared, not the weights: six small AdamW steps barely move them."""
+    """The whole step captured once and replayed on new batches, with a learning rate that
+    changes between replays (a device tensor), gives the losses and the weight updates of
+    the same steps run eagerly (up to float atomics' summation order). The updates are
+    compared, not the weights: six small AdamW steps barely move them."""
     if mode == "fp8" and not _fp8_ok():
         pytest.skip("FP8 needs compute capability >= 8.9")
     cfg = GPU_CFG
@@ -246,7 +248,7 @@ def test_cuda_graph_replay_matches_eager(mode):
     def run(graph):
         model = build_model(cfg, device="cuda", seed=0)
         w0 = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-        opt = make_optimizer(model, 1e-3, capturable=True)
+        opt = make_optimizer(model, 1e-3, capturable=True, lr_tensor=True)
         bb = ByteBatches(data, cfg.batch, cfg.seq, "cuda")
         if graph:
             step = e2e.make_stepper(model, opt, bb, mode, graph=True, warmup=warm)
@@ -254,7 +256,11 @@ def test_cuda_graph_replay_matches_eager(mode):
             for _ in range(warm):   # the graph stepper warms up on batch 0
                 train_step(model, opt, *bb(0), mode)
             step = lambda i: train_step(model, opt, *bb(i), mode)
-        losses = torch.stack([step(i) for i in range(1, n + 1)]).float().cpu()
+        losses = []
+        for i in range(1, n + 1):
+            set_lr(opt, 1e-3 * i)
+            losses.append(step(i))
+        losses = torch.stack(losses).float().cpu()
         return losses, {k: v.detach().float() - w0[k] for k, v in model.state_dict().items()}
 
     le, we = run(False)
