@@ -32,6 +32,7 @@ from ..fwd.permute import gather_rows as _gather_rows
 from ..layout import ExpertLayout, max_grouped_rows
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -175,7 +176,7 @@ def permute(x, expert_ids: torch.Tensor, probs: torch.Tensor | None = None, *,
                              "(debug mode; outside it the copies that do not fit are dropped)")
     probs_c = probs.contiguous() if probs is not None else None
     fn = _PermuteFp8 if is_fp8 else _Permute
-    rows, prow = fn.apply(x, probs_c, layout)
+    rows, prow = apply_function(fn, x, probs_c, layout)
     return rows, (prow if probs is not None else None), layout
 
 
@@ -208,4 +209,5 @@ def unpermute(rows: torch.Tensor, layout: ExpertLayout, probs: torch.Tensor | No
         check_tensor("probs", probs, dtypes=(torch.float32,), shape=(T, k))
     check_same_device(rows=rows, row_index=layout.row_index, probs=probs)
     check_kernel_device("rows", rows)
-    return _Unpermute.apply(rows, probs.contiguous() if probs is not None else None, layout)
+    return apply_function(_Unpermute, rows,
+                          probs.contiguous() if probs is not None else None, layout)
