@@ -193,6 +193,29 @@ def test_cli_torch_mode(tmp_path):
     assert all(math.isfinite(float(r[1])) for r in rows[1:])
 
 
+def test_table_and_targets(capsys):
+    def row(mode, graph, ms, busy):
+        fam = dict.fromkeys(e2e.FAMILIES, 0.0)
+        fam["gemm"] = busy
+        return {"mode": mode, "cuda_graph": graph, "error": None, "step_ms": ms,
+                "busy_ms": busy, "host_bound_frac": 1 - busy / ms, "tokens_per_s": 1e5,
+                "tflops": 300.0, "mfu_bf16_peak": 0.3, "mfu_fp8_peak": None,
+                "peak_mem_gib": 50.0, "losses": [12.0], "families_ms": fam}
+
+    rows = [row("torch", False, 300.0, 250.0), row("bf16", False, 150.0, 140.0),
+            row("fp8", False, 120.0, 100.0), row("bf16", True, 140.0, 139.0),
+            {"mode": "fp8", "cuda_graph": True, "error": "RuntimeError: capture failed"}]
+    t = e2e.targets(rows)
+    assert t["bf16 vs torch speedup"] == {"value": 2.0, "target": ">= 1.5", "met": True}
+    assert not t["fp8 vs bf16 speedup"]["met"]            # 1.25x
+    assert t["bf16 eager wall/busy"]["met"] and not t["fp8 eager wall/busy"]["met"]
+    assert "fp8 vs bf16 speedup (graphs)" not in t        # the graph row failed
+    e2e.print_breakdown(rows)
+    e2e.print_table(rows, preset("ling-mini"))
+    out = capsys.readouterr().out
+    assert "capture failed" in out and "2.00x" in out and "targets (issue 10)" in out
+
+
 def test_cli_rejects_bad_mode():
     with pytest.raises(SystemExit):
         e2e.parse_args(["--mode", "bf16,int4"])
