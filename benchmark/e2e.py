@@ -246,7 +246,7 @@ def _f(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def _print_rows(head, lines, file=sys.stdout):
+def _print_rows(head, lines, file=None):
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda cells: " | ".join(str(c).rjust(w) for c, w in zip(cells, widths))
     print(fmt(head), file=file)
@@ -259,7 +259,7 @@ def _label(r) -> str:
     return r["mode"] + (" +graph" if r.get("cuda_graph") else "")
 
 
-def print_breakdown(rows, file=sys.stdout) -> None:
+def print_breakdown(rows, file=None) -> None:
     ok = [r for r in rows if r.get("families_ms")]
     if not ok:
         return
@@ -270,7 +270,7 @@ def print_breakdown(rows, file=sys.stdout) -> None:
     _print_rows(head, lines, file)
 
 
-def print_table(rows, cfg: E2EConfig, file=sys.stdout) -> None:
+def print_table(rows, cfg: E2EConfig, file=None) -> None:
     base = {(r["mode"], r["cuda_graph"]): r.get("step_ms") for r in rows if not r["error"]}
     head = ["mode", "step ms", "GPU-busy ms", "host-bound", "tokens/s", "TFLOP/s",
             "MFU(bf16 pk)", "MFU(fp8 pk)", "peak GiB", "vs torch", "vs bf16", "last loss"]
