@@ -198,12 +198,13 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
         model = build_model(cfg, device=device, seed=seed)
         opt = make_optimizer(model, lr, capturable=graph)
         batches = ByteBatches(data, cfg.batch, cfg.seq, device)
+        if torch.device(device).type == "cuda":
+            # from here: warm-up steps (optimizer state) and the capture are included
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         step = make_stepper(model, opt, batches, mode, graph=graph, warmup=warmup)
         _sync(device)
         row["warmup_s"] = time.perf_counter() - t0
-        if torch.device(device).type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         losses = []
         t0 = time.perf_counter()
         for i in range(steps):
@@ -220,6 +221,7 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
         row["mfu_fp8_peak"] = row["tflops"] / pf if (pf and mode == "fp8") else None
         if torch.device(device).type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
             if prof_steps:
                 p = profile_steps(step, warmup + steps, prof_steps)
                 row.update(p)
@@ -244,7 +246,7 @@ def _f(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def _print_rows(head, lines, file=sys.stdout):
+def _print_rows(head, lines, file=None):
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda cells: " | ".join(str(c).rjust(w) for c, w in zip(cells, widths))
     print(fmt(head), file=file)
@@ -257,7 +259,7 @@ def _label(r) -> str:
     return r["mode"] + (" +graph" if r.get("cuda_graph") else "")
 
 
-def print_breakdown(rows, file=sys.stdout) -> None:
+def print_breakdown(rows, file=None) -> None:
     ok = [r for r in rows if r.get("families_ms")]
     if not ok:
         return
@@ -268,8 +270,8 @@ def print_breakdown(rows, file=sys.stdout) -> None:
     _print_rows(head, lines, file)
 
 
-def print_table(rows, cfg: E2EConfig, file=sys.stdout) -> None:
-    base = {_label(r): r.get("step_ms") for r in rows if not r["error"]}
+def print_table(rows, cfg: E2EConfig, file=None) -> None:
+    base = {(r["mode"], r["cuda_graph"]): r.get("step_ms") for r in rows if not r["error"]}
     head = ["mode", "step ms", "GPU-busy ms", "host-bound", "tokens/s", "TFLOP/s",
             "MFU(bf16 pk)", "MFU(fp8 pk)", "peak GiB", "vs torch", "vs bf16", "last loss"]
     lines = []
@@ -278,6 +280,7 @@ def print_table(rows, cfg: E2EConfig, file=sys.stdout) -> None:
             lines.append([_label(r), "error: " + r["error"][:70]] + [""] * (len(head) - 2))
             continue
         vs = lambda k, ms=r["step_ms"]: (_f(base[k] / ms, ".2f") + "x") if base.get(k) else "-"
+        g = r["cuda_graph"]
         hb = r.get("host_bound_frac")
         lines.append([
             _label(r), _f(r["step_ms"], ".1f"), _f(r.get("busy_ms"), ".1f"),
@@ -285,7 +288,7 @@ def print_table(rows, cfg: E2EConfig, file=sys.stdout) -> None:
             _f(r["tflops"], ".1f"),
             "-" if r["mfu_bf16_peak"] is None else f"{100 * r['mfu_bf16_peak']:.1f}%",
             "-" if r["mfu_fp8_peak"] is None else f"{100 * r['mfu_fp8_peak']:.1f}%",
-            _f(r.get("peak_mem_gib"), ".1f"), vs("torch"), vs("bf16"),
+            _f(r.get("peak_mem_gib"), ".1f"), vs(("torch", False)), vs(("bf16", g)),
             _f(r["losses"][-1], ".4f")])
     f = step_flops(cfg)
     print(f"\nLing-mini-2.0-shaped MoE decoder: {cfg.layers} layers, hidden {cfg.hidden}, "
@@ -295,6 +298,31 @@ def print_table(rows, cfg: E2EConfig, file=sys.stdout) -> None:
           f"attention). MFU against the dense bf16 peak (989 TFLOP/s on H100/H200) for every "
           f"mode; the FP8 mode also against the FP8 peak (1979).", file=file)
     _print_rows(head, lines, file)
+    t = targets(rows)
+    if t:
+        print("targets (issue 10): " + "; ".join(
+            f"{k} {v['value']:.2f} ({'met' if v['met'] else 'not met'}: {v['target']})"
+            for k, v in t.items()), file=file)
+
+
+def targets(rows) -> dict:
+    """The issue's step-time targets, where the rows allow them."""
+    ms = {(r["mode"], r["cuda_graph"]): r for r in rows if not r["error"]}
+    out = {}
+    if ("torch", False) in ms and ("bf16", False) in ms:
+        v = ms["torch", False]["step_ms"] / ms["bf16", False]["step_ms"]
+        out["bf16 vs torch speedup"] = {"value": v, "target": ">= 1.5", "met": v >= 1.5}
+    for g in (False, True):
+        if ("bf16", g) in ms and ("fp8", g) in ms:
+            v = ms["bf16", g]["step_ms"] / ms["fp8", g]["step_ms"]
+            k = "fp8 vs bf16 speedup" + (" (graphs)" if g else "")
+            out[k] = {"value": v, "target": ">= 1.3", "met": v >= 1.3}
+    for m in ("bf16", "fp8"):
+        r = ms.get((m, False))
+        if r and r.get("busy_ms"):
+            v = r["step_ms"] / r["busy_ms"]
+            out[f"{m} eager wall/busy"] = {"value": v, "target": "<= 1.15", "met": v <= 1.15}
+    return out
 
 
 def environment() -> dict:
@@ -333,6 +361,7 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
     return {"job": "throughput", "config": cfg.as_dict(), "flops_per_step": step_flops(cfg),
             "params": total_params(cfg), "peak_tflops": dict(zip(
                 ("bf16", "fp8"), peak_tflops(device))), "rows": rows,
+            "targets": targets(rows),
             "corpus_bytes": len(data)}
 
 
@@ -344,7 +373,8 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
         print(f"[e2e] loss curve {mode}: {steps} steps ...", flush=True)
         model = build_model(cfg, device=device, seed=args.seed)
         graph = args.cuda_graph and mode != "torch"
-        opt = make_optimizer(model, lr_at(0, steps, args.lr), capturable=graph)
+        opt = make_optimizer(model, lr_at(0, steps, args.lr), capturable=graph,
+                             lr_tensor=graph)
         batches = ByteBatches(data, cfg.batch, cfg.seq, device)
         if graph:
             # Capture (its warmup steps) from a copy of the initial state, so the curve
@@ -382,8 +412,16 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
         for i in range(steps):
             w.writerow([i] + [f"{curves[m][i]:.6f}" for m in curves])
     print(f"wrote {stem}.csv")
-    plot = write_plot(curves, stem + ".png", cfg, args.width)
-    n = min(20, steps)
+    plot = write_plot(curves, stem + ".png", _plot_title(cfg, args.width))
+    return {"job": "loss_curve", "config": cfg.as_dict(), "steps": steps, "lr": args.lr,
+            "curves": curves, **summarize_curves(curves), "seconds": times,
+            "csv": stem + ".csv", "png": plot, "corpus_bytes": len(data)}
+
+
+def summarize_curves(curves: dict, window: int = 20) -> dict:
+    """Final loss per mode (mean of the last ``window`` steps) and the relative gap of FP8
+    against bf16; printed."""
+    n = min(window, min(len(c) for c in curves.values()))
     final = {m: sum(c[-n:]) / n for m, c in curves.items()}
     gap = None
     if "fp8" in final and "bf16" in final:
@@ -391,13 +429,23 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
     print(f"\nfinal loss (mean of the last {n} steps): " +
           ", ".join(f"{m} {v:.4f}" for m, v in final.items()) +
           ("" if gap is None else f"; FP8 vs bf16 {100 * gap:+.2f}% (target within 1%)"))
-    return {"job": "loss_curve", "config": cfg.as_dict(), "steps": steps, "lr": args.lr,
-            "curves": curves, "final_mean_last": final, "final_window": n,
-            "fp8_vs_bf16_rel_gap": gap, "seconds": times, "csv": stem + ".csv",
-            "png": plot, "corpus_bytes": len(data)}
+    return {"final_mean_last": final, "final_window": n, "fp8_vs_bf16_rel_gap": gap}
 
 
-def write_plot(curves: dict, path: str, cfg: E2EConfig, width: str) -> str | None:
+def read_curves(path: str) -> dict:
+    """The curves of a loss-curve CSV (``step, loss_<mode>...``)."""
+    with open(path, newline="") as fh:
+        rows = list(csv.reader(fh))
+    modes = [h.removeprefix("loss_") for h in rows[0][1:]]
+    return {m: [float(r[j + 1]) for r in rows[1:]] for j, m in enumerate(modes)}
+
+
+def _plot_title(cfg: E2EConfig, width: str) -> str:
+    return (f"e2e decoder, width {width}: hidden {cfg.hidden}, {cfg.layers} layers, "
+            f"{cfg.experts} experts top-{cfg.topk}; stdlib bytes")
+
+
+def write_plot(curves: dict, path: str, title: str) -> str | None:
     try:
         import matplotlib
 
@@ -411,8 +459,7 @@ def write_plot(curves: dict, path: str, cfg: E2EConfig, width: str) -> str | Non
         ax.plot(range(len(c)), c, label=m, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats / byte)")
-    ax.set_title(f"e2e decoder, width {width}: hidden {cfg.hidden}, {cfg.layers} layers, "
-                 f"{cfg.experts} experts top-{cfg.topk}; stdlib bytes")
+    ax.set_title(title, fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -433,8 +480,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", default=None,
                    help="decoder layers, or 'auto' (as many as fit the GPU's memory by "
                         "estimate_layers); default 4 (the width's preset off the GPU)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per mode")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per mode (default 10; 2 on the CPU interpreter)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (default 3; 1 on the CPU interpreter)")
     p.add_argument("--profile-steps", type=int, default=3,
                    help="steps profiled for GPU-busy time and the op breakdown (0: none)")
     p.add_argument("--mode", default=",".join(MODES),
@@ -452,6 +501,9 @@ def parse_args(argv=None):
                    help="peak learning rate (default 1e-3; 2e-3 for the loss curves)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot-csv", default=None,
+                   help="only plot an existing loss-curve CSV (e.g. from a GPU machine "
+                        "without matplotlib) next to it, and print the final-loss gap")
     p.add_argument("--out-dir", default=os.path.join("benchmark", "results"),
                    help="where the loss-curve CSV and PNG go")
     args = p.parse_args(argv)
@@ -459,8 +511,13 @@ def parse_args(argv=None):
     bad = [m for m in args.mode if m not in MODES]
     if bad or not args.mode:
         p.error(f"--mode must be a comma-separated subset of {','.join(MODES)}, got {bad}")
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    gpu = torch.cuda.is_available()
+    if args.steps is None:
+        args.steps = 10 if gpu else 2
+    if args.warmup is None:
+        args.warmup = 3 if gpu else 1
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -486,6 +543,12 @@ def config_from_args(args, device) -> E2EConfig:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot_csv:
+        curves = read_curves(args.plot_csv)
+        summarize_curves(curves)
+        stem = os.path.splitext(args.plot_csv)[0]
+        write_plot(curves, stem + ".png", f"e2e decoder loss curves ({os.path.basename(stem)})")
+        return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = config_from_args(args, device)
     env = environment()

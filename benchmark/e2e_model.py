@@ -361,11 +361,12 @@ def fp8_context(mode: str):
 
 
 def make_optimizer(model: nn.Module, lr: float = 1e-3, *, capturable: bool = False,
-                   weight_decay: float = 0.01) -> torch.optim.AdamW:
-    """AdamW (betas 0.9/0.95); ``capturable`` for CUDA-graph capture, with the learning
-    rate as a device tensor so that a schedule can change it between replays."""
+                   lr_tensor: bool = False, weight_decay: float = 0.01) -> torch.optim.AdamW:
+    """AdamW (betas 0.9/0.95); ``capturable`` for CUDA-graph capture; ``lr_tensor`` holds
+    the learning rate in a device tensor, so that :func:`set_lr` changes it between
+    replays of a captured step (a float learning rate is baked into the graph)."""
     lr_arg = (torch.tensor(lr, dtype=torch.float32, device=next(model.parameters()).device)
-              if capturable else lr)
+              if lr_tensor else lr)
     return torch.optim.AdamW(model.parameters(), lr=lr_arg, betas=(0.9, 0.95),
                              weight_decay=weight_decay, capturable=capturable)
 

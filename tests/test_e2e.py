@@ -23,6 +23,7 @@ from benchmark.e2e_model import (
     estimate_layers,
     make_optimizer,
     preset,
+    set_lr,
     stdlib_corpus,
     stdlib_files,
     step_flops,
@@ -192,6 +193,29 @@ def test_cli_torch_mode(tmp_path):
     assert all(math.isfinite(float(r[1])) for r in rows[1:])
 
 
+def test_table_and_targets(capsys):
+    def row(mode, graph, ms, busy):
+        fam = dict.fromkeys(e2e.FAMILIES, 0.0)
+        fam["gemm"] = busy
+        return {"mode": mode, "cuda_graph": graph, "error": None, "step_ms": ms,
+                "busy_ms": busy, "host_bound_frac": 1 - busy / ms, "tokens_per_s": 1e5,
+                "tflops": 300.0, "mfu_bf16_peak": 0.3, "mfu_fp8_peak": None,
+                "peak_mem_gib": 50.0, "losses": [12.0], "families_ms": fam}
+
+    rows = [row("torch", False, 300.0, 250.0), row("bf16", False, 150.0, 140.0),
+            row("fp8", False, 120.0, 100.0), row("bf16", True, 140.0, 139.0),
+            {"mode": "fp8", "cuda_graph": True, "error": "RuntimeError: capture failed"}]
+    t = e2e.targets(rows)
+    assert t["bf16 vs torch speedup"] == {"value": 2.0, "target": ">= 1.5", "met": True}
+    assert not t["fp8 vs bf16 speedup"]["met"]            # 1.25x
+    assert t["bf16 eager wall/busy"]["met"] and not t["fp8 eager wall/busy"]["met"]
+    assert "fp8 vs bf16 speedup (graphs)" not in t        # the graph row failed
+    e2e.print_breakdown(rows)
+    e2e.print_table(rows, preset("ling-mini"))
+    out = capsys.readouterr().out
+    assert "capture failed" in out and "2.00x" in out and "targets (issue 10)" in out
+
+
 def test_cli_rejects_bad_mode():
     with pytest.raises(SystemExit):
         e2e.parse_args(["--mode", "bf16,int4"])
@@ -234,9 +258,10 @@ def test_step_has_no_host_sync(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_cuda_graph_replay_matches_eager(mode):
-    """The whole step captured once and replayed on new batches gives the losses and the
-    weight updates of the same steps run eagerly (up to float atomics' summation order).
-    The updates are compared, not the weights: six small AdamW steps barely move them."""
+    """The whole step captured once and replayed on new batches, with a learning rate that
+    changes between replays (a device tensor), gives the losses and the weight updates of
+    the same steps run eagerly (up to float atomics' summation order). The updates are
+    compared, not the weights: six small AdamW steps barely move them."""
     if mode == "fp8" and not _fp8_ok():
         pytest.skip("FP8 needs compute capability >= 8.9")
     cfg = GPU_CFG
@@ -246,7 +271,7 @@ def test_cuda_graph_replay_matches_eager(mode):
     def run(graph):
         model = build_model(cfg, device="cuda", seed=0)
         w0 = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-        opt = make_optimizer(model, 1e-3, capturable=True)
+        opt = make_optimizer(model, 1e-3, capturable=True, lr_tensor=True)
         bb = ByteBatches(data, cfg.batch, cfg.seq, "cuda")
         if graph:
             step = e2e.make_stepper(model, opt, bb, mode, graph=True, warmup=warm)
@@ -254,7 +279,11 @@ def test_cuda_graph_replay_matches_eager(mode):
             for _ in range(warm):   # the graph stepper warms up on batch 0
                 train_step(model, opt, *bb(0), mode)
             step = lambda i: train_step(model, opt, *bb(i), mode)
-        losses = torch.stack([step(i) for i in range(1, n + 1)]).float().cpu()
+        losses = []
+        for i in range(1, n + 1):
+            set_lr(opt, 1e-3 * i)
+            losses.append(step(i))
+        losses = torch.stack(losses).float().cpu()
         return losses, {k: v.detach().float() - w0[k] for k, v in model.state_dict().items()}
 
     le, we = run(False)
