@@ -41,6 +41,7 @@ from .bwd import activation as _bwd_act
 from .bwd import gate as _bwd_gate
 from .bwd import loss as _bwd_loss
 from .bwd import norm as _bwd_norm
+from .bwd import permute as _bwd_perm
 from .bwd import rope as _bwd_rope
 from .bwd import router as _bwd_router
 from .fp8 import gemm as _gemm
@@ -51,8 +52,10 @@ from .fwd import activation as _fwd_act
 from .fwd import gate as _fwd_gate
 from .fwd import loss as _fwd_loss
 from .fwd import norm as _fwd_norm
+from .fwd import permute as _fwd_perm
 from .fwd import rope as _fwd_rope
 from .fwd import router as _fwd_router
+from .layout import ExpertLayout
 from .utils import cdiv, rows_view
 
 FP8 = torch.float8_e4m3fn
@@ -1003,3 +1006,181 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe,
             f"history is state updated outside the graph); use one of {COMPILED_RECIPES}, "
             "or run this module eagerly")
     return _Fp8Linear.apply(x, weight, bias, recipe, bool(need_dw))
+
+
+# ======================================================================================
+# permute: permute, unpermute (rows grouped by expert; the ExpertLayout is rebuilt from
+# its tensors outside the ops)
+# ======================================================================================
+
+
+@custom_op("linghe::permute_index", mutates_args=())
+def permute_index(expert_ids: Tensor, num_experts: int, align: int, num_rows: int) -> Tensor:
+    """int32 ``[T*k + 3E + 1]``: ``row_index | tokens_per_expert | padded | offsets`` of
+    the :class:`~linghe.layout.ExpertLayout` (a prefix of the launcher's buffer, whose
+    tail is scratch)."""
+    buf = _fwd_perm.index_buffer(expert_ids, num_experts, align, num_rows)
+    return buf[:expert_ids.numel() + 3 * num_experts + 1]
+
+
+@permute_index.register_fake
+def _(expert_ids, num_experts, align, num_rows):
+    return _new(expert_ids, expert_ids.numel() + 3 * num_experts + 1, dtype=torch.int32)
+
+
+def _layout(row_index: Tensor, tokens_per_expert: Tensor, offsets: Tensor, num_rows: int):
+    """The fields of an ExpertLayout that the permute launchers read."""
+    E = tokens_per_expert.shape[0]
+    return ExpertLayout(num_experts=E, align=1, num_rows=num_rows,
+                        tokens_per_expert=tokens_per_expert,
+                        padded_tokens_per_expert=tokens_per_expert, offsets=offsets,
+                        row_index=row_index)
+
+
+@custom_op("linghe::permute_fwd", mutates_args=())
+def permute_fwd(x: Tensor, x_scale: Tensor | None, probs: Tensor | None, row_index: Tensor,
+                tokens_per_expert: Tensor, offsets: Tensor,
+                num_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rows [num_rows, H], rows_scale [num_rows, G] or absent, probs_rows [num_rows] or
+    absent)``: ``x [T, H]`` (with its 1x128 scales ``x_scale`` when fp8) scattered by
+    expert."""
+    rows, rows_s, prow, _ = _fwd_perm.scatter_rows(
+        x, _layout(row_index, tokens_per_expert, offsets, num_rows), x_scale=x_scale,
+        probs=probs)
+    return rows, _or_absent(rows_s, x, F32), _or_absent(prow, x, F32)
+
+
+@permute_fwd.register_fake
+def _(x, x_scale, probs, row_index, tokens_per_expert, offsets, num_rows):
+    s = _new(x, num_rows, x_scale.shape[1], dtype=F32) if x_scale is not None else \
+        _absent(x, F32)
+    p = _new(x, num_rows, dtype=F32) if probs is not None else _absent(x, F32)
+    return _new(x, num_rows, x.shape[1]), s, p
+
+
+@custom_op("linghe::permute_bwd", mutates_args=())
+def permute_bwd(d_rows: Tensor, d_probs_rows: Tensor | None, row_index: Tensor,
+                x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(dx [T, H] x_dtype, dprobs [T, k] fp32 or absent)``: the gather-sum adjoint."""
+    none = _absent(row_index)  # (the gather reads only row_index)
+    layout = _layout(row_index, none, none, d_rows.shape[0])
+    dx, dp = _bwd_perm.permute_backward(d_rows, layout, x_dtype, d_probs_rows)
+    return dx, _or_absent(dp, d_rows, F32)
+
+
+@permute_bwd.register_fake
+def _(d_rows, d_probs_rows, row_index, x_dtype):
+    T, k = row_index.shape
+    dp = _new(d_rows, T, k, dtype=F32) if d_probs_rows is not None else _absent(d_rows, F32)
+    return _new(d_rows, T, d_rows.shape[1], dtype=x_dtype), dp
+
+
+def _permute_setup(ctx, inputs, output):
+    x, _, probs, row_index = inputs[:4]
+    ctx.save_for_backward(row_index)
+    ctx.x_dtype = x.dtype
+    ctx.has_probs = probs is not None
+    ctx.mark_non_differentiable(output[1])
+
+
+def _permute_backward(ctx, d_rows, _d_scale, d_prow):
+    (row_index,) = ctx.saved_tensors
+    want_p = ctx.has_probs and ctx.needs_input_grad[2]
+    dx, dp = permute_bwd(d_rows.contiguous(), d_prow.float().contiguous() if want_p else None,
+                         row_index, ctx.x_dtype)
+    return dx, None, (dp if want_p else None), None, None, None, None
+
+
+permute_fwd.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+class _PermuteFp8(torch.autograd.Function):
+    """FP8 rows move with their scales; the gradient of the high-precision input is the
+    same gather-sum as for plain rows (straight-through the quantization)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, row_index, tokens_per_expert, offsets, num_rows):
+        data, scale, prow = permute_fwd(x.rowwise_data, x.rowwise_scale, probs, row_index,
+                                        tokens_per_expert, offsets, num_rows)
+        ctx.save_for_backward(row_index)
+        ctx.x_dtype = x.dtype
+        ctx.has_probs = probs is not None
+        rows = Fp8Tensor((num_rows, x.shape[1]), x.dtype, rowwise_data=data,
+                         rowwise_scale=scale, scaling="1x128")
+        return rows, prow
+
+    @staticmethod
+    def backward(ctx, d_rows, d_prow):
+        (row_index,) = ctx.saved_tensors
+        want_p = ctx.has_probs and ctx.needs_input_grad[1]
+        dx, dp = permute_bwd(_dense_grad(d_rows), d_prow.float().contiguous() if want_p else None,
+                             row_index, ctx.x_dtype)
+        return dx, (dp if want_p else None), None, None, None, None
+
+
+def permute(x, expert_ids: Tensor, probs: Tensor | None, num_experts: int, align: int,
+            num_rows: int):
+    """:func:`linghe.permute` through the custom ops (inputs already validated;
+    ``expert_ids`` and ``probs`` contiguous)."""
+    buf = permute_index(expert_ids, num_experts, align, num_rows)
+    layout = _fwd_perm.layout_from_index(buf, expert_ids.shape, num_experts, align, num_rows)
+    li = (layout.row_index, layout.tokens_per_expert, layout.offsets, num_rows)
+    if isinstance(x, Fp8Tensor):
+        rows, prow = _PermuteFp8.apply(x, probs, *li)
+    else:
+        rows, _, prow = permute_fwd(x, None, probs, *li)
+    return rows, (prow if probs is not None else None), layout
+
+
+@custom_op("linghe::unpermute_fwd", mutates_args=())
+def unpermute_fwd(rows: Tensor, probs: Tensor | None, row_index: Tensor,
+                  tokens_per_expert: Tensor, offsets: Tensor) -> Tensor:
+    """``out [T, H] = sum_j probs[t, j] * rows[row_index[t, j]]`` in rows' dtype."""
+    layout = _layout(row_index, tokens_per_expert, offsets, rows.shape[0])
+    return _fwd_perm.gather_rows(rows, layout, weights=probs)[0]
+
+
+@unpermute_fwd.register_fake
+def _(rows, probs, row_index, tokens_per_expert, offsets):
+    return _new(rows, row_index.shape[0], rows.shape[1])
+
+
+@custom_op("linghe::unpermute_bwd", mutates_args=())
+def unpermute_bwd(dout: Tensor, probs: Tensor | None, rows: Tensor | None, row_index: Tensor,
+                  tokens_per_expert: Tensor, offsets: Tensor, num_rows: int,
+                  rows_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(d_rows [num_rows, H] rows_dtype, dprobs [T, k] fp32 or absent)``: the scatter
+    adjoint (padding rows get 0); ``dprobs`` needs the forward's ``rows``."""
+    layout = _layout(row_index, tokens_per_expert, offsets, num_rows)
+    d_rows, dp = _bwd_perm.unpermute_backward(dout, layout, rows_dtype, probs=probs, rows=rows)
+    return d_rows, _or_absent(dp, dout, F32)
+
+
+@unpermute_bwd.register_fake
+def _(dout, probs, rows, row_index, tokens_per_expert, offsets, num_rows, rows_dtype):
+    dp = _new(dout, *row_index.shape, dtype=F32) if rows is not None else _absent(dout, F32)
+    return _new(dout, num_rows, dout.shape[1], dtype=rows_dtype), dp
+
+
+def _unpermute_setup(ctx, inputs, output):
+    rows, probs, row_index, tpe, offsets = inputs
+    want_p = probs is not None and probs.requires_grad
+    ctx.save_for_backward(rows if want_p else None, probs, row_index, tpe, offsets)
+    ctx.meta = (rows.shape[0], rows.dtype)
+
+
+def _unpermute_backward(ctx, dout):
+    rows, probs, row_index, tpe, offsets = ctx.saved_tensors
+    want_p = probs is not None and ctx.needs_input_grad[1]
+    d_rows, dp = unpermute_bwd(dout.contiguous(), probs, rows if want_p else None, row_index,
+                               tpe, offsets, *ctx.meta)
+    return d_rows, (dp if want_p else None), None, None, None
+
+
+unpermute_fwd.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+def unpermute(rows: Tensor, layout: ExpertLayout, probs: Tensor | None) -> Tensor:
+    """:func:`linghe.unpermute` through the custom ops (inputs already validated)."""
+    return unpermute_fwd(rows, probs, layout.row_index, layout.tokens_per_expert,
+                         layout.offsets)

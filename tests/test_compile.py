@@ -222,3 +222,24 @@ def test_linear_recipe_guard_and_delayed():
     with linghe.TrainingContext(fp8="delayed"), \
             pytest.raises(RuntimeError, match="'delayed' FP8 recipe does not run under"):
         f(x)
+
+
+# ------------------------------------------------------------------------------ permute
+@pytest.mark.parametrize("fp8", [False, True])
+def test_permute_unpermute(fp8):
+    T, H, E, k = 13, 136, 5, 2
+    x = _leaf(T, H, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+    ids[3, 1] = -1  # not routed
+    probs, w = _leaf(T, k), _leaf(H)
+
+    def moe_move(x, probs, w):
+        # FP8 rows: an Fp8Tensor that carries autograd (straight-through) to x and w.
+        src = linghe.rms_norm_quant(x, w, columnwise=False) if fp8 else x
+        rows, prow, layout = linghe.permute(src, ids, probs, num_experts=E, align=4)
+        if fp8:
+            rows = rows.dequantize()
+        out = linghe.unpermute(rows * 2, layout, probs)
+        return out, prow, layout.row_index, layout.offsets, layout.tokens_per_expert
+
+    check_compiles(moe_move, x, probs, w)
