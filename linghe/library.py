@@ -39,6 +39,7 @@ from torch.library import custom_op
 
 from .bwd import activation as _bwd_act
 from .bwd import gate as _bwd_gate
+from .bwd import grouped_mm as _bwd_gmm
 from .bwd import loss as _bwd_loss
 from .bwd import norm as _bwd_norm
 from .bwd import permute as _bwd_perm
@@ -50,6 +51,7 @@ from .fp8.recipe import Fp8Recipe
 from .fp8.tensor import Fp8Tensor
 from .fwd import activation as _fwd_act
 from .fwd import gate as _fwd_gate
+from .fwd import grouped_mm as _fwd_gmm
 from .fwd import loss as _fwd_loss
 from .fwd import norm as _fwd_norm
 from .fwd import permute as _fwd_perm
@@ -1184,3 +1186,153 @@ def unpermute(rows: Tensor, layout: ExpertLayout, probs: Tensor | None) -> Tenso
     """:func:`linghe.unpermute` through the custom ops (inputs already validated)."""
     return unpermute_fwd(rows, probs, layout.row_index, layout.tokens_per_expert,
                          layout.offsets)
+
+
+# ======================================================================================
+# grouped_mm (bf16 and FP8 blockwise). Re-check after the FP8 MoE work lands: the
+# launchers' signatures are the contract here.
+# ======================================================================================
+
+
+@custom_op("linghe::grouped_mm_fwd", mutates_args=())
+def grouped_mm_fwd(rows: Tensor, weight: Tensor, offsets: Tensor, backend: str) -> Tensor:
+    """``out [R, N] = rows_e @ weight[e]^T`` per segment; ``backend`` "auto" picks
+    ``torch._grouped_mm`` when the operands allow it (decided at run time)."""
+    return _fwd_gmm.grouped_mm_fwd(rows, weight, offsets, backend=backend).contiguous()
+
+
+@grouped_mm_fwd.register_fake
+def _(rows, weight, offsets, backend):
+    return _new(rows, rows.shape[0], weight.shape[1])
+
+
+@custom_op("linghe::grouped_mm_bwd", mutates_args=())
+def grouped_mm_bwd(d_out: Tensor, rows: Tensor | None, weight: Tensor | None, offsets: Tensor,
+                   backend: str, rows_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(d_rows [R, K] or absent, d_weight [E, N, K] or absent)``: the dgrad when
+    ``weight`` is given, the wgrad when ``rows`` is."""
+    d_rows = d_w = None
+    if weight is not None:
+        d_rows = _bwd_gmm.grouped_mm_dgrad(d_out, weight, offsets, backend=backend).contiguous()
+    if rows is not None:
+        d_w = _bwd_gmm.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows_dtype,
+                                        backend=backend).contiguous()
+    return _or_absent(d_rows, d_out), _or_absent(d_w, d_out, rows_dtype)
+
+
+@grouped_mm_bwd.register_fake
+def _(d_out, rows, weight, offsets, backend, rows_dtype):
+    R, N = d_out.shape
+    d_rows = _new(d_out, R, weight.shape[2]) if weight is not None else _absent(d_out)
+    d_w = (_new(d_out, offsets.shape[0] - 1, N, rows.shape[1], dtype=rows_dtype)
+           if rows is not None else _absent(d_out, rows_dtype))
+    return d_rows, d_w
+
+
+def _gmm_setup(ctx, inputs, output):
+    rows, weight, offsets, backend = inputs
+    ctx.save_for_backward(rows, weight, offsets)
+    ctx.backend = backend
+
+
+def _gmm_backward(ctx, d_out):
+    rows, weight, offsets = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    d_rows, d_w = grouped_mm_bwd(d_out.contiguous(), rows if need_dw else None,
+                                 weight if need_dx else None, offsets, ctx.backend, rows.dtype)
+    return (d_rows if need_dx else None), (d_w if need_dw else None), None, None
+
+
+grouped_mm_fwd.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+@custom_op("linghe::grouped_mm_fp8_fwd", mutates_args=())
+def grouped_mm_fp8_fwd(rows: Tensor, weight: Tensor, offsets: Tensor, pow2_scale: bool,
+                       need_dx: bool,
+                       need_dw: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """FP8 blockwise ``out [R, N]``: ``rows`` quantized 1x128, ``weight`` 128x128 per expert.
+    Also returns the columnwise copies the backward reads: ``rows``' (for the wgrad, when
+    ``need_dw``) and the weight's (for the dgrad, when ``need_dx``), absent otherwise."""
+    a = _quant.quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
+    w = _fwd_gmm.quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
+    out = _fwd_gmm.grouped_mm_fp8_fwd(a, w, offsets, out_dtype=rows.dtype)
+    return (out, _or_absent(a.columnwise_data, rows, FP8),
+            _or_absent(a.columnwise_scale, rows, F32), _or_absent(w.columnwise_data, rows, FP8),
+            _or_absent(w.columnwise_scale, rows, F32))
+
+
+@grouped_mm_fp8_fwd.register_fake
+def _(rows, weight, offsets, pow2_scale, need_dx, need_dw):
+    R, K = rows.shape
+    E, N, _ = weight.shape
+    ac, acs = ((_new(rows, K, R, dtype=FP8), _new(rows, K, cdiv(R, 128), dtype=F32))
+               if need_dw else (_absent(rows, FP8), _absent(rows, F32)))
+    wc, wcs = ((_new(rows, K, E * N, dtype=FP8), _new(rows, cdiv(K, 128), E * N // 128, dtype=F32))
+               if need_dx else (_absent(rows, FP8), _absent(rows, F32)))
+    return _new(rows, R, N), ac, acs, wc, wcs
+
+
+@custom_op("linghe::grouped_mm_fp8_bwd", mutates_args=())
+def grouped_mm_fp8_bwd(d_out: Tensor, a_col: Tensor | None, a_col_scale: Tensor | None,
+                       w_col: Tensor | None, w_col_scale: Tensor | None, offsets: Tensor,
+                       pow2_scale: bool, rows_dtype: torch.dtype, w_dtype: torch.dtype,
+                       K: int) -> tuple[Tensor, Tensor]:
+    """``(d_rows, d_weight)`` of the FP8 grouped GEMM from the forward's columnwise copies
+    (the dgrad when ``w_col`` is given, the wgrad when ``a_col`` is); ``d_out`` quantized
+    1x128 (rowwise for the dgrad, columnwise for the wgrad)."""
+    R, N = d_out.shape
+    E = offsets.shape[0] - 1
+    need_dx, need_dw = w_col is not None, a_col is not None
+    g = _quant.quantize_1x128(d_out, rowwise=need_dx, columnwise=need_dw, pow2_scale=pow2_scale)
+    d_rows = d_w = None
+    if need_dx:
+        w = Fp8Tensor((E, N, K), w_dtype, columnwise_data=w_col, columnwise_scale=w_col_scale,
+                      scaling="128x128")
+        d_rows = _bwd_gmm.grouped_mm_fp8_dgrad(g, w, offsets, out_dtype=rows_dtype)
+    if need_dw:
+        a = Fp8Tensor((R, K), rows_dtype, columnwise_data=a_col, columnwise_scale=a_col_scale,
+                      scaling="1x128")
+        d_w = _bwd_gmm.grouped_mm_fp8_wgrad(g, a, offsets, out_dtype=w_dtype)
+    return _or_absent(d_rows, d_out, rows_dtype), _or_absent(d_w, d_out, w_dtype)
+
+
+@grouped_mm_fp8_bwd.register_fake
+def _(d_out, a_col, a_col_scale, w_col, w_col_scale, offsets, pow2_scale, rows_dtype, w_dtype,
+      K):
+    R, N = d_out.shape
+    E = offsets.shape[0] - 1
+    return (_new(d_out, R, K, dtype=rows_dtype) if w_col is not None
+            else _absent(d_out, rows_dtype),
+            _new(d_out, E, N, K, dtype=w_dtype) if a_col is not None
+            else _absent(d_out, w_dtype))
+
+
+def _gmm_fp8_setup(ctx, inputs, output):
+    rows, weight, offsets, pow2_scale, need_dx, need_dw = inputs
+    _, ac, acs, wc, wcs = output
+    ctx.save_for_backward(ac if need_dw else None, acs if need_dw else None,
+                          wc if need_dx else None, wcs if need_dx else None, offsets)
+    ctx.meta = (pow2_scale, rows.dtype, weight.dtype, rows.shape[1])
+    ctx.mark_non_differentiable(ac, acs, wc, wcs)
+
+
+def _gmm_fp8_backward(ctx, d_out, *_unused):
+    ac, acs, wc, wcs, offsets = ctx.saved_tensors
+    d_rows, d_w = grouped_mm_fp8_bwd(d_out.contiguous(), ac, acs, wc, wcs, offsets, *ctx.meta)
+    return (d_rows if wc is not None else None), (d_w if ac is not None else None), None, \
+        None, None, None
+
+
+grouped_mm_fp8_fwd.register_autograd(_gmm_fp8_backward, setup_context=_gmm_fp8_setup)
+
+
+def grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor, fp8: bool, backend: str,
+               pow2_scale: bool) -> Tensor:
+    """:func:`linghe.grouped_mm` through the custom ops (inputs validated; ``backend``
+    "auto" only where the layout allows ``torch._grouped_mm``)."""
+    if not fp8:
+        return grouped_mm_fwd(rows, weight, offsets, backend)
+    # (the copies each gradient needs are decided here: a custom op sees no requires_grad)
+    grad = torch.is_grad_enabled()
+    return grouped_mm_fp8_fwd(rows, weight, offsets, pow2_scale,
+                              grad and rows.requires_grad, grad and weight.requires_grad)[0]

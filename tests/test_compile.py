@@ -243,3 +243,18 @@ def test_permute_unpermute(fp8):
         return out, prow, layout.row_index, layout.offsets, layout.tokens_per_expert
 
     check_compiles(moe_move, x, probs, w)
+
+
+# ------------------------------------------------------------------------------ grouped_mm
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_mm(fp8):
+    E, N, K, T, k = 3, (128 if fp8 else 40), 72, 11, 2
+    x = _leaf(T, K, dtype=torch.bfloat16)
+    w = _leaf(E, N, K, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+
+    def experts(x, w):
+        rows, _, layout = linghe.permute(x, ids, num_experts=E, align=8)
+        return linghe.grouped_mm(rows, w, layout, fp8=fp8)
+
+    check_compiles(experts, x, w)
