@@ -535,6 +535,61 @@ def silu_mul_quant(x: Tensor, probs: Tensor | None, columnwise: bool,
     return _SiluMulQuant.apply(x, probs, bool(columnwise), bool(pow2_scale))
 
 
+@custom_op("linghe::batch_silu_mul_quant_fwd", mutates_args=())
+def batch_silu_mul_quant_fwd(x: Tensor, probs: Tensor | None, counts: Tensor, align: int,
+                             columnwise: bool, pow2_scale: bool
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, s, qt or absent, st or absent, g_off [E+1], seg_off [E+1])`` of rows grouped
+    by expert (see ``linghe.fwd.activation.batch_silu_mul_quant_fwd``)."""
+    q, s, qt, st, g_off, seg_off = _fwd_act.batch_silu_mul_quant_fwd(
+        x, probs, counts, align, columnwise=columnwise, pow2_scale=pow2_scale)
+    # (the launcher returns both offsets as rows of one buffer: outputs may not alias)
+    return q, s, _or_absent(qt, q), _or_absent(st, s), g_off, seg_off.clone()
+
+
+@batch_silu_mul_quant_fwd.register_fake
+def _(x, probs, counts, align, columnwise, pow2_scale):
+    R, N = x.shape[0], x.shape[1] // 2
+    E = counts.shape[0]
+    q, s, qt, st = _fake_1x128(x, R, N, True, columnwise)
+    if columnwise:
+        st = _new(x, N, _fwd_act.batch_col_groups(R, E), dtype=F32)
+    return q, s, qt, st, _new(x, E + 1, dtype=torch.int32), _new(x, E + 1, dtype=torch.int32)
+
+
+class _BatchSiluMulQuant(torch.autograd.Function):
+    """Straight-through autograd of ``batch_silu_mul_quant`` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, counts, align, columnwise, pow2_scale, segments):
+        q, s, qt, st, g_off, seg_off = batch_silu_mul_quant_fwd(x, probs, counts, align,
+                                                                columnwise, pow2_scale)
+        ctx.save_for_backward(x, probs, counts)
+        ctx.align = align
+        ctx.mark_non_differentiable(g_off)
+        y = Fp8Tensor((x.shape[0], x.shape[1] // 2), x.dtype, rowwise_data=q, rowwise_scale=s,
+                      columnwise_data=qt if columnwise else None,
+                      columnwise_scale=st if columnwise else None, scaling="1x128",
+                      col_segments=(segments if segments is not None else seg_off)
+                      if columnwise else None)
+        return y, g_off
+
+    @staticmethod
+    def backward(ctx, dy, _dg_off):
+        x, probs, counts = ctx.saved_tensors
+        need_dp = probs is not None and ctx.needs_input_grad[1]
+        dx, dp = silu_mul_bwd(_dense_grad(dy), x, probs, need_dp, counts, ctx.align)
+        return dx, (dp if need_dp else None), None, None, None, None, None
+
+
+def batch_silu_mul_quant(x: Tensor, probs: Tensor | None, counts: Tensor, align: int,
+                         columnwise: bool, pow2_scale: bool, segments: Tensor | None):
+    """:func:`linghe.batch_silu_mul_quant` through the custom ops (inputs validated;
+    ``segments``: the layout's offsets when a layout was given)."""
+    return _BatchSiluMulQuant.apply(x, probs, counts, align, bool(columnwise),
+                                    bool(pow2_scale), segments)
+
+
 # ======================================================================================
 # router: router_logits, topk_route, router_z_loss
 # ======================================================================================

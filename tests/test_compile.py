@@ -258,3 +258,17 @@ def test_grouped_mm(fp8):
         return linghe.grouped_mm(rows, w, layout, fp8=fp8)
 
     check_compiles(experts, x, w)
+
+
+def test_batch_silu_mul_quant():
+    E, T, k, n = 3, 20, 2, 40
+    x = _leaf(T, 2 * n, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+
+    def experts(x, probs):
+        rows, prow, layout = linghe.permute(x, ids, probs, num_experts=E, align=8)
+        y, g_off = linghe.batch_silu_mul_quant(rows, prow, layout=layout)
+        return (*fp8_parts(y)[:4], y.col_segments, g_off, y.dequantize(),
+                y.dequantize(columnwise=True))
+
+    check_compiles(experts, x, _leaf(T, k))
