@@ -558,7 +558,8 @@ fs = dict(x_ptr="*bf16", p_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv", s_ptr=
 for batch in (False, True):
     ptx = comp(F._silu_mul_quant_fwd_kernel, fs,
                dict(BM=128, COLWISE=True, POW2=False, HAS_P=True, BATCH=batch, EP2=64,
-                    ALIGN16=batch), F.QUANT_NUM_WARPS, ("M", "N", "stride_x", "ALIGN"))
+                    ALIGN16=batch), F.BATCH_QUANT_NUM_WARPS if batch else F.QUANT_NUM_WARPS,
+               ("M", "N", "stride_x", "ALIGN"))
     # The transposed fp8 stores must be 16-byte vectors (the batch form needs ALIGN16).
     assert "st.global.b8" not in ptx and "st.global.v4" in ptx, batch
 bs = dict(dy_ptr="*bf16", x_ptr="*bf16", p_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32",
