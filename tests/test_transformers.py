@@ -233,6 +233,8 @@ def test_fp8_blockwise(device):
     lp.backward()
     for n, p in pat.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), n
+    # the expert weights' FP8 copies are cached (made once per optimizer step)
+    assert [c.misses for c in pat.model.layers[0].mlp.experts._linghe_fp8_caches] == [1, 1]
 
 
 def test_import_linghe_does_not_import_transformers():

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..context import TrainingContext, current_recipe
+from ..fp8.cache import WeightCache
 from ..functional.activation import silu_mul, silu_mul_quant
 from ..functional.grouped_mm import grouped_mm
 from ..functional.linear import fp8_linear
@@ -192,7 +193,9 @@ class ExpertsMixin:
     in ``hidden_states``' dtype (the experts' dtype). The routing weight scales each
     expert's SwiGLU output before the down projection (Hugging Face scales after it: the
     same value, as the projection is linear). Under the blockwise FP8 recipe both grouped
-    GEMMs run FP8 when ``2I`` and ``H`` are multiples of 128 (else high precision).
+    GEMMs run FP8 when ``2I`` and ``H`` are multiples of 128 (else high precision), the
+    expert weights quantized once per optimizer step (a :class:`~linghe.fp8.WeightCache`
+    per weight, as in :class:`linghe.nn.MoE`).
     """
 
     #: segment alignment in rows (a multiple of 8 lets bf16 use torch._grouped_mm on Hopper)
@@ -205,10 +208,18 @@ class ExpertsMixin:
         rows, prow, layout = permute(x.contiguous(), top_k_index,
                                      top_k_weights.to(torch.float32),
                                      num_experts=w1.shape[0], align=self.linghe_align)
-        fp8 = (is_fp8_blockwise() and w1.shape[1] % 128 == 0 and w1.shape[2] % 128 == 0)
-        h = grouped_mm(rows, w1, layout, fp8=fp8)
+        fp8 = is_fp8_blockwise() and w1.shape[1] % 128 == 0 and w1.shape[2] % 128 == 0
+        c1 = c2 = None
+        pow2 = False
+        if fp8:
+            caches = self.__dict__.get("_linghe_fp8_caches")
+            if caches is None:  # made here: Hugging Face built the module
+                caches = self._linghe_fp8_caches = (WeightCache(), WeightCache())
+            c1, c2 = caches
+            pow2 = current_recipe().pow2_scale
+        h = grouped_mm(rows, w1, layout, fp8=fp8, pow2_scale=pow2, weight_cache=c1)
         a = silu_mul(h, prow)
-        y = grouped_mm(a, w2, layout, fp8=fp8)
+        y = grouped_mm(a, w2, layout, fp8=fp8, pow2_scale=pow2, weight_cache=c2)
         return unpermute(y, layout).to(hidden_states.dtype)
 
 
