@@ -24,7 +24,7 @@ from ..functional.activation import silu_mul, silu_mul_quant
 from ..functional.grouped_mm import grouped_mm
 from ..functional.linear import fp8_linear
 from ..functional.loss import linear_cross_entropy
-from ..functional.norm import rms_norm
+from ..functional.norm import rms_norm, rms_norm_quant
 from ..functional.permute import permute, unpermute
 from ..functional.rope import apply_rope
 from ..functional.router import router_logits, topk_route
@@ -62,11 +62,25 @@ class RMSNormMixin:
     weight (result dtype: the promotion of both); linghe multiplies in fp32 and rounds once.
     Same value in fp32, within one rounding of the input dtype otherwise; the result keeps
     Hugging Face's dtype (e.g. float32 for a bf16 input and an fp32 weight under autocast).
+
+    ``linghe_quantize_output`` (set by the patch with ``fp8="blockwise"`` on a norm whose
+    only consumers are FP8 :class:`linghe.nn.Linear`, i.e. the attention's input norm):
+    under the blockwise recipe the forward is :func:`linghe.rms_norm_quant`, whose
+    :class:`~linghe.Fp8Tensor` the q/k/v projections share without quantizing again.
     """
 
+    linghe_quantize_output: bool = False
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(hidden_states, self.weight, self.variance_epsilon)
-        out_dtype = torch.promote_types(hidden_states.dtype, self.weight.dtype)
+        w = self.weight
+        if (self.linghe_quantize_output and w.dtype == hidden_states.dtype
+                and is_fp8_blockwise()):
+            recipe = current_recipe()
+            return rms_norm_quant(hidden_states, w, self.variance_epsilon,
+                                  columnwise=recipe.fp8_wgrad and torch.is_grad_enabled(),
+                                  pow2_scale=recipe.pow2_scale)
+        y = rms_norm(hidden_states, w, self.variance_epsilon)
+        out_dtype = torch.promote_types(hidden_states.dtype, w.dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
 

@@ -12,6 +12,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ..fp8.recipe import RECIPES
 from ..nn.convert import convert
+from ..nn.linear import Linear as LingheLinear
 from . import modules as M
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "AutoLinghePatchedModelForCausalLM", "apply_linghe_kernels"]
@@ -157,6 +158,7 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
                 layer.linghe_fp8 = fp8
                 n = _convert_linears(layer)
                 counts["Linear"] = counts.get("Linear", 0) + n
+                _quantize_attention_input(layer)
 
     causal_lm = hf("ForCausalLM")
     if cross_entropy and causal_lm is not None and isinstance(model, causal_lm):
@@ -177,6 +179,15 @@ def _convert_linears(layer: torch.nn.Module) -> int:
     convert(layer, fp8_filter=lambda name, m: type(m) is torch.nn.Linear)
     after = sum(type(m) is torch.nn.Linear for m in layer.modules())
     return before - after
+
+
+def _quantize_attention_input(layer: torch.nn.Module) -> None:
+    """Let the attention's input norm emit FP8 (``rms_norm_quant``) when it is patched and
+    all of q/k/v are linghe Linears (its only consumers in these families)."""
+    norm, attn = getattr(layer, "input_layernorm", None), getattr(layer, "self_attn", None)
+    projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if isinstance(norm, M.RMSNormMixin) and all(isinstance(p, LingheLinear) for p in projs):
+        norm.linghe_quantize_output = True
 
 
 def _split_patch_kwargs(kwargs: dict) -> dict:
