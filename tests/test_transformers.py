@@ -300,3 +300,20 @@ def test_bf16_and_gradient_checkpointing(device, monkeypatch):
     for name, g in _grads(pat).items():
         assert g is not None and g.dtype == torch.bfloat16, name
         check(f"d {name}", gx[name], gr[name], g)
+
+
+def test_hf_step_benchmark_smoke(tmp_path, capsys):
+    """``python -m benchmark.hf_step`` on CPU: the tiny config, one step per mode, JSON out,
+    the table printed last; both modes start from the same weights and batch."""
+    from benchmark import hf_step
+
+    out = tmp_path / "hf_step.json"
+    assert hf_step.main(["--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["hf", "linghe"]
+    assert abs(rows[1]["first_loss"] - rows[0]["first_loss"]) < 1e-4 * rows[0]["first_loss"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("hf ") and lines[-1].startswith("linghe ")
