@@ -125,7 +125,7 @@ def test_loss_options(device):
         lr = ref(ids, labels=ids, num_items_in_batch=n).loss
         tup = pat(ids, labels=ids, num_items_in_batch=n, return_dict=False)
         sr = ref(ids, shift_labels=shifted, labels=ids).loss
-        sp = pat(ids, shift_labels=shifted).loss
+        sp = pat(ids, shift_labels=shifted, labels=ids).loss
     assert isinstance(tup, tuple)
     assert_close(tup[0], lr, 1e-5, "loss / num_items_in_batch")
     assert_close(sp, sr, 1e-5, "loss with shift_labels")

@@ -37,7 +37,8 @@ _CLASSES: dict[tuple[type, type], type] = {}
 
 def patched_class(hf_cls: type, mixin: type) -> type:
     """``class Linghe<Name>(mixin, hf_cls)``, made once per pair and kept in this module's
-    namespace (so that ``copy.deepcopy`` and pickling of a patched module find it)."""
+    namespace (so that unpickling a patched module finds it in a process that has patched
+    a model of the same family)."""
     key = (hf_cls, mixin)
     cls = _CLASSES.get(key)
     if cls is None:
@@ -273,8 +274,9 @@ def _slice_to_keep(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
 
 
 def make_causal_lm_forward(original, output_classes):
-    """A ``forward`` for a ``*ForCausalLM`` model (set on the instance): with ``labels`` (or
-    ``shift_labels``) the loss comes from :func:`causal_lm_loss` and the output's
+    """A ``forward`` for a ``*ForCausalLM`` model (set on the instance): with ``labels`` the
+    loss comes from :func:`causal_lm_loss` (``shift_labels``, ``num_items_in_batch``,
+    ``ignore_index`` from the keyword arguments, as Hugging Face reads them) and the output's
     ``logits`` is ``None``; without, the original forward runs (logits, e.g. for
     ``generate()``). MoE models add ``router_aux_loss_coef * aux_loss`` as Hugging Face
     does. ``output_classes = (dense_output_cls, moe_output_cls, load_balancing_loss_func)``.
@@ -288,7 +290,7 @@ def make_causal_lm_forward(original, output_classes):
         arguments = dict(bound.arguments)
         extra = dict(arguments.pop("kwargs", {}))
         labels = arguments.pop("labels", None)
-        if labels is None and extra.get("shift_labels") is None:
+        if labels is None:  # as Hugging Face: no loss without labels, logits as before
             return original(self, *args, **kwargs)
         arguments.pop("self")
         logits_to_keep = arguments.pop("logits_to_keep", 0)

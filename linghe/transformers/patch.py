@@ -73,7 +73,10 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
         rms_norm: every ``*RMSNorm`` (layer norms, final norm, Qwen3's q/k norms) through
             :func:`linghe.rms_norm`.
         rope: rotary embedding of the attention through :func:`linghe.apply_rope` (fused
-            q and k, forward and backward).
+            q and k, forward and backward). The modeling file's ``apply_rotary_pos_emb`` is
+            replaced once by a dispatcher that takes linghe's kernel only inside a patched
+            attention module (unpatched models in the process keep Hugging Face's), and
+            Hugging Face's function for calls the kernel does not cover.
         swiglu: dense ``*MLP`` (``silu``) as one gate/up GEMM + :func:`linghe.silu_mul`.
         moe: Qwen3-MoE's sparse block: router through :func:`linghe.router_logits` and
             :func:`linghe.topk_route` (softmax top-k, renormalized as the config's
