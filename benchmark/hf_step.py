@@ -49,7 +49,7 @@ GPU_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
                  batch=4, seq=2048)
 CPU_SHAPE = dict(vocab_size=131, hidden_size=64, intermediate_size=96,
-                 moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, num_experts=6, num_experts_per_tok=2,
                  batch=2, seq=9)
 MODES = ("hf", "linghe", "linghe_fp8")

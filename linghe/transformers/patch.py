@@ -12,6 +12,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ..fp8.recipe import RECIPES
 from ..nn.convert import convert
+from ..nn.linear import Linear as LingheLinear
 from . import modules as M
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "AutoLinghePatchedModelForCausalLM", "apply_linghe_kernels"]
@@ -72,7 +73,10 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
         rms_norm: every ``*RMSNorm`` (layer norms, final norm, Qwen3's q/k norms) through
             :func:`linghe.rms_norm`.
         rope: rotary embedding of the attention through :func:`linghe.apply_rope` (fused
-            q and k, forward and backward).
+            q and k, forward and backward). The modeling file's ``apply_rotary_pos_emb`` is
+            replaced once by a dispatcher that takes linghe's kernel only inside a patched
+            attention module (unpatched models in the process keep Hugging Face's), and
+            Hugging Face's function for calls the kernel does not cover.
         swiglu: dense ``*MLP`` (``silu``) as one gate/up GEMM + :func:`linghe.silu_mul`.
         moe: Qwen3-MoE's sparse block: router through :func:`linghe.router_logits` and
             :func:`linghe.topk_route` (softmax top-k, renormalized as the config's
@@ -157,6 +161,7 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
                 layer.linghe_fp8 = fp8
                 n = _convert_linears(layer)
                 counts["Linear"] = counts.get("Linear", 0) + n
+                _quantize_attention_input(layer)
 
     causal_lm = hf("ForCausalLM")
     if cross_entropy and causal_lm is not None and isinstance(model, causal_lm):
@@ -177,6 +182,15 @@ def _convert_linears(layer: torch.nn.Module) -> int:
     convert(layer, fp8_filter=lambda name, m: type(m) is torch.nn.Linear)
     after = sum(type(m) is torch.nn.Linear for m in layer.modules())
     return before - after
+
+
+def _quantize_attention_input(layer: torch.nn.Module) -> None:
+    """Let the attention's input norm emit FP8 (``rms_norm_quant``) when it is patched and
+    all of q/k/v are linghe Linears (its only consumers in these families)."""
+    norm, attn = getattr(layer, "input_layernorm", None), getattr(layer, "self_attn", None)
+    projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if isinstance(norm, M.RMSNormMixin) and all(isinstance(p, LingheLinear) for p in projs):
+        norm.linghe_quantize_output = True
 
 
 def _split_patch_kwargs(kwargs: dict) -> dict:
