@@ -219,6 +219,29 @@ def dequantize_batch_columnwise(q_t: torch.Tensor, scale_t: torch.Tensor, tokens
                 q_t[:, start:start + padded], scale_t[:, g:g + ng]).t()
             g += ng
     return out.to(dtype)
+
+
+def segment_col_group(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[num_rows]`` int64: the columnwise scale group of each row when groups follow
+    segments (``offsets [E + 1]``): expert ``e``'s rows ``offsets[e] + 128 i ..`` are group
+    ``g_off[e] + i`` (``g_off`` = exclusive cumsum of ``ceil(segment / 128)``), the rows
+    from ``offsets[E]`` on are groups ``g_off[E] + (r - offsets[E]) // 128``. Device ops
+    only (no host sync)."""
+    off = offsets.to(torch.int64)
+    r = torch.arange(num_rows, device=off.device)
+    e = torch.searchsorted(off[1:].contiguous(), r, right=True)  # E for the tail rows
+    ntile = torch.div(off[1:] - off[:-1] + BLOCK - 1, BLOCK, rounding_mode="floor")
+    g_off = torch.cat([ntile.new_zeros(1), ntile.cumsum(0)])
+    return g_off[e] + torch.div(r - off[e], BLOCK, rounding_mode="floor")
+
+
+def dequantize_segment_columnwise(q_t: torch.Tensor, scale_t: torch.Tensor,
+                                  offsets: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Columnwise copy whose 1x128 groups follow segments (``offsets [E + 1]``, see
+    :func:`segment_col_group`): ``[n, R]`` fp8 + ``[n, G]`` scales → ``[n, R]`` (not
+    transposed back). Same values as :func:`dequantize_batch_columnwise`, on the device."""
+    g = segment_col_group(offsets, q_t.shape[1]).clamp(max=max(scale_t.shape[1] - 1, 0))
+    return (q_t.float() * scale_t.float()[:, g]).to(dtype)
 # norm: RMSNorm (+ residual add), RMSNorm + 1x128 FP8 quantization
 # ======================================================================================
 

@@ -271,6 +271,12 @@ def test_batch_silu_mul_quant(device, case, align, n, dtype):
         deq_t = ref.dequantize_batch_columnwise(y.columnwise_data, y.columnwise_scale,
                                                 counts, align)
         assert_close(deq_t, yr, tol=0.07)
+        # The tensor knows its columnwise groups follow the segments: its own dequantize
+        # reads them exactly as the per-segment reference does.
+        torch.testing.assert_close(y.dequantize(columnwise=True, dtype=torch.float32), deq_t,
+                                   rtol=0, atol=0)
+    segs = ref.expert_segments(counts, align)
+    assert y.col_segments.tolist() == [st_ for st_, _, _ in segs] + [sum(p for *_, p in segs)]
     # Straight-through backward; padding rows get zero gradients whatever dy holds.
     dy = torch.randn(R, n, device=device).to(dtype)
     gx, gp = _grads(y, x, probs, dy)
@@ -289,6 +295,11 @@ def test_batch_silu_mul_quant_layout_and_int64_counts(device):
     y1, g1 = linghe.batch_silu_mul_quant(x, p, layout=layout)
     y2, g2 = linghe.batch_silu_mul_quant(x, p, counts, align=16)
     assert torch.equal(g1, g2)
+    # With a layout, the tensor carries the layout's own offsets (matched by identity by
+    # the grouped wgrad); without, offsets the kernel published (same values).
+    assert y1.col_segments is layout.offsets
+    assert torch.equal(y2.col_segments, layout.offsets)
+    assert torch.equal(y1.dequantize(columnwise=True), y2.dequantize(columnwise=True))
     for a, b in [(y1.rowwise_data, y2.rowwise_data), (y1.rowwise_scale, y2.rowwise_scale),
                  (y1.columnwise_data, y2.columnwise_data),
                  (y1.columnwise_scale, y2.columnwise_scale)]:
@@ -320,6 +331,40 @@ def test_batch_columnwise_groups_do_not_cross_segments(device):
     y, goff = linghe.batch_silu_mul_quant(x, None, torch.tensor(counts, device=device))
     assert goff.tolist() == [0, 1, 2]
     assert torch.all(y.columnwise_data[:, :20].float().abs().amax(1) > 100)
+    # ...and dequantize(columnwise=True) keeps the tiny expert's values.
+    yr = ref.silu_mul(torch.cat([x[:20], torch.zeros_like(x[20:32]), x[32:52],
+                                 torch.zeros_like(x[52:])]))
+    assert_close(y.dequantize(columnwise=True)[:20], yr[:20], tol=0.07)
+
+
+def test_batch_output_in_consumers_that_need_plain_groups(device):
+    """Consumers reading the columnwise copy as plain 128-token groups must not take the
+    segment-grouped copy silently: the dense FP8 wgrad refuses it, fp8_linear requantizes
+    it from the rowwise copy, the grouped wgrad (plain-group kernel) refuses it."""
+    counts = torch.tensor([20, 0, 33], device=device)
+    layout = make_expert_layout(counts, 16, num_rows=70)
+    x = torch.randn(70, 2 * 128, device=device, dtype=torch.bfloat16)
+    y, _ = linghe.batch_silu_mul_quant(x, None, layout=layout)
+    dy = linghe.quantize_1x128(torch.randn(70, 128, device=device), columnwise=True)
+    with pytest.raises(ValueError, match="grouped by expert segments"):
+        linghe.fp8.gemm.wgrad(dy, y)
+    with pytest.raises(ValueError, match="grouped by expert segments"):
+        linghe.functional.grouped_mm.grouped_mm_fp8_wgrad(dy, y, layout)
+    # fp8_linear: the wgrad from the segment-grouped tensor equals the one from the same
+    # tensor without its columnwise copy (both requantize the rowwise values).
+    from linghe.fp8.recipe import Fp8Recipe
+    from linghe.functional.linear import fp8_linear
+    recipe = Fp8Recipe("blockwise")
+    weight = torch.randn(128, 128, device=device, requires_grad=True)
+    g = torch.randn(70, 128, device=device)
+    grads = []
+    for inp in (y, y.with_components(columnwise_data=None, columnwise_scale=None)):
+        weight.grad = None
+        (fp8_linear(inp, weight, None, recipe).float() * g).sum().backward()
+        grads.append(weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    ref_w = g.t() @ y.dequantize(dtype=torch.float32)
+    assert_close(grads[0], ref_w, tol=0.1)
 
 
 def test_batch_negative_counts_safe_and_debug(device):

@@ -128,3 +128,85 @@ def test_bad_inputs(device):
         linghe.quantize_1x128(torch.randn(8, 8, device=device), rowwise=False)
     with pytest.raises(ValueError, match="w must be 2-D"):
         linghe.quantize_128x128(torch.randn(2, 8, 8, device=device))
+
+
+def test_fp8_tensor_checks_components(device):
+    x = torch.randn(5, 300, device=device)
+    t = linghe.quantize_1x128(x, columnwise=True)
+    F = linghe.Fp8Tensor
+    with pytest.raises(ValueError, match=r"rowwise_scale must have shape \(5, 3\)"):
+        F((5, 300), torch.float32, rowwise_data=t.rowwise_data,
+          rowwise_scale=t.rowwise_scale[:, :2])
+    with pytest.raises(ValueError, match=r"rowwise_data must have shape \(5, 301\)"):
+        F((5, 301), torch.float32, rowwise_data=t.rowwise_data, rowwise_scale=t.rowwise_scale)
+    with pytest.raises(ValueError, match=r"columnwise_data must have shape \(300, 5\)"):
+        F((5, 300), torch.float32, columnwise_data=t.rowwise_data,
+          columnwise_scale=t.rowwise_scale)
+    with pytest.raises(TypeError, match="rowwise_data must be float8"):
+        F((5, 300), torch.float32, rowwise_data=x, rowwise_scale=t.rowwise_scale)
+    with pytest.raises(TypeError, match="rowwise_scale must be float32"):
+        F((5, 300), torch.float32, rowwise_data=t.rowwise_data,
+          rowwise_scale=t.rowwise_scale.double())
+    with pytest.raises(ValueError, match="one scale"):
+        F((5, 300), torch.float32, rowwise_data=t.rowwise_data, rowwise_scale=t.rowwise_scale,
+          scaling="tensor")
+    w = linghe.quantize_128x128(torch.randn(130, 300, device=device), columnwise=True)
+    with pytest.raises(ValueError, match=r"columnwise_scale must have shape \(3, 2\)"):
+        w.with_components(columnwise_scale=w.rowwise_scale)
+    with pytest.raises(TypeError, match="with_components takes"):
+        t.with_components(rowwise=None)
+    # leading dims are flattened: [2, 3, 300] holds rowwise [6, 300]
+    t3 = linghe.quantize_1x128(torch.randn(2, 3, 300, device=device), columnwise=True)
+    assert t3.columnwise_data.shape == (300, 6)
+
+
+def test_fp8_tensor_col_segments(device):
+    counts = [3, 0, 130, 17]
+    align = 16
+    segs = ref.expert_segments(counts, align)
+    offsets = torch.tensor([s for s, _, _ in segs] + [sum(p for *_, p in segs)],
+                           dtype=torch.int32, device=device)
+    R, n = int(offsets[-1]) + 20, 7
+    G = -(-R // 128) + len(counts)
+    qt = (torch.randn(n, R, device=device) * 50).to(torch.float8_e4m3fn)
+    st = torch.rand(n, G, device=device) + 0.5
+    want = ref.dequantize_batch_columnwise(qt, st, counts, align)
+    # (the reference leaves the tail rows at 0; give them their own groups' values)
+    grp = ref.segment_col_group(offsets, R)
+    used = int(offsets[-1])
+    g_off = sum(-(-p // 128) for *_, p in segs)
+    assert grp[used:].tolist() == [g_off + i // 128 for i in range(R - used)]
+    want[used:] = (qt[:, used:].float() * st[:, grp[used:]]).t()
+    t = linghe.Fp8Tensor((R, n), torch.bfloat16, columnwise_data=qt, columnwise_scale=st,
+                         col_segments=offsets)
+    torch.testing.assert_close(t.dequantize(columnwise=True, dtype=torch.float32), want,
+                               rtol=0, atol=0)
+    # As an ordinary tensor it is that value too (the only copy it has).
+    torch.testing.assert_close((t + 0).float(), want.to(torch.bfloat16).float())
+    assert "col_segments" in repr(t)
+    d = t.detach()
+    assert d.col_segments is offsets
+    # A replaced columnwise copy is taken as plain unless col_segments comes with it.
+    assert t.with_components(columnwise_data=qt, columnwise_scale=st[:, :-len(counts)]) \
+        .col_segments is None
+    # (flatten/unflatten, the torch.compile protocol, carries it)
+    names, ctx = t.__tensor_flatten__()
+    assert "col_segments" in names
+    u = linghe.Fp8Tensor.__tensor_unflatten__({k: getattr(t, k) for k in names}, ctx,
+                                              t.shape, t.stride())
+    assert u.col_segments is offsets
+    with pytest.raises(ValueError, match=r"ceil\(M/128\) \+ E"):
+        t.with_components(columnwise_scale=st[:, :-1], col_segments=offsets)
+    with pytest.raises(ValueError, match="2-D '1x128'"):
+        linghe.Fp8Tensor((R, n), torch.bfloat16, rowwise_data=qt.t().contiguous(),
+                         rowwise_scale=torch.ones(R, 1, device=device), col_segments=offsets)
+    with pytest.raises(ValueError, match="segment offsets"):
+        t.with_components(col_segments=offsets.float())
+
+
+def test_fp8_tensor_refused_by_kernel_ops(device):
+    t = linghe.quantize_1x128(torch.randn(4, 256, device=device))
+    with pytest.raises(TypeError, match=r"x is an Fp8Tensor.*x.dequantize\(\)"):
+        linghe.quantize_1x128(t)
+    with pytest.raises(TypeError, match="Fp8Tensor"):
+        linghe.silu_mul(t)

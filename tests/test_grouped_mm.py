@@ -412,3 +412,78 @@ def test_grad_of_one_operand_only(device, fp8, which):
                  tol=FP8_VS_EXACT if fp8 else 1e-2)
     other = w if which == "rows" else x
     assert other.grad is None
+
+
+def test_fp8_weight_cache_reuse_and_invalidation(device):
+    """The expert weights are quantized once per version: two forwards (micro-batches)
+    and their dgrads share one quantization; an optimizer step or an in-place update
+    quantizes again; results equal those of an uncached call."""
+    from linghe.fp8 import WeightCache
+
+    x, layout, real = make_rows([9, 0, 20], 16, 128, device, torch.bfloat16)
+    w = torch.nn.Parameter((torch.randn(3, 128, 128, device=device) / 11).to(torch.bfloat16))
+    cache = WeightCache()
+    opt = torch.optim.SGD([w], lr=1.0)
+    outs = []
+    for _ in range(2):
+        xi = x.clone().requires_grad_()
+        out = linghe.grouped_mm(xi, w, layout, fp8=True, pow2_scale=True, weight_cache=cache)
+        out.float().sum().backward()
+        outs.append((out.detach(), xi.grad))
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # the same as quantizing on every call
+    xi = x.clone().requires_grad_()
+    out = linghe.grouped_mm(xi, w.detach().clone(), layout, fp8=True, pow2_scale=True)
+    out.float().sum().backward()
+    assert torch.equal(out, outs[0][0]) and torch.equal(xi.grad, outs[0][1])
+    cached = cache.value
+    opt.step()  # in-place update: version bump
+    out2 = linghe.grouped_mm(x, w, layout, fp8=True, pow2_scale=True, weight_cache=cache)
+    assert cache.misses == 2 and cache.value is not cached
+    fresh = linghe.quantize_grouped_weight(w.detach(), columnwise=True, pow2_scale=True)
+    assert torch.equal(cache.value.rowwise_data.float(), fresh.rowwise_data.float())
+    assert torch.equal(cache.value.columnwise_scale, fresh.columnwise_scale)
+    assert not torch.equal(out2, outs[0][0])
+    with torch.no_grad():
+        w.mul_(2)
+    linghe.grouped_mm(x, w, layout, fp8=True, pow2_scale=True, weight_cache=cache)
+    assert cache.misses == 3
+    # another scale format is another key
+    linghe.grouped_mm(x, w, layout, fp8=True, pow2_scale=False, weight_cache=cache)
+    assert cache.misses == 4
+    with pytest.raises(TypeError, match="weight_cache"):
+        linghe.grouped_mm(x, w, layout, fp8=True, weight_cache={})
+
+
+def test_weight_cache_generic(device):
+    from linghe.fp8 import WeightCache
+
+    w = torch.randn(130, 200, device=device)
+    cache = WeightCache()
+    calls = []
+
+    def q(t):
+        calls.append(1)
+        return linghe.quantize_128x128(t, columnwise=True)
+
+    a = cache.get(w, q, "f")
+    assert cache.get(w, q, "f") is a and len(calls) == 1
+    w.data = w.data.clone()  # new storage: a miss
+    assert cache.get(w, q, "f") is not a and len(calls) == 2
+    assert cache.get(w, q, "g") is not None and len(calls) == 3  # format key
+    w.add_(1)
+    cache.get(w, q, "g")
+    assert len(calls) == 4
+    cache.clear()
+    cache.get(w, q, "g")
+    assert len(calls) == 5 and (cache.hits, cache.misses) == (1, 5)
+
+    def bad(t):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        cache.get(w.add_(1), bad, "g")
+    assert cache.value is None  # no stale copy left behind
+    with pytest.raises(TypeError, match="quantize must return an Fp8Tensor"):
+        cache.get(w, lambda t: t, "h")

@@ -117,3 +117,25 @@ def test_moe_bad_input():
         m.update_expert_bias(torch.zeros(3))
     with pytest.raises(ValueError, match="all 4 experts"):
         m.load_full_state_dict({"experts_down": torch.zeros(2, 16, 8)}, strict=False)
+
+
+def test_moe_fp8_expert_weights_quantized_once_per_step():
+    m = linghe.nn.MoE(128, 4, 2, 64, align=16, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    caches = m._fp8_weight_caches
+    x = torch.randn(2, 5, 128, dtype=torch.bfloat16)
+    with linghe.TrainingContext(fp8="blockwise"):
+        for _ in range(2):  # two micro-batches of one step
+            out, _ = m(x)
+            out.float().sum().backward()
+    assert all((c.misses, c.hits) == (1, 1) for c in caches.values())
+    opt.step()
+    with linghe.TrainingContext(fp8="blockwise"):
+        m(x)
+    assert all((c.misses, c.hits) == (2, 1) for c in caches.values())
+    w = m.experts_down.detach()
+    fresh = linghe.quantize_grouped_weight(w, columnwise=True, pow2_scale=True)
+    assert torch.equal(caches["experts_down"].value.rowwise_data.float(),
+                       fresh.rowwise_data.float())
+    m.to(torch.float32)  # module conversion drops the cached copies
+    assert all(c.value is None for c in caches.values())

@@ -8,12 +8,14 @@ import math
 
 import torch
 
+from .. import library
 from ..bwd import activation as _bwd
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import activation as _fwd
 from ..layout import ExpertLayout
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -88,7 +90,9 @@ def silu_mul(x: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor
     """
     _check_x(x)
     p1 = _check_probs(probs, x)
-    return _SiluMul.apply(x, p1)
+    if torch.compiler.is_compiling():
+        return library.silu_mul(x, p1)
+    return apply_function(_SiluMul, x, p1)
 
 
 # ------------------------------------------------------------------------- silu_mul_quant
@@ -135,20 +139,26 @@ def silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None = None, *,
     """
     _check_x(x)
     p1 = _check_probs(probs, x)
-    return _SiluMulQuant.apply(x, p1, bool(columnwise), bool(pow2_scale))
+    if torch.compiler.is_compiling():
+        return library.silu_mul_quant(x, p1, columnwise, pow2_scale)
+    return apply_function(_SiluMulQuant, x, p1, bool(columnwise), bool(pow2_scale))
 
 
 # ------------------------------------------------------------------------- batch form
 class _BatchSiluMulQuant(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, counts, align, columnwise, pow2):
-        q, s, qt, st, g_off = _fwd.batch_silu_mul_quant_fwd(
+    def forward(ctx, x, probs, counts, align, columnwise, pow2, segments):
+        q, s, qt, st, g_off, seg_off = _fwd.batch_silu_mul_quant_fwd(
             x, probs, counts, align, columnwise=columnwise, pow2_scale=pow2)
         ctx.save_for_backward(x, probs, counts)
         ctx.align = align
         ctx.mark_non_differentiable(g_off)
+        # The columnwise groups follow the expert segments: the tensor carries them (the
+        # layout's own offsets when given, so that consumers can match them by identity).
         y = Fp8Tensor((x.shape[0], x.shape[1] // 2), x.dtype, rowwise_data=q, rowwise_scale=s,
-                      columnwise_data=qt, columnwise_scale=st, scaling="1x128")
+                      columnwise_data=qt, columnwise_scale=st, scaling="1x128",
+                      col_segments=(segments if segments is not None else seg_off)
+                      if columnwise else None)
         return y, g_off
 
     @staticmethod
@@ -159,7 +169,7 @@ class _BatchSiluMulQuant(torch.autograd.Function):
         dy = dy.contiguous()
         dx, dp = _bwd.silu_mul_bwd(dy, x, probs, need_dprobs=ctx.needs_input_grad[1],
                                    counts=counts, align=ctx.align)
-        return dx, dp, None, None, None, None
+        return dx, dp, None, None, None, None, None
 
 
 def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
@@ -191,9 +201,11 @@ def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
       [n, R]`` (row ``c`` = column ``c`` of ``y`` over all rows, in row order) with
       ``columnwise_scale [n, G]``, ``G = cdiv(R,128) + E`` (a static bound): the 1x128
       groups along tokens start at each expert's segment start and never cross segments
-      (the last group of a segment may be partial). Note ``y.dequantize(columnwise=True)``
-      assumes plain groups and is NOT valid for this copy; use
-      ``reference.dequantize_batch_columnwise``.
+      (the last group of a segment may be partial). ``y.col_segments`` holds the segment
+      offsets ``[E + 1]`` that these groups follow (``layout.offsets`` itself when
+      ``layout`` is given), so ``y.dequantize(columnwise=True)`` is exact and consumers
+      that need plain groups (``linghe.fp8.gemm.wgrad``, ``fp8_linear``) refuse or
+      requantize it.
     - ``col_group_offsets``: ``[E + 1]`` int32 device tensor; expert ``e``'s columnwise
       groups are scale columns ``[g_off[e], g_off[e+1])``, ``g_off[e] = sum_{j<e}
       cdiv(padded_j, 128)``; group ``g_off[e] + i`` covers rows ``offsets[e] + 128 i`` ..
@@ -228,6 +240,7 @@ def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
         raise ValueError(f"align must be a positive int, got {align!r}")
     p1 = _check_probs(probs, x)
     counts = tokens_per_expert.contiguous()
+    segments = layout.offsets if layout is not None else None
     if debug_enabled():
         c = counts.long().cpu()
         if bool((c < 0).any()):
@@ -236,4 +249,8 @@ def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
         if used > R:
             raise ValueError(f"tokens_per_expert padded to align={align} needs {used} rows, "
                              f"but x has {R}")
-    return _BatchSiluMulQuant.apply(x, p1, counts, align, bool(columnwise), bool(pow2_scale))
+    if torch.compiler.is_compiling():
+        return library.batch_silu_mul_quant(x, p1, counts, align, columnwise, pow2_scale,
+                                            segments)
+    return apply_function(_BatchSiluMulQuant, x, p1, counts, align, bool(columnwise),
+                          bool(pow2_scale), segments)

@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd import grouped_mm as bwd
 from ..fp8 import Fp8Tensor, quantize_1x128
+from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd
 from ..fwd.grouped_mm import quantize_grouped_weight
 from ..layout import ExpertLayout
-from ..utils import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
+from ..utils import (
+    FLOAT_DTYPES,
+    apply_function,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+)
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -106,7 +114,7 @@ class GroupedMMFunction(torch.autograd.Function):
     operand needs a gradient."""
 
     @staticmethod
-    def forward(ctx, rows, weight, offsets, fp8, backend, pow2_scale):
+    def forward(ctx, rows, weight, offsets, fp8, backend, pow2_scale, weight_cache=None):
         ctx.fp8, ctx.backend, ctx.pow2 = fp8, backend, pow2_scale
         need_dx, need_dw = rows.requires_grad, weight.requires_grad
         if not fp8:
@@ -115,7 +123,10 @@ class GroupedMMFunction(torch.autograd.Function):
                                   offsets)
             return out
         a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
-        w = quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
+        if weight_cache is not None:
+            w = cached_grouped_weight(weight_cache, weight, pow2_scale)
+        else:
+            w = quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
         out = fwd.grouped_mm_fp8_fwd(a, w, offsets, out_dtype=rows.dtype)
         # Only the columnwise copies live on (plain holders: no tensor-subclass construction).
         ctx.a = _ColumnwiseCopy(a) if need_dw else None
@@ -136,7 +147,7 @@ class GroupedMMFunction(torch.autograd.Function):
             if need_dw:
                 d_w = bwd.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows.dtype,
                                            backend=ctx.backend)
-            return d_rows, d_w, None, None, None, None
+            return d_rows, d_w, None, None, None, None, None
         (offsets,) = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         g = quantize_1x128(d_out, rowwise=need_dx, columnwise=need_dw, pow2_scale=ctx.pow2)
@@ -145,11 +156,21 @@ class GroupedMMFunction(torch.autograd.Function):
         if need_dw:
             d_w = bwd.grouped_mm_fp8_wgrad(g, ctx.a, offsets, out_dtype=w_dtype)
         ctx.a = ctx.w = None
-        return d_rows, d_w, None, None, None, None
+        return d_rows, d_w, None, None, None, None, None
+
+
+def cached_grouped_weight(cache: WeightCache, weight: torch.Tensor,
+                          pow2_scale: bool) -> Fp8Tensor:
+    """``quantize_grouped_weight(weight, columnwise=True)`` through ``cache``: quantized
+    once per version of ``weight`` (once per optimizer step), both copies kept, so that
+    every micro-batch's forward and dgrad reuse them."""
+    return cache.get(weight, lambda w: quantize_grouped_weight(
+        w, columnwise=True, pow2_scale=pow2_scale), ("grouped_128x128", pow2_scale))
 
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = False,
-               backend: str = "auto", pow2_scale: bool = False) -> torch.Tensor:
+               backend: str = "auto", pow2_scale: bool = False,
+               weight_cache: WeightCache | None = None) -> torch.Tensor:
     """Per-expert GEMM over rows grouped by expert: ``out_e = rows_e @ weight[e]^T``.
 
     Args:
@@ -173,6 +194,9 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
             force one (``"torch"``: the caller guarantees those alignments). FP8 always
             runs the Triton kernels.
         pow2_scale: power-of-two FP8 scales.
+        weight_cache: with ``fp8``, a :class:`~linghe.fp8.WeightCache` that keeps the
+            weight's FP8 copies (rowwise and columnwise) until the weight changes
+            (:func:`cached_grouped_weight`); ``None`` quantizes on every call.
 
     Returns ``out [R, N]`` in ``rows``' dtype, fp32 accumulation, zeros past
     ``offsets[E]``. Saved for backward: see :class:`GroupedMMFunction`. Gradients:
@@ -185,13 +209,21 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if fp8 and weight.shape[1] % 128 != 0:
         raise ValueError(f"fp8=True needs N (weight.shape[1]) to be a multiple of 128, got "
                          f"{weight.shape[1]}")
+    if torch.compiler.is_compiling():
+        # (the torch._grouped_mm check reads data pointers: the op decides "auto" at run time)
+        if backend == "auto" and not (isinstance(layout, ExpertLayout) and layout.align % 8 == 0):
+            backend = "triton"
+        return library.grouped_mm(rows, weight, offsets, bool(fp8), backend, bool(pow2_scale))
     if backend == "auto" and not fp8:
         # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
         # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
         aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
         backend = "torch" if aligned and fwd.torch_grouped_mm_ok(rows, weight) else "triton"
-    return GroupedMMFunction.apply(rows, weight, offsets, bool(fp8), backend,
-                                   bool(pow2_scale))
+    if weight_cache is not None and not isinstance(weight_cache, WeightCache):
+        raise TypeError(f"weight_cache must be a linghe.fp8.WeightCache or None, got "
+                        f"{type(weight_cache).__name__}")
+    return apply_function(GroupedMMFunction, rows, weight, offsets, bool(fp8), backend,
+                          bool(pow2_scale), weight_cache if fp8 else None)
 
 
 # --------------------------------------------------------------------------------------
@@ -210,7 +242,11 @@ def _check_fp8_rows(name, t, *, rowwise: bool, columnwise: bool):
         raise ValueError(f"{name} needs its rowwise copy (quantize_1x128(rowwise=True))")
     if columnwise and t.columnwise_data is None:
         raise ValueError(f"{name} needs its columnwise copy (quantize_1x128(columnwise=True))")
-    check_kernel_device(name, t)
+    if columnwise and t.col_segments is not None:
+        raise ValueError(f"{name}'s columnwise copy is grouped by expert segments "
+                         "(col_segments); this wgrad reads plain 128-token groups: "
+                         "requantize it with quantize_1x128(t.dequantize(), columnwise=True)")
+    check_kernel_device(name, t.rowwise_data if rowwise else t.columnwise_data)
 
 
 def _check_fp8_weight(name, w, *, rowwise: bool, columnwise: bool):

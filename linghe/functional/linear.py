@@ -1,58 +1,18 @@
-"""FP8 linear layer: ``y = x·W^T + b`` through the recipe's FP8 GEMMs, forward and backward."""
+"""FP8 linear layer: ``y = x·W^T + b`` through the recipe's FP8 GEMMs, forward and backward.
+
+(:class:`~linghe.fp8.cache.WeightCache`, which keeps a weight's FP8 copy between optimizer
+steps, is importable from here too.)"""
 
 from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..fp8 import gemm
+from ..fp8.cache import WeightCache
 from ..fp8.recipe import Fp8Recipe
 from ..fp8.tensor import Fp8Tensor
-from ..utils import FLOAT_DTYPES, check_tensor
-
-
-class WeightCache:
-    """Holds one weight's FP8 copy between optimizer steps.
-
-    Valid while the weight's ``_version`` (bumped by every in-place update, e.g. an
-    optimizer step) and ``data_ptr`` (changed by ``weight.data = ...``) and the recipe's
-    weight format are what they were when it was filled.
-    """
-
-    def __init__(self):
-        self.key = None
-        self.value: Fp8Tensor | None = None
-        self.amax: torch.Tensor | None = None
-        self.hits = 0
-        self.misses = 0
-
-    def clear(self) -> None:
-        self.key = self.value = self.amax = None
-
-    # A copied or pickled module starts with an empty cache (it is derived data).
-    def __deepcopy__(self, memo):
-        return WeightCache()
-
-    def __getstate__(self):
-        return {}
-
-    def __setstate__(self, state):
-        self.__init__()
-
-    def get(self, weight: torch.Tensor, recipe: Fp8Recipe, slot) -> Fp8Tensor:
-        key = (weight._version, weight.data_ptr(), weight.shape, weight.dtype, recipe.name,
-               recipe.pow2_scale, id(recipe.state))
-        if self.key == key and self.value is not None:
-            self.hits += 1
-            if recipe.state is not None and self.amax is not None:
-                recipe.state.record(slot, self.amax, recipe.fwd_dtype)
-            return self.value
-        self.misses += 1
-        with torch.no_grad():
-            w = weight.detach()
-            self.value = recipe.quantize_weight(w.contiguous(), key=slot)
-            self.amax = w.abs().amax().float().reshape(1) if recipe.state is not None else None
-        self.key = key
-        return self.value
+from ..utils import FLOAT_DTYPES, apply_function, check_tensor
 
 
 def _as_2d(t: Fp8Tensor) -> Fp8Tensor:
@@ -71,10 +31,13 @@ def _prepare_input(x, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
         x2 = _as_2d(x)
         if recipe.accepts(x2):
             has_row = x2.rowwise_data is not None
-            has_col = x2.columnwise_data is not None
+            # A columnwise copy grouped by expert segments is not what the dense wgrad
+            # reads: treat it as missing (requantized from the rowwise copy below).
+            has_col = x2.columnwise_data is not None and x2.col_segments is None
             if has_row and (has_col or not need_col):
                 return x2
-            # Quantize the missing copy from the one we have.
+            # Quantize the missing copy from the one we have (dequantize follows
+            # col_segments, so a segment-grouped copy is read right).
             hp = x2.dequantize(columnwise=not has_row)
             fill = recipe.quantize_input(hp, rowwise=not has_row, columnwise=need_col and
                                          not has_col, key=slot)
@@ -103,7 +66,7 @@ class _Fp8Linear(torch.autograd.Function):
         xq = _prepare_input(x, recipe, need_dw and fp8_wgrad, slot)
         wslot = (owner, "w")
         if cache is not None:
-            wq = cache.get(weight, recipe, wslot)
+            wq = cache.get_for_recipe(weight, recipe, wslot)
         else:
             with torch.no_grad():
                 wq = recipe.quantize_weight(weight.detach().contiguous(), key=wslot)
@@ -175,6 +138,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         cache: a :class:`WeightCache` for the weight's FP8 copy.
         owner: hashable naming this layer's amax slots (delayed recipe).
 
+    Under ``torch.compile`` (blockwise and tensorwise recipes; the delayed one raises
+    ``RuntimeError``) the weight is quantized in every call: a graph keeps no ``cache``.
+
     Returns ``y`` in ``x``'s dtype (bfloat16 for an fp8 ``x``). Saved for backward: the
     columnwise FP8 copies of X (or X itself when ``fp8_wgrad=False``) and W. Backward
     quantizes dY (rowwise for dgrad, columnwise for wgrad; e5m2 in the per-tensor recipes)
@@ -194,4 +160,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     # Inside Function.forward grad mode is off, so decide here whether wgrad will be needed.
     need_dw = weight.requires_grad and torch.is_grad_enabled()
-    return _Fp8Linear.apply(x, weight, bias, recipe, cache, owner, need_dw)
+    if torch.compiler.is_compiling():
+        return library.fp8_linear(x, weight, bias, recipe, need_dw)
+    return apply_function(_Fp8Linear, x, weight, bias, recipe, cache, owner, need_dw)

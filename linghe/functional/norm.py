@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd import norm as bwd
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import norm as fwd
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -98,7 +100,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     (or ``h``), ``weight`` and ``rstd [M] float32``.
     """
     _check(x, weight, eps, residual)
-    return RMSNormFunction.apply(x, weight.contiguous(), residual, float(eps))
+    if torch.compiler.is_compiling():
+        return library.rms_norm(x, weight, eps, residual)
+    return apply_function(RMSNormFunction, x, weight.contiguous(), residual, float(eps))
 
 
 class RMSNormQuantFunction(torch.autograd.Function):
@@ -142,8 +146,10 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     saved ``rstd [M] float32``; ``x`` and ``weight`` are saved too).
     """
     _check(x, weight, eps)
-    return RMSNormQuantFunction.apply(x, weight.contiguous(), float(eps), bool(columnwise),
-                                      bool(pow2_scale))
+    if torch.compiler.is_compiling():
+        return library.rms_norm_quant(x, weight, eps, columnwise, pow2_scale)
+    return apply_function(RMSNormQuantFunction, x, weight.contiguous(), float(eps),
+                          bool(columnwise), bool(pow2_scale))
 
 
 __all__ = ["RMSNormFunction", "RMSNormQuantFunction", "rms_norm", "rms_norm_quant"]

@@ -49,8 +49,9 @@ def expert_tile(cnt_ptr, E, R, t, ALIGN, EP2: tl.constexpr):
     Expert ``e`` owns tiles ``[g_off[e], g_off[e+1])`` with ``g_off`` the exclusive cumsum
     of ``cdiv(roundup(count_e, ALIGN), 128)``; tiles from ``g_off[E]`` on cover the tail
     rows ``[offsets[E], R)`` in order. Returns ``(tile_start, real_end, seg_end, g_off
-    [EP2] exclusive, g_used, idx)``: rows ``< real_end`` are real, rows in ``[real_end,
-    seg_end)`` are padding/tail (zeros). Negative counts count as 0.
+    [EP2] exclusive, g_used, idx, seg_off [EP2] exclusive, used)``: rows ``< real_end``
+    are real, rows in ``[real_end, seg_end)`` are padding/tail (zeros); ``seg_off`` are
+    the segment offsets and ``used`` = ``offsets[E]``. Negative counts count as 0.
     """
     idx = tl.arange(0, EP2)
     emask = idx < E
@@ -72,7 +73,7 @@ def expert_tile(cnt_ptr, E, R, t, ALIGN, EP2: tl.constexpr):
     tile_start = tl.where(is_tail, used + (t - g_used) * 128, seg_start + (t - g_start) * 128)
     real_end = tl.where(is_tail, 0, seg_start + cnt_e)
     seg_stop = tl.where(is_tail, R, seg_start + pad_e)
-    return tile_start, real_end, seg_stop, g_end - ntile, g_used, idx
+    return tile_start, real_end, seg_stop, g_end - ntile, g_used, idx, seg_end - padded, used
 
 
 @triton.jit
@@ -120,12 +121,15 @@ def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_p
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if BATCH:
-        tile_start, real_end, seg_stop, g_off, g_used, eidx = expert_tile(
+        tile_start, real_end, seg_stop, g_off, g_used, eidx, seg_off, used = expert_tile(
             cnt_ptr, E, M, pid_m, ALIGN, EP2)
-        # Program (0, 0) publishes the per-expert columnwise group offsets [E + 1].
+        # Program (0, 0) publishes the per-expert columnwise group offsets [E + 1] and,
+        # in the next E + 1 entries, the segment offsets that the groups follow.
         # (EP2 > E, so entry E fits in the same vector.)
         first = (eidx * 0 + pid_m + pid_n) == 0
         tl.store(goff_ptr + eidx, tl.where(eidx < E, g_off, g_used), mask=(eidx <= E) & first)
+        tl.store(goff_ptr + E + 1 + eidx, tl.where(eidx < E, seg_off, used),
+                 mask=(eidx <= E) & first)
         if ALIGN16:
             # Segment starts are multiples of ALIGN (a multiple of 16): tell the compiler,
             # so that the transposed (row-contiguous) fp8 stores are 16-byte vectors.
@@ -225,10 +229,11 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     """Fused SwiGLU + 1x128 quantization of rows grouped by expert.
 
     ``x [R, 2N]``, ``probs [R]`` or None, ``counts [E]`` int32/int64 (device). Returns
-    ``(q [R, N], s [R, cdiv(N,128)], qt [N, R] | None, st [N, G] | None, g_off [E+1] int32)``
-    with ``G = cdiv(R,128) + E``; expert ``e``'s columnwise groups are columns
-    ``[g_off[e], g_off[e+1])`` of ``st``; columns from ``g_off[E]`` on hold the tail rows'
-    groups (zeros) and then unused groups, all with scale 1.
+    ``(q [R, N], s [R, cdiv(N,128)], qt [N, R] | None, st [N, G] | None, g_off [E+1] int32,
+    seg_off [E+1] int32)`` with ``G = cdiv(R,128) + E``; expert ``e``'s columnwise groups
+    are columns ``[g_off[e], g_off[e+1])`` of ``st`` and start at row ``seg_off[e]`` (the
+    segment offsets); columns from ``g_off[E]`` on hold the tail rows' groups (zeros) and
+    then unused groups, all with scale 1.
     """
     R, N = x.shape[0], x.shape[1] // 2
     E = counts.numel()
@@ -240,7 +245,8 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     if columnwise:
         qt = empty(N, R, dtype=FP8_DTYPE, device=dev)
         st = empty(N, G, dtype=torch.float32, device=dev)
-    g_off = empty(E + 1, dtype=torch.int32, device=dev)
+    offs = empty(2, E + 1, dtype=torch.int32, device=dev)  # g_off, seg_off: one allocation
+    g_off = offs[0]
     # N == 0 still runs one column of programs so that g_off is written.
     with device_guard(x):
         launch(_silu_mul_quant_fwd_kernel, (G, max(cdiv(N, BLOCK), 1)),
@@ -248,4 +254,4 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
             BM=BLOCK, COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
             BATCH=True, EP2=next_power_of_2(E + 1), ALIGN16=align % 16 == 0,
             num_warps=QUANT_NUM_WARPS)
-    return q, s, qt, st, g_off
+    return q, s, qt, st, g_off, offs[1]

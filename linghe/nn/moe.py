@@ -14,6 +14,7 @@ from torch import nn
 from ..context import current_recipe
 from ..dist.collectives import group_size_rank
 from ..dist.dispatcher import ExpertParallelDispatcher
+from ..fp8.cache import WeightCache
 from ..functional.activation import silu_mul
 from ..functional.grouped_mm import grouped_mm
 from ..functional.router import router_logits, router_z_loss, topk_route
@@ -81,7 +82,8 @@ class MoE(nn.Module):
     experts' dtype. The router probabilities weight each expert's SwiGLU output
     (``silu_mul(h, probs_rows)``), so combine is a plain sum. Under
     ``linghe.TrainingContext(fp8="blockwise")`` both grouped GEMMs run FP8 blockwise
-    (``grouped_mm(..., fp8=True)``, which needs ``2I`` and ``H`` multiples of 128); the
+    (``grouped_mm(..., fp8=True)``, which needs ``2I`` and ``H`` multiples of 128), the
+    expert weights quantized once per optimizer step (a ``WeightCache`` per weight); the
     fused ``batch_silu_mul_quant`` is not wired in yet (the down GEMM quantizes the bf16
     SwiGLU output itself).
     """
@@ -136,7 +138,14 @@ class MoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(El, H, In, **fk))
         self.shared_experts = (SwiGLU(H, In * num_shared_experts, **fk)
                                if num_shared_experts else None)
+        # FP8 copies of the expert weights, made once per optimizer step (see WeightCache).
+        self._fp8_weight_caches = {name: WeightCache() for name in _EXPERT_PARAMS}
         self.reset_parameters()
+
+    def _apply(self, fn, *args, **kwargs):
+        for cache in self._fp8_weight_caches.values():
+            cache.clear()
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def expert_range(self) -> tuple[int, int]:
@@ -187,9 +196,11 @@ class MoE(nn.Module):
         layout = handle.layout
         recipe = current_recipe()
         fp8 = recipe is not None and recipe.name == "blockwise"
-        h = grouped_mm(rows, w1, layout, fp8=fp8)
+        caches = self._fp8_weight_caches
+        kw = ({"fp8": True, "pow2_scale": recipe.pow2_scale} if fp8 else {})
+        h = grouped_mm(rows, w1, layout, weight_cache=caches["experts_gate_up"], **kw)
         a = silu_mul(h, prow)
-        y = grouped_mm(a, w2, layout, fp8=fp8)
+        y = grouped_mm(a, w2, layout, weight_cache=caches["experts_down"], **kw)
         out = self.dispatcher.combine(y, handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
