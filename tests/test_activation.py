@@ -237,8 +237,10 @@ def _batch_inputs(counts, tail, align, n, dtype, device):
 
 
 # GPU subset: ([37], 0) repeats the single expert of ([1], 0) and the full segment of
-# ([0, 37, 0], 5).
-@pytest.mark.gpu_subset(case=BATCH_CASES[1:])
+# ([0, 37, 0], 5); n = 3 (one partial 128-group) repeats the partial group of n = 200 but
+# for the smallest tiles, which the 8-expert case keeps.
+@pytest.mark.gpu_subset(case=BATCH_CASES[1:], n=[200])
+@pytest.mark.gpu_subset(case=[BATCH_CASES[3]], n=[3])
 @pytest.mark.parametrize("case", BATCH_CASES)
 @pytest.mark.parametrize("align", [16, 128])
 @pytest.mark.parametrize("n", [3, 200])
