@@ -39,8 +39,10 @@ from torch.library import custom_op
 
 from .bwd import activation as _bwd_act
 from .bwd import gate as _bwd_gate
+from .bwd import grouped_mm as _bwd_gmm
 from .bwd import loss as _bwd_loss
 from .bwd import norm as _bwd_norm
+from .bwd import permute as _bwd_perm
 from .bwd import rope as _bwd_rope
 from .bwd import router as _bwd_router
 from .fp8 import gemm as _gemm
@@ -49,10 +51,13 @@ from .fp8.recipe import Fp8Recipe
 from .fp8.tensor import Fp8Tensor
 from .fwd import activation as _fwd_act
 from .fwd import gate as _fwd_gate
+from .fwd import grouped_mm as _fwd_gmm
 from .fwd import loss as _fwd_loss
 from .fwd import norm as _fwd_norm
+from .fwd import permute as _fwd_perm
 from .fwd import rope as _fwd_rope
 from .fwd import router as _fwd_router
+from .layout import ExpertLayout
 from .utils import cdiv, rows_view
 
 FP8 = torch.float8_e4m3fn
@@ -530,6 +535,61 @@ def silu_mul_quant(x: Tensor, probs: Tensor | None, columnwise: bool,
     return _SiluMulQuant.apply(x, probs, bool(columnwise), bool(pow2_scale))
 
 
+@custom_op("linghe::batch_silu_mul_quant_fwd", mutates_args=())
+def batch_silu_mul_quant_fwd(x: Tensor, probs: Tensor | None, counts: Tensor, align: int,
+                             columnwise: bool, pow2_scale: bool
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, s, qt or absent, st or absent, g_off [E+1], seg_off [E+1])`` of rows grouped
+    by expert (see ``linghe.fwd.activation.batch_silu_mul_quant_fwd``)."""
+    q, s, qt, st, g_off, seg_off = _fwd_act.batch_silu_mul_quant_fwd(
+        x, probs, counts, align, columnwise=columnwise, pow2_scale=pow2_scale)
+    # (the launcher returns both offsets as rows of one buffer: outputs may not alias)
+    return q, s, _or_absent(qt, q), _or_absent(st, s), g_off, seg_off.clone()
+
+
+@batch_silu_mul_quant_fwd.register_fake
+def _(x, probs, counts, align, columnwise, pow2_scale):
+    R, N = x.shape[0], x.shape[1] // 2
+    E = counts.shape[0]
+    q, s, qt, st = _fake_1x128(x, R, N, True, columnwise)
+    if columnwise:
+        st = _new(x, N, _fwd_act.batch_col_groups(R, E), dtype=F32)
+    return q, s, qt, st, _new(x, E + 1, dtype=torch.int32), _new(x, E + 1, dtype=torch.int32)
+
+
+class _BatchSiluMulQuant(torch.autograd.Function):
+    """Straight-through autograd of ``batch_silu_mul_quant`` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, counts, align, columnwise, pow2_scale, segments):
+        q, s, qt, st, g_off, seg_off = batch_silu_mul_quant_fwd(x, probs, counts, align,
+                                                                columnwise, pow2_scale)
+        ctx.save_for_backward(x, probs, counts)
+        ctx.align = align
+        ctx.mark_non_differentiable(g_off)
+        y = Fp8Tensor((x.shape[0], x.shape[1] // 2), x.dtype, rowwise_data=q, rowwise_scale=s,
+                      columnwise_data=qt if columnwise else None,
+                      columnwise_scale=st if columnwise else None, scaling="1x128",
+                      col_segments=(segments if segments is not None else seg_off)
+                      if columnwise else None)
+        return y, g_off
+
+    @staticmethod
+    def backward(ctx, dy, _dg_off):
+        x, probs, counts = ctx.saved_tensors
+        need_dp = probs is not None and ctx.needs_input_grad[1]
+        dx, dp = silu_mul_bwd(_dense_grad(dy), x, probs, need_dp, counts, ctx.align)
+        return dx, (dp if need_dp else None), None, None, None, None, None
+
+
+def batch_silu_mul_quant(x: Tensor, probs: Tensor | None, counts: Tensor, align: int,
+                         columnwise: bool, pow2_scale: bool, segments: Tensor | None):
+    """:func:`linghe.batch_silu_mul_quant` through the custom ops (inputs validated;
+    ``segments``: the layout's offsets when a layout was given)."""
+    return _BatchSiluMulQuant.apply(x, probs, counts, align, bool(columnwise),
+                                    bool(pow2_scale), segments)
+
+
 # ======================================================================================
 # router: router_logits, topk_route, router_z_loss
 # ======================================================================================
@@ -1003,3 +1063,331 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe,
             f"history is state updated outside the graph); use one of {COMPILED_RECIPES}, "
             "or run this module eagerly")
     return _Fp8Linear.apply(x, weight, bias, recipe, bool(need_dw))
+
+
+# ======================================================================================
+# permute: permute, unpermute (rows grouped by expert; the ExpertLayout is rebuilt from
+# its tensors outside the ops)
+# ======================================================================================
+
+
+@custom_op("linghe::permute_index", mutates_args=())
+def permute_index(expert_ids: Tensor, num_experts: int, align: int, num_rows: int) -> Tensor:
+    """int32 ``[T*k + 3E + 1]``: ``row_index | tokens_per_expert | padded | offsets`` of
+    the :class:`~linghe.layout.ExpertLayout` (a prefix of the launcher's buffer, whose
+    tail is scratch)."""
+    buf = _fwd_perm.index_buffer(expert_ids, num_experts, align, num_rows)
+    return buf[:expert_ids.numel() + 3 * num_experts + 1]
+
+
+@permute_index.register_fake
+def _(expert_ids, num_experts, align, num_rows):
+    return _new(expert_ids, expert_ids.numel() + 3 * num_experts + 1, dtype=torch.int32)
+
+
+def _layout(row_index: Tensor, tokens_per_expert: Tensor, offsets: Tensor, num_rows: int):
+    """The fields of an ExpertLayout that the permute launchers read."""
+    E = tokens_per_expert.shape[0]
+    return ExpertLayout(num_experts=E, align=1, num_rows=num_rows,
+                        tokens_per_expert=tokens_per_expert,
+                        padded_tokens_per_expert=tokens_per_expert, offsets=offsets,
+                        row_index=row_index)
+
+
+@custom_op("linghe::permute_fwd", mutates_args=())
+def permute_fwd(x: Tensor, x_scale: Tensor | None, probs: Tensor | None, row_index: Tensor,
+                tokens_per_expert: Tensor, offsets: Tensor,
+                num_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rows [num_rows, H], rows_scale [num_rows, G] or absent, probs_rows [num_rows] or
+    absent)``: ``x [T, H]`` (with its 1x128 scales ``x_scale`` when fp8) scattered by
+    expert."""
+    rows, rows_s, prow, _ = _fwd_perm.scatter_rows(
+        x, _layout(row_index, tokens_per_expert, offsets, num_rows), x_scale=x_scale,
+        probs=probs)
+    return rows, _or_absent(rows_s, x, F32), _or_absent(prow, x, F32)
+
+
+@permute_fwd.register_fake
+def _(x, x_scale, probs, row_index, tokens_per_expert, offsets, num_rows):
+    s = _new(x, num_rows, x_scale.shape[1], dtype=F32) if x_scale is not None else \
+        _absent(x, F32)
+    p = _new(x, num_rows, dtype=F32) if probs is not None else _absent(x, F32)
+    return _new(x, num_rows, x.shape[1]), s, p
+
+
+@custom_op("linghe::permute_bwd", mutates_args=())
+def permute_bwd(d_rows: Tensor, d_probs_rows: Tensor | None, row_index: Tensor,
+                x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(dx [T, H] x_dtype, dprobs [T, k] fp32 or absent)``: the gather-sum adjoint."""
+    none = _absent(row_index)  # (the gather reads only row_index)
+    layout = _layout(row_index, none, none, d_rows.shape[0])
+    dx, dp = _bwd_perm.permute_backward(d_rows, layout, x_dtype, d_probs_rows)
+    return dx, _or_absent(dp, d_rows, F32)
+
+
+@permute_bwd.register_fake
+def _(d_rows, d_probs_rows, row_index, x_dtype):
+    T, k = row_index.shape
+    dp = _new(d_rows, T, k, dtype=F32) if d_probs_rows is not None else _absent(d_rows, F32)
+    return _new(d_rows, T, d_rows.shape[1], dtype=x_dtype), dp
+
+
+def _permute_setup(ctx, inputs, output):
+    x, _, probs, row_index = inputs[:4]
+    ctx.save_for_backward(row_index)
+    ctx.x_dtype = x.dtype
+    ctx.has_probs = probs is not None
+    ctx.mark_non_differentiable(output[1])
+
+
+def _permute_backward(ctx, d_rows, _d_scale, d_prow):
+    (row_index,) = ctx.saved_tensors
+    want_p = ctx.has_probs and ctx.needs_input_grad[2]
+    dx, dp = permute_bwd(d_rows.contiguous(), d_prow.float().contiguous() if want_p else None,
+                         row_index, ctx.x_dtype)
+    return dx, None, (dp if want_p else None), None, None, None, None
+
+
+permute_fwd.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+class _PermuteFp8(torch.autograd.Function):
+    """FP8 rows move with their scales; the gradient of the high-precision input is the
+    same gather-sum as for plain rows (straight-through the quantization)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, row_index, tokens_per_expert, offsets, num_rows):
+        data, scale, prow = permute_fwd(x.rowwise_data, x.rowwise_scale, probs, row_index,
+                                        tokens_per_expert, offsets, num_rows)
+        ctx.save_for_backward(row_index)
+        ctx.x_dtype = x.dtype
+        ctx.has_probs = probs is not None
+        rows = Fp8Tensor((num_rows, x.shape[1]), x.dtype, rowwise_data=data,
+                         rowwise_scale=scale, scaling="1x128")
+        return rows, prow
+
+    @staticmethod
+    def backward(ctx, d_rows, d_prow):
+        (row_index,) = ctx.saved_tensors
+        want_p = ctx.has_probs and ctx.needs_input_grad[1]
+        dx, dp = permute_bwd(_dense_grad(d_rows), d_prow.float().contiguous() if want_p else None,
+                             row_index, ctx.x_dtype)
+        return dx, (dp if want_p else None), None, None, None, None
+
+
+def permute(x, expert_ids: Tensor, probs: Tensor | None, num_experts: int, align: int,
+            num_rows: int):
+    """:func:`linghe.permute` through the custom ops (inputs already validated;
+    ``expert_ids`` and ``probs`` contiguous)."""
+    buf = permute_index(expert_ids, num_experts, align, num_rows)
+    layout = _fwd_perm.layout_from_index(buf, expert_ids.shape, num_experts, align, num_rows)
+    li = (layout.row_index, layout.tokens_per_expert, layout.offsets, num_rows)
+    if isinstance(x, Fp8Tensor):
+        rows, prow = _PermuteFp8.apply(x, probs, *li)
+    else:
+        rows, _, prow = permute_fwd(x, None, probs, *li)
+    return rows, (prow if probs is not None else None), layout
+
+
+@custom_op("linghe::unpermute_fwd", mutates_args=())
+def unpermute_fwd(rows: Tensor, probs: Tensor | None, row_index: Tensor,
+                  tokens_per_expert: Tensor, offsets: Tensor) -> Tensor:
+    """``out [T, H] = sum_j probs[t, j] * rows[row_index[t, j]]`` in rows' dtype."""
+    layout = _layout(row_index, tokens_per_expert, offsets, rows.shape[0])
+    return _fwd_perm.gather_rows(rows, layout, weights=probs)[0]
+
+
+@unpermute_fwd.register_fake
+def _(rows, probs, row_index, tokens_per_expert, offsets):
+    return _new(rows, row_index.shape[0], rows.shape[1])
+
+
+@custom_op("linghe::unpermute_bwd", mutates_args=())
+def unpermute_bwd(dout: Tensor, probs: Tensor | None, rows: Tensor | None, row_index: Tensor,
+                  tokens_per_expert: Tensor, offsets: Tensor, num_rows: int,
+                  rows_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(d_rows [num_rows, H] rows_dtype, dprobs [T, k] fp32 or absent)``: the scatter
+    adjoint (padding rows get 0); ``dprobs`` needs the forward's ``rows``."""
+    layout = _layout(row_index, tokens_per_expert, offsets, num_rows)
+    d_rows, dp = _bwd_perm.unpermute_backward(dout, layout, rows_dtype, probs=probs, rows=rows)
+    return d_rows, _or_absent(dp, dout, F32)
+
+
+@unpermute_bwd.register_fake
+def _(dout, probs, rows, row_index, tokens_per_expert, offsets, num_rows, rows_dtype):
+    dp = _new(dout, *row_index.shape, dtype=F32) if rows is not None else _absent(dout, F32)
+    return _new(dout, num_rows, dout.shape[1], dtype=rows_dtype), dp
+
+
+def _unpermute_setup(ctx, inputs, output):
+    rows, probs, row_index, tpe, offsets = inputs
+    want_p = probs is not None and probs.requires_grad
+    ctx.save_for_backward(rows if want_p else None, probs, row_index, tpe, offsets)
+    ctx.meta = (rows.shape[0], rows.dtype)
+
+
+def _unpermute_backward(ctx, dout):
+    rows, probs, row_index, tpe, offsets = ctx.saved_tensors
+    want_p = probs is not None and ctx.needs_input_grad[1]
+    d_rows, dp = unpermute_bwd(dout.contiguous(), probs, rows if want_p else None, row_index,
+                               tpe, offsets, *ctx.meta)
+    return d_rows, (dp if want_p else None), None, None, None
+
+
+unpermute_fwd.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+def unpermute(rows: Tensor, layout: ExpertLayout, probs: Tensor | None) -> Tensor:
+    """:func:`linghe.unpermute` through the custom ops (inputs already validated)."""
+    return unpermute_fwd(rows, probs, layout.row_index, layout.tokens_per_expert,
+                         layout.offsets)
+
+
+# ======================================================================================
+# grouped_mm (bf16 and FP8 blockwise). Re-check after the FP8 MoE work lands: the
+# launchers' signatures are the contract here.
+# ======================================================================================
+
+
+@custom_op("linghe::grouped_mm_fwd", mutates_args=())
+def grouped_mm_fwd(rows: Tensor, weight: Tensor, offsets: Tensor, backend: str) -> Tensor:
+    """``out [R, N] = rows_e @ weight[e]^T`` per segment; ``backend`` "auto" picks
+    ``torch._grouped_mm`` when the operands allow it (decided at run time)."""
+    return _fwd_gmm.grouped_mm_fwd(rows, weight, offsets, backend=backend).contiguous()
+
+
+@grouped_mm_fwd.register_fake
+def _(rows, weight, offsets, backend):
+    return _new(rows, rows.shape[0], weight.shape[1])
+
+
+@custom_op("linghe::grouped_mm_bwd", mutates_args=())
+def grouped_mm_bwd(d_out: Tensor, rows: Tensor | None, weight: Tensor | None, offsets: Tensor,
+                   backend: str, rows_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(d_rows [R, K] or absent, d_weight [E, N, K] or absent)``: the dgrad when
+    ``weight`` is given, the wgrad when ``rows`` is."""
+    d_rows = d_w = None
+    if weight is not None:
+        d_rows = _bwd_gmm.grouped_mm_dgrad(d_out, weight, offsets, backend=backend).contiguous()
+    if rows is not None:
+        d_w = _bwd_gmm.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows_dtype,
+                                        backend=backend).contiguous()
+    return _or_absent(d_rows, d_out), _or_absent(d_w, d_out, rows_dtype)
+
+
+@grouped_mm_bwd.register_fake
+def _(d_out, rows, weight, offsets, backend, rows_dtype):
+    R, N = d_out.shape
+    d_rows = _new(d_out, R, weight.shape[2]) if weight is not None else _absent(d_out)
+    d_w = (_new(d_out, offsets.shape[0] - 1, N, rows.shape[1], dtype=rows_dtype)
+           if rows is not None else _absent(d_out, rows_dtype))
+    return d_rows, d_w
+
+
+def _gmm_setup(ctx, inputs, output):
+    rows, weight, offsets, backend = inputs
+    ctx.save_for_backward(rows, weight, offsets)
+    ctx.backend = backend
+
+
+def _gmm_backward(ctx, d_out):
+    rows, weight, offsets = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    d_rows, d_w = grouped_mm_bwd(d_out.contiguous(), rows if need_dw else None,
+                                 weight if need_dx else None, offsets, ctx.backend, rows.dtype)
+    return (d_rows if need_dx else None), (d_w if need_dw else None), None, None
+
+
+grouped_mm_fwd.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+@custom_op("linghe::grouped_mm_fp8_fwd", mutates_args=())
+def grouped_mm_fp8_fwd(rows: Tensor, weight: Tensor, offsets: Tensor, pow2_scale: bool,
+                       need_dx: bool,
+                       need_dw: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """FP8 blockwise ``out [R, N]``: ``rows`` quantized 1x128, ``weight`` 128x128 per expert.
+    Also returns the columnwise copies the backward reads: ``rows``' (for the wgrad, when
+    ``need_dw``) and the weight's (for the dgrad, when ``need_dx``), absent otherwise."""
+    a = _quant.quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
+    w = _fwd_gmm.quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
+    out = _fwd_gmm.grouped_mm_fp8_fwd(a, w, offsets, out_dtype=rows.dtype)
+    return (out, _or_absent(a.columnwise_data, rows, FP8),
+            _or_absent(a.columnwise_scale, rows, F32), _or_absent(w.columnwise_data, rows, FP8),
+            _or_absent(w.columnwise_scale, rows, F32))
+
+
+@grouped_mm_fp8_fwd.register_fake
+def _(rows, weight, offsets, pow2_scale, need_dx, need_dw):
+    R, K = rows.shape
+    E, N, _ = weight.shape
+    ac, acs = ((_new(rows, K, R, dtype=FP8), _new(rows, K, cdiv(R, 128), dtype=F32))
+               if need_dw else (_absent(rows, FP8), _absent(rows, F32)))
+    wc, wcs = ((_new(rows, K, E * N, dtype=FP8), _new(rows, cdiv(K, 128), E * N // 128, dtype=F32))
+               if need_dx else (_absent(rows, FP8), _absent(rows, F32)))
+    return _new(rows, R, N), ac, acs, wc, wcs
+
+
+@custom_op("linghe::grouped_mm_fp8_bwd", mutates_args=())
+def grouped_mm_fp8_bwd(d_out: Tensor, a_col: Tensor | None, a_col_scale: Tensor | None,
+                       w_col: Tensor | None, w_col_scale: Tensor | None, offsets: Tensor,
+                       pow2_scale: bool, rows_dtype: torch.dtype, w_dtype: torch.dtype,
+                       K: int) -> tuple[Tensor, Tensor]:
+    """``(d_rows, d_weight)`` of the FP8 grouped GEMM from the forward's columnwise copies
+    (the dgrad when ``w_col`` is given, the wgrad when ``a_col`` is); ``d_out`` quantized
+    1x128 (rowwise for the dgrad, columnwise for the wgrad)."""
+    R, N = d_out.shape
+    E = offsets.shape[0] - 1
+    need_dx, need_dw = w_col is not None, a_col is not None
+    g = _quant.quantize_1x128(d_out, rowwise=need_dx, columnwise=need_dw, pow2_scale=pow2_scale)
+    d_rows = d_w = None
+    if need_dx:
+        w = Fp8Tensor((E, N, K), w_dtype, columnwise_data=w_col, columnwise_scale=w_col_scale,
+                      scaling="128x128")
+        d_rows = _bwd_gmm.grouped_mm_fp8_dgrad(g, w, offsets, out_dtype=rows_dtype)
+    if need_dw:
+        a = Fp8Tensor((R, K), rows_dtype, columnwise_data=a_col, columnwise_scale=a_col_scale,
+                      scaling="1x128")
+        d_w = _bwd_gmm.grouped_mm_fp8_wgrad(g, a, offsets, out_dtype=w_dtype)
+    return _or_absent(d_rows, d_out, rows_dtype), _or_absent(d_w, d_out, w_dtype)
+
+
+@grouped_mm_fp8_bwd.register_fake
+def _(d_out, a_col, a_col_scale, w_col, w_col_scale, offsets, pow2_scale, rows_dtype, w_dtype,
+      K):
+    R, N = d_out.shape
+    E = offsets.shape[0] - 1
+    return (_new(d_out, R, K, dtype=rows_dtype) if w_col is not None
+            else _absent(d_out, rows_dtype),
+            _new(d_out, E, N, K, dtype=w_dtype) if a_col is not None
+            else _absent(d_out, w_dtype))
+
+
+def _gmm_fp8_setup(ctx, inputs, output):
+    rows, weight, offsets, pow2_scale, need_dx, need_dw = inputs
+    _, ac, acs, wc, wcs = output
+    ctx.save_for_backward(ac if need_dw else None, acs if need_dw else None,
+                          wc if need_dx else None, wcs if need_dx else None, offsets)
+    ctx.meta = (pow2_scale, rows.dtype, weight.dtype, rows.shape[1])
+    ctx.mark_non_differentiable(ac, acs, wc, wcs)
+
+
+def _gmm_fp8_backward(ctx, d_out, *_unused):
+    ac, acs, wc, wcs, offsets = ctx.saved_tensors
+    d_rows, d_w = grouped_mm_fp8_bwd(d_out.contiguous(), ac, acs, wc, wcs, offsets, *ctx.meta)
+    return (d_rows if wc is not None else None), (d_w if ac is not None else None), None, \
+        None, None, None
+
+
+grouped_mm_fp8_fwd.register_autograd(_gmm_fp8_backward, setup_context=_gmm_fp8_setup)
+
+
+def grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor, fp8: bool, backend: str,
+               pow2_scale: bool) -> Tensor:
+    """:func:`linghe.grouped_mm` through the custom ops (inputs validated; ``backend``
+    "auto" only where the layout allows ``torch._grouped_mm``)."""
+    if not fp8:
+        return grouped_mm_fwd(rows, weight, offsets, backend)
+    # (the copies each gradient needs are decided here: a custom op sees no requires_grad)
+    grad = torch.is_grad_enabled()
+    return grouped_mm_fp8_fwd(rows, weight, offsets, pow2_scale,
+                              grad and rows.requires_grad, grad and weight.requires_grad)[0]

@@ -61,6 +61,10 @@ def _check_scales(s, s_ref, name, s_mag=None):
 
 
 # ------------------------------------------------------------------------- silu_mul
+# GPU subset: (37, 3) repeats (300, 127)'s odd tail, (5, 128) the exact width of (130, 256).
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16],
+                        shape=[(1, 1), (300, 127), (37, 200), (0, 200), (130, 256)])
+@pytest.mark.gpu_subset(dtype=[torch.float16], shape=[(300, 127), (130, 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pk", [None, "f32", "x"])
@@ -120,6 +124,10 @@ def test_silu_mul_nonfinite_propagates(device):
 
 
 # ------------------------------------------------------------------------- silu_mul_quant
+# GPU subset: (37, 3) repeats (300, 127)'s single partial 128-group.
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16],
+                        shape=[(1, 1), (300, 127), (37, 200), (0, 5), (130, 256)])
+@pytest.mark.gpu_subset(dtype=[torch.float16], shape=[(300, 127), (130, 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (37, 3), (300, 127), (37, 200), (0, 5), (130, 256)])
 @pytest.mark.parametrize("pow2", [False, True])
@@ -164,6 +172,8 @@ def test_silu_mul_quant_feeds_ordinary_ops(device):
     assert_close(gx, _ref_grads(x, None, w.sum(1).expand(20, 130))[0])
 
 
+# GPU subset: (37, 128) repeats the exact 128-groups of (129, 256).
+@pytest.mark.gpu_subset(shape=[(1, 3), (130, 200), (129, 256)])
 @pytest.mark.parametrize("shape", [(1, 3), (37, 128), (130, 200), (129, 256)])
 @pytest.mark.parametrize("with_probs", [False, True])
 @pytest.mark.parametrize("pow2", [False, True])
@@ -226,6 +236,9 @@ def _batch_inputs(counts, tail, align, n, dtype, device):
     return x, probs, c, real, R
 
 
+# GPU subset: ([37], 0) repeats the single expert of ([1], 0) and the full segment of
+# ([0, 37, 0], 5).
+@pytest.mark.gpu_subset(case=BATCH_CASES[1:])
 @pytest.mark.parametrize("case", BATCH_CASES)
 @pytest.mark.parametrize("align", [16, 128])
 @pytest.mark.parametrize("n", [3, 200])

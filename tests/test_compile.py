@@ -222,3 +222,53 @@ def test_linear_recipe_guard_and_delayed():
     with linghe.TrainingContext(fp8="delayed"), \
             pytest.raises(RuntimeError, match="'delayed' FP8 recipe does not run under"):
         f(x)
+
+
+# ------------------------------------------------------------------------------ permute
+@pytest.mark.parametrize("fp8", [False, True])
+def test_permute_unpermute(fp8):
+    T, H, E, k = 13, 136, 5, 2
+    x = _leaf(T, H, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+    ids[3, 1] = -1  # not routed
+    probs, w = _leaf(T, k), _leaf(H)
+
+    def moe_move(x, probs, w):
+        # FP8 rows: an Fp8Tensor that carries autograd (straight-through) to x and w.
+        src = linghe.rms_norm_quant(x, w, columnwise=False) if fp8 else x
+        rows, prow, layout = linghe.permute(src, ids, probs, num_experts=E, align=4)
+        if fp8:
+            rows = rows.dequantize()
+        out = linghe.unpermute(rows * 2, layout, probs)
+        return out, prow, layout.row_index, layout.offsets, layout.tokens_per_expert
+
+    check_compiles(moe_move, x, probs, w)
+
+
+# ------------------------------------------------------------------------------ grouped_mm
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_mm(fp8):
+    E, N, K, T, k = 3, (128 if fp8 else 40), 72, 11, 2
+    x = _leaf(T, K, dtype=torch.bfloat16)
+    w = _leaf(E, N, K, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+
+    def experts(x, w):
+        rows, _, layout = linghe.permute(x, ids, num_experts=E, align=8)
+        return linghe.grouped_mm(rows, w, layout, fp8=fp8)
+
+    check_compiles(experts, x, w)
+
+
+def test_batch_silu_mul_quant():
+    E, T, k, n = 3, 20, 2, 40
+    x = _leaf(T, 2 * n, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+
+    def experts(x, probs):
+        rows, prow, layout = linghe.permute(x, ids, probs, num_experts=E, align=8)
+        y, g_off = linghe.batch_silu_mul_quant(rows, prow, layout=layout)
+        return (*fp8_parts(y)[:4], y.col_segments, g_off, y.dequantize(),
+                y.dequantize(columnwise=True))
+
+    check_compiles(experts, x, _leaf(T, k))

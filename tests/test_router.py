@@ -18,6 +18,8 @@ def _exact_tol(device, K: int) -> float:
     return 3e-6 * max(1.0, K / 256)
 
 
+# GPU subset: (5, 257, 3) repeats the K tail over several K blocks of (40, 130, 8).
+@pytest.mark.gpu_subset(**{"T,K,E": [(0, 64, 8), (1, 1, 1), (37, 100, 33), (40, 130, 8)]})
 @pytest.mark.parametrize("T,K,E", [(0, 64, 8), (1, 1, 1), (37, 100, 33), (40, 130, 8),
                                    (5, 257, 3)])
 @pytest.mark.parametrize("xd,wd", [(torch.bfloat16, torch.float32),
@@ -62,6 +64,10 @@ ROUTE_CASES = [
 ]
 
 
+# GPU subset: (37, 8, 3) repeats ungrouped routing over a power-of-two E of (37, 8, 1) and
+# (37, 33, 5); (37, 3, 3) repeats k == E of (37, 33, 33).
+@pytest.mark.gpu_subset(**{"T,E,k,G,TG": [c for c in ROUTE_CASES
+                                          if c not in ((37, 8, 3, 1, 1), (37, 3, 3, 1, 1))]})
 @pytest.mark.parametrize("T,E,k,G,TG", ROUTE_CASES)
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("bias", [False, True])

@@ -249,5 +249,8 @@ def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
         if used > R:
             raise ValueError(f"tokens_per_expert padded to align={align} needs {used} rows, "
                              f"but x has {R}")
+    if torch.compiler.is_compiling():
+        return library.batch_silu_mul_quant(x, p1, counts, align, columnwise, pow2_scale,
+                                            segments)
     return apply_function(_BatchSiluMulQuant, x, p1, counts, align, bool(columnwise),
                           bool(pow2_scale), segments)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd import grouped_mm as bwd
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
@@ -208,6 +209,11 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if fp8 and weight.shape[1] % 128 != 0:
         raise ValueError(f"fp8=True needs N (weight.shape[1]) to be a multiple of 128, got "
                          f"{weight.shape[1]}")
+    if torch.compiler.is_compiling():
+        # (the torch._grouped_mm check reads data pointers: the op decides "auto" at run time)
+        if backend == "auto" and not (isinstance(layout, ExpertLayout) and layout.align % 8 == 0):
+            backend = "triton"
+        return library.grouped_mm(rows, weight, offsets, bool(fp8), backend, bool(pow2_scale))
     if backend == "auto" and not fp8:
         # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
         # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
