@@ -199,12 +199,16 @@ class _DispatchSend(torch.autograd.Function):
         transfer.work = _a2a(recv[:p.n_recv], send, p.out_splits, p.in_splits, p.group)
         ctx.plan = p
         ctx.mark_non_differentiable(recv)
+        # no zero-filled gradient for the non-differentiable receive buffer
+        ctx.set_materialize_grads(False)
         link = recv.new_empty(1, 1).expand(recv.shape[0], p.gspec.words)
         return recv, link
 
     @staticmethod
     def backward(ctx, _, g):
         p = ctx.plan
+        if g is None:  # neither rows nor probs_rows reached the loss (on this rank)
+            g = p.gspec.empty(p.n_recv + p.n_self, p.slot.device).zero_()
         gz = p.gspec.empty(p.n_send, g.device)
         _wait(_a2a(gz, g[:p.n_recv].contiguous(), p.in_splits, p.out_splits, p.group), p,
               "dispatch backward")

@@ -78,6 +78,9 @@ class MoE(nn.Module):
       :meth:`load_full_state_dict` loads a full one into any sharding;
     - ``shared_experts.*`` (a :class:`SwiGLU`) when ``num_shared_experts > 0``.
 
+    With ``ep_group`` the shared experts run while the routed tokens are in flight
+    (``overlap_shared_experts``, default on).
+
     ``forward(x [..., H])`` returns ``(out [..., H], aux: MoEAux)``. ``x`` must have the
     experts' dtype. The router probabilities weight each expert's SwiGLU output
     (``silu_mul(h, probs_rows)``), so combine is a plain sum. Under
@@ -133,6 +136,10 @@ class MoE(nn.Module):
         self.dispatcher = ExpertParallelDispatcher(
             num_experts, group=ep_group, align=align, capacity_factor=capacity_factor,
             fp8_payload=fp8_payload)
+        #: With ``ep_group``: run the shared experts while the dispatch's exchange is in
+        #: flight (``dispatch(async_op=True)``); ``False`` runs them after the combine
+        #: (same result; for measuring the overlap).
+        self.overlap_shared_experts = True
         fk = {"device": device, "dtype": dtype}
         El, H, In = self.num_local_experts, hidden_size, intermediate_size
         self.router_weight = nn.Parameter(torch.empty(num_experts, H, device=device,
@@ -205,13 +212,22 @@ class MoE(nn.Module):
             # Quantize each token once; permute then moves FP8 rows with their scales
             # (k times fewer bytes quantized, half the bytes moved).
             tokens = quantize_tokens(x2, pow2_scale=pow2)
-        rows, prow, handle = self.dispatcher.dispatch(tokens, ids, probs)
+        shared = None
+        if self.ep_group is not None and self.overlap_shared_experts:
+            # The shared expert runs while the routed tokens travel (the dispatch's
+            # exchange is asynchronous until wait()).
+            pending = self.dispatcher.dispatch(tokens, ids, probs, async_op=True)
+            if self.shared_experts is not None:
+                shared = self.shared_experts(x2)
+            rows, prow, handle = pending.wait()
+        else:
+            rows, prow, handle = self.dispatcher.dispatch(tokens, ids, probs)
         caches = self._fp8_weight_caches
         y = grouped_swiglu(rows, prow, w1, w2, handle.layout, fp8=fp8, pow2_scale=pow2,
                            weight_caches=(caches["experts_gate_up"], caches["experts_down"]))
         out = self.dispatcher.combine(y, handle)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x2)
+            out = out + (shared if shared is not None else self.shared_experts(x2))
         if self.ep_group is not None:
             tpe = tpe.clone()
             dist.all_reduce(tpe, group=self.ep_group)
