@@ -214,10 +214,12 @@ def _scatter_tokens_kernel(
     else:
         # Capacity mode: destination r's slots past its copies are marked empty (id -1),
         # so the receiver skips them. (Only SLOTS + CAP launches these programs.)
-        r = pid - n_tok_progs
-        cnt = tl.load(offs_ptr + (r + 1) * El) - tl.load(offs_ptr + r * El)
+        # (names differ from the other branch's: Triton needs one type per name)
+        dst = pid - n_tok_progs
+        cnt = tl.load(offs_ptr + (dst + 1) * El) - tl.load(offs_ptr + dst * El)
         filled = tl.minimum(cnt, C)
-        base = tl.where(r == rank, n_split, (r - (r > rank).to(tl.int32)) * C).to(tl.int64)
+        base = tl.where(dst == rank, n_split,
+                        (dst - (dst > rank).to(tl.int32)) * C).to(tl.int64)
         neg = tl.full([BR], -1.0, tl.float32)
         for s0 in range(filled, C, BR):
             v = base + s0 + tl.arange(0, BR)
@@ -340,13 +342,13 @@ def _unpack_rows_kernel(
     else:
         # Zeros for the padding rows of local expert q (q < El), then for the tail rows
         # offsets[El] .. R spread over the tail programs (the ExpertLayout contract).
-        q = pid - n_slot_progs
-        is_pad = q < El
-        qe = tl.minimum(q, El - 1)
+        pe = pid - n_slot_progs  # (not `q`: the other branch's name, another type)
+        is_pad = pe < El
+        qe = tl.minimum(pe, El - 1)
         off_q = tl.load(offs_ptr + qe)
         off_q1 = tl.load(offs_ptr + qe + 1)
         off_e = tl.load(offs_ptr + El)
-        start = tl.where(is_pad, off_q + tl.load(tpe_ptr + qe), off_e + (q - El) * BR)
+        start = tl.where(is_pad, off_q + tl.load(tpe_ptr + qe), off_e + (pe - El) * BR)
         end = tl.minimum(tl.where(is_pad, off_q1, R + 0 * off_e), R)
         step = tl.where(is_pad, BR + 0 * off_e, n_tail_progs * BR + 0 * off_e)
         start = tl.minimum(start, end)
@@ -477,5 +479,5 @@ def gather_tokens(src: VBuf, slot: torch.Tensor, out_dtype: torch.dtype, *,
                *src.args(), slot, weights if weights is not None else out, out,
                dp if dp is not None else out, T, H, K_TOP=k, BT=BT, BH=BH, BK=BK,
                HAS_W=weights is not None, PGRAD=probs_grad,
-               num_warps=4 if BT * BK * BH <= 4096 else 8)
+               num_warps=4)  # (8 warps split the [tokens, H] sum's stores into 8 bytes)
     return out, dp

@@ -383,3 +383,81 @@ def test_fp8_payload_dequant_matches_reference():
         assert torch.equal(y, want)
         y.sum().backward()
         assert torch.equal(xs.grad, torch.ones_like(x))
+
+
+# ------------------------------------------------------------------ offline GPU compile
+_COMPILE_SCRIPT = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linghe.dist import kernels as K
+
+def comp(fn, sig, consts, warps, div=("stride", "wstride", "H", "stride_x")):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n in div}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return k.asm["ptx"]
+
+def warps(*blocks):  # the launchers' rule
+    n = 1
+    for b in blocks:
+        n *= b
+    return 4 if n <= 4096 else 8
+
+H, k = 2048, 8  # the benchmark's shape, with the launchers' tiles for it
+V = dict(Pd="*bf16", Pw="*fp32", Qd="*bf16", Qw="*fp32", n_split="i32", q_base="i32",
+         stride="i32", wstride="i32", TW="i32")
+V8 = dict(V, Pd="*fp8e4nv", Qd="*fp8e4nv")
+ssig = dict(x_ptr="*bf16", p_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32", row_ptr="*i32",
+            offs_ptr="*i32", slot_ptr="*i32", dot_ptr="*bf16", dp_ptr="*fp32")
+srest = dict(T="i32", H="i32", G="i32", stride_x="i32", El="i32", rank="i32", C="i32",
+             n_tok_progs="i32", K_TOP="constexpr", BT="constexpr", BH="constexpr",
+             BK="constexpr", BR="constexpr", SLOTS="constexpr", CAP="constexpr",
+             HAS_P="constexpr", HAS_W="constexpr", QUANT="constexpr", DOT="constexpr")
+for quant, cap in ((False, False), (False, True), (True, False), (True, True)):
+    BT, BK, BH = K._token_tiles(H, k, quant)
+    ptx = comp(K._scatter_tokens_kernel, {**ssig, **(V8 if quant else V), **srest},
+               dict(K_TOP=k, BT=BT, BH=BH, BK=BK, BR=64, SLOTS=True, CAP=cap, HAS_P=True,
+                    HAS_W=False, QUANT=quant, DOT=False), warps(BT, BK, BH))
+    assert "st.global.v4" in ptx, ("dispatch pack: 16-byte row stores", quant, cap)
+BT, BK, BH = K._token_tiles(H, k)
+BT = max(1, BT // 2)
+ptx = comp(K._scatter_tokens_kernel, {**ssig, **V, **srest},
+           dict(K_TOP=k, BT=BT, BH=BH, BK=BK, BR=64, SLOTS=False, CAP=False, HAS_P=False,
+                HAS_W=True, QUANT=False, DOT=True), warps(BT, BK, BH))
+assert "st.global.v4" in ptx and "ld.global.v4" in ptx, "combine backward"
+usig = dict(ridx_ptr="*i32", out_ptr="*bf16", prow_ptr="*fp32", offs_ptr="*i32",
+            tpe_ptr="*i32", N="i32", H="i32", G="i32", El="i32", R="i32",
+            n_slot_progs="i32", n_tail_progs="i32", BT="constexpr", BH="constexpr",
+            BR="constexpr", BHZ="constexpr", HAS_P="constexpr", DEQUANT="constexpr")
+BT, BH = K._row_tiles(H, 2)
+for deq in (False, True):
+    ptx = comp(K._unpack_rows_kernel, {**(V8 if deq else V), **usig},
+               dict(BT=BT, BH=BH, BR=16, BHZ=1024, HAS_P=True, DEQUANT=deq), warps(BT, BH))
+    assert "st.global.v4" in ptx, ("unpack", deq)
+    if not deq:
+        assert "ld.global.v4" in ptx, "unpack"
+psig = dict(src_ptr="*bf16", sprow_ptr="*fp32", ridx_ptr="*i32", **V, N="i32", H="i32",
+            BT="constexpr", BH="constexpr", HAS_P="constexpr")
+for hp in (False, True):
+    ptx = comp(K._pack_rows_kernel, psig, dict(BT=BT, BH=BH, HAS_P=hp), warps(BT, BH))
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, ("pack", hp)
+gsig = dict(**V, slot_ptr="*i32", w_ptr="*fp32", out_ptr="*bf16", dp_ptr="*fp32", T="i32",
+            H="i32", K_TOP="constexpr", BT="constexpr", BH="constexpr", BK="constexpr",
+            HAS_W="constexpr", PGRAD="constexpr")
+BT, BK, BH = K._token_tiles(H, k)
+for hw, pg in ((True, False), (False, True)):
+    ptx = comp(K._gather_tokens_kernel, gsig, dict(K_TOP=k, BT=BT, BH=BH, BK=BK, HAS_W=hw,
+                                                   PGRAD=pg), 4)
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, ("gather", hw, pg)
+print("COMPILED")
+'''
+
+
+def test_kernels_compile_for_sm90(compile_sm90):
+    """Compile the exchange kernels for an H100/H200 (sm_90) without a GPU, in a subprocess
+    without TRITON_INTERPRET, with the launchers' tiles for H=2048, top-8: catches
+    GPU-only compile errors (e.g. a name bound to two types in a runtime branch, which the
+    interpreter accepts) and checks that row copies use 16-byte accesses."""
+    compile_sm90(_COMPILE_SCRIPT)
