@@ -125,7 +125,7 @@ def _scatter_tokens_kernel(
         T, H, G, stride_x, El, rank, C, n_tok_progs,
         K_TOP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
         BR: tl.constexpr, SLOTS: tl.constexpr, CAP: tl.constexpr, HAS_P: tl.constexpr,
-        HAS_W: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr):
+        HAS_W: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_tok_progs:
         toks = pid.to(tl.int64) * BT + tl.arange(0, BT)
@@ -171,7 +171,7 @@ def _scatter_tokens_kernel(
                 cm = cols < H
                 xt = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :],
                              mask=tmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                q, sc = quant_rows(xt, False)
+                q, sc = quant_rows(xt, POW2)
                 val = tl.broadcast_to(q[:, None, :], (BT, BK, 128))
                 c3 = cols[None, None, :]
                 tl.store(pd[:, :, None] + c3, val, mask=inp[:, :, None] & cm[None, None, :])
@@ -251,7 +251,8 @@ def _token_tiles(H: int, k: int, quant: bool = False) -> tuple[int, int, int]:
 
 def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=None,
                    probs: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-                   quant: bool = False, dot_rows: torch.Tensor | None = None,
+                   quant: bool = False, pow2_scale: bool = False,
+                   dot_rows: torch.Tensor | None = None,
                    capacity: int = 0) -> torch.Tensor | None:
     """Write token ``t``'s ``k`` records ``out[slot[t, j]]``.
 
@@ -261,7 +262,8 @@ def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=No
     capacity mode (``capacity = C > 0``) at most ``C`` slots per destination (empty ones
     marked in the trailer). Without it ``slot`` is read. ``probs [T, k]`` go to the
     trailer (with the local id when routing); ``weights [T, k]`` scale the payload;
-    ``quant`` quantizes the payload to 1x128 e4m3 (scales to the trailer). With
+    ``quant`` quantizes the payload to 1x128 e4m3 (scales to the trailer; rounded up to
+    powers of two with ``pow2_scale``). With
     ``dot_rows [N, H]`` returns ``d[t, j] = <x[t], dot_rows[slot[t, j]]>`` fp32.
     """
     T, H = x.shape
@@ -291,7 +293,8 @@ def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=No
                x.stride(0) if T else H, El, rank, capacity, n_tok,
                K_TOP=k, BT=BT, BH=BH, BK=BK, BR=64,
                SLOTS=routing is not None, CAP=capacity > 0, HAS_P=probs is not None,
-               HAS_W=weights is not None, QUANT=quant, DOT=dot_rows is not None,
+               HAS_W=weights is not None, QUANT=quant, POW2=pow2_scale,
+               DOT=dot_rows is not None,
                num_warps=4 if BT * BK * BH <= 4096 else 8)
     return d
 
@@ -300,10 +303,11 @@ def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=No
 @triton.jit
 def _unpack_rows_kernel(
         Pd, Pw, Qd, Qw, n_split, q_base, stride, wstride, TW,
-        ridx_ptr, out_ptr, prow_ptr, offs_ptr, tpe_ptr, N, H, G, El, R,
+        ridx_ptr, out_ptr, os_ptr, prow_ptr, offs_ptr, tpe_ptr, N, H, G, El, R,
         n_slot_progs, n_tail_progs,
         BT: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BHZ: tl.constexpr,
-        HAS_P: tl.constexpr, DEQUANT: tl.constexpr):
+        BG: tl.constexpr, HAS_P: tl.constexpr, DEQUANT: tl.constexpr,
+        FP8OUT: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_slot_progs:
         v = pid.to(tl.int64) * BT + tl.arange(0, BT)
@@ -314,18 +318,25 @@ def _unpack_rows_kernel(
         vq = q_base + v - n_split
         pd = Pd + v * stride
         qd = Qd + vq * stride
-        if DEQUANT:
+        # (the two parts are selected with where, not added: bits are kept, -0.0 too)
+        if DEQUANT or FP8OUT:
             cq = tl.arange(0, 128)
             for g in range(G):
                 cols = g * 128 + cq
                 cm = (cols < H)[None, :]
-                q = tl.load(pd[:, None] + cols[None, :], mask=inp[:, None] & cm, other=0.0)
-                q2 = tl.load(qd[:, None] + cols[None, :], mask=inq[:, None] & cm, other=0.0)
-                sc = tl.load(Pw + v * wstride + TW + 2 + g, mask=inp, other=0.0) + \
-                    tl.load(Qw + vq * wstride + TW + 2 + g, mask=inq, other=0.0)
-                val = (q.to(tl.float32) + q2.to(tl.float32)) * sc[:, None]
-                tl.store(out_ptr + (row * H)[:, None] + cols[None, :],
-                         val.to(out_ptr.dtype.element_ty), mask=ok[:, None] & cm)
+                a = tl.load(pd[:, None] + cols[None, :], mask=inp[:, None] & cm, other=0.0)
+                b = tl.load(qd[:, None] + cols[None, :], mask=inq[:, None] & cm, other=0.0)
+                q = tl.where(inp[:, None], a, b)
+                sc = tl.where(inp, tl.load(Pw + v * wstride + TW + 2 + g, mask=inp, other=0.0),
+                              tl.load(Qw + vq * wstride + TW + 2 + g, mask=inq, other=0.0))
+                if FP8OUT:
+                    tl.store(out_ptr + (row * H)[:, None] + cols[None, :], q,
+                             mask=ok[:, None] & cm)
+                    tl.store(os_ptr + row * G + g, sc, mask=ok)
+                else:
+                    val = q.to(tl.float32) * sc[:, None]
+                    tl.store(out_ptr + (row * H)[:, None] + cols[None, :],
+                             val.to(out_ptr.dtype.element_ty), mask=ok[:, None] & cm)
         else:
             for h0 in range(0, H, BH):
                 cols = h0 + tl.arange(0, BH)
@@ -333,11 +344,11 @@ def _unpack_rows_kernel(
                 a = tl.load(pd[:, None] + cols[None, :], mask=inp[:, None] & cm, other=0.0)
                 b = tl.load(qd[:, None] + cols[None, :], mask=inq[:, None] & cm, other=0.0)
                 tl.store(out_ptr + (row * H)[:, None] + cols[None, :],
-                         (a.to(tl.float32) + b.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                         tl.where(inp[:, None], a, b).to(out_ptr.dtype.element_ty),
                          mask=ok[:, None] & cm)
         if HAS_P:
-            pr = tl.load(Pw + v * wstride + TW, mask=inp, other=0.0) + \
-                tl.load(Qw + vq * wstride + TW, mask=inq, other=0.0)
+            pr = tl.where(inp, tl.load(Pw + v * wstride + TW, mask=inp, other=0.0),
+                          tl.load(Qw + vq * wstride + TW, mask=inq, other=0.0))
             tl.store(prow_ptr + row, pr, mask=ok)
     else:
         # Zeros for the padding rows of local expert q (q < El), then for the tail rows
@@ -353,33 +364,43 @@ def _unpack_rows_kernel(
         step = tl.where(is_pad, BR + 0 * off_e, n_tail_progs * BR + 0 * off_e)
         start = tl.minimum(start, end)
         _zero_range(out_ptr, start, end, step, H, BR, BHZ, 0.0)
+        if FP8OUT:
+            _zero_range(os_ptr, start, end, step, G, BR, BG, 1.0)
         if HAS_P:
             _zero_range(prow_ptr, start, end, step, 1, BR, 16, 0.0)
 
 
 def unpack_rows(src: VBuf, layout, out_dtype: torch.dtype, *, probs: bool = False,
-                dequant: bool = False):
+                dequant: bool = False, fp8_out: bool = False):
     """Rows grouped by local expert from records: ``out[row_index[v]] = record(v)``
-    (dequantized when ``dequant``), ``probs_rows[row] = record(v).prob`` when ``probs``;
-    padding and tail rows of ``layout`` (``row_index [N, 1]``) are zeros. Returns
-    ``(rows [R, H], probs_rows [R] fp32 | None)``."""
+    (dequantized when ``dequant``; with ``fp8_out`` the e4m3 rows and their 1x128 scales
+    as they arrived), ``probs_rows[row] = record(v).prob`` when ``probs``; padding and
+    tail rows of ``layout`` (``row_index [N, 1]``) are zeros (scales 1). Returns
+    ``(rows [R, H], scales [R, ceil(H/128)] | None, probs_rows [R] fp32 | None)``."""
     H, R = src.spec.hidden, layout.num_rows
     N, El = layout.row_index.shape[0], layout.num_experts
+    G = cdiv(H, 128)
     dev = layout.offsets.device
-    out = empty(R, H, dtype=out_dtype, device=dev)
+    out = empty(R, H, dtype=FP8_DTYPE if fp8_out else out_dtype, device=dev)
+    osc = empty(R, G, dtype=torch.float32, device=dev) if fp8_out else None
     prow = empty(R, dtype=torch.float32, device=dev) if probs else None
     BT, BH = _row_tiles(H, out.element_size())
+    warps = 4 if BH * BT <= 4096 else 8
+    if dequant or fp8_out:
+        # 128-column groups: 32 rows a step, so each thread moves 16-byte vectors
+        BT, warps = 32, 4
     BR = 16
     n_slot = cdiv(N, BT)
     n_tail = max(1, min(cdiv(R, BR), 2 * num_sms(dev)))
     with device_guard(out):
         launch(_unpack_rows_kernel, (n_slot + El + n_tail,),
-               *src.args(), layout.row_index, out, prow if prow is not None else out,
-               layout.offsets, layout.tokens_per_expert, N, H, cdiv(H, 128), El, R,
-               n_slot, n_tail, BT=BT, BH=BH, BR=BR,
+               *src.args(), layout.row_index, out, osc if osc is not None else out,
+               prow if prow is not None else out, layout.offsets, layout.tokens_per_expert,
+               N, H, G, El, R, n_slot, n_tail, BT=BT, BH=BH, BR=BR,
                BHZ=min(max(next_power_of_2(max(H, 1)), 16), 256 if INTERPRET else 1024),
-               HAS_P=probs, DEQUANT=dequant, num_warps=4 if BH * BT <= 4096 else 8)
-    return out, prow
+               BG=max(16, next_power_of_2(G)), HAS_P=probs, DEQUANT=dequant,
+               FP8OUT=fp8_out, num_warps=warps)
+    return out, osc, prow
 
 
 # ------------------------------------------------------------------------ pack_rows
@@ -449,15 +470,15 @@ def _gather_tokens_kernel(Pd, Pw, Qd, Qw, n_split, q_base, stride, wstride, TW,
         c3 = cols[None, None, :]
         a = tl.load(pd[:, :, None] + c3, mask=inp[:, :, None] & cm[None, None, :], other=0.0)
         b = tl.load(qd[:, :, None] + c3, mask=inq[:, :, None] & cm[None, None, :], other=0.0)
-        v = a.to(tl.float32) + b.to(tl.float32)
+        v = tl.where(inp[:, :, None], a, b).to(tl.float32)
         if HAS_W:
             v = v * w2[:, :, None]
         tl.store(out_ptr + toks[:, None] * H + cols[None, :],
                  tl.sum(v, axis=1).to(out_ptr.dtype.element_ty),
                  mask=tmask[:, None] & cm[None, :])
     if PGRAD:
-        g = tl.load(Pw + slot * wstride + TW, mask=inp, other=0.0) + \
-            tl.load(Qw + vq * wstride + TW, mask=inq, other=0.0)
+        g = tl.where(inp, tl.load(Pw + slot * wstride + TW, mask=inp, other=0.0),
+                     tl.load(Qw + vq * wstride + TW, mask=inq, other=0.0))
         tl.store(dp_ptr + flat, g, mask=m2)
 
 

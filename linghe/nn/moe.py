@@ -92,8 +92,10 @@ class MoE(nn.Module):
     down GEMM; gradients are quantized by the kernels that produce them; the expert
     weights are quantized once per optimizer step (a ``WeightCache`` per weight); the
     combine (unpermute) stays in high precision. With expert parallelism the rows arrive
-    in high precision (or rounded through FP8 with ``fp8_payload``) and are quantized
-    per segment on arrival.
+    in high precision and are quantized per segment on arrival; with ``fp8_payload``
+    they arrive as FP8 rows (quantized once, by the dispatcher's send kernel, with the
+    recipe's ``pow2_scale``) that the first GEMM reads as they are. (Outside the FP8
+    recipe, ``fp8_payload`` rows are dequantized on arrival.)
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -212,16 +214,20 @@ class MoE(nn.Module):
             # Quantize each token once; permute then moves FP8 rows with their scales
             # (k times fewer bytes quantized, half the bytes moved).
             tokens = quantize_tokens(x2, pow2_scale=pow2)
+        # FP8 experts with an FP8 payload: the rows arrive as FP8 (no second quantization)
+        fp8_rows = fp8 and self.dispatcher.fp8_payload
         shared = None
         if self.ep_group is not None and self.overlap_shared_experts:
             # The shared expert runs while the routed tokens travel (the dispatch's
             # exchange is asynchronous until wait()).
-            pending = self.dispatcher.dispatch(tokens, ids, probs, async_op=True)
+            pending = self.dispatcher.dispatch(tokens, ids, probs, async_op=True,
+                                               fp8_rows=fp8_rows, pow2_scale=pow2)
             if self.shared_experts is not None:
                 shared = self.shared_experts(x2)
             rows, prow, handle = pending.wait()
         else:
-            rows, prow, handle = self.dispatcher.dispatch(tokens, ids, probs)
+            rows, prow, handle = self.dispatcher.dispatch(tokens, ids, probs,
+                                                          fp8_rows=fp8_rows, pow2_scale=pow2)
         caches = self._fp8_weight_caches
         y = grouped_swiglu(rows, prow, w1, w2, handle.layout, fp8=fp8, pow2_scale=pow2,
                            weight_caches=(caches["experts_gate_up"], caches["experts_down"]))

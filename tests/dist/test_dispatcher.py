@@ -70,10 +70,10 @@ def _split(T, world, rank, empty_rank):
     return slice(start, start + sizes[rank])
 
 
-def _run(d, xl, idl, pl, weight_in_expert, async_op):
+def _run(d, xl, idl, pl, weight_in_expert, async_op, fp8_rows=False):
     from linghe.dist import PendingExchange
     if async_op:
-        pending = d.dispatch(xl, idl, pl, async_op=True)
+        pending = d.dispatch(xl, idl, pl, async_op=True, fp8_rows=fp8_rows)
         assert isinstance(pending, PendingExchange)
         busy = (xl.detach() * 2).sum()  # work queued while the tokens travel
         rows, prow, h = pending.wait()
@@ -81,7 +81,7 @@ def _run(d, xl, idl, pl, weight_in_expert, async_op):
         assert again[0] is rows and again[2] is h and pending.is_completed()
         assert torch.isfinite(busy)
     else:
-        rows, prow, h = d.dispatch(xl, idl, pl)
+        rows, prow, h = d.dispatch(xl, idl, pl, fp8_rows=fp8_rows)
     if weight_in_expert:
         y, cp = rows * prow[:, None], None
     else:
@@ -97,7 +97,7 @@ def _run(d, xl, idl, pl, weight_in_expert, async_op):
 
 def _check_case(rank, world, group, *, seed, T, E, k, mode="random", empty_rank=None,
                 capacity_factor=None, fp8=False, weight_in_expert=False, align=4,
-                async_op=False):
+                async_op=False, fp8_rows=False):
     from linghe.dist import ExpertParallelDispatcher
 
     x, ids, probs = _problem(seed, T, E, k, mode)
@@ -107,8 +107,13 @@ def _check_case(rank, world, group, *, seed, T, E, k, mode="random", empty_rank=
     pl = probs[sl].clone().requires_grad_(True)
     d = ExpertParallelDispatcher(E, group=group, align=align, capacity_factor=capacity_factor,
                                  fp8_payload=fp8)
-    rows, prow, h, out = _run(d, xl, ids[sl], pl, weight_in_expert, async_op)
+    rows, prow, h, out = _run(d, xl, ids[sl], pl, weight_in_expert, async_op, fp8_rows)
     El = d.num_local_experts
+    if fp8_rows:  # the arrived e4m3 rows and 1x128 scales, as an Fp8Tensor
+        from linghe import Fp8Tensor
+        assert isinstance(rows, Fp8Tensor) and rows.dtype == xl.dtype
+        q, sc = rows.rowwise_data, rows.rowwise_scale
+        assert q.dtype == torch.float8_e4m3fn and sc.shape == (rows.shape[0], 1)
     assert rows.shape[0] == h.layout.num_rows and prow.shape == (rows.shape[0],)
     assert h.layout.num_experts == El
     assert bool((h.layout.offsets % align == 0).all())
@@ -118,6 +123,8 @@ def _check_case(rank, world, group, *, seed, T, E, k, mode="random", empty_rank=
         o = int(h.layout.offsets[e])
         real[o:o + int(h.layout.tokens_per_expert[e])] = True
     assert bool((rows[~real] == 0).all()) and bool((prow[~real] == 0).all())
+    if fp8_rows:
+        assert bool((rows.rowwise_scale[~real] == 1).all())
     assert torch.isfinite(rows).all() and torch.isfinite(prow).all()
     (out * gout[sl]).sum().backward()
     what = f"{mode} T={T} E={E} k={k} world={world} cap={capacity_factor} fp8={fp8}"
@@ -227,6 +234,7 @@ _CASES = [
     (dict(seed=8, T=0, k=2, async_op=True), (2,)),                           # no tokens
     (dict(seed=9, T=6, k=2, fp8=True), (2, 3)),
     (dict(seed=9, T=6, k=2, fp8=True, weight_in_expert=True, async_op=True), (2,)),
+    (dict(seed=12, T=7, k=2, fp8=True, fp8_rows=True, weight_in_expert=True), (2, 4)),
 ]
 
 
@@ -335,6 +343,8 @@ def test_dispatcher_single_process():
                 async_op=True)
     _check_case(0, 1, None, seed=13, T=0, E=6, k=2)
     _check_case(0, 1, None, seed=14, T=5, E=4, k=2, fp8=True)
+    _check_case(0, 1, None, seed=15, T=5, E=4, k=2, fp8=True, fp8_rows=True,
+                weight_in_expert=True)
 
 
 def test_dispatcher_bad_input():
@@ -366,6 +376,12 @@ def test_dispatcher_bad_input():
         ExpertParallelDispatcher(4).combine(rows, h)
     with pytest.raises(ValueError, match="probs"):
         d.combine(rows, h, p[:2])
+    with pytest.raises(ValueError, match="fp8_rows"):
+        d.dispatch(x, ids, p, fp8_rows=True)
+    d8 = ExpertParallelDispatcher(4, fp8_payload=True)
+    rows8, _, h8 = d8.dispatch(x, ids, p, fp8_rows=True)
+    with pytest.raises(TypeError, match="Fp8Tensor"):
+        d8.combine(rows8, h8)
 
 
 def test_fp8_payload_dequant_matches_reference():
@@ -414,30 +430,36 @@ ssig = dict(x_ptr="*bf16", p_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32", row_ptr
 srest = dict(T="i32", H="i32", G="i32", stride_x="i32", El="i32", rank="i32", C="i32",
              n_tok_progs="i32", K_TOP="constexpr", BT="constexpr", BH="constexpr",
              BK="constexpr", BR="constexpr", SLOTS="constexpr", CAP="constexpr",
-             HAS_P="constexpr", HAS_W="constexpr", QUANT="constexpr", DOT="constexpr")
+             HAS_P="constexpr", HAS_W="constexpr", QUANT="constexpr", POW2="constexpr",
+             DOT="constexpr")
 for quant, cap in ((False, False), (False, True), (True, False), (True, True)):
     BT, BK, BH = K._token_tiles(H, k, quant)
     ptx = comp(K._scatter_tokens_kernel, {**ssig, **(V8 if quant else V), **srest},
                dict(K_TOP=k, BT=BT, BH=BH, BK=BK, BR=64, SLOTS=True, CAP=cap, HAS_P=True,
-                    HAS_W=False, QUANT=quant, DOT=False), warps(BT, BK, BH))
+                    HAS_W=False, QUANT=quant, POW2=cap, DOT=False), warps(BT, BK, BH))
     assert "st.global.v4" in ptx, ("dispatch pack: 16-byte row stores", quant, cap)
 BT, BK, BH = K._token_tiles(H, k)
 BT = max(1, BT // 2)
 ptx = comp(K._scatter_tokens_kernel, {**ssig, **V, **srest},
            dict(K_TOP=k, BT=BT, BH=BH, BK=BK, BR=64, SLOTS=False, CAP=False, HAS_P=False,
-                HAS_W=True, QUANT=False, DOT=True), warps(BT, BK, BH))
+                HAS_W=True, QUANT=False, POW2=False, DOT=True), warps(BT, BK, BH))
 assert "st.global.v4" in ptx and "ld.global.v4" in ptx, "combine backward"
-usig = dict(ridx_ptr="*i32", out_ptr="*bf16", prow_ptr="*fp32", offs_ptr="*i32",
-            tpe_ptr="*i32", N="i32", H="i32", G="i32", El="i32", R="i32",
+usig = dict(ridx_ptr="*i32", out_ptr="*bf16", os_ptr="*fp32", prow_ptr="*fp32",
+            offs_ptr="*i32", tpe_ptr="*i32", N="i32", H="i32", G="i32", El="i32", R="i32",
             n_slot_progs="i32", n_tail_progs="i32", BT="constexpr", BH="constexpr",
-            BR="constexpr", BHZ="constexpr", HAS_P="constexpr", DEQUANT="constexpr")
-BT, BH = K._row_tiles(H, 2)
-for deq in (False, True):
-    ptx = comp(K._unpack_rows_kernel, {**(V8 if deq else V), **usig},
-               dict(BT=BT, BH=BH, BR=16, BHZ=1024, HAS_P=True, DEQUANT=deq), warps(BT, BH))
-    assert "st.global.v4" in ptx, ("unpack", deq)
-    if not deq:
-        assert "ld.global.v4" in ptx, "unpack"
+            BR="constexpr", BHZ="constexpr", BG="constexpr", HAS_P="constexpr",
+            DEQUANT="constexpr", FP8OUT="constexpr")
+for deq, f8 in ((False, False), (True, False), (False, True)):
+    BT, BH = K._row_tiles(H, 1 if f8 else 2)
+    nw = warps(BT, BH)
+    if deq or f8:
+        BT, nw = 32, 4  # the launcher's tile for 128-column groups
+    sig = {**(V8 if deq or f8 else V), **usig}
+    if f8:
+        sig["out_ptr"] = "*fp8e4nv"
+    ptx = comp(K._unpack_rows_kernel, sig, dict(BT=BT, BH=BH, BR=16, BHZ=1024, BG=16,
+                                                 HAS_P=True, DEQUANT=deq, FP8OUT=f8), nw)
+    assert "st.global.v4" in ptx and "ld.global.v4" in ptx, ("unpack", deq, f8)
 psig = dict(src_ptr="*bf16", sprow_ptr="*fp32", ridx_ptr="*i32", **V, N="i32", H="i32",
             BT="constexpr", BH="constexpr", HAS_P="constexpr")
 for hp in (False, True):

@@ -22,10 +22,10 @@ pytestmark = pytest.mark.skipif(
 
 
 def _config(world, *, device="cpu", dtype=torch.float32, T_per_rank=(5,), fp8_payload=False,
-            capacity_factor=None, shared=1, E=None, H=16, I=8, k=2, align=4):
+            capacity_factor=None, shared=1, E=None, H=16, I=8, k=2, align=4, recipe=None):
     return dict(world=world, device=device, dtype=dtype, T_per_rank=T_per_rank,
                 fp8_payload=fp8_payload, capacity_factor=capacity_factor, shared=shared,
-                E=E or 2 * world, H=H, I=I, k=k, align=align)
+                E=E or 2 * world, H=H, I=I, k=k, align=align, recipe=recipe)
 
 
 def _layer_kwargs(c):
@@ -47,7 +47,8 @@ def moe_reference(c) -> dict:
     x = torch.randn(sum(sizes), H, generator=g).to(device=dev, dtype=dt)
     gout = torch.randn(sum(sizes), H, generator=g).to(device=dev, dtype=dt)
     xf = x.clone().requires_grad_(True)
-    out, aux = full(xf)
+    with linghe.TrainingContext(fp8=c["recipe"]):
+        out, aux = full(xf)
     (out.float() * gout.float()).sum().backward()
     return dict(state=full.state_dict(), sizes=sizes, x=x, gout=gout, out=out.detach(),
                 dx=xf.grad, tpe=aux.tokens_per_expert,
@@ -69,7 +70,8 @@ def check_moe_equivalence(rank, world, c, ref=None, tol=1e-5, overlap=True):
     lo = sum(sizes[:rank])
     sl = slice(lo, lo + sizes[rank])
     xs = ref["x"][sl].clone().requires_grad_(True)
-    os_, auxs = sharded(xs)
+    with linghe.TrainingContext(fp8=c["recipe"]):
+        os_, auxs = sharded(xs)
     (os_.float() * ref["gout"][sl].float()).sum().backward()
 
     what = f"world={world} rank={rank} {c} overlap={overlap}"
@@ -101,12 +103,19 @@ def _cases(world):
         cases.append((_config(world, T_per_rank=(4,), capacity_factor=float(world)), True))
     if world == 2:
         cases.append((_config(world, T_per_rank=(3, 6)), False))        # no overlap
+        # FP8 experts with an FP8 payload: the rows arrive as FP8 (fp8_rows); the single-
+        # process layer quantizes the same 1x128 groups (quantize_tokens + FP8 permute)
+        cases.append((_config(world, T_per_rank=(5, 3), fp8_payload=True, dtype=torch.bfloat16,
+                              H=128, I=64, align=16, recipe="blockwise"), True))
     return cases
 
 
 def _moe_worker(rank, world, refs):
     for (c, overlap), ref in zip(_cases(world), refs):
-        check_moe_equivalence(rank, world, c, ref, overlap=overlap)
+        # FP8: same quantized values and per-row math; the wgrads' sums run in another row
+        # order (rows arrive by source rank), hence a bf16-level tolerance
+        tol = 2e-2 if c["recipe"] else 1e-5
+        check_moe_equivalence(rank, world, c, ref, tol=tol, overlap=overlap)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
