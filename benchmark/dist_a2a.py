@@ -16,7 +16,8 @@ decides):
   ``... remote only``: the same rows without the ones a rank keeps (what the dispatcher
   actually exchanges: its own rows bypass the collective);
 - ``dispatch`` / ``combine`` in the default mode (one host sync for the split sizes) and
-  the capacity mode (``cap1.25``: static shapes, no host sync), bf16 and FP8 payload;
+  the capacity mode (``cap1.25``: static shapes, no host sync), bf16 and FP8 payload
+  (``fp8``: dequantized on arrival; ``fp8 rows``: kept FP8 for the FP8 expert GEMMs);
   ``dispatch+combine fwd+bwd`` with the backward exchanges;
 - ``MoE fwd`` / ``MoE fwd+bwd``: ``linghe.nn.MoE`` (256 experts top-8 sigmoid in 8 groups
   / top-4, expert intermediate 1024, one shared expert) with EP over the ranks, with and
@@ -49,6 +50,7 @@ import torch.multiprocessing as mp
 TARGETS = (
     ("dispatch bf16", "plain a2a bf16", 0.85, "GB/s vs plain a2a"),
     ("combine bf16", "plain a2a bf16", 0.85, "GB/s vs plain a2a"),
+    ("dispatch fp8 rows", "dispatch bf16", 1.7, "tokens/s vs bf16 dispatch"),
     ("dispatch fp8", "dispatch bf16", 1.7, "tokens/s vs bf16 dispatch"),
 )
 
@@ -152,13 +154,16 @@ def _worker(rank, world, args, q=None):
     # ------------------------------------------------------------ dispatch / combine
     cap = args.capacity_factor
     with torch.no_grad():
-        for label, fp8, cf in (("bf16", False, None), (f"bf16 cap{cap:g}", False, cap),
-                               ("fp8", True, None), (f"fp8 cap{cap:g}", True, cap)):
+        for label, fp8, cf, f8rows in (
+                ("bf16", False, None, False), (f"bf16 cap{cap:g}", False, cap, False),
+                ("fp8", True, None, False), ("fp8 rows", True, None, True),
+                (f"fp8 rows cap{cap:g}", True, cap, True)):
             d = ExpertParallelDispatcher(E, group=grp, align=16, capacity_factor=cf,
                                          fp8_payload=fp8)
             nbytes = fp8_bytes if fp8 else rows_bytes
             rec = fwd_spec(H, dt, fp8).nbytes
-            add(f"dispatch {label}", timer(lambda d=d: d.dispatch(x, ids, probs)), nbytes,
+            add(f"dispatch {label}",
+                timer(lambda d=d, f=f8rows: d.dispatch(x, ids, probs, fp8_rows=f)), nbytes,
                 world * T, record_bytes=rec)
             if not fp8:
                 rows, prow, h = d.dispatch(x, ids, probs)
