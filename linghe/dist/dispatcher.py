@@ -36,13 +36,14 @@ Consistency and failures: the first dispatch (and any later one whose ``T`` (cap
 mode), ``k``, hidden size or dtype changed) all-gathers a small configuration fingerprint
 and raises ``ValueError`` naming the field and the ranks when the ranks disagree
 (``num_experts``, world size, ``top_k``, hidden size, dtype, ``fp8_payload``, mode and
-capacity). Every wait of the host on a collective (that check, the default mode's split
-sizes, and every exchange of CPU tensors, i.e. gloo) is bounded by ``timeout`` (default
-300 s) and raises ``RuntimeError`` saying which exchange failed; a dead peer ends the wait
-at once with gloo's connection error. Exchanges of CUDA tensors are not waited on by the
-host (the compute stream waits on the NCCL stream); the process group's own timeout
-bounds them (``init_process_group(timeout=...)``; NCCL's watchdog aborts the communicator
-and raises).
+capacity). Bounded waits: that check's wait, and every wait for an exchange of CPU
+tensors (gloo), is bounded by ``timeout`` (default 300 s) and raises ``RuntimeError``
+naming the exchange; a dead gloo peer ends the wait at once (connection reset). Exchanges
+of CUDA tensors are waited on by the compute stream, not the host (a timed host wait on
+NCCL polls in 10 ms sleeps: too slow for every call), so there the process group's
+timeout bounds them, the default mode's split-size read included
+(``init_process_group(timeout=...)``: NCCL's watchdog aborts the communicator and the
+process raises).
 """
 
 from __future__ import annotations
@@ -316,8 +317,9 @@ class ExpertParallelDispatcher:
             holds ``x`` rounded through 1x128 FP8 (also on one rank, so results do not
             depend on the world size). The gradient flows back unquantized
             (straight-through) in ``x``'s dtype.
-        timeout: bound in seconds on every host wait for one of the dispatcher's
-            collectives (see module docstring); default 300.
+        timeout: bound in seconds on the host's waits for the dispatcher's collectives
+            (the configuration check; every exchange of CPU tensors); default 300. CUDA
+            exchanges are bounded by the process group's timeout (module docstring).
     """
 
     def __init__(self, num_experts: int, *, group=None, align: int = 16,
@@ -456,8 +458,8 @@ class ExpertParallelDispatcher:
             p.capacity = None
             counts = p.offsets[::El].diff().to(torch.int64)
             recv_counts = torch.empty_like(counts)
-            _wait(_a2a(recv_counts, counts, None, None, self.group), p, "split-size",
-                  host=True)
+            # (CPU: a bounded host wait; CUDA: the stream waits, .tolist() then blocks)
+            _wait(_a2a(recv_counts, counts, None, None, self.group), p, "split-size")
             # The one host sync of the default mode: split sizes for the payload exchange.
             sizes = torch.cat([counts, recv_counts]).tolist()
             send, recv = sizes[:W], sizes[W:]
