@@ -173,8 +173,8 @@ def _gpu_memory(request):
         yield
         try:
             peak = torch.cuda.max_memory_allocated(DEVICE)
-        except (RuntimeError, AssertionError):  # a test patched torch.cuda (e.g. is_available -> False)
-            peak = None
+        except (RuntimeError, AssertionError):
+            peak = None  # a test patched torch.cuda (e.g. is_available -> False)
         if peak is not None:
             request.node.user_properties.append(("gpu_peak_mib", round(peak / 2**20)))
         if torch.cuda.memory_reserved() > 2 * 2**30:
