@@ -134,13 +134,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fp8_gemm_autotune(request, monkeypatch):
+def _fp8_gemm_autotune(request):
     """Under the GPU subset, the FP8 GEMM autotunes only in tests marked ``fp8_autotune``:
     autotuning compiles every config for every shape (4x the compiles) and checks only the
-    winner; the other tests run the fixed-tile path (``LINGHE_FP8_GEMM_AUTOTUNE=0``)."""
-    if (ON_GPU and GPU_SUBSET and "LINGHE_FP8_GEMM_AUTOTUNE" not in os.environ
+    winner; the other tests run the fixed-tile path (``LINGHE_FP8_GEMM_AUTOTUNE=0``).
+    Set by hand, not with ``monkeypatch``: an autouse fixture that requests monkeypatch
+    makes the test's own patches outlive the other autouse fixtures' teardown."""
+    name = "LINGHE_FP8_GEMM_AUTOTUNE"
+    if not (ON_GPU and GPU_SUBSET and name not in os.environ
             and not _selected(request.node, "fp8_autotune")):
-        monkeypatch.setenv("LINGHE_FP8_GEMM_AUTOTUNE", "0")
+        yield
+        return
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 @pytest.fixture
@@ -173,8 +182,8 @@ def _gpu_memory(request):
         yield
         try:
             peak = torch.cuda.max_memory_allocated(DEVICE)
-        except (RuntimeError, AssertionError):
-            peak = None  # a test patched torch.cuda (e.g. is_available -> False)
+        except (RuntimeError, AssertionError):  # a test's patch of torch.cuda still active
+            peak = None
         if peak is not None:
             request.node.user_properties.append(("gpu_peak_mib", round(peak / 2**20)))
         if torch.cuda.memory_reserved() > 2 * 2**30:
