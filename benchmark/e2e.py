@@ -157,7 +157,11 @@ def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
             train_step(model, opt, s_tok, s_lab, mode)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # hand the eager step's cached blocks to the graph's pool
+    # Free the warm-up's gradients before the capture (inside it they would be freed to
+    # the ordinary pool, which the graph's pool cannot reuse: one more copy of them), and
+    # hand the eager steps' cached blocks back to the device for the graph's pool.
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
     g_grad, g_update = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_grad):
         s_loss, s_tpes = forward_backward(model, opt, s_tok, s_lab, mode)

@@ -363,10 +363,11 @@ def test_step_has_no_host_sync(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_cuda_graph_replay_matches_eager(mode):
-    """The whole step captured once and replayed on new batches, with a learning rate that
-    changes between replays (a device tensor), gives the losses and the weight updates of
-    the same steps run eagerly (up to float atomics' summation order). The updates are
-    compared, not the weights: six small AdamW steps barely move them."""
+    """The whole step captured (two graphs: forward + backward, update) and replayed on new
+    batches, with a learning rate that changes between replays (a device tensor), gives
+    the losses and the weight updates of the same steps run eagerly (up to float atomics'
+    summation order). The updates are compared, not the weights: six small AdamW steps
+    barely move them."""
     if mode == "fp8" and not _fp8_ok():
         pytest.skip("FP8 needs compute capability >= 8.9")
     cfg = GPU_CFG
@@ -389,6 +390,8 @@ def test_cuda_graph_replay_matches_eager(mode):
             set_lr(opt, 1e-3 * i)
             losses.append(step(i))
         losses = torch.stack(losses).float().cpu()
+        # gradients made inside the capture keep the parameters' (contiguous) layout
+        assert all(p.grad is not None and p.grad.is_contiguous() for p in model.parameters())
         return losses, {k: v.detach().float() - w0[k] for k, v in model.state_dict().items()}
 
     le, we = run(False)
