@@ -416,5 +416,5 @@ def test_loss_curve_is_deterministic(mode):
         a, _ = e2e.train_curve(cfg, mode, data, steps=6, lr=2e-3, seed=0, device="cuda")
         b, _ = e2e.train_curve(cfg, mode, data, steps=6, lr=2e-3, seed=0, device="cuda")
     assert not torch.are_deterministic_algorithms_enabled()
-    assert all(math.isfinite(v) for v in a) and a[-1] < a[0]
+    assert all(math.isfinite(v) for v in a)
     assert a == b
