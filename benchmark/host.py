@@ -164,6 +164,26 @@ def profile(c: HostCase, calls: int, device: str) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
+def torch_profile(c: HostCase, calls: int, device: str) -> None:
+    """torch.profiler's CPU view of ``calls`` calls (covers the autograd engine's own
+    thread, which cProfile does not see): self CPU time per op, and the launches."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    for _ in range(3):
+        _call(c)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            _call(c)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                    max_name_column_width=70))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,6 +192,8 @@ def main(argv=None) -> int:
                    help="calls for fwd+bwd rows (each launches several kernels)")
     p.add_argument("--case", nargs="*", default=None, help="substrings of row names")
     p.add_argument("--profile", default=None, help="cProfile one row (substring)")
+    p.add_argument("--torch-profile", default=None,
+                   help="torch.profiler CPU table of one row (substring)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,6 +201,13 @@ def main(argv=None) -> int:
     cases = _cases(device, small=device == "cpu")
     if args.case:
         cases = [c for c in cases if any(s in c.name for s in args.case)]
+    if args.torch_profile:
+        for c in cases:
+            if args.torch_profile in c.name:
+                n = calls if not c.backward or device != "cuda" else args.calls_bwd
+                print(f"== torch.profiler: {c.name} ({n} calls)")
+                torch_profile(c, n, device)
+        return 0
     if args.profile:
         for c in cases:
             if args.profile in c.name:
