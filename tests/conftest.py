@@ -173,7 +173,8 @@ def _gpu_memory(request):
         yield
         try:
             peak = torch.cuda.max_memory_allocated(DEVICE)
-        except (RuntimeError, AssertionError):  # a test patched torch.cuda (e.g. is_available -> False)
+        except (RuntimeError, AssertionError):
+            # a test patched torch.cuda (e.g. is_available -> False)
             peak = None
         if peak is not None:
             request.node.user_properties.append(("gpu_peak_mib", round(peak / 2**20)))
