@@ -6,10 +6,12 @@ GPU, the whole training step of the linghe modes is checked to have no host sync
 give the same result when captured in a CUDA graph and replayed.
 """
 
+import contextlib
 import csv
 import json
 import math
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -324,6 +326,76 @@ def test_deterministic_kernels_restores():
 def test_cli_rejects_bad_mode():
     with pytest.raises(SystemExit):
         e2e.parse_args(["--mode", "bf16,int4"])
+
+
+# ------------------------------------------------------------------ CUDA graphs
+
+
+class _FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on the CPU: "capture" runs the body once
+    (eagerly), a replay does nothing."""
+
+    capturing = False
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+    def pool(self):
+        return ("pool", id(self))
+
+
+class _FakeStream:
+    def wait_stream(self, s):
+        pass
+
+
+@contextlib.contextmanager
+def _fake_capture(g, pool=None):
+    _FakeGraph.capturing = True
+    try:
+        yield
+    finally:
+        _FakeGraph.capturing = False
+
+
+def _cuda_fakes():
+    """On the CPU: what make_stepper's graph path calls in torch.cuda, faked."""
+    if DEVICE == "cuda":
+        return contextlib.nullcontext()
+    return mock.patch.multiple(
+        torch.cuda, Stream=_FakeStream, stream=lambda s: contextlib.nullcontext(),
+        current_stream=_FakeStream, synchronize=lambda *a: None, empty_cache=lambda: None,
+        CUDAGraph=_FakeGraph, graph=_fake_capture,
+        is_current_stream_capturing=lambda: _FakeGraph.capturing)
+
+
+def test_graph_stepper_builds_no_pointer_table_inside_capture():
+    """The captured step sets gradients to None, so they first exist inside the capture;
+    clip_grad_norm_'s pointer table for them (a pinned host buffer) must be built between
+    the two captures, never inside one. On the CPU the capture is faked (the body runs
+    once, eagerly); on a GPU it is real."""
+    from linghe.optim import multi_tensor
+
+    cfg = CFG if DEVICE == "cpu" else GPU_CFG
+    model = build_model(cfg, device=DEVICE, seed=0)
+    opt = make_optimizer(model, 1e-3, capturable=DEVICE == "cuda")
+    bb = ByteBatches(stdlib_corpus(corpus_bytes_needed(cfg, 3)), cfg.batch, cfg.seq, DEVICE)
+    built = []
+    build = multi_tensor._build_plan
+
+    def spy(*args, **kwargs):
+        built.append(torch.cuda.is_current_stream_capturing())
+        return build(*args, **kwargs)
+
+    with _cuda_fakes(), mock.patch.object(multi_tensor, "_build_plan", spy):
+        step = e2e.make_stepper(model, opt, bb, "bf16", graph=True, warmup=1)
+        loss = step(1)
+    assert built and not any(built), built
+    assert math.isfinite(float(loss))
+    assert all(p.grad is not None and p.grad.is_contiguous() for p in model.parameters())
 
 
 # ------------------------------------------------------------------ GPU: CUDA graphs
