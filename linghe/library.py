@@ -299,7 +299,8 @@ def qk_norm_rope_bwd(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor | None, fre
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rotary_dim=rotary_dim, layout=layout, interleaved=interleaved, eps=eps,
         qkv_shape=qkv_shape, qkv_dtype=qkv_dtype)
-    if gq is not None and gk is not None and gk._base is not None and gk._base is gq._base:
+    if gq is not None and gk is not None and \
+            gk.untyped_storage().data_ptr() == gq.untyped_storage().data_ptr():
         gk = gk.clone()  # both were reduced in one launch into halves of one buffer
     return dqkv, _or_absent(gq, dqkv), _or_absent(gk, dqkv)
 
@@ -373,7 +374,7 @@ def _apply_rope_setup(ctx, inputs, output):
 
 def _apply_rope_backward(ctx, dq, dk):
     cos, sin, position_ids = ctx.saved_tensors
-    gq, gk = apply_rope_bwd(dq, dk, cos, sin, position_ids)
+    gq, gk = apply_rope_bwd(dq.contiguous(), dk.contiguous(), cos, sin, position_ids)
     return gq, gk, None, None, None
 
 
