@@ -259,6 +259,24 @@ def test_grouped_mm_fp8():
     check_compiles(experts, x, w)
 
 
+def test_fp8_gemm_kernels():
+    # The kernel-level FP8 GEMMs (no autograd) on operands quantized inside the region.
+    E, N, K, T = 2, 128, 72, 5
+    ids = torch.randint(0, E, (T, 2), dtype=torch.int32)
+    x, w, d = _leaf(T, K, grad=False), _leaf(E, N, K, grad=False), _leaf(40, N, grad=False)
+
+    def kernels(x, w, d):
+        rows, _, layout = linghe.permute(x, ids, num_experts=E, align=8)
+        a = linghe.quantize_1x128(rows, columnwise=True)
+        wq = linghe.quantize_grouped_weight(w)
+        g = linghe.quantize_1x128(d[:rows.shape[0]], columnwise=True)
+        w2 = linghe.quantize_128x128(w[0], columnwise=True)
+        return (linghe.grouped_mm_fp8(a, wq, layout), linghe.grouped_mm_fp8_dgrad(g, wq, layout),
+                linghe.grouped_mm_fp8_wgrad(g, a, layout), linghe.fp8.gemm.fprop(a, w2))
+
+    check_compiles(kernels, x, w, d)
+
+
 def test_batch_silu_mul_quant():
     E, T, k, n = 3, 20, 2, 40
     x = _leaf(T, 2 * n, dtype=torch.bfloat16)
@@ -381,6 +399,9 @@ def _opcheck_cases():
     go, gR = g_lay.offsets, g_lay.num_rows
     wg = r(2, 128, 72, dtype=bf)
     _, ac, acs, wgc, wgcs = L.grouped_mm_fp8_fwd(g_rows, wg, go, False, True, True)
+    gq = linghe.quantize_1x128(r(gR, 128), columnwise=True)
+    aq = linghe.quantize_1x128(g_rows, rowwise=True, columnwise=True)
+    wgq = linghe.quantize_grouped_weight(wg)
     return [
         (L.rms_norm_fwd, (r(7, 136, grad=True), r(136, grad=True), r(7, 136, grad=True),
                           1e-6), True),
@@ -430,6 +451,16 @@ def _opcheck_cases():
         (L.grouped_mm_fp8_fwd, (g_rows, wg, go, False, True, True), False),
         (L.grouped_mm_fp8_bwd, (r(gR, 128, dtype=bf), ac, acs, wgc, wgcs, go, False, bf, bf,
                                 72), False),
+        (L.grouped_mm_fp8_kernel, ("fwd", aq.rowwise_data, aq.rowwise_scale, wgq.rowwise_data,
+                                   wgq.rowwise_scale, go, 128, 72, bf), False),
+        (L.grouped_mm_fp8_kernel, ("dgrad", gq.rowwise_data, gq.rowwise_scale,
+                                   wgq.columnwise_data, wgq.columnwise_scale, go, 128, 72, bf),
+         False),
+        (L.grouped_mm_fp8_kernel, ("wgrad", gq.columnwise_data, gq.columnwise_scale,
+                                   aq.columnwise_data, aq.columnwise_scale, go, 128, 72, f32),
+         False),
+        (L.fp8_gemm, (xc.t().contiguous(), r(20, 2).abs(), wc.t().contiguous(),
+                      r(1, 2).abs(), "1x128", "128x128", f32, r(40), "auto"), False),
     ]
 
 
