@@ -28,6 +28,18 @@ Conventions:
   dynamo traces (forward: the op plus the ``Fp8Tensor``; backward: the backward op).
 - Integer outputs (ids, counts, offsets) are never differentiable; float outputs that
   are not (``rstd``, ``lse``) are marked non-differentiable.
+
+What stays outside a compiled graph (each documented where it applies):
+
+- a compiled region may not *return* an ``Fp8Tensor`` that requires grad: AOTAutograd
+  expects the gradient of a subclass output to be of that subclass, and an ``Fp8Tensor``'s
+  gradient is a plain tensor. Inside a region (``rms_norm_quant`` -> FP8 ``Linear``) it
+  flows normally; dequantize or detach it before returning it;
+- FP8 Linear: the ``delayed`` recipe (state updated outside the graph) raises; the weight
+  is quantized on every call (a graph keeps no ``WeightCache``);
+- vocab-parallel losses (``process_group=``) and expert parallelism across ranks (their
+  split sizes are host syncs), and debug mode (``linghe.set_debug``: data checks that
+  sync with the host) are graph breaks: ``fullgraph=True`` refuses them.
 """
 
 import functools
