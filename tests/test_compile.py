@@ -117,7 +117,7 @@ def test_quantize():
 # ------------------------------------------------------------------------------ rope
 @pytest.mark.parametrize("norm,packed", [(True, True), (False, False)])
 def test_qk_norm_rope(norm, packed):
-    B, S, H, Hkv, D = (2, 3, 2, 1, 8) if norm else (1, 3, 2, 1, 8)
+    B, S, H, Hkv, D = 1, 3, 2, 1, 8
     qkv = _leaf(S, B, (H + 2 * Hkv) * D)
     freqs = linghe.rope_freqs(16, 4)
     w = (_leaf(D), _leaf(D)) if norm else (None, None)
@@ -261,7 +261,7 @@ def test_grouped_mm_fp8():
 
 def test_fp8_gemm_kernels():
     # The kernel-level FP8 GEMMs (no autograd) on operands quantized inside the region.
-    E, N, K, T = 2, 128, 72, 5
+    E, N, K, T = 2, 128, 72, 3
     ids = torch.randint(0, E, (T, 2), dtype=torch.int32)
     x, w, d = _leaf(T, K, grad=False), _leaf(E, N, K, grad=False), _leaf(40, N, grad=False)
 
@@ -412,12 +412,11 @@ def _opcheck_cases():
         (L.qk_norm_rope_fwd, (qkv, freqs, None, qw, r(8), *rope), False),
         (L.qk_norm_rope_bwd, (r(2, 3, 2, 8), r(2, 3, 1, 8), r(2, 3, 1, 8), qkv, freqs, None,
                               qw, r(8), *rope, [3, 2, 32], f32), False),
-        (L.apply_rope_fwd, (r(1, 2, 3, 8, grad=True), r(1, 1, 3, 8, grad=True), r(1, 3, 8),
-                            r(1, 3, 8), None), True),
+        (L.apply_rope_fwd, (r(1, 2, 3, 8), r(1, 1, 3, 8), r(1, 3, 8), r(1, 3, 8), None),
+         False),
         (L.apply_rope_bwd, (r(1, 2, 3, 8), r(1, 1, 3, 8), r(1, 3, 8), r(1, 3, 8), None),
          False),
-        (L.group_rms_norm_gate_fwd, (x3.requires_grad_(), gate.requires_grad_(),
-                                     gw.requires_grad_(), 2, 1e-6, "sbh"), True),
+        (L.group_rms_norm_gate_fwd, (x3, gate, gw, 2, 1e-6, "sbh"), False),
         (L.group_rms_norm_gate_bwd, (r(3, 2, 12), x3, gate, gw, 2, 1e-6, "sbh"), False),
         (L.silu_mul_fwd, (r(5, 74, grad=True), r(5, grad=True)), True),
         (L.silu_mul_bwd, (r(5, 37), xs, p, True, None, 1), False),
