@@ -110,10 +110,11 @@ def _fp8_tensor(shape, dtype, q, s, qt, st, rowwise: bool, columnwise: bool,
 
 
 def _dense_grad(g: Tensor) -> Tensor:
-    """An incoming gradient as a plain contiguous tensor (an ``Fp8Tensor`` gradient is
-    dequantized; a broadcast one, e.g. of ``.sum()``, is materialized)."""
-    if isinstance(g, Fp8Tensor):
-        g = g.dequantize()
+    """The gradient of an ``Fp8Tensor`` output as a contiguous tensor (a broadcast one,
+    e.g. of ``.sum()``, is materialized). Under compile it is always a plain tensor (no
+    linghe op returns an ``Fp8Tensor`` gradient through autograd). No ``isinstance`` test
+    here: with dynamic shapes dynamo took that branch for the traced gradient, and
+    ``.dequantize()`` then resolved to ``aten::dequantize`` (test_dynamic_shapes)."""
     return g.contiguous()
 
 

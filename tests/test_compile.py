@@ -291,6 +291,27 @@ def test_batch_silu_mul_quant():
     check_compiles(experts, x, _leaf(T, k))
 
 
+def test_dynamic_shapes():
+    # One graph for several token counts (symbolic shapes through the fake implementations
+    # and the Fp8Tensor autograd Functions).
+    w = _leaf(136)
+
+    def fn(x):
+        q = linghe.rms_norm_quant(x, w)
+        a = linghe.silu_mul_quant(linghe.rms_norm(x, w))
+        return q.dequantize(columnwise=True).square().sum() + a.dequantize().sum()
+
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
+    for M in (9, 5):
+        x = _leaf(M, 136)
+        out_c, out_e = compiled(x), fn(x)
+        _same(out_c, out_e, f"M={M}")
+        for a, b in zip(torch.autograd.grad(out_c, (x, w)), torch.autograd.grad(out_e, (x, w))):
+            _same(a, b, f"grad M={M}")
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 # ------------------------------------------------------------------------------ a model
 class TinyMoEModel(torch.nn.Module):
     """RMSNorm -> Linear -> SwiGLU -> MoE (router, permute, grouped GEMMs, shared expert)
