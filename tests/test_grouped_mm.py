@@ -619,3 +619,35 @@ def test_fp8_kernels_compile_for_sm90(compile_sm90):
     quantizer compiled for sm_90 without a GPU: GPU-only compile errors, wgmma use,
     vectorized transposed stores."""
     compile_sm90(_COMPILE_SCRIPT)
+
+
+def test_fp8_autotuned_launch_path(device, monkeypatch):
+    """The autotuned launches (GPU, large shapes) take the same arguments as the
+    heuristic ones: run them with a one-config list (no benchmarking) at a small shape."""
+    import triton
+
+    from linghe.bwd import grouped_mm as bwd_gm
+
+    monkeypatch.setattr(fwd_gm, "AUTOTUNE_MIN_ROWS", 0)
+    monkeypatch.setattr(bwd_gm, "AUTOTUNE_MIN_ROWS", 0)
+    monkeypatch.setattr(fwd_gm, "_autotune_enabled", lambda: True)
+    monkeypatch.setattr(bwd_gm, "_autotune_enabled", lambda: True)
+    monkeypatch.setattr(fwd_gm, "_FP8_CONFIGS", [triton.Config(
+        {"BM": 32, "BN": 64, "BK": 128, "GROUP_M": 4}, num_warps=4, num_stages=1)])
+    monkeypatch.setattr(bwd_gm, "_WGRAD_FP8_CONFIGS", [triton.Config(
+        {"BN": 64, "BK": 64}, num_warps=4, num_stages=1)])
+    monkeypatch.setattr(fwd_gm, "_rows_tuned", None)
+    monkeypatch.setattr(bwd_gm, "_wgrad_tuned", None)
+    x, layout, real = make_rows([9, 0, 40], 16, 128, device, torch.bfloat16)
+    w = (torch.randn(3, 128, 128, device=device) / 11).to(torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    out = linghe.grouped_mm(x, w, layout, fp8=True)
+    g = torch.randn_like(out)
+    g[~real] = 0
+    out.backward(g)
+    r, dx, dw = ref_grads(x, w, layout.offsets, g)
+    assert fwd_gm._rows_tuned is not None and bwd_gm._wgrad_tuned is not None
+    assert_close(out, r, tol=FP8_VS_EXACT)
+    assert_close(x.grad, dx, tol=FP8_VS_EXACT, name="d_rows")
+    assert_close(w.grad, dw, tol=FP8_VS_EXACT, name="d_weight")
