@@ -1,8 +1,15 @@
 """``TrainingContext``: turns FP8 training on for a region; ``current_recipe()`` reads it.
 
 The active recipe lives in a :class:`contextvars.ContextVar` (per thread / per asyncio
-task; no module-level mutable state): entering a context sets it, leaving restores what
-was there before, on normal exit and on exceptions alike.
+task): entering a context sets it, leaving restores what was there before, on normal exit
+and on exceptions alike.
+
+``torch.compile`` cannot trace a ``ContextVar`` read, so code being compiled reads a
+process-wide mirror instead (:data:`_compiled_recipe`), set and restored together with
+the ``ContextVar`` by every enter and exit. Dynamo guards on the mirror's value: a compiled
+function called under another recipe (or none) recompiles. The one limit: the mirror is
+per process, so threads that run compiled code under different contexts at the same time
+would see the latest entered one; eager code always reads the per-thread ``ContextVar``.
 """
 
 from __future__ import annotations
@@ -17,10 +24,15 @@ from .utils import INTERPRET
 _RECIPE: contextvars.ContextVar[Fp8Recipe | None] = contextvars.ContextVar(
     "linghe_fp8_recipe", default=None)
 
+#: The innermost active recipe, mirrored for code under ``torch.compile`` (module docstring).
+_compiled_recipe: Fp8Recipe | None = None
+
 
 def current_recipe() -> Fp8Recipe | None:
     """The FP8 recipe of the innermost active :class:`TrainingContext` (``None``: high
-    precision)."""
+    precision). Under ``torch.compile`` the process-wide mirror of it (module docstring)."""
+    if torch.compiler.is_compiling():
+        return _compiled_recipe
     return _RECIPE.get()
 
 
@@ -81,6 +93,7 @@ class TrainingContext:
                                     history_len=history_len, amax_compute=amax_compute,
                                     margin=margin, amax_group=amax_group)
         self._token: contextvars.Token | None = None
+        self._outer_mirror: Fp8Recipe | None = None
 
     @property
     def active(self) -> bool:
@@ -92,12 +105,16 @@ class TrainingContext:
                                "TrainingContext(...) instead of re-entering one")
         if self.recipe is not None:
             check_fp8_device()
+        global _compiled_recipe
         self._token = _RECIPE.set(self.recipe)
+        self._outer_mirror, _compiled_recipe = _compiled_recipe, self.recipe
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        global _compiled_recipe
         token, self._token = self._token, None
         _RECIPE.reset(token)
+        _compiled_recipe, self._outer_mirror = self._outer_mirror, None
         if exc_type is None and self.recipe is not None and self.recipe.state is not None:
             self.recipe.state.update()
 

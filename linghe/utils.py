@@ -68,8 +68,15 @@ def debug_enabled() -> bool:
 # Launch helpers
 # --------------------------------------------------------------------------------------
 
-cdiv = triton.cdiv
-next_power_of_2 = triton.next_power_of_2
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host ints (triton's own is a constexpr function in recent
+    releases and costs microseconds a call on the launch path)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (0 for ``n <= 0``, as ``triton.next_power_of_2``)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 _NUM_SMS: dict = {}
@@ -170,6 +177,43 @@ def device_guard(t: torch.Tensor):
     if dev.type == "cuda" and dev.index != torch.cuda.current_device():
         return torch.cuda.device(dev)
     return _NO_GUARD
+
+
+class _NoGradCtx:
+    """Stands in for an autograd ``ctx`` when no input needs a gradient: forward's
+    bookkeeping (saving tensors, flags) becomes a no-op."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def apply_function(fn: type[torch.autograd.Function], *args):
+    """``fn.apply(*args)`` with less host work.
+
+    When grad mode is off or no tensor argument requires grad, nothing would be recorded,
+    so ``fn.forward`` runs directly with a :class:`_NoGradCtx` (autograd's per-call cost,
+    a large share of a small op's host time, is skipped). Otherwise the C++ apply is
+    called directly, skipping ``Function.apply``'s Python prologue (argument re-binding
+    and the functorch wrapper scan); under functorch transforms or torch.compile the
+    ordinary ``fn.apply`` runs.
+    """
+    if not torch.is_grad_enabled() or not any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return fn.forward(_NoGradCtx(), *args)
+    if (_C_APPLY is None or torch._C._are_functorch_transforms_active()
+            or torch.compiler.is_compiling()):
+        return fn.apply(*args)
+    return _C_APPLY.__get__(None, fn)(*args)
+
+
+#: autograd's C++ ``apply`` (what ``Function.apply`` calls after its Python prologue).
+_C_APPLY = torch._C._FunctionBase.__dict__.get("apply")
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,10 @@ def _check_scales(s, s_ref, name, s_mag=None):
 
 
 # ------------------------------------------------------------------------- silu_mul
+# GPU subset: (37, 3) repeats (300, 127)'s odd tail, (5, 128) the exact width of (130, 256).
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16],
+                        shape=[(1, 1), (300, 127), (37, 200), (0, 200), (130, 256)])
+@pytest.mark.gpu_subset(dtype=[torch.float16], shape=[(300, 127), (130, 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pk", [None, "f32", "x"])
@@ -120,6 +124,10 @@ def test_silu_mul_nonfinite_propagates(device):
 
 
 # ------------------------------------------------------------------------- silu_mul_quant
+# GPU subset: (37, 3) repeats (300, 127)'s single partial 128-group.
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16],
+                        shape=[(1, 1), (300, 127), (37, 200), (0, 5), (130, 256)])
+@pytest.mark.gpu_subset(dtype=[torch.float16], shape=[(300, 127), (130, 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (37, 3), (300, 127), (37, 200), (0, 5), (130, 256)])
 @pytest.mark.parametrize("pow2", [False, True])
@@ -164,6 +172,8 @@ def test_silu_mul_quant_feeds_ordinary_ops(device):
     assert_close(gx, _ref_grads(x, None, w.sum(1).expand(20, 130))[0])
 
 
+# GPU subset: (37, 128) repeats the exact 128-groups of (129, 256).
+@pytest.mark.gpu_subset(shape=[(1, 3), (130, 200), (129, 256)])
 @pytest.mark.parametrize("shape", [(1, 3), (37, 128), (130, 200), (129, 256)])
 @pytest.mark.parametrize("with_probs", [False, True])
 @pytest.mark.parametrize("pow2", [False, True])
@@ -258,6 +268,11 @@ def _batch_inputs(counts, tail, align, n, dtype, device):
     return x, probs, c, real, R
 
 
+# GPU subset: ([37], 0) repeats the single expert of ([1], 0) and the full segment of
+# ([0, 37, 0], 5); n = 3 (one partial 128-group) repeats the partial group of n = 200 but
+# for the smallest tiles, which the 8-expert case keeps.
+@pytest.mark.gpu_subset(case=BATCH_CASES[1:], n=[200])
+@pytest.mark.gpu_subset(case=[BATCH_CASES[3]], n=[3])
 @pytest.mark.parametrize("case", BATCH_CASES)
 @pytest.mark.parametrize("align", [16, 128])
 @pytest.mark.parametrize("n", [3, 200])
@@ -578,7 +593,8 @@ fs = dict(x_ptr="*bf16", p_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv", s_ptr=
 for batch in (False, True):
     ptx = comp(F._silu_mul_quant_fwd_kernel, fs,
                dict(BM=128, COLWISE=True, POW2=False, HAS_P=True, BATCH=batch, EP2=64,
-                    ALIGN16=batch), F.QUANT_NUM_WARPS, ("M", "N", "stride_x", "ALIGN"))
+                    ALIGN16=batch), F.BATCH_QUANT_NUM_WARPS if batch else F.QUANT_NUM_WARPS,
+               ("M", "N", "stride_x", "ALIGN"))
     # The transposed fp8 stores must be 16-byte vectors (the batch form needs ALIGN16).
     assert "st.global.b8" not in ptx and "st.global.v4" in ptx, batch
 bs = dict(dy_ptr="*bf16", x_ptr="*bf16", p_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv",

@@ -49,6 +49,9 @@ CASES = [
 ]
 
 
+# GPU subset: float16 on two cases (it shares bfloat16's path but for the element type).
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16])
+@pytest.mark.gpu_subset(dtype=[torch.float16], case=[CASES[1], CASES[3]])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}-N{c[3]}")
 def test_grouped_mm_matches_reference(device, dtype, case):
@@ -320,7 +323,8 @@ def _ling_layout(E, T, topk, align, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "torch", "fp8"])
-@pytest.mark.parametrize("E,K,N", [(32, 2048, 2048), (32, 1024, 2048), (256, 2048, 2048)])
+@pytest.mark.parametrize("E,K,N", [(32, 2048, 2048), (32, 1024, 2048),
+                                   pytest.param(256, 2048, 2048, marks=pytest.mark.gpu_big)])
 def test_ling_mini_shapes(device, backend, E, K, N):
     if backend == "torch" and not fwd_gm.torch_grouped_mm_ok(
             torch.empty(8, 8, device=device, dtype=torch.bfloat16)):

@@ -59,3 +59,59 @@ def test_returns_compiled_kernel_on_gpu(device):
     first = launch(_axpy_kernel, (2,), x, x, out, 100, 1, 1.0, BLOCK=64, NEG=False)
     again = launch(_axpy_kernel, (2,), x, x, out, 100, 1, 1.0, BLOCK=64, NEG=False)
     assert first is again and int(again.n_regs) > 0
+
+
+# --------------------------------------------------------------------------------------
+# apply_function: the lean autograd entry every public op uses
+# --------------------------------------------------------------------------------------
+
+class _Scale(torch.autograd.Function):
+    """y = x * w; saves both (to see that the no-grad path skips the bookkeeping)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, w, k: float):
+        _Scale.calls += 1
+        ctx.save_for_backward(x, w)
+        ctx.set_materialize_grads(False)
+        ctx.k = k
+        return x * w * k
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w * ctx.k, (g * x * ctx.k).sum(0), None
+
+
+def test_apply_function_without_grad_runs_forward_only():
+    from linghe.utils import apply_function
+
+    x, w = torch.randn(3, 5), torch.randn(5)
+    y = apply_function(_Scale, x, w, 2.0)
+    assert y.grad_fn is None and not y.requires_grad
+    torch.testing.assert_close(y, x * w * 2.0)
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        y = apply_function(_Scale, xg, w, 2.0)
+    assert y.grad_fn is None and not y.requires_grad
+
+
+def test_apply_function_with_grad_matches_function_apply():
+    from linghe.utils import apply_function
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    g = torch.randn(4, 3)
+    apply_function(_Scale, x, w, 0.5).backward(g)
+    dx, dw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    _Scale.apply(x, w, 0.5).backward(g)
+    torch.testing.assert_close(dx, x.grad)
+    torch.testing.assert_close(dw, w.grad)
+    # only one input needing grad still records the graph
+    x.grad = None
+    y = apply_function(_Scale, x, w.detach(), 0.5)
+    assert y.grad_fn is not None
+    y.backward(g)
+    torch.testing.assert_close(x.grad, dx)

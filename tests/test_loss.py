@@ -252,6 +252,7 @@ def test_default_chunk_size():
 
 # ------------------------------------------------------------------ GPU, standard shapes
 @pytest.mark.gpu
+@pytest.mark.gpu_big  # 8192 x 157184 logits: float32 reference and its gradient
 @pytest.mark.parametrize("inplace", [False, True])
 def test_cross_entropy_standard_shape(device, inplace):
     N, V = 8192, 157184
@@ -269,6 +270,7 @@ def test_cross_entropy_standard_shape(device, inplace):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_big
 def test_linear_cross_entropy_standard_shape(device):
     N, H, V = 8192, 2048, 157184
     h = torch.randn(N, H, device=device, dtype=torch.bfloat16)

@@ -8,6 +8,15 @@ from linghe import reference as ref
 from linghe.testing import assert_close
 
 
+@pytest.fixture(autouse=True)
+def _on_test_device(device):
+    """Every tensor and module here is made on the test device (CUDA on a GPU machine)."""
+    prev = torch.get_default_device()
+    torch.set_default_device(device)
+    yield
+    torch.set_default_device(prev)
+
+
 def _ref_params(m, dtype):
     sd = m.gather_full_state_dict()
     ps = {k: v.detach().to(dtype).requires_grad_(True) for k, v in sd.items()

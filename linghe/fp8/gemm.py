@@ -41,7 +41,16 @@ import triton
 import triton.language as tl
 
 from .. import reference as _ref
-from ..utils import INTERPRET, cdiv, check_tensor, device_guard, empty, grouped_tile_order, launch
+from ..utils import (
+    INTERPRET,
+    cdiv,
+    check_tensor,
+    device_guard,
+    empty,
+    grouped_tile_order,
+    launch,
+    next_power_of_2,
+)
 from .tensor import Fp8Tensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -165,7 +174,7 @@ def _triton_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
     sam, sak = _scale_strides(sa, a_scaling)
     sbn, sbk = _scale_strides(sb, b_scaling)
     args = (a, b, c, sa, sb, bias if bias is not None else c, M, N, K,
-            triton.next_power_of_2(M), a.stride(0), b.stride(0), c.stride(0), sam, sak, sbn, sbk)
+            next_power_of_2(M), a.stride(0), b.stride(0), c.stride(0), sam, sak, sbn, sbk)
     flags = dict(A_ROWS=_BLOCK_ROWS[a_scaling], B_ROWS=_BLOCK_ROWS[b_scaling],
                  PROMOTE=not (a_scaling == "tensor" and b_scaling == "tensor"),
                  EVEN_K=K % 128 == 0, HAS_BIAS=bias is not None, BK=128, GROUP_M=8)

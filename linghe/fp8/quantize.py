@@ -142,6 +142,11 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
         tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 
 
+#: Warps of the 1x128 quantize kernel with / without the columnwise copy (tuning knobs).
+WARPS_COLWISE = 4
+WARPS_ROWWISE = 8
+
+
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool):
     """Allocate the four 1x128 components (``None`` where not asked) for ``[M, K]``."""
     q = s = qt = st = None
@@ -176,21 +181,31 @@ def quantize_1x128(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = 
     check_kernel_device("x", x)
     if not (rowwise or columnwise):
         raise ValueError("quantize_1x128 needs rowwise=True or columnwise=True")
-    K = x.shape[-1]
-    x2 = rows_view(x)
-    M = x2.shape[0]
-    q, s, qt, st = empty_1x128(M, K, x.device, rowwise=rowwise, columnwise=columnwise)
+    if torch.compiler.is_compiling():
+        from .. import library  # (lazy: linghe.library imports this module)
+        return library.quantize_1x128(x, rowwise, columnwise, pow2_scale)
+    q, s, qt, st = quantize_1x128_launch(rows_view(x), rowwise, columnwise, pow2_scale)
+    return Fp8Tensor(x.shape, x.dtype, rowwise_data=q, rowwise_scale=s,
+                     columnwise_data=qt, columnwise_scale=st, scaling="1x128")
+
+
+def quantize_1x128_launch(x2: torch.Tensor, rowwise: bool, columnwise: bool,
+                          pow2_scale: bool):
+    """The launcher of :func:`quantize_1x128` on ``x2 [M, K]`` (last dim contiguous):
+    ``(q, s, qt, st)``, ``None`` for the copies not asked for."""
+    M, K = x2.shape
+    q, s, qt, st = empty_1x128(M, K, x2.device, rowwise=rowwise, columnwise=columnwise)
     if M > 0 and K > 0:
         # Columnwise groups span 128 rows, so a program takes 128 rows; rowwise alone
         # takes fewer rows per program for more parallelism.
         BM = 128 if columnwise else 32
         grid = (cdiv(M, BM), cdiv(K, BLOCK))
-        with device_guard(x):
+        with device_guard(x2):
             launch(_quantize_1x128_kernel, grid,
                 x2, q, s, qt, st, M, K, x2.stride(0), BM=BM, ROWWISE=rowwise,
-                COLWISE=columnwise, POW2=pow2_scale, num_warps=4 if columnwise else 8)
-    return Fp8Tensor(x.shape, x.dtype, rowwise_data=q, rowwise_scale=s,
-                     columnwise_data=qt, columnwise_scale=st, scaling="1x128")
+                COLWISE=columnwise, POW2=pow2_scale,
+                num_warps=WARPS_COLWISE if columnwise else WARPS_ROWWISE)
+    return q, s, qt, st
 
 
 def quantize_128x128(w: torch.Tensor, *, columnwise: bool = False,
@@ -204,6 +219,17 @@ def quantize_128x128(w: torch.Tensor, *, columnwise: bool = False,
     """
     check_tensor("w", w, dtypes=FLOAT_DTYPES, ndim=2, last_dim_contiguous=True)
     check_kernel_device("w", w)
+    if torch.compiler.is_compiling():
+        from .. import library  # (lazy: linghe.library imports this module)
+        return library.quantize_128x128(w, columnwise, pow2_scale)
+    q, s, qt, st = quantize_128x128_launch(w, columnwise, pow2_scale)
+    return Fp8Tensor(w.shape, w.dtype, rowwise_data=q, rowwise_scale=s,
+                     columnwise_data=qt, columnwise_scale=st, scaling="128x128")
+
+
+def quantize_128x128_launch(w: torch.Tensor, columnwise: bool, pow2_scale: bool):
+    """The launcher of :func:`quantize_128x128` on ``w [N, K]``: ``(q, s, qt, st)``
+    (``qt``/``st`` ``None`` without ``columnwise``)."""
     N, K = w.shape
     GN, GK = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
     q = empty(N, K, dtype=FP8_DTYPE, device=w.device)
@@ -217,5 +243,4 @@ def quantize_128x128(w: torch.Tensor, *, columnwise: bool = False,
             launch(_quantize_128x128_kernel, (GN, GK),
                 w, q, s, qt, st, N, K, w.stride(0), COLWISE=columnwise, POW2=pow2_scale,
                 RELOAD_T=w.dtype == torch.float32, num_warps=8)
-    return Fp8Tensor(w.shape, w.dtype, rowwise_data=q, rowwise_scale=s,
-                     columnwise_data=qt, columnwise_scale=st, scaling="128x128")
+    return q, s, qt, st

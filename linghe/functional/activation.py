@@ -8,12 +8,14 @@ import math
 
 import torch
 
+from .. import library
 from ..bwd import activation as _bwd
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import activation as _fwd
 from ..layout import ExpertLayout
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -88,7 +90,9 @@ def silu_mul(x: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor
     """
     _check_x(x)
     p1 = _check_probs(probs, x)
-    return _SiluMul.apply(x, p1)
+    if torch.compiler.is_compiling():
+        return library.silu_mul(x, p1)
+    return apply_function(_SiluMul, x, p1)
 
 
 # ------------------------------------------------------------------------- silu_mul_quant
@@ -135,7 +139,9 @@ def silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None = None, *,
     """
     _check_x(x)
     p1 = _check_probs(probs, x)
-    return _SiluMulQuant.apply(x, p1, bool(columnwise), bool(pow2_scale))
+    if torch.compiler.is_compiling():
+        return library.silu_mul_quant(x, p1, columnwise, pow2_scale)
+    return apply_function(_SiluMulQuant, x, p1, bool(columnwise), bool(pow2_scale))
 
 
 # ------------------------------------------------------------------------- batch form
@@ -243,5 +249,8 @@ def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
         if used > R:
             raise ValueError(f"tokens_per_expert padded to align={align} needs {used} rows, "
                              f"but x has {R}")
-    return _BatchSiluMulQuant.apply(x, p1, counts, align, bool(columnwise), bool(pow2_scale),
-                                    segments)
+    if torch.compiler.is_compiling():
+        return library.batch_silu_mul_quant(x, p1, counts, align, columnwise, pow2_scale,
+                                            segments)
+    return apply_function(_BatchSiluMulQuant, x, p1, counts, align, bool(columnwise),
+                          bool(pow2_scale), segments)

@@ -7,9 +7,10 @@ import math
 
 import torch
 
+from .. import library
 from ..bwd.gate import group_rms_norm_gate_bwd
 from ..fwd.gate import group_rms_norm_gate_fwd
-from ..utils import FLOAT_DTYPES, check_kernel_device, check_tensor
+from ..utils import FLOAT_DTYPES, apply_function, check_kernel_device, check_tensor
 
 
 class _GroupRMSNormGate(torch.autograd.Function):
@@ -75,4 +76,6 @@ def group_rms_norm_gate(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     # (gate and weight were checked on x's device above: no separate same-device pass)
     opts = dict(num_groups=num_groups, eps=float(eps), gate_layout=gate_layout)
-    return _GroupRMSNormGate.apply(x, gate, weight, opts)
+    if torch.compiler.is_compiling():
+        return library.group_rms_norm_gate(x, gate, weight, opts)
+    return apply_function(_GroupRMSNormGate, x, gate, weight, opts)

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd import grouped_mm as bwd
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd
 from ..fwd.grouped_mm import quantize_grouped_weight
 from ..layout import ExpertLayout
-from ..utils import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
+from ..utils import (
+    FLOAT_DTYPES,
+    apply_function,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+)
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -202,6 +209,11 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if fp8 and weight.shape[1] % 128 != 0:
         raise ValueError(f"fp8=True needs N (weight.shape[1]) to be a multiple of 128, got "
                          f"{weight.shape[1]}")
+    if torch.compiler.is_compiling():
+        # (the torch._grouped_mm check reads data pointers: the op decides "auto" at run time)
+        if backend == "auto" and not (isinstance(layout, ExpertLayout) and layout.align % 8 == 0):
+            backend = "triton"
+        return library.grouped_mm(rows, weight, offsets, bool(fp8), backend, bool(pow2_scale))
     if backend == "auto" and not fp8:
         # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
         # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
@@ -210,8 +222,8 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if weight_cache is not None and not isinstance(weight_cache, WeightCache):
         raise TypeError(f"weight_cache must be a linghe.fp8.WeightCache or None, got "
                         f"{type(weight_cache).__name__}")
-    return GroupedMMFunction.apply(rows, weight, offsets, bool(fp8), backend,
-                                   bool(pow2_scale), weight_cache if fp8 else None)
+    return apply_function(GroupedMMFunction, rows, weight, offsets, bool(fp8), backend,
+                          bool(pow2_scale), weight_cache if fp8 else None)
 
 
 # --------------------------------------------------------------------------------------

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..fp8 import gemm
 from ..fp8.cache import WeightCache
 from ..fp8.recipe import Fp8Recipe
 from ..fp8.tensor import Fp8Tensor
-from ..utils import FLOAT_DTYPES, check_tensor
+from ..utils import FLOAT_DTYPES, apply_function, check_tensor
 
 
 def _as_2d(t: Fp8Tensor) -> Fp8Tensor:
@@ -137,6 +138,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         cache: a :class:`WeightCache` for the weight's FP8 copy.
         owner: hashable naming this layer's amax slots (delayed recipe).
 
+    Under ``torch.compile`` (blockwise and tensorwise recipes; the delayed one raises
+    ``RuntimeError``) the weight is quantized in every call: a graph keeps no ``cache``.
+
     Returns ``y`` in ``x``'s dtype (bfloat16 for an fp8 ``x``). Saved for backward: the
     columnwise FP8 copies of X (or X itself when ``fp8_wgrad=False``) and W. Backward
     quantizes dY (rowwise for dgrad, columnwise for wgrad; e5m2 in the per-tensor recipes)
@@ -156,4 +160,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     # Inside Function.forward grad mode is off, so decide here whether wgrad will be needed.
     need_dw = weight.requires_grad and torch.is_grad_enabled()
-    return _Fp8Linear.apply(x, weight, bias, recipe, cache, owner, need_dw)
+    if torch.compiler.is_compiling():
+        return library.fp8_linear(x, weight, bias, recipe, need_dw)
+    return apply_function(_Fp8Linear, x, weight, bias, recipe, cache, owner, need_dw)

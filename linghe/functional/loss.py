@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd.loss import ce_backward
 from ..fwd.loss import ce_forward, ce_partials, ce_reduce
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -169,9 +171,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     """
     _check_ce_inputs(logits, labels)
     _check_options(ignore_index, reduction, label_smoothing, z_loss)
-    return _CrossEntropy.apply(logits, labels.contiguous(), int(ignore_index), reduction,
-                               float(label_smoothing), float(z_loss), bool(inplace_backward),
-                               process_group)
+    if torch.compiler.is_compiling() and process_group is None:
+        return library.cross_entropy(logits, labels.contiguous(), int(ignore_index), reduction,
+                                     float(label_smoothing), float(z_loss))
+    return apply_function(_CrossEntropy, logits, labels.contiguous(), int(ignore_index), reduction,
+                          float(label_smoothing), float(z_loss), bool(inplace_backward),
+                          process_group)
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,76 +202,129 @@ def _chunk_logits(h, weight, bias):
     return torch.addmm(bias, h, weight.t())
 
 
+def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
+                chunk_size, need_grads, vocab, group):
+    """The chunked forward of :func:`linear_cross_entropy` (also run by its custom op,
+    ``linghe.library``). ``vocab``: ``dict(vocab_start=, vocab_total=)`` of this rank.
+
+    Returns ``(out, inv_n, dh, dw, db, lse)``: with a "mean"/"sum" reduction and a gradient
+    needed ("fused"), the unscaled gradients ``dh``, ``dw``, ``db`` (``None`` where not
+    needed) and ``lse = None``; otherwise no gradients and the per-row ``lse [N]`` for the
+    backward's recomputation. ``inv_n`` is ``None`` for ``reduction="none"``."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
+    _check_labels_in_range(labels, ignore_index, vocab["vocab_total"])
+    loss_rows = empty(N, dtype=torch.float32, device=hidden.device)
+    need_h, need_w, need_b = need_grads
+    fused = reduction != "none" and any(need_grads)
+    dh = dw = db = None
+    if fused:
+        # gradients are computed now (unscaled: weight 1 per valid row), scaled later
+        if need_h:
+            dh = empty(N, H, dtype=hidden.dtype, device=hidden.device)
+        if need_w:
+            dw = torch.zeros(V, H, dtype=weight.dtype, device=weight.device)
+        if need_b:
+            db = torch.zeros(V, dtype=torch.float32, device=weight.device)
+    one = torch.ones(1, dtype=torch.float32, device=hidden.device)
+    lses = []
+    for s in range(0, N, chunk_size):
+        e = min(N, s + chunk_size)
+        h = hidden[s:e]
+        logits = _chunk_logits(h, weight, bias)
+        if group is None:
+            _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
+                                      fuse_bwd=fused, **opts)
+        else:
+            loss_c, lse = _dist_stats(logits, labels[s:e], group, **opts, **vocab)
+            loss_rows[s:e] = loss_c
+            if fused:
+                ce_backward(logits, labels[s:e], lse, one[0], one, **opts, **vocab,
+                            inplace=True)
+        lses.append(lse)
+        if fused:  # logits now hold d loss_rows / d logits (this rank's columns)
+            if dh is not None:
+                torch.mm(logits, weight, out=dh[s:e])
+            if dw is not None:
+                dw.addmm_(logits.t(), h)
+            if db is not None:
+                db += logits.sum(0, dtype=torch.float32)
+        del logits
+    if group is not None and dh is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=group)  # sum over vocab slices
+    if reduction == "none":
+        out, inv_n = loss_rows, None
+    else:
+        out, inv_n = ce_reduce(loss_rows, labels, ignore_index=ignore_index,
+                               vocab_total=vocab["vocab_total"], mean=reduction == "mean")
+    lse = None
+    if not fused:
+        lse = torch.cat(lses) if lses else empty(0, dtype=torch.float32, device=hidden.device)
+    return out, inv_n, dh, dw, db, lse
+
+
+def lce_backward_none(grad, hidden, weight, bias, labels, lse, ignore_index, label_smoothing,
+                      z_loss, chunk_size, need, vocab, group):
+    """Backward of :func:`linear_cross_entropy` with a per-row ``grad [N]``
+    (``reduction="none"``, or no gradient was known to be needed in the forward): the
+    logits are recomputed chunk by chunk. Returns ``(dhidden, dweight, dbias)`` (``None``
+    where ``need`` says no)."""
+    nh, nw, nb = need
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
+    N, H = hidden.shape
+    cs = chunk_size
+    gh = empty(N, H, dtype=hidden.dtype, device=hidden.device) if nh else None
+    gw = torch.zeros_like(weight) if nw else None
+    gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+        if nb else None
+    for s in range(0, N, cs):
+        e = min(N, s + cs)
+        h = hidden[s:e]
+        logits = _chunk_logits(h, weight, bias)
+        d = ce_backward(logits, labels[s:e], lse[s:e], grad[s:e], None, **opts, **vocab,
+                        inplace=True)
+        if gh is not None:
+            torch.mm(d, weight, out=gh[s:e])
+        if gw is not None:
+            gw.addmm_(d.t(), h)
+        if gb is not None:
+            gb += d.sum(0, dtype=torch.float32)
+        del logits, d
+    if group is not None and gh is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
+    if gb is not None:
+        gb = gb.to(bias.dtype)
+    return gh, gw, gb
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, label_smoothing,
                 z_loss, chunk_size, need_grads, process_group):
-        N, H = hidden.shape
-        V = weight.shape[0]
         group = process_group
+        V = weight.shape[0]
         if group is None:
             vocab_start, vocab_total = 0, V
         else:
             vocab_start, vocab_total = _vocab_slice(group, V, hidden.device)
-        opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
         vocab = dict(vocab_start=vocab_start, vocab_total=vocab_total)
-        _check_labels_in_range(labels, ignore_index, vocab_total)
-        loss_rows = empty(N, dtype=torch.float32, device=hidden.device)
-        need_h, need_w, need_b = need_grads
-        fused = reduction != "none" and any(need_grads)
-        dh = dw = db = None
-        if fused:
-            # gradients are computed now (unscaled: weight 1 per valid row), scaled later
-            if need_h:
-                dh = empty(N, H, dtype=hidden.dtype, device=hidden.device)
-            if need_w:
-                dw = torch.zeros(V, H, dtype=weight.dtype, device=weight.device)
-            if need_b:
-                db = torch.zeros(V, dtype=torch.float32, device=weight.device)
-        one = torch.ones(1, dtype=torch.float32, device=hidden.device)
-        lses = []
-        for s in range(0, N, chunk_size):
-            e = min(N, s + chunk_size)
-            h = hidden[s:e]
-            logits = _chunk_logits(h, weight, bias)
-            if group is None:
-                _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
-                                          fuse_bwd=fused, **opts)
-            else:
-                loss_c, lse = _dist_stats(logits, labels[s:e], group, **opts, **vocab)
-                loss_rows[s:e] = loss_c
-                if fused:
-                    ce_backward(logits, labels[s:e], lse, one[0], one, **opts, **vocab,
-                                inplace=True)
-            lses.append(lse)
-            if fused:  # logits now hold d loss_rows / d logits (this rank's columns)
-                if dh is not None:
-                    torch.mm(logits, weight, out=dh[s:e])
-                if dw is not None:
-                    dw.addmm_(logits.t(), h)
-                if db is not None:
-                    db += logits.sum(0, dtype=torch.float32)
-            del logits
-        if group is not None and dh is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=group)  # sum over vocab slices
-        if reduction == "none":
-            out, inv_n = loss_rows, None
-        else:
-            out, inv_n = ce_reduce(loss_rows, labels, ignore_index=ignore_index,
-                                   vocab_total=vocab_total, mean=reduction == "mean")
-        ctx.fused = fused
-        ctx.opts = opts
+        out, inv_n, dh, dw, db, lse = lce_forward(
+            hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
+            chunk_size, need_grads, vocab, group)
+        ctx.fused = lse is None
+        ctx.opts = (ignore_index, label_smoothing, z_loss)
         ctx.vocab = vocab
         ctx.group = group
         ctx.chunk_size = chunk_size
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        if fused:
+        if ctx.fused:
             ctx.save_for_backward(dh, dw, db, inv_n)
         else:
-            lse = torch.cat(lses) if lses else empty(0, dtype=torch.float32,
-                                                     device=hidden.device)
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
         return out
 
@@ -283,31 +341,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return (gh, gw, gb, *none)
         # reduction "none" (per-row grad_output): recompute the logits chunk by chunk
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        N, H = hidden.shape
-        cs = ctx.chunk_size
-        gh = empty(N, H, dtype=hidden.dtype, device=hidden.device) if nh else None
-        gw = torch.zeros_like(weight) if nw else None
-        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if nb else None
-        for s in range(0, N, cs):
-            e = min(N, s + cs)
-            h = hidden[s:e]
-            logits = _chunk_logits(h, weight, bias)
-            d = ce_backward(logits, labels[s:e], lse[s:e], grad[s:e], None, **ctx.opts,
-                            **ctx.vocab, inplace=True)
-            if gh is not None:
-                torch.mm(d, weight, out=gh[s:e])
-            if gw is not None:
-                gw.addmm_(d.t(), h)
-            if gb is not None:
-                gb += d.sum(0, dtype=torch.float32)
-            del logits, d
-        if ctx.group is not None and gh is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=ctx.group)
-        if gb is not None:
-            gb = gb.to(ctx.bias_dtype)
+        gh, gw, gb = lce_backward_none(grad, hidden, weight, bias, labels, lse, *ctx.opts,
+                                       ctx.chunk_size, (nh, nw, nb), ctx.vocab, ctx.group)
         return (gh, gw, gb, *none)
 
 
@@ -370,7 +405,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     grad_on = torch.is_grad_enabled()
     need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad)
-    return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), bias,
-                                     labels.contiguous(), int(ignore_index), reduction,
-                                     float(label_smoothing), float(z_loss), int(chunk_size),
-                                     need, process_group)
+    if torch.compiler.is_compiling() and process_group is None:
+        return library.linear_cross_entropy(
+            hidden.contiguous(), weight.contiguous(), bias, labels.contiguous(),
+            int(ignore_index), reduction, float(label_smoothing), float(z_loss),
+            int(chunk_size), need)
+    return apply_function(_LinearCrossEntropy, hidden.contiguous(), weight.contiguous(), bias,
+                          labels.contiguous(), int(ignore_index), reduction,
+                          float(label_smoothing), float(z_loss), int(chunk_size),
+                          need, process_group)

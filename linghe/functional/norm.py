@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd import norm as bwd
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import norm as fwd
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -57,10 +59,12 @@ class RMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(saved, weight, rstd)
         ctx.has_residual = residual is not None
         ctx.set_materialize_grads(False)
-        y = y.view(x.shape)
+        if x.dim() != 2:  # (a view costs host time even when it changes nothing)
+            y = y.view(x.shape)
+            h = h.view(x.shape) if h is not None else None
         if h is None:
             return y
-        return y, h.view(x.shape)
+        return y, h
 
     @staticmethod
     def backward(ctx, dy, dh=None):
@@ -75,7 +79,8 @@ class RMSNormFunction(torch.autograd.Function):
             _grad_rows(dy), saved, weight, rstd,
             _grad_rows(dh) if dh is not None else None,
             need_dweight=ctx.needs_input_grad[1])
-        dx = dx.view(shape)
+        if len(shape) != 2:
+            dx = dx.view(shape)
         return dx, dw, dx if ctx.has_residual else None, None
 
 
@@ -98,7 +103,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     (or ``h``), ``weight`` and ``rstd [M] float32``.
     """
     _check(x, weight, eps, residual)
-    return RMSNormFunction.apply(x, weight.contiguous(), residual, float(eps))
+    if torch.compiler.is_compiling():
+        return library.rms_norm(x, weight, eps, residual)
+    return apply_function(RMSNormFunction, x, weight.contiguous(), residual, float(eps))
 
 
 class RMSNormQuantFunction(torch.autograd.Function):
@@ -122,7 +129,7 @@ class RMSNormQuantFunction(torch.autograd.Function):
         shape = dy.shape
         dx, dw = bwd.rms_norm_bwd(_grad_rows(dy), x2, weight, rstd,
                                   need_dweight=ctx.needs_input_grad[1])
-        return dx.view(shape), dw, None, None, None
+        return (dx if len(shape) == 2 else dx.view(shape)), dw, None, None, None
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
@@ -142,8 +149,10 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     saved ``rstd [M] float32``; ``x`` and ``weight`` are saved too).
     """
     _check(x, weight, eps)
-    return RMSNormQuantFunction.apply(x, weight.contiguous(), float(eps), bool(columnwise),
-                                      bool(pow2_scale))
+    if torch.compiler.is_compiling():
+        return library.rms_norm_quant(x, weight, eps, columnwise, pow2_scale)
+    return apply_function(RMSNormQuantFunction, x, weight.contiguous(), float(eps),
+                          bool(columnwise), bool(pow2_scale))
 
 
 __all__ = ["RMSNormFunction", "RMSNormQuantFunction", "rms_norm", "rms_norm_quant"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd.permute import permute_backward, unpermute_backward
 from ..fp8.tensor import Fp8Tensor
 from ..fwd.permute import build_index, scatter_rows
@@ -32,6 +33,7 @@ from ..fwd.permute import gather_rows as _gather_rows
 from ..layout import ExpertLayout, max_grouped_rows
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -167,6 +169,10 @@ def permute(x, expert_ids: torch.Tensor, probs: torch.Tensor | None = None, *,
     elif not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"num_rows must be an int >= 0, got {num_rows!r}")
     _check_ids(expert_ids, num_experts)
+    if torch.compiler.is_compiling():
+        return library.permute(x, expert_ids.contiguous(),
+                               probs.contiguous() if probs is not None else None,
+                               num_experts, align, num_rows)
     layout = build_index(expert_ids.contiguous(), num_experts, align, num_rows)
     if debug_enabled() and T * k:
         need = int(layout.offsets[-1].item())
@@ -175,7 +181,7 @@ def permute(x, expert_ids: torch.Tensor, probs: torch.Tensor | None = None, *,
                              "(debug mode; outside it the copies that do not fit are dropped)")
     probs_c = probs.contiguous() if probs is not None else None
     fn = _PermuteFp8 if is_fp8 else _Permute
-    rows, prow = fn.apply(x, probs_c, layout)
+    rows, prow = apply_function(fn, x, probs_c, layout)
     return rows, (prow if probs is not None else None), layout
 
 
@@ -208,4 +214,7 @@ def unpermute(rows: torch.Tensor, layout: ExpertLayout, probs: torch.Tensor | No
         check_tensor("probs", probs, dtypes=(torch.float32,), shape=(T, k))
     check_same_device(rows=rows, row_index=layout.row_index, probs=probs)
     check_kernel_device("rows", rows)
-    return _Unpermute.apply(rows, probs.contiguous() if probs is not None else None, layout)
+    if torch.compiler.is_compiling():
+        return library.unpermute(rows, layout, probs.contiguous() if probs is not None else None)
+    return apply_function(_Unpermute, rows,
+                          probs.contiguous() if probs is not None else None, layout)

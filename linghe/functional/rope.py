@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference
+from .. import library, reference
 from ..bwd.rope import qk_norm_rope_bwd
 from ..fwd.rope import hf_rope, qk_norm_rope_fwd
 from ..utils import (
     FLOAT_DTYPES,
+    apply_function,
     check_kernel_device,
     check_tensor,
     debug_enabled,
@@ -149,7 +150,9 @@ def qk_norm_rope(qkv: torch.Tensor, freqs: torch.Tensor, *, num_heads: int,
     # (every tensor was checked on qkv's device above: no separate same-device pass)
     opts = dict(num_heads=H, num_kv_heads=Hkv, head_dim=D, rotary_dim=R, layout=layout,
                 interleaved=bool(interleaved), eps=float(eps))
-    return _QKNormRope.apply(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, opts)
+    if torch.compiler.is_compiling():
+        return library.qk_norm_rope(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, opts)
+    return apply_function(_QKNormRope, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, opts)
 
 
 class _ApplyRope(torch.autograd.Function):
@@ -223,4 +226,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         if cos.shape[0] not in (1, B):
             raise ValueError(f"cos must have batch size 1 or {B}, got {tuple(cos.shape)}")
         cos, sin = cos.expand(B, S, D), sin.expand(B, S, D)
-    return _ApplyRope.apply(q, k, cos, sin, position_ids)
+    if torch.compiler.is_compiling():
+        return library.apply_rope(q, k, cos, sin, position_ids)
+    return apply_function(_ApplyRope, q, k, cos, sin, position_ids)

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd.router import router_logits_bwd, router_z_loss_bwd, topk_route_bwd
 from ..fwd.router import router_logits_fwd, router_z_loss_fwd, topk_route_fwd
-from ..utils import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor, rows_view
+from ..utils import (
+    FLOAT_DTYPES,
+    apply_function,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+    rows_view,
+)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -58,7 +66,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"got {tuple(weight.shape)}")
     check_same_device(x=x, weight=weight)
     check_kernel_device("x", x)
-    return _RouterLogits.apply(x, weight)
+    if torch.compiler.is_compiling():
+        return library.router_logits(x, weight)
+    return apply_function(_RouterLogits, x, weight)
 
 
 class _TopkRoute(torch.autograd.Function):
@@ -127,8 +137,11 @@ def topk_route(logits: torch.Tensor, k: int, *, score: str = "softmax",
     check_same_device(logits=logits, expert_bias=expert_bias)
     check_kernel_device("logits", logits)
     bias = expert_bias.detach().contiguous() if expert_bias is not None else None
-    return _TopkRoute.apply(logits.contiguous(), k, score == "sigmoid", bias, num_groups,
-                            topk_groups, bool(normalize), float(scale))
+    if torch.compiler.is_compiling():
+        return library.topk_route(logits.contiguous(), k, score == "sigmoid", bias, num_groups,
+                                  topk_groups, bool(normalize), float(scale))
+    return apply_function(_TopkRoute, logits.contiguous(), k, score == "sigmoid", bias, num_groups,
+                          topk_groups, bool(normalize), float(scale))
 
 
 class _ZLoss(torch.autograd.Function):
@@ -156,4 +169,6 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_ndim=1, last_dim_contiguous=True)
     check_kernel_device("logits", logits)
-    return _ZLoss.apply(logits)
+    if torch.compiler.is_compiling():
+        return library.router_z_loss(logits)
+    return apply_function(_ZLoss, logits)

@@ -90,6 +90,14 @@ def build_index(expert_ids: torch.Tensor, num_experts: int, align: int,
     (``row_index = -1``, not counted); so are copies whose row would be ``>= num_rows``.
     Rows of an expert are in token order (then ``j`` order): deterministic.
     """
+    return layout_from_index(index_buffer(expert_ids, num_experts, align, num_rows),
+                             expert_ids.shape, num_experts, align, num_rows)
+
+
+def index_buffer(expert_ids: torch.Tensor, num_experts: int, align: int,
+                 num_rows: int) -> torch.Tensor:
+    """The launches of :func:`build_index`: one int32 buffer whose first ``T*k + 3E + 1``
+    entries are ``row_index | tokens_per_expert | padded | offsets`` (then scratch)."""
     T, k = expert_ids.shape
     dev = expert_ids.device
     E = num_experts
@@ -100,24 +108,34 @@ def build_index(expert_ids: torch.Tensor, num_experts: int, align: int,
     C = cdiv(N, chunk)
     # one allocation for every int32 output and the scratch histogram (fewer host ops)
     buf = empty(N + 3 * E + 1 + C * E, dtype=torch.int32, device=dev)
-    row_index = buf[:N].view(T, k)
-    tpe = buf[N:N + E]
-    padded = buf[N + E:N + 2 * E]
-    offsets = buf[N + 2 * E:N + 3 * E + 1]
     if N == 0:
         buf.zero_()
-    else:
-        BLOCK_C = max(2, min(64, 8192 // BLOCK_E))
-        hist = buf[N + 3 * E + 1:]
-        nw = 4 if BLOCK_E <= 256 else 8
-        with device_guard(expert_ids):
-            launch(_hist_kernel, (C,), expert_ids, hist, N, E, CHUNK=chunk, SUB=SUB,
-                   BLOCK_E=BLOCK_E, num_warps=nw)
-            launch(_index_kernel, (C,), expert_ids, hist, row_index, tpe, padded, offsets, N, E, C,
-                   align, num_rows, CHUNK=chunk, SUB=SUB, BLOCK_E=BLOCK_E,
-                   BLOCK_C=BLOCK_C, num_warps=nw)
-    return ExpertLayout(num_experts=E, align=align, num_rows=num_rows, tokens_per_expert=tpe,
-                        padded_tokens_per_expert=padded, offsets=offsets, row_index=row_index)
+        return buf
+    row_index, tpe, padded, offsets = _index_views(buf, N, E)
+    BLOCK_C = max(2, min(64, 8192 // BLOCK_E))
+    hist = buf[N + 3 * E + 1:]
+    nw = 4 if BLOCK_E <= 256 else 8
+    with device_guard(expert_ids):
+        launch(_hist_kernel, (C,), expert_ids, hist, N, E, CHUNK=chunk, SUB=SUB,
+               BLOCK_E=BLOCK_E, num_warps=nw)
+        launch(_index_kernel, (C,), expert_ids, hist, row_index, tpe, padded, offsets, N, E, C,
+               align, num_rows, CHUNK=chunk, SUB=SUB, BLOCK_E=BLOCK_E,
+               BLOCK_C=BLOCK_C, num_warps=nw)
+    return buf
+
+
+def _index_views(buf: torch.Tensor, N: int, E: int):
+    return buf[:N], buf[N:N + E], buf[N + E:N + 2 * E], buf[N + 2 * E:N + 3 * E + 1]
+
+
+def layout_from_index(buf: torch.Tensor, ids_shape, num_experts: int, align: int,
+                      num_rows: int) -> ExpertLayout:
+    """The :class:`ExpertLayout` whose tensors are views of an :func:`index_buffer`."""
+    T, k = ids_shape
+    row_index, tpe, padded, offsets = _index_views(buf, T * k, num_experts)
+    return ExpertLayout(num_experts=num_experts, align=align, num_rows=num_rows,
+                        tokens_per_expert=tpe, padded_tokens_per_expert=padded,
+                        offsets=offsets, row_index=row_index.view(T, k))
 
 
 # ------------------------------------------------------------------------------ scatter

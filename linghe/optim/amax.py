@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import cdiv, device_guard, empty, launch
+from ..utils import cdiv, device_guard, empty, launch, next_power_of_2
 
 
 @triton.jit
@@ -108,7 +108,7 @@ class AmaxHistory:
         n = self.num_tensors
         if n == 0:
             return
-        block = min(1024, max(16, triton.next_power_of_2(n)))
+        block = min(1024, max(16, next_power_of_2(n)))
         with device_guard(self.scale):
             launch(_amax_update_kernel, (cdiv(n, block),),
                 self.amax_history, self.scale, n, self.history_len, self.fp8_max,

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import INTERPRET, cdiv, device_guard, empty, launch, num_sms
+from ..utils import INTERPRET, cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
 #: Elements per chunk (a multiple of 2x every BLOCK below). 16384 (round 2): the persistent
 #: programs' finishing times differ by at most one chunk, so smaller chunks shorten the
@@ -591,7 +591,7 @@ def finish_norm(accs: torch.Tensor, p: float, *, norm_out: torch.Tensor,
         launch(_norm_finish_kernel, (1,),
             accs, accs.numel(), norm_out, coef_out if coef_out is not None else norm_out,
             float(p), float(max_norm), ACC=_TL_DTYPE[accs.dtype], MODE=mode, IDENT=_ident(mode),
-            COEF=coef_out is not None, BLOCK=max(16, triton.next_power_of_2(accs.numel())),
+            COEF=coef_out is not None, BLOCK=max(16, next_power_of_2(accs.numel())),
             num_warps=1)
 
 

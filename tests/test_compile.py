@@ -1,0 +1,346 @@
+"""torch.compile of linghe ops: every public op traces with ``fullgraph=True`` (no graph
+break) through its ``torch.library`` registration (linghe/library.py), and the compiled
+forward and backward match eager linghe bit for bit (the same kernels run; eager linghe
+is checked against linghe/reference.py by the per-family tests). A small model compiles
+whole. On CPU the backend is ``aot_eager`` (AOTAutograd traces forward and backward, then
+runs the graph eagerly: the custom ops, so the Triton interpreter); the GPU test runs
+inductor.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import linghe
+from linghe.fp8.tensor import Fp8Tensor
+from linghe.testing import rel_err
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _flat(out):
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flat(o)]
+    return [out]
+
+
+def _same(a, b, name):
+    """Bit-identical tensors (fp8 compared as bytes), or both None."""
+    assert (a is None) == (b is None), name
+    if a is None:
+        return
+    assert isinstance(a, Fp8Tensor) == isinstance(b, Fp8Tensor), name
+    if isinstance(a, Fp8Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.scaling == b.scaling, name
+        for c in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"):
+            _same(getattr(a, c), getattr(b, c), f"{name}.{c}")
+        return
+    assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+    if a.dtype in FP8_DTYPES:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def _loss(outs, cots):
+    total = 0
+    for o, c in zip(outs, cots):
+        if c is not None:
+            o = o.dequantize() if isinstance(o, Fp8Tensor) else o
+            total = total + (o.float() * c).sum()
+    return total
+
+
+def check_compiles(fn, *args, backward=True, params=()):
+    """Compile ``fn`` (fullgraph, aot_eager), check no graph break, and that outputs and
+    the gradients of every input requiring grad (and of ``params``) equal eager linghe's."""
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out_c = _flat(compiled(*args))
+    out_e = _flat(fn(*args))
+    assert len(out_c) == len(out_e)
+    for i, (a, b) in enumerate(zip(out_c, out_e)):
+        _same(a, b, f"output {i}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    leaves += list(params)
+    if not backward or not leaves:
+        return out_c
+    # The same random cotangent for every differentiable output, compiled and eager.
+    cots = [torch.randn(o.shape) if (o is not None and o.requires_grad) else None
+            for o in out_e]
+    g_c = torch.autograd.grad(_loss(out_c, cots), leaves, allow_unused=True)
+    g_e = torch.autograd.grad(_loss(out_e, cots), leaves, allow_unused=True)
+    for i, (a, b) in enumerate(zip(g_c, g_e)):
+        _same(a, b, f"grad {i}")
+    return out_c
+
+
+def fp8_parts(t: Fp8Tensor):
+    """An Fp8Tensor as plain outputs: its components and its (differentiable) dequantized
+    value. (A compiled region cannot return an Fp8Tensor that requires grad: AOTAutograd
+    would expect an Fp8Tensor gradient for it; see linghe/library.py.)"""
+    parts = [getattr(t, c) for c in ("rowwise_data", "rowwise_scale", "columnwise_data",
+                                     "columnwise_scale")]
+    return (*parts, t.dequantize(columnwise=t.rowwise_data is None))
+
+
+def _leaf(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+# ------------------------------------------------------------------------------ norm
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(residual):
+    x, w = _leaf(3, 5, 200), _leaf(200)
+    r = _leaf(3, 5, 200) if residual else None
+    check_compiles(lambda x, w, r: linghe.rms_norm(x, w, 1e-5, r), x, w, r)
+
+
+def test_rms_norm_quant():
+    x, w = _leaf(130, 136, dtype=torch.bfloat16), _leaf(136)
+    # fp8_parts dequantizes inside the region: the Fp8Tensor carries autograd there.
+    out = check_compiles(lambda x, w: fp8_parts(linghe.rms_norm_quant(x, w)), x, w)
+    assert out[2] is not None  # the columnwise copy
+    check_compiles(lambda x, w: fp8_parts(linghe.rms_norm_quant(x, w, columnwise=False,
+                                                                pow2_scale=True)), x, w)
+
+
+def test_quantize():
+    x = _leaf(3, 43, 200, grad=False)
+    check_compiles(lambda x: linghe.quantize_1x128(x, columnwise=True), x)
+    check_compiles(lambda x: linghe.quantize_1x128(x, rowwise=False, columnwise=True,
+                                                   pow2_scale=True), x)
+    w = _leaf(130, 200, grad=False)
+    check_compiles(lambda w: linghe.quantize_128x128(w, columnwise=True), w)
+    check_compiles(lambda w: linghe.quantize_128x128(w), w)
+
+
+# ------------------------------------------------------------------------------ rope
+@pytest.mark.parametrize("norm,packed", [(True, True), (False, False)])
+def test_qk_norm_rope(norm, packed):
+    B, S, H, Hkv, D = (2, 3, 2, 1, 8) if norm else (1, 3, 2, 1, 8)
+    qkv = _leaf(S, B, (H + 2 * Hkv) * D)
+    freqs = linghe.rope_freqs(16, 4)
+    w = (_leaf(D), _leaf(D)) if norm else (None, None)
+    pos = torch.randint(0, 16, (B, S)) if packed else None
+    check_compiles(lambda qkv, qw, kw, pos: linghe.qk_norm_rope(
+        qkv, freqs, num_heads=H, num_kv_heads=Hkv, q_norm_weight=qw, k_norm_weight=kw,
+        rotary_dim=4, position_ids=pos), qkv, *w, pos)
+
+
+def test_apply_rope():
+    B, H, Hk, S, D = 2, 3, 1, 5, 8
+    q, k = _leaf(B, S, H, D).transpose(1, 2), _leaf(B, Hk, S, D)
+    cos, sin = torch.randn(S, D), torch.randn(S, D)
+    check_compiles(lambda q, k: linghe.apply_rope(q, k, cos, sin), q, k)
+
+
+# ------------------------------------------------------------------------------ gate
+def test_group_rms_norm_gate():
+    B, S, H, d = 2, 3, 4, 6
+    x, gate, w = _leaf(B, S, H, d), _leaf(S, B, H * d), _leaf(H * d)
+    check_compiles(lambda x, g, w: linghe.group_rms_norm_gate(x, g, w, num_groups=2), x, gate, w)
+
+
+# ------------------------------------------------------------------------------ activation
+@pytest.mark.parametrize("probs", [False, True])
+def test_silu_mul(probs):
+    x = _leaf(3, 4, 2 * 37)
+    p = _leaf(3, 4) if probs else None
+    check_compiles(lambda x, p: linghe.silu_mul(x, p), x, p)
+
+
+def test_silu_mul_quant():
+    x, p = _leaf(131, 2 * 40, dtype=torch.bfloat16), _leaf(131)
+    check_compiles(lambda x, p: fp8_parts(linghe.silu_mul_quant(x, p)), x, p)
+    check_compiles(lambda x: fp8_parts(linghe.silu_mul_quant(x, columnwise=False)), x)
+
+
+# ------------------------------------------------------------------------------ router
+def test_router():
+    T, E, K = 9, 12, 24
+    x, w = _leaf(T, K, dtype=torch.bfloat16), _leaf(E, K)
+    bias = torch.randn(E)
+
+    def route(x, w):
+        logits = linghe.router_logits(x, w)
+        probs, ids, tpe = linghe.topk_route(logits, 3, score="sigmoid", expert_bias=bias,
+                                            num_groups=4, topk_groups=2, scale=2.5)
+        return logits, probs, ids, tpe, linghe.router_z_loss(logits)
+
+    check_compiles(route, x, w)
+    check_compiles(lambda l: linghe.topk_route(l, 2), _leaf(T, E))
+
+
+# ------------------------------------------------------------------------------ loss
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy(reduction):
+    N, V = 9, 300
+    logits = _leaf(N, V, dtype=torch.bfloat16)
+    labels = torch.randint(0, V, (N,))
+    labels[2] = -100
+    check_compiles(lambda l: linghe.cross_entropy(l, labels, reduction=reduction,
+                                                  label_smoothing=0.1, z_loss=1e-3), logits)
+
+
+@pytest.mark.parametrize("reduction,bias", [("mean", True), ("none", False)])
+def test_linear_cross_entropy(reduction, bias):
+    N, H, V = 11, 24, 70
+    h, w = _leaf(N, H), _leaf(V, H)
+    b = _leaf(V) if bias else None
+    labels = torch.randint(0, V, (N,))
+    labels[0] = -100
+    check_compiles(lambda h, w, b: linghe.linear_cross_entropy(
+        h, w, labels, bias=b, reduction=reduction, chunk_size=4), h, w, b)
+
+
+# ------------------------------------------------------------------------------ Linear
+@pytest.mark.parametrize("recipe,fp8_wgrad,inputs", [("blockwise", True, "both"),
+                                                     ("blockwise", False, "fp8"),
+                                                     ("tensorwise", True, "plain")])
+def test_fp8_linear(recipe, fp8_wgrad, inputs):
+    norm = linghe.nn.RMSNorm(136)
+    lin = linghe.nn.Linear(136, 40)
+    x = _leaf(2, 20, 136, dtype=torch.bfloat16)
+    params = [norm.weight, lin.weight, lin.bias]
+
+    def fn(x):
+        # blockwise: RMSNorm returns an Fp8Tensor that the Linear consumes as is ("fp8").
+        return ((lin(norm(x)),) if inputs != "plain" else ()) + \
+            ((lin(x),) if inputs != "fp8" else ())
+
+    with linghe.TrainingContext(fp8=recipe, fp8_wgrad=fp8_wgrad):
+        check_compiles(fn, x, params=params)
+
+
+def test_linear_recipe_guard_and_delayed():
+    lin = linghe.nn.Linear(136, 40)
+    x = _leaf(20, 136)
+    f = torch.compile(lambda x: lin(x), fullgraph=True, backend="aot_eager")
+    with linghe.TrainingContext(fp8="blockwise"):
+        y_fp8 = f(x)
+        _same(y_fp8, lin(x), "blockwise")
+    # Outside the context the compiled function must not reuse the FP8 graph.
+    y_hp = f(x)
+    _same(y_hp, torch.nn.functional.linear(x, lin.weight, lin.bias), "no recipe")
+    assert not torch.equal(y_fp8, y_hp)
+    with linghe.TrainingContext(fp8="delayed"), \
+            pytest.raises(RuntimeError, match="'delayed' FP8 recipe does not run under"):
+        f(x)
+
+
+# ------------------------------------------------------------------------------ permute
+@pytest.mark.parametrize("fp8", [False, True])
+def test_permute_unpermute(fp8):
+    T, H, E, k = 13, 136, 5, 2
+    x = _leaf(T, H, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+    ids[3, 1] = -1  # not routed
+    probs, w = _leaf(T, k), _leaf(H)
+
+    def moe_move(x, probs, w):
+        # FP8 rows: an Fp8Tensor that carries autograd (straight-through) to x and w.
+        src = linghe.rms_norm_quant(x, w, columnwise=False) if fp8 else x
+        rows, prow, layout = linghe.permute(src, ids, probs, num_experts=E, align=4)
+        if fp8:
+            rows = rows.dequantize()
+        out = linghe.unpermute(rows * 2, layout, probs)
+        return out, prow, layout.row_index, layout.offsets, layout.tokens_per_expert
+
+    check_compiles(moe_move, x, probs, w)
+
+
+# ------------------------------------------------------------------------------ grouped_mm
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_mm(fp8):
+    E, N, K, T, k = 2, (128 if fp8 else 40), 72, 5, 2
+    x = _leaf(T, K, dtype=torch.bfloat16)
+    w = _leaf(E, N, K, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+
+    def experts(x, w):
+        rows, _, layout = linghe.permute(x, ids, num_experts=E, align=8)
+        return linghe.grouped_mm(rows, w, layout, fp8=fp8)
+
+    check_compiles(experts, x, w)
+
+
+def test_batch_silu_mul_quant():
+    E, T, k, n = 3, 20, 2, 40
+    x = _leaf(T, 2 * n, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+
+    def experts(x, probs):
+        rows, prow, layout = linghe.permute(x, ids, probs, num_experts=E, align=8)
+        y, g_off = linghe.batch_silu_mul_quant(rows, prow, layout=layout)
+        return (*fp8_parts(y)[:4], y.col_segments, g_off, y.dequantize(),
+                y.dequantize(columnwise=True))
+
+    check_compiles(experts, x, _leaf(T, k))
+
+
+# ------------------------------------------------------------------------------ a model
+class TinyMoEModel(torch.nn.Module):
+    """RMSNorm -> Linear -> SwiGLU -> MoE (router, permute, grouped GEMMs, shared expert)
+    -> RMSNorm -> linear cross entropy, with linghe.nn modules."""
+
+    def __init__(self, H, I, V, E, num_groups=1, align=16, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        fk = {"dtype": dtype, "device": device}
+        self.norm = linghe.nn.RMSNorm(H, **fk)
+        self.proj = linghe.nn.Linear(H, H, bias=False, **fk)
+        self.mlp = linghe.nn.SwiGLU(H, I, **fk)
+        self.moe = linghe.nn.MoE(H, E, 2, I, num_shared_experts=1, num_groups=num_groups,
+                                 align=align, **fk)
+        self.out_norm = linghe.nn.RMSNorm(H, **fk)
+        self.out_norm.quantize_output = False  # feeds the high-precision LM head
+        self.head = torch.nn.Parameter(torch.randn(V, H, **fk) * 0.05)
+
+    def forward(self, x, labels):
+        h = self.proj(self.norm(x))
+        h = h + self.mlp(h)
+        m, aux = self.moe(h)
+        h = (h + m).reshape(-1, h.shape[-1])
+        loss = linghe.linear_cross_entropy(self.out_norm(h), self.head, labels)
+        return loss + 1e-3 * aux.z_loss
+
+
+def _check_model(model, x, labels, backend):
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    loss_c = compiled(x, labels)
+    loss_c.backward()
+    grads_c = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss_e = model(x, labels)
+    loss_e.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return loss_c, loss_e, grads_c, [p.grad for p in model.parameters()]
+
+
+def test_model_compiles_fullgraph():
+    torch.manual_seed(0)
+    # (small: the interpreter runs every kernel twice, compiled and eager)
+    model = TinyMoEModel(H=40, I=24, V=77, E=3, align=8)
+    x, labels = torch.randn(1, 5, 40), torch.randint(0, 77, (5,))
+    loss_c, loss_e, grads_c, grads_e = _check_model(model, x, labels, "aot_eager")
+    _same(loss_c, loss_e, "loss")
+    for i, (a, b) in enumerate(zip(grads_c, grads_e)):
+        _same(a, b, f"grad of parameter {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [None, "blockwise"])
+def test_model_inductor_gpu(fp8):
+    # Inductor generates its own kernels around linghe's ops, so the result matches eager
+    # linghe within rounding, not bit for bit.
+    torch.manual_seed(0)
+    model = TinyMoEModel(H=256, I=128, V=1000, E=8, num_groups=4, dtype=torch.bfloat16,
+                         device="cuda")
+    x = torch.randn(2, 96, 256, dtype=torch.bfloat16, device="cuda")
+    labels = torch.randint(0, 1000, (192,), device="cuda")
+    with linghe.TrainingContext(fp8=fp8):
+        loss_c, loss_e, grads_c, grads_e = _check_model(model, x, labels, "inductor")
+    torch.testing.assert_close(loss_c, loss_e, rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads_c, grads_e):
+        assert rel_err(a, b) < 5e-2
