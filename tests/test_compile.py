@@ -20,6 +20,16 @@ from linghe.testing import rel_err
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+@pytest.fixture(autouse=True)
+def _on_test_device(device):
+    """Tensors and modules are made on the test device (CUDA on a GPU machine: the
+    aot_eager tests then run the real kernels)."""
+    prev = torch.get_default_device()
+    torch.set_default_device(device)
+    yield
+    torch.set_default_device(prev)
+
+
 def _flat(out):
     if isinstance(out, (tuple, list)):
         return [t for o in out for t in _flat(o)]
@@ -317,7 +327,7 @@ class TinyMoEModel(torch.nn.Module):
     """RMSNorm -> Linear -> SwiGLU -> MoE (router, permute, grouped GEMMs, shared expert)
     -> RMSNorm -> linear cross entropy, with linghe.nn modules."""
 
-    def __init__(self, H, I, V, E, num_groups=1, align=16, dtype=torch.float32, device="cpu"):
+    def __init__(self, H, I, V, E, num_groups=1, align=16, dtype=torch.float32, device=None):
         super().__init__()
         fk = {"dtype": dtype, "device": device}
         self.norm = linghe.nn.RMSNorm(H, **fk)
