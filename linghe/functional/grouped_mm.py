@@ -349,7 +349,7 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, layout,
     seg = _wgrad_segments(dout_fp8, a_fp8, layout)
     align = layout.align if isinstance(layout, ExpertLayout) else 1
     offsets = _offsets_of(layout, E, a_fp8.shape[0], a_fp8.device)
-    if torch.compiler.is_compiling() and seg is None:
+    if torch.compiler.is_compiling() and not seg:
         # (the segment-grouped form is not a custom op yet: it stays eager)
         return library.grouped_mm_fp8_wgrad_kernel(dout_fp8, a_fp8, offsets, out_dtype)
     return bwd.grouped_mm_fp8_wgrad(dout_fp8, a_fp8, offsets, out_dtype=out_dtype,
