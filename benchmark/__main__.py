@@ -25,17 +25,19 @@ def _fmt(v, spec):
 
 
 def print_table(rows, file=sys.stdout):
-    head = ["case", "provider", "µs", "kernel µs", "GB/s", "% copy", "TFLOP/s", "vs eager",
-            "vs compile", "rel err"]
+    head = ["case", "provider", "µs", "kernel µs", "host µs", "GB/s", "% copy", "TFLOP/s",
+            "vs eager", "vs compile", "rel err"]
     lines = []
     for r in rows:
         if r["error"]:
             lines.append([r["case"], r["provider"], "error: " + r["error"][:60], "", "", "",
-                          "", "", "", ""])
+                          "", "", "", "", ""])
             continue
         err = _fmt(r["rel_err"], ".1e") + ("" if r["ok"] in (None, True) else " FAIL")
         lines.append([r["case"], r["provider"], _fmt(r["us"], ".1f"),
-                      _fmt(r.get("device_us"), ".1f"), _fmt(r["gbps"], ".0f"),
+                      _fmt(r.get("device_us"), ".1f"),
+                      _fmt(r.get("host_us"), ".1f") + (" (waited)" if r.get("host_waited") else ""),
+                      _fmt(r["gbps"], ".0f"),
                       _fmt(r["pct_copy"], ".0f"), _fmt(r.get("tflops"), ".1f"),
                       _fmt(r["vs_eager"], ".2f") + "x",
                       _fmt(r["vs_compile"], ".2f") + "x", err])

@@ -170,6 +170,43 @@ def device_time_us(fn: Callable[[], Any], reps: int = 10) -> float | None:
         return None
 
 
+_SPIN_CYCLES_PER_US: list[float] = []
+
+
+def _spin(us: float) -> None:
+    """Queue a GPU spin of about ``us`` µs (``torch.cuda._sleep``, calibrated once)."""
+    if not _SPIN_CYCLES_PER_US:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        _SPIN_CYCLES_PER_US.append(20_000_000 / (start.elapsed_time(end) * 1e3))
+    torch.cuda._sleep(int(us * _SPIN_CYCLES_PER_US[0]))
+
+
+def host_us(fn: Callable[[], Any], calls: int = 20, spin_us: float = 200_000.0
+            ) -> tuple[float, bool]:
+    """Host µs per call of ``fn`` (ANCHORS.md's method): ``calls`` back-to-back calls after
+    warm-up, no sync inside the loop, behind a GPU spin of ``spin_us`` so that the host
+    never waits for the GPU. Returns ``(µs, waited)``: ``waited`` is True when the loop
+    outlasted the spin, i.e. some call waited for the GPU (a host sync, or a launch queue
+    of about a thousand entries filled up), so the number is not host time alone. Keep
+    ``calls`` x kernels per call well under a thousand."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    _spin(spin_us)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    us = (t1 - t0) / calls * 1e6
+    return us, us * calls >= 0.9 * spin_us
+
+
 def copy_bandwidth_gbps(cfg: Config) -> float:
     """Device-to-device copy bandwidth (bytes read + written) on a buffer far over L2."""
     n = (1 << 30) if cfg.device == "cuda" else (1 << 22)
@@ -186,7 +223,8 @@ def run_bench(b: Bench, cfg: Config, copy_gbps: float, providers: Sequence[str])
     for prov in providers:
         if prov not in b.run:
             continue
-        row = {"case": b.name, "provider": prov, "us": None, "device_us": None, "gbps": None,
+        row = {"case": b.name, "provider": prov, "us": None, "device_us": None,
+               "host_us": None, "host_waited": None, "gbps": None,
                "pct_copy": None,
                "tflops": None, "rel_err": None, "ok": None, "note": b.note, "error": None}
         try:
@@ -206,6 +244,7 @@ def run_bench(b: Bench, cfg: Config, copy_gbps: float, providers: Sequence[str])
                 row["tflops"] = b.flops / us / 1e6
             if cfg.device == "cuda":
                 row["device_us"] = device_time_us(b.run[prov])
+                row["host_us"], row["host_waited"] = host_us(b.run[prov])
         except Exception as e:  # one failing provider must not stop the run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         rows.append(row)

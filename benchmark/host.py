@@ -41,6 +41,8 @@ import triton.language as tl  # noqa: E402
 import linghe  # noqa: E402
 from linghe.utils import launch  # noqa: E402
 
+from .harness import host_us as harness_host_us  # noqa: E402
+
 #: Reference host µs per call from ANCHORS.md (H200 host, torch 2.11, triton 3.6):
 #: (earlier linghe 0.3 raw launcher, PyTorch native) or None where not measured.
 ANCHOR_US = {
@@ -131,21 +133,16 @@ def _call(c: HostCase):
 _GRADS: dict = {}
 
 
-def host_us(c: HostCase, calls: int, device: str) -> float:
-    """Host µs per call: ``calls`` back-to-back calls, no sync, GPU kept busy."""
-    for _ in range(3):
-        _call(c)
+def host_us(c: HostCase, calls: int, device: str) -> tuple[float, bool]:
+    """``(host µs per call, waited)``: see :func:`benchmark.harness.host_us`."""
     if device == "cuda":
-        torch.cuda.synchronize()
-        # Queue a spin long enough to cover the loop, so no call waits on the GPU.
-        torch.cuda._sleep(int(2e9))
+        return harness_host_us(lambda: _call(c), calls, spin_us=1_000_000.0)
+    for _ in range(2):
+        _call(c)
     t0 = time.perf_counter()
     for _ in range(calls):
         _call(c)
-    t1 = time.perf_counter()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    return (time.perf_counter() - t0) / calls * 1e6, False
 
 
 def profile(c: HostCase, calls: int, device: str) -> None:
@@ -167,6 +164,26 @@ def profile(c: HostCase, calls: int, device: str) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
+def torch_profile(c: HostCase, calls: int, device: str) -> None:
+    """torch.profiler's CPU view of ``calls`` calls (covers the autograd engine's own
+    thread, which cProfile does not see): self CPU time per op, and the launches."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    for _ in range(3):
+        _call(c)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            _call(c)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                    max_name_column_width=70))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,6 +192,8 @@ def main(argv=None) -> int:
                    help="calls for fwd+bwd rows (each launches several kernels)")
     p.add_argument("--case", nargs="*", default=None, help="substrings of row names")
     p.add_argument("--profile", default=None, help="cProfile one row (substring)")
+    p.add_argument("--torch-profile", default=None,
+                   help="torch.profiler CPU table of one row (substring)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -182,6 +201,13 @@ def main(argv=None) -> int:
     cases = _cases(device, small=device == "cpu")
     if args.case:
         cases = [c for c in cases if any(s in c.name for s in args.case)]
+    if args.torch_profile:
+        for c in cases:
+            if args.torch_profile in c.name:
+                n = calls if not c.backward or device != "cuda" else args.calls_bwd
+                print(f"== torch.profiler: {c.name} ({n} calls)")
+                torch_profile(c, n, device)
+        return 0
     if args.profile:
         for c in cases:
             if args.profile in c.name:
@@ -191,17 +217,19 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for c in cases:
-        us = host_us(c, calls if not c.backward or device != "cuda" else args.calls_bwd,
-                     device)
+        us, waited = host_us(c, calls if not c.backward or device != "cuda" else args.calls_bwd,
+                             device)
         old, native = ANCHOR_US.get(c.name, (None, None))
-        rows.append({"op": c.name, "host_us": us, "linghe03_us": old, "torch_anchor_us": native})
+        rows.append({"op": c.name, "host_us": us, "waited": waited, "linghe03_us": old,
+                     "torch_anchor_us": native})
     fmt = lambda v: "-" if v is None else f"{v:.1f}"
     print(f"host µs per call ({device}, {calls} back-to-back calls ({args.calls_bwd} for "
           f"fwd+bwd), GPU kept busy)")
     print(f"{'op':34s} {'ours':>8s} {'linghe0.3':>10s} {'torch(anchor)':>14s}")
     for r in rows:
         print(f"{r['op']:34s} {fmt(r['host_us']):>8s} {fmt(r['linghe03_us']):>10s} "
-              f"{fmt(r['torch_anchor_us']):>14s}")
+              f"{fmt(r['torch_anchor_us']):>14s}" + ("  (waited for the GPU)" if r["waited"]
+                                                     else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -174,35 +174,50 @@ def batch_silu_mul_quant(x: torch.Tensor, probs: torch.Tensor | None,
     its segment start, never crossing it) are scale columns ``[g_off[e], g_off[e+1])``;
     the tail rows ``[offsets[E], R)`` form the next groups, and unused columns have scale 1.
     """
-    R, n = x.shape[0], x.shape[1] // 2
     segs = expert_segments(tokens_per_expert, align)
     xf = x.float() if x.dtype != torch.float64 else x
-    real = torch.zeros(R, dtype=torch.bool, device=x.device)
-    for start, c, _ in segs:
-        real[start:start + c] = True
+    real = real_rows(segs, x.shape[0], x.device)
     xm = torch.where(real[:, None], xf, torch.zeros((), dtype=xf.dtype, device=x.device))
     pf = None
     if probs is not None:
         pf = probs.float() if probs.dtype != torch.float64 else probs
         pf = torch.where(real, pf, torch.zeros((), dtype=pf.dtype, device=x.device))
-    y = silu_mul(xm, pf)
+    return quantize_grouped_1x128(silu_mul(xm, pf), tokens_per_expert, align, pow2_scale)
+
+
+def real_rows(segs, num_rows: int, device) -> torch.Tensor:
+    """``[num_rows]`` bool: the real rows of the segments ``segs`` (from
+    :func:`expert_segments`), False on padding and tail rows."""
+    real = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    for start, c, _ in segs:
+        real[start:start + c] = True
+    return real
+
+
+def quantize_grouped_1x128(y: torch.Tensor, tokens_per_expert, align: int,
+                           pow2_scale: bool = False):
+    """1x128 quantization of rows grouped by expert ``y [R, n]`` (padding and tail rows
+    are taken as zeros whatever ``y`` holds), the columnwise groups per segment: returns
+    ``(q [R, n], scale [R, cdiv(n,128)], q_t [n, R], scale_t [n, G], col_group_offsets
+    [E+1])`` as :func:`batch_silu_mul_quant` describes (``G = cdiv(R,128) + E``)."""
+    R, n = y.shape
+    segs = expert_segments(tokens_per_expert, align)
+    real = real_rows(segs, R, y.device)
+    y = torch.where(real[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
     q, s = quantize_1x128(y, pow2_scale)
     E = len(segs)
     G = math.ceil(R / BLOCK) + E
-    q_t = torch.zeros(n, R, dtype=FP8_DTYPE, device=x.device)
-    s_t = torch.ones(n, G, dtype=torch.float32, device=x.device)
+    q_t = torch.zeros(n, R, dtype=FP8_DTYPE, device=y.device)
+    s_t = torch.ones(n, G, dtype=torch.float32, device=y.device)
     g_off = [0]
-    used = 0
     for start, _, padded in segs:
         if padded:
             qe, se = quantize_1x128_columnwise(y[start:start + padded], pow2_scale)
             q_t[:, start:start + padded] = qe
             s_t[:, g_off[-1]:g_off[-1] + se.shape[1]] = se
         g_off.append(g_off[-1] + math.ceil(padded / BLOCK))
-        used = start + padded
-    if used < R:  # tail rows: zeros, scale 1 (already)
-        q_t[:, used:] = torch.zeros((), dtype=torch.float32).to(FP8_DTYPE)
-    return q, s, q_t, s_t, torch.tensor(g_off, dtype=torch.int32, device=x.device)
+    # tail rows: zeros, scale 1 (already)
+    return q, s, q_t, s_t, torch.tensor(g_off, dtype=torch.int32, device=y.device)
 
 
 def dequantize_batch_columnwise(q_t: torch.Tensor, scale_t: torch.Tensor, tokens_per_expert,
@@ -638,6 +653,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 # ======================================================================================
 # === moe: routed SwiGLU experts (loop over experts) + shared experts ===
 # ======================================================================================
+
+
+def grouped_swiglu(rows: torch.Tensor, probs_rows: torch.Tensor | None,
+                   gate_up: torch.Tensor, down: torch.Tensor,
+                   offsets: torch.Tensor) -> torch.Tensor:
+    """The expert FFN of ``linghe.functional.moe.grouped_swiglu`` over rows grouped by
+    expert (``offsets [E + 1]``): ``grouped_mm(silu_mul(grouped_mm(rows, gate_up),
+    probs_rows), down)``, in the inputs' dtype (pass float64 for a high-precision spec)."""
+    h = grouped_mm(rows, gate_up, offsets)
+    return grouped_mm(silu_mul(h, probs_rows), down, offsets)
 
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,

@@ -12,6 +12,10 @@
 #                                still prints what ran), so one device call always reports
 #   TEST_TIMEOUT=300             per-test limit (with pytest-timeout)
 #   PYTHON=python3               the interpreter to use
+#   KEYS=0                       skips counting distinct Triton compile keys per test file
+#                                (tests/compile_keys.py; the table is in tests.log)
+#   LINGHE_GPU_SUBSET=0          every parametrized case (tests/conftest.py: by default the
+#                                GPU deselects cases that repeat another case's code path)
 # OUTDIR gets: tests.log, junit.xml (dist: dist.log, dist.xml), summary.txt, and the
 # benchmark's bench.json / bench.txt / bench.err. summary.txt is what the lead commits
 # as benchmark/results/<device>_gpu_tests.txt.
@@ -39,13 +43,21 @@ xdist=()
 workers=${WORKERS:-12}
 if [ "$workers" != 0 ]; then
   if $py -c "import xdist" 2>/dev/null; then
+    # worksteal (xdist >= 3.2) rebalances when a few tests run long; else xdist's default.
     xdist=(-n "$workers")
+    $py -c "import sys, xdist
+sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" 2>/dev/null \
+      && xdist+=(--dist worksteal)
+    # Workers mostly compile (single-threaded); keep torch's CPU thread pools small.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
   else
     echo "pytest-xdist is not installed: running the tests in one process"
     workers=0
   fi
 fi
 
+keys=()
+[ "${KEYS:-1}" != 0 ] && keys=(--compile-keys="$out/compile_keys.json")
 summaries=()
 run_pytest() {  # name, pytest args...
   local name=$1
@@ -57,6 +69,7 @@ run_pytest() {  # name, pytest args...
   local rc=$?
   [ $rc = 124 ] && echo "$name: interrupted after ${LIMIT:-480} s (LIMIT)" >> "$out/$name.log"
   grep -E "^(FAILED|ERROR) " "$out/$name.log" | head -40
+  [ $rc = 124 ] && echo "$name: interrupted after ${LIMIT:-480} s (LIMIT)"
   summaries+=("$name ($((SECONDS - t0)) s wall, exit $rc): $(grep -E \
     "(passed|failed|error|skipped|no tests ran).* in [0-9.]+s" "$out/$name.log" | tail -1)")
 }
@@ -64,9 +77,9 @@ run_pytest() {  # name, pytest args...
 if [ "${TESTS:-tests}" != none ]; then
   # shellcheck disable=SC2086
   if [ -z "${TESTS:-}" ]; then
-    run_pytest junit tests --ignore=tests/dist "${xdist[@]}"
+    run_pytest junit tests --ignore=tests/dist "${xdist[@]}" "${keys[@]}"
   else
-    run_pytest junit ${TESTS} "${xdist[@]}"
+    run_pytest junit ${TESTS} "${xdist[@]}" "${keys[@]}"
   fi
 fi
 if [ "${DIST:-0}" = 1 ]; then
@@ -81,7 +94,9 @@ xmls=()
 for x in "$out/junit.xml" "$out/dist.xml"; do [ -f "$x" ] && xmls+=("$x"); done
 {
   echo "linghe GPU tests, $(date -u +%Y-%m-%d), commit $(git rev-parse --short HEAD 2>/dev/null)"
-  echo "device: $ngpu x $gpu; $versions; xdist workers: $workers"
+  echo "device: $ngpu x $gpu; $versions; xdist workers: $workers;" \
+    "LINGHE_GPU_SUBSET=${LINGHE_GPU_SUBSET:-default (on)}"
+  grep -h "all files (distinct)" "$out/junit.log" 2>/dev/null | sed 's/^ */compile keys: /'
   [ ${#xmls[@]} -gt 0 ] && $py scripts/junit_summary.py "${xmls[@]}"
   printf '%s\n' "${summaries[@]}"
 } > "$out/summary.txt"

@@ -44,6 +44,8 @@ def summarize(paths: list[str], top: int = 5) -> str:
             print(f"{path}: not readable ({e})", file=sys.stderr)
             continue
         for case in root.iter("testcase"):
+            if not case.get("name"):  # left by xdist workers that were interrupted
+                continue
             f = _file_of(case)
             st = _status(case)
             t = float(case.get("time") or 0.0)

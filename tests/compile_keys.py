@@ -159,6 +159,9 @@ class CompileKeyCounter:
             tr.write_line(f"{len(files[f]):6d} keys {len(kernels):4d} kernels  {f}")
             total |= files[f]
         kernels = {k.split("[", 1)[0] for k in total}
+        if not total:  # xdist workers send their keys only when they finish
+            tr.write_line("no compile keys recorded (did the run finish?)")
+            return
         tr.write_line(f"{len(total):6d} keys {len(kernels):4d} kernels  all files (distinct)")
         if self.path and self.path != "-":
             with open(self.path, "w") as fh:

@@ -3,6 +3,18 @@
 TRITON_INTERPRET must be set before triton is imported (linghe imports it), so this runs
 first. Outputs that linghe allocates are NaN-poisoned, so an unwritten element fails.
 
+GPU subset. On a GPU nearly all of the suite's time is Triton compiling one binary per
+compile key (count them with ``--compile-keys``, tests/compile_keys.py), so there a test
+marked ``gpu_subset(name=[values], ...)`` runs only the cases whose ``name`` is among the
+values (``**{"a,b": [(a, b), ...]}`` for arguments parametrized together; several marks:
+their union); the other cases are deselected. The marks drop only cases that repeat
+another kept case's code path: a shape whose masks and tails (size-1, empty, odd tail,
+exact multiple, zero-token experts) another kept shape exercises, or float16 on shapes
+beyond two (float16 shares bfloat16's code path except for the element conversion). The
+FP8 GEMM autotunes only in tests marked ``fp8_autotune`` (see ``_fp8_gemm_autotune``).
+On CPU every case runs. ``LINGHE_GPU_SUBSET=0`` runs every case on the GPU too;
+``LINGHE_GPU_SUBSET=1`` applies the subset on CPU (to see or measure what a GPU runs).
+
 On the GPU the suite runs in several pytest-xdist processes that share one device
 (scripts/gpu_check.sh): tests marked ``gpu_big`` (tens of GB) take a file lock so that
 only one of them runs at a time, and every test's peak GPU memory is recorded in the
@@ -34,6 +46,12 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line(
+        "markers", "gpu_subset(**kept): on the GPU, run only the listed values of these "
+                   "parametrized arguments (several marks: their union; CPU runs every case)")
+    config.addinivalue_line(
+        "markers", "fp8_autotune(**cases): on the GPU subset, the FP8 GEMM autotunes in these "
+                   "cases (all cases without arguments); elsewhere it uses its fixed tiles")
+    config.addinivalue_line(
         "markers", "gpu_big: needs tens of GB of GPU memory; on the GPU such tests run one "
                    "at a time across xdist workers (a file lock in tests/conftest.py)")
     if config.getoption("compile_keys"):
@@ -42,13 +60,96 @@ def pytest_configure(config):
         config.pluginmanager.register(CompileKeyCounter(config), "linghe_compile_keys")
 
 
+_PARAM_SET = type(pytest.param(None))  # what pytest.param(...) returns
+
+
+def _split(names) -> list[str]:
+    return [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+
+
+def _case_value(item, name: str):
+    """The case's value of ``name``: one argument, or a tuple for ``"a,b"``."""
+    vals = tuple(item.callspec.params[n] for n in _split(name))
+    return vals if len(vals) > 1 else vals[0]
+
+
+def _declared_values(item, name: str) -> list:
+    """The values that the test's ``parametrize`` marks list for ``name`` (one argument,
+    or a tuple of several named together as ``"a,b"``)."""
+    want = _split(name)
+    for mark in item.iter_markers("parametrize"):
+        names = _split(mark.args[0])
+        if all(w in names for w in want):
+            idx = [names.index(w) for w in want]
+            rows = [v.values if isinstance(v, _PARAM_SET) else (v,) if len(names) == 1
+                    else tuple(v) for v in mark.args[1]]
+            return [tuple(r[i] for i in idx) if len(want) > 1 else r[idx[0]] for r in rows]
+    return []
+
+
+def _selects(mark, item) -> bool:
+    """Whether a case-selecting mark (``gpu_subset``, ``fp8_autotune``) selects this case:
+    each named argument's value is among the listed ones (no arguments: every case)."""
+    ok = True
+    for name, kept in mark.kwargs.items():
+        # A listed value that no case has (a typo, a changed parameter list) would silently
+        # select nothing: fail collection instead (checked on CPU too, so CI catches it).
+        declared = _declared_values(item, name)
+        missing = [v for v in kept if v not in declared]
+        if not declared or missing:
+            raise pytest.UsageError(f"{item.nodeid}: {mark.name} lists {name}="
+                                    f"{missing or kept!r}, which the test's parametrization "
+                                    "does not have")
+        ok = ok and _case_value(item, name) in kept
+    return ok
+
+
+def _selected(item, name: str) -> bool | None:
+    """None when the test has no ``name`` mark, else whether any of its marks selects
+    the case (several marks: their union)."""
+    marks = list(item.iter_markers(name))
+    if not marks:
+        return None
+    return any([_selects(m, item) for m in marks])  # a list: every mark is validated
+
+
+#: The GPU subset is in force (see the module docstring).
+GPU_SUBSET = os.environ.get("LINGHE_GPU_SUBSET", "1" if ON_GPU else "0") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
+    dropped = [it for it in items if _selected(it, "gpu_subset") is False]
+    for it in items:
+        _selected(it, "fp8_autotune")  # validates the marks
+    if GPU_SUBSET and dropped:
+        ids = {id(it) for it in dropped}
+        items[:] = [it for it in items if id(it) not in ids]
+        config.hook.pytest_deselected(items=dropped)
     if ON_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fp8_gemm_autotune(request):
+    """Under the GPU subset, the FP8 GEMM autotunes only in tests marked ``fp8_autotune``:
+    autotuning compiles every config for every shape (4x the compiles) and checks only the
+    winner; the other tests run the fixed-tile path (``LINGHE_FP8_GEMM_AUTOTUNE=0``).
+    Set by hand, not with ``monkeypatch``: an autouse fixture that requests monkeypatch
+    makes the test's own patches outlive the other autouse fixtures' teardown."""
+    name = "LINGHE_FP8_GEMM_AUTOTUNE"
+    if not (ON_GPU and GPU_SUBSET and name not in os.environ
+            and not _selected(request.node, "fp8_autotune")):
+        yield
+        return
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 @pytest.fixture
@@ -77,10 +178,14 @@ def _gpu_memory(request):
         return
     big = request.node.get_closest_marker("gpu_big") is not None
     with _file_lock("linghe-gpu-big-tests.lock") if big else contextlib.nullcontext():
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(DEVICE)
         yield
-        peak = torch.cuda.max_memory_allocated()
-        request.node.user_properties.append(("gpu_peak_mib", round(peak / 2**20)))
+        try:
+            peak = torch.cuda.max_memory_allocated(DEVICE)
+        except (RuntimeError, AssertionError):  # a test's patch of torch.cuda still active
+            peak = None
+        if peak is not None:
+            request.node.user_properties.append(("gpu_peak_mib", round(peak / 2**20)))
         if torch.cuda.memory_reserved() > 2 * 2**30:
             torch.cuda.empty_cache()
 

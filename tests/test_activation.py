@@ -61,6 +61,10 @@ def _check_scales(s, s_ref, name, s_mag=None):
 
 
 # ------------------------------------------------------------------------- silu_mul
+# GPU subset: (37, 3) repeats (300, 127)'s odd tail, (5, 128) the exact width of (130, 256).
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16],
+                        shape=[(1, 1), (300, 127), (37, 200), (0, 200), (130, 256)])
+@pytest.mark.gpu_subset(dtype=[torch.float16], shape=[(300, 127), (130, 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pk", [None, "f32", "x"])
@@ -120,6 +124,10 @@ def test_silu_mul_nonfinite_propagates(device):
 
 
 # ------------------------------------------------------------------------- silu_mul_quant
+# GPU subset: (37, 3) repeats (300, 127)'s single partial 128-group.
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16],
+                        shape=[(1, 1), (300, 127), (37, 200), (0, 5), (130, 256)])
+@pytest.mark.gpu_subset(dtype=[torch.float16], shape=[(300, 127), (130, 256)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (37, 3), (300, 127), (37, 200), (0, 5), (130, 256)])
 @pytest.mark.parametrize("pow2", [False, True])
@@ -164,6 +172,8 @@ def test_silu_mul_quant_feeds_ordinary_ops(device):
     assert_close(gx, _ref_grads(x, None, w.sum(1).expand(20, 130))[0])
 
 
+# GPU subset: (37, 128) repeats the exact 128-groups of (129, 256).
+@pytest.mark.gpu_subset(shape=[(1, 3), (130, 200), (129, 256)])
 @pytest.mark.parametrize("shape", [(1, 3), (37, 128), (130, 200), (129, 256)])
 @pytest.mark.parametrize("with_probs", [False, True])
 @pytest.mark.parametrize("pow2", [False, True])
@@ -188,6 +198,38 @@ def test_bwd_quant_kernel(device, shape, with_probs, pow2):
         assert_close(dp, want[1])
     else:
         assert dp is None
+
+
+@pytest.mark.parametrize("case", [([3, 0, 140], 5), ([0, 0], 3), ([37], 0)],
+                         ids=lambda c: f"E{len(c[0])}")
+@pytest.mark.parametrize("n", [64, 100])
+def test_bwd_quant_kernel_batch(device, case, n):
+    """The batch SwiGLU backward emitting dx in FP8 (the FP8 MoE path): padding/tail rows
+    are not read (NaN there) and get zeros; columnwise groups follow the segments."""
+    counts, tail = case
+    align = 16
+    x, probs, c, real, R = _batch_inputs(counts, tail, align, n, torch.bfloat16, device)
+    dy = torch.randn(R, n, device=device).to(torch.bfloat16)
+    dy[~real] = float("nan")
+    layout = make_expert_layout(c, align, R)
+    dx, dp = silu_mul_bwd_quant(dy, x, probs, pow2_scale=True, counts=c, align=align,
+                                segments=layout.offsets)
+    assert dx.col_segments is layout.offsets
+    xr = torch.where(real[:, None], x, 0.0)
+    dyr = torch.where(real[:, None], dy, 0.0)
+    want = _ref_grads(xr, probs, dyr)
+    q, s, qt, st, _ = ref.quantize_grouped_1x128(want[0].float(), counts, align, True)
+    mag = _dx_magnitude(xr, probs, dyr)
+    _check_scales(dx.rowwise_scale, s, "rowwise scale", ref.quantize_1x128(mag)[1])
+    _check_scales(dx.columnwise_scale, st, "columnwise scale",
+                  ref.quantize_grouped_1x128(mag, counts, align)[3])
+    assert_fp8_close(dx.rowwise_data, q)
+    assert_fp8_close(dx.columnwise_data, qt)
+    assert torch.all(dx.rowwise_data[~real].float() == 0)
+    assert torch.all(dp[~real] == 0)
+    assert_close(dp, torch.where(real, want[1], 0.0))
+    with pytest.raises(ValueError, match="needs segments"):
+        silu_mul_bwd_quant(dy, x, probs, counts=c, align=align)
 
 
 def test_bwd_quant_kernel_rowwise_only(device):
@@ -226,6 +268,11 @@ def _batch_inputs(counts, tail, align, n, dtype, device):
     return x, probs, c, real, R
 
 
+# GPU subset: ([37], 0) repeats the single expert of ([1], 0) and the full segment of
+# ([0, 37, 0], 5); n = 3 (one partial 128-group) repeats the partial group of n = 200 but
+# for the smallest tiles, which the 8-expert case keeps.
+@pytest.mark.gpu_subset(case=BATCH_CASES[1:], n=[200])
+@pytest.mark.gpu_subset(case=[BATCH_CASES[3]], n=[3])
 @pytest.mark.parametrize("case", BATCH_CASES)
 @pytest.mark.parametrize("align", [16, 128])
 @pytest.mark.parametrize("n", [3, 200])
@@ -325,7 +372,8 @@ def test_batch_columnwise_groups_do_not_cross_segments(device):
 def test_batch_output_in_consumers_that_need_plain_groups(device):
     """Consumers reading the columnwise copy as plain 128-token groups must not take the
     segment-grouped copy silently: the dense FP8 wgrad refuses it, fp8_linear requantizes
-    it from the rowwise copy, the grouped wgrad (plain-group kernel) refuses it."""
+    it from the rowwise copy, the grouped wgrad refuses it next to a plain-grouped
+    partner."""
     counts = torch.tensor([20, 0, 33], device=device)
     layout = make_expert_layout(counts, 16, num_rows=70)
     x = torch.randn(70, 2 * 128, device=device, dtype=torch.bfloat16)
@@ -333,7 +381,7 @@ def test_batch_output_in_consumers_that_need_plain_groups(device):
     dy = linghe.quantize_1x128(torch.randn(70, 128, device=device), columnwise=True)
     with pytest.raises(ValueError, match="grouped by expert segments"):
         linghe.fp8.gemm.wgrad(dy, y)
-    with pytest.raises(ValueError, match="grouped by expert segments"):
+    with pytest.raises(ValueError, match="both have plain columnwise groups"):
         linghe.functional.grouped_mm.grouped_mm_fp8_wgrad(dy, y, layout)
     # fp8_linear: the wgrad from the segment-grouped tensor equals the one from the same
     # tensor without its columnwise copy (both requantize the rowwise values).
@@ -545,17 +593,24 @@ fs = dict(x_ptr="*bf16", p_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv", s_ptr=
 for batch in (False, True):
     ptx = comp(F._silu_mul_quant_fwd_kernel, fs,
                dict(BM=128, COLWISE=True, POW2=False, HAS_P=True, BATCH=batch, EP2=64,
-                    ALIGN16=batch), F.QUANT_NUM_WARPS, ("M", "N", "stride_x", "ALIGN"))
+                    ALIGN16=batch), F.BATCH_QUANT_NUM_WARPS if batch else F.QUANT_NUM_WARPS,
+               ("M", "N", "stride_x", "ALIGN"))
     # The transposed fp8 stores must be 16-byte vectors (the batch form needs ALIGN16).
     assert "st.global.b8" not in ptx and "st.global.v4" in ptx, batch
-bs = dict(dy_ptr="*bf16", x_ptr="*bf16", p_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32",
-          qt_ptr="*fp8e4nv", st_ptr="*fp32", dpp_ptr="*fp32", M="i32", N="i32",
-          stride_dy="i32", stride_x="i32", NPROG_N="i32", COLWISE="constexpr",
-          POW2="constexpr", HAS_P="constexpr", NEED_DP="constexpr", SPLIT="constexpr")
+bs = dict(dy_ptr="*bf16", x_ptr="*bf16", p_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv",
+          s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", dpp_ptr="*fp32", M="i32",
+          N="i32", E="i32", stride_dy="i32", stride_x="i32", NPROG_N="i32", ALIGN="i32",
+          NG="i32", COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr",
+          NEED_DP="constexpr", SPLIT="constexpr", BATCH="constexpr", EP2="constexpr",
+          ALIGN16="constexpr")
 for split in (True, False):
-    comp(B._silu_mul_bwd_quant_kernel, bs, dict(COLWISE=True, POW2=False, HAS_P=True,
-         NEED_DP=True, SPLIT=split), F.QUANT_BWD_NUM_WARPS,
-         ("M", "N", "stride_x", "stride_dy"))
+    for batch in (False, True):
+        ptx = comp(B._silu_mul_bwd_quant_kernel, bs, dict(
+            COLWISE=True, POW2=False, HAS_P=True, NEED_DP=True, SPLIT=split, BATCH=batch,
+            EP2=64 if batch else 1, ALIGN16=batch), F.QUANT_BWD_NUM_WARPS,
+            ("M", "N", "stride_x", "stride_dy", "ALIGN"))
+        if split:  # (the general form gathers across the halves: byte stores there)
+            assert "st.global.b8" not in ptx, (split, batch)
 print("COMPILED")
 '''
 

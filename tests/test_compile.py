@@ -15,6 +15,8 @@ from torch._library.custom_ops import CustomOpDef
 import linghe
 from linghe import library
 from linghe.fp8.tensor import Fp8Tensor
+from linghe.functional.grouped_mm import quantize_grouped_1x128
+from linghe.functional.moe import grouped_swiglu
 from linghe.testing import rel_err
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -259,6 +261,41 @@ def test_grouped_mm_fp8():
     check_compiles(experts, x, w)
 
 
+def test_grouped_swiglu_fp8_fallback():
+    # Under compile, grouped_swiglu(fp8=True) runs the unfused FP8 path (documented in
+    # linghe.library.grouped_swiglu_fp8): bit-exact with that path in eager, and within
+    # FP8 rounding of eager's fused autograd node.
+    E, H, I, T = 2, 128, 64, 5
+    ids = torch.randint(0, E, (T, 2), dtype=torch.int32)
+    x, pr = _leaf(T, H, dtype=torch.bfloat16), _leaf(T, 2)
+    w1, w2 = _leaf(E, 2 * I, H, dtype=torch.bfloat16), _leaf(E, H, I, dtype=torch.bfloat16)
+    leaves = (x, pr, w1, w2)
+
+    def experts(x, pr, w1, w2, unfused=False):
+        rows, prow, layout = linghe.permute(x, ids, pr, num_experts=E, align=8)
+        if unfused:
+            h = linghe.grouped_mm(rows, w1, layout, fp8=True, backend="triton")
+            return linghe.grouped_mm(linghe.silu_mul(h, prow), w2, layout, fp8=True,
+                                     backend="triton")
+        return grouped_swiglu(rows, prow, w1, w2, layout, fp8=True)
+
+    counters.clear()
+    out_c = torch.compile(experts, fullgraph=True, backend="aot_eager")(*leaves)
+    assert not counters["graph_break"]
+    cot = torch.randn(out_c.shape)
+    g_c = torch.autograd.grad((out_c.float() * cot).sum(), leaves)
+    for unfused, check in ((True, _same), (False, None)):
+        out_e = experts(*leaves, unfused=unfused)
+        g_e = torch.autograd.grad((out_e.float() * cot).sum(), leaves)
+        for i, (a, b) in enumerate(zip((out_c, *g_c), (out_e, *g_e))):
+            if check is not None:
+                check(a, b, f"unfused {i}")
+            else:
+                # two FP8 chains that group the SwiGLU output and dy differently: about
+                # 1-3% apart (e4m3 keeps 3 mantissa bits)
+                assert rel_err(a, b) < 0.06, (i, rel_err(a, b))
+
+
 def test_fp8_gemm_kernels():
     # The kernel-level FP8 GEMMs (no autograd) on operands quantized inside the region.
     E, N, K, T = 2, 128, 72, 3
@@ -271,8 +308,12 @@ def test_fp8_gemm_kernels():
         wq = linghe.quantize_grouped_weight(w)
         g = linghe.quantize_1x128(d[:rows.shape[0]], columnwise=True)
         w2 = linghe.quantize_128x128(w[0], columnwise=True)
+        # wgrad with columnwise groups per expert segment on both sides
+        a_seg = quantize_grouped_1x128(rows, layout)
+        g_seg = quantize_grouped_1x128(d[:rows.shape[0]], layout)
         return (linghe.grouped_mm_fp8(a, wq, layout), linghe.grouped_mm_fp8_dgrad(g, wq, layout),
-                linghe.grouped_mm_fp8_wgrad(g, a, layout), linghe.fp8.gemm.fprop(a, w2))
+                linghe.grouped_mm_fp8_wgrad(g, a, layout), linghe.fp8.gemm.fprop(a, w2),
+                linghe.grouped_mm_fp8_wgrad(g_seg, a_seg, layout), a_seg.col_segments)
 
     check_compiles(kernels, x, w, d)
 
@@ -472,13 +513,15 @@ def _opcheck_cases():
         (L.grouped_mm_fp8_bwd, (r(gR, 128, dtype=bf), ac, acs, wgc, wgcs, go, False, bf, bf,
                                 72), False),
         (L.grouped_mm_fp8_kernel, ("fwd", aq.rowwise_data, aq.rowwise_scale, wgq.rowwise_data,
-                                   wgq.rowwise_scale, go, 128, 72, bf), False),
+                                   wgq.rowwise_scale, go, 128, 72, bf, False, 1), False),
         (L.grouped_mm_fp8_kernel, ("dgrad", gq.rowwise_data, gq.rowwise_scale,
-                                   wgq.columnwise_data, wgq.columnwise_scale, go, 128, 72, bf),
-         False),
+                                   wgq.columnwise_data, wgq.columnwise_scale, go, 128, 72, bf,
+                                   False, 1), False),
         (L.grouped_mm_fp8_kernel, ("wgrad", gq.columnwise_data, gq.columnwise_scale,
-                                   aq.columnwise_data, aq.columnwise_scale, go, 128, 72, f32),
-         False),
+                                   aq.columnwise_data, aq.columnwise_scale, go, 128, 72, f32,
+                                   False, 1), False),
+        (L.quantize_grouped_1x128, (g_rows, None, g_lay.tokens_per_expert, 8, True, True,
+                                    False), False),
         (L.fp8_gemm, (xc.t().contiguous(), r(20, 2).abs(), wc.t().contiguous(),
                       r(1, 2).abs(), "1x128", "128x128", f32, r(40), "auto"), False),
     ]

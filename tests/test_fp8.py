@@ -11,6 +11,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (7, 127), (300, 1000), (129, 128), (2, 3, 257)]
 
 
+# GPU subset: float16 on two shapes (it shares bfloat16's path but for the element type).
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16])
+@pytest.mark.gpu_subset(dtype=[torch.float16], shape=[(7, 127), (2, 3, 257)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pow2", [False, True])

@@ -38,6 +38,10 @@ def _operands(recipe, M, N, K, device, pow2):
     return x, w, dy, xq, wq, dyq
 
 
+# GPU subset: (300, 17, 260) repeats the N tail of (1, 17, 100), the M tiles of
+# (300, 130, 100) and the K tail of (37, 130, 260). One odd shape autotunes.
+@pytest.mark.gpu_subset(shape=[(1, 17, 100), (37, 130, 260), (300, 130, 100), (128, 256, 384)])
+@pytest.mark.fp8_autotune(shape=[(37, 130, 260)])
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pow2", [True, False])
@@ -166,6 +170,7 @@ def test_bad_inputs(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.fp8_autotune
 @pytest.mark.parametrize("shape", [(8192, 3072, 2048), (8192, 2048, 2048), (1000, 384, 512)])
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
 def test_standard_shapes_and_backends_agree(device, shape, recipe):

@@ -49,6 +49,9 @@ CASES = [
 ]
 
 
+# GPU subset: float16 on two cases (it shares bfloat16's path but for the element type).
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16])
+@pytest.mark.gpu_subset(dtype=[torch.float16], case=[CASES[1], CASES[3]])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}-N{c[3]}")
 def test_grouped_mm_matches_reference(device, dtype, case):
@@ -409,3 +412,210 @@ def test_grad_of_one_operand_only(device, fp8, which):
                  tol=FP8_VS_EXACT if fp8 else 1e-2)
     other = w if which == "rows" else x
     assert other.grad is None
+
+
+def test_fp8_weight_cache_reuse_and_invalidation(device):
+    """The expert weights are quantized once per version: two forwards (micro-batches)
+    and their dgrads share one quantization; an optimizer step or an in-place update
+    quantizes again; results equal those of an uncached call."""
+    from linghe.fp8 import WeightCache
+
+    x, layout, real = make_rows([9, 0, 20], 16, 128, device, torch.bfloat16)
+    w = torch.nn.Parameter((torch.randn(3, 128, 128, device=device) / 11).to(torch.bfloat16))
+    cache = WeightCache()
+    opt = torch.optim.SGD([w], lr=1.0)
+    outs = []
+    for _ in range(2):
+        xi = x.clone().requires_grad_()
+        out = linghe.grouped_mm(xi, w, layout, fp8=True, pow2_scale=True, weight_cache=cache)
+        out.float().sum().backward()
+        outs.append((out.detach(), xi.grad))
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # the same as quantizing on every call
+    xi = x.clone().requires_grad_()
+    out = linghe.grouped_mm(xi, w.detach().clone(), layout, fp8=True, pow2_scale=True)
+    out.float().sum().backward()
+    assert torch.equal(out, outs[0][0]) and torch.equal(xi.grad, outs[0][1])
+    cached = cache.value
+    opt.step()  # in-place update: version bump
+    out2 = linghe.grouped_mm(x, w, layout, fp8=True, pow2_scale=True, weight_cache=cache)
+    assert cache.misses == 2 and cache.value is not cached
+    fresh = linghe.quantize_grouped_weight(w.detach(), columnwise=True, pow2_scale=True)
+    assert torch.equal(cache.value.rowwise_data.float(), fresh.rowwise_data.float())
+    assert torch.equal(cache.value.columnwise_scale, fresh.columnwise_scale)
+    assert not torch.equal(out2, outs[0][0])
+    with torch.no_grad():
+        w.mul_(2)
+    linghe.grouped_mm(x, w, layout, fp8=True, pow2_scale=True, weight_cache=cache)
+    assert cache.misses == 3
+    # another scale format is another key
+    linghe.grouped_mm(x, w, layout, fp8=True, pow2_scale=False, weight_cache=cache)
+    assert cache.misses == 4
+    with pytest.raises(TypeError, match="weight_cache"):
+        linghe.grouped_mm(x, w, layout, fp8=True, weight_cache={})
+
+
+def test_weight_cache_generic(device):
+    from linghe.fp8 import WeightCache
+
+    w = torch.randn(130, 200, device=device)
+    cache = WeightCache()
+    calls = []
+
+    def q(t):
+        calls.append(1)
+        return linghe.quantize_128x128(t, columnwise=True)
+
+    a = cache.get(w, q, "f")
+    assert cache.get(w, q, "f") is a and len(calls) == 1
+    w.data = w.data.clone()  # new storage: a miss
+    assert cache.get(w, q, "f") is not a and len(calls) == 2
+    assert cache.get(w, q, "g") is not None and len(calls) == 3  # format key
+    w.add_(1)
+    cache.get(w, q, "g")
+    assert len(calls) == 4
+    cache.clear()
+    cache.get(w, q, "g")
+    assert len(calls) == 5 and (cache.hits, cache.misses) == (1, 5)
+
+    def bad(t):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        cache.get(w.add_(1), bad, "g")
+    assert cache.value is None  # no stale copy left behind
+    with pytest.raises(TypeError, match="quantize must return an Fp8Tensor"):
+        cache.get(w, lambda t: t, "h")
+
+
+# ------------------------------------------------------- segment-grouped FP8 (MoE path)
+SEG_CASES = [
+    # (counts, align, K)
+    ([37], 16, 130),                    # one expert, K tail
+    ([5, 0, 140, 0], 16, 256),          # zero-row experts, a segment over 128 rows
+    ([0, 0, 0], 8, 64),                 # nothing routed: all tail
+    ([9, 31, 1, 0, 17], 1, 128),        # align 1: segments of any size
+]
+
+
+def _seg_rows(counts, align, K, device, tail=6):
+    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16, tail=tail,
+                                scale=3.0)
+    x[~real] = float("nan")  # padding/tail rows must not be read
+    return x, layout, real
+
+
+@pytest.mark.parametrize("case", SEG_CASES, ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}")
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_grouped_1x128(device, case, pow2):
+    counts, align, K = case
+    x, layout, real = _seg_rows(counts, align, K, device)
+    t = linghe.functional.grouped_mm.quantize_grouped_1x128(x, layout, pow2_scale=pow2)
+    q, s, qt, st, _ = ref.quantize_grouped_1x128(x.float(), counts, align, pow2)
+    torch.testing.assert_close(t.rowwise_scale, s, rtol=0, atol=0)
+    torch.testing.assert_close(t.columnwise_scale, st, rtol=0, atol=0)
+    assert_fp8_close(t.rowwise_data, q)
+    assert_fp8_close(t.columnwise_data, qt)
+    assert t.col_segments is layout.offsets
+    xr = torch.where(real[:, None], x.float(), 0.0)
+    if real.any():
+        assert_close(t.dequantize(columnwise=True, dtype=torch.float32), xr, tol=0.07)
+    # From FP8 rows (permute's output): the columnwise copy of the dequantized rowwise
+    # values; the rowwise copy is kept as it is.
+    a = linghe.quantize_1x128(torch.where(real[:, None], x, 0.0), pow2_scale=pow2)
+    t2 = linghe.functional.grouped_mm.quantize_grouped_1x128(a, layout, pow2_scale=pow2)
+    assert t2.rowwise_data is a.rowwise_data
+    _, _, qt2, st2, _ = ref.quantize_grouped_1x128(
+        ref.dequantize_1x128(a.rowwise_data, a.rowwise_scale), counts, align, pow2)
+    torch.testing.assert_close(t2.columnwise_scale, st2, rtol=0, atol=0)
+    assert_fp8_close(t2.columnwise_data, qt2)
+
+
+@pytest.mark.parametrize("case", [([5, 0, 140, 0], 16, 130, 128), ([9, 31, 1, 0, 17], 1, 64, 256),
+                                  ([0, 0], 8, 64, 128)],
+                         ids=lambda c: f"E{len(c[0])}-a{c[1]}")
+def test_fp8_wgrad_segment_groups(device, case):
+    counts, align, K, N = case
+    E = len(counts)
+    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16, scale=3.0)
+    g = torch.randn(x.shape[0], N, device=device, dtype=torch.bfloat16)
+    g[~real] = 0
+    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
+    a, gq = qg(x, layout, rowwise=False), qg(g, layout, rowwise=False)
+    dw = linghe.grouped_mm_fp8_wgrad(gq, a, layout, out_dtype=torch.float32)
+    off = layout.offsets
+    gc, xc = _deq(gq, columnwise=True), _deq(a, columnwise=True)
+    r_dw = torch.stack([gc[off[e]:off[e + 1]].t() @ xc[off[e]:off[e + 1]] for e in range(E)])
+    assert_close(dw, r_dw, tol=1e-3 if device == "cuda" else 1e-5, name="wgrad vs dequantized")
+    exact = torch.stack([g.double()[off[e]:off[e + 1]].t() @ x.double()[off[e]:off[e + 1]]
+                         for e in range(E)])
+    assert_close(dw, exact, tol=FP8_VS_EXACT, name="wgrad vs exact")
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.all(dw[e] == 0)
+    # The groupings must match: by identity of the layout's offsets.
+    plain = linghe.quantize_1x128(g, columnwise=True)
+    with pytest.raises(ValueError, match="both have plain columnwise groups"):
+        linghe.grouped_mm_fp8_wgrad(plain, a, layout)
+    other = make_expert_layout(layout.tokens_per_expert.clone(), align, layout.num_rows)
+    with pytest.raises(ValueError, match="different tensors|layout.offsets itself"):
+        linghe.grouped_mm_fp8_wgrad(gq, a, other)
+    # raw offsets: the very tensor the copies carry
+    dw2 = linghe.grouped_mm_fp8_wgrad(gq, a, layout.offsets, out_dtype=torch.float32)
+    assert torch.equal(dw, dw2)
+
+
+_COMPILE_SCRIPT = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linghe.fwd import grouped_mm as F
+from linghe.bwd import grouped_mm as B
+
+def comp(fn, sig, consts, warps, stages, div=()):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n in div}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+sig = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32",
+           offsets_ptr="*i32", R="i32", I="i32", J="i32", E="i32", num_row_tiles="i32",
+           stride_am="i32", stride_be="i32", stride_bi="i32", stride_bj="i32", stride_cm="i32",
+           stride_asm="i32", bs_se="i32", bs_si="i32", bs_sj="i32", BM="constexpr",
+           BN="constexpr", BK="constexpr", GROUP_M="constexpr", FP8="constexpr",
+           IEEE="constexpr", B_KMAJOR="constexpr", EP2="constexpr")
+k = comp(F._grouped_rows_kernel, sig, dict(BM=128, BN=128, BK=128, GROUP_M=8, FP8=True,
+         IEEE=False, B_KMAJOR=True, EP2=32), 8, 4,
+         ("I", "J", "stride_am", "stride_be", "stride_cm"))
+assert "wgmma" in k.asm["ptx"], "the FP8 grouped GEMM should use Hopper wgmma"
+sig = dict(g_ptr="*fp8e4nv", x_ptr="*fp8e4nv", w_ptr="*bf16", gs_ptr="*fp32", xs_ptr="*fp32",
+           offsets_ptr="*i32", N="i32", K="i32", R="i32", E="i32", stride_g="i32",
+           stride_x="i32", stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
+           BN="constexpr", BK="constexpr", BR="constexpr", SEG="constexpr", EP2="constexpr",
+           ALIGN16="constexpr")
+for seg in (False, True):
+    k = comp(B._wgrad_fp8_kernel, sig, dict(BN=128, BK=128, BR=128, SEG=seg, EP2=32,
+             ALIGN16=seg), 8, 4, ("stride_g", "stride_x", "stride_we", "stride_wn", "K"))
+    assert "wgmma" in k.asm["ptx"], ("the FP8 wgrad should use Hopper wgmma", seg)
+sig = dict(x_ptr="*bf16", xs_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32",
+           qt_ptr="*fp8e4nv", st_ptr="*fp32", R="i32", K="i32", E="i32", stride_x="i32",
+           stride_xs="i32", ALIGN="i32", NG="i32", FP8_IN="constexpr", ROWWISE="constexpr",
+           COLWISE="constexpr", POW2="constexpr", EP2="constexpr", ALIGN16="constexpr")
+for fp8_in in (False, True):
+    s = dict(sig, x_ptr="*fp8e4nv" if fp8_in else "*bf16")
+    k = comp(F._quantize_grouped_kernel, s, dict(FP8_IN=fp8_in, ROWWISE=not fp8_in,
+             COLWISE=True, POW2=True, EP2=64, ALIGN16=True), 4, 1,
+             ("K", "stride_x", "R", "ALIGN"))
+    # the transposed fp8 stores must be 16-byte vectors (ALIGN16 segment starts)
+    assert "st.global.b8" not in k.asm["ptx"], fp8_in
+print("COMPILED")
+'''
+
+
+def test_fp8_kernels_compile_for_sm90(compile_sm90):
+    """The FP8 grouped GEMM, the wgrad (plain and segment groups) and the grouped
+    quantizer compiled for sm_90 without a GPU: GPU-only compile errors, wgmma use,
+    vectorized transposed stores."""
+    compile_sm90(_COMPILE_SCRIPT)

@@ -152,6 +152,7 @@ def test_rms_norm_persistent_loops(device, monkeypatch, prefetch):
     # Few programs, many row blocks each: both the prefetching and the plain loops.
     from linghe.bwd import norm as bwd_norm
     monkeypatch.setattr(fwd_norm, "FWD_PREFETCH", prefetch)
+    monkeypatch.setattr(fwd_norm, "FWD_PREFETCH_MIN_K", 0)
     monkeypatch.setattr(bwd_norm, "BWD_PREFETCH", prefetch)
     monkeypatch.setattr(fwd_norm, "FWD_PROGRAMS_PER_SM", 1)
     monkeypatch.setattr(bwd_norm, "BWD_PROGRAMS_PER_SM", 1)

@@ -88,8 +88,14 @@ def test_qk_norm_rope_head_shapes(device, H, Hkv, D, R):
                         interleaved=True, norm="both", packed=False, dtype=torch.float32)
 
 
-def test_qk_norm_rope_many_tokens(device):
-    # More tokens than persistent backward programs: each program loops over tokens.
+@pytest.mark.parametrize("persistent", [False, True])
+def test_qk_norm_rope_many_tokens(device, monkeypatch, persistent):
+    # More tokens than persistent programs: each program loops over tokens (forward: both
+    # the per-token and the persistent kernel).
+    from linghe.fwd import rope as fwd_rope
+
+    monkeypatch.setattr(fwd_rope, "FWD_PERSISTENT", persistent)
+    monkeypatch.setattr(fwd_rope, "FWD_PROGRAMS_PER_SM", 1)
     _check_qk_norm_rope(device, B=3, S=29, H=2, Hkv=1, D=4, R=2, layout="sbh",
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
 

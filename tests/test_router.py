@@ -18,6 +18,8 @@ def _exact_tol(device, K: int) -> float:
     return 3e-6 * max(1.0, K / 256)
 
 
+# GPU subset: (5, 257, 3) repeats the K tail over several K blocks of (40, 130, 8).
+@pytest.mark.gpu_subset(**{"T,K,E": [(0, 64, 8), (1, 1, 1), (37, 100, 33), (40, 130, 8)]})
 @pytest.mark.parametrize("T,K,E", [(0, 64, 8), (1, 1, 1), (37, 100, 33), (40, 130, 8),
                                    (5, 257, 3)])
 @pytest.mark.parametrize("xd,wd", [(torch.bfloat16, torch.float32),
@@ -41,6 +43,33 @@ def test_router_logits_exact(device, T, K, E, xd, wd):
     assert rel_err(dw, rdw) < (_exact_tol(device, T) if wd == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("presplit", [False, True])
+def test_router_logits_split_in_registers_or_memory(device, monkeypatch, presplit):
+    # fp32 operands split into bf16 parts once in memory (default) or per tile in registers
+    from linghe.fwd import router as fwd_router
+
+    monkeypatch.setattr(fwd_router, "PRESPLIT", presplit)
+    x = torch.randn(37, 100, device=device).requires_grad_()
+    w = (torch.randn(33, 100, device=device) * 0.05).requires_grad_()
+    y = linghe.router_logits(x, w)
+    exact = x.detach().double() @ w.detach().double().t()
+    assert rel_err(y, exact) < _exact_tol(device, 100)
+    g = torch.randn(37, 33, device=device)
+    dx, dw = torch.autograd.grad(y, (x, w), g)
+    assert rel_err(dx, g.double() @ w.detach().double()) < _exact_tol(device, 33)
+    assert rel_err(dw, g.double().t() @ x.detach().double()) < _exact_tol(device, 37)
+
+
+def test_split3_parts_sum_exactly(device):
+    from linghe.fwd.router import split3
+
+    a = torch.randn(7, 300, device=device) * 3
+    p = split3(a.t())  # strided input
+    assert p.shape == (3, 300, 7) and p.dtype == torch.bfloat16
+    total = p[0].float() + p[1].float() + p[2].float()
+    assert torch.equal(total, a.t())
+
+
 def test_router_logits_leading_dims_and_bad_inputs(device):
     x = torch.randn(2, 3, 48, device=device, dtype=torch.bfloat16)
     w = torch.randn(5, 48, device=device)
@@ -62,6 +91,10 @@ ROUTE_CASES = [
 ]
 
 
+# GPU subset: (37, 8, 3) repeats ungrouped routing over a power-of-two E of (37, 8, 1) and
+# (37, 33, 5); (37, 3, 3) repeats k == E of (37, 33, 33).
+@pytest.mark.gpu_subset(**{"T,E,k,G,TG": [c for c in ROUTE_CASES
+                                          if c not in ((37, 8, 3, 1, 1), (37, 3, 3, 1, 1))]})
 @pytest.mark.parametrize("T,E,k,G,TG", ROUTE_CASES)
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("bias", [False, True])

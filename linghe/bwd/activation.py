@@ -74,18 +74,32 @@ def _silu_mul_bwd_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, dx_ptr, dp_ptr, M, N, E,
 
 
 @triton.jit
-def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, dpp_ptr,
-                               M, N, stride_dy, stride_x, NPROG_N,
+def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+                               dpp_ptr, M, N, E, stride_dy, stride_x, NPROG_N, ALIGN, NG,
                                COLWISE: tl.constexpr, POW2: tl.constexpr,
                                HAS_P: tl.constexpr, NEED_DP: tl.constexpr,
-                               SPLIT: tl.constexpr):
+                               SPLIT: tl.constexpr, BATCH: tl.constexpr,
+                               EP2: tl.constexpr, ALIGN16: tl.constexpr):
     # dx is [M, 2N]; its rowwise groups are 128 consecutive columns of the 2N.
+    # BATCH: rows grouped by expert; program row tiles follow the segments
+    # (expert_tile), so the columnwise groups never cross one; only real rows are read
+    # (rmask), padding/tail rows are written as zeros (wmask).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     K = 2 * N
     GK = tl.cdiv(K, 128)
-    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
-    rmask = rows < M
+    if BATCH:
+        tile_start, real_end, seg_stop, _g, _gu, _i, _so, _u = _fwd.expert_tile(
+            cnt_ptr, E, M, pid_m, ALIGN, EP2)
+        if ALIGN16:
+            tile_start = tl.multiple_of(tile_start, 16)
+        rows = tile_start.to(tl.int64) + tl.arange(0, 128)
+        wmask = (rows < seg_stop) & (rows < M)
+        rmask = (rows < real_end) & wmask
+    else:
+        rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+        rmask = rows < M
+        wmask = rmask
     p = tl.zeros([128], tl.float32)
     if HAS_P:
         p = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -110,16 +124,17 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
             dy = dy * p[:, None]
         dx = tl.where(gate[None, :], dy * u * (sig * (1.0 + g * (1.0 - sig))), dy * silu)
         qx, sx = quant_rows(dx, POW2)
-        tl.store(q_ptr + rows[:, None] * K + c[None, :], qx, mask=m)
-        tl.store(s_ptr + rows * GK + pid_n, sx, mask=rmask)
+        wm = wmask[:, None] & (j < N)[None, :]
+        tl.store(q_ptr + rows[:, None] * K + c[None, :], qx, mask=wm)
+        tl.store(s_ptr + rows * GK + pid_n, sx, mask=wmask)
         if COLWISE:
             qxt, sxt = quant_cols(dx, POW2)
             # qt[c, m] = q[m, c]: stored through transposed addresses.
-            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=m)
-            tl.store(st_ptr + c.to(tl.int64) * tl.cdiv(M, 128) + pid_m, sxt)
+            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=wm)
+            tl.store(st_ptr + c.to(tl.int64) * NG + pid_m, sxt)
         if NEED_DP:
             tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1),
-                     mask=rmask & gate)  # gate is uniform: any [128] vector works
+                     mask=wmask & gate)  # gate is uniform: any [128] vector works
     else:
         # General N: the program owns dx columns c of the 2N; column c reads gate/up
         # column j = c mod N (a gather only in the block straddling the halves).
@@ -137,14 +152,15 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         dx = tl.where(is_gate[None, :], dg, du)
         dyh = tl.where(is_gate[None, :], dyh, 0.0)
         qx, sx = quant_rows(dx, POW2)
-        tl.store(q_ptr + rows[:, None] * K + c[None, :], qx, mask=m)
-        tl.store(s_ptr + rows * GK + pid_n, sx, mask=rmask)
+        wm = wmask[:, None] & cmask[None, :]
+        tl.store(q_ptr + rows[:, None] * K + c[None, :], qx, mask=wm)
+        tl.store(s_ptr + rows * GK + pid_n, sx, mask=wmask)
         if COLWISE:
             qxt, sxt = quant_cols(dx, POW2)
-            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=m)
-            tl.store(st_ptr + c.to(tl.int64) * tl.cdiv(M, 128) + pid_m, sxt, mask=cmask)
+            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=wm)
+            tl.store(st_ptr + c.to(tl.int64) * NG + pid_m, sxt, mask=cmask)
         if NEED_DP:
-            tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=rmask)
+            tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=wmask)
 
 
 def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, *,
@@ -174,7 +190,8 @@ def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, 
 
 def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None = None,
                        *, columnwise: bool = True, pow2_scale: bool = False,
-                       need_dprobs: bool = True):
+                       need_dprobs: bool = True, counts: torch.Tensor | None = None,
+                       align: int = 1, segments: torch.Tensor | None = None):
     """Backward of SwiGLU emitting ``dx`` quantized to 1x128 FP8 (kernel-level API).
 
     Args:
@@ -192,34 +209,53 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
     cdiv(M,128)]``); ``dprobs [M]`` in probs' dtype (or None). Rowwise groups run over the
     2N columns of ``dx`` as one row, so when ``N % 128 != 0`` one group holds the end of
     the gate half and the start of the up half, exactly as ``quantize_1x128(dx)`` would.
-    No autograd: the caller is the FP8 linear layer's backward.
+    No autograd: the caller is the FP8 layer's backward.
+
+    Rows grouped by expert (``counts [E]`` on the device, segments padded to ``align``,
+    :mod:`linghe.layout`; the backward of ``batch_silu_mul_quant``): padding and tail
+    rows are not read and get ``dx = 0`` (scale 1) and ``dprobs = 0``, and the
+    columnwise groups follow the segments as in ``batch_silu_mul_quant``
+    (``columnwise_scale [2N, cdiv(M,128) + E]``); ``segments`` is the layout's offsets
+    ``[E + 1]`` that ``dx`` then carries as ``col_segments`` (required with ``counts``
+    and ``columnwise``).
     """
     M, N = x.shape[0], x.shape[1] // 2
     K = 2 * N
     dev = x.device
+    batch = counts is not None
+    E = counts.numel() if batch else 0
+    NG = _fwd.batch_col_groups(M, E) if batch else cdiv(M, BLOCK)
+    if batch and columnwise and segments is None:
+        raise ValueError("silu_mul_bwd_quant with counts and columnwise needs segments "
+                         "(the layout's offsets [E + 1]) for the columnwise copy")
     q = empty(M, K, dtype=FP8_DTYPE, device=dev)
     s = empty(M, cdiv(K, BLOCK), dtype=torch.float32, device=dev)
     qt = st = None
     if columnwise:
         qt = empty(K, M, dtype=FP8_DTYPE, device=dev)
-        st = empty(K, cdiv(M, BLOCK), dtype=torch.float32, device=dev)
+        st = empty(K, NG, dtype=torch.float32, device=dev)
     need_dprobs = need_dprobs and probs is not None
     dp = None
-    if M > 0 and N > 0:
+    # The batch form launches even with M == 0: its unused groups get scale 1.
+    if (M > 0 or batch) and N > 0:
         split = N % BLOCK == 0
         # dprobs partials: one column per gate block (split) or per dx block (general).
         nprog_n = N // BLOCK if split else cdiv(K, BLOCK)
         part = (empty(M, nprog_n, dtype=torch.float32, device=dev)
                 if need_dprobs else None)
         with device_guard(x):
-            launch(_silu_mul_bwd_quant_kernel, (cdiv(M, BLOCK), cdiv(K, BLOCK)),
-                dy, x, probs, q, s, qt, st, part, M, N, dy.stride(0), x.stride(0), nprog_n,
+            launch(_silu_mul_bwd_quant_kernel, (NG, cdiv(K, BLOCK)),
+                dy, x, probs, counts, q, s, qt, st, part, M, N, E,
+                dy.stride(0) if M else N, x.stride(0) if M else K, nprog_n, align, NG,
                 COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-                NEED_DP=need_dprobs, SPLIT=split, num_warps=_fwd.QUANT_BWD_NUM_WARPS)
+                NEED_DP=need_dprobs, SPLIT=split, BATCH=batch,
+                EP2=next_power_of_2(E + 1) if batch else 1,
+                ALIGN16=batch and align % 16 == 0, num_warps=_fwd.QUANT_BWD_NUM_WARPS)
         if need_dprobs:
             dp = part.sum(1).to(probs.dtype)
     elif need_dprobs:
         dp = torch.zeros(M, dtype=probs.dtype, device=dev)
     dx = Fp8Tensor((M, K), x.dtype, rowwise_data=q, rowwise_scale=s, columnwise_data=qt,
-                   columnwise_scale=st, scaling="1x128")
+                   columnwise_scale=st, scaling="1x128",
+                   col_segments=segments if batch and columnwise else None)
     return dx, dp

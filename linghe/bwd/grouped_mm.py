@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..fp8 import Fp8Tensor
 from ..fwd.grouped_mm import BLOCK, launch_grouped_rows, torch_grouped_mm_ok, zero_tail
-from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, launch
+from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, launch, next_power_of_2
 
 # --------------------------------------------------------------------------------------
 # dgrad
@@ -111,14 +111,14 @@ def _wgrad_kernel(
 
 
 @triton.jit
-def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, grp, start, end, R, nmask,
+def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, r0, grp, start, end, R, nmask,
                     kmask, BR: tl.constexpr, MASK_R: tl.constexpr):
-    """One 128-token group ``grp``: ``acc += (g_grp @ x_grp^T) * (sg x sx)``. ``g_rows``
+    """One 128-token group ``grp`` (tokens ``r0 .. r0 + 127``): ``acc += (g_grp @
+    x_grp^T) * (sg x sx)``. ``g_rows``
     ``[BN, 1]`` / ``x_rows`` ``[BK, 1]`` point at the rows of the columnwise copies, so both
     tiles are ``[*, BR]`` contiguous along the tokens (the contraction dim): both MMA
     operands K-major. ``MASK_R``: mask tokens outside ``[start, end)`` (boundary groups);
     interior groups load unmasked along the tokens (vectorized, 16 B per access)."""
-    r0 = grp * BR
     rs = r0 + tl.arange(0, BR)
     if MASK_R:
         # Load the whole group (mask only the buffer end, so the loads stay vectorized),
@@ -140,17 +140,25 @@ def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, grp, start, end, R, n
 @triton.jit
 def _wgrad_fp8_kernel(
     g_ptr, x_ptr, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
-    N, K, R, stride_g, stride_x, stride_gs, stride_xs, stride_we, stride_wn,
-    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    N, K, R, E, stride_g, stride_x, stride_gs, stride_xs, stride_we, stride_wn,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, SEG: tl.constexpr,
+    EP2: tl.constexpr, ALIGN16: tl.constexpr,
 ):
     """FP8 ``dW[e, n, k] = sum_{r in seg e} g[r, n] * x[r, k]`` from the columnwise copies
     ``gq [N, R]`` / ``xq [K, R]`` (row strides ``stride_g``/``stride_x``) and their 1x128
-    scales ``[N, ceil(R/128)]`` / ``[K, ...]``; ``BR == 128`` (one scale group per step).
+    scales ``[N, G]`` / ``[K, G]``; ``BR == 128`` (one scale group per step).
 
-    Expert ``e``'s tokens ``[start, end)`` are walked in global 128-token groups: the
-    groups fully inside the segment first (no token mask), then at most two boundary
-    groups (the one holding ``start`` when it is not group-aligned, the one holding
-    ``end`` when it is not), masked to the segment."""
+    Plain groups (``SEG=False``, ``G = ceil(R/128)``): expert ``e``'s tokens ``[start,
+    end)`` are walked in global 128-token groups: the groups fully inside the segment
+    first (no token mask), then at most two boundary groups (the one holding ``start``
+    when it is not group-aligned, the one holding ``end`` when it is not), masked to the
+    segment.
+
+    Segment groups (``SEG=True``, both copies grouped as ``batch_silu_mul_quant`` does:
+    ``G = ceil(R/128) + E``): expert ``e``'s groups are scale columns ``g_off[e] + i``
+    (``g_off`` = exclusive cumsum of ``ceil(segment/128)``, from ``offsets`` here) over
+    tokens ``start + 128 i ..``; only the last one may be partial (masked to the
+    segment). No group is shared by two experts."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     num_k = tl.cdiv(K, BK)
@@ -163,25 +171,44 @@ def _wgrad_fp8_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.minimum(tl.load(offsets_ptr + e + 1), R)
     start = tl.maximum(tl.minimum(start, end), 0)  # never out of bounds
-    g0 = start // BR
-    lo = (start + BR - 1) // BR  # first full group
-    hi = end // BR  # one past the last full group
-    head = ((start % BR) != 0) & (start < end)
-    tail = ((end % BR) != 0) & (hi >= lo)
     g_rows = g_ptr + ns[:, None].to(tl.int64) * stride_g
     x_rows = x_ptr + ks[:, None].to(tl.int64) * stride_x
     gs_rows = gs_ptr + ns.to(tl.int64) * stride_gs
     xs_rows = xs_ptr + ks.to(tl.int64) * stride_xs
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for i in range(0, hi - lo):
-        acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, lo + i, start, end,
-                              R, nmask, kmask, BR, False)
-    for i in range(0, head.to(tl.int32)):
-        acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, g0 + i, start, end,
-                              R, nmask, kmask, BR, True)
-    for i in range(0, tail.to(tl.int32)):
-        acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, hi + i, start, end,
-                              R, nmask, kmask, BR, True)
+    if SEG:
+        idx = tl.arange(0, EP2)
+        m = idx < E
+        lo_e = tl.load(offsets_ptr + idx, mask=m, other=0)
+        hi_e = tl.load(offsets_ptr + idx + 1, mask=m, other=0)
+        ntile = tl.where(m & (idx < e), (hi_e - lo_e + (BR - 1)) // BR, 0)
+        gbase = tl.sum(ntile, axis=0)
+        if ALIGN16:  # segment starts are multiples of 16: 16-byte vector loads
+            start = tl.multiple_of(start, 16)
+        n_full = (end - start) // BR
+        part = ((end - start) % BR) != 0
+        for i in range(0, n_full):
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, start + i * BR,
+                                  gbase + i, start, end, R, nmask, kmask, BR, False)
+        for i in range(0, part.to(tl.int32)):
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows,
+                                  start + (n_full + i) * BR, gbase + n_full + i, start, end,
+                                  R, nmask, kmask, BR, True)
+    else:
+        g0 = start // BR
+        lo = (start + BR - 1) // BR  # first full group
+        hi = end // BR  # one past the last full group
+        head = ((start % BR) != 0) & (start < end)
+        tail = ((end % BR) != 0) & (hi >= lo)
+        for i in range(0, hi - lo):
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, (lo + i) * BR,
+                                  lo + i, start, end, R, nmask, kmask, BR, False)
+        for i in range(0, head.to(tl.int32)):
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, (g0 + i) * BR,
+                                  g0 + i, start, end, R, nmask, kmask, BR, True)
+        for i in range(0, tail.to(tl.int32)):
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, (hi + i) * BR,
+                                  hi + i, start, end, R, nmask, kmask, BR, True)
     tl.store(w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
              + ks[None, :], acc.to(w_ptr.dtype.element_ty),
              mask=nmask[:, None] & kmask[None, :])
@@ -190,7 +217,7 @@ def _wgrad_fp8_kernel(
 @functools.cache
 def _wgrad_config(fp8: bool, f32: bool):
     if INTERPRET:
-        return dict(BN=32, BK=32, BR=128 if fp8 else 32, num_warps=4, num_stages=1)
+        return dict(BN=64, BK=64, BR=128 if fp8 else 32, num_warps=4, num_stages=1)
     if fp8:
         return dict(BN=128, BK=128, BR=128, num_warps=8, num_stages=4)
     if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
@@ -234,10 +261,13 @@ def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Ten
 
 
 def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.Tensor,
-                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                         out_dtype: torch.dtype = torch.bfloat16, *, segments: bool = False,
+                         align: int = 1) -> torch.Tensor:
     """FP8 wgrad launcher from the columnwise copies: ``dout_fp8`` ``[R, N]`` and
     ``a_fp8`` ``[R, K]``, each with ``columnwise_data [*, R]`` quantized in 128-token
-    groups along the whole buffer -> ``dW [E, N, K]`` in ``out_dtype``."""
+    groups along the whole buffer (``segments=False``) or in groups that follow the
+    segments of ``offsets`` (``segments=True``, both copies alike; ``align``: the
+    segments' alignment, a hint for vector loads) -> ``dW [E, N, K]`` in ``out_dtype``."""
     gq, gs = dout_fp8.columnwise_data, dout_fp8.columnwise_scale  # [N, R], [N, GR]
     xq, xs = a_fp8.columnwise_data, a_fp8.columnwise_scale  # [K, R], [K, GR]
     N, R = gq.shape
@@ -250,8 +280,9 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.T
     grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
     with device_guard(dw):
         launch(_wgrad_fp8_kernel, grid,
-            gq, xq, dw, gs, xs, offsets, N, K, R, gq.stride(0), xq.stride(0),
+            gq, xq, dw, gs, xs, offsets, N, K, R, E, gq.stride(0), xq.stride(0),
             gs.stride(0), xs.stride(0), dw.stride(0), dw.stride(1),
-            BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], SEG=segments,
+            EP2=max(16, next_power_of_2(E)), ALIGN16=segments and align % 16 == 0,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dw

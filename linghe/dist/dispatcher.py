@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fp8 import quantize_1x128
+from ..fp8 import Fp8Tensor, quantize_1x128
 from ..functional.permute import permute, unpermute
 from ..layout import ExpertLayout
 from ..reference import dequantize_1x128
@@ -129,7 +129,10 @@ class ExpertParallelDispatcher:
         """Send each token's ``k`` routed copies to the ranks owning their experts.
 
         Args:
-            x: ``[T, H]`` bf16/fp16/fp32 tokens.
+            x: ``[T, H]`` bf16/fp16/fp32 tokens; on one rank (without ``fp8_payload``)
+                also an :class:`~linghe.Fp8Tensor` with its 1x128 rowwise copy, whose FP8
+                rows ``permute`` moves with their scales (``rows`` is then an
+                ``Fp8Tensor`` too).
             expert_ids: ``[T, k]`` int global expert ids.
             probs: ``[T, k]`` router probabilities (fp32 or x's dtype).
 
@@ -144,6 +147,10 @@ class ExpertParallelDispatcher:
         check_tensor("probs", probs, dtypes=(torch.float32, torch.float16, torch.bfloat16),
                      ndim=2, shape=tuple(expert_ids.shape))
         check_same_device(x=x, expert_ids=expert_ids, probs=probs)
+        if isinstance(x, Fp8Tensor) and (self.world_size > 1 or self.fp8_payload):
+            raise ValueError("x as an Fp8Tensor (FP8 tokens moved by permute) is supported "
+                             "on one rank without fp8_payload; with expert parallelism pass "
+                             "the high-precision tokens (fp8_payload=True sends them as FP8)")
         probs = probs.float()
         if self.world_size == 1:
             return self._dispatch_local(x, expert_ids, probs)

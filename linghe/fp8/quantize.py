@@ -142,6 +142,11 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
         tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 
 
+#: Warps of the 1x128 quantize kernel with / without the columnwise copy (tuning knobs).
+WARPS_COLWISE = 4
+WARPS_ROWWISE = 8
+
+
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool):
     """Allocate the four 1x128 components (``None`` where not asked) for ``[M, K]``."""
     q = s = qt = st = None
@@ -198,7 +203,8 @@ def quantize_1x128_launch(x2: torch.Tensor, rowwise: bool, columnwise: bool,
         with device_guard(x2):
             launch(_quantize_1x128_kernel, grid,
                 x2, q, s, qt, st, M, K, x2.stride(0), BM=BM, ROWWISE=rowwise,
-                COLWISE=columnwise, POW2=pow2_scale, num_warps=4 if columnwise else 8)
+                COLWISE=columnwise, POW2=pow2_scale,
+                num_warps=WARPS_COLWISE if columnwise else WARPS_ROWWISE)
     return q, s, qt, st
 
 

@@ -19,6 +19,7 @@ import torch
 from .. import library
 from ..bwd import grouped_mm as bwd
 from ..fp8 import Fp8Tensor, quantize_1x128
+from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd
 from ..fwd.grouped_mm import quantize_grouped_weight
 from ..layout import ExpertLayout
@@ -33,7 +34,7 @@ from ..utils import (
 BACKENDS = ("auto", "triton", "torch")
 
 __all__ = ["grouped_mm", "grouped_mm_fp8", "grouped_mm_fp8_dgrad", "grouped_mm_fp8_wgrad",
-           "quantize_grouped_weight"]
+           "quantize_grouped_1x128", "quantize_grouped_weight"]
 
 
 # --------------------------------------------------------------------------------------
@@ -113,7 +114,7 @@ class GroupedMMFunction(torch.autograd.Function):
     operand needs a gradient."""
 
     @staticmethod
-    def forward(ctx, rows, weight, offsets, fp8, backend, pow2_scale):
+    def forward(ctx, rows, weight, offsets, fp8, backend, pow2_scale, weight_cache=None):
         ctx.fp8, ctx.backend, ctx.pow2 = fp8, backend, pow2_scale
         need_dx, need_dw = rows.requires_grad, weight.requires_grad
         if not fp8:
@@ -122,7 +123,10 @@ class GroupedMMFunction(torch.autograd.Function):
                                   offsets)
             return out
         a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
-        w = quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
+        if weight_cache is not None:
+            w = cached_grouped_weight(weight_cache, weight, pow2_scale)
+        else:
+            w = quantize_grouped_weight(weight, columnwise=need_dx, pow2_scale=pow2_scale)
         out = fwd.grouped_mm_fp8_fwd(a, w, offsets, out_dtype=rows.dtype)
         # Only the columnwise copies live on (plain holders: no tensor-subclass construction).
         ctx.a = _ColumnwiseCopy(a) if need_dw else None
@@ -143,7 +147,7 @@ class GroupedMMFunction(torch.autograd.Function):
             if need_dw:
                 d_w = bwd.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows.dtype,
                                            backend=ctx.backend)
-            return d_rows, d_w, None, None, None, None
+            return d_rows, d_w, None, None, None, None, None
         (offsets,) = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         g = quantize_1x128(d_out, rowwise=need_dx, columnwise=need_dw, pow2_scale=ctx.pow2)
@@ -152,11 +156,21 @@ class GroupedMMFunction(torch.autograd.Function):
         if need_dw:
             d_w = bwd.grouped_mm_fp8_wgrad(g, ctx.a, offsets, out_dtype=w_dtype)
         ctx.a = ctx.w = None
-        return d_rows, d_w, None, None, None, None
+        return d_rows, d_w, None, None, None, None, None
+
+
+def cached_grouped_weight(cache: WeightCache, weight: torch.Tensor,
+                          pow2_scale: bool) -> Fp8Tensor:
+    """``quantize_grouped_weight(weight, columnwise=True)`` through ``cache``: quantized
+    once per version of ``weight`` (once per optimizer step), both copies kept, so that
+    every micro-batch's forward and dgrad reuse them."""
+    return cache.get(weight, lambda w: quantize_grouped_weight(
+        w, columnwise=True, pow2_scale=pow2_scale), ("grouped_128x128", pow2_scale))
 
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = False,
-               backend: str = "auto", pow2_scale: bool = False) -> torch.Tensor:
+               backend: str = "auto", pow2_scale: bool = False,
+               weight_cache: WeightCache | None = None) -> torch.Tensor:
     """Per-expert GEMM over rows grouped by expert: ``out_e = rows_e @ weight[e]^T``.
 
     Args:
@@ -180,6 +194,9 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
             force one (``"torch"``: the caller guarantees those alignments). FP8 always
             runs the Triton kernels.
         pow2_scale: power-of-two FP8 scales.
+        weight_cache: with ``fp8``, a :class:`~linghe.fp8.WeightCache` that keeps the
+            weight's FP8 copies (rowwise and columnwise) until the weight changes
+            (:func:`cached_grouped_weight`); ``None`` quantizes on every call.
 
     Returns ``out [R, N]`` in ``rows``' dtype, fp32 accumulation, zeros past
     ``offsets[E]``. Saved for backward: see :class:`GroupedMMFunction`. Gradients:
@@ -192,8 +209,12 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if fp8 and weight.shape[1] % 128 != 0:
         raise ValueError(f"fp8=True needs N (weight.shape[1]) to be a multiple of 128, got "
                          f"{weight.shape[1]}")
+    if weight_cache is not None and not isinstance(weight_cache, WeightCache):
+        raise TypeError(f"weight_cache must be a linghe.fp8.WeightCache or None, got "
+                        f"{type(weight_cache).__name__}")
     if torch.compiler.is_compiling():
-        # (the torch._grouped_mm check reads data pointers: the op decides "auto" at run time)
+        # (the torch._grouped_mm check reads data pointers: the op decides "auto" at run
+        # time; a graph keeps no weight_cache: FP8 weights are quantized in every call)
         if backend == "auto" and not (isinstance(layout, ExpertLayout) and layout.align % 8 == 0):
             backend = "triton"
         return library.grouped_mm(rows, weight, offsets, bool(fp8), backend, bool(pow2_scale))
@@ -203,7 +224,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
         aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
         backend = "torch" if aligned and fwd.torch_grouped_mm_ok(rows, weight) else "triton"
     return apply_function(GroupedMMFunction, rows, weight, offsets, bool(fp8), backend,
-                          bool(pow2_scale))
+                          bool(pow2_scale), weight_cache if fp8 else None)
 
 
 # --------------------------------------------------------------------------------------
@@ -222,11 +243,26 @@ def _check_fp8_rows(name, t, *, rowwise: bool, columnwise: bool):
         raise ValueError(f"{name} needs its rowwise copy (quantize_1x128(rowwise=True))")
     if columnwise and t.columnwise_data is None:
         raise ValueError(f"{name} needs its columnwise copy (quantize_1x128(columnwise=True))")
-    if columnwise and t.col_segments is not None:
-        raise ValueError(f"{name}'s columnwise copy is grouped by expert segments "
-                         "(col_segments); this wgrad reads plain 128-token groups: "
-                         "requantize it with quantize_1x128(t.dequantize(), columnwise=True)")
     check_kernel_device(name, t.rowwise_data if rowwise else t.columnwise_data)
+
+
+def _wgrad_segments(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, layout) -> bool:
+    """Whether the wgrad operands' columnwise groups follow the layout's segments (both
+    carry ``col_segments``, the very offsets tensor of ``layout``) or are plain 128-token
+    groups (neither does). Matched by identity: comparing values would be a host sync."""
+    sd, sa = dout_fp8.col_segments, a_fp8.col_segments
+    if sd is None and sa is None:
+        return False
+    given = layout.offsets if isinstance(layout, ExpertLayout) else layout
+    if sd is None or sa is None or sd is not sa or sa is not given:
+        raise ValueError(
+            "dout_fp8 and a_fp8 must both have plain columnwise groups (quantize_1x128) or "
+            "both groups that follow the segments of this layout (col_segments that is "
+            "layout.offsets itself, e.g. batch_silu_mul_quant(layout=layout) and "
+            "quantize_grouped_1x128(x, layout)); got col_segments "
+            f"{'set' if sd is not None else 'None'} / {'set' if sa is not None else 'None'}"
+            f"{', different tensors' if sd is not None and sa is not None else ''}")
+    return True
 
 
 def _check_fp8_weight(name, w, *, rowwise: bool, columnwise: bool):
@@ -289,9 +325,13 @@ def grouped_mm_fp8_dgrad(dout_fp8: Fp8Tensor, w_fp8: Fp8Tensor, layout,
 def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, layout,
                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """FP8 wgrad: ``dW [E, N, K]``, ``dW_e = d_out_e^T @ a_e`` per expert, from the
-    columnwise copies of ``dout_fp8 [R, N]`` and ``a_fp8 [R, K]`` (1x128 groups of 128
-    tokens over the whole buffer, as ``quantize_1x128(columnwise=True)`` makes them; any
-    ``align`` works: a group straddling two segments is masked per expert)."""
+    columnwise copies of ``dout_fp8 [R, N]`` and ``a_fp8 [R, K]``: either both plain
+    1x128 groups of 128 tokens over the whole buffer, as ``quantize_1x128(columnwise=True)``
+    makes them (any ``align`` works: a group straddling two segments is masked per
+    expert), or both grouped by the layout's segments (``col_segments`` that is
+    ``layout.offsets``, from :func:`quantize_grouped_1x128`, ``batch_silu_mul_quant`` or
+    the batch SwiGLU backward; no group is shared by two experts). Mixed groupings raise
+    ``ValueError``."""
     _check_fp8_rows("dout_fp8", dout_fp8, rowwise=False, columnwise=True)
     _check_fp8_rows("a_fp8", a_fp8, rowwise=False, columnwise=True)
     _check_out_dtype(out_dtype)
@@ -307,7 +347,68 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, layout,
         raise TypeError("layout must be an ExpertLayout or an offsets tensor [E + 1]")
     if E < 1:
         raise ValueError("layout must describe at least one expert")
+    seg = _wgrad_segments(dout_fp8, a_fp8, layout)
+    align = layout.align if isinstance(layout, ExpertLayout) else 1
     offsets = _offsets_of(layout, E, a_fp8.shape[0], a_fp8.device)
     if torch.compiler.is_compiling():
-        return library.grouped_mm_fp8_wgrad_kernel(dout_fp8, a_fp8, offsets, out_dtype)
-    return bwd.grouped_mm_fp8_wgrad(dout_fp8, a_fp8, offsets, out_dtype=out_dtype)
+        return library.grouped_mm_fp8_wgrad_kernel(dout_fp8, a_fp8, offsets, out_dtype, seg,
+                                                   align)
+    return bwd.grouped_mm_fp8_wgrad(dout_fp8, a_fp8, offsets, out_dtype=out_dtype,
+                                    segments=seg, align=align)
+
+
+def quantize_grouped_1x128(x, layout: ExpertLayout, *, rowwise: bool = True,
+                           columnwise: bool = True, pow2_scale: bool = False) -> Fp8Tensor:
+    """1x128 FP8 quantization of rows grouped by expert, columnwise groups per segment.
+
+    Args:
+        x: ``[R, K]`` float32/float16/bfloat16 (last dim contiguous), or an
+            :class:`~linghe.Fp8Tensor` with its rowwise 1x128 copy (e.g. ``permute``'s FP8
+            rows): then the columnwise copy is made from the rowwise values (dequantized
+            in registers and quantized again, as DeepSeek-V3 does for its backward) and
+            the rowwise copy is kept as is.
+        layout: the :class:`~linghe.layout.ExpertLayout` of the rows
+            (``num_rows == R``); counts are read on the device (no host sync).
+        rowwise: produce the rowwise copy (high-precision ``x`` only).
+        columnwise: produce the columnwise copy ``[K, R]`` with scales ``[K,
+            ceil(R/128) + E]``: groups of 128 rows starting at every segment start, never
+            crossing a segment (as ``batch_silu_mul_quant``); the result carries
+            ``col_segments = layout.offsets``.
+        pow2_scale: power-of-two scales.
+
+    Padding and tail rows are never read: their outputs are zeros (scale 1). Returns an
+    :class:`~linghe.Fp8Tensor` of logical shape ``[R, K]``. No autograd (kernel-level,
+    like :func:`linghe.quantize_1x128`): it feeds :func:`grouped_mm_fp8_dgrad` (rowwise)
+    and :func:`grouped_mm_fp8_wgrad` (columnwise, with a partner grouped the same way).
+    """
+    if not isinstance(layout, ExpertLayout):
+        raise TypeError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
+    fp8_in = isinstance(x, Fp8Tensor)
+    if fp8_in:
+        if x.scaling != "1x128" or x.dim() != 2 or x.rowwise_data is None:
+            raise ValueError("x as an Fp8Tensor must be 2-D with a 1x128 rowwise copy")
+        data, scale = x.rowwise_data, x.rowwise_scale
+        rowwise = False
+        if not columnwise:
+            raise ValueError("x is already quantized rowwise: ask for columnwise=True")
+    else:
+        check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2, last_dim_contiguous=True)
+        data, scale = x, None
+        if not (rowwise or columnwise):
+            raise ValueError("quantize_grouped_1x128 needs rowwise=True or columnwise=True")
+    check_kernel_device("x", data)
+    if layout.num_rows != data.shape[0]:
+        raise ValueError(f"layout.num_rows ({layout.num_rows}) must equal x.shape[0] "
+                         f"({data.shape[0]})")
+    check_same_device(x=data, tokens_per_expert=layout.tokens_per_expert)
+    if torch.compiler.is_compiling():
+        return library.quantize_grouped_1x128(x, scale, layout, rowwise, columnwise,
+                                              bool(pow2_scale))
+    q, s, qt, st = fwd.quantize_grouped_fwd(data, layout.tokens_per_expert, layout.align,
+                                            x_scale=scale, rowwise=rowwise,
+                                            columnwise=columnwise, pow2_scale=pow2_scale)
+    if fp8_in:
+        q, s = data, scale
+    return Fp8Tensor(x.shape, x.dtype, rowwise_data=q, rowwise_scale=s, columnwise_data=qt,
+                     columnwise_scale=st, scaling="1x128",
+                     col_segments=layout.offsets if columnwise else None)

@@ -1,4 +1,7 @@
-"""FP8 linear layer: ``y = x·W^T + b`` through the recipe's FP8 GEMMs, forward and backward."""
+"""FP8 linear layer: ``y = x·W^T + b`` through the recipe's FP8 GEMMs, forward and backward.
+
+(:class:`~linghe.fp8.cache.WeightCache`, which keeps a weight's FP8 copy between optimizer
+steps, is importable from here too.)"""
 
 from __future__ import annotations
 
@@ -6,54 +9,10 @@ import torch
 
 from .. import library
 from ..fp8 import gemm
+from ..fp8.cache import WeightCache
 from ..fp8.recipe import Fp8Recipe
 from ..fp8.tensor import Fp8Tensor
 from ..utils import FLOAT_DTYPES, apply_function, check_tensor
-
-
-class WeightCache:
-    """Holds one weight's FP8 copy between optimizer steps.
-
-    Valid while the weight's ``_version`` (bumped by every in-place update, e.g. an
-    optimizer step) and ``data_ptr`` (changed by ``weight.data = ...``) and the recipe's
-    weight format are what they were when it was filled.
-    """
-
-    def __init__(self):
-        self.key = None
-        self.value: Fp8Tensor | None = None
-        self.amax: torch.Tensor | None = None
-        self.hits = 0
-        self.misses = 0
-
-    def clear(self) -> None:
-        self.key = self.value = self.amax = None
-
-    # A copied or pickled module starts with an empty cache (it is derived data).
-    def __deepcopy__(self, memo):
-        return WeightCache()
-
-    def __getstate__(self):
-        return {}
-
-    def __setstate__(self, state):
-        self.__init__()
-
-    def get(self, weight: torch.Tensor, recipe: Fp8Recipe, slot) -> Fp8Tensor:
-        key = (weight._version, weight.data_ptr(), weight.shape, weight.dtype, recipe.name,
-               recipe.pow2_scale, id(recipe.state))
-        if self.key == key and self.value is not None:
-            self.hits += 1
-            if recipe.state is not None and self.amax is not None:
-                recipe.state.record(slot, self.amax, recipe.fwd_dtype)
-            return self.value
-        self.misses += 1
-        with torch.no_grad():
-            w = weight.detach()
-            self.value = recipe.quantize_weight(w.contiguous(), key=slot)
-            self.amax = w.abs().amax().float().reshape(1) if recipe.state is not None else None
-        self.key = key
-        return self.value
 
 
 def _as_2d(t: Fp8Tensor) -> Fp8Tensor:
@@ -107,7 +66,7 @@ class _Fp8Linear(torch.autograd.Function):
         xq = _prepare_input(x, recipe, need_dw and fp8_wgrad, slot)
         wslot = (owner, "w")
         if cache is not None:
-            wq = cache.get(weight, recipe, wslot)
+            wq = cache.get_for_recipe(weight, recipe, wslot)
         else:
             with torch.no_grad():
                 wq = recipe.quantize_weight(weight.detach().contiguous(), key=wslot)

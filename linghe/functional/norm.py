@@ -59,10 +59,12 @@ class RMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(saved, weight, rstd)
         ctx.has_residual = residual is not None
         ctx.set_materialize_grads(False)
-        y = y.view(x.shape)
+        if x.dim() != 2:  # (a view costs host time even when it changes nothing)
+            y = y.view(x.shape)
+            h = h.view(x.shape) if h is not None else None
         if h is None:
             return y
-        return y, h.view(x.shape)
+        return y, h
 
     @staticmethod
     def backward(ctx, dy, dh=None):
@@ -77,7 +79,8 @@ class RMSNormFunction(torch.autograd.Function):
             _grad_rows(dy), saved, weight, rstd,
             _grad_rows(dh) if dh is not None else None,
             need_dweight=ctx.needs_input_grad[1])
-        dx = dx.view(shape)
+        if len(shape) != 2:
+            dx = dx.view(shape)
         return dx, dw, dx if ctx.has_residual else None, None
 
 
@@ -126,7 +129,7 @@ class RMSNormQuantFunction(torch.autograd.Function):
         shape = dy.shape
         dx, dw = bwd.rms_norm_bwd(_grad_rows(dy), x2, weight, rstd,
                                   need_dweight=ctx.needs_input_grad[1])
-        return dx.view(shape), dw, None, None, None
+        return (dx if len(shape) == 2 else dx.view(shape)), dw, None, None, None
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,

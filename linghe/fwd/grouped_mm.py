@@ -31,8 +31,18 @@ import triton
 import triton.language as tl
 
 from ..fp8 import Fp8Tensor, quantize_128x128
-from ..fp8.quantize import FP8_DTYPE
-from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, grouped_tile_order, launch
+from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
+from ..utils import (
+    INTERPRET,
+    cdiv,
+    device_guard,
+    dot_f32acc,
+    empty,
+    grouped_tile_order,
+    launch,
+    next_power_of_2,
+)
+from .activation import batch_col_groups, expert_tile
 
 BLOCK = 128  # FP8 group / block size
 
@@ -174,7 +184,7 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
     experts sharing 64K rows) take 64-row tiles, many take 128."""
     if INTERPRET:
         bm = block_m or 32
-        return dict(BM=bm, BN=32, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
+        return dict(BM=bm, BN=64, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
                     num_stages=1)
     bm = block_m or (64 if R < 512 * E else 128)
     if fp8:
@@ -360,3 +370,78 @@ def grouped_mm_fp8_fwd(a_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: torch.Tensor
 
 def fp8_dtype_ok(t: torch.Tensor) -> bool:
     return t.dtype == FP8_DTYPE
+
+
+# --------------------------------------------------------------------------------------
+# 1x128 quantization of rows grouped by expert (columnwise groups follow the segments)
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_grouped_kernel(x_ptr, xs_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+                             R, K, E, stride_x, stride_xs, ALIGN, NG,
+                             FP8_IN: tl.constexpr, ROWWISE: tl.constexpr,
+                             COLWISE: tl.constexpr, POW2: tl.constexpr, EP2: tl.constexpr,
+                             ALIGN16: tl.constexpr):
+    """One 128-row tile (:func:`~linghe.fwd.activation.expert_tile`: tiles start at each
+    segment start and never cross it) x 128 columns. Reads only real rows (``FP8_IN``:
+    fp8 data times its rowwise 1x128 scale), writes zeros (scale 1) on padding/tail rows."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    tile_start, real_end, seg_stop, _g, _gu, _i, _so, _u = expert_tile(
+        cnt_ptr, E, R, pid_m, ALIGN, EP2)
+    if ALIGN16:  # segment starts are multiples of 16: vector stores of the transposed tile
+        tile_start = tl.multiple_of(tile_start, 16)
+    rows = tile_start.to(tl.int64) + tl.arange(0, 128)
+    smask = (rows < seg_stop) & (rows < R)
+    lmask = (rows < real_end) & smask
+    cols = pid_n * 128 + tl.arange(0, 128)
+    cmask = cols < K
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                mask=lmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    if FP8_IN:
+        xs = tl.load(xs_ptr + rows * stride_xs + pid_n, mask=lmask, other=0.0)
+        x = x * xs[:, None]
+    if ROWWISE:
+        q, s = quant_rows(x, POW2)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q,
+                 mask=smask[:, None] & cmask[None, :])
+        tl.store(s_ptr + rows * tl.cdiv(K, 128) + pid_n, s, mask=smask)
+    if COLWISE:
+        qt, st = quant_cols(x, POW2)
+        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * R + rows[:, None], qt,
+                 mask=smask[:, None] & cmask[None, :])
+        tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
+
+
+def quantize_grouped_fwd(x: torch.Tensor, counts: torch.Tensor, align: int, *,
+                         x_scale: torch.Tensor | None = None, rowwise: bool = True,
+                         columnwise: bool = True, pow2_scale: bool = False):
+    """1x128 quantization of ``x [R, K]`` (rows grouped by expert, last dim contiguous),
+    or of fp8 ``x`` times its rowwise scales ``x_scale [R, cdiv(K,128)]`` (dequantized in
+    registers, then quantized again: the columnwise copy of an FP8-only buffer).
+
+    Returns ``(q [R, K] | None, s [R, cdiv(K,128)] | None, qt [K, R] | None,
+    st [K, G] | None)`` with ``G = cdiv(R,128) + E``: the columnwise groups follow the
+    segments of ``counts [E]`` padded to ``align`` (as ``batch_silu_mul_quant_fwd``).
+    Padding and tail rows are not read; their outputs are zeros with scale 1."""
+    R, K = x.shape
+    E = counts.numel()
+    dev = x.device
+    G = batch_col_groups(R, E)
+    q = s = qt = st = None
+    if rowwise:
+        q = empty(R, K, dtype=FP8_DTYPE, device=dev)
+        s = empty(R, cdiv(K, BLOCK), dtype=torch.float32, device=dev)
+    if columnwise:
+        qt = empty(K, R, dtype=FP8_DTYPE, device=dev)
+        st = empty(K, G, dtype=torch.float32, device=dev)
+    if K > 0 and (rowwise or columnwise):
+        with device_guard(x):
+            launch(_quantize_grouped_kernel, (G, cdiv(K, BLOCK)),
+                   x, x_scale if x_scale is not None else x, counts, q, s, qt, st, R, K, E,
+                   x.stride(0) if R else K, x_scale.stride(0) if x_scale is not None and R
+                   else 1, align, G, FP8_IN=x_scale is not None, ROWWISE=rowwise,
+                   COLWISE=columnwise, POW2=pow2_scale, EP2=next_power_of_2(E + 1),
+                   ALIGN16=align % 16 == 0, num_warps=4)
+    return q, s, qt, st

@@ -50,8 +50,12 @@ def _split3(a):
 
 @triton.jit
 def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, k_per_split,
-               SA: tl.constexpr, SB: tl.constexpr, ORDER: tl.constexpr,
+               s_ap, s_bp, SA: tl.constexpr, SB: tl.constexpr, ORDER: tl.constexpr,
+               A_SPLIT: tl.constexpr, B_SPLIT: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """``C = A @ B`` from bf16 parts (module docstring). ``A_SPLIT``/``B_SPLIT``: the
+    operand is already split in memory (:func:`split3`: parts ``s_ap``/``s_bp`` elements
+    apart), so the tile is loaded as three bf16 tiles instead of split in registers."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
@@ -67,20 +71,34 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
     for k0 in range(k_lo, k_hi, BK):
         rk = k0 + tl.arange(0, BK)
         kmask = rk < k_hi
-        a = tl.load(a_ptr + rm[:, None] * s_am + rk[None, :].to(tl.int64) * s_ak,
-                    mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
-                    mask=kmask[:, None] & nmask[None, :], other=0.0)
+        a_ptrs = a_ptr + rm[:, None] * s_am + rk[None, :].to(tl.int64) * s_ak
+        a_mask = mmask[:, None] & kmask[None, :]
+        b_ptrs = b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn
+        b_mask = kmask[:, None] & nmask[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         if SA == 1:
             a0 = a.to(tl.bfloat16)
             a1 = a0
             a2 = a0
+        elif A_SPLIT:
+            a0 = a
+            a1 = tl.load(a_ptrs + s_ap, mask=a_mask, other=0.0)
+            a2 = a1
+            if SA > 2 and ORDER >= 2:
+                a2 = tl.load(a_ptrs + 2 * s_ap, mask=a_mask, other=0.0)
         else:
             a0, a1, a2 = _split3(a.to(tl.float32))
         if SB == 1:
             b0 = b.to(tl.bfloat16)
             b1 = b0
             b2 = b0
+        elif B_SPLIT:
+            b0 = b
+            b1 = tl.load(b_ptrs + s_bp, mask=b_mask, other=0.0)
+            b2 = b1
+            if SB > 2 and ORDER >= 2:
+                b2 = tl.load(b_ptrs + 2 * s_bp, mask=b_mask, other=0.0)
         else:
             b0, b1, b2 = _split3(b.to(tl.float32))
         # smallest terms first
@@ -104,6 +122,35 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
 
 
 _PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+#: Split a float32 operand into its bf16 parts in memory before the GEMM (knob; False:
+#: every tile splits the fp32 values it loads, in registers).
+PRESPLIT = True
+
+
+@triton.jit
+def _split3_kernel(src_ptr, dst_ptr, n, K, s_m, s_k, BLOCK: tl.constexpr):
+    # (n = M * K comes from the host: an int argument equal to 1 is specialized to a
+    # constexpr, which has no .to())
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    m = offs // K
+    k = offs % K
+    h, mid, lo = _split3(tl.load(src_ptr + m * s_m + k * s_k, mask=mask, other=0.0))
+    tl.store(dst_ptr + offs, h, mask=mask)
+    tl.store(dst_ptr + n + offs, mid, mask=mask)
+    tl.store(dst_ptr + 2 * n + offs, lo, mask=mask)
+
+
+def split3(a: torch.Tensor) -> torch.Tensor:
+    """float32 ``a [M, K]`` (any strides) -> ``[3, M, K]`` contiguous bf16 parts
+    ``hi, mid, lo`` with ``hi + mid + lo == a`` (for normal values)."""
+    M, K = a.shape
+    out = empty(3, M, K, dtype=torch.bfloat16, device=a.device)
+    if M * K:
+        BLOCK = 1024
+        launch(_split3_kernel, (cdiv(M * K, BLOCK),), a, out, M * K, K, a.stride(0),
+               a.stride(1), BLOCK=BLOCK, num_warps=4)
+    return out
 _MM_CFG: dict = {}
 
 
@@ -174,11 +221,22 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
         return torch.zeros(M, N, dtype=out_dtype, device=dev)
     s_cm, s_cn = (1, N) if swap else (N, 1)
     tiles = cdiv(M_, BM) * cdiv(N_, BN)
+    sa, sb = _PARTS[a_.dtype], _PARTS[b_.dtype]
     with device_guard(a):
+        # An fp32 operand is split once here, not in every tile that reads it (each A tile
+        # is read by all N tiles and vice versa); the MMA then reads bf16 parts.
+        a_split = sa == 3 and PRESPLIT and order > 0
+        b_split = sb == 3 and PRESPLIT and order > 0
+        if a_split:
+            a_ = split3(a_)
+        if b_split:
+            b_ = split3(b_)
+        s_ap = M_ * K if a_split else 0
+        s_bp = K * N_ if b_split else 0
         launch(_mm_kernel, (tiles, split_k),
-            a_, b_, c, M_, N_, K, a_.stride(0), a_.stride(1), b_.stride(0), b_.stride(1),
-            s_cm, s_cn, k_per, SA=_PARTS[a_.dtype], SB=_PARTS[b_.dtype], ORDER=order, BM=BM,
-            BN=BN, BK=BK, GROUP_M=8, num_warps=nw, num_stages=ns)
+            a_, b_, c, M_, N_, K, a_.stride(-2), a_.stride(-1), b_.stride(-2), b_.stride(-1),
+            s_cm, s_cn, k_per, s_ap, s_bp, SA=sa, SB=sb, ORDER=order, A_SPLIT=a_split,
+            B_SPLIT=b_split, BM=BM, BN=BN, BK=BK, GROUP_M=8, num_warps=nw, num_stages=ns)
     if split_k > 1:
         c = c.sum(0) if out_dtype == torch.float32 else c.sum(0).to(out_dtype)
     return c

@@ -1,6 +1,7 @@
 """``MoE``: a routed mixture-of-experts layer with optional expert parallelism (no math
 here: it chains ``router_logits`` -> ``topk_route`` -> ``ExpertParallelDispatcher`` ->
-``grouped_mm`` -> ``silu_mul`` -> ``grouped_mm`` -> combine, plus shared experts)."""
+``grouped_swiglu`` (``grouped_mm`` -> ``silu_mul`` -> ``grouped_mm``, or its FP8 form) ->
+combine, plus shared experts)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from torch import nn
 from ..context import current_recipe
 from ..dist.collectives import group_size_rank
 from ..dist.dispatcher import ExpertParallelDispatcher
-from ..functional.activation import silu_mul
-from ..functional.grouped_mm import grouped_mm
+from ..fp8.cache import WeightCache
+from ..functional.moe import grouped_swiglu, quantize_tokens
 from ..functional.router import router_logits, router_z_loss, topk_route
 from ..utils import FLOAT_DTYPES, check_tensor
 from .activation import SwiGLU
@@ -80,10 +81,16 @@ class MoE(nn.Module):
     ``forward(x [..., H])`` returns ``(out [..., H], aux: MoEAux)``. ``x`` must have the
     experts' dtype. The router probabilities weight each expert's SwiGLU output
     (``silu_mul(h, probs_rows)``), so combine is a plain sum. Under
-    ``linghe.TrainingContext(fp8="blockwise")`` both grouped GEMMs run FP8 blockwise
-    (``grouped_mm(..., fp8=True)``, which needs ``2I`` and ``H`` multiples of 128); the
-    fused ``batch_silu_mul_quant`` is not wired in yet (the down GEMM quantizes the bf16
-    SwiGLU output itself).
+    ``linghe.TrainingContext(fp8="blockwise")`` the experts run FP8 blockwise end to end
+    (:func:`linghe.functional.moe.grouped_swiglu` with ``fp8=True``, which needs ``2I``
+    and ``H`` multiples of 128): on one rank the tokens are quantized once
+    (:func:`~linghe.functional.moe.quantize_tokens`) and ``permute`` moves the FP8 rows
+    with their scales; the SwiGLU output is quantized by ``batch_silu_mul_quant`` for the
+    down GEMM; gradients are quantized by the kernels that produce them; the expert
+    weights are quantized once per optimizer step (a ``WeightCache`` per weight); the
+    combine (unpermute) stays in high precision. With expert parallelism the rows arrive
+    in high precision (or rounded through FP8 with ``fp8_payload``) and are quantized
+    per segment on arrival.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -136,7 +143,14 @@ class MoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(El, H, In, **fk))
         self.shared_experts = (SwiGLU(H, In * num_shared_experts, **fk)
                                if num_shared_experts else None)
+        # FP8 copies of the expert weights, made once per optimizer step (see WeightCache).
+        self._fp8_weight_caches = {name: WeightCache() for name in _EXPERT_PARAMS}
         self.reset_parameters()
+
+    def _apply(self, fn, *args, **kwargs):
+        for cache in self._fp8_weight_caches.values():
+            cache.clear()
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def expert_range(self) -> tuple[int, int]:
@@ -183,13 +197,18 @@ class MoE(nn.Module):
                                      expert_bias=self.expert_bias, num_groups=self.num_groups,
                                      topk_groups=self.topk_groups)
         z_loss = router_z_loss(logits)
-        rows, prow, handle = self.dispatcher.dispatch(x2, ids, probs)
-        layout = handle.layout
         recipe = current_recipe()
         fp8 = recipe is not None and recipe.name == "blockwise"
-        h = grouped_mm(rows, w1, layout, fp8=fp8)
-        a = silu_mul(h, prow)
-        y = grouped_mm(a, w2, layout, fp8=fp8)
+        pow2 = fp8 and recipe.pow2_scale
+        tokens = x2
+        if fp8 and self.ep_size == 1 and not self.dispatcher.fp8_payload:
+            # Quantize each token once; permute then moves FP8 rows with their scales
+            # (k times fewer bytes quantized, half the bytes moved).
+            tokens = quantize_tokens(x2, pow2_scale=pow2)
+        rows, prow, handle = self.dispatcher.dispatch(tokens, ids, probs)
+        caches = self._fp8_weight_caches
+        y = grouped_swiglu(rows, prow, w1, w2, handle.layout, fp8=fp8, pow2_scale=pow2,
+                           weight_caches=(caches["experts_gate_up"], caches["experts_down"]))
         out = self.dispatcher.combine(y, handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from ..context import TrainingContext, current_recipe
+from ..fp8.cache import WeightCache
 from ..functional.activation import silu_mul, silu_mul_quant
-from ..functional.grouped_mm import grouped_mm
 from ..functional.linear import fp8_linear
 from ..functional.loss import linear_cross_entropy
-from ..functional.norm import rms_norm
+from ..functional.moe import grouped_swiglu, quantize_tokens
+from ..functional.norm import rms_norm, rms_norm_quant
 from ..functional.permute import permute, unpermute
 from ..functional.rope import apply_rope
 from ..functional.router import router_logits, topk_route
@@ -36,7 +37,8 @@ _CLASSES: dict[tuple[type, type], type] = {}
 
 def patched_class(hf_cls: type, mixin: type) -> type:
     """``class Linghe<Name>(mixin, hf_cls)``, made once per pair and kept in this module's
-    namespace (so that ``copy.deepcopy`` and pickling of a patched module find it)."""
+    namespace (so that unpickling a patched module finds it in a process that has patched
+    a model of the same family)."""
     key = (hf_cls, mixin)
     cls = _CLASSES.get(key)
     if cls is None:
@@ -61,11 +63,25 @@ class RMSNormMixin:
     weight (result dtype: the promotion of both); linghe multiplies in fp32 and rounds once.
     Same value in fp32, within one rounding of the input dtype otherwise; the result keeps
     Hugging Face's dtype (e.g. float32 for a bf16 input and an fp32 weight under autocast).
+
+    ``linghe_quantize_output`` (set by the patch with ``fp8="blockwise"`` on a norm whose
+    only consumers are FP8 :class:`linghe.nn.Linear`, i.e. the attention's input norm):
+    under the blockwise recipe the forward is :func:`linghe.rms_norm_quant`, whose
+    :class:`~linghe.Fp8Tensor` the q/k/v projections share without quantizing again.
     """
 
+    linghe_quantize_output: bool = False
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(hidden_states, self.weight, self.variance_epsilon)
-        out_dtype = torch.promote_types(hidden_states.dtype, self.weight.dtype)
+        w = self.weight
+        if (self.linghe_quantize_output and w.dtype == hidden_states.dtype
+                and is_fp8_blockwise()):
+            recipe = current_recipe()
+            return rms_norm_quant(hidden_states, w, self.variance_epsilon,
+                                  columnwise=recipe.fp8_wgrad and torch.is_grad_enabled(),
+                                  pow2_scale=recipe.pow2_scale)
+        y = rms_norm(hidden_states, w, self.variance_epsilon)
+        out_dtype = torch.promote_types(hidden_states.dtype, w.dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
@@ -185,14 +201,18 @@ class TopKRouterMixin:
 class ExpertsMixin:
     """Qwen3-MoE's experts (``gate_up_proj [E, 2I, H]`` gate rows first, ``down_proj
     [E, H, I]``) through :func:`linghe.permute` (rows grouped by expert, padded by index),
-    two :func:`linghe.grouped_mm` with :func:`linghe.silu_mul` between them, and
-    :func:`linghe.unpermute` (the sum over a token's ``k`` experts).
+    :func:`linghe.functional.moe.grouped_swiglu` (grouped GEMM, SwiGLU weighted by the
+    routing weight, grouped GEMM) and :func:`linghe.unpermute` (the sum over a token's
+    ``k`` experts): the expert path of :class:`linghe.nn.MoE`.
 
     ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``
     in ``hidden_states``' dtype (the experts' dtype). The routing weight scales each
     expert's SwiGLU output before the down projection (Hugging Face scales after it: the
-    same value, as the projection is linear). Under the blockwise FP8 recipe both grouped
-    GEMMs run FP8 when ``2I`` and ``H`` are multiples of 128 (else high precision).
+    same value, as the projection is linear). Under the blockwise FP8 recipe, when ``2I``
+    and ``H`` are multiples of 128 (else high precision), it runs as ``nn.MoE`` does: each
+    token quantized once (``quantize_tokens``) and moved in FP8 by ``permute``, FP8
+    grouped GEMMs, the expert weights quantized once per optimizer step (a
+    :class:`~linghe.fp8.WeightCache` per weight).
     """
 
     #: segment alignment in rows (a multiple of 8 lets bf16 use torch._grouped_mm on Hopper)
@@ -202,13 +222,19 @@ class ExpertsMixin:
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.gate_up_proj, self.down_proj
         x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
-        rows, prow, layout = permute(x.contiguous(), top_k_index,
-                                     top_k_weights.to(torch.float32),
+        x = x.contiguous()
+        fp8 = is_fp8_blockwise() and w1.shape[1] % 128 == 0 and w1.shape[2] % 128 == 0
+        pow2, caches = False, None
+        if fp8:
+            caches = self.__dict__.get("_linghe_fp8_caches")
+            if caches is None:  # made here: Hugging Face built the module
+                caches = self._linghe_fp8_caches = (WeightCache(), WeightCache())
+            pow2 = current_recipe().pow2_scale
+            x = quantize_tokens(x, pow2_scale=pow2)
+        rows, prow, layout = permute(x, top_k_index, top_k_weights.to(torch.float32),
                                      num_experts=w1.shape[0], align=self.linghe_align)
-        fp8 = (is_fp8_blockwise() and w1.shape[1] % 128 == 0 and w1.shape[2] % 128 == 0)
-        h = grouped_mm(rows, w1, layout, fp8=fp8)
-        a = silu_mul(h, prow)
-        y = grouped_mm(a, w2, layout, fp8=fp8)
+        y = grouped_swiglu(rows, prow, w1, w2, layout, fp8=fp8, pow2_scale=pow2,
+                           weight_caches=caches)
         return unpermute(y, layout).to(hidden_states.dtype)
 
 
@@ -248,8 +274,9 @@ def _slice_to_keep(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
 
 
 def make_causal_lm_forward(original, output_classes):
-    """A ``forward`` for a ``*ForCausalLM`` model (set on the instance): with ``labels`` (or
-    ``shift_labels``) the loss comes from :func:`causal_lm_loss` and the output's
+    """A ``forward`` for a ``*ForCausalLM`` model (set on the instance): with ``labels`` the
+    loss comes from :func:`causal_lm_loss` (``shift_labels``, ``num_items_in_batch``,
+    ``ignore_index`` from the keyword arguments, as Hugging Face reads them) and the output's
     ``logits`` is ``None``; without, the original forward runs (logits, e.g. for
     ``generate()``). MoE models add ``router_aux_loss_coef * aux_loss`` as Hugging Face
     does. ``output_classes = (dense_output_cls, moe_output_cls, load_balancing_loss_func)``.
@@ -263,7 +290,7 @@ def make_causal_lm_forward(original, output_classes):
         arguments = dict(bound.arguments)
         extra = dict(arguments.pop("kwargs", {}))
         labels = arguments.pop("labels", None)
-        if labels is None and extra.get("shift_labels") is None:
+        if labels is None:  # as Hugging Face: no loss without labels, logits as before
             return original(self, *args, **kwargs)
         arguments.pop("self")
         logits_to_keep = arguments.pop("logits_to_keep", 0)

@@ -12,6 +12,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ..fp8.recipe import RECIPES
 from ..nn.convert import convert
+from ..nn.linear import Linear as LingheLinear
 from . import modules as M
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "AutoLinghePatchedModelForCausalLM", "apply_linghe_kernels"]
@@ -72,7 +73,10 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
         rms_norm: every ``*RMSNorm`` (layer norms, final norm, Qwen3's q/k norms) through
             :func:`linghe.rms_norm`.
         rope: rotary embedding of the attention through :func:`linghe.apply_rope` (fused
-            q and k, forward and backward).
+            q and k, forward and backward). The modeling file's ``apply_rotary_pos_emb`` is
+            replaced once by a dispatcher that takes linghe's kernel only inside a patched
+            attention module (unpatched models in the process keep Hugging Face's), and
+            Hugging Face's function for calls the kernel does not cover.
         swiglu: dense ``*MLP`` (``silu``) as one gate/up GEMM + :func:`linghe.silu_mul`.
         moe: Qwen3-MoE's sparse block: router through :func:`linghe.router_logits` and
             :func:`linghe.topk_route` (softmax top-k, renormalized as the config's
@@ -88,6 +92,9 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             layer runs inside ``linghe.TrainingContext(fp8="blockwise")`` (unless a context
             is already active): its Linears, dense SwiGLU and MoE grouped GEMMs (when ``2I``
             and ``H`` are multiples of 128) run FP8. Needs compute capability >= 8.9.
+
+    Sets ``model.linghe_patched`` (how many modules of each kind were swapped, e.g.
+    ``{"RMSNorm": 9, "Attention": 2, ...}``) and ``model.linghe_fp8``.
 
     Raises ``ValueError`` for an unsupported model type (naming the supported ones), a model
     patched already, experts stored in a layout other than Qwen3-MoE's (concatenated
@@ -117,7 +124,6 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
     if rms_norm:
         wanted.append((hf("RMSNorm"), M.RMSNormMixin))
     if rope:
-        M.install_rope(mm)
         wanted.append((hf("Attention"), M.AttentionMixin))
     if swiglu:
         wanted.append((hf("MLP"), M.MLPMixin))
@@ -143,12 +149,14 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             if getattr(m.config, "hidden_act", "silu") not in _SILU:
                 raise ValueError(f"{name}: moe=True needs hidden_act in {_SILU}")
 
+    if rope:
+        M.install_rope(mm)
     counts: dict[str, int] = {}
     for _, m in targets:
         mixin = mixin_of[type(m)]
         _swap(m, mixin)
-        counts[mixin.__name__.removesuffix("Mixin")] = counts.get(
-            mixin.__name__.removesuffix("Mixin"), 0) + 1
+        kind = mixin.__name__.removesuffix("Mixin")
+        counts[kind] = counts.get(kind, 0) + 1
 
     if fp8 is not None:
         layer_cls = M.patched_class(hf("DecoderLayer"), M.DecoderLayerMixin)
@@ -157,6 +165,7 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
                 layer.linghe_fp8 = fp8
                 n = _convert_linears(layer)
                 counts["Linear"] = counts.get("Linear", 0) + n
+                _quantize_attention_input(layer)
 
     causal_lm = hf("ForCausalLM")
     if cross_entropy and causal_lm is not None and isinstance(model, causal_lm):
@@ -177,6 +186,15 @@ def _convert_linears(layer: torch.nn.Module) -> int:
     convert(layer, fp8_filter=lambda name, m: type(m) is torch.nn.Linear)
     after = sum(type(m) is torch.nn.Linear for m in layer.modules())
     return before - after
+
+
+def _quantize_attention_input(layer: torch.nn.Module) -> None:
+    """Let the attention's input norm emit FP8 (``rms_norm_quant``) when it is patched and
+    all of q/k/v are linghe Linears (its only consumers in these families)."""
+    norm, attn = getattr(layer, "input_layernorm", None), getattr(layer, "self_attn", None)
+    projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if isinstance(norm, M.RMSNormMixin) and all(isinstance(p, LingheLinear) for p in projs):
+        norm.linghe_quantize_output = True
 
 
 def _split_patch_kwargs(kwargs: dict) -> dict:

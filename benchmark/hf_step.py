@@ -1,0 +1,186 @@
+"""A Hugging Face fine-tuning step, unpatched vs patched by ``linghe.transformers``.
+
+``python -m benchmark.hf_step [--steps N] [--json PATH] [--modes hf,linghe,linghe_fp8]``
+
+Model: a Qwen3-MoE-shaped ``Qwen3MoeForCausalLM`` of about 1B parameters, random init
+(hidden 1024, 8 layers, 16 query / 4 KV heads of 128 with q/k norms, 64 experts top-8 of
+intermediate 384 with renormalized softmax routing, vocab 151936, untied LM head), bf16
+parameters, sequence 2048 x batch 4 (8192 tokens per step), AdamW. One step = forward
+with labels + backward + ``optimizer.step()`` + ``zero_grad``. Modes, each on the same
+initial weights and data (the model is rebuilt from the same seed):
+
+- ``hf``: plain transformers (its defaults: SDPA attention, ``torch._grouped_mm`` experts
+  where available, logits materialized for the loss);
+- ``linghe``: ``apply_linghe_kernels(model)``;
+- ``linghe_fp8``: ``apply_linghe_kernels(model, fp8="blockwise")`` (GPU only: FP8 GEMMs
+  need compute capability >= 8.9).
+
+Reported per mode: median step time over ``--steps`` timed steps (after ``--warmup``),
+tokens/s, speedup over ``hf``, peak memory (``torch.cuda.max_memory_allocated`` over the
+build and the steps), and the loss of the first step (same weights and batch in every
+mode: a correctness check, ``loss diff`` relative to ``hf``) and of the last. The table is
+printed last.
+
+On CPU (no GPU) it runs a tiny config through the Triton interpreter (a smoke test;
+timings are interpreter timings) with 2 steps and no FP8 mode by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    # No GPU: run the same Triton kernels through the interpreter (must precede import).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+GPU_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                 moe_intermediate_size=384, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
+                 batch=4, seq=2048)
+CPU_SHAPE = dict(vocab_size=131, hidden_size=64, intermediate_size=96,
+                 moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, num_experts=6, num_experts_per_tok=2,
+                 batch=2, seq=9)
+MODES = ("hf", "linghe", "linghe_fp8")
+
+
+def build(shape: dict, mode: str, device: str, dtype: torch.dtype, seed: int):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(**{k: v for k, v in shape.items() if k not in ("batch", "seq")},
+                         norm_topk_prob=True, tie_word_embeddings=False,
+                         max_position_embeddings=max(4096, shape["seq"]),
+                         attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if mode != "hf":
+        from linghe.transformers import apply_linghe_kernels
+
+        apply_linghe_kernels(model, fp8="blockwise" if mode == "linghe_fp8" else None)
+    return model.train()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> dict:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build(shape, mode, device, dtype, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
+                            **({"fused": True} if device == "cuda" else {}))
+    g = torch.Generator().manual_seed(args.seed + 1)
+    B, S, V = shape["batch"], shape["seq"], shape["vocab_size"]
+    batches = [torch.randint(0, V, (B, S), generator=g).to(device)
+               for _ in range(min(4, args.warmup + args.steps))]
+    losses, times = [], []
+    for i in range(args.warmup + args.steps):
+        ids = batches[i % len(batches)]
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        losses.append(float(loss.detach()))
+        if i >= args.warmup:
+            times.append(dt)
+        print(f"  {mode} step {i}: loss {losses[-1]:.4f}, {dt * 1e3:.1f} ms", file=sys.stderr,
+              flush=True)
+    step_s = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    row = dict(mode=mode, params=n_params, tokens_per_step=B * S, step_ms=step_s * 1e3,
+               tokens_per_s=B * S / step_s, peak_mem_gib=peak, first_loss=losses[0],
+               last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times])
+    del model, opt, batches
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    base = next((r for r in rows if r["mode"] == "hf"), None)
+    head = ["mode", "step ms", "tokens/s", "vs hf", "peak GiB", "first loss", "loss diff",
+            "last loss"]
+    lines = []
+    for r in rows:
+        vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        diff = (f"{abs(r['first_loss'] - base['first_loss']) / abs(base['first_loss']):.1e}"
+                if base else "-")
+        mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+        lines.append([r["mode"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.0f}", vs, mem,
+                      f"{r['first_loss']:.4f}", diff, f"{r['last_loss']:.4f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    fmt = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))
+    print(fmt(head))
+    print("-+-".join("-" * w for w in widths))
+    for line in lines:
+        print(fmt(line))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmark.hf_step",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per mode (default 10 on GPU, 2 on CPU)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (default 3 on GPU, 1 on CPU)")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated from {MODES} (default: all on GPU, hf,linghe on CPU)")
+    p.add_argument("--json", default=None, help="write the rows and device facts here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny CPU config on any device (a smoke test)")
+    args = p.parse_args(argv)
+
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu = device == "cpu"
+    shape = CPU_SHAPE if cpu or args.tiny else GPU_SHAPE
+    dtype = torch.float32 if cpu or args.tiny else torch.bfloat16
+    args.steps = args.steps if args.steps is not None else (2 if cpu else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
+    modes = (args.modes or ("hf,linghe" if cpu else ",".join(MODES))).split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad or args.steps < 1 or args.warmup < 0:
+        p.error(f"--modes must name {MODES}, --steps >= 1, --warmup >= 0")
+    dev_name = torch.cuda.get_device_name() if not cpu else platform.processor() or "cpu"
+    if cpu:
+        print("No GPU: tiny config through the Triton interpreter (smoke test; interpreter "
+              "timings).", file=sys.stderr)
+    print(f"device: {dev_name}; torch {torch.__version__}, triton {triton.__version__}, "
+          f"transformers {transformers.__version__}; shape {shape}", file=sys.stderr)
+    rows = [run_mode(m, shape, args, device, dtype) for m in modes]
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "hf_step", "device": dev_name, "torch": torch.__version__,
+                       "triton": triton.__version__, "transformers": transformers.__version__,
+                       "interpreter": cpu, "dtype": str(dtype), "shape": shape,
+                       "steps": args.steps, "warmup": args.warmup, "rows": rows}, f, indent=1)
+    print(f"Qwen3-MoE-shaped model, {rows[0]['params'] / 1e6:.1f}M parameters, "
+          f"{rows[0]['tokens_per_step']} tokens/step, {dtype}, AdamW")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""``WeightCache``: a weight's quantized copy, made once per optimizer step.
+
+FP8 layers quantize their weights for every forward (and need the columnwise copy again
+in the backward's dgrad). With gradient accumulation a weight is unchanged across the
+micro-batches of a step, so quantizing it again is wasted GPU time and launches. A
+``WeightCache`` keeps the last quantized copy and hands it out while the weight is the
+same tensor with the same contents, judged on the host with no GPU work:
+
+- ``weight._version``: bumped by every in-place update through the parameter
+  (``optimizer.step()`` in all its forms (for-loop, foreach, fused), ``p.mul_(...)``,
+  ``p.copy_(...)`` under ``torch.no_grad()``, ``load_state_dict``);
+- ``weight.data_ptr()``, shape, dtype and device: a replaced storage (``p.data = ...``,
+  ``module.to(...)``);
+- a format key from the caller (what ``quantize`` makes: recipe, scaling, pow2 scales).
+
+Not seen (call :meth:`WeightCache.clear`): writes through a separate alias of the same
+storage, e.g. ``p.data.add_(...)`` (``.data`` has its own version counter) or a view
+taken before the update. The cache holds the quantized copy (about 2 bytes per
+parameter with both copies) until the next miss or :meth:`clear`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+
+from .tensor import Fp8Tensor
+
+
+class WeightCache:
+    """Holds one weight's quantized copy between optimizer steps.
+
+    ``get(weight, quantize, fmt)`` returns the cached copy when the key (see the module
+    docstring) matches, else runs ``quantize(weight.detach())`` under ``torch.no_grad()``
+    and keeps its result. ``hits``/``misses`` count the lookups. A copied or pickled
+    cache starts empty (it is derived data).
+    """
+
+    def __init__(self):
+        self.key = None
+        self.value: Fp8Tensor | None = None
+        self.amax: torch.Tensor | None = None  # the delayed recipe's amax of the weight
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        """Drop the cached copy (the next ``get`` quantizes)."""
+        self.key = self.value = self.amax = None
+
+    def __deepcopy__(self, memo):
+        return WeightCache()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
+    @staticmethod
+    def key_of(weight: torch.Tensor, fmt: Hashable) -> tuple:
+        """The cache key of ``weight`` quantized in format ``fmt`` (host-only)."""
+        return (weight._version, weight.data_ptr(), weight.shape, weight.dtype,
+                weight.device, fmt)
+
+    def get(self, weight: torch.Tensor, quantize: Callable[[torch.Tensor], Fp8Tensor],
+            fmt: Hashable = None) -> Fp8Tensor:
+        """The quantized copy of ``weight``: cached while ``weight`` and ``fmt`` are
+        unchanged, else ``quantize(weight.detach())`` (kept for the next call)."""
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        key = self.key_of(weight, fmt)
+        if self.key == key and self.value is not None:
+            self.hits += 1
+            return self.value
+        self.misses += 1
+        self.value = self.amax = None  # never hand out a stale copy if quantize raises
+        with torch.no_grad():
+            value = quantize(weight.detach())
+        if not isinstance(value, Fp8Tensor):
+            raise TypeError(f"quantize must return an Fp8Tensor, got {type(value).__name__}")
+        self.value, self.key = value, key
+        return value
+
+    def get_for_recipe(self, weight: torch.Tensor, recipe, slot) -> Fp8Tensor:
+        """``weight [N, K]`` quantized by ``recipe.quantize_weight`` (both copies).
+
+        The delayed recipe records the weight's amax in ``slot`` on every call, hit or
+        miss, so its amax history advances as if the weight were quantized each time."""
+        state = recipe.state
+        hits = self.hits
+
+        def quantize(w):
+            return recipe.quantize_weight(w.contiguous(), key=slot)
+
+        value = self.get(weight, quantize, (recipe.name, recipe.pow2_scale, id(state)))
+        if state is not None:
+            if self.hits > hits:
+                state.record(slot, self.amax, recipe.fwd_dtype)
+            else:
+                self.amax = weight.detach().abs().amax().float().reshape(1)
+        return value
