@@ -17,7 +17,7 @@ from linghe import library
 from linghe.fp8.tensor import Fp8Tensor
 from linghe.functional.grouped_mm import quantize_grouped_1x128
 from linghe.functional.moe import grouped_swiglu
-from linghe.testing import rel_err
+from linghe.testing import assert_fp8_close, rel_err
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -28,8 +28,24 @@ def _flat(out):
     return [out]
 
 
+ON_GPU = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _default_device(device):
+    # On a GPU every tensor and module of these tests is made there. (Not set on CPU, the
+    # default already: the default-device mode costs interpreter time.)
+    if device != "cpu":
+        torch.set_default_device(device)
+    yield
+    if device != "cpu":
+        torch.set_default_device(None)
+
+
 def _same(a, b, name):
-    """Bit-identical tensors (fp8 compared as bytes), or both None."""
+    """Bit-identical tensors (fp8 compared as bytes), or both None. On a GPU, where
+    kernels may pick other tiles or reduction orders per call site, within rounding
+    (fp8 data within one e4m3 step)."""
     assert (a is None) == (b is None), name
     if a is None:
         return
@@ -40,9 +56,14 @@ def _same(a, b, name):
             _same(getattr(a, c), getattr(b, c), f"{name}.{c}")
         return
     assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
-    if a.dtype in FP8_DTYPES:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    if ON_GPU and a.dtype in FP8_DTYPES:
+        assert_fp8_close(a, b, name)
+    elif ON_GPU:
+        torch.testing.assert_close(a, b, equal_nan=True, msg=name)
+    else:
+        if a.dtype in FP8_DTYPES:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 def _loss(outs, cots):
@@ -200,7 +221,7 @@ def test_linear_cross_entropy(reduction, bias):
 def test_fp8_linear(recipe, fp8_wgrad, inputs):
     norm = linghe.nn.RMSNorm(136)
     lin = linghe.nn.Linear(136, 40)
-    x = _leaf(2, 20, 136, dtype=torch.bfloat16)
+    x = _leaf(2, 9, 136, dtype=torch.bfloat16)
     params = [norm.weight, lin.weight, lin.bias]
 
     def fn(x):
@@ -265,7 +286,7 @@ def test_grouped_swiglu_fp8_fallback():
     # Under compile, grouped_swiglu(fp8=True) runs the unfused FP8 path (documented in
     # linghe.library.grouped_swiglu_fp8): bit-exact with that path in eager, and within
     # FP8 rounding of eager's fused autograd node.
-    E, H, I, T = 2, 128, 64, 5
+    E, H, I, T = 2, 128, 64, 3
     ids = torch.randint(0, E, (T, 2), dtype=torch.int32)
     x, pr = _leaf(T, H, dtype=torch.bfloat16), _leaf(T, 2)
     w1, w2 = _leaf(E, 2 * I, H, dtype=torch.bfloat16), _leaf(E, H, I, dtype=torch.bfloat16)
@@ -298,7 +319,7 @@ def test_grouped_swiglu_fp8_fallback():
 
 def test_fp8_gemm_kernels():
     # The kernel-level FP8 GEMMs (no autograd) on operands quantized inside the region.
-    E, N, K, T = 2, 128, 72, 3
+    E, N, K, T = 2, 128, 40, 3
     ids = torch.randint(0, E, (T, 2), dtype=torch.int32)
     x, w, d = _leaf(T, K, grad=False), _leaf(E, N, K, grad=False), _leaf(40, N, grad=False)
 
@@ -335,17 +356,16 @@ def test_batch_silu_mul_quant():
 def test_dynamic_shapes():
     # One graph for several token counts (symbolic shapes through the fake implementations
     # and the Fp8Tensor autograd Functions).
-    w = _leaf(136)
+    w = _leaf(40)
 
     def fn(x):
         q = linghe.rms_norm_quant(x, w)
-        a = linghe.silu_mul_quant(linghe.rms_norm(x, w))
-        return q.dequantize(columnwise=True).square().sum() + a.dequantize().sum()
+        return q.dequantize(columnwise=True).square().sum() + linghe.rms_norm(x, w).sum()
 
     counters.clear()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
     for M in (9, 5):
-        x = _leaf(M, 136)
+        x = _leaf(M, 40)
         out_c, out_e = compiled(x), fn(x)
         _same(out_c, out_e, f"M={M}")
         for a, b in zip(torch.autograd.grad(out_c, (x, w)), torch.autograd.grad(out_e, (x, w))):
