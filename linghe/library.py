@@ -35,8 +35,11 @@ What stays outside a compiled graph (each documented where it applies):
   expects the gradient of a subclass output to be of that subclass, and an ``Fp8Tensor``'s
   gradient is a plain tensor. Inside a region (``rms_norm_quant`` -> FP8 ``Linear``) it
   flows normally; dequantize or detach it before returning it;
-- FP8 Linear: the ``delayed`` recipe (state updated outside the graph) raises; the weight
-  is quantized on every call (a graph keeps no ``WeightCache``);
+- FP8 Linear: the ``delayed`` recipe (state updated outside the graph) raises; FP8 weights
+  (Linear, grouped GEMMs) are quantized on every call (a graph keeps no ``WeightCache``);
+- ``grouped_swiglu(fp8=True)`` (the fused FP8 expert FFN of ``nn.MoE``) runs as the
+  unfused FP8 path ``grouped_mm(fp8) -> silu_mul -> grouped_mm(fp8)``
+  (:func:`grouped_swiglu_fp8`: a documented fallback, within FP8 rounding of eager);
 - vocab-parallel losses (``process_group=``) and expert parallelism across ranks (their
   split sizes are host syncs), and debug mode (``linghe.set_debug``: data checks that
   sync with the host) are graph breaks: ``fullgraph=True`` refuses them.
