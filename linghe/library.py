@@ -1542,6 +1542,23 @@ def quantize_grouped_1x128(x, x_scale: Tensor | None, layout: ExpertLayout, roww
                      col_segments=layout.offsets if columnwise else None)
 
 
+class _QuantizeTokens(torch.autograd.Function):
+    """1x128 rowwise FP8 of tokens with a straight-through gradient."""
+
+    @staticmethod
+    def forward(ctx, x, pow2_scale):
+        return quantize_1x128(x, True, False, pow2_scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _dense_grad(g), None
+
+
+def quantize_tokens(x: Tensor, pow2_scale: bool) -> Fp8Tensor:
+    """:func:`linghe.functional.moe.quantize_tokens` through the custom op (validated)."""
+    return _QuantizeTokens.apply(x, bool(pow2_scale))
+
+
 def grouped_swiglu_fp8(rows, probs_rows: Tensor | None, gate_up: Tensor, down: Tensor,
                        layout: ExpertLayout, pow2_scale: bool) -> Tensor:
     """:func:`linghe.functional.moe.grouped_swiglu` with ``fp8=True`` under torch.compile:

@@ -16,7 +16,7 @@ import linghe
 from linghe import library
 from linghe.fp8.tensor import Fp8Tensor
 from linghe.functional.grouped_mm import quantize_grouped_1x128
-from linghe.functional.moe import grouped_swiglu
+from linghe.functional.moe import grouped_swiglu, quantize_tokens
 from linghe.testing import assert_fp8_close, rel_err
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -293,8 +293,11 @@ def test_grouped_swiglu_fp8_fallback():
     leaves = (x, pr, w1, w2)
 
     def experts(x, pr, w1, w2, unfused=False):
-        rows, prow, layout = linghe.permute(x, ids, pr, num_experts=E, align=8)
+        # FP8 tokens as nn.MoE moves them: quantized once, permuted with their scales
+        rows, prow, layout = linghe.permute(quantize_tokens(x), ids, pr, num_experts=E,
+                                            align=8)
         if unfused:
+            rows = rows.dequantize()
             h = linghe.grouped_mm(rows, w1, layout, fp8=True, backend="triton")
             return linghe.grouped_mm(linghe.silu_mul(h, prow), w2, layout, fp8=True,
                                      backend="triton")

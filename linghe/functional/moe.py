@@ -66,6 +66,8 @@ def quantize_tokens(x: torch.Tensor, *, pow2_scale: bool = False) -> Fp8Tensor:
     its rowwise copy; its gradient reaches ``x`` unchanged (in ``x``'s dtype)."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2, last_dim_contiguous=True)
     check_kernel_device("x", x)
+    if torch.compiler.is_compiling():
+        return library.quantize_tokens(x, pow2_scale)
     return _QuantizeTokens.apply(x, bool(pow2_scale))
 
 
