@@ -381,7 +381,7 @@ class TinyMoEModel(torch.nn.Module):
     """RMSNorm -> Linear -> SwiGLU -> MoE (router, permute, grouped GEMMs, shared expert)
     -> RMSNorm -> linear cross entropy, with linghe.nn modules."""
 
-    def __init__(self, H, I, V, E, num_groups=1, align=16, dtype=torch.float32, device="cpu"):
+    def __init__(self, H, I, V, E, num_groups=1, align=16, dtype=torch.float32, device=None):
         super().__init__()
         fk = {"dtype": dtype, "device": device}
         self.norm = linghe.nn.RMSNorm(H, **fk)
