@@ -246,7 +246,8 @@ def test_fp8_blockwise(device):
     lr.backward()
     gr = _grads(ref)
     errs = {n: rel_err(p.grad, gr[n]) for n, p in pat.named_parameters()}
-    assert max(errs.values()) < 0.3, errs
+    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+    assert worst[0][1] < 0.3, worst
     with torch.no_grad():
         assert rel_err(pat(ids).logits, ref(ids).logits) < 0.12
     # the expert weights' FP8 copies are cached (made once per optimizer step)
