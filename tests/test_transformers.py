@@ -303,12 +303,13 @@ def test_bf16_and_gradient_checkpointing(device, monkeypatch):
 
 
 def test_hf_step_benchmark_smoke(tmp_path, capsys):
-    """``python -m benchmark.hf_step`` on CPU: the tiny config, one step per mode, JSON out,
+    """``python -m benchmark.hf_step --tiny``: the tiny config, one step per mode, JSON out,
     the table printed last; both modes start from the same weights and batch."""
     from benchmark import hf_step
 
     out = tmp_path / "hf_step.json"
-    assert hf_step.main(["--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    assert hf_step.main(["--tiny", "--modes", "hf,linghe", "--steps", "1", "--warmup", "0",
+                         "--json", str(out)]) == 0
     import json
 
     rows = json.loads(out.read_text())["rows"]
