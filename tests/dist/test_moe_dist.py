@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 def check_moe_equivalence(rank, world, *, device="cpu", dtype=torch.float32, T_per_rank=(5,),
                           tol=1e-5, fp8_payload=False, capacity_factor=None, shared=1,
-                          E=None, H=16, I=8, k=2, align=4):
+                          E=None, H=16, I=8, k=2, align=4, fp8=None):
     import linghe
     from linghe.testing import assert_close
 
@@ -40,15 +40,19 @@ def check_moe_equivalence(rank, world, *, device="cpu", dtype=torch.float32, T_p
 
     # unsharded reference on this process: all tokens (each rank's slice run separately when
     # the capacity is per-rank, i.e. identical per rank anyway with a generous factor)
-    xf = x.clone().requires_grad_(True)
-    of, auxf = full(xf)
-    (of.float() * gout.float()).sum().backward()
+    # fp8="blockwise": unsharded, tokens are quantized before an FP8 permute; sharded,
+    # bf16 rows arrive and are quantized per expert segment: the same rowwise values.
+    with linghe.TrainingContext(fp8=fp8):
+        xf = x.clone().requires_grad_(True)
+        of, auxf = full(xf)
+        (of.float() * gout.float()).sum().backward()
 
-    xs = x[sl].clone().requires_grad_(True)
-    os_, auxs = sharded(xs)
-    (os_.float() * gout[sl].float()).sum().backward()
+        xs = x[sl].clone().requires_grad_(True)
+        os_, auxs = sharded(xs)
+        (os_.float() * gout[sl].float()).sum().backward()
 
-    what = f"world={world} rank={rank} fp8_payload={fp8_payload} cap={capacity_factor}"
+    what = (f"world={world} rank={rank} fp8_payload={fp8_payload} cap={capacity_factor} "
+            f"fp8={fp8}")
     assert_close(os_, of[sl], tol, f"out {what}")
     assert_close(xs.grad, xf.grad[sl], tol, f"dx {what}")
     assert torch.equal(auxs.tokens_per_expert, auxf.tokens_per_expert), what
@@ -73,6 +77,9 @@ def _moe_worker(rank, world):
     check_moe_equivalence(rank, world, T_per_rank=(5, 0, 3))          # a zero-token rank
     check_moe_equivalence(rank, world, T_per_rank=(4,), fp8_payload=True, shared=0)
     check_moe_equivalence(rank, world, T_per_rank=(4,), capacity_factor=float(world))
+    if world == 2:  # the FP8 expert path with expert parallelism (one world size: cost)
+        check_moe_equivalence(rank, world, T_per_rank=(6, 3), dtype=torch.bfloat16, H=128,
+                              I=64, shared=0, fp8="blockwise", tol=0.05)
 
 
 @pytest.mark.parametrize("world", [2, 4])
