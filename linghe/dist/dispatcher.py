@@ -1,89 +1,285 @@
-"""Expert-parallel token dispatcher: all-to-all with padded indices.
+"""Expert-parallel token dispatcher: one packed exchange per direction.
 
 Data flow of :meth:`ExpertParallelDispatcher.dispatch` on ``W`` ranks, ``E`` experts
-(``E / W`` local to each rank, rank ``r`` owning experts ``r*E/W .. (r+1)*E/W - 1``):
+(``El = E / W`` local to each rank, rank ``r`` owning experts ``r*El .. (r+1)*El - 1``):
 
-1. local ``permute`` by global expert (no padding): copies bound for rank ``r`` are one
-   contiguous block, in expert order;
-2. exchange per-(rank, expert) counts with ``all_to_all_single`` on a small int tensor;
-3. exchange the payload rows (and their router probabilities) with ``all_to_all_single``;
-4. regroup the received rows, which arrive rank-major, into expert-major segments padded
-   to ``align`` rows by padding *indices* (a second ``permute`` over local experts).
+1. the routing's index map (``build_index`` over global experts, two small kernels):
+   each routed copy's position in destination-major, expert-major, token order;
+2. default mode only: per-destination row counts are exchanged (``W`` int64 per rank) and
+   read on the host (the one host sync: ``all_to_all_single`` needs the split sizes);
+3. one kernel (:func:`~linghe.dist.kernels.scatter_tokens`) reads each token once and
+   writes its ``k`` copies straight into the send buffer, in destination/expert order, as
+   records of ``row | routing weight | local expert id [| 1x128 scales]`` (FP8 payload:
+   quantized in the same kernel). Copies for this rank go directly into the tail of the
+   receive buffer: they never enter the collective;
+4. one ``all_to_all_single`` of the records (asynchronous with ``async_op=True``);
+5. on arrival, the local expert ids (in the records) give the local layout
+   (``build_index`` again) and one kernel unpacks the records into rows grouped by local
+   expert, padded by index to ``align`` rows (FP8: dequantized).
 
-:meth:`~ExpertParallelDispatcher.combine` runs the same path backwards and sums each
-token's ``k`` expert outputs (weighted by ``probs`` when given, in fp32). Every step is
-differentiable: the backward of an exchange is the adjoint exchange.
+:meth:`~ExpertParallelDispatcher.combine` runs the mirror image: one kernel gathers the
+expert outputs into arrival order (this rank's own rows straight into the return buffer),
+one ``all_to_all_single`` of plain rows, and one kernel sums each token's ``k`` returned
+rows (weighted by ``probs`` when given, in fp32). Backward passes are the same kernels and
+one exchange each, in the other direction (the dispatch's backward carries ``dx`` rows and
+the routing-weight gradients together).
 
-Host syncs: the default mode syncs once per ``dispatch`` to learn the split sizes (one
-``.tolist()`` of a ``2*W``-element tensor). ``capacity_factor`` gives a static-shape
-mode with no host sync: each rank sends at most ``C = min(T*k, ceil(capacity_factor * T * k
-/ W))`` rows to each peer (every rank of the group must dispatch the same ``T``, as with a
-fixed micro-batch, since the exchange has equal splits of ``C`` rows); copies beyond
-``C`` are dropped (the later experts of that peer's block lose them first), counted in
-``handle.num_dropped``, and contribute nothing to ``combine``.
+Host syncs: the default mode reads the split sizes once per ``dispatch`` (the ``.tolist()``
+of a ``2W``-element tensor). ``capacity_factor`` gives the static-shape mode with **no host
+sync**: each rank sends at most ``C = max(1, min(T*k, ceil(capacity_factor * T * k / W)))``
+rows to each rank (itself included; every rank must dispatch the same ``T``, as with a
+fixed micro-batch); copies beyond ``C`` are dropped (the later experts of a destination's
+block lose them first), counted in ``handle.num_dropped``, and contribute nothing to
+``combine``. Everything is then device work of fixed shapes (CUDA-graph capturable).
+
+Consistency and failures: the first dispatch (and any later one whose ``T`` (capacity
+mode), ``k``, hidden size or dtype changed) all-gathers a small configuration fingerprint
+and raises ``ValueError`` naming the field and the ranks when the ranks disagree
+(``num_experts``, world size, ``top_k``, hidden size, dtype, ``fp8_payload``, mode and
+capacity). Every wait of the host on a collective (that check, the default mode's split
+sizes, and every exchange of CPU tensors, i.e. gloo) is bounded by ``timeout`` (default
+300 s) and raises ``RuntimeError`` saying which exchange failed; a dead peer ends the wait
+at once with gloo's connection error. Exchanges of CUDA tensors are not waited on by the
+host (the compute stream waits on the NCCL stream); the process group's own timeout
+bounds them (``init_process_group(timeout=...)``; NCCL's watchdog aborts the communicator
+and raises).
 """
 
 from __future__ import annotations
 
+import datetime
 import math
-from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..functional.permute import permute, unpermute
+from ..fwd.permute import index_buffer, layout_from_index
 from ..layout import ExpertLayout
 from ..reference import dequantize_1x128
-from ..utils import check_same_device, check_tensor
-from .collectives import _all_to_all, all_to_all, group_size_rank
+from ..utils import apply_function, check_same_device, check_tensor, empty
+from .collectives import group_size_rank
+from .kernels import (
+    TRAILER_ID,
+    RecordSpec,
+    VBuf,
+    fwd_spec,
+    gather_tokens,
+    pack_rows,
+    scatter_tokens,
+    unpack_rows,
+)
+
+#: Default bound (seconds) on every host wait for a collective of the dispatcher.
+DEFAULT_TIMEOUT_S = 300.0
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
-@dataclass
+class _Plan:
+    """One dispatch's exchange, shared by both directions and both passes.
+
+    ``in_splits``/``out_splits`` (host ints; this rank's own entry 0) size the
+    collectives; ``n_send``/``n_recv`` are the exchanged records and ``n_self`` the rows
+    kept on this rank (the receive buffer's tail, and the return buffer's); ``slot [T, k]``
+    int32 is each routed copy's record in the virtual send order (``-1``: dropped)."""
+
+    __slots__ = ("group", "rank", "world", "timeout", "host_wait", "x_dtype", "fp8", "T",
+                 "k", "H", "num_experts", "capacity", "in_splits", "out_splits", "n_send",
+                 "n_recv", "n_self", "ids", "pos", "offsets", "slot", "spec", "gspec",
+                 "layout")
+
+
+class _Transfer:
+    """The work object of an exchange started inside an autograd forward."""
+
+    __slots__ = ("work",)
+
+    def __init__(self):
+        self.work = None
+
+
 class DispatchHandle:
     """What :meth:`ExpertParallelDispatcher.combine` (and grouped GEMMs) need.
 
     Attributes:
         layout: the local experts' :class:`~linghe.layout.ExpertLayout` over ``rows``
             (real/padded counts per local expert and segment offsets, on device).
-        send_layout: the source-side permute by global expert (``None`` on one rank).
-        input_splits / output_splits: rows sent to / received from each rank (default
-            mode; ``None`` in capacity mode, where every split is ``capacity``).
-        capacity: rows per (source, destination) pair in capacity mode, else ``None``.
-        num_dropped: int64 device scalar, routed copies dropped by the capacity limit.
         num_tokens: ``T`` of the dispatched ``x``.
-        slot_of_send_row: capacity mode only: ``[T*k]`` int64, the exchange slot each
-            source-side row comes back in (``W*C`` = dropped: reads a zero row).
+        capacity: rows per (source, destination) pair in capacity mode, else ``None``.
+        num_dropped: int64 device scalar, routed copies of this rank's tokens that were
+            dropped (ids outside ``[0, E)``, or beyond the capacity); computed on access.
     """
 
-    layout: ExpertLayout
-    send_layout: ExpertLayout | None
-    input_splits: list[int] | None
-    output_splits: list[int] | None
-    capacity: int | None
-    num_dropped: torch.Tensor
-    num_tokens: int
-    slot_of_send_row: torch.Tensor | None = None
+    __slots__ = ("layout", "num_tokens", "capacity", "_plan", "_owner", "_ids")
+
+    def __init__(self, layout: ExpertLayout, num_tokens: int, capacity: int | None, plan,
+                 owner, ids):
+        self.layout, self.num_tokens, self.capacity = layout, num_tokens, capacity
+        self._plan, self._owner, self._ids = plan, owner, ids
+
+    @property
+    def num_dropped(self) -> torch.Tensor:
+        p = self._plan
+        if p is None:
+            return (self._ids.numel() - self.layout.tokens_per_expert.sum()).to(torch.int64)
+        if p.capacity is None:
+            kept = p.offsets[p.num_experts]
+        else:
+            kept = p.offsets[::p.num_experts // p.world].diff().clamp(max=p.capacity).sum()
+        return (p.T * p.k - kept).to(torch.int64)
 
 
-class _Fp8AllToAll(torch.autograd.Function):
-    """Send rows as 1x128 FP8 (e4m3 data + fp32 scales, about half the bytes of bf16) and
-    dequantize them on arrival: the receiver gets a plain tensor in ``x``'s dtype holding
-    the 1x128-quantized values. Backward exchanges the plain gradient (straight-through)."""
+class PendingExchange:
+    """An exchange in flight (``async_op=True``): :meth:`wait` waits for it and returns
+    what the synchronous call returns (``(rows, probs_rows, handle)`` for a dispatch,
+    ``out`` for a combine). Work queued between the call and ``wait`` (a shared expert,
+    the next micro-batch's attention) overlaps the transfer; the buffers being filled are
+    internal, so nothing the caller holds changes meanwhile. ``wait`` may be called more
+    than once (it returns the same result)."""
+
+    __slots__ = ("_transfer", "_plan", "_what", "_finish", "_result")
+
+    def __init__(self, transfer, plan, what, finish, result=None):
+        self._transfer, self._plan, self._what = transfer, plan, what
+        self._finish, self._result = finish, result
+
+    def wait(self):
+        if self._finish is not None:
+            if self._transfer is not None and self._transfer.work is not None:
+                _wait(self._transfer.work, self._plan, self._what)
+            self._result = self._finish()
+            self._finish = self._transfer = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether :meth:`wait` would return without waiting for the transfer."""
+        t = self._transfer
+        return self._finish is None or t is None or t.work is None or t.work.is_completed()
+
+
+def _wait(work, plan: _Plan, what: str, host: bool | None = None) -> None:
+    """Wait for ``work``: the host waits (bounded by the plan's timeout) for CPU tensors
+    and where ``host``; otherwise the current CUDA stream waits on the collective's."""
+    try:
+        if plan.host_wait if host is None else host:
+            work.wait(plan.timeout)
+        else:
+            work.wait()
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"linghe.dist: the {what} exchange did not complete on rank {plan.rank} of the "
+            f"expert-parallel group (host wait bounded by {plan.timeout.total_seconds():g} "
+            f"s): a rank died or hung, or the ranks called different collectives. Cause: "
+            f"{e}") from e
+
+
+def _a2a(out, inp, out_splits, in_splits, group):
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
+                                  async_op=True)
+
+
+# ---------------------------------------------------------------------- autograd pieces
+class _DispatchSend(torch.autograd.Function):
+    """Pack the token rows into records (one kernel) and start the exchange. Returns the
+    receive buffer (filled when the transfer completes; non-differentiable) and ``link``,
+    a stride-0 float32 ``[n_recv + n_self, grad words]`` placeholder whose gradient is
+    the buffer of gradient records that :class:`_DispatchRecv`'s backward packs."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        q = quantize_1x128(x.contiguous(), rowwise=True)
-        data = _all_to_all(q.rowwise_data.view(torch.uint8), out_splits, in_splits, group)
-        scale = _all_to_all(q.rowwise_scale, out_splits, in_splits, group)
-        return _dequant_rows(data.view(q.rowwise_data.dtype), scale, x.dtype)
+    def forward(ctx, x, probs, plan, transfer):
+        p = plan
+        send = p.spec.empty(p.n_send, x.device)
+        recv = p.spec.empty(p.n_recv + p.n_self, x.device)
+        scatter_tokens(x, VBuf(p.spec, send, recv, p.n_send, p.n_recv), slot=p.slot,
+                       routing=(p.ids, p.pos, p.offsets, p.num_experts // p.world, p.rank),
+                       probs=probs, quant=p.fp8, capacity=p.capacity or 0)
+        transfer.work = _a2a(recv[:p.n_recv], send, p.out_splits, p.in_splits, p.group)
+        ctx.plan = p
+        ctx.mark_non_differentiable(recv)
+        link = recv.new_empty(1, 1).expand(recv.shape[0], p.gspec.words)
+        return recv, link
 
     @staticmethod
-    def backward(ctx, g):
-        out_splits, in_splits = ctx.splits
-        return _all_to_all(g, in_splits, out_splits, ctx.group), None, None, None
+    def backward(ctx, _, g):
+        p = ctx.plan
+        gz = p.gspec.empty(p.n_send, g.device)
+        _wait(_a2a(gz, g[:p.n_recv].contiguous(), p.in_splits, p.out_splits, p.group), p,
+              "dispatch backward")
+        dx, dp = gather_tokens(VBuf(p.gspec, gz, g, p.n_send, p.n_recv), p.slot, p.x_dtype,
+                               probs_grad=True)
+        return dx, dp, None, None
 
 
+class _DispatchRecv(torch.autograd.Function):
+    """Unpack arrived records into rows grouped by local expert (one kernel)."""
+
+    @staticmethod
+    def forward(ctx, recv, link, plan):
+        ctx.plan = plan
+        return unpack_rows(VBuf(plan.spec, recv), plan.layout, plan.x_dtype, probs=True,
+                           dequant=plan.fp8)
+
+    @staticmethod
+    def backward(ctx, d_rows, d_prow):
+        p = ctx.plan
+        g = p.gspec.empty(p.n_recv + p.n_self, d_rows.device)
+        pack_rows(d_rows.contiguous(), p.layout, VBuf(p.gspec, g),
+                  probs_rows=d_prow.float().contiguous())
+        return None, g, None
+
+
+class _CombineSend(torch.autograd.Function):
+    """Gather expert outputs into arrival order (own rows straight into the return
+    buffer's tail) and start the return exchange; returns that buffer."""
+
+    @staticmethod
+    def forward(ctx, y, plan, transfer):
+        p = plan
+        spec = RecordSpec(p.H, y.dtype, 0)
+        back = spec.empty(p.n_recv, y.device)
+        ret = spec.empty(p.n_send + p.n_self, y.device)
+        pack_rows(y, p.layout, VBuf(spec, back, ret, p.n_recv, p.n_send))
+        transfer.work = _a2a(ret[:p.n_send], back, p.in_splits, p.out_splits, p.group)
+        ctx.plan, ctx.spec = p, spec
+        return ret
+
+    @staticmethod
+    def backward(ctx, d_ret):
+        p, spec = ctx.plan, ctx.spec
+        d_ret = d_ret.contiguous()
+        g = spec.empty(p.n_recv, d_ret.device)
+        _wait(_a2a(g, d_ret[:p.n_send], p.out_splits, p.in_splits, p.group), p,
+              "combine backward")
+        dy, _ = unpack_rows(VBuf(spec, g, d_ret, p.n_recv, p.n_send), p.layout, spec.dtype)
+        return dy, None, None
+
+
+class _CombineRecv(torch.autograd.Function):
+    """``out[t] = sum_j probs[t, j] * returned row of (t, j)`` (one kernel)."""
+
+    @staticmethod
+    def forward(ctx, ret, probs, plan):
+        spec = RecordSpec(plan.H, ret.dtype, 0)
+        out, _ = gather_tokens(VBuf(spec, ret), plan.slot, ret.dtype, weights=probs)
+        ctx.plan, ctx.spec = plan, spec
+        want_dp = probs is not None and probs.requires_grad
+        ctx.save_for_backward(ret if want_dp else None, probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        p, spec = ctx.plan, ctx.spec
+        ret, probs = ctx.saved_tensors
+        d_ret = spec.empty(p.n_send + p.n_self, dout.device)
+        dp = scatter_tokens(dout.contiguous(), VBuf(spec, d_ret), slot=p.slot,
+                            weights=probs, dot_rows=ret)
+        return d_ret, dp, None
+
+
+# ---------------------------------------------------------------------- the dispatcher
 class ExpertParallelDispatcher:
     """Moves routed tokens to the ranks that own their experts, and back.
 
@@ -98,26 +294,33 @@ class ExpertParallelDispatcher:
             holds ``x`` rounded through 1x128 FP8 (also on one rank, so results do not
             depend on the world size). The gradient flows back unquantized
             (straight-through) in ``x``'s dtype.
+        timeout: bound in seconds on every host wait for one of the dispatcher's
+            collectives (see module docstring); default 300.
     """
 
     def __init__(self, num_experts: int, *, group=None, align: int = 16,
-                 capacity_factor: float | None = None, fp8_payload: bool = False):
+                 capacity_factor: float | None = None, fp8_payload: bool = False,
+                 timeout: float = DEFAULT_TIMEOUT_S):
         self.world_size, self.rank = group_size_rank(group)
-        if not isinstance(num_experts, int) or num_experts < 1:
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
         if num_experts % self.world_size:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-"
                              f"parallel group size ({self.world_size})")
-        if align < 1:
-            raise ValueError(f"align must be >= 1, got {align}")
+        if not isinstance(align, int) or align < 1:
+            raise ValueError(f"align must be an int >= 1, got {align!r}")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
         self.group = group
         self.align = align
         self.capacity_factor = capacity_factor
-        self.fp8_payload = fp8_payload
+        self.fp8_payload = bool(fp8_payload)
+        self.timeout = datetime.timedelta(seconds=float(timeout))
+        self._verified = None  # the call signature last checked across ranks
 
     def __repr__(self):
         return (f"ExpertParallelDispatcher(num_experts={self.num_experts}, world_size="
@@ -125,155 +328,203 @@ class ExpertParallelDispatcher:
                 f"{self.capacity_factor}, fp8_payload={self.fp8_payload})")
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor, *,
+                 async_op: bool = False):
         """Send each token's ``k`` routed copies to the ranks owning their experts.
 
         Args:
-            x: ``[T, H]`` bf16/fp16/fp32 tokens; on one rank (without ``fp8_payload``)
-                also an :class:`~linghe.Fp8Tensor` with its 1x128 rowwise copy, whose FP8
-                rows ``permute`` moves with their scales (``rows`` is then an
-                ``Fp8Tensor`` too).
-            expert_ids: ``[T, k]`` int global expert ids.
+            x: ``[T, H]`` bf16/fp16/fp32 tokens (last dim contiguous); on one rank
+                (without ``fp8_payload``) also an :class:`~linghe.Fp8Tensor` with its
+                1x128 rowwise copy, whose FP8 rows ``permute`` moves with their scales
+                (``rows`` is then an ``Fp8Tensor`` too).
+            expert_ids: ``[T, k]`` int32/int64 global expert ids (outside ``[0, E)``, e.g.
+                ``-1``: not routed, dropped).
             probs: ``[T, k]`` router probabilities (fp32 or x's dtype).
+            async_op: return a :class:`PendingExchange` at once; its ``wait()`` returns the
+                triple below. A collective: every rank of the group calls ``dispatch`` (and
+                later ``combine``, and their backward) in the same order.
 
         Returns:
             ``(rows, probs_rows, handle)``: ``rows [R, H]`` grouped by local expert with
-            segments padded to ``align`` (padding rows are zeros), ``probs_rows [R]`` fp32
-            (0 on padding), and a :class:`DispatchHandle`.
+            segments padded to ``align`` (padding and tail rows are zeros; in a segment,
+            rows arrive by source rank, own rank last, each in token order),
+            ``probs_rows [R]`` fp32 (0 on padding), and a :class:`DispatchHandle`.
+            ``R = n + El*(align-1)`` with ``n`` the rows received (default mode) or
+            ``W*C`` (capacity mode).
+
+        Backward: ``dx[t] = sum_j d_rows[row of (t, j)]`` in ``x``'s dtype and
+        ``dprobs[t, j] = d_probs_rows[row of (t, j)]`` (0 for dropped copies), through one
+        exchange of packed gradient records.
         """
-        check_tensor("x", x, dtypes=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+        if isinstance(x, Fp8Tensor):
+            if self.world_size > 1 or self.fp8_payload:
+                raise ValueError("x as an Fp8Tensor (FP8 tokens moved by permute) is "
+                                 "supported on one rank without fp8_payload; with expert "
+                                 "parallelism pass the high-precision tokens "
+                                 "(fp8_payload=True sends them as FP8)")
+        else:
+            check_tensor("x", x, dtypes=tuple(_DTYPE_CODES), ndim=2)
         check_tensor("expert_ids", expert_ids, dtypes=(torch.int32, torch.int64), ndim=2,
                      shape=(x.shape[0], None))
-        check_tensor("probs", probs, dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                     ndim=2, shape=tuple(expert_ids.shape))
+        check_tensor("probs", probs, dtypes=tuple(_DTYPE_CODES), ndim=2,
+                     shape=tuple(expert_ids.shape))
         check_same_device(x=x, expert_ids=expert_ids, probs=probs)
-        if isinstance(x, Fp8Tensor) and (self.world_size > 1 or self.fp8_payload):
-            raise ValueError("x as an Fp8Tensor (FP8 tokens moved by permute) is supported "
-                             "on one rank without fp8_payload; with expert parallelism pass "
-                             "the high-precision tokens (fp8_payload=True sends them as FP8)")
         probs = probs.float()
         if self.world_size == 1:
-            return self._dispatch_local(x, expert_ids, probs)
-        if self.capacity_factor is not None:
-            return self._dispatch_capacity(x, expert_ids, probs)
-        return self._dispatch_exchange(x, expert_ids, probs)
+            result = self._dispatch_local(x, expert_ids, probs)
+            return PendingExchange(None, None, "dispatch", None, result) if async_op \
+                else result
+        if x.stride(-1) != 1 and x.shape[1] > 1:
+            x = x.contiguous()
+        plan = self._make_plan(x, expert_ids.contiguous())
+        transfer = _Transfer()
+        recv, link = apply_function(_DispatchSend, x, probs.contiguous(), plan, transfer)
+        T = x.shape[0]
+
+        def finish():
+            p = plan
+            ids = recv[:, p.spec.trailer_offset + TRAILER_ID].to(torch.int32)
+            El = self.num_local_experts
+            n = ids.shape[0]
+            num_rows = n + El * (self.align - 1)
+            p.layout = layout_from_index(index_buffer(ids.view(n, 1), El, self.align,
+                                                      num_rows),
+                                         (n, 1), El, self.align, num_rows)
+            rows, prow = apply_function(_DispatchRecv, recv, link, p)
+            return rows, prow, DispatchHandle(p.layout, T, p.capacity, p, self, None)
+
+        pending = PendingExchange(transfer, plan, "dispatch", finish)
+        return pending if async_op else pending.wait()
 
     def _dispatch_local(self, x, expert_ids, probs):
         rows, probs_rows, layout = permute(x, expert_ids, probs, num_experts=self.num_experts,
                                            align=self.align)
         if self.fp8_payload:
             rows = quantize_1x128_ste(rows)
-        dropped = _num_dropped(expert_ids, layout)
-        return rows, probs_rows, DispatchHandle(layout, None, None, None, None, dropped,
-                                                x.shape[0])
+        return rows, probs_rows, DispatchHandle(layout, x.shape[0], None, None, self,
+                                                expert_ids)
 
-    def _send_side(self, x, expert_ids, probs):
+    def _make_plan(self, x, expert_ids) -> _Plan:
+        """Index map, split sizes (default mode: the host sync) and buffers' sizes."""
+        W, El, r = self.world_size, self.num_local_experts, self.rank
         T, k = expert_ids.shape
-        send_rows, send_probs, send_layout = permute(
-            x, expert_ids, probs, num_experts=self.num_experts, align=1, num_rows=T * k)
-        return send_rows, send_probs, send_layout
+        H = x.shape[1]
+        self._verify(T, k, H, x.dtype, x.device)
+        p = _Plan()
+        p.group, p.rank, p.world, p.timeout = self.group, r, W, self.timeout
+        p.host_wait = x.device.type == "cpu"
+        p.x_dtype, p.fp8, p.T, p.k, p.H = x.dtype, self.fp8_payload, T, k, H
+        p.num_experts = self.num_experts
+        # Each copy's position in global expert order (destination-major: rank r's
+        # experts are contiguous), and the segment offsets [E + 1].
+        lay = layout_from_index(index_buffer(expert_ids, self.num_experts, 1, T * k),
+                                (T, k), self.num_experts, 1, T * k)
+        p.ids, p.pos, p.offsets = expert_ids, lay.row_index, lay.offsets
+        if self.capacity_factor is None:
+            p.capacity = None
+            counts = p.offsets[::El].diff().to(torch.int64)
+            recv_counts = torch.empty_like(counts)
+            _wait(_a2a(recv_counts, counts, None, None, self.group), p, "split-size",
+                  host=True)
+            # The one host sync of the default mode: split sizes for the payload exchange.
+            sizes = torch.cat([counts, recv_counts]).tolist()
+            send, recv = sizes[:W], sizes[W:]
+            p.n_self = send[r]
+        else:
+            C = max(1, min(T * k, math.ceil(self.capacity_factor * T * k / W)))
+            p.capacity = C
+            send, recv = [C] * W, [C] * W
+            p.n_self = C
+        send[r] = recv[r] = 0  # own rows bypass the collective
+        p.in_splits, p.out_splits = send, recv
+        p.n_send, p.n_recv = sum(send), sum(recv)
+        p.spec = fwd_spec(H, x.dtype, self.fp8_payload)
+        p.gspec = RecordSpec(H, x.dtype, 1)
+        p.slot = empty(T, k, dtype=torch.int32, device=x.device)
+        p.layout = None  # the receiver's, built on arrival
+        return p
 
-    def _exchange(self, rows, out_splits, in_splits):
-        if self.fp8_payload:
-            return _Fp8AllToAll.apply(rows, out_splits, in_splits, self.group)
-        return all_to_all(rows, out_splits, in_splits, self.group)
-
-    def _regroup(self, recv_rows, recv_probs, local_ids, num_rows=None):
-        return permute(recv_rows, local_ids[:, None], recv_probs[:, None],
-                       num_experts=self.num_local_experts, align=self.align, num_rows=num_rows)
-
-    def _dispatch_exchange(self, x, expert_ids, probs):
-        W, El = self.world_size, self.num_local_experts
-        send_rows, send_probs, send_layout = self._send_side(x, expert_ids, probs)
-        counts = send_layout.tokens_per_expert.to(torch.int64)
-        recv_counts = _all_to_all(counts, None, None, self.group).view(W, El)
-        # The one host sync of the default mode: split sizes for the payload exchange.
-        sizes = torch.cat([counts.view(W, El).sum(1), recv_counts.sum(1)]).tolist()
-        in_splits, out_splits = sizes[:W], sizes[W:]
-        n_send, n_recv = sum(in_splits), sum(out_splits)
-        recv_rows = self._exchange(send_rows[:n_send], out_splits, in_splits)
-        recv_probs = all_to_all(send_probs[:n_send], out_splits, in_splits, self.group)
-        local_ids = torch.repeat_interleave(
-            torch.arange(El, device=x.device).repeat(W), recv_counts.flatten(),
-            output_size=n_recv)
-        rows, probs_rows, layout = self._regroup(recv_rows, recv_probs, local_ids)
-        dropped = _num_dropped(expert_ids, send_layout)
-        handle = DispatchHandle(layout, send_layout, in_splits, out_splits, None, dropped,
-                                x.shape[0])
-        return rows, probs_rows, handle
-
-    def _dispatch_capacity(self, x, expert_ids, probs):
-        W, El = self.world_size, self.num_local_experts
-        T, k = expert_ids.shape
-        # Never more slots than copies (T*k): the same C on every rank needs the same T.
-        C = max(1, min(T * k, math.ceil(self.capacity_factor * T * k / W)))
-        send_rows, send_probs, send_layout = self._send_side(x, expert_ids, probs)
-        dev = x.device
-        offs = send_layout.offsets.to(torch.int64)
-        counts = send_layout.tokens_per_expert.to(torch.int64)
-        rank_start = offs[torch.arange(W, device=dev) * El]                      # [W]
-        rank_count = offs[(torch.arange(W, device=dev) + 1) * El] - rank_start   # [W]
-        # Copies of expert e that fit in its rank's C slots (experts in order).
-        before = offs[:-1] - rank_start.repeat_interleave(El)
-        sent = (C - before).clamp(min=0).minimum(counts)                         # [E]
-        num_dropped = (counts.sum() - sent.sum()) + _num_dropped(expert_ids, send_layout)
-        # Slot (r, j) holds send row rank_start[r] + j when j < min(count_r, C); send rows
-        # are padded with one zero row that empty slots point to.
-        j = torch.arange(C, device=dev)
-        valid = j[None, :] < rank_count.clamp(max=C)[:, None]
-        slot_src = torch.where(valid, rank_start[:, None] + j[None, :], T * k).flatten()
-        padded_rows = torch.cat([send_rows, send_rows.new_zeros(1, send_rows.shape[1])])
-        padded_probs = torch.cat([send_probs[: T * k], send_probs.new_zeros(1)])
-        send_buf = padded_rows.index_select(0, slot_src)
-        send_buf_probs = padded_probs.index_select(0, slot_src)
-        recv_counts = _all_to_all(sent, None, None, self.group).view(W, El)
-        recv_rows = self._exchange(send_buf, None, None)
-        recv_probs = all_to_all(send_buf_probs, None, None, self.group)
-        # Local expert of each received slot; slots past a source's total are dropped (-1).
-        ends = recv_counts.cumsum(1)                                              # [W, El]
-        local = torch.searchsorted(ends, j.expand(W, C).contiguous(), right=True)
-        local_ids = torch.where(local < El, local, -1).flatten()
-        num_rows = W * C + El * (self.align - 1)
-        rows, probs_rows, layout = self._regroup(recv_rows, recv_probs, local_ids, num_rows)
-        # Where each send row's result comes back: its slot, or the zero row past the end.
-        i = torch.arange(T * k, device=dev)
-        r_of = torch.searchsorted(offs[El::El].contiguous(), i, right=True).clamp(max=W - 1)
-        pos = i - rank_start[r_of]
-        back_slot = torch.where((pos < C) & (i < offs[-1]), r_of * C + pos, W * C)
-        handle = DispatchHandle(layout, send_layout, None, None, C, num_dropped, T,
-                                slot_of_send_row=back_slot)
-        return rows, probs_rows, handle
+    def _verify(self, T, k, H, dtype, device) -> None:
+        """All-gather a configuration fingerprint once per call signature; raise a
+        ``ValueError`` naming the field and the ranks where the ranks disagree."""
+        cap = self.capacity_factor
+        sig = (T if cap is not None else -1, k, H, dtype)
+        if sig == self._verified:
+            return
+        fields = {
+            "num_experts": self.num_experts, "world_size": self.world_size, "top_k": k,
+            "hidden size": H, "dtype": _DTYPE_CODES[dtype],
+            "fp8_payload": int(self.fp8_payload),
+            "capacity_factor (None = default mode)": -1.0 if cap is None else float(cap),
+            "tokens per rank (capacity mode: must be equal)": sig[0],
+        }
+        mine = torch.tensor(list(fields.values()), dtype=torch.float64, device=device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        plan = _Plan()
+        plan.rank, plan.timeout = self.rank, self.timeout
+        _wait(dist.all_gather(parts, mine, group=self.group, async_op=True), plan,
+              "configuration check", host=True)
+        table = torch.stack(parts).tolist()
+        for i, name in enumerate(fields):
+            col = [row[i] for row in table]
+            if len(set(col)) > 1:
+                def show(v, name=name):
+                    if name == "dtype":
+                        return str(_CODE_DTYPES[int(v)]).replace("torch.", "")
+                    if name.startswith("capacity_factor") and v == -1.0:
+                        return "None"
+                    return f"{v:g}"
+                by = {}
+                for rk, v in enumerate(col):
+                    by.setdefault(show(v), []).append(rk)
+                desc = "; ".join(f"{v} on ranks {rks}" for v, rks in by.items())
+                raise ValueError(f"ExpertParallelDispatcher: {name} differs across the ranks "
+                                 f"of the expert-parallel group ({desc}); every rank must "
+                                 "dispatch with the same configuration")
+        self._verified = sig
 
     # ------------------------------------------------------------------ combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
-                probs: torch.Tensor | None = None) -> torch.Tensor:
+                probs: torch.Tensor | None = None, *, async_op: bool = False):
         """Return expert outputs to their tokens: ``out[t] = sum_j probs[t, j] * y[row of
         (t, j)]`` (plain sum when ``probs`` is None), accumulated in fp32.
 
         Args:
-            y: ``[R, H]`` expert outputs in the ``rows`` order of :meth:`dispatch`.
+            y: ``[R, H]`` expert outputs in the ``rows`` order of :meth:`dispatch`
+                (bf16/fp16/fp32; need not match ``x``'s dtype).
             handle: the :class:`DispatchHandle` from that dispatch.
             probs: optional ``[T, k]`` weights (the same tensor given to dispatch, or any).
+            async_op: return a :class:`PendingExchange`; its ``wait()`` returns ``out``.
 
-        Returns ``[T, H]`` in ``y``'s dtype.
+        Returns ``[T, H]`` in ``y``'s dtype. Backward: ``dy[row of (t, j)] = probs[t, j] *
+        dout[t]`` (0 on padding rows), ``dprobs[t, j] = <dout[t], y[row of (t, j)]>``.
         """
-        check_tensor("y", y, dtypes=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+        check_tensor("y", y, dtypes=tuple(_DTYPE_CODES), ndim=2)
+        if not isinstance(handle, DispatchHandle) or handle._owner is not self:
+            raise ValueError("handle must be the DispatchHandle returned by this "
+                             "dispatcher's dispatch")
         if y.shape[0] != handle.layout.num_rows:
             raise ValueError(f"y must have {handle.layout.num_rows} rows (the dispatched "
                              f"rows), got {y.shape[0]}")
-        if handle.send_layout is None:
-            return unpermute(y, handle.layout, probs)
-        back = unpermute(y, handle.layout)              # [received rows, H], arrival order
-        if handle.capacity is None:
-            returned = all_to_all(back, handle.input_splits, handle.output_splits, self.group)
-            missing = handle.send_layout.num_rows - returned.shape[0]
-            if missing:
-                returned = torch.cat([returned, returned.new_zeros(missing, y.shape[1])])
-        else:
-            returned = all_to_all(back, None, None, self.group)
-            returned = torch.cat([returned, returned.new_zeros(1, y.shape[1])])
-            returned = returned.index_select(0, handle.slot_of_send_row)
-        return unpermute(returned, handle.send_layout, probs)
+        p = handle._plan
+        if probs is not None:
+            check_tensor("probs", probs, dtypes=tuple(_DTYPE_CODES),
+                         shape=(handle.num_tokens, None))
+            probs = probs.float().contiguous()
+        if p is None:
+            out = unpermute(y, handle.layout, probs)
+            return PendingExchange(None, None, "combine", None, out) if async_op else out
+        if y.shape[1] != p.H:
+            raise ValueError(f"y must have hidden size {p.H} (the dispatched rows'), got "
+                             f"{y.shape[1]}")
+        if probs is not None and probs.shape[1] != p.k:
+            raise ValueError(f"probs must have shape ({p.T}, {p.k}), got "
+                             f"{tuple(probs.shape)}")
+        transfer = _Transfer()
+        ret = apply_function(_CombineSend, y.contiguous(), p, transfer)
+        pending = PendingExchange(transfer, p, "combine",
+                                  lambda: apply_function(_CombineRecv, ret, probs, p))
+        return pending if async_op else pending.wait()
 
 
 def quantize_1x128_ste(x: torch.Tensor) -> torch.Tensor:
@@ -301,8 +552,3 @@ def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tenso
         return (data.view(n, H // 128, 128).float() * scale.float()[:, :, None]).view(n, H) \
             .to(dtype)
     return dequantize_1x128(data, scale).to(dtype)
-
-
-def _num_dropped(expert_ids: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """Copies that ``permute`` did not place (ids outside ``[0, E)``), as an int64 scalar."""
-    return (expert_ids.numel() - layout.tokens_per_expert.sum()).to(torch.int64)

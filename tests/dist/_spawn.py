@@ -1,4 +1,12 @@
-"""Spawn helper for the gloo tests of linghe.dist (loopback, free port, bounded time)."""
+"""Process launcher for the tests of linghe.dist (loopback, free port, bounded time).
+
+gloo ranks are forked from the test process: they inherit its imported torch, triton and
+linghe, so a rank starts in well under a second (spawned ranks re-import torch: 6 to 12 s
+each on CI's two cores, which was most of the time of these tests). Each forked rank runs
+with one intra-op thread (several ranks share two cores; and a forked child must not
+enter an OpenMP pool its parent started). NCCL ranks are spawned (CUDA cannot be used
+in a forked child).
+"""
 
 import datetime
 import os
@@ -6,6 +14,7 @@ import socket
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -16,30 +25,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, backend, fn, errq, env):
+def _worker(rank, world, port, backend, fn, errq, env, pg_timeout_s, finalize):
     try:
         os.environ.update(env)
         if backend == "nccl":
-            import torch
             torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
         fn(rank, world)
-        dist.barrier()
-        dist.destroy_process_group()
+        if finalize:
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:
         errq.put((rank, traceback.format_exc()))
         raise
 
 
-def run_ranks(fn, world: int, timeout_s: float = 120, backend: str = "gloo", env=None):
-    """Run ``fn(rank, world)`` on ``world`` spawned processes; raise with every rank's
-    traceback on failure and fail (terminating the ranks) past ``timeout_s``."""
-    ctx = mp.get_context("spawn")
+def run_ranks(fn, world: int, timeout_s: float = 120, backend: str = "gloo", env=None,
+              pg_timeout_s: float = 120, finalize: bool = True):
+    """Run ``fn(rank, world)`` on ``world`` processes (forked for gloo, spawned for NCCL);
+    raise with every rank's traceback on failure and fail (terminating the ranks) past
+    ``timeout_s``. ``pg_timeout_s`` is the process group's timeout; ``finalize=False``
+    skips the closing barrier (for tests in which a rank exits on purpose)."""
+    ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
     errq = ctx.Queue()
     port = free_port()
     env = dict(env or {})
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, errq, env))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, errq, env,
+                                               pg_timeout_s, finalize))
              for r in range(world)]
     for pr in procs:
         pr.start()
