@@ -1,6 +1,6 @@
 """Expert parallelism: the dispatcher and collective helpers."""
 
 from .collectives import all_to_all
-from .dispatcher import DispatchHandle, ExpertParallelDispatcher
+from .dispatcher import DispatchHandle, ExpertParallelDispatcher, PendingExchange
 
-__all__ = ["DispatchHandle", "ExpertParallelDispatcher", "all_to_all"]
+__all__ = ["DispatchHandle", "ExpertParallelDispatcher", "PendingExchange", "all_to_all"]

@@ -36,13 +36,14 @@ Consistency and failures: the first dispatch (and any later one whose ``T`` (cap
 mode), ``k``, hidden size or dtype changed) all-gathers a small configuration fingerprint
 and raises ``ValueError`` naming the field and the ranks when the ranks disagree
 (``num_experts``, world size, ``top_k``, hidden size, dtype, ``fp8_payload``, mode and
-capacity). Every wait of the host on a collective (that check, the default mode's split
-sizes, and every exchange of CPU tensors, i.e. gloo) is bounded by ``timeout`` (default
-300 s) and raises ``RuntimeError`` saying which exchange failed; a dead peer ends the wait
-at once with gloo's connection error. Exchanges of CUDA tensors are not waited on by the
-host (the compute stream waits on the NCCL stream); the process group's own timeout
-bounds them (``init_process_group(timeout=...)``; NCCL's watchdog aborts the communicator
-and raises).
+capacity). Bounded waits: that check's wait, and every wait for an exchange of CPU
+tensors (gloo), is bounded by ``timeout`` (default 300 s) and raises ``RuntimeError``
+naming the exchange; a dead gloo peer ends the wait at once (connection reset). Exchanges
+of CUDA tensors are waited on by the compute stream, not the host (a timed host wait on
+NCCL polls in 10 ms sleeps: too slow for every call), so there the process group's
+timeout bounds them, the default mode's split-size read included
+(``init_process_group(timeout=...)``: NCCL's watchdog aborts the communicator and the
+process raises).
 """
 
 from __future__ import annotations
@@ -54,11 +55,18 @@ import torch
 import torch.distributed as dist
 
 from ..fp8 import Fp8Tensor, quantize_1x128
+from ..functional.moe import quantize_tokens
 from ..functional.permute import permute, unpermute
 from ..fwd.permute import index_buffer, layout_from_index
 from ..layout import ExpertLayout
 from ..reference import dequantize_1x128
-from ..utils import apply_function, check_same_device, check_tensor, empty
+from ..utils import (
+    apply_function,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+    empty,
+)
 from .collectives import group_size_rank
 from .kernels import (
     TRAILER_ID,
@@ -86,8 +94,8 @@ class _Plan:
     kept on this rank (the receive buffer's tail, and the return buffer's); ``slot [T, k]``
     int32 is each routed copy's record in the virtual send order (``-1``: dropped)."""
 
-    __slots__ = ("group", "rank", "world", "timeout", "host_wait", "x_dtype", "fp8", "T",
-                 "k", "H", "num_experts", "capacity", "in_splits", "out_splits", "n_send",
+    __slots__ = ("group", "rank", "world", "timeout", "host_wait", "x_dtype", "fp8",
+                 "fp8_rows", "pow2", "T", "k", "H", "num_experts", "capacity", "in_splits", "out_splits", "n_send",
                  "n_recv", "n_self", "ids", "pos", "offsets", "slot", "spec", "gspec",
                  "layout")
 
@@ -195,16 +203,21 @@ class _DispatchSend(torch.autograd.Function):
         recv = p.spec.empty(p.n_recv + p.n_self, x.device)
         scatter_tokens(x, VBuf(p.spec, send, recv, p.n_send, p.n_recv), slot=p.slot,
                        routing=(p.ids, p.pos, p.offsets, p.num_experts // p.world, p.rank),
-                       probs=probs, quant=p.fp8, capacity=p.capacity or 0)
+                       probs=probs, quant=p.fp8, pow2_scale=p.pow2,
+                       capacity=p.capacity or 0)
         transfer.work = _a2a(recv[:p.n_recv], send, p.out_splits, p.in_splits, p.group)
         ctx.plan = p
         ctx.mark_non_differentiable(recv)
+        # no zero-filled gradient for the non-differentiable receive buffer
+        ctx.set_materialize_grads(False)
         link = recv.new_empty(1, 1).expand(recv.shape[0], p.gspec.words)
         return recv, link
 
     @staticmethod
     def backward(ctx, _, g):
         p = ctx.plan
+        if g is None:  # neither rows nor probs_rows reached the loss (on this rank)
+            g = p.gspec.empty(p.n_recv + p.n_self, p.slot.device).zero_()
         gz = p.gspec.empty(p.n_send, g.device)
         _wait(_a2a(gz, g[:p.n_recv].contiguous(), p.in_splits, p.out_splits, p.group), p,
               "dispatch backward")
@@ -214,17 +227,26 @@ class _DispatchSend(torch.autograd.Function):
 
 
 class _DispatchRecv(torch.autograd.Function):
-    """Unpack arrived records into rows grouped by local expert (one kernel)."""
+    """Unpack arrived records into rows grouped by local expert (one kernel): high
+    precision (FP8 payload: dequantized), or with ``fp8_rows`` an ``Fp8Tensor`` of the
+    arrived e4m3 rows and scales (the gradient comes back as a plain tensor)."""
 
     @staticmethod
     def forward(ctx, recv, link, plan):
         ctx.plan = plan
-        return unpack_rows(VBuf(plan.spec, recv), plan.layout, plan.x_dtype, probs=True,
-                           dequant=plan.fp8)
+        rows, scales, prow = unpack_rows(VBuf(plan.spec, recv), plan.layout, plan.x_dtype,
+                                         probs=True, dequant=plan.fp8 and not plan.fp8_rows,
+                                         fp8_out=plan.fp8_rows)
+        if plan.fp8_rows:
+            rows = Fp8Tensor(tuple(rows.shape), plan.x_dtype, rowwise_data=rows,
+                             rowwise_scale=scales, scaling="1x128")
+        return rows, prow
 
     @staticmethod
     def backward(ctx, d_rows, d_prow):
         p = ctx.plan
+        if isinstance(d_rows, Fp8Tensor):
+            d_rows = d_rows.dequantize()
         g = p.gspec.empty(p.n_recv + p.n_self, d_rows.device)
         pack_rows(d_rows.contiguous(), p.layout, VBuf(p.gspec, g),
                   probs_rows=d_prow.float().contiguous())
@@ -253,7 +275,8 @@ class _CombineSend(torch.autograd.Function):
         g = spec.empty(p.n_recv, d_ret.device)
         _wait(_a2a(g, d_ret[:p.n_send], p.out_splits, p.in_splits, p.group), p,
               "combine backward")
-        dy, _ = unpack_rows(VBuf(spec, g, d_ret, p.n_recv, p.n_send), p.layout, spec.dtype)
+        dy, _, _ = unpack_rows(VBuf(spec, g, d_ret, p.n_recv, p.n_send), p.layout,
+                               spec.dtype)
         return dy, None, None
 
 
@@ -294,8 +317,9 @@ class ExpertParallelDispatcher:
             holds ``x`` rounded through 1x128 FP8 (also on one rank, so results do not
             depend on the world size). The gradient flows back unquantized
             (straight-through) in ``x``'s dtype.
-        timeout: bound in seconds on every host wait for one of the dispatcher's
-            collectives (see module docstring); default 300.
+        timeout: bound in seconds on the host's waits for the dispatcher's collectives
+            (the configuration check; every exchange of CPU tensors); default 300. CUDA
+            exchanges are bounded by the process group's timeout (module docstring).
     """
 
     def __init__(self, num_experts: int, *, group=None, align: int = 16,
@@ -329,7 +353,7 @@ class ExpertParallelDispatcher:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor, *,
-                 async_op: bool = False):
+                 async_op: bool = False, fp8_rows: bool = False, pow2_scale: bool = False):
         """Send each token's ``k`` routed copies to the ranks owning their experts.
 
         Args:
@@ -343,6 +367,11 @@ class ExpertParallelDispatcher:
             async_op: return a :class:`PendingExchange` at once; its ``wait()`` returns the
                 triple below. A collective: every rank of the group calls ``dispatch`` (and
                 later ``combine``, and their backward) in the same order.
+            fp8_rows: with ``fp8_payload``, return ``rows`` as an :class:`~linghe.Fp8Tensor`
+                (1x128 rowwise e4m3 data and scales as they arrived; padding rows data 0,
+                scale 1) instead of dequantizing them: the input of FP8 expert GEMMs
+                (``grouped_swiglu(fp8=True)``), half the bytes written on arrival.
+            pow2_scale: with ``fp8_payload``, round the 1x128 scales up to powers of two.
 
         Returns:
             ``(rows, probs_rows, handle)``: ``rows [R, H]`` grouped by local expert with
@@ -369,14 +398,17 @@ class ExpertParallelDispatcher:
         check_tensor("probs", probs, dtypes=tuple(_DTYPE_CODES), ndim=2,
                      shape=tuple(expert_ids.shape))
         check_same_device(x=x, expert_ids=expert_ids, probs=probs)
+        if fp8_rows and not self.fp8_payload:
+            raise ValueError("fp8_rows=True needs a dispatcher with fp8_payload=True")
         probs = probs.float()
         if self.world_size == 1:
-            result = self._dispatch_local(x, expert_ids, probs)
+            result = self._dispatch_local(x, expert_ids, probs, fp8_rows, pow2_scale)
             return PendingExchange(None, None, "dispatch", None, result) if async_op \
                 else result
         if x.stride(-1) != 1 and x.shape[1] > 1:
             x = x.contiguous()
         plan = self._make_plan(x, expert_ids.contiguous())
+        plan.fp8_rows, plan.pow2 = bool(fp8_rows), bool(pow2_scale)
         transfer = _Transfer()
         recv, link = apply_function(_DispatchSend, x, probs.contiguous(), plan, transfer)
         T = x.shape[0]
@@ -396,11 +428,13 @@ class ExpertParallelDispatcher:
         pending = PendingExchange(transfer, plan, "dispatch", finish)
         return pending if async_op else pending.wait()
 
-    def _dispatch_local(self, x, expert_ids, probs):
+    def _dispatch_local(self, x, expert_ids, probs, fp8_rows, pow2):
+        if fp8_rows:  # FP8 tokens: permute moves rows and scales together
+            x = quantize_tokens(x, pow2_scale=pow2)
         rows, probs_rows, layout = permute(x, expert_ids, probs, num_experts=self.num_experts,
                                            align=self.align)
-        if self.fp8_payload:
-            rows = quantize_1x128_ste(rows)
+        if self.fp8_payload and not fp8_rows:
+            rows = quantize_1x128_ste(rows, pow2)
         return rows, probs_rows, DispatchHandle(layout, x.shape[0], None, None, self,
                                                 expert_ids)
 
@@ -424,8 +458,8 @@ class ExpertParallelDispatcher:
             p.capacity = None
             counts = p.offsets[::El].diff().to(torch.int64)
             recv_counts = torch.empty_like(counts)
-            _wait(_a2a(recv_counts, counts, None, None, self.group), p, "split-size",
-                  host=True)
+            # (CPU: a bounded host wait; CUDA: the stream waits, .tolist() then blocks)
+            _wait(_a2a(recv_counts, counts, None, None, self.group), p, "split-size")
             # The one host sync of the default mode: split sizes for the payload exchange.
             sizes = torch.cat([counts, recv_counts]).tolist()
             send, recv = sizes[:W], sizes[W:]
@@ -500,6 +534,7 @@ class ExpertParallelDispatcher:
         dout[t]`` (0 on padding rows), ``dprobs[t, j] = <dout[t], y[row of (t, j)]>``.
         """
         check_tensor("y", y, dtypes=tuple(_DTYPE_CODES), ndim=2)
+        check_kernel_device("y", y)  # (an Fp8Tensor is refused: combine sums in fp32)
         if not isinstance(handle, DispatchHandle) or handle._owner is not self:
             raise ValueError("handle must be the DispatchHandle returned by this "
                              "dispatcher's dispatch")
@@ -527,21 +562,21 @@ class ExpertParallelDispatcher:
         return pending if async_op else pending.wait()
 
 
-def quantize_1x128_ste(x: torch.Tensor) -> torch.Tensor:
+def quantize_1x128_ste(x: torch.Tensor, pow2_scale: bool = False) -> torch.Tensor:
     """``x`` rounded through rowwise 1x128 FP8 (quantize + dequantize, in ``x``'s dtype);
     the gradient passes straight through. What ``fp8_payload`` does to rows on one rank."""
-    return _QuantizeSTE.apply(x)
+    return _QuantizeSTE.apply(x, bool(pow2_scale))
 
 
 class _QuantizeSTE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        q = quantize_1x128(x.contiguous(), rowwise=True)
+    def forward(ctx, x, pow2):
+        q = quantize_1x128(x.contiguous(), rowwise=True, pow2_scale=pow2)
         return _dequant_rows(q.rowwise_data, q.rowwise_scale, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
-        return g
+        return g, None
 
 
 def _dequant_rows(data: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:

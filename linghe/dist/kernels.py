@@ -111,52 +111,13 @@ class VBuf:
                 self.q_base, s.words * 4 // _itemsize(s.dtype), s.words, s.trailer_offset)
 
 
-# ------------------------------------------------------------------------ virtual access
-@triton.jit
-def _vload(Pd, Qd, v, n_split, q_base, stride, col, mask):
-    """``record(v)[col]`` as fp32 (``v [B]`` int64 records, ``col`` a column tile)."""
-    inp = v < n_split
-    vq = q_base + v - n_split
-    a = tl.load(Pd + (v * stride)[:, None] + col, mask=mask & inp[:, None], other=0.0)
-    b = tl.load(Qd + (vq * stride)[:, None] + col, mask=mask & (~inp)[:, None], other=0.0)
-    return a.to(tl.float32) + b.to(tl.float32)
-
-
-@triton.jit
-def _vstore(Pd, Qd, v, n_split, q_base, stride, col, val, mask):
-    """``record(v)[col] = val`` (``v [B]`` int64 records, ``col`` a column tile)."""
-    inp = v < n_split
-    vq = q_base + v - n_split
-    tl.store(Pd + (v * stride)[:, None] + col, val.to(Pd.dtype.element_ty),
-             mask=mask & inp[:, None])
-    tl.store(Qd + (vq * stride)[:, None] + col, val.to(Qd.dtype.element_ty),
-             mask=mask & (~inp)[:, None])
-
-
-@triton.jit
-def _vload_word(Pw, Qw, v, n_split, q_base, wstride, word, mask):
-    inp = v < n_split
-    vq = q_base + v - n_split
-    a = tl.load(Pw + v * wstride + word, mask=mask & inp, other=0.0)
-    b = tl.load(Qw + vq * wstride + word, mask=mask & (~inp), other=0.0)
-    return a + b
-
-
-@triton.jit
-def _vstore_word(Pw, Qw, v, n_split, q_base, wstride, word, val, mask):
-    inp = v < n_split
-    vq = q_base + v - n_split
-    tl.store(Pw + v * wstride + word, val, mask=mask & inp)
-    tl.store(Qw + vq * wstride + word, val, mask=mask & (~inp))
-
-
-@triton.jit
-def _col(a, jj, j):
-    """Column ``j`` of a ``[B, BK]`` tile (``jj = arange(BK)``) as ``[B]``."""
-    return tl.sum(tl.where(jj[None, :] == j, a, 0), axis=1)
-
-
 # ------------------------------------------------------------------------ scatter_tokens
+# Addressing (all kernels, written out inline: on the interpreter every call of a nested
+# @triton.jit helper re-patches triton.language, about 3 ms): for virtual records ``v``,
+# ``inp = v < n_split``; data of ``v`` at ``Pd + v*stride`` (when ``inp``) or at
+# ``Qd + (q_base + v - n_split)*stride``, trailer word ``w`` at ``Pw + v*wstride + TW + w``
+# (or the same in ``Qw``). Copies are a [tokens, k] tile and rows a [tokens, k, columns]
+# tile, so the k copies of a token move in one store (or load) each, all in flight.
 @triton.jit
 def _scatter_tokens_kernel(
         x_ptr, p_ptr, w_ptr, ids_ptr, row_ptr, offs_ptr, slot_ptr, dot_ptr, dp_ptr,
@@ -164,7 +125,7 @@ def _scatter_tokens_kernel(
         T, H, G, stride_x, El, rank, C, n_tok_progs,
         K_TOP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
         BR: tl.constexpr, SLOTS: tl.constexpr, CAP: tl.constexpr, HAS_P: tl.constexpr,
-        HAS_W: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr):
+        HAS_W: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_tok_progs:
         toks = pid.to(tl.int64) * BT + tl.arange(0, BT)
@@ -193,85 +154,105 @@ def _scatter_tokens_kernel(
                 slot = tl.where(mine, n_split + p, row - tl.where(r > rank, s_cnt, 0))
             slot = tl.where(ok, slot, -1)
             tl.store(slot_ptr + flat, slot, mask=m2)
-            lid = (e - r * El).to(tl.float32)
         else:
             slot = tl.load(slot_ptr + flat, mask=m2, other=-1)
         slot = slot.to(tl.int64)
-        if HAS_W:
-            w2 = tl.load(w_ptr + flat, mask=m2 & (slot >= 0), other=0.0)
-        else:
-            w2 = tl.zeros([BT, BK], dtype=tl.float32)
-        dacc = tl.zeros([BT, BK], dtype=tl.float32)
+        ok = slot >= 0
+        inp = ok & (slot < n_split)
+        inq = ok & (slot >= n_split)
+        vq = q_base + slot - n_split
+        pd = Pd + slot * stride
+        qd = Qd + vq * stride
         if QUANT:
-            # 1x128 groups: quantize each token's group once, store it k times.
+            # 1x128 groups: quantize each token's group once, store it to its k records.
             cq = tl.arange(0, 128)
             for g in range(G):
                 cols = g * 128 + cq
                 cm = cols < H
                 xt = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :],
                              mask=tmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                q, s = quant_rows(xt, False)
-                for j in range(K_TOP):
-                    sj = _col(slot, jj, j)
-                    ok_j = sj >= 0
-                    _vstore(Pd, Qd, sj, n_split, q_base, stride, cols[None, :], q,
-                            ok_j[:, None] & cm[None, :])
-                    _vstore_word(Pw, Qw, sj, n_split, q_base, wstride, TW + 2 + g, s, ok_j)
+                q, sc = quant_rows(xt, POW2)
+                val = tl.broadcast_to(q[:, None, :], (BT, BK, 128))
+                c3 = cols[None, None, :]
+                tl.store(pd[:, :, None] + c3, val, mask=inp[:, :, None] & cm[None, None, :])
+                tl.store(qd[:, :, None] + c3, val, mask=inq[:, :, None] & cm[None, None, :])
+                s2 = tl.broadcast_to(sc[:, None], (BT, BK))
+                tl.store(Pw + slot * wstride + TW + 2 + g, s2, mask=inp)
+                tl.store(Qw + vq * wstride + TW + 2 + g, s2, mask=inq)
         else:
+            if HAS_W:
+                w2 = tl.load(w_ptr + flat, mask=ok, other=0.0)
+            dacc = tl.zeros([BT, BK], dtype=tl.float32)
             for h0 in range(0, H, BH):
                 cols = h0 + tl.arange(0, BH)
                 cm = cols < H
                 xt = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :],
                              mask=tmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
-                for j in range(K_TOP):
-                    sj = _col(slot, jj, j)
-                    ok_j = sj >= 0
-                    om = ok_j[:, None] & cm[None, :]
-                    val = xt
-                    if HAS_W:
-                        val = xt * _col(w2, jj, j)[:, None]
-                    _vstore(Pd, Qd, sj, n_split, q_base, stride, cols[None, :], val, om)
-                    if DOT:
-                        # combine backward: dprobs[t, j] = <dout[t], returned row>
-                        rv = tl.load(dot_ptr + (sj * H)[:, None] + cols[None, :], mask=om,
-                                     other=0.0).to(tl.float32)
-                        d = tl.sum(rv * xt, axis=1)
-                        dacc += tl.where(jj[None, :] == j, d[:, None], 0.0)
-        if DOT:
-            tl.store(dp_ptr + flat, dacc, mask=m2)
+                val = tl.broadcast_to(xt[:, None, :], (BT, BK, BH))
+                if HAS_W:
+                    val = val * w2[:, :, None]
+                c3 = cols[None, None, :]
+                tl.store(pd[:, :, None] + c3, val.to(Pd.dtype.element_ty),
+                         mask=inp[:, :, None] & cm[None, None, :])
+                tl.store(qd[:, :, None] + c3, val.to(Qd.dtype.element_ty),
+                         mask=inq[:, :, None] & cm[None, None, :])
+                if DOT:
+                    # combine backward: dprobs[t, j] = <dout[t], returned row of (t, j)>
+                    rv = tl.load(dot_ptr + (slot * H)[:, :, None] + c3,
+                                 mask=ok[:, :, None] & cm[None, None, :], other=0.0)
+                    dacc += tl.sum(rv.to(tl.float32) * xt[:, None, :], axis=2)
+            if DOT:
+                tl.store(dp_ptr + flat, dacc, mask=m2)
         if HAS_P:
-            pr = tl.load(p_ptr + flat, mask=m2 & (slot >= 0), other=0.0)
-            for j in range(K_TOP):
-                sj = _col(slot, jj, j)
-                _vstore_word(Pw, Qw, sj, n_split, q_base, wstride, TW, _col(pr, jj, j),
-                             sj >= 0)
-                if SLOTS:
-                    _vstore_word(Pw, Qw, sj, n_split, q_base, wstride, TW + 1,
-                                 _col(lid, jj, j), sj >= 0)
+            pr = tl.load(p_ptr + flat, mask=ok, other=0.0)
+            tl.store(Pw + slot * wstride + TW, pr, mask=inp)
+            tl.store(Qw + vq * wstride + TW, pr, mask=inq)
+            if SLOTS:
+                lid = (e - r * El).to(tl.float32)
+                tl.store(Pw + slot * wstride + TW + 1, lid, mask=inp)
+                tl.store(Qw + vq * wstride + TW + 1, lid, mask=inq)
     else:
         # Capacity mode: destination r's slots past its copies are marked empty (id -1),
         # so the receiver skips them. (Only SLOTS + CAP launches these programs.)
-        r = pid - n_tok_progs
-        cnt = tl.load(offs_ptr + (r + 1) * El) - tl.load(offs_ptr + r * El)
+        # (names differ from the other branch's: Triton needs one type per name)
+        dst = pid - n_tok_progs
+        cnt = tl.load(offs_ptr + (dst + 1) * El) - tl.load(offs_ptr + dst * El)
         filled = tl.minimum(cnt, C)
-        base = tl.where(r == rank, n_split, (r - (r > rank).to(tl.int32)) * C).to(tl.int64)
+        base = tl.where(dst == rank, n_split,
+                        (dst - (dst > rank).to(tl.int32)) * C).to(tl.int64)
         neg = tl.full([BR], -1.0, tl.float32)
         for s0 in range(filled, C, BR):
-            s = s0 + tl.arange(0, BR)
-            _vstore_word(Pw, Qw, base + s, n_split, q_base, wstride, TW + 1, neg, s < C)
+            v = base + s0 + tl.arange(0, BR)
+            m = v < base + C
+            tl.store(Pw + v * wstride + TW + 1, neg, mask=m & (v < n_split))
+            tl.store(Qw + (q_base + v - n_split) * wstride + TW + 1, neg,
+                     mask=m & (v >= n_split))
 
 
-def _tiles(H: int, elem: int) -> tuple[int, int]:
-    """(tokens, columns) per tile: about 8 KB of a row block per step on the GPU; small
-    programs on the interpreter, where every program costs milliseconds."""
+def _row_tiles(H: int, elem: int) -> tuple[int, int]:
+    """(records, columns) of a 2-D tile: about 8 KB of rows per step on the GPU; few, big
+    programs on the interpreter (every program, and every op in it, costs there)."""
     BH = max(16, min(next_power_of_2(max(H, 1)), (4096 // elem) if not INTERPRET else 256))
     BT = max(1, min(16 if not INTERPRET else 32, (8192 if not INTERPRET else 4096) // BH))
     return BT, BH
 
 
+def _token_tiles(H: int, k: int, quant: bool = False) -> tuple[int, int, int]:
+    """(tokens, k block, columns) of a 3-D ``[tokens, k, columns]`` tile: at most 8192
+    elements on the GPU (registers: the k copies of each row are in flight together);
+    FP8 quantization works on 128-column groups."""
+    BK = next_power_of_2(max(k, 1))
+    budget = 8192 if not INTERPRET else 16384
+    BH = 128 if quant else max(16, min(next_power_of_2(max(H, 1)), max(budget // BK, 16),
+                                       1024 if not INTERPRET else 256))
+    BT = max(1, min(16 if not INTERPRET else 32, budget // (BK * BH)))
+    return BT, BK, BH
+
+
 def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=None,
                    probs: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-                   quant: bool = False, dot_rows: torch.Tensor | None = None,
+                   quant: bool = False, pow2_scale: bool = False,
+                   dot_rows: torch.Tensor | None = None,
                    capacity: int = 0) -> torch.Tensor | None:
     """Write token ``t``'s ``k`` records ``out[slot[t, j]]``.
 
@@ -281,7 +262,8 @@ def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=No
     capacity mode (``capacity = C > 0``) at most ``C`` slots per destination (empty ones
     marked in the trailer). Without it ``slot`` is read. ``probs [T, k]`` go to the
     trailer (with the local id when routing); ``weights [T, k]`` scale the payload;
-    ``quant`` quantizes the payload to 1x128 e4m3 (scales to the trailer). With
+    ``quant`` quantizes the payload to 1x128 e4m3 (scales to the trailer; rounded up to
+    powers of two with ``pow2_scale``). With
     ``dot_rows [N, H]`` returns ``d[t, j] = <x[t], dot_rows[slot[t, j]]>`` fp32.
     """
     T, H = x.shape
@@ -295,7 +277,7 @@ def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=No
     else:
         ids = row = offs = slot
         El, rank = 1, 0
-    BT, BH = _tiles(H, x.element_size())
+    BT, BK, BH = _token_tiles(H, k, quant)
     if dot_rows is not None:
         BT = max(1, BT // 2)
     n_tok = cdiv(T, BT)
@@ -309,10 +291,11 @@ def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=No
                else dummy, ids, row, offs, slot, dot_rows if dot_rows is not None else x,
                d if d is not None else dummy, *out.args(), T, H, cdiv(H, 128),
                x.stride(0) if T else H, El, rank, capacity, n_tok,
-               K_TOP=k, BT=BT, BH=BH, BK=next_power_of_2(max(k, 1)), BR=64,
+               K_TOP=k, BT=BT, BH=BH, BK=BK, BR=64,
                SLOTS=routing is not None, CAP=capacity > 0, HAS_P=probs is not None,
-               HAS_W=weights is not None, QUANT=quant, DOT=dot_rows is not None,
-               num_warps=4 if BH * BT <= 4096 else 8)
+               HAS_W=weights is not None, QUANT=quant, POW2=pow2_scale,
+               DOT=dot_rows is not None,
+               num_warps=4 if BT * BK * BH <= 4096 else 8)
     return d
 
 
@@ -320,75 +303,104 @@ def scatter_tokens(x: torch.Tensor, out: VBuf, *, slot: torch.Tensor, routing=No
 @triton.jit
 def _unpack_rows_kernel(
         Pd, Pw, Qd, Qw, n_split, q_base, stride, wstride, TW,
-        ridx_ptr, out_ptr, prow_ptr, offs_ptr, tpe_ptr, N, H, G, El, R,
+        ridx_ptr, out_ptr, os_ptr, prow_ptr, offs_ptr, tpe_ptr, N, H, G, El, R,
         n_slot_progs, n_tail_progs,
         BT: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BHZ: tl.constexpr,
-        HAS_P: tl.constexpr, DEQUANT: tl.constexpr):
+        BG: tl.constexpr, HAS_P: tl.constexpr, DEQUANT: tl.constexpr,
+        FP8OUT: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_slot_progs:
         v = pid.to(tl.int64) * BT + tl.arange(0, BT)
         row = tl.load(ridx_ptr + v, mask=v < N, other=-1).to(tl.int64)
         ok = row >= 0
-        if DEQUANT:
+        inp = ok & (v < n_split)
+        inq = ok & (v >= n_split)
+        vq = q_base + v - n_split
+        pd = Pd + v * stride
+        qd = Qd + vq * stride
+        # (the two parts are selected with where, not added: bits are kept, -0.0 too)
+        if DEQUANT or FP8OUT:
             cq = tl.arange(0, 128)
             for g in range(G):
                 cols = g * 128 + cq
-                m = ok[:, None] & (cols < H)[None, :]
-                q = _vload(Pd, Qd, v, n_split, q_base, stride, cols[None, :], m)
-                s = _vload_word(Pw, Qw, v, n_split, q_base, wstride, TW + 2 + g, ok)
-                tl.store(out_ptr + (row * H)[:, None] + cols[None, :],
-                         (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+                cm = (cols < H)[None, :]
+                a = tl.load(pd[:, None] + cols[None, :], mask=inp[:, None] & cm, other=0.0)
+                b = tl.load(qd[:, None] + cols[None, :], mask=inq[:, None] & cm, other=0.0)
+                q = tl.where(inp[:, None], a, b)
+                sc = tl.where(inp, tl.load(Pw + v * wstride + TW + 2 + g, mask=inp, other=0.0),
+                              tl.load(Qw + vq * wstride + TW + 2 + g, mask=inq, other=0.0))
+                if FP8OUT:
+                    tl.store(out_ptr + (row * H)[:, None] + cols[None, :], q,
+                             mask=ok[:, None] & cm)
+                    tl.store(os_ptr + row * G + g, sc, mask=ok)
+                else:
+                    val = q.to(tl.float32) * sc[:, None]
+                    tl.store(out_ptr + (row * H)[:, None] + cols[None, :],
+                             val.to(out_ptr.dtype.element_ty), mask=ok[:, None] & cm)
         else:
             for h0 in range(0, H, BH):
                 cols = h0 + tl.arange(0, BH)
-                m = ok[:, None] & (cols < H)[None, :]
-                val = _vload(Pd, Qd, v, n_split, q_base, stride, cols[None, :], m)
+                cm = (cols < H)[None, :]
+                a = tl.load(pd[:, None] + cols[None, :], mask=inp[:, None] & cm, other=0.0)
+                b = tl.load(qd[:, None] + cols[None, :], mask=inq[:, None] & cm, other=0.0)
                 tl.store(out_ptr + (row * H)[:, None] + cols[None, :],
-                         val.to(out_ptr.dtype.element_ty), mask=m)
+                         tl.where(inp[:, None], a, b).to(out_ptr.dtype.element_ty),
+                         mask=ok[:, None] & cm)
         if HAS_P:
-            pr = _vload_word(Pw, Qw, v, n_split, q_base, wstride, TW, ok)
+            pr = tl.where(inp, tl.load(Pw + v * wstride + TW, mask=inp, other=0.0),
+                          tl.load(Qw + vq * wstride + TW, mask=inq, other=0.0))
             tl.store(prow_ptr + row, pr, mask=ok)
     else:
         # Zeros for the padding rows of local expert q (q < El), then for the tail rows
         # offsets[El] .. R spread over the tail programs (the ExpertLayout contract).
-        q = pid - n_slot_progs
-        is_pad = q < El
-        qe = tl.minimum(q, El - 1)
+        pe = pid - n_slot_progs  # (not `q`: the other branch's name, another type)
+        is_pad = pe < El
+        qe = tl.minimum(pe, El - 1)
         off_q = tl.load(offs_ptr + qe)
         off_q1 = tl.load(offs_ptr + qe + 1)
         off_e = tl.load(offs_ptr + El)
-        start = tl.where(is_pad, off_q + tl.load(tpe_ptr + qe), off_e + (q - El) * BR)
+        start = tl.where(is_pad, off_q + tl.load(tpe_ptr + qe), off_e + (pe - El) * BR)
         end = tl.minimum(tl.where(is_pad, off_q1, R + 0 * off_e), R)
         step = tl.where(is_pad, BR + 0 * off_e, n_tail_progs * BR + 0 * off_e)
         start = tl.minimum(start, end)
         _zero_range(out_ptr, start, end, step, H, BR, BHZ, 0.0)
+        if FP8OUT:
+            _zero_range(os_ptr, start, end, step, G, BR, BG, 1.0)
         if HAS_P:
             _zero_range(prow_ptr, start, end, step, 1, BR, 16, 0.0)
 
 
 def unpack_rows(src: VBuf, layout, out_dtype: torch.dtype, *, probs: bool = False,
-                dequant: bool = False):
+                dequant: bool = False, fp8_out: bool = False):
     """Rows grouped by local expert from records: ``out[row_index[v]] = record(v)``
-    (dequantized when ``dequant``), ``probs_rows[row] = record(v).prob`` when ``probs``;
-    padding and tail rows of ``layout`` (``row_index [N, 1]``) are zeros. Returns
-    ``(rows [R, H], probs_rows [R] fp32 | None)``."""
+    (dequantized when ``dequant``; with ``fp8_out`` the e4m3 rows and their 1x128 scales
+    as they arrived), ``probs_rows[row] = record(v).prob`` when ``probs``; padding and
+    tail rows of ``layout`` (``row_index [N, 1]``) are zeros (scales 1). Returns
+    ``(rows [R, H], scales [R, ceil(H/128)] | None, probs_rows [R] fp32 | None)``."""
     H, R = src.spec.hidden, layout.num_rows
     N, El = layout.row_index.shape[0], layout.num_experts
+    G = cdiv(H, 128)
     dev = layout.offsets.device
-    out = empty(R, H, dtype=out_dtype, device=dev)
+    out = empty(R, H, dtype=FP8_DTYPE if fp8_out else out_dtype, device=dev)
+    osc = empty(R, G, dtype=torch.float32, device=dev) if fp8_out else None
     prow = empty(R, dtype=torch.float32, device=dev) if probs else None
-    BT, BH = _tiles(H, out.element_size())
+    BT, BH = _row_tiles(H, out.element_size())
+    warps = 4 if BH * BT <= 4096 else 8
+    if dequant or fp8_out:
+        # 128-column groups: 32 rows a step, so each thread moves 16-byte vectors
+        BT, warps = 32, 4
     BR = 16
     n_slot = cdiv(N, BT)
     n_tail = max(1, min(cdiv(R, BR), 2 * num_sms(dev)))
     with device_guard(out):
         launch(_unpack_rows_kernel, (n_slot + El + n_tail,),
-               *src.args(), layout.row_index, out, prow if prow is not None else out,
-               layout.offsets, layout.tokens_per_expert, N, H, cdiv(H, 128), El, R,
-               n_slot, n_tail, BT=BT, BH=BH, BR=BR,
+               *src.args(), layout.row_index, out, osc if osc is not None else out,
+               prow if prow is not None else out, layout.offsets, layout.tokens_per_expert,
+               N, H, G, El, R, n_slot, n_tail, BT=BT, BH=BH, BR=BR,
                BHZ=min(max(next_power_of_2(max(H, 1)), 16), 256 if INTERPRET else 1024),
-               HAS_P=probs, DEQUANT=dequant, num_warps=4 if BH * BT <= 4096 else 8)
-    return out, prow
+               BG=max(16, next_power_of_2(G)), HAS_P=probs, DEQUANT=dequant,
+               FP8OUT=fp8_out, num_warps=warps)
+    return out, osc, prow
 
 
 # ------------------------------------------------------------------------ pack_rows
@@ -399,14 +411,22 @@ def _pack_rows_kernel(src_ptr, sprow_ptr, ridx_ptr, Pd, Pw, Qd, Qw, n_split, q_b
     v = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     row = tl.load(ridx_ptr + v, mask=v < N, other=-1).to(tl.int64)
     ok = row >= 0
+    inp = ok & (v < n_split)
+    inq = ok & (v >= n_split)
+    vq = q_base + v - n_split
     for h0 in range(0, H, BH):
         cols = h0 + tl.arange(0, BH)
-        m = ok[:, None] & (cols < H)[None, :]
-        val = tl.load(src_ptr + (row * H)[:, None] + cols[None, :], mask=m, other=0.0)
-        _vstore(Pd, Qd, v, n_split, q_base, stride, cols[None, :], val, m)
+        cm = (cols < H)[None, :]
+        val = tl.load(src_ptr + (row * H)[:, None] + cols[None, :], mask=ok[:, None] & cm,
+                      other=0.0)
+        tl.store(Pd + (v * stride)[:, None] + cols[None, :], val.to(Pd.dtype.element_ty),
+                 mask=inp[:, None] & cm)
+        tl.store(Qd + (vq * stride)[:, None] + cols[None, :], val.to(Qd.dtype.element_ty),
+                 mask=inq[:, None] & cm)
     if HAS_P:
         pr = tl.load(sprow_ptr + row, mask=ok, other=0.0)
-        _vstore_word(Pw, Qw, v, n_split, q_base, wstride, TW, pr, ok)
+        tl.store(Pw + v * wstride + TW, pr, mask=inp)
+        tl.store(Qw + vq * wstride + TW, pr, mask=inq)
 
 
 def pack_rows(rows: torch.Tensor, layout, out: VBuf,
@@ -416,7 +436,7 @@ def pack_rows(rows: torch.Tensor, layout, out: VBuf,
     N, H = layout.row_index.shape[0], rows.shape[1]
     if N == 0:
         return
-    BT, BH = _tiles(H, rows.element_size())
+    BT, BH = _row_tiles(H, rows.element_size())
     with device_guard(rows):
         launch(_pack_rows_kernel, (cdiv(N, BT),),
                rows, probs_rows if probs_rows is not None else rows, layout.row_index,
@@ -436,28 +456,30 @@ def _gather_tokens_kernel(Pd, Pw, Qd, Qw, n_split, q_base, stride, wstride, TW,
     m2 = tmask[:, None] & (jj < K_TOP)[None, :]
     flat = toks[:, None] * K_TOP + jj[None, :]
     slot = tl.load(slot_ptr + flat, mask=m2, other=-1).to(tl.int64)
+    ok = slot >= 0
+    inp = ok & (slot < n_split)
+    inq = ok & (slot >= n_split)
+    vq = q_base + slot - n_split
+    pd = Pd + slot * stride
+    qd = Qd + vq * stride
     if HAS_W:
-        w2 = tl.load(w_ptr + flat, mask=m2 & (slot >= 0), other=0.0)
-    else:
-        w2 = tl.zeros([BT, BK], dtype=tl.float32)
+        w2 = tl.load(w_ptr + flat, mask=ok, other=0.0)
     for h0 in range(0, H, BH):
         cols = h0 + tl.arange(0, BH)
         cm = cols < H
-        acc = tl.zeros([BT, BH], dtype=tl.float32)
-        for j in tl.static_range(K_TOP):
-            sj = _col(slot, jj, j)
-            v = _vload(Pd, Qd, sj, n_split, q_base, stride, cols[None, :],
-                       (sj >= 0)[:, None] & cm[None, :])
-            if HAS_W:
-                v = v * _col(w2, jj, j)[:, None]
-            acc += v
+        c3 = cols[None, None, :]
+        a = tl.load(pd[:, :, None] + c3, mask=inp[:, :, None] & cm[None, None, :], other=0.0)
+        b = tl.load(qd[:, :, None] + c3, mask=inq[:, :, None] & cm[None, None, :], other=0.0)
+        v = tl.where(inp[:, :, None], a, b).to(tl.float32)
+        if HAS_W:
+            v = v * w2[:, :, None]
         tl.store(out_ptr + toks[:, None] * H + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cm[None, :])
+                 tl.sum(v, axis=1).to(out_ptr.dtype.element_ty),
+                 mask=tmask[:, None] & cm[None, :])
     if PGRAD:
-        for j in range(K_TOP):
-            sj = _col(slot, jj, j)
-            g = _vload_word(Pw, Qw, sj, n_split, q_base, wstride, TW, sj >= 0)
-            tl.store(dp_ptr + toks * K_TOP + j, g, mask=tmask)
+        g = tl.where(inp, tl.load(Pw + slot * wstride + TW, mask=inp, other=0.0),
+                     tl.load(Qw + vq * wstride + TW, mask=inq, other=0.0))
+        tl.store(dp_ptr + flat, g, mask=m2)
 
 
 def gather_tokens(src: VBuf, slot: torch.Tensor, out_dtype: torch.dtype, *,
@@ -472,11 +494,11 @@ def gather_tokens(src: VBuf, slot: torch.Tensor, out_dtype: torch.dtype, *,
     dp = empty(T, k, dtype=torch.float32, device=dev) if probs_grad else None
     if T == 0:
         return out, dp
-    BT, BH = _tiles(H, out.element_size())
+    BT, BK, BH = _token_tiles(H, k)
     with device_guard(out):
         launch(_gather_tokens_kernel, (cdiv(T, BT),),
                *src.args(), slot, weights if weights is not None else out, out,
-               dp if dp is not None else out, T, H, K_TOP=k, BT=BT, BH=BH,
-               BK=next_power_of_2(max(k, 1)), HAS_W=weights is not None, PGRAD=probs_grad,
-               num_warps=4 if BH * BT <= 4096 else 8)
+               dp if dp is not None else out, T, H, K_TOP=k, BT=BT, BH=BH, BK=BK,
+               HAS_W=weights is not None, PGRAD=probs_grad,
+               num_warps=4)  # (8 warps split the [tokens, H] sum's stores into 8 bytes)
     return out, dp

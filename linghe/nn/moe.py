@@ -78,6 +78,9 @@ class MoE(nn.Module):
       :meth:`load_full_state_dict` loads a full one into any sharding;
     - ``shared_experts.*`` (a :class:`SwiGLU`) when ``num_shared_experts > 0``.
 
+    With ``ep_group`` the shared experts run while the routed tokens are in flight
+    (``overlap_shared_experts``, default on).
+
     ``forward(x [..., H])`` returns ``(out [..., H], aux: MoEAux)``. ``x`` must have the
     experts' dtype. The router probabilities weight each expert's SwiGLU output
     (``silu_mul(h, probs_rows)``), so combine is a plain sum. Under
@@ -89,8 +92,10 @@ class MoE(nn.Module):
     down GEMM; gradients are quantized by the kernels that produce them; the expert
     weights are quantized once per optimizer step (a ``WeightCache`` per weight); the
     combine (unpermute) stays in high precision. With expert parallelism the rows arrive
-    in high precision (or rounded through FP8 with ``fp8_payload``) and are quantized
-    per segment on arrival.
+    in high precision and are quantized per segment on arrival; with ``fp8_payload``
+    they arrive as FP8 rows (quantized once, by the dispatcher's send kernel, with the
+    recipe's ``pow2_scale``) that the first GEMM reads as they are. (Outside the FP8
+    recipe, ``fp8_payload`` rows are dequantized on arrival.)
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -133,6 +138,10 @@ class MoE(nn.Module):
         self.dispatcher = ExpertParallelDispatcher(
             num_experts, group=ep_group, align=align, capacity_factor=capacity_factor,
             fp8_payload=fp8_payload)
+        #: With ``ep_group``: run the shared experts while the dispatch's exchange is in
+        #: flight (``dispatch(async_op=True)``); ``False`` runs them after the combine
+        #: (same result; for measuring the overlap).
+        self.overlap_shared_experts = True
         fk = {"device": device, "dtype": dtype}
         El, H, In = self.num_local_experts, hidden_size, intermediate_size
         self.router_weight = nn.Parameter(torch.empty(num_experts, H, device=device,
@@ -205,13 +214,26 @@ class MoE(nn.Module):
             # Quantize each token once; permute then moves FP8 rows with their scales
             # (k times fewer bytes quantized, half the bytes moved).
             tokens = quantize_tokens(x2, pow2_scale=pow2)
-        rows, prow, handle = self.dispatcher.dispatch(tokens, ids, probs)
+        # FP8 experts with an FP8 payload: the rows arrive as FP8 (no second quantization)
+        fp8_rows = fp8 and self.dispatcher.fp8_payload
+        shared = None
+        if self.ep_group is not None and self.overlap_shared_experts:
+            # The shared expert runs while the routed tokens travel (the dispatch's
+            # exchange is asynchronous until wait()).
+            pending = self.dispatcher.dispatch(tokens, ids, probs, async_op=True,
+                                               fp8_rows=fp8_rows, pow2_scale=pow2)
+            if self.shared_experts is not None:
+                shared = self.shared_experts(x2)
+            rows, prow, handle = pending.wait()
+        else:
+            rows, prow, handle = self.dispatcher.dispatch(tokens, ids, probs,
+                                                          fp8_rows=fp8_rows, pow2_scale=pow2)
         caches = self._fp8_weight_caches
         y = grouped_swiglu(rows, prow, w1, w2, handle.layout, fp8=fp8, pow2_scale=pow2,
                            weight_caches=(caches["experts_gate_up"], caches["experts_down"]))
         out = self.dispatcher.combine(y, handle)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x2)
+            out = out + (shared if shared is not None else self.shared_experts(x2))
         if self.ep_group is not None:
             tpe = tpe.clone()
             dist.all_reduce(tpe, group=self.ep_group)

@@ -56,11 +56,11 @@ def _dispatch_worker(rank, world):
 
 
 def _moe_worker(rank, world):
-    from tests.dist.test_moe_dist import check_moe_equivalence
+    from tests.dist.test_moe_dist import _config, check_moe_equivalence
     for fp8 in (False, True):
-        check_moe_equivalence(rank, world, device="cuda", dtype=torch.bfloat16,
-                              T_per_rank=(256, 100), tol=2e-2, fp8_payload=fp8, E=8,
-                              H=256, I=128, k=2, align=16)
+        c = _config(world, device="cuda", dtype=torch.bfloat16, T_per_rank=(256, 100),
+                    fp8_payload=fp8, E=8, H=256, I=128, k=2, align=16)
+        check_moe_equivalence(rank, world, c, tol=2e-2)
 
 
 def test_dispatcher_nccl():
