@@ -91,10 +91,12 @@ class E2EConfig:
 
 
 #: Ling-mini-2.0 shapes (the benchmark's default), a smaller width of the same structure
-#: for the 300-step loss curves, and a tiny one for the CPU interpreter (tests).
+#: for the 300-step loss curves (2 layers: an eager step of that size is host-bound, so
+#: its time grows with the layers, not the width; 300 steps of three modes plus their
+#: compiles fit ~2 minutes of an H200), and a tiny one for the CPU interpreter (tests).
 PRESETS = {
     "ling-mini": E2EConfig(),
-    "small": E2EConfig(hidden=512, layers=4, heads=4, kv_heads=1, head_dim=128,
+    "small": E2EConfig(hidden=512, layers=2, heads=4, kv_heads=1, head_dim=128,
                        rotary_dim=64, experts=64, topk=8, expert_groups=8, topk_groups=4,
                        moe_intermediate=256, vocab=256, seq=512, batch=8),
     "tiny": E2EConfig(hidden=128, layers=2, heads=2, kv_heads=1, head_dim=64, rotary_dim=32,
@@ -362,13 +364,28 @@ def fp8_context(mode: str):
 
 def make_optimizer(model: nn.Module, lr: float = 1e-3, *, capturable: bool = False,
                    lr_tensor: bool = False, weight_decay: float = 0.01) -> torch.optim.AdamW:
-    """AdamW (betas 0.9/0.95); ``capturable`` for CUDA-graph capture; ``lr_tensor`` holds
-    the learning rate in a device tensor, so that :func:`set_lr` changes it between
-    replays of a captured step (a float learning rate is baked into the graph)."""
-    lr_arg = (torch.tensor(lr, dtype=torch.float32, device=next(model.parameters()).device)
-              if lr_tensor else lr)
+    """AdamW (betas 0.9/0.95), the same in every mode so that the modes compare fairly.
+
+    On CUDA it is PyTorch's fused AdamW (``fused=True``): one multi-tensor kernel per
+    (device, dtype) group that reads a parameter, its gradient and both moments and writes
+    back the parameter and the moments. The moments have the parameters' dtype (bf16 for
+    the projections and experts), so the step moves 14 bytes per bf16 parameter: ~100 GB
+    at the Ling-mini shapes with 4 layers (7.2 B parameters), >= 23 ms at the H200's copy
+    bandwidth (4.3 TB/s). The foreach form took ~105 ms there, and its capturable form
+    falls back to one non-vectorized kernel per tensor for the bias-correction divisions
+    (a bf16 list divided by a list of fp32 0-dim tensors), which made the CUDA-graph rows
+    slower than eager. On the CPU: the default (foreach/for-loop) form.
+
+    ``capturable``: step counts on the device and no host reads, for CUDA-graph capture;
+    ``lr_tensor`` holds the learning rate in a device tensor, so that :func:`set_lr`
+    changes it between replays of a captured step (a float learning rate is baked into
+    the graph)."""
+    device = next(model.parameters()).device
+    lr_arg = torch.tensor(lr, dtype=torch.float32, device=device) if lr_tensor else lr
+    fused = device.type == "cuda"
     return torch.optim.AdamW(model.parameters(), lr=lr_arg, betas=(0.9, 0.95),
-                             weight_decay=weight_decay, capturable=capturable)
+                             weight_decay=weight_decay, capturable=capturable,
+                             fused=fused or None)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
@@ -381,28 +398,53 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
             g["lr"] = lr
 
 
-def train_step(model: E2EModel, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-               labels: torch.Tensor, mode: str, max_norm: float = 1.0,
-               on_grads: Callable[[], None] | None = None) -> torch.Tensor:
-    """One step: zero the gradients in place (they keep their storage, so a CUDA graph
-    and ``clip_grad_norm_``'s pointer tables see fixed addresses), forward and backward
-    (under the mode's TrainingContext), clip, AdamW, expert-bias update. Returns the loss
-    (a device scalar, detached). No host sync in the linghe modes. ``on_grads`` is called
-    between backward and clipping (tests read the raw gradients there)."""
-    opt.zero_grad(set_to_none=False)
+def grad_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that have a gradient (the list the clipping reads)."""
+    return [p for p in model.parameters() if p.grad is not None]
+
+
+def forward_backward(model: E2EModel, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+                     labels: torch.Tensor, mode: str) -> tuple[torch.Tensor, list]:
+    """Gradients set to None, then forward and backward under the mode's TrainingContext:
+    ``(loss, tokens_per_expert per layer)``.
+
+    Why None and not zeros: backward then hands each parameter the gradient tensor it has
+    just computed (AccumulateGrad's steal, in the parameter's layout: contiguous), instead
+    of adding it into a zeroed persistent one: that saves a zero fill and an add over
+    every gradient (~14 GB written and ~43 GB moved at the Ling-mini shapes, ~14 ms on an
+    H200), and frees the gradients' memory during the forward. A captured step allocates
+    the gradients from the graph's pool, at the same addresses on every replay."""
+    opt.zero_grad(set_to_none=True)
     with fp8_context(mode):
         loss, tpes = model(tokens, labels, mode)
         loss.backward()
-    if on_grads is not None:
-        on_grads()
-    params = [p for p in model.parameters() if p.grad is not None]
+    return loss.detach(), tpes
+
+
+def update(model: E2EModel, opt: torch.optim.Optimizer, tpes: list, mode: str,
+           max_norm: float = 1.0) -> None:
+    """Clip (``torch.nn.utils.clip_grad_norm_`` in the torch mode, linghe's otherwise),
+    AdamW, expert-bias update."""
+    params = grad_params(model)
     if mode == "torch":
         torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
         linghe.optim.clip_grad_norm_(params, max_norm)
     opt.step()
     model.update_expert_bias(tpes)
-    return loss.detach()
+
+
+def train_step(model: E2EModel, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+               labels: torch.Tensor, mode: str, max_norm: float = 1.0,
+               on_grads: Callable[[], None] | None = None) -> torch.Tensor:
+    """One step: :func:`forward_backward` then :func:`update`. Returns the loss (a device
+    scalar, detached). No host sync in the linghe modes. ``on_grads`` is called between
+    backward and clipping (tests read the raw gradients there)."""
+    loss, tpes = forward_backward(model, opt, tokens, labels, mode)
+    if on_grads is not None:
+        on_grads()
+    update(model, opt, tpes, mode, max_norm)
+    return loss
 
 
 # ======================================================================================

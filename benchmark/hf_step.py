@@ -146,14 +146,16 @@ def main(argv=None) -> int:
                    help=f"comma-separated from {MODES} (default: all on GPU, hf,linghe on CPU)")
     p.add_argument("--json", default=None, help="write the rows and device facts here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny CPU config on any device (a smoke test)")
     args = p.parse_args(argv)
 
     import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = device == "cpu"
-    shape = CPU_SHAPE if cpu else GPU_SHAPE
-    dtype = torch.float32 if cpu else torch.bfloat16
+    shape = CPU_SHAPE if cpu or args.tiny else GPU_SHAPE
+    dtype = torch.float32 if cpu or args.tiny else torch.bfloat16
     args.steps = args.steps if args.steps is not None else (2 if cpu else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
     modes = (args.modes or ("hf,linghe" if cpu else ",".join(MODES))).split(",")

@@ -16,9 +16,11 @@ from .functional.grouped_mm import (
     grouped_mm_fp8,
     grouped_mm_fp8_dgrad,
     grouped_mm_fp8_wgrad,
+    quantize_grouped_1x128,
     quantize_grouped_weight,
 )
 from .functional.loss import cross_entropy, linear_cross_entropy
+from .functional.moe import grouped_swiglu, quantize_tokens
 from .functional.norm import rms_norm, rms_norm_quant
 from .functional.permute import permute, unpermute
 from .functional.rope import apply_rope, qk_norm_rope, rope_freqs
@@ -43,6 +45,7 @@ __all__ = [
     "grouped_mm_fp8",
     "grouped_mm_fp8_dgrad",
     "grouped_mm_fp8_wgrad",
+    "grouped_swiglu",
     "linear_cross_entropy",
     "max_grouped_rows",
     "nn",
@@ -51,7 +54,9 @@ __all__ = [
     "qk_norm_rope",
     "quantize_128x128",
     "quantize_1x128",
+    "quantize_grouped_1x128",
     "quantize_grouped_weight",
+    "quantize_tokens",
     "reference",
     "rms_norm",
     "rms_norm_quant",

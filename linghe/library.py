@@ -28,6 +28,21 @@ Conventions:
   dynamo traces (forward: the op plus the ``Fp8Tensor``; backward: the backward op).
 - Integer outputs (ids, counts, offsets) are never differentiable; float outputs that
   are not (``rstd``, ``lse``) are marked non-differentiable.
+
+What stays outside a compiled graph (each documented where it applies):
+
+- a compiled region may not *return* an ``Fp8Tensor`` that requires grad: AOTAutograd
+  expects the gradient of a subclass output to be of that subclass, and an ``Fp8Tensor``'s
+  gradient is a plain tensor. Inside a region (``rms_norm_quant`` -> FP8 ``Linear``) it
+  flows normally; dequantize or detach it before returning it;
+- FP8 Linear: the ``delayed`` recipe (state updated outside the graph) raises; FP8 weights
+  (Linear, grouped GEMMs) are quantized on every call (a graph keeps no ``WeightCache``);
+- ``grouped_swiglu(fp8=True)`` (the fused FP8 expert FFN of ``nn.MoE``) runs as the
+  unfused FP8 path ``grouped_mm(fp8) -> silu_mul -> grouped_mm(fp8)``
+  (:func:`grouped_swiglu_fp8`: a documented fallback, within FP8 rounding of eager);
+- vocab-parallel losses (``process_group=``) and expert parallelism across ranks (their
+  split sizes are host syncs), and debug mode (``linghe.set_debug``: data checks that
+  sync with the host) are graph breaks: ``fullgraph=True`` refuses them.
 """
 
 import functools
@@ -98,10 +113,11 @@ def _fp8_tensor(shape, dtype, q, s, qt, st, rowwise: bool, columnwise: bool,
 
 
 def _dense_grad(g: Tensor) -> Tensor:
-    """An incoming gradient as a plain contiguous tensor (an ``Fp8Tensor`` gradient is
-    dequantized; a broadcast one, e.g. of ``.sum()``, is materialized)."""
-    if isinstance(g, Fp8Tensor):
-        g = g.dequantize()
+    """The gradient of an ``Fp8Tensor`` output as a contiguous tensor (a broadcast one,
+    e.g. of ``.sum()``, is materialized). Under compile it is always a plain tensor (no
+    linghe op returns an ``Fp8Tensor`` gradient through autograd). No ``isinstance`` test
+    here: with dynamic shapes dynamo took that branch for the traced gradient, and
+    ``.dequantize()`` then resolved to ``aten::dequantize`` (test_dynamic_shapes)."""
     return g.contiguous()
 
 
@@ -299,7 +315,8 @@ def qk_norm_rope_bwd(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor | None, fre
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rotary_dim=rotary_dim, layout=layout, interleaved=interleaved, eps=eps,
         qkv_shape=qkv_shape, qkv_dtype=qkv_dtype)
-    if gq is not None and gk is not None and gk._base is not None and gk._base is gq._base:
+    if gq is not None and gk is not None and \
+            gk.untyped_storage().data_ptr() == gq.untyped_storage().data_ptr():
         gk = gk.clone()  # both were reduced in one launch into halves of one buffer
     return dqkv, _or_absent(gq, dqkv), _or_absent(gk, dqkv)
 
@@ -373,7 +390,7 @@ def _apply_rope_setup(ctx, inputs, output):
 
 def _apply_rope_backward(ctx, dq, dk):
     cos, sin, position_ids = ctx.saved_tensors
-    gq, gk = apply_rope_bwd(dq, dk, cos, sin, position_ids)
+    gq, gk = apply_rope_bwd(dq.contiguous(), dk.contiguous(), cos, sin, position_ids)
     return gq, gk, None, None, None
 
 
@@ -1391,3 +1408,169 @@ def grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor, fp8: bool, backend
     grad = torch.is_grad_enabled()
     return grouped_mm_fp8_fwd(rows, weight, offsets, pow2_scale,
                               grad and rows.requires_grad, grad and weight.requires_grad)[0]
+
+
+# ======================================================================================
+# kernel-level FP8 GEMMs (no autograd, as in eager): fp8_gemm, grouped_mm_fp8(_dgrad,
+# _wgrad). The Fp8Tensor operands travel as their components and are rebuilt in the op.
+# ======================================================================================
+
+
+@custom_op("linghe::fp8_gemm", mutates_args=())
+def fp8_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, a_scaling: str,
+             b_scaling: str, out_dtype: torch.dtype, bias: Tensor | None,
+             backend: str) -> Tensor:
+    """``(A * a_scale) · (B * b_scale)^T (+ bias)`` as :func:`linghe.fp8.gemm.fp8_gemm`."""
+    return _gemm._gemm(a, a_scale, a_scaling, b, b_scale, b_scaling, out_dtype, bias,
+                       backend).contiguous()
+
+
+@fp8_gemm.register_fake
+def _(a, a_scale, b, b_scale, a_scaling, b_scaling, out_dtype, bias, backend):
+    return _new(a, a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+def _grouped_fp8_operand(data, scale, shape, scaling, rowwise: bool,
+                         segments: Tensor | None = None) -> Fp8Tensor:
+    kw = ({"rowwise_data": data, "rowwise_scale": scale} if rowwise else
+          {"columnwise_data": data, "columnwise_scale": scale, "col_segments": segments})
+    return Fp8Tensor(shape, torch.bfloat16, scaling=scaling, **kw)
+
+
+@custom_op("linghe::grouped_mm_fp8_kernel", mutates_args=())
+def grouped_mm_fp8_kernel(kind: str, a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
+                          offsets: Tensor, N: int, K: int, out_dtype: torch.dtype,
+                          segments: bool, align: int) -> Tensor:
+    """The kernel-level FP8 grouped GEMMs of ``linghe.functional.grouped_mm`` by ``kind``:
+    "fwd" (``a`` rowwise ``[R, K]``, ``b`` the weight's rowwise ``[E*N, K]``) -> ``[R, N]``;
+    "dgrad" (``a`` = d_out rowwise ``[R, N]``, ``b`` the weight's columnwise ``[K, E*N]``)
+    -> ``[R, K]``; "wgrad" (``a`` = d_out columnwise ``[N, R]``, ``b`` the rows' columnwise
+    ``[K, R]``; ``segments``: both grouped per expert segment, ``align`` their alignment)
+    -> ``[E, N, K]``."""
+    E = offsets.shape[0] - 1
+    if kind == "fwd":
+        x = _grouped_fp8_operand(a, a_scale, (a.shape[0], K), "1x128", True)
+        w = _grouped_fp8_operand(b, b_scale, (E, N, K), "128x128", True)
+        return _fwd_gmm.grouped_mm_fp8_fwd(x, w, offsets, out_dtype=out_dtype)
+    if kind == "dgrad":
+        g = _grouped_fp8_operand(a, a_scale, (a.shape[0], N), "1x128", True)
+        w = _grouped_fp8_operand(b, b_scale, (E, N, K), "128x128", False)
+        return _bwd_gmm.grouped_mm_fp8_dgrad(g, w, offsets, out_dtype=out_dtype)
+    R = a.shape[1]
+    seg = offsets if segments else None
+    g = _grouped_fp8_operand(a, a_scale, (R, N), "1x128", False, seg)
+    x = _grouped_fp8_operand(b, b_scale, (R, K), "1x128", False, seg)
+    return _bwd_gmm.grouped_mm_fp8_wgrad(g, x, offsets, out_dtype=out_dtype,
+                                         segments=segments, align=align)
+
+
+@grouped_mm_fp8_kernel.register_fake
+def _(kind, a, a_scale, b, b_scale, offsets, N, K, out_dtype, segments, align):
+    if kind == "fwd":
+        return _new(a, a.shape[0], N, dtype=out_dtype)
+    if kind == "dgrad":
+        return _new(a, a.shape[0], K, dtype=out_dtype)
+    return _new(a, offsets.shape[0] - 1, N, K, dtype=out_dtype)
+
+
+def grouped_mm_fp8_fwd_kernel(a_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: Tensor,
+                              out_dtype: torch.dtype) -> Tensor:
+    """:func:`linghe.grouped_mm_fp8` through the custom op (inputs validated)."""
+    E, N, K = w_fp8.shape
+    return grouped_mm_fp8_kernel("fwd", a_fp8.rowwise_data, a_fp8.rowwise_scale,
+                                 w_fp8.rowwise_data, w_fp8.rowwise_scale, offsets, N, K,
+                                 out_dtype, False, 1)
+
+
+def grouped_mm_fp8_dgrad_kernel(dout_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: Tensor,
+                                out_dtype: torch.dtype) -> Tensor:
+    """:func:`linghe.grouped_mm_fp8_dgrad` through the custom op (inputs validated)."""
+    E, N, K = w_fp8.shape
+    return grouped_mm_fp8_kernel("dgrad", dout_fp8.rowwise_data, dout_fp8.rowwise_scale,
+                                 w_fp8.columnwise_data, w_fp8.columnwise_scale, offsets, N, K,
+                                 out_dtype, False, 1)
+
+
+def grouped_mm_fp8_wgrad_kernel(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: Tensor,
+                                out_dtype: torch.dtype, segments: bool, align: int) -> Tensor:
+    """:func:`linghe.grouped_mm_fp8_wgrad` through the custom op (inputs validated;
+    ``segments``: the copies are grouped per segment of ``offsets``)."""
+    return grouped_mm_fp8_kernel("wgrad", dout_fp8.columnwise_data, dout_fp8.columnwise_scale,
+                                 a_fp8.columnwise_data, a_fp8.columnwise_scale, offsets,
+                                 dout_fp8.shape[1], a_fp8.shape[1], out_dtype, bool(segments),
+                                 int(align))
+
+
+@custom_op("linghe::quantize_grouped_1x128", mutates_args=())
+def quantize_grouped_1x128_op(x: Tensor, x_scale: Tensor | None, counts: Tensor, align: int,
+                              rowwise: bool, columnwise: bool,
+                              pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(q, s, qt, st)`` (absent where not asked) of rows grouped by expert, columnwise
+    groups per segment; ``x`` fp8 with ``x_scale`` requantizes from the rowwise copy."""
+    q, s, qt, st = _fwd_gmm.quantize_grouped_fwd(x, counts, align, x_scale=x_scale,
+                                                 rowwise=rowwise, columnwise=columnwise,
+                                                 pow2_scale=pow2_scale)
+    return (_or_absent(q, x, FP8), _or_absent(s, x, F32), _or_absent(qt, x, FP8),
+            _or_absent(st, x, F32))
+
+
+@quantize_grouped_1x128_op.register_fake
+def _(x, x_scale, counts, align, rowwise, columnwise, pow2_scale):
+    R, K = x.shape
+    q, s, qt, st = _fake_1x128(x, R, K, rowwise, columnwise)
+    if columnwise:
+        st = _new(x, K, _fwd_act.batch_col_groups(R, counts.shape[0]), dtype=F32)
+    return q, s, qt, st
+
+
+def quantize_grouped_1x128(x, x_scale: Tensor | None, layout: ExpertLayout, rowwise: bool,
+                           columnwise: bool, pow2_scale: bool) -> Fp8Tensor:
+    """:func:`linghe.functional.grouped_mm.quantize_grouped_1x128` through the custom op
+    (inputs validated; an Fp8Tensor ``x`` comes as its rowwise data and ``x_scale``, and
+    keeps that rowwise copy)."""
+    fp8_in = isinstance(x, Fp8Tensor)
+    data = x.rowwise_data if fp8_in else x.detach()
+    q, s, qt, st = quantize_grouped_1x128_op(data, x_scale, layout.tokens_per_expert,
+                                             layout.align, rowwise and not fp8_in, columnwise,
+                                             pow2_scale)
+    if fp8_in:
+        q, s, rowwise = x.rowwise_data, x.rowwise_scale, True
+    return Fp8Tensor(x.shape, x.dtype, rowwise_data=q if rowwise else None,
+                     rowwise_scale=s if rowwise else None,
+                     columnwise_data=qt if columnwise else None,
+                     columnwise_scale=st if columnwise else None, scaling="1x128",
+                     col_segments=layout.offsets if columnwise else None)
+
+
+class _QuantizeTokens(torch.autograd.Function):
+    """1x128 rowwise FP8 of tokens with a straight-through gradient."""
+
+    @staticmethod
+    def forward(ctx, x, pow2_scale):
+        return quantize_1x128(x, True, False, pow2_scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _dense_grad(g), None
+
+
+def quantize_tokens(x: Tensor, pow2_scale: bool) -> Fp8Tensor:
+    """:func:`linghe.functional.moe.quantize_tokens` through the custom op (validated)."""
+    return _QuantizeTokens.apply(x, bool(pow2_scale))
+
+
+def grouped_swiglu_fp8(rows, probs_rows: Tensor | None, gate_up: Tensor, down: Tensor,
+                       layout: ExpertLayout, pow2_scale: bool) -> Tensor:
+    """:func:`linghe.functional.moe.grouped_swiglu` with ``fp8=True`` under torch.compile:
+    a documented fallback to the unfused FP8 path, ``grouped_mm(fp8) -> silu_mul ->
+    grouped_mm(fp8)`` (the same FP8 GEMMs; the SwiGLU output and the gradients are
+    quantized in plain 1x128 groups by the GEMM ops instead of by the kernels that produce
+    them, so the values differ from eager within FP8 rounding). FP8 ``rows`` are
+    dequantized first (their gradient flows straight through). The fused autograd node is
+    not registered yet."""
+    if isinstance(rows, Fp8Tensor):
+        rows = rows.dequantize()
+    backend = "triton"
+    h = grouped_mm(rows, gate_up, layout.offsets, True, backend, pow2_scale)
+    a = silu_mul(h, probs_rows)
+    return grouped_mm(a, down, layout.offsets, True, backend, pow2_scale)

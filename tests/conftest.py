@@ -135,21 +135,25 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fp8_gemm_autotune(request):
-    """Under the GPU subset, the FP8 GEMM autotunes only in tests marked ``fp8_autotune``:
-    autotuning compiles every config for every shape (4x the compiles) and checks only the
-    winner; the other tests run the fixed-tile path (``LINGHE_FP8_GEMM_AUTOTUNE=0``).
+    """Under the GPU subset, the FP8 GEMMs (dense and grouped) autotune only in tests
+    marked ``fp8_autotune``: autotuning compiles every config for every shape (4-5x the
+    compiles) and checks only the winner; the other tests run the fixed-tile path
+    (``LINGHE_FP8_GEMM_AUTOTUNE=0``, ``LINGHE_GROUPED_MM_AUTOTUNE=0``).
     Set by hand, not with ``monkeypatch``: an autouse fixture that requests monkeypatch
     makes the test's own patches outlive the other autouse fixtures' teardown."""
-    name = "LINGHE_FP8_GEMM_AUTOTUNE"
-    if not (ON_GPU and GPU_SUBSET and name not in os.environ
+    names = [n for n in ("LINGHE_FP8_GEMM_AUTOTUNE", "LINGHE_GROUPED_MM_AUTOTUNE")
+             if n not in os.environ]
+    if not (ON_GPU and GPU_SUBSET and names
             and not _selected(request.node, "fp8_autotune")):
         yield
         return
-    os.environ[name] = "0"
+    for name in names:
+        os.environ[name] = "0"
     try:
         yield
     finally:
-        os.environ.pop(name, None)
+        for name in names:
+            os.environ.pop(name, None)
 
 
 @pytest.fixture

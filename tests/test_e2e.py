@@ -6,10 +6,12 @@ GPU, the whole training step of the linghe modes is checked to have no host sync
 give the same result when captured in a CUDA graph and replayed.
 """
 
+import contextlib
 import csv
 import json
 import math
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -83,6 +85,8 @@ def runs():
         def grab(model=model, grads=grads):
             grads.update({n: p.grad.detach().float().clone()
                           for n, p in model.named_parameters()})
+            grads["non_contiguous"] = [n for n, p in model.named_parameters()
+                                       if not p.grad.is_contiguous()]
 
         losses = [train_step(model, opt, *batches(0), mode, on_grads=grab)]
         syncs = HostSyncOps()
@@ -90,7 +94,9 @@ def runs():
             with syncs:   # a steady-state step
                 losses.append(train_step(model, opt, *batches(i), mode))
         moved = {n: not torch.equal(p.detach(), init[n]) for n, p in model.named_parameters()}
+        non_contiguous = grads.pop("non_contiguous")
         out[mode] = {"losses": [float(v) for v in losses], "grads": grads, "moved": moved,
+                     "non_contiguous_grads": non_contiguous,
                      "bias": [layer.moe.expert_bias.clone() for layer in model.layers],
                      "sync_ops": syncs.seen}
     return out
@@ -104,6 +110,9 @@ def test_modes_train(runs, mode):
     assert 4.0 < r["losses"][0] < 8.0
     assert all(r["moved"].values()), [n for n, m in r["moved"].items() if not m]
     assert all(bool(torch.isfinite(g).all()) for g in r["grads"].values())
+    # every gradient, the experts' [E, N, K] included, is contiguous: a strided one makes
+    # every elementwise op on it (clipping, AdamW) a slow non-vectorized kernel
+    assert r["non_contiguous_grads"] == []
     # aux-loss-free balancing moved the expert bias by +-rate per step (or 0 if balanced)
     for b in r["bias"]:
         assert float(b.abs().max()) <= STEPS * 1e-3 + 1e-9
@@ -219,49 +228,174 @@ def test_stdlib_corpus_and_batches():
 
 
 def test_cli_torch_mode(tmp_path):
-    """The CLI end to end on the cheap mode: throughput JSON, then loss-curve CSV."""
+    """The CLI end to end on the cheap mode: throughput JSON (with a loss-curve JSON's gap
+    joining the targets), then loss-curve CSV and JSON. ``--width tiny`` on every device
+    (the GPU's default widths are ling-mini and small); every path under ``tmp_path``
+    (pytest-xdist workers each have their own)."""
     out = tmp_path / "r.json"
-    rc = e2e.main(["--mode", "torch", "--layers", "1", "--steps", "1", "--warmup", "0",
-                   "--profile-steps", "0", "--json", str(out)])
+    loss_json = tmp_path / "loss.json"
+    loss_json.write_text(json.dumps({"fp8_vs_bf16_rel_gap": -0.004}))
+    rc = e2e.main(["--mode", "torch", "--width", "tiny", "--layers", "1", "--steps", "1",
+                   "--warmup", "0", "--profile-steps", "0", "--loss-json", str(loss_json),
+                   "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     (row,) = res["rows"]
     assert row["error"] is None and row["mode"] == "torch" and row["step_ms"] > 0
     assert res["config"]["layers"] == 1 and res["flops_per_step"]["total"] > 0
-    rc = e2e.main(["--mode", "torch", "--layers", "1", "--train-steps", "3",
-                   "--out-dir", str(tmp_path), "--json", str(out)])
+    assert res["targets"]["fp8 vs bf16 final loss gap"] == {
+        "value": -0.004, "target": "|gap| <= 0.01", "met": True}
+    rc = e2e.main(["--mode", "torch", "--width", "tiny", "--layers", "1", "--train-steps",
+                   "3", "--out-dir", str(tmp_path), "--json", str(out)])
     assert rc == 0
-    rows = list(csv.reader(open(tmp_path / "e2e_loss_tiny.csv")))
+    with open(tmp_path / "e2e_loss_tiny.csv", newline="") as fh:
+        rows = list(csv.reader(fh))
     assert rows[0] == ["step", "loss_torch"] and len(rows) == 4
     assert all(math.isfinite(float(r[1])) for r in rows[1:])
+    res = json.loads(out.read_text())
+    assert res["job"] == "loss_curve" and res["csv"] == str(tmp_path / "e2e_loss_tiny.csv")
+    assert all(abs(a - float(r[1])) <= 1e-6  # the CSV keeps 6 decimals
+               for a, r in zip(res["curves"]["torch"], rows[1:], strict=True))
+    assert res["seconds"]["torch"]["first_step_s"] > 0
+    assert res["fp8_vs_bf16_rel_gap"] is None and res["targets"] == {}
 
 
 def test_table_and_targets(capsys):
-    def row(mode, graph, ms, busy):
+    def row(mode, graph, ms, busy, gemm=0.0, grouped=0.0, quantize=0.0):
         fam = dict.fromkeys(e2e.FAMILIES, 0.0)
-        fam["gemm"] = busy
+        fam.update(gemm=gemm, grouped_gemm=grouped, quantize=quantize)
+        fam["other"] = busy - gemm - grouped - quantize
         return {"mode": mode, "cuda_graph": graph, "error": None, "step_ms": ms,
                 "busy_ms": busy, "host_bound_frac": 1 - busy / ms, "tokens_per_s": 1e5,
                 "tflops": 300.0, "mfu_bf16_peak": 0.3, "mfu_fp8_peak": None,
                 "peak_mem_gib": 50.0, "losses": [12.0], "families_ms": fam}
 
-    rows = [row("torch", False, 300.0, 250.0), row("bf16", False, 150.0, 140.0),
-            row("fp8", False, 120.0, 100.0), row("bf16", True, 140.0, 139.0),
+    rows = [row("torch", False, 300.0, 250.0), row("bf16", False, 150.0, 140.0, 40.0, 20.0),
+            row("fp8", False, 120.0, 100.0, 30.0, 15.0, 12.0),
+            row("bf16", True, 140.0, 139.0, 40.0, 20.0),
             {"mode": "fp8", "cuda_graph": True, "error": "RuntimeError: capture failed"}]
     t = e2e.targets(rows)
     assert t["bf16 vs torch speedup"] == {"value": 2.0, "target": ">= 1.5", "met": True}
     assert not t["fp8 vs bf16 speedup"]["met"]            # 1.25x
     assert t["bf16 eager wall/busy"]["met"] and not t["fp8 eager wall/busy"]["met"]
     assert "fp8 vs bf16 speedup (graphs)" not in t        # the graph row failed
+    assert "fp8 vs bf16 final loss gap" not in t
+    assert not e2e.targets(rows, loss_gap=-0.011)["fp8 vs bf16 final loss gap"]["met"]
+    assert e2e.targets([], loss_gap=0.0099)["fp8 vs bf16 final loss gap"]["met"]
+    # Amdahl: the bf16 row's 60 ms of GEMMs out of 150 ms -> 90 ms, at most 1.67x; GEMMs
+    # at 2x plus the FP8 row's 12 ms of quantization -> 150 - 30 + 12 = 132 ms, 1.14x.
+    # The graph row has no FP8 graph row to take quantization from.
+    b = e2e.gemm_bound(rows)
+    assert set(b) == {"bf16", "bf16 +graph"}
+    assert b["bf16"]["gemm_ms"] == 60.0 and b["bf16"]["step_without_gemm_ms"] == 90.0
+    assert b["bf16"]["max_speedup_gemms_free"] == pytest.approx(150 / 90)
+    assert b["bf16"]["step_fp8_gemms_2x_ms"] == 132.0
+    assert b["bf16"]["max_speedup_fp8_gemms_2x"] == pytest.approx(150 / 132)
+    assert b["bf16 +graph"]["fp8_quantize_ms"] is None
+    assert b["bf16 +graph"]["step_fp8_gemms_2x_ms"] == 110.0
+    rows[1]["top_kernels"] = [{"ms": 9.0, "calls": 2.0, "family": "other",
+                               "name": "void at::native::elementwise_kernel<128, 4, " + "x" * 300
+                                       + "BinaryFunctor<DivFunctor>>"}]
+    e2e.print_top_kernels(rows, 5)
     e2e.print_breakdown(rows)
-    e2e.print_table(rows, preset("ling-mini"))
+    e2e.print_table(rows, preset("ling-mini"), loss_gap=0.02)
     out = capsys.readouterr().out
     assert "capture failed" in out and "2.00x" in out and "targets (issue 10)" in out
+    assert "elementwise_kernel<128, 4," in out and "BinaryFunctor<DivFunctor>>" in out
+    assert "final loss gap 0.0200 (not met" in out
+    assert "GEMM bound (bf16 row)" in out and "1.67x" in out and "1.14x" in out
+
+
+def test_optimizer_fused_on_cuda():
+    """Every mode's AdamW is PyTorch's fused one on CUDA (capturable when asked), the
+    default form on the CPU."""
+    model = build_model(CFG, device=DEVICE, seed=0)
+    for capturable in ((False, True) if DEVICE == "cuda" else (False,)):
+        g = make_optimizer(model, capturable=capturable).param_groups[0]
+        assert bool(g["fused"]) == (DEVICE == "cuda") and g["capturable"] == capturable
+
+
+def test_deterministic_kernels_restores():
+    before = torch.are_deterministic_algorithms_enabled()
+    with e2e.deterministic_kernels():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before
 
 
 def test_cli_rejects_bad_mode():
     with pytest.raises(SystemExit):
         e2e.parse_args(["--mode", "bf16,int4"])
+
+
+# ------------------------------------------------------------------ CUDA graphs
+
+
+class _FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on the CPU: "capture" runs the body once
+    (eagerly), a replay does nothing."""
+
+    capturing = False
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+    def pool(self):
+        return ("pool", id(self))
+
+
+class _FakeStream:
+    def wait_stream(self, s):
+        pass
+
+
+@contextlib.contextmanager
+def _fake_capture(g, pool=None):
+    _FakeGraph.capturing = True
+    try:
+        yield
+    finally:
+        _FakeGraph.capturing = False
+
+
+def _cuda_fakes():
+    """On the CPU: what make_stepper's graph path calls in torch.cuda, faked."""
+    if DEVICE == "cuda":
+        return contextlib.nullcontext()
+    return mock.patch.multiple(
+        torch.cuda, Stream=_FakeStream, stream=lambda s: contextlib.nullcontext(),
+        current_stream=_FakeStream, synchronize=lambda *a: None, empty_cache=lambda: None,
+        CUDAGraph=_FakeGraph, graph=_fake_capture,
+        is_current_stream_capturing=lambda: _FakeGraph.capturing)
+
+
+def test_graph_stepper_builds_no_pointer_table_inside_capture():
+    """The captured step sets gradients to None, so they first exist inside the capture;
+    clip_grad_norm_'s pointer table for them (a pinned host buffer) must be built between
+    the two captures, never inside one. On the CPU the capture is faked (the body runs
+    once, eagerly); on a GPU it is real."""
+    from linghe.optim import multi_tensor
+
+    cfg = CFG if DEVICE == "cpu" else GPU_CFG
+    model = build_model(cfg, device=DEVICE, seed=0)
+    opt = make_optimizer(model, 1e-3, capturable=DEVICE == "cuda")
+    bb = ByteBatches(stdlib_corpus(corpus_bytes_needed(cfg, 3)), cfg.batch, cfg.seq, DEVICE)
+    built = []
+    build = multi_tensor._build_plan
+
+    def spy(*args, **kwargs):
+        built.append(torch.cuda.is_current_stream_capturing())
+        return build(*args, **kwargs)
+
+    with _cuda_fakes(), mock.patch.object(multi_tensor, "_build_plan", spy):
+        step = e2e.make_stepper(model, opt, bb, "bf16", graph=True, warmup=1)
+        loss = step(1)
+    assert built and not any(built), built
+    assert math.isfinite(float(loss))
+    assert all(p.grad is not None and p.grad.is_contiguous() for p in model.parameters())
 
 
 # ------------------------------------------------------------------ GPU: CUDA graphs
@@ -301,10 +435,11 @@ def test_step_has_no_host_sync(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_cuda_graph_replay_matches_eager(mode):
-    """The whole step captured once and replayed on new batches, with a learning rate that
-    changes between replays (a device tensor), gives the losses and the weight updates of
-    the same steps run eagerly (up to float atomics' summation order). The updates are
-    compared, not the weights: six small AdamW steps barely move them."""
+    """The whole step captured (two graphs: forward + backward, update) and replayed on new
+    batches, with a learning rate that changes between replays (a device tensor), gives
+    the losses and the weight updates of the same steps run eagerly (up to float atomics'
+    summation order). The updates are compared, not the weights: six small AdamW steps
+    barely move them."""
     if mode == "fp8" and not _fp8_ok():
         pytest.skip("FP8 needs compute capability >= 8.9")
     cfg = GPU_CFG
@@ -327,6 +462,8 @@ def test_cuda_graph_replay_matches_eager(mode):
             set_lr(opt, 1e-3 * i)
             losses.append(step(i))
         losses = torch.stack(losses).float().cpu()
+        # gradients made inside the capture keep the parameters' (contiguous) layout
+        assert all(p.grad is not None and p.grad.is_contiguous() for p in model.parameters())
         return losses, {k: v.detach().float() - w0[k] for k, v in model.state_dict().items()}
 
     le, we = run(False)
@@ -335,3 +472,21 @@ def test_cuda_graph_replay_matches_eager(mode):
     assert all(float(we[k].abs().max()) > 0 for k in we if k.endswith("weight"))
     errs = {k: rel_err(wg[k], we[k]) for k in we}
     assert max(errs.values()) < 5e-2, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_loss_curve_is_deterministic(mode):
+    """The loss-curve job's training (same seed, same batches, deterministic kernels)
+    gives the same losses bit for bit when run twice in one process; the deterministic
+    setting is restored afterwards."""
+    if mode == "fp8" and not _fp8_ok():
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    cfg = GPU_CFG
+    data = stdlib_corpus(corpus_bytes_needed(cfg, 6))
+    with e2e.deterministic_kernels():
+        a, _ = e2e.train_curve(cfg, mode, data, steps=6, lr=2e-3, seed=0, device="cuda")
+        b, _ = e2e.train_curve(cfg, mode, data, steps=6, lr=2e-3, seed=0, device="cuda")
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert all(math.isfinite(v) for v in a)
+    assert a == b

@@ -322,6 +322,7 @@ def _ling_layout(E, T, topk, align, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.fp8_autotune(backend=["fp8"], E=[32], K=[2048])  # the autotuned FP8 launches
 @pytest.mark.parametrize("backend", ["triton", "torch", "fp8"])
 @pytest.mark.parametrize("E,K,N", [(32, 2048, 2048), (32, 1024, 2048),
                                    pytest.param(256, 2048, 2048, marks=pytest.mark.gpu_big)])
@@ -581,15 +582,18 @@ def comp(fn, sig, consts, warps, stages, div=()):
                           options={"num_warps": warps, "num_stages": stages})
 
 sig = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32",
-           offsets_ptr="*i32", R="i32", I="i32", J="i32", E="i32", num_row_tiles="i32",
+           offsets_ptr="*i32", R="i32", I="i32", J="i32", E="i32", R_BUCKET="i32",
            stride_am="i32", stride_be="i32", stride_bi="i32", stride_bj="i32", stride_cm="i32",
-           stride_asm="i32", bs_se="i32", bs_si="i32", bs_sj="i32", BM="constexpr",
+           stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32", BM="constexpr",
            BN="constexpr", BK="constexpr", GROUP_M="constexpr", FP8="constexpr",
            IEEE="constexpr", B_KMAJOR="constexpr", EP2="constexpr")
-k = comp(F._grouped_rows_kernel, sig, dict(BM=128, BN=128, BK=128, GROUP_M=8, FP8=True,
-         IEEE=False, B_KMAJOR=True, EP2=32), 8, 4,
-         ("I", "J", "stride_am", "stride_be", "stride_cm"))
-assert "wgmma" in k.asm["ptx"], "the FP8 grouped GEMM should use Hopper wgmma"
+for bm, bn, warps, stages, kmajor in [(128, 128, 8, 3, True), (64, 128, 4, 4, True),
+                                      (64, 128, 4, 4, False)]:
+    k = comp(F._grouped_rows_kernel, sig, dict(BM=bm, BN=bn, BK=128, GROUP_M=8,
+             FP8=True, IEEE=False, B_KMAJOR=kmajor, EP2=256), warps, stages,
+             ("I", "J", "stride_am", "stride_be", "stride_bj", "stride_cm", "R",
+              "stride_ask"))
+    assert "wgmma" in k.asm["ptx"], "the FP8 grouped GEMM should use Hopper wgmma"
 sig = dict(g_ptr="*fp8e4nv", x_ptr="*fp8e4nv", w_ptr="*bf16", gs_ptr="*fp32", xs_ptr="*fp32",
            offsets_ptr="*i32", N="i32", K="i32", R="i32", E="i32", stride_g="i32",
            stride_x="i32", stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
@@ -597,7 +601,8 @@ sig = dict(g_ptr="*fp8e4nv", x_ptr="*fp8e4nv", w_ptr="*bf16", gs_ptr="*fp32", xs
            ALIGN16="constexpr")
 for seg in (False, True):
     k = comp(B._wgrad_fp8_kernel, sig, dict(BN=128, BK=128, BR=128, SEG=seg, EP2=32,
-             ALIGN16=seg), 8, 4, ("stride_g", "stride_x", "stride_we", "stride_wn", "K"))
+             ALIGN16=seg), 8, 3, ("stride_g", "stride_x", "stride_we", "stride_wn", "K",
+                                  "N", "stride_gs", "stride_xs"))
     assert "wgmma" in k.asm["ptx"], ("the FP8 wgrad should use Hopper wgmma", seg)
 sig = dict(x_ptr="*bf16", xs_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32",
            qt_ptr="*fp8e4nv", st_ptr="*fp32", R="i32", K="i32", E="i32", stride_x="i32",
@@ -619,3 +624,35 @@ def test_fp8_kernels_compile_for_sm90(compile_sm90):
     quantizer compiled for sm_90 without a GPU: GPU-only compile errors, wgmma use,
     vectorized transposed stores."""
     compile_sm90(_COMPILE_SCRIPT)
+
+
+def test_fp8_autotuned_launch_path(device, monkeypatch):
+    """The autotuned launches (GPU, large shapes) take the same arguments as the
+    heuristic ones: run them with a one-config list (no benchmarking) at a small shape."""
+    import triton
+
+    from linghe.bwd import grouped_mm as bwd_gm
+
+    monkeypatch.setattr(fwd_gm, "AUTOTUNE_MIN_ROWS", 0)
+    monkeypatch.setattr(bwd_gm, "AUTOTUNE_MIN_ROWS", 0)
+    monkeypatch.setattr(fwd_gm, "_autotune_enabled", lambda: True)
+    monkeypatch.setattr(bwd_gm, "_autotune_enabled", lambda: True)
+    monkeypatch.setattr(fwd_gm, "_FP8_CONFIGS", [triton.Config(
+        {"BM": 32, "BN": 64, "BK": 128, "GROUP_M": 4}, num_warps=4, num_stages=1)])
+    monkeypatch.setattr(bwd_gm, "_WGRAD_FP8_CONFIGS", [triton.Config(
+        {"BN": 64, "BK": 64}, num_warps=4, num_stages=1)])
+    monkeypatch.setattr(fwd_gm, "_rows_tuned", None)
+    monkeypatch.setattr(bwd_gm, "_wgrad_tuned", None)
+    x, layout, real = make_rows([9, 0, 40], 16, 128, device, torch.bfloat16)
+    w = (torch.randn(3, 128, 128, device=device) / 11).to(torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    out = linghe.grouped_mm(x, w, layout, fp8=True)
+    g = torch.randn_like(out)
+    g[~real] = 0
+    out.backward(g)
+    r, dx, dw = ref_grads(x, w, layout.offsets, g)
+    assert fwd_gm._rows_tuned is not None and bwd_gm._wgrad_tuned is not None
+    assert_close(out, r, tol=FP8_VS_EXACT)
+    assert_close(x.grad, dx, tol=FP8_VS_EXACT, name="d_rows")
+    assert_close(w.grad, dw, tol=FP8_VS_EXACT, name="d_weight")

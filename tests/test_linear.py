@@ -154,12 +154,15 @@ def test_fp8_tensor_input_with_one_copy(device):
     assert rel_err(y3, x @ lin.weight.t() + lin.bias) < 0.1
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adam_foreach"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adam_foreach", "adamw_fused"])
 def test_weight_cache_invalidated_by_optimizer_step(device, opt_name):
+    # (fused optimizers update the parameters without bumping their version counter: the
+    # caches see the step through the optimizer-step hook)
     lin = linghe.nn.Linear(128, 64, device=device)
     opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.5),
            "adam": lambda p: torch.optim.Adam(p, lr=0.1, foreach=False),
-           "adam_foreach": lambda p: torch.optim.Adam(p, lr=0.1, foreach=True)}[opt_name](
+           "adam_foreach": lambda p: torch.optim.Adam(p, lr=0.1, foreach=True),
+           "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.1, fused=True)}[opt_name](
         lin.parameters())
     cache = lin._fp8_weight_cache
     x = torch.randn(16, 128, device=device)
@@ -183,6 +186,21 @@ def test_weight_cache_invalidated_by_optimizer_step(device, opt_name):
     with ctx:
         lin(x)
     assert cache.misses == 3
+
+
+def test_invalidate_weight_caches(device):
+    lin = linghe.nn.Linear(128, 64, device=device)
+    x = torch.randn(4, 128, device=device)
+    with linghe.TrainingContext(fp8="blockwise"):
+        lin(x)
+        with torch.no_grad():
+            lin.weight.data.mul_(2)  # through .data: a write the cache cannot see
+        lin(x)
+        assert lin._fp8_weight_cache.misses == 1
+        linghe.fp8.invalidate_weight_caches()
+        y = lin(x)
+    assert lin._fp8_weight_cache.misses == 2
+    assert rel_err(y, x @ lin.weight.t() + lin.bias) < 0.1
 
 
 def test_convert(device):

@@ -344,6 +344,20 @@ def test_apply_rope_transposed_views_half(device, dtype):
     _check_apply_rope(device, q, k, cos, sin, dtype=dtype)
 
 
+def test_apply_rope_broadcast_gradient(device):
+    # .sum() hands back gradients broadcast from a scalar (stride 0 in every dim).
+    B, H, S, D = 1, 2, 3, 8
+    q = torch.randn(B, H, S, D, device=device, requires_grad=True)
+    k = torch.randn(B, 1, S, D, device=device, requires_grad=True)
+    cos, sin = torch.randn(S, D, device=device), torch.randn(S, D, device=device)
+    qo, ko = linghe.apply_rope(q, k, cos, sin)
+    gq, gk = torch.autograd.grad(qo.sum() + ko.sum(), (q, k))
+    qro, kro = ref.apply_rope(q, k, cos, sin)
+    rq, rk = torch.autograd.grad(qro.sum() + kro.sum(), (q, k))
+    assert_close(gq, rq, name="dq")
+    assert_close(gk, rk, name="dk")
+
+
 def test_apply_rope_bad_inputs(device):
     q, k = torch.randn(2, 3, 5, 6, device=device), torch.randn(2, 1, 5, 6, device=device)
     cos, sin = torch.randn(5, 6, device=device), torch.randn(5, 6, device=device)

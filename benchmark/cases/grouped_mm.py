@@ -12,11 +12,19 @@ once, outside the timing), ``linghe`` = the Triton kernels (bf16), ``torch`` =
 kernels on pre-quantized operands (GEMM only; checked against the bf16 result within e4m3
 error), ``dense`` = one bf16 cuBLAS matmul with the same total FLOPs (no check).
 FLOPs count routed (real) rows only: padding is overhead.
+
+The FP8 rows carry ``torch_bf16`` (``torch._grouped_mm`` in bf16, the bar: FP8 should be
+>= 1.4x faster) beside ``linghe_fp8``, so the two compare in one block; the wgrad has a
+second FP8 row with the operands the MoE layer uses (columnwise groups per expert
+segment, ``quantize_grouped_1x128``). ``quantize_grouped_1x128`` (row+col, bf16 in) and
+its FP8-in form (the columnwise copy of permuted FP8 rows) have rows too.
 """
 
 import torch
 
 import linghe
+import linghe.functional.grouped_mm
+from linghe import reference as ref
 from linghe.bwd import grouped_mm as bwd_gm
 from linghe.fwd import grouped_mm as fwd_gm
 from linghe.layout import make_expert_layout, max_grouped_rows
@@ -104,17 +112,28 @@ def _gemm_benches(cfg: Config, layout, real, offs, used, gname, N, K):
             fp8=lambda: linghe.grouped_mm_fp8_wgrad(gq, xq, layout),
             bytes=2 * (R * N + R * K + E * N * K), dense=(N, used, K)),
     }
+    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
+    xs, gs = qg(x, layout, rowwise=False), qg(g, layout, rowwise=False)
+    torch_ok = HAS_TORCH_GMM and (cfg.cpu or fwd_gm.torch_grouped_mm_ok(x, w))
     benches = []
     for pname, p in passes.items():
         run = {"eager": p["eager"], "linghe": p["linghe"]}
-        if HAS_TORCH_GMM and (cfg.cpu or fwd_gm.torch_grouped_mm_ok(x, w)):
+        if torch_ok:
             run["torch"] = p["torch"]
         benches.append(Bench(name=f"grouped_mm {pname} {tag} bf16", bytes=p["bytes"],
                              run=run, tol=1e-2, flops=flops))
+        fp8_run = {"torch_bf16": p["torch"]} if torch_ok else {}
+        fp8_run["linghe_fp8"] = p["fp8"]
         benches.append(Bench(
             name=f"grouped_mm {pname} {tag} fp8 (pre-quantized operands)",
-            bytes=p["bytes"] // 2, run={"linghe_fp8": p["fp8"]}, tol=0.08,
-            expected=p["eager"], flops=flops))
+            bytes=p["bytes"] // 2, run=fp8_run, tol=0.08, expected=p["eager"], flops=flops,
+            note="torch_bf16 = torch._grouped_mm bf16 (target: fp8 >= 1.4x faster)"))
+        if pname == "wgrad":
+            benches.append(Bench(
+                name=f"grouped_mm wgrad {tag} fp8 segment groups (MoE path)",
+                bytes=p["bytes"] // 2,
+                run={"linghe_fp8": lambda: linghe.grouped_mm_fp8_wgrad(gs, xs, layout)},
+                tol=0.08, expected=p["eager"], flops=flops))
         m, k, n = p["dense"]
         a = torch.randn(m, k, device=dev, dtype=dt)
         b = torch.randn(k, n, device=dev, dtype=dt)
@@ -125,6 +144,30 @@ def _gemm_benches(cfg: Config, layout, real, offs, used, gname, N, K):
     return benches
 
 
+def _quant_benches(cfg: Config, layout, real, K):
+    """``quantize_grouped_1x128`` of ``[R, K]`` grouped rows: bf16 in (row + segment
+    columnwise) and FP8 rows in (columnwise only), against ``quantize_1x128``."""
+    R = layout.num_rows
+    counts = layout.tokens_per_expert.tolist()
+    x = torch.randn(R, K, device=cfg.device, dtype=torch.bfloat16)
+    x[~real] = 0
+    xq = linghe.quantize_1x128(x)
+    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
+    tag = f"E{layout.num_experts} a{layout.align} [{R},{K}]"
+    return [
+        Bench(name=f"quantize_grouped_1x128 row+col {tag} bf16", bytes=R * K * 4,
+              run={"eager": lambda: ref.quantize_grouped_1x128(x.float(), counts,
+                                                               layout.align)[:4],
+                   "linghe": lambda: qg(x, layout)}, tol=0.07),
+        Bench(name=f"quantize_1x128 row+col {tag} bf16 (plain groups, for comparison)",
+              bytes=R * K * 4, run={"linghe": lambda: linghe.quantize_1x128(
+                  x, columnwise=True)}, tol=0.07, note="not checked"),
+        Bench(name=f"quantize_grouped_1x128 col from fp8 rows {tag}", bytes=R * K * 2,
+              run={"linghe": lambda: qg(xq, layout)}, tol=0.07,
+              expected=lambda: qg(xq.dequantize(dtype=torch.float32), layout)),
+    ]
+
+
 @case("grouped_mm")
 def grouped_mm_case(cfg: Config):
     benches = []
@@ -133,4 +176,5 @@ def grouped_mm_case(cfg: Config):
         layout, real, offs = _routing(T, topk, E, align, cfg.device)
         for gname, N, K in c["gemms"]:
             benches += _gemm_benches(cfg, layout, real, offs, T * topk, gname, N, K)
+        benches += _quant_benches(cfg, layout, real, c["gemms"][0][2])
     return benches

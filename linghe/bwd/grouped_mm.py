@@ -20,7 +20,14 @@ import triton
 import triton.language as tl
 
 from ..fp8 import Fp8Tensor
-from ..fwd.grouped_mm import BLOCK, launch_grouped_rows, torch_grouped_mm_ok, zero_tail
+from ..fwd.grouped_mm import (
+    AUTOTUNE_MIN_ROWS,
+    BLOCK,
+    _autotune_enabled,
+    launch_grouped_rows,
+    torch_grouped_mm_ok,
+    zero_tail,
+)
 from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, launch, next_power_of_2
 
 # --------------------------------------------------------------------------------------
@@ -111,8 +118,8 @@ def _wgrad_kernel(
 
 
 @triton.jit
-def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, r0, grp, start, end, R, nmask,
-                    kmask, BR: tl.constexpr, MASK_R: tl.constexpr):
+def _wgrad_fp8_step(acc, g_rows, x_rows, gs_cols, xs_cols, stride_gs, stride_xs, r0, grp,
+                    start, end, R, nmask, kmask, BR: tl.constexpr, MASK_R: tl.constexpr):
     """One 128-token group ``grp`` (tokens ``r0 .. r0 + 127``): ``acc += (g_grp @
     x_grp^T) * (sg x sx)``. ``g_rows``
     ``[BN, 1]`` / ``x_rows`` ``[BK, 1]`` point at the rows of the columnwise copies, so both
@@ -122,19 +129,20 @@ def _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, r0, grp, start, end, 
     rs = r0 + tl.arange(0, BR)
     if MASK_R:
         # Load the whole group (mask only the buffer end, so the loads stay vectorized),
-        # then zero the tokens of other experts in registers.
+        # then zero the other experts' tokens of one operand in registers (enough for
+        # their products to vanish; half the registers of masking both).
         inb = (rs < R)[None, :]
         rm = ((rs >= start) & (rs < end))[None, :]
         g = tl.load(g_rows + rs[None, :], mask=nmask[:, None] & inb, other=0.0)
         x = tl.load(x_rows + rs[None, :], mask=kmask[:, None] & inb, other=0.0)
         g = tl.where(rm, g, tl.zeros_like(g))
-        x = tl.where(rm, x, tl.zeros_like(x))
     else:
         g = tl.load(g_rows + rs[None, :], mask=nmask[:, None], other=0.0)
         x = tl.load(x_rows + rs[None, :], mask=kmask[:, None], other=0.0)
-    sg = tl.load(gs_rows + grp, mask=nmask, other=0.0)
-    sx = tl.load(xs_rows + grp, mask=kmask, other=0.0)
-    return acc + tl.dot(g, tl.trans(x)) * (sg[:, None] * sx[None, :])
+    # Scales transposed ([G, N] / [G, K]): one contiguous load per operand and step.
+    sg = tl.load(gs_cols + grp * stride_gs, mask=nmask, other=0.0)
+    sx = tl.load(xs_cols + grp * stride_xs, mask=kmask, other=0.0)
+    return acc + (tl.dot(g, tl.trans(x)) * sg[:, None]) * sx[None, :]
 
 
 @triton.jit
@@ -146,7 +154,8 @@ def _wgrad_fp8_kernel(
 ):
     """FP8 ``dW[e, n, k] = sum_{r in seg e} g[r, n] * x[r, k]`` from the columnwise copies
     ``gq [N, R]`` / ``xq [K, R]`` (row strides ``stride_g``/``stride_x``) and their 1x128
-    scales ``[N, G]`` / ``[K, G]``; ``BR == 128`` (one scale group per step).
+    scales transposed, ``[G, N]`` / ``[G, K]`` (row strides ``stride_gs``/``stride_xs``);
+    ``BR == 128`` (one scale group per step).
 
     Plain groups (``SEG=False``, ``G = ceil(R/128)``): expert ``e``'s tokens ``[start,
     end)`` are walked in global 128-token groups: the groups fully inside the segment
@@ -173,8 +182,8 @@ def _wgrad_fp8_kernel(
     start = tl.maximum(tl.minimum(start, end), 0)  # never out of bounds
     g_rows = g_ptr + ns[:, None].to(tl.int64) * stride_g
     x_rows = x_ptr + ks[:, None].to(tl.int64) * stride_x
-    gs_rows = gs_ptr + ns.to(tl.int64) * stride_gs
-    xs_rows = xs_ptr + ks.to(tl.int64) * stride_xs
+    gs_rows = gs_ptr + ns  # + group * stride_gs (scales transposed)
+    xs_rows = xs_ptr + ks
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     if SEG:
         idx = tl.arange(0, EP2)
@@ -188,12 +197,13 @@ def _wgrad_fp8_kernel(
         n_full = (end - start) // BR
         part = ((end - start) % BR) != 0
         for i in range(0, n_full):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, start + i * BR,
-                                  gbase + i, start, end, R, nmask, kmask, BR, False)
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
+                                  stride_xs, start + i * BR, gbase + i, start, end, R,
+                                  nmask, kmask, BR, False)
         for i in range(0, part.to(tl.int32)):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows,
-                                  start + (n_full + i) * BR, gbase + n_full + i, start, end,
-                                  R, nmask, kmask, BR, True)
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
+                                  stride_xs, start + (n_full + i) * BR, gbase + n_full + i,
+                                  start, end, R, nmask, kmask, BR, True)
     else:
         g0 = start // BR
         lo = (start + BR - 1) // BR  # first full group
@@ -201,14 +211,17 @@ def _wgrad_fp8_kernel(
         head = ((start % BR) != 0) & (start < end)
         tail = ((end % BR) != 0) & (hi >= lo)
         for i in range(0, hi - lo):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, (lo + i) * BR,
-                                  lo + i, start, end, R, nmask, kmask, BR, False)
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
+                                  stride_xs, (lo + i) * BR, lo + i, start, end, R, nmask,
+                                  kmask, BR, False)
         for i in range(0, head.to(tl.int32)):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, (g0 + i) * BR,
-                                  g0 + i, start, end, R, nmask, kmask, BR, True)
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
+                                  stride_xs, (g0 + i) * BR, g0 + i, start, end, R, nmask,
+                                  kmask, BR, True)
         for i in range(0, tail.to(tl.int32)):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, (hi + i) * BR,
-                                  hi + i, start, end, R, nmask, kmask, BR, True)
+            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
+                                  stride_xs, (hi + i) * BR, hi + i, start, end, R, nmask,
+                                  kmask, BR, True)
     tl.store(w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
              + ks[None, :], acc.to(w_ptr.dtype.element_ty),
              mask=nmask[:, None] & kmask[None, :])
@@ -268,21 +281,45 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.T
     groups along the whole buffer (``segments=False``) or in groups that follow the
     segments of ``offsets`` (``segments=True``, both copies alike; ``align``: the
     segments' alignment, a hint for vector loads) -> ``dW [E, N, K]`` in ``out_dtype``."""
-    gq, gs = dout_fp8.columnwise_data, dout_fp8.columnwise_scale  # [N, R], [N, GR]
-    xq, xs = a_fp8.columnwise_data, a_fp8.columnwise_scale  # [K, R], [K, GR]
+    gq, gs = dout_fp8.columnwise_data, dout_fp8.columnwise_scale  # [N, R], [N, G]
+    xq, xs = a_fp8.columnwise_data, a_fp8.columnwise_scale  # [K, R], [K, G]
     N, R = gq.shape
     K = xq.shape[0]
     E = offsets.numel() - 1
     dw = empty(E, N, K, dtype=out_dtype, device=gq.device)
     if E == 0 or N == 0 or K == 0:
         return dw
-    cfg = _wgrad_config(True, False)
-    grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
+    # Scales transposed to [G, N] / [G, K] (small copies): each 128-token step then reads
+    # a tile's scales with one contiguous load instead of BN strided ones.
+    gs_t, xs_t = gs.t().contiguous(), xs.t().contiguous()
+    args = (gq, xq, dw, gs_t, xs_t, offsets, N, K, R, E, gq.stride(0), xq.stride(0),
+            gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1))
+    flags = dict(BR=BLOCK, SEG=segments, EP2=max(16, next_power_of_2(E)),
+                 ALIGN16=segments and align % 16 == 0)
     with device_guard(dw):
-        launch(_wgrad_fp8_kernel, grid,
-            gq, xq, dw, gs, xs, offsets, N, K, R, E, gq.stride(0), xq.stride(0),
-            gs.stride(0), xs.stride(0), dw.stride(0), dw.stride(1),
-            BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], SEG=segments,
-            EP2=max(16, next_power_of_2(E)), ALIGN16=segments and align % 16 == 0,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if R >= AUTOTUNE_MIN_ROWS and _autotune_enabled():
+            _wgrad_fp8_tuned()[lambda meta: (cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]), E)](
+                *args, **flags)
+            return dw
+        cfg = _wgrad_config(True, False)
+        launch(_wgrad_fp8_kernel, (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E), *args,
+               **flags, BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
     return dw
+
+
+# The FP8 wgrad autotune space (GPU, R >= AUTOTUNE_MIN_ROWS): [BN, BK] output tiles per
+# expert, promoted per 128-token group like the forward.
+_WGRAD_FP8_CONFIGS = [
+    triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
+    for bn, bk, w, st in [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4),
+                          (64, 128, 4, 4), (64, 256, 8, 3)]]
+_wgrad_tuned = None
+
+
+def _wgrad_fp8_tuned():
+    global _wgrad_tuned
+    if _wgrad_tuned is None:
+        _wgrad_tuned = triton.autotune(configs=_WGRAD_FP8_CONFIGS,
+                                       key=["N", "K", "E", "SEG"])(_wgrad_fp8_kernel)
+    return _wgrad_tuned

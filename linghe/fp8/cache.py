@@ -6,9 +6,14 @@ micro-batches of a step, so quantizing it again is wasted GPU time and launches.
 ``WeightCache`` keeps the last quantized copy and hands it out while the weight is the
 same tensor with the same contents, judged on the host with no GPU work:
 
-- ``weight._version``: bumped by every in-place update through the parameter
-  (``optimizer.step()`` in all its forms (for-loop, foreach, fused), ``p.mul_(...)``,
-  ``p.copy_(...)`` under ``torch.no_grad()``, ``load_state_dict``);
+- the optimizer-step generation: every ``step()`` of any ``torch.optim.Optimizer`` bumps
+  it (a global step post-hook), so all caches miss after a step. The version counter
+  alone is not enough: PyTorch's fused optimizers (``AdamW(fused=True)``) update the
+  parameters in place without bumping it. An optimizer outside ``torch.optim`` must call
+  :func:`invalidate_weight_caches` after it changes the weights;
+- ``weight._version``: bumped by in-place updates through the parameter (for-loop and
+  foreach optimizers, ``p.mul_(...)``, ``p.copy_(...)`` under ``torch.no_grad()``,
+  ``load_state_dict``);
 - ``weight.data_ptr()``, shape, dtype and device: a replaced storage (``p.data = ...``,
   ``module.to(...)``);
 - a format key from the caller (what ``quantize`` makes: recipe, scaling, pow2 scales).
@@ -24,8 +29,27 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .tensor import Fp8Tensor
+
+#: Bumped after every optimizer step (and by :func:`invalidate_weight_caches`); part of
+#: every cache key.
+_GENERATION = [0]
+
+
+def invalidate_weight_caches() -> None:
+    """Make every :class:`WeightCache` miss once: call it after changing weights in a way
+    the caches cannot see (an optimizer that is not a ``torch.optim.Optimizer``, writes
+    through ``p.data`` or another alias). ``torch.optim`` steps do this automatically."""
+    _GENERATION[0] += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    _GENERATION[0] += 1
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 class WeightCache:
@@ -60,8 +84,8 @@ class WeightCache:
     @staticmethod
     def key_of(weight: torch.Tensor, fmt: Hashable) -> tuple:
         """The cache key of ``weight`` quantized in format ``fmt`` (host-only)."""
-        return (weight._version, weight.data_ptr(), weight.shape, weight.dtype,
-                weight.device, fmt)
+        return (_GENERATION[0], weight._version, weight.data_ptr(), weight.shape,
+                weight.dtype, weight.device, fmt)
 
     def get(self, weight: torch.Tensor, quantize: Callable[[torch.Tensor], Fp8Tensor],
             fmt: Hashable = None) -> Fp8Tensor:

@@ -365,6 +365,10 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
             not _torch_shape_ok(M, N, K, a_scaling, b_scaling):
         raise ValueError(f"backend='torch' cannot run M={M}, N={N}, K={K} with "
                          f"{a_scaling}/{b_scaling} scaling (alignment)")
+    if torch.compiler.is_compiling():
+        from .. import library  # (lazy: linghe.library imports this module)
+        return library.fp8_gemm(a, a_scale, b, b_scale, a_scaling, b_scaling, out_dtype, bias,
+                                choice)
     return _gemm(a, a_scale, a_scaling, b, b_scale, b_scaling, out_dtype, bias, choice)
 
 

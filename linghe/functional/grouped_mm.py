@@ -209,8 +209,12 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if fp8 and weight.shape[1] % 128 != 0:
         raise ValueError(f"fp8=True needs N (weight.shape[1]) to be a multiple of 128, got "
                          f"{weight.shape[1]}")
+    if weight_cache is not None and not isinstance(weight_cache, WeightCache):
+        raise TypeError(f"weight_cache must be a linghe.fp8.WeightCache or None, got "
+                        f"{type(weight_cache).__name__}")
     if torch.compiler.is_compiling():
-        # (the torch._grouped_mm check reads data pointers: the op decides "auto" at run time)
+        # (the torch._grouped_mm check reads data pointers: the op decides "auto" at run
+        # time; a graph keeps no weight_cache: FP8 weights are quantized in every call)
         if backend == "auto" and not (isinstance(layout, ExpertLayout) and layout.align % 8 == 0):
             backend = "triton"
         return library.grouped_mm(rows, weight, offsets, bool(fp8), backend, bool(pow2_scale))
@@ -219,9 +223,6 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
         # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
         aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
         backend = "torch" if aligned and fwd.torch_grouped_mm_ok(rows, weight) else "triton"
-    if weight_cache is not None and not isinstance(weight_cache, WeightCache):
-        raise TypeError(f"weight_cache must be a linghe.fp8.WeightCache or None, got "
-                        f"{type(weight_cache).__name__}")
     return apply_function(GroupedMMFunction, rows, weight, offsets, bool(fp8), backend,
                           bool(pow2_scale), weight_cache if fp8 else None)
 
@@ -299,6 +300,8 @@ def grouped_mm_fp8(a_fp8: Fp8Tensor, w_fp8: Fp8Tensor, layout,
         raise ValueError(f"w_fp8 must have K={a_fp8.shape[1]}, got shape {tuple(w_fp8.shape)}")
     check_same_device(a_fp8=a_fp8, w_fp8=w_fp8)
     offsets = _offsets_of(layout, w_fp8.shape[0], a_fp8.shape[0], a_fp8.device)
+    if torch.compiler.is_compiling():
+        return library.grouped_mm_fp8_fwd_kernel(a_fp8, w_fp8, offsets, out_dtype)
     return fwd.grouped_mm_fp8_fwd(a_fp8, w_fp8, offsets, out_dtype=out_dtype)
 
 
@@ -314,6 +317,8 @@ def grouped_mm_fp8_dgrad(dout_fp8: Fp8Tensor, w_fp8: Fp8Tensor, layout,
                          f"{tuple(w_fp8.shape)}")
     check_same_device(dout_fp8=dout_fp8, w_fp8=w_fp8)
     offsets = _offsets_of(layout, w_fp8.shape[0], dout_fp8.shape[0], dout_fp8.device)
+    if torch.compiler.is_compiling():
+        return library.grouped_mm_fp8_dgrad_kernel(dout_fp8, w_fp8, offsets, out_dtype)
     return bwd.grouped_mm_fp8_dgrad(dout_fp8, w_fp8, offsets, out_dtype=out_dtype)
 
 
@@ -345,6 +350,9 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, layout,
     seg = _wgrad_segments(dout_fp8, a_fp8, layout)
     align = layout.align if isinstance(layout, ExpertLayout) else 1
     offsets = _offsets_of(layout, E, a_fp8.shape[0], a_fp8.device)
+    if torch.compiler.is_compiling():
+        return library.grouped_mm_fp8_wgrad_kernel(dout_fp8, a_fp8, offsets, out_dtype, seg,
+                                                   align)
     return bwd.grouped_mm_fp8_wgrad(dout_fp8, a_fp8, offsets, out_dtype=out_dtype,
                                     segments=seg, align=align)
 
@@ -393,6 +401,9 @@ def quantize_grouped_1x128(x, layout: ExpertLayout, *, rowwise: bool = True,
         raise ValueError(f"layout.num_rows ({layout.num_rows}) must equal x.shape[0] "
                          f"({data.shape[0]})")
     check_same_device(x=data, tokens_per_expert=layout.tokens_per_expert)
+    if torch.compiler.is_compiling():
+        return library.quantize_grouped_1x128(x, scale, layout, rowwise, columnwise,
+                                              bool(pow2_scale))
     q, s, qt, st = fwd.quantize_grouped_fwd(data, layout.tokens_per_expert, layout.align,
                                             x_scale=scale, rowwise=rowwise,
                                             columnwise=columnwise, pow2_scale=pow2_scale)

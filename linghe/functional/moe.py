@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import library
 from ..bwd import grouped_mm as bwd_gm
 from ..bwd.activation import silu_mul_bwd_quant
 from ..fp8 import Fp8Tensor, quantize_1x128
@@ -65,6 +66,8 @@ def quantize_tokens(x: torch.Tensor, *, pow2_scale: bool = False) -> Fp8Tensor:
     its rowwise copy; its gradient reaches ``x`` unchanged (in ``x``'s dtype)."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2, last_dim_contiguous=True)
     check_kernel_device("x", x)
+    if torch.compiler.is_compiling():
+        return library.quantize_tokens(x, pow2_scale)
     return _QuantizeTokens.apply(x, bool(pow2_scale))
 
 
@@ -248,6 +251,9 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
         return grouped_mm(silu_mul(h, probs_rows), down, layout)
     if probs_rows is not None and not probs_rows.is_contiguous():
         probs_rows = probs_rows.contiguous()
+    if torch.compiler.is_compiling():  # (the unfused FP8 path: see the library function)
+        return library.grouped_swiglu_fp8(rows, probs_rows, gate_up, down, layout,
+                                          bool(pow2_scale))
     return _GroupedSwiGLUFp8.apply(rows, probs_rows, gate_up, down, layout,
                                    tuple(weight_caches) if weight_caches else None,
                                    bool(pow2_scale))

@@ -170,7 +170,10 @@ class _ApplyRope(torch.autograd.Function):
             dq = torch.zeros(qs, dtype=dk.dtype, device=dk.device)
         if dk is None:
             dk = torch.zeros(ks, dtype=dq.dtype, device=dq.device)
-        gq, gk = hf_rope(dq, dk, cos, sin, position_ids, backward=True)
+        # The kernel reads the last dim with stride 1; a broadcast gradient (of .sum()) has
+        # stride 0 there.
+        gq, gk = hf_rope(dq.contiguous(), dk.contiguous(), cos, sin, position_ids,
+                         backward=True)
         return gq, gk, None, None, None
 
 

@@ -7,24 +7,30 @@ convention), and ``out[r] = rows[r] @ W_e^T`` for ``r`` in segment ``e``.
 
 **Tile schedule (no host sync, no extra launch).** The segment sizes live on the device
 only. Each program of the GEMM kernel turns ``offsets`` (``E + 1`` ints, L2-resident)
-into the cumulative number of ``BM``-row tiles per expert (``cdiv(padded_e, BM)``) and
-finds its own row tile's expert (:func:`find_tile`), so a tile never crosses two experts
-whatever ``align`` is (a tile may be partial within its segment: masked). The grid is the
-static bound ``T = cdiv(R, BM) + E + 1`` row tiles (times the column tiles); tiles past
-the experts' tiles cover the tail (from ``offsets[E]``) and store zeros without a K loop,
-and those past row ``R`` store nothing. :func:`tile_map` materializes the same schedule
-(tests, debugging).
+into the cumulative number of ``BM``-row tiles per expert (``cdiv(padded_e, BM)``,
+:func:`tile_schedule`) and finds its row tile's expert with two masked sums
+(:func:`find_tile`), so a tile never crosses two experts
+whatever ``align`` is (a tile may be partial within its segment: masked). The tiles are
+the static bound ``T = cdiv(R, BM) + E + 1`` row tiles (times the column tiles); tiles
+past the experts' tiles cover the tail (from ``offsets[E]``) and store zeros without a K
+loop, and those past row ``R`` store nothing. :func:`tile_map` materializes the same
+schedule (tests, debugging).
 
 The same "rows @ B_e" kernel serves the forward (``B_e = W_e^T``) and the dgrad
 (``B_e = W_e``) through strides; :mod:`linghe.bwd.grouped_mm` holds the wgrad kernel.
 
 **FP8 blockwise.** ``rows`` as an :class:`~linghe.fp8.Fp8Tensor` with 1x128 rowwise
-scales (``[R, ceil(K/128)]``), weights from :func:`quantize_grouped_weight` (128x128
+scales (``[R, ceil(K/128)]``, transposed by the launcher so that each K step's scales of
+a tile are one contiguous load), weights from :func:`quantize_grouped_weight` (128x128
 blocks per expert). The K loop steps by 128 and promotes each partial product with its
-scales: ``acc += dot(a_q, b_q) * (sa[:, None] * sb[None, :])``.
+scales: ``acc += dot(a_q, b_q) * (sa[:, None] * sb[None, :])``. On the GPU, shapes from
+``AUTOTUNE_MIN_ROWS`` rows on pick their tiles from a small autotune list
+(``LINGHE_GROUPED_MM_AUTOTUNE=0``: the heuristic of :func:`_mm_config`).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -96,18 +102,26 @@ def row_tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def find_tile(offsets_ptr, t, E, BM: tl.constexpr, EP2: tl.constexpr):
-    """For row tile ``t``: ``(e, row_start, row_end)``, computed in the program from
-    ``offsets`` (``E + 1`` int32, L2-resident; no separate schedule launch). ``e == E``
-    marks a tail tile (``row_end`` is then a huge bound; the caller also masks with the
-    row count). Same schedule as :func:`tile_map`."""
+def tile_schedule(offsets_ptr, E, BM: tl.constexpr, EP2: tl.constexpr):
+    """The expert tile schedule, computed once per program from ``offsets`` (``E + 1``
+    int32, L2-resident; no separate launch): ``(tiles [EP2], cum [EP2], emask)`` with
+    ``tiles[e] = cdiv(segment_e, BM)`` and ``cum`` its inclusive cumsum."""
     idx = tl.arange(0, EP2)
     m = idx < E
     lo = tl.load(offsets_ptr + idx, mask=m, other=0)
     hi = tl.load(offsets_ptr + idx + 1, mask=m, other=0)
     tiles = tl.where(m, (hi - lo + (BM - 1)) // BM, 0)
-    cum = tl.cumsum(tiles, axis=0)  # cum[e] = first tile of expert e + 1
-    e = tl.sum(((cum <= t) & m).to(tl.int32), axis=0)
+    return tiles, tl.cumsum(tiles, axis=0), m
+
+
+@triton.jit
+def find_tile(offsets_ptr, t, E, tiles, cum, emask, BM: tl.constexpr, EP2: tl.constexpr):
+    """For row tile ``t``: ``(e, row_start, row_end)`` from the schedule of
+    :func:`tile_schedule` (no cumsum here: two masked sums and two scalar loads).
+    ``e == E`` marks a tail tile (``row_end`` is then a huge bound; the caller also masks
+    with the row count). Same schedule as :func:`tile_map`."""
+    idx = tl.arange(0, EP2)
+    e = tl.sum(((cum <= t) & emask).to(tl.int32), axis=0)
     first = tl.sum(tl.where(idx < e, tiles, 0), axis=0)
     base = tl.load(offsets_ptr + e)
     start = base + (t - first) * BM
@@ -119,26 +133,34 @@ def find_tile(offsets_ptr, t, E, BM: tl.constexpr, EP2: tl.constexpr):
 @triton.jit
 def _grouped_rows_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-    R, I, J, E, num_row_tiles,
+    R, I, J, E, R_BUCKET,
     stride_am, stride_be, stride_bi, stride_bj, stride_cm,
-    stride_asm, bs_se, bs_si, bs_sj,
+    stride_ask, bs_se, bs_si, bs_sj,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, IEEE: tl.constexpr, B_KMAJOR: tl.constexpr, EP2: tl.constexpr,
 ):
     """``c[r, j] = sum_i a[r, i] * b[e(r), i, j]`` for rows grouped by expert.
 
+    One program per output tile of the ``T x cdiv(J, BN)`` tiles (``T = cdiv(R, BM) + E
+    + 1`` row tiles, L2-friendly grouped order). ``R_BUCKET`` only keys the autotuning.
+    (A persistent variant, each program looping over tiles after one schedule
+    computation, needed 30-60 more registers per thread in sm_90 ptxas: fewer programs
+    per SM, so it was dropped.)
+
     ``B_KMAJOR`` (``stride_bi == 1``): ``b`` is contiguous along the contraction dim, so
     its tile is loaded ``[BN, BK]`` (row-major) and fed as ``tl.trans``: both MMA operands
     K-major, which Hopper FP8 wgmma requires.
 
-    FP8: ``a`` 1x128 rowwise (scale ``as[r, i // 128]``), ``b`` 128x128 blocks (scale
-    ``bs[e * bs_se + (i // 128) * bs_si + (j // 128) * bs_sj]``), ``BK == 128``.
+    FP8: ``a`` 1x128 rowwise with its scales *transposed*, ``as_t[i // 128, r]`` (row
+    stride ``stride_ask``), so that a tile's per-row scales of one K step are one
+    contiguous load; ``b`` 128x128 blocks (scale ``bs[e * bs_se + (i // 128) * bs_si +
+    (j // 128) * bs_sj]``), ``BK == 128`` and ``BN`` dividing 128, so one weight scale
+    per step, folded into the row scales (no ``[BM, BN]`` scale tile in registers).
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(J, BN)
-    t, pid_n = grouped_tile_order(pid, num_row_tiles, num_n, GROUP_M)
-
-    e, start, end = find_tile(offsets_ptr, t, E, BM, EP2)
+    num_row_tiles = tl.cdiv(R, BM) + E + 1
+    t, pid_n = grouped_tile_order(tl.program_id(0), num_row_tiles, tl.cdiv(J, BN), GROUP_M)
+    tiles, cum, emask = tile_schedule(offsets_ptr, E, BM, EP2)
+    e, start, end = find_tile(offsets_ptr, t, E, tiles, cum, emask, BM, EP2)
     valid = e < E
     e64 = tl.minimum(e, E - 1).to(tl.int64)
     rows = start.to(tl.int64) + tl.arange(0, BM)
@@ -164,10 +186,9 @@ def _grouped_rows_kernel(
                         mask=kmask[:, None] & cmask[None, :], other=0.0)
         if FP8:
             kb = k0 // BK
-            sa = tl.load(as_ptr + rows * stride_asm + kb, mask=rmask, other=0.0)
-            sb = tl.load(bs_ptr + e64 * bs_se + kb * bs_si + (cols // 128) * bs_sj,
-                         mask=cmask, other=0.0)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=0.0)
+            sb = tl.load(bs_ptr + e64 * bs_se + kb * bs_si + ((pid_n * BN) // 128) * bs_sj)
+            acc += tl.dot(a, b) * (sa * sb)[:, None]
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -176,27 +197,61 @@ def _grouped_rows_kernel(
              acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+#: Autotune the GEMMs from this many rows on (tests and small shapes use the heuristic:
+#: one compile per shape instead of one per config).
+AUTOTUNE_MIN_ROWS = 4096
+
+
 def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
                f32: bool = False):
     """Block sizes by shape (GPU) or small tiles (interpreter).
 
     Every expert wastes up to one partial row tile, so few rows per expert (e.g. 256
-    experts sharing 64K rows) take 64-row tiles, many take 128."""
+    experts sharing 64K rows) take 64-row tiles, many take 128. FP8 (sm_90 ptxas,
+    offline): the promoted accumulator costs a second ``BM x BN`` fp32 tile of registers;
+    128x128 tiles with 8 warps take ~190 registers (one program per SM), 64x128 with 4
+    warps (one warpgroup, m64n128 wgmma) ~180, so two programs share an SM and one
+    promotes while the other's MMAs run."""
     if INTERPRET:
         bm = block_m or 32
         return dict(BM=bm, BN=64, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
                     num_stages=1)
-    bm = block_m or (64 if R < 512 * E else 128)
     if fp8:
+        bm = block_m or 64
         return dict(BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=8 if bm == 128 else 4,
-                    num_stages=4)
+                    num_stages=3 if bm == 128 else 4)
+    bm = block_m or (64 if R < 512 * E else 128)
     if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
         return dict(BM=bm, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
     return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8 if bm == 128 else 4,
                 num_stages=4)
 
 
-_PLANS: dict = {}  # (R, E, J, fp8, f32, block_m) -> (config, n_tiles, grid, EP2)
+# The FP8 autotune space (GPU, R >= AUTOTUNE_MIN_ROWS). BN must divide 128 (one weight
+# scale per K step).
+_FP8_CONFIGS = [
+    triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=st)
+    for bm, bn, w, st in [(64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
+                          (128, 128, 8, 4), (128, 64, 4, 4)]]
+
+
+def _autotune_enabled() -> bool:
+    return not INTERPRET and os.environ.get("LINGHE_GROUPED_MM_AUTOTUNE", "1") != "0"
+
+
+_rows_tuned = None
+
+
+def _rows_kernel_tuned():
+    global _rows_tuned
+    if _rows_tuned is None:
+        _rows_tuned = triton.autotune(
+            configs=_FP8_CONFIGS,
+            key=["I", "J", "E", "R_BUCKET", "B_KMAJOR"])(_grouped_rows_kernel)
+    return _rows_tuned
+
+
+_PLANS: dict = {}  # (R, E, J, fp8, f32, block_m) -> (config, grid)
 
 
 def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
@@ -204,7 +259,9 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
                         block_m: int | None = None):
     """Launch ``out[r, :] = a[r, :] @ B_{e(r)}`` with ``B_e[i, j] = b[e*stride_be +
     i*stride_bi + j*stride_bj]``. ``a [R, I]`` and ``out [R, J]`` row-major with a
-    contiguous last dim. Writes every row of ``out`` (zeros past ``offsets[E]``)."""
+    contiguous last dim; ``a_scale [R, cdiv(I, 128)]`` (FP8; any strides: it is
+    transposed here, one small copy, for contiguous per-step loads). Writes every row of
+    ``out`` (zeros past ``offsets[E]``)."""
     R, I = a.shape
     J = out.shape[1]
     E = offsets.numel() - 1
@@ -212,23 +269,26 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
         return out
     fp8 = a_scale is not None
     f32 = a.dtype == torch.float32
-    key = (R, E, J, fp8, f32, block_m)
-    plan = _PLANS.get(key)
-    if plan is None:
-        cfg = _mm_config(R, E, J, fp8, block_m, f32=f32)
-        n_tiles = row_tile_bound(R, E, cfg["BM"])
-        plan = _PLANS[key] = (cfg, n_tiles, (n_tiles * cdiv(J, cfg["BN"]),),
-                              max(16, triton.next_power_of_2(E)))
-    cfg, n_tiles, grid, EP2 = plan
+    EP2 = max(16, triton.next_power_of_2(E))
+    as_t = a_scale.t().contiguous() if fp8 else offsets  # [GK, R]
+    args = (a, b, out, as_t, b_scale if fp8 else offsets, offsets, R, I, J, E,
+            triton.next_power_of_2(R), a.stride(0), stride_be, stride_bi, stride_bj,
+            out.stride(0), as_t.stride(0) if fp8 else 0, *bs_strides)
+    flags = dict(FP8=fp8, IEEE=f32, B_KMAJOR=stride_bi == 1, EP2=EP2)
     with device_guard(a):
-        launch(_grouped_rows_kernel, grid,
-            a, b, out, a_scale if fp8 else offsets, b_scale if fp8 else offsets, offsets,
-            R, I, J, E, n_tiles,
-            a.stride(0), stride_be, stride_bi, stride_bj, out.stride(0),
-            a_scale.stride(0) if fp8 else 0, *bs_strides,
-            BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-            FP8=fp8, IEEE=f32, B_KMAJOR=stride_bi == 1, EP2=EP2,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if fp8 and block_m is None and R >= AUTOTUNE_MIN_ROWS and _autotune_enabled():
+            grid = lambda meta: (row_tile_bound(R, E, meta["BM"]) * cdiv(J, meta["BN"]),)
+            _rows_kernel_tuned()[grid](*args, **flags)
+            return out
+        key = (R, E, J, fp8, f32, block_m)
+        plan = _PLANS.get(key)
+        if plan is None:
+            cfg = _mm_config(R, E, J, fp8, block_m, f32=f32)
+            plan = _PLANS[key] = (cfg, (row_tile_bound(R, E, cfg["BM"]) * cdiv(J, cfg["BN"]),))
+        cfg, grid = plan
+        launch(_grouped_rows_kernel, grid, *args, **flags, BM=cfg["BM"], BN=cfg["BN"],
+               BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
     return out
 
 

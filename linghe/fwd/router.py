@@ -128,9 +128,10 @@ PRESPLIT = True
 
 
 @triton.jit
-def _split3_kernel(src_ptr, dst_ptr, M, K, s_m, s_k, BLOCK: tl.constexpr):
+def _split3_kernel(src_ptr, dst_ptr, n, K, s_m, s_k, BLOCK: tl.constexpr):
+    # (n = M * K comes from the host: an int argument equal to 1 is specialized to a
+    # constexpr, which has no .to())
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    n = M.to(tl.int64) * K
     mask = offs < n
     m = offs // K
     k = offs % K
@@ -147,8 +148,8 @@ def split3(a: torch.Tensor) -> torch.Tensor:
     out = empty(3, M, K, dtype=torch.bfloat16, device=a.device)
     if M * K:
         BLOCK = 1024
-        launch(_split3_kernel, (cdiv(M * K, BLOCK),), a, out, M, K, a.stride(0), a.stride(1),
-               BLOCK=BLOCK, num_warps=4)
+        launch(_split3_kernel, (cdiv(M * K, BLOCK),), a, out, M * K, K, a.stride(0),
+               a.stride(1), BLOCK=BLOCK, num_warps=4)
     return out
 _MM_CFG: dict = {}
 

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from ..context import TrainingContext, current_recipe
 from ..fp8.cache import WeightCache
 from ..functional.activation import silu_mul, silu_mul_quant
-from ..functional.grouped_mm import grouped_mm
 from ..functional.linear import fp8_linear
 from ..functional.loss import linear_cross_entropy
+from ..functional.moe import grouped_swiglu, quantize_tokens
 from ..functional.norm import rms_norm, rms_norm_quant
 from ..functional.permute import permute, unpermute
 from ..functional.rope import apply_rope
@@ -201,16 +201,18 @@ class TopKRouterMixin:
 class ExpertsMixin:
     """Qwen3-MoE's experts (``gate_up_proj [E, 2I, H]`` gate rows first, ``down_proj
     [E, H, I]``) through :func:`linghe.permute` (rows grouped by expert, padded by index),
-    two :func:`linghe.grouped_mm` with :func:`linghe.silu_mul` between them, and
-    :func:`linghe.unpermute` (the sum over a token's ``k`` experts).
+    :func:`linghe.functional.moe.grouped_swiglu` (grouped GEMM, SwiGLU weighted by the
+    routing weight, grouped GEMM) and :func:`linghe.unpermute` (the sum over a token's
+    ``k`` experts): the expert path of :class:`linghe.nn.MoE`.
 
     ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``
     in ``hidden_states``' dtype (the experts' dtype). The routing weight scales each
     expert's SwiGLU output before the down projection (Hugging Face scales after it: the
-    same value, as the projection is linear). Under the blockwise FP8 recipe both grouped
-    GEMMs run FP8 when ``2I`` and ``H`` are multiples of 128 (else high precision), the
-    expert weights quantized once per optimizer step (a :class:`~linghe.fp8.WeightCache`
-    per weight, as in :class:`linghe.nn.MoE`).
+    same value, as the projection is linear). Under the blockwise FP8 recipe, when ``2I``
+    and ``H`` are multiples of 128 (else high precision), it runs as ``nn.MoE`` does: each
+    token quantized once (``quantize_tokens``) and moved in FP8 by ``permute``, FP8
+    grouped GEMMs, the expert weights quantized once per optimizer step (a
+    :class:`~linghe.fp8.WeightCache` per weight).
     """
 
     #: segment alignment in rows (a multiple of 8 lets bf16 use torch._grouped_mm on Hopper)
@@ -220,21 +222,19 @@ class ExpertsMixin:
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.gate_up_proj, self.down_proj
         x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
-        rows, prow, layout = permute(x.contiguous(), top_k_index,
-                                     top_k_weights.to(torch.float32),
-                                     num_experts=w1.shape[0], align=self.linghe_align)
+        x = x.contiguous()
         fp8 = is_fp8_blockwise() and w1.shape[1] % 128 == 0 and w1.shape[2] % 128 == 0
-        c1 = c2 = None
-        pow2 = False
+        pow2, caches = False, None
         if fp8:
             caches = self.__dict__.get("_linghe_fp8_caches")
             if caches is None:  # made here: Hugging Face built the module
                 caches = self._linghe_fp8_caches = (WeightCache(), WeightCache())
-            c1, c2 = caches
             pow2 = current_recipe().pow2_scale
-        h = grouped_mm(rows, w1, layout, fp8=fp8, pow2_scale=pow2, weight_cache=c1)
-        a = silu_mul(h, prow)
-        y = grouped_mm(a, w2, layout, fp8=fp8, pow2_scale=pow2, weight_cache=c2)
+            x = quantize_tokens(x, pow2_scale=pow2)
+        rows, prow, layout = permute(x, top_k_index, top_k_weights.to(torch.float32),
+                                     num_experts=w1.shape[0], align=self.linghe_align)
+        y = grouped_swiglu(rows, prow, w1, w2, layout, fp8=fp8, pow2_scale=pow2,
+                           weight_caches=caches)
         return unpermute(y, layout).to(hidden_states.dtype)
 
 

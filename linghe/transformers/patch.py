@@ -93,6 +93,9 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             is already active): its Linears, dense SwiGLU and MoE grouped GEMMs (when ``2I``
             and ``H`` are multiples of 128) run FP8. Needs compute capability >= 8.9.
 
+    Sets ``model.linghe_patched`` (how many modules of each kind were swapped, e.g.
+    ``{"RMSNorm": 9, "Attention": 2, ...}``) and ``model.linghe_fp8``.
+
     Raises ``ValueError`` for an unsupported model type (naming the supported ones), a model
     patched already, experts stored in a layout other than Qwen3-MoE's (concatenated
     gate/up, not transposed) or a model sharded by Hugging Face's expert parallelism;
@@ -121,7 +124,6 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
     if rms_norm:
         wanted.append((hf("RMSNorm"), M.RMSNormMixin))
     if rope:
-        M.install_rope(mm)
         wanted.append((hf("Attention"), M.AttentionMixin))
     if swiglu:
         wanted.append((hf("MLP"), M.MLPMixin))
@@ -147,12 +149,14 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             if getattr(m.config, "hidden_act", "silu") not in _SILU:
                 raise ValueError(f"{name}: moe=True needs hidden_act in {_SILU}")
 
+    if rope:
+        M.install_rope(mm)
     counts: dict[str, int] = {}
     for _, m in targets:
         mixin = mixin_of[type(m)]
         _swap(m, mixin)
-        counts[mixin.__name__.removesuffix("Mixin")] = counts.get(
-            mixin.__name__.removesuffix("Mixin"), 0) + 1
+        kind = mixin.__name__.removesuffix("Mixin")
+        counts[kind] = counts.get(kind, 0) + 1
 
     if fp8 is not None:
         layer_cls = M.patched_class(hf("DecoderLayer"), M.DecoderLayerMixin)
