@@ -93,6 +93,19 @@ def check_moe_equivalence(rank, world, c, ref=None, tol=1e-5, overlap=True):
     sd = sharded.gather_full_state_dict()
     for kname, v in ref["state"].items():
         assert torch.equal(sd[kname], v), kname
+    if c["capacity_factor"] is not None and c["recipe"] is None:
+        # a steady-state step of the layer (capacity mode) makes no host sync
+        from tests.dist.test_dispatcher import _no_host_sync
+
+        def step():
+            xs2 = ref["x"][sl].clone().requires_grad_(True)
+            o, a = sharded(xs2)
+            (o.float().sum() + a.z_loss).backward()
+            sharded.update_expert_bias(a.tokens_per_expert)
+            return a.num_dropped
+
+        syncs = _no_host_sync(step)
+        assert not syncs, f"host syncs in the capacity-mode MoE step: {syncs}"
 
 
 def _cases(world):
