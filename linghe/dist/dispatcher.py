@@ -79,7 +79,8 @@ from .kernels import (
     unpack_rows,
 )
 
-#: Default bound (seconds) on every host wait for a collective of the dispatcher.
+#: Default bound (seconds) on the host's waits for the dispatcher's collectives (the
+#: configuration check; exchanges of CPU tensors).
 DEFAULT_TIMEOUT_S = 300.0
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -95,9 +96,9 @@ class _Plan:
     int32 is each routed copy's record in the virtual send order (``-1``: dropped)."""
 
     __slots__ = ("group", "rank", "world", "timeout", "host_wait", "x_dtype", "fp8",
-                 "fp8_rows", "pow2", "T", "k", "H", "num_experts", "capacity", "in_splits", "out_splits", "n_send",
-                 "n_recv", "n_self", "ids", "pos", "offsets", "slot", "spec", "gspec",
-                 "layout")
+                 "fp8_rows", "pow2", "T", "k", "H", "num_experts", "capacity", "in_splits",
+                 "out_splits", "n_send", "n_recv", "n_self", "ids", "pos", "offsets", "slot",
+                 "spec", "gspec", "layout")
 
 
 class _Transfer:
@@ -179,7 +180,7 @@ def _wait(work, plan: _Plan, what: str, host: bool | None = None) -> None:
     except RuntimeError as e:
         raise RuntimeError(
             f"linghe.dist: the {what} exchange did not complete on rank {plan.rank} of the "
-            f"expert-parallel group (host wait bounded by {plan.timeout.total_seconds():g} "
+            f"expert-parallel group (host waits bounded by {plan.timeout.total_seconds():g} "
             f"s): a rank died or hung, or the ranks called different collectives. Cause: "
             f"{e}") from e
 
@@ -315,8 +316,8 @@ class ExpertParallelDispatcher:
         fp8_payload: send 1x128-quantized rows plus scales (about half the bytes); the
             receiver dequantizes them, so ``rows`` is a plain tensor in ``x``'s dtype that
             holds ``x`` rounded through 1x128 FP8 (also on one rank, so results do not
-            depend on the world size). The gradient flows back unquantized
-            (straight-through) in ``x``'s dtype.
+            depend on the world size), or keeps them FP8 (``dispatch(fp8_rows=True)``).
+            The gradient flows back unquantized (straight-through) in ``x``'s dtype.
         timeout: bound in seconds on the host's waits for the dispatcher's collectives
             (the configuration check; every exchange of CPU tensors); default 300. CUDA
             exchanges are bounded by the process group's timeout (module docstring).
