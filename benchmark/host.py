@@ -145,41 +145,38 @@ def host_us(c: HostCase, calls: int, device: str) -> tuple[float, bool]:
     return (time.perf_counter() - t0) / calls * 1e6, False
 
 
-def profile(c: HostCase, calls: int, device: str) -> None:
-    import cProfile
-    import pstats
-
+def _profiled_calls(c: HostCase, calls: int, device: str, profiler):
+    """Warm up, queue a GPU spin, then run ``calls`` calls inside ``profiler`` (a context
+    manager); returns it."""
     for _ in range(3):
         _call(c)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda._sleep(int(2e9))
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(calls):
-        _call(c)
-    pr.disable()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
-
-
-def torch_profile(c: HostCase, calls: int, device: str) -> None:
-    """torch.profiler's CPU view of ``calls`` calls (covers the autograd engine's own
-    thread, which cProfile does not see): self CPU time per op, and the launches."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
-
-    for _ in range(3):
-        _call(c)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9))
-    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+    with profiler:
         for _ in range(calls):
             _call(c)
     if device == "cuda":
         torch.cuda.synchronize()
+    return profiler
+
+
+def profile(c: HostCase, calls: int, device: str) -> None:
+    """cProfile's top entries (the calling thread only)."""
+    import cProfile
+    import pstats
+
+    pr = _profiled_calls(c, calls, device, cProfile.Profile())
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
+def torch_profile(c: HostCase, calls: int, device: str) -> None:
+    """torch.profiler's CPU view (covers the autograd engine's own thread, which cProfile
+    does not see): self CPU time per op, and the launches."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    prof = _profiled_calls(c, calls, device, tprofile(activities=[ProfilerActivity.CPU]))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
                                     max_name_column_width=70))
 
@@ -201,24 +198,21 @@ def main(argv=None) -> int:
     cases = _cases(device, small=device == "cpu")
     if args.case:
         cases = [c for c in cases if any(s in c.name for s in args.case)]
-    if args.torch_profile:
-        for c in cases:
-            if args.torch_profile in c.name:
-                n = calls if not c.backward or device != "cuda" else args.calls_bwd
-                print(f"== torch.profiler: {c.name} ({n} calls)")
-                torch_profile(c, n, device)
-        return 0
-    if args.profile:
-        for c in cases:
-            if args.profile in c.name:
-                n = calls if not c.backward or device != "cuda" else args.calls_bwd
-                print(f"== cProfile: {c.name} ({n} calls)")
-                profile(c, n, device)
-        return 0
+
+    def calls_of(c: HostCase) -> int:
+        return args.calls_bwd if c.backward and device == "cuda" else calls
+
+    for name, run, what in ((args.torch_profile, torch_profile, "torch.profiler"),
+                            (args.profile, profile, "cProfile")):
+        if name:
+            for c in cases:
+                if name in c.name:
+                    print(f"== {what}: {c.name} ({calls_of(c)} calls)")
+                    run(c, calls_of(c), device)
+            return 0
     rows = []
     for c in cases:
-        us, waited = host_us(c, calls if not c.backward or device != "cuda" else args.calls_bwd,
-                             device)
+        us, waited = host_us(c, calls_of(c), device)
         old, native = ANCHOR_US.get(c.name, (None, None))
         rows.append({"op": c.name, "host_us": us, "waited": waited, "linghe03_us": old,
                      "torch_anchor_us": native})
