@@ -80,8 +80,10 @@ def test_scatter_records_and_gather(case, device):
                 continue
             assert recs[v, TW] == probs[t, j].cpu(), (t, j)
             assert recs[v, TW + 1] == int(ids[t, j]) % El, (t, j)
-            if fp8:  # the reference's scales; data within one e4m3 step
-                assert torch.equal(recs[v, TW + 2:TW + 4], s[t]), (t, j)
+            if fp8:  # the reference's scales (to an ulp or two: the GPU's fp32 division
+                # is not correctly rounded); data within one e4m3 step
+                torch.testing.assert_close(recs[v, TW + 2:TW + 4], s[t], rtol=3e-7, atol=0,
+                                           msg=f"scales of ({t}, {j})")
                 assert_fp8_close(data[v], q[t], f"payload of ({t}, {j})")
             else:
                 assert torch.equal(data[v], x[t].cpu()), (t, j)
