@@ -38,7 +38,13 @@ from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd_gm
 from ..fwd.activation import batch_silu_mul_quant_fwd
 from ..layout import ExpertLayout
-from ..utils import FLOAT_DTYPES, check_kernel_device, check_same_device, check_tensor
+from ..utils import (
+    FLOAT_DTYPES,
+    apply_function,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+)
 from .activation import silu_mul
 from .grouped_mm import cached_grouped_weight, grouped_mm, quantize_grouped_weight
 
@@ -68,7 +74,7 @@ def quantize_tokens(x: torch.Tensor, *, pow2_scale: bool = False) -> Fp8Tensor:
     check_kernel_device("x", x)
     if torch.compiler.is_compiling():
         return library.quantize_tokens(x, pow2_scale)
-    return _QuantizeTokens.apply(x, bool(pow2_scale))
+    return apply_function(_QuantizeTokens, x, bool(pow2_scale))
 
 
 # ------------------------------------------------------------------------- experts
@@ -254,6 +260,5 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
     if torch.compiler.is_compiling():  # (the unfused FP8 path: see the library function)
         return library.grouped_swiglu_fp8(rows, probs_rows, gate_up, down, layout,
                                           bool(pow2_scale))
-    return _GroupedSwiGLUFp8.apply(rows, probs_rows, gate_up, down, layout,
-                                   tuple(weight_caches) if weight_caches else None,
-                                   bool(pow2_scale))
+    return apply_function(_GroupedSwiGLUFp8, rows, probs_rows, gate_up, down, layout,
+                          tuple(weight_caches) if weight_caches else None, bool(pow2_scale))
