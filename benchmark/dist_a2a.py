@@ -61,6 +61,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _one_call_us(fn, cuda: bool) -> float:
+    """µs of one ``fn()``: CUDA events around it on the GPU, wall clock on CPU."""
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
 class _Timer:
     def __init__(self, device: torch.device, iters: int, warmup: int):
         self.dev, self.iters, self.warmup = device, iters, warmup
@@ -75,18 +90,7 @@ class _Timer:
         ts = []
         for _ in range(self.iters):
             dist.barrier()
-            if cuda:
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
+            ts.append(_one_call_us(fn, cuda))
         t = torch.tensor([statistics.median(ts)], dtype=torch.float64, device=self.dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
@@ -248,17 +252,7 @@ def _local_time(timer: _Timer, fn) -> float:
     for _ in range(timer.iters):
         if cuda:
             torch.cuda.synchronize()
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
+        ts.append(_one_call_us(fn, cuda))
     return statistics.median(ts)
 
 
