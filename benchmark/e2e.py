@@ -6,7 +6,9 @@
     python -m benchmark.e2e --steps 5 --cuda-graph --loss-json LOSS.json --json OUT.json
 
 Throughput job (default): per mode (plain PyTorch reference, linghe bf16, linghe FP8
-blockwise; same initial weights, same data, same optimizer: fused AdamW on CUDA, gradients
+blockwise; same initial weights, same data, AdamW with clipping in each library's best
+form: PyTorch's fused AdamW + ``clip_grad_norm_`` for torch, ``linghe.optim.AdamW`` with
+fused clipping for the linghe modes (``--optimizer torch``: PyTorch's for all); gradients
 set to None before each backward) it trains ``--steps`` timed steps after ``--warmup``
 steps and reports tokens/s, model TFLOP/s and MFU, peak memory, the wall time of a step
 against its GPU-busy time (the summed kernel time of ``--profile-steps`` steps from
@@ -166,8 +168,12 @@ def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
     with torch.cuda.graph(g_grad):
         s_loss, s_tpes = forward_backward(model, opt, s_tok, s_lab, mode)
     g_grad.replay()  # real gradients, so the eager clipping below scales finite values
-    clip = torch.nn.utils.clip_grad_norm_ if mode == "torch" else linghe.optim.clip_grad_norm_
-    clip(grad_params(model), 1.0)
+    if isinstance(opt, linghe.optim.AdamW):
+        opt.prepare_step()  # its tables for the graph's gradients, nothing updated
+    else:
+        clip = (torch.nn.utils.clip_grad_norm_ if mode == "torch"
+                else linghe.optim.clip_grad_norm_)
+        clip(grad_params(model), 1.0)
     torch.cuda.synchronize()
     with torch.cuda.graph(g_update, pool=g_grad.pool()):
         update(model, opt, s_tpes, mode)
@@ -228,13 +234,14 @@ def peak_tflops(device) -> tuple[float | None, float | None]:
 
 
 def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmup: int,
-            prof_steps: int, data: bytes, seed: int, lr: float) -> dict:
+            prof_steps: int, data: bytes, seed: int, lr: float,
+            optimizer: str = "auto") -> dict:
     """Train ``mode`` for ``warmup + steps (+ prof_steps)`` steps and measure them."""
-    row = {"mode": mode, "cuda_graph": graph, "error": None}
+    row = {"mode": mode, "cuda_graph": graph, "optimizer": optimizer, "error": None}
     model = opt = step = None
     try:
         model = build_model(cfg, device=device, seed=seed)
-        opt = make_optimizer(model, lr, capturable=graph)
+        opt = make_optimizer(model, lr, mode=mode, capturable=graph, optimizer=optimizer)
         batches = ByteBatches(data, cfg.batch, cfg.seq, device)
         if torch.device(device).type == "cuda":
             # from here: warm-up steps (optimizer state) and the capture are included
@@ -334,8 +341,10 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
           f"{cfg.seq}; {total_params(cfg) / 1e9:.2f} B parameters; "
           f"{f['total'] / 1e12:.1f} model TFLOP per step (6 N_active tokens + causal "
           f"attention). MFU against the dense bf16 peak (989 TFLOP/s on H100/H200) for every "
-          f"mode; the FP8 mode also against the FP8 peak (1979). Every mode uses the same "
-          f"optimizer (fused AdamW on CUDA) and sets gradients to None before backward.",
+          f"mode; the FP8 mode also against the FP8 peak (1979). Every mode uses the "
+          f"AdamW of its library (torch: fused AdamW + clip_grad_norm_; linghe: "
+          f"linghe.optim.AdamW with fused clipping, unless --optimizer torch) and sets "
+          f"gradients to None before backward.",
           file=file)
     _print_rows(head, lines, file)
     print_targets(targets(rows, loss_gap), file)
@@ -457,7 +466,7 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
         print(f"[e2e] {mode}: {cfg.layers} layers ...", flush=True)
         rows.append(measure(cfg, mode, device=device, graph=False, steps=args.steps,
                             warmup=args.warmup, prof_steps=args.profile_steps, data=data,
-                            seed=args.seed, lr=args.lr))
+                            seed=args.seed, lr=args.lr, optimizer=args.optimizer))
     if args.cuda_graph:
         for mode in modes:
             if mode == "torch":
@@ -465,7 +474,8 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
             print(f"[e2e] {mode} + CUDA graph ...", flush=True)
             rows.append(measure(cfg, mode, device=device, graph=True, steps=args.steps,
                                 warmup=args.warmup, prof_steps=args.profile_steps,
-                                data=data, seed=args.seed, lr=args.lr))
+                                data=data, seed=args.seed, lr=args.lr,
+                                optimizer=args.optimizer))
     loss_gap = None
     if args.loss_json:
         with open(args.loss_json) as fh:
@@ -501,12 +511,14 @@ def deterministic_kernels():
 
 
 def train_curve(cfg: E2EConfig, mode: str, data: bytes, *, steps: int, lr: float, seed: int,
-                device, graph: bool = False) -> tuple[list[float], dict]:
+                device, graph: bool = False,
+                optimizer: str = "auto") -> tuple[list[float], dict]:
     """The losses of ``steps`` training steps of ``mode`` from the seeded initialisation
     (warmup + cosine learning rate), and ``{"first_step_s", "rest_s"}`` (the first step
     includes Triton's compiles)."""
     model = build_model(cfg, device=device, seed=seed)
-    opt = make_optimizer(model, lr_at(0, steps, lr), capturable=graph, lr_tensor=graph)
+    opt = make_optimizer(model, lr_at(0, steps, lr), mode=mode, capturable=graph,
+                         lr_tensor=graph, optimizer=optimizer)
     batches = ByteBatches(data, cfg.batch, cfg.seq, device)
     if graph:
         # Capture (its warmup steps) from a copy of the initial state, so the curve
@@ -552,7 +564,7 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
             print(f"[e2e] loss curve {mode}: {steps} steps ...", flush=True)
             curves[mode], times[mode] = train_curve(
                 cfg, mode, data, steps=steps, lr=args.lr, seed=args.seed, device=device,
-                graph=args.cuda_graph and mode != "torch")
+                graph=args.cuda_graph and mode != "torch", optimizer=args.optimizer)
             tm = times[mode]
             print(f"  {mode}: first step {tm['first_step_s']:.1f} s (compiles), then "
                   f"{1e3 * tm['rest_s'] / max(1, steps - 1):.1f} ms per step", flush=True)
@@ -664,6 +676,10 @@ def parse_args(argv=None):
     p.add_argument("--loss-json", default=None,
                    help="a loss-curve job's JSON: its FP8-vs-bf16 final-loss gap joins the "
                         "throughput job's targets")
+    p.add_argument("--optimizer", choices=("auto", "torch"), default="auto",
+                   help="auto: the linghe modes train with linghe.optim.AdamW (clipping "
+                        "fused), the torch mode with PyTorch's fused AdamW; torch: every mode "
+                        "with PyTorch's fused AdamW (the earlier setup)")
     p.add_argument("--top-kernels", type=int, default=10,
                    help="print the N longest kernels of each profiled row (0: none)")
     args = p.parse_args(argv)

@@ -362,26 +362,37 @@ def fp8_context(mode: str):
     return contextlib.nullcontext()
 
 
-def make_optimizer(model: nn.Module, lr: float = 1e-3, *, capturable: bool = False,
-                   lr_tensor: bool = False, weight_decay: float = 0.01) -> torch.optim.AdamW:
-    """AdamW (betas 0.9/0.95), the same in every mode so that the modes compare fairly.
+def make_optimizer(model: nn.Module, lr: float = 1e-3, *, mode: str = "torch",
+                   capturable: bool = False, lr_tensor: bool = False,
+                   weight_decay: float = 0.01, max_norm: float = 1.0,
+                   optimizer: str = "auto") -> torch.optim.Optimizer:
+    """AdamW (betas 0.9/0.95) with gradient clipping to ``max_norm``, each mode with its
+    library's best form (``optimizer="auto"``):
 
-    On CUDA it is PyTorch's fused AdamW (``fused=True``): one multi-tensor kernel per
-    (device, dtype) group that reads a parameter, its gradient and both moments and writes
-    back the parameter and the moments. The moments have the parameters' dtype (bf16 for
-    the projections and experts), so the step moves 14 bytes per bf16 parameter: ~100 GB
-    at the Ling-mini shapes with 4 layers (7.2 B parameters), >= 23 ms at the H200's copy
-    bandwidth (4.3 TB/s). The foreach form took ~105 ms there, and its capturable form
-    falls back to one non-vectorized kernel per tensor for the bias-correction divisions
-    (a bf16 list divided by a list of fp32 0-dim tensors), which made the CUDA-graph rows
-    slower than eager. On the CPU: the default (foreach/for-loop) form.
+    * torch: PyTorch's fused AdamW (``fused=True`` on CUDA; the default form on the CPU);
+      :func:`update` clips with ``torch.nn.utils.clip_grad_norm_`` first;
+    * linghe modes: ``linghe.optim.AdamW(max_grad_norm=max_norm)``: the norm in one
+      launch, the clip coefficient applied inside the update, one update launch per dtype.
 
-    ``capturable``: step counts on the device and no host reads, for CUDA-graph capture;
-    ``lr_tensor`` holds the learning rate in a device tensor, so that :func:`set_lr`
-    changes it between replays of a captured step (a float learning rate is baked into
-    the graph)."""
+    ``optimizer="torch"`` gives the linghe modes PyTorch's fused AdamW too (clipped with
+    ``linghe.optim.clip_grad_norm_``): the setup of the runs before linghe had an
+    optimizer, to separate the optimizer's share of a speed-up.
+
+    PyTorch's fused kernel: one multi-tensor launch per ~21M elements (342 per step at the
+    Ling-mini shapes with 4 layers, 7.2 B parameters), 46 ms on an H200 for the ~100 GB it
+    must move (14 bytes per bf16 parameter, >= 23 ms at 4.3 TB/s); the foreach form took
+    ~105 ms and its capturable form falls back to non-vectorized per-tensor kernels.
+
+    ``capturable``: step counts on the device and no host reads, for CUDA-graph capture
+    (linghe's AdamW always is); ``lr_tensor`` holds the learning rate in a device tensor,
+    so that :func:`set_lr` changes it between replays of a captured step."""
+    if optimizer not in ("auto", "torch"):
+        raise ValueError(f"optimizer must be 'auto' or 'torch', got {optimizer!r}")
     device = next(model.parameters()).device
     lr_arg = torch.tensor(lr, dtype=torch.float32, device=device) if lr_tensor else lr
+    if mode != "torch" and optimizer == "auto":
+        return linghe.optim.AdamW(model.parameters(), lr=lr_arg, betas=(0.9, 0.95),
+                                  weight_decay=weight_decay, max_grad_norm=max_norm)
     fused = device.type == "cuda"
     return torch.optim.AdamW(model.parameters(), lr=lr_arg, betas=(0.9, 0.95),
                              weight_decay=weight_decay, capturable=capturable,
@@ -423,13 +434,15 @@ def forward_backward(model: E2EModel, opt: torch.optim.Optimizer, tokens: torch.
 
 def update(model: E2EModel, opt: torch.optim.Optimizer, tpes: list, mode: str,
            max_norm: float = 1.0) -> None:
-    """Clip (``torch.nn.utils.clip_grad_norm_`` in the torch mode, linghe's otherwise),
-    AdamW, expert-bias update."""
-    params = grad_params(model)
-    if mode == "torch":
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        linghe.optim.clip_grad_norm_(params, max_norm)
+    """Clip, AdamW, expert-bias update. ``linghe.optim.AdamW`` clips inside its step (to
+    its ``max_grad_norm``); with PyTorch's AdamW the gradients are clipped first
+    (``torch.nn.utils.clip_grad_norm_`` in the torch mode, linghe's otherwise)."""
+    if not isinstance(opt, linghe.optim.AdamW):
+        params = grad_params(model)
+        if mode == "torch":
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            linghe.optim.clip_grad_norm_(params, max_norm)
     opt.step()
     model.update_expert_bias(tpes)
 

@@ -550,6 +550,27 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     return total
 
 
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1: float,
+               beta2: float, eps: float, weight_decay: float, maximize: bool = False,
+               grad_coef: float | torch.Tensor = 1.0) -> None:
+    """One AdamW step (decoupled weight decay), in place, computed in float64 and stored in
+    each tensor's dtype. ``steps``: the step count of each tensor *after* this step (the
+    bias corrections use it); ``grad_coef`` multiplies every gradient first (clipping)."""
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        g64 = g.double() * torch.as_tensor(grad_coef, dtype=torch.float64).to(g.device)
+        if maximize:
+            g64 = -g64
+        p64 = p.double() * (1.0 - lr * weight_decay)
+        m64 = beta1 * m.double() + (1.0 - beta1) * g64
+        v64 = beta2 * v.double() + (1.0 - beta2) * g64 * g64
+        bc1 = 1.0 - beta1 ** float(step)
+        bc2 = 1.0 - beta2 ** float(step)
+        p64 = p64 - (lr / bc1) * m64 / (v64.sqrt() / bc2 ** 0.5 + eps)
+        p.copy_(p64)
+        m.copy_(m64)
+        v.copy_(v64)
+
+
 def count_zeros(tensors) -> torch.Tensor:
     """Number of elements equal to 0 (``-0.0`` counts, NaN does not), int64."""
     total = torch.zeros((), dtype=torch.int64)

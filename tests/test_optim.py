@@ -473,6 +473,16 @@ comp(K._count_zeros_kernel,
      dict(table_ptr="*i64", n_chunks="i32", partial_ptr="*i64", ITYPE="constexpr",
           BLOCK="constexpr", ALIGNED="constexpr"),
      dict(ITYPE=tl.int32, BLOCK=B, ALIGNED=True))
+for dt in (tl.bfloat16, tl.float32):
+    k = comp(K._adamw_kernel,
+             dict(table_ptr="*i64", n_chunks="i32", bias_ptr="*fp32",
+                  coef_ptr="*fp32", lr_ptr="*fp32", lr="fp32", beta1="fp32", beta2="fp32",
+                  eps="fp32", weight_decay="fp32", P="constexpr", G="constexpr",
+                  M="constexpr", BLOCK="constexpr", ALIGNED="constexpr", CLIP="constexpr",
+                  LR_TENSOR="constexpr", MAXIMIZE="constexpr"),
+             dict(P=dt, G=dt, M=dt, BLOCK=K.ADAMW_BLOCK, ALIGNED=True, CLIP=True,
+                  LR_TENSOR=True, MAXIMIZE=False))
+    assert re.search(r"st\.global\.[\w:.]*v4", k.asm["ptx"]), "adamw stores"
 print("COMPILED")
 '''
 

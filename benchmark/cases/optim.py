@@ -110,3 +110,80 @@ def count_zeros_case(cfg: Config):
         out.append(Bench(name=f"count_zeros {label} ({n / 1e6:.1f}M)", bytes=4 * n, tol=0,
                          run=run, expected=lambda ts=ts: ref.count_zeros(ts)))
     return out
+
+
+def _adamw_copies(shapes, device, n_copies):
+    """``n_copies`` independent (params, steps) sets with the same initial values and
+    gradients (bf16; every provider steps its own set)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    base = [(torch.randn(s, generator=g).to(device, torch.bfloat16),
+             torch.randn(s, generator=g).to(device, torch.bfloat16)) for s in shapes]
+    sets = []
+    for _ in range(n_copies):
+        ps = []
+        for w, gr in base:
+            p = torch.nn.Parameter(w.clone())
+            p.grad = gr.clone()
+            ps.append(p)
+        sets.append(ps)
+    return sets
+
+
+_ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+@case("adamw")
+def adamw_case(cfg: Config):
+    """One AdamW step with gradient clipping (max norm far above the norm: coefficient 1,
+    every gradient still read for the norm) over 300 bf16 parameters (~300M elements).
+    eager: the reference (``linghe.reference``: clip, then the update per tensor in
+    float64); torch: ``clip_grad_norm_(foreach=True)`` + ``torch.optim.AdamW(fused=True)``;
+    compile: ``torch.compile`` of clip + foreach AdamW; linghe: ``linghe.optim.AdamW(
+    max_grad_norm=...)``. Bytes: 16 per element (parameter, gradient and both moments read,
+    three written, the gradient read once more for the norm by the others; linghe reads it
+    once for the norm and once in the update)."""
+    shapes = _lists(cfg)[0][1]
+    on_gpu = not cfg.cpu
+    eager_ps, torch_ps, comp_ps, lin_ps = _adamw_copies(shapes, cfg.device, 4)
+    n = _numel(eager_ps)
+    max_norm = 1e9
+    eager_state = {"m": [torch.zeros_like(p) for p in eager_ps],
+                   "v": [torch.zeros_like(p) for p in eager_ps], "step": [0]}
+
+    def eager():
+        eager_state["step"][0] += 1
+        ref.clip_grad_norm_(eager_ps, max_norm)
+        ref.adamw_step([p.data for p in eager_ps], [p.grad for p in eager_ps],
+                       eager_state["m"], eager_state["v"],
+                       [eager_state["step"][0]] * len(eager_ps), lr=_ADAMW["lr"],
+                       beta1=_ADAMW["betas"][0], beta2=_ADAMW["betas"][1],
+                       eps=_ADAMW["eps"], weight_decay=_ADAMW["weight_decay"])
+        return [p.detach() for p in eager_ps]
+
+    torch_opt = torch.optim.AdamW(torch_ps, fused=on_gpu or None, **_ADAMW)
+
+    def torch_step():
+        torch.nn.utils.clip_grad_norm_(torch_ps, max_norm, foreach=True)
+        torch_opt.step()
+        return [p.detach() for p in torch_ps]
+
+    comp_opt = torch.optim.AdamW(comp_ps, foreach=True, **_ADAMW)
+
+    def comp_step():
+        torch.nn.utils.clip_grad_norm_(comp_ps, max_norm, foreach=True)
+        comp_opt.step()
+
+    lin_opt = linghe.optim.AdamW(lin_ps, max_grad_norm=max_norm, **_ADAMW)
+
+    def lin_step():
+        lin_opt.step()
+        return [p.detach() for p in lin_ps]
+
+    def comp_run():
+        compiled(comp_step)()
+        return [p.detach() for p in comp_ps]
+
+    run = {"eager": eager, "linghe": lin_step, "torch": torch_step, "compile": comp_run}
+    return [Bench(name=f"adamw+clip {len(shapes)} bf16 ({n / 1e6:.1f}M)", bytes=16 * n,
+                  tol=1e-2, run=run,
+                  note="bytes: p, g, m, v read, p, m, v written, g read for the norm")]

@@ -88,6 +88,13 @@ def norm_mode(p: float) -> int:
 ELEMS_PER_THREAD = 16
 
 
+#: AdamW elements per block: 8 per thread (16-byte loads of bf16; two of fp32), and
+#: programs per SM: sm_90 ptxas gives the kernel 88 (bf16) to 116 (fp32) registers, so
+#: two 8-warp programs fit an SM (32-64 KB of loads in flight per SM).
+ADAMW_BLOCK = NUM_WARPS * 32 * 8
+ADAMW_PROGRAMS_PER_SM = int(os.environ.get("LINGHE_ADAMW_PROGRAMS_PER_SM", "2"))
+
+
 def _block(elem_size: int, kind: str) -> int:
     if kind == "bits" and elem_size < 4:
         return NUM_WARPS * 32 * ELEMS_PER_THREAD * 2  # narrow ints: 32 elements per thread
@@ -335,6 +342,130 @@ def _count_zeros_kernel(table_ptr, n_chunks, partial_ptr, ITYPE: tl.constexpr,
     tl.store(partial_ptr + pid, tl.sum(cnt.to(tl.int64), axis=0))
 
 
+# AdamW table rows: (param, grad, exp_avg, exp_avg_sq byte addresses, length, tensor index
+# into the bias corrections, 0, 0): 8 int64, so a row is one 64-byte line.
+ADAMW_ROW = 8
+
+
+@triton.jit
+def _adamw_row(table_ptr, c, n_chunks):
+    """Chunk ``c``'s four addresses, length and tensor index (zeros past the table)."""
+    ok = c < n_chunks
+    row = table_ptr + c.to(tl.int64) * 8
+    return (tl.load(row, mask=ok, other=0), tl.load(row + 1, mask=ok, other=0),
+            tl.load(row + 2, mask=ok, other=0), tl.load(row + 3, mask=ok, other=0),
+            tl.load(row + 4, mask=ok, other=0), tl.load(row + 5, mask=ok, other=0))
+
+
+@triton.jit
+def _adamw_block(pp, gp, mp, vp, mask, coef, decay, step_size, bc2_sqrt, beta1, beta2, eps,
+                 MAXIMIZE: tl.constexpr):
+    """One block of elements: the update in float32, stored in each tensor's dtype."""
+    p = tl.load(pp, mask=mask).to(tl.float32)
+    g = tl.load(gp, mask=mask).to(tl.float32) * coef
+    m = tl.load(mp, mask=mask).to(tl.float32)
+    v = tl.load(vp, mask=mask).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    p = p * decay
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * (g * g)
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    tl.store(pp, p.to(pp.dtype.element_ty), mask=mask)
+    tl.store(mp, m.to(mp.dtype.element_ty), mask=mask)
+    tl.store(vp, v.to(vp.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _pow_steps(b, s):
+    """``b ** s`` for float64 ``b`` and an integer count ``0 <= s < 2^25`` (float32 step
+    counts are exact up to 2^24): binary exponentiation, plain float64 multiplies (about
+    1e-14 relative error; no transcendental functions, whose GPU forms are approximate)."""
+    r = b * 0.0 + 1.0
+    for _ in tl.static_range(25):
+        r = tl.where((s & 1) == 1, r * b, r)
+        b = b * b
+        s = s >> 1
+    return r
+
+
+@triton.jit
+def _adamw_advance_kernel(steps_ptr, inc_ptr, betas_ptr, bias_ptr, n,
+                          HAS_INC: tl.constexpr, BLOCK: tl.constexpr):
+    """``steps += inc`` (1, or ``inc[i]`` with ``HAS_INC``: only the parameters with a
+    gradient count a step) and the bias corrections of the new counts, ``bias[i] = (1 -
+    beta1^steps[i], 1 - beta2^steps[i])`` as float32, computed in float64 from the float64
+    ``betas[0:2]`` (``1 - 0.999^1`` keeps its digits; float32 betas would make it 1.3e-5
+    off)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    s = tl.load(steps_ptr + i, mask=m, other=0.0)
+    if HAS_INC:
+        s = s + tl.load(inc_ptr + i, mask=m, other=0.0)
+    else:
+        s = s + 1.0
+    tl.store(steps_ptr + i, s, mask=m)
+    k = s.to(tl.int32)
+    tl.store(bias_ptr + 2 * i, (1.0 - _pow_steps(tl.load(betas_ptr), k)).to(tl.float32),
+             mask=m)
+    tl.store(bias_ptr + 2 * i + 1,
+             (1.0 - _pow_steps(tl.load(betas_ptr + 1), k)).to(tl.float32), mask=m)
+
+
+@triton.jit
+def _adamw_kernel(table_ptr, n_chunks, bias_ptr, coef_ptr, lr_ptr, lr, beta1, beta2, eps,
+                  weight_decay, P: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr, CLIP: tl.constexpr,
+                  LR_TENSOR: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """AdamW (decoupled weight decay) over the chunks of an :data:`ADAMW_ROW` table; program
+    ``pid`` takes chunks ``pid, pid + NP, ...`` (each chunk's row is loaded one chunk
+    ahead).
+
+    Per element, in float32: ``g *= coef`` (the clip coefficient, ``CLIP``), ``p *= 1 - lr
+    * wd``, ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``, ``p -= lr / bc1 * m /
+    (sqrt(v) / sqrt(bc2) + eps)``, with the bias corrections ``bias[t] = (bc1, bc2)`` of
+    the chunk's tensor ``t`` (from :func:`_adamw_advance_kernel`, for this step)."""
+    pid = tl.program_id(0)
+    NP = tl.num_programs(0)
+    lanes = tl.arange(0, BLOCK)
+    if LR_TENSOR:
+        lr_f = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr_f = tl.zeros([], tl.float32) + lr
+    if CLIP:
+        coef = tl.load(coef_ptr).to(tl.float32)
+    else:
+        coef = tl.full([], 1.0, tl.float32)
+    decay = 1.0 - lr_f * weight_decay
+    pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, pid, n_chunks)
+    for c in range(pid, n_chunks, NP):
+        pa, ga, ma, va, n, t = pa_n, ga_n, ma_n, va_n, n_n, t_n
+        pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, c + NP, n_chunks)
+        bc1 = tl.load(bias_ptr + 2 * t)
+        bc2 = tl.load(bias_ptr + 2 * t + 1)
+        step_size = tl.div_rn(lr_f, bc1)
+        bc2_sqrt = tl.sqrt_rn(bc2)
+        pp = pa.to(tl.pointer_type(P))
+        gp = ga.to(tl.pointer_type(G))
+        mp = ma.to(tl.pointer_type(M))
+        vp = va.to(tl.pointer_type(M))
+        if ALIGNED:  # every chunk start 16-byte aligned: 16-byte vector accesses
+            pp = tl.multiple_of(pp, 16)
+            gp = tl.multiple_of(gp, 16)
+            mp = tl.multiple_of(mp, 16)
+            vp = tl.multiple_of(vp, 16)
+        n_full = (n // BLOCK) * BLOCK
+        for off in range(0, n_full, BLOCK):  # full blocks: unmasked (vectorizable)
+            o = off + lanes
+            _adamw_block(pp + o, gp + o, mp + o, vp + o, None, coef, decay, step_size,
+                         bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
+        for off in range(n_full, n, BLOCK):  # the tail of a tensor's last chunk
+            o = off + lanes
+            _adamw_block(pp + o, gp + o, mp + o, vp + o, o < n, coef, decay, step_size,
+                         bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
+
+
 # ======================================================================================
 # plans (chunk tables) and their cache
 # ======================================================================================
@@ -448,6 +579,27 @@ def _max_programs(device: torch.device) -> int:
     return num_sms(device) * PROGRAMS_PER_SM
 
 
+def _chunks(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tensor index, start element, length)`` of every ``CHUNK``-element chunk of
+    tensors of ``sizes`` elements, tensor after tensor (empty tensors have none)."""
+    nch = (sizes + CHUNK - 1) // CHUNK
+    total = int(nch.sum())
+    tid = np.repeat(np.arange(len(sizes)), nch)
+    first = np.cumsum(nch) - nch
+    start = (np.arange(total, dtype=np.int64) - np.repeat(first, nch)) * CHUNK
+    return tid, start, np.minimum(CHUNK, sizes[tid] - start)
+
+
+def _upload(table_np: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(host, device)`` copies of an int64 table: uploaded from pinned memory with a
+    non-blocking copy (no host sync); the pinned source must live as long as the plan."""
+    host = torch.from_numpy(np.ascontiguousarray(table_np))
+    if device.type != "cuda":
+        return host, host
+    host = host.pin_memory()
+    return host, host.to(device, non_blocking=True)
+
+
 def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device) -> Plan:
     """Chunk table for ``buckets`` (lists of tensors). ``kind`` = "float" (group by dtype,
     for norm/scale) or "bits" (group by element size, for count_zeros)."""
@@ -482,13 +634,8 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
                 continue
             arr = np.asarray(items, dtype=np.int64)
             ptrs, sizes, flags = arr[:, 0], arr[:, 1], arr[:, 2]
-            nch = (sizes + CHUNK - 1) // CHUNK
-            total = int(nch.sum())
-            tid = np.repeat(np.arange(len(items)), nch)
-            first = np.cumsum(nch) - nch
-            k = np.arange(total, dtype=np.int64) - np.repeat(first, nch)
-            start = k * CHUNK
-            length = np.minimum(CHUNK, sizes[tid] - start)
+            tid, start, length = _chunks(sizes)
+            total = len(tid)
             if kind == "float":
                 es = torch.empty((), dtype=key).element_size()
                 tl_key = _TL_DTYPE[key]
@@ -503,15 +650,60 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
             partial_off += grid
         bucket_ranges[b][1] = partial_off - bucket_ranges[b][0]
     table_np = (np.concatenate(rows, axis=0) if rows else np.zeros((0, 4), dtype=np.int64))
-    host = torch.from_numpy(np.ascontiguousarray(table_np))
-    if device.type == "cuda":
-        host = host.pin_memory()
-        table = host.to(device, non_blocking=True)
-    else:
-        table = host
+    host, table = _upload(table_np, device)
     for ln in launches:
         ln.table = table[ln.chunk_off:]
     return Plan(device, table, host, launches, [tuple(r) for r in bucket_ranges], partial_off)
+
+
+@dataclass
+class AdamWLaunch:
+    key: tuple  # (param, grad, moment) tl dtypes
+    n_chunks: int
+    grid: int
+    aligned: bool
+    table: torch.Tensor  # the plan's table from this launch's first chunk
+
+
+@dataclass
+class AdamWPlan:
+    table: torch.Tensor
+    host_table: torch.Tensor  # pinned source of the upload (kept alive with the plan)
+    launches: list[AdamWLaunch]
+
+
+def build_adamw_plan(params: list[torch.Tensor], grads: list[torch.Tensor],
+                     exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                     index: list[int], device: torch.device) -> AdamWPlan:
+    """The AdamW chunk table of contiguous, same-size ``params[i], grads[i], exp_avgs[i],
+    exp_avg_sqs[i]`` (``index[i]``: the tensor's row in the bias corrections); one
+    launch per (dtypes, 16-byte alignment of all four) group."""
+    groups: OrderedDict = OrderedDict()
+    for i, quad in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        n = quad[0].numel()
+        if n == 0:
+            continue
+        ptrs = [t.data_ptr() for t in quad]
+        key = (quad[0].dtype, quad[1].dtype, quad[2].dtype, all(p % 16 == 0 for p in ptrs))
+        groups.setdefault(key, []).append(
+            ptrs + [n, index[i]] + [t.element_size() for t in quad])
+    max_prog = num_sms(device) * ADAMW_PROGRAMS_PER_SM
+    rows, specs = [], []
+    for (pd, gd, md, aligned), items in groups.items():
+        arr = np.asarray(items, dtype=np.int64)
+        tid, start, length = _chunks(arr[:, 4])
+        addrs = [arr[tid, j] + start * arr[tid, 6 + j] for j in range(4)]
+        rows.append(np.stack(addrs + [length, arr[tid, 5], 0 * length, 0 * length], axis=1))
+        specs.append(((_TL_DTYPE[pd], _TL_DTYPE[gd], _TL_DTYPE[md]), len(tid), aligned))
+    table_np = (np.concatenate(rows, axis=0) if rows
+                else np.zeros((0, ADAMW_ROW), dtype=np.int64))
+    host, table = _upload(table_np, device)
+    launches, off = [], 0
+    for key, n_chunks, aligned in specs:
+        launches.append(AdamWLaunch(key, n_chunks, min(n_chunks, max_prog), aligned,
+                                    table[off:]))
+        off += n_chunks
+    return AdamWPlan(table, host, launches)
 
 
 def get_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device) -> Plan:
@@ -605,6 +797,36 @@ def scale_(plan: Plan, coef: torch.Tensor) -> None:
                    num_warps=NUM_WARPS)
 
 
+def adamw_advance(steps: torch.Tensor, inc: torch.Tensor | None, betas: torch.Tensor,
+                  bias: torch.Tensor) -> None:
+    """Advance the float32 ``steps [n]`` by 1 (or by ``inc [n]`` float32) and write the bias
+    corrections ``bias [n, 2]`` float32 of the new counts (``betas [2]`` float64)."""
+    n = steps.numel()
+    if n:
+        with device_guard(steps):
+            launch(_adamw_advance_kernel, (cdiv(n, 1024),), steps,
+                   inc if inc is not None else steps, betas, bias, n,
+                   HAS_INC=inc is not None, BLOCK=1024, num_warps=4)
+
+
+def adamw_(plan: AdamWPlan, bias: torch.Tensor, *, lr, beta1: float, beta2: float,
+           eps: float, weight_decay: float, maximize: bool,
+           coef: torch.Tensor | None) -> None:
+    """Run the AdamW launches of ``plan``: ``bias [n, 2]`` the bias corrections of each
+    tensor row of the table (:func:`adamw_advance`); ``lr`` a float or a 1-element float
+    tensor on the device; ``coef`` the clip coefficient ``[1]`` fp32 or None."""
+    lr_tensor = isinstance(lr, torch.Tensor)
+    with device_guard(bias):
+        for ln in plan.launches:
+            P, G, M = ln.key
+            launch(_adamw_kernel, (ln.grid,), ln.table, ln.n_chunks, bias,
+                   coef if coef is not None else bias, lr if lr_tensor else bias,
+                   0.0 if lr_tensor else float(lr), float(beta1), float(beta2), float(eps),
+                   float(weight_decay), P=P, G=G, M=M, BLOCK=ADAMW_BLOCK,
+                   ALIGNED=ln.aligned, CLIP=coef is not None, LR_TENSOR=lr_tensor,
+                   MAXIMIZE=bool(maximize), num_warps=NUM_WARPS)
+
+
 def count_zeros_partials(plan: Plan) -> torch.Tensor:
     partials = empty(max(plan.n_partials, 1), dtype=torch.int64, device=plan.device)
     if plan.n_partials == 0:
@@ -619,5 +841,5 @@ def count_zeros_partials(plan: Plan) -> torch.Tensor:
 
 
 __all__ = ["CHUNK", "INTERPRET", "cdiv", "clear_plan_cache", "get_plan", "TensorListCache",
-           "norm_partials", "norm_single_launch",
+           "adamw_", "adamw_advance", "build_adamw_plan", "norm_partials", "norm_single_launch",
            "reduce_partials", "finish_norm", "scale_", "count_zeros_partials", "NORM_DTYPES"]

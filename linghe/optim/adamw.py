@@ -1,0 +1,292 @@
+"""AdamW in one multi-tensor launch per dtype group, with gradient clipping fused in.
+
+``linghe.optim.AdamW`` is a drop-in for ``torch.optim.AdamW`` (decoupled weight decay;
+the same hyperparameters, state names and ``state_dict`` layout) whose ``step()`` is:
+
+1. with ``max_grad_norm``: the total gradient norm and the clip coefficient
+   ``min(max_grad_norm / (norm + 1e-6), 1)`` in one launch
+   (:func:`linghe.optim.grad_norm`'s kernel; the norm is kept in :attr:`AdamW.grad_norm`);
+2. per param group: one tiny launch advances the step counts and computes their bias
+   corrections (in float64), then one persistent launch per (param, grad, moment) dtype
+   combination over a cached table of chunk addresses reads each parameter, gradient and
+   both moments once and writes the parameter and the moments once, the gradient
+   multiplied by the clip coefficient in registers.
+
+So clipping costs one read of the gradients instead of ``clip_grad_norm_``'s read plus a
+read and write, and the update is one launch instead of PyTorch's fused AdamW's one launch
+per ~21M elements (each a few waves with a tail). No host sync; the whole ``step()`` can
+be captured in a CUDA graph (step counts and the clip coefficient live on the device;
+see :meth:`AdamW.prepare_step`; pass ``lr`` as a device tensor to change it between replays; other
+hyperparameters are baked into a captured step).
+
+Differences from ``torch.optim.AdamW``, each documented where it applies:
+
+* the gradients are not modified by clipping (the coefficient is applied inside the
+  update); read :attr:`AdamW.grad_norm` for the norm;
+* ``amsgrad=True`` and ``differentiable=True`` raise ``NotImplementedError``; ``foreach``,
+  ``fused`` and ``capturable`` are accepted and ignored (there is one implementation,
+  always capturable);
+* parameters must be float32, bfloat16 or float16, contiguous, and on one device per
+  param group; the math runs in float32 (as PyTorch's fused kernel for these dtypes).
+
+The state of a parameter is ``step`` (a 0-dim float32 tensor on the parameter's device,
+as in PyTorch's fused and capturable forms), ``exp_avg`` and ``exp_avg_sq`` (the
+parameter's dtype). ``step`` entries are views of one per-group buffer (in-place edits
+of them are seen; after replacing state tensors by hand, go through ``load_state_dict``).
+State dicts load both ways between this class and ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..utils import check_kernel_device
+from . import multi_tensor as K
+from .clip import _norm_and_coef, check_max_norm, check_norm_type, prepare
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DATA_PTR = torch.Tensor.data_ptr
+_PLANS_PER_GROUP = 8
+
+
+class _GroupBuffers:
+    """One param group's device-side step state: ``steps [n]`` float32 (the parameters'
+    ``state["step"]`` are views of it), the betas as a float64 device tensor, this step's
+    bias corrections ``bias [n, 2]``, and the cached launch plans, keyed on which
+    parameters have a gradient and on the addresses of parameters and gradients."""
+
+    def __init__(self, params: list[torch.Tensor], state, betas) -> None:
+        self.key = tuple(map(id, params))
+        device = params[0].device
+        for i, p in enumerate(params):
+            if p.device != device:
+                raise ValueError(f"linghe.optim.AdamW needs the parameters of a param group "
+                                 f"on one device: params[{i}] is on {p.device}, params[0] "
+                                 f"on {device}")
+        self.steps = torch.zeros(len(params), dtype=torch.float32, device=device)
+        have = [i for i, p in enumerate(params) if "step" in state.get(p, {})]
+        if have:  # loaded or earlier state: gather its counts (device ops, no sync)
+            vals = [torch.as_tensor(state[params[i]]["step"], dtype=torch.float32)
+                    .to(device).reshape(()) for i in have]
+            self.steps[torch.tensor(have, device=device)] = torch.stack(vals)
+            for i in have:
+                state[params[i]]["step"] = self.steps[i]
+        self.bias = torch.empty(len(params), 2, dtype=torch.float32, device=device)
+        self.plans: OrderedDict = OrderedDict()
+        self.set_betas(betas)
+
+    def set_betas(self, betas) -> None:
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.betas_t = torch.tensor(self.betas, dtype=torch.float64, device=self.steps.device)
+
+
+class AdamW(torch.optim.Optimizer):
+    """Drop-in for ``torch.optim.AdamW`` (see the module docstring for the differences).
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim.Optimizer``.
+        lr: learning rate (a float, or a 1-element tensor; on the parameters' device it is
+            read by the kernel, so a captured step sees changes).
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: added to the denominator, ``>= 0``.
+        weight_decay: decoupled weight decay, ``>= 0``.
+        amsgrad: must be False.
+        maximize: maximize the objective.
+        foreach, fused, capturable: accepted and ignored (saved as ``None``/``False`` in
+            the param groups, so that a state dict loads into ``torch.optim.AdamW`` as one
+            of its own default form).
+        differentiable: must be False.
+        max_grad_norm: clip the gradients of all param groups to this total norm inside the
+            step (``None``: no clipping).
+        norm_type: the norm's order for ``max_grad_norm`` (``p > 0``, ``inf``, ``-inf``).
+    """
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None,
+                 max_grad_norm: float | None = None, norm_type: float = 2.0) -> None:
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
+        elif not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if amsgrad:
+            raise NotImplementedError("linghe.optim.AdamW does not implement amsgrad=True; "
+                                      "use torch.optim.AdamW for it")
+        if differentiable:
+            raise NotImplementedError("linghe.optim.AdamW is not differentiable; use "
+                                      "torch.optim.AdamW(differentiable=True)")
+        self.max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
+        self.norm_type = check_norm_type(norm_type)
+        #: The total gradient norm of the last ``step()`` (0-dim float32 tensor on the
+        #: device) when ``max_grad_norm`` is set, else None.
+        self.grad_norm: torch.Tensor | None = None
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=maximize, foreach=None, capturable=False,
+                        differentiable=False, fused=None)
+        self._groups: dict[int, _GroupBuffers] = {}
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("differentiable", False)
+        self._groups = {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._groups = {}  # rebuilt from the loaded state on the next step
+
+    def extra_repr(self) -> str:
+        return f"max_grad_norm={self.max_grad_norm}, norm_type={self.norm_type}"
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step over every parameter with a gradient (see the module docstring).
+        Returns ``closure()``'s loss when a closure is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        coef = self._clip_coef()
+        for gi, group in enumerate(self.param_groups):
+            planned = self._group_plan(gi, group)
+            if planned is None:
+                continue
+            bufs, (plan, inc, _keep) = planned
+            K.adamw_advance(bufs.steps, inc, bufs.betas_t, bufs.bias)
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != bufs.steps.device:
+                lr = float(lr)  # a CPU tensor: a host read, no device sync
+            beta1, beta2 = bufs.betas
+            K.adamw_(plan, bufs.bias, lr=lr, beta1=beta1, beta2=beta2,
+                     eps=group["eps"], weight_decay=group["weight_decay"],
+                     maximize=group["maximize"], coef=coef)
+        return loss
+
+    @torch.no_grad()
+    def prepare_step(self) -> None:
+        """Build what :meth:`step` needs for the current gradients (missing state, the
+        chunk tables, the norm's table and buffers) without changing any parameter or
+        step count. Call it before capturing ``step()`` in a CUDA graph when the gradients
+        were allocated anew since the last eager step (e.g. set to None before a captured
+        backward): building a table uploads it from pinned host memory, which a capture
+        must not do."""
+        self._clip_coef()
+        for gi, group in enumerate(self.param_groups):
+            self._group_plan(gi, group)
+
+    # ------------------------------------------------------------------------ internals
+
+    def _clip_coef(self) -> torch.Tensor | None:
+        """The clip coefficient ``[1]`` (and :attr:`grad_norm`), or None without
+        ``max_grad_norm``."""
+        if self.max_grad_norm is None:
+            return None
+        params = [p for g in self.param_groups for p in g["params"]]
+        prep = prepare(params, None, name="params", grads=True, write=False)
+        self.grad_norm, coef = _norm_and_coef(*prep, self.norm_type, torch.float32,
+                                              self.max_grad_norm)
+        return coef
+
+    def _buffers(self, gi: int, group: dict) -> _GroupBuffers:
+        bufs = self._groups.get(gi)
+        if bufs is None or bufs.key != tuple(map(id, group["params"])):
+            bufs = self._groups[gi] = _GroupBuffers(group["params"], self.state,
+                                                    group["betas"])
+        elif bufs.betas != (float(group["betas"][0]), float(group["betas"][1])):
+            bufs.set_betas(group["betas"])
+        return bufs
+
+    def _group_plan(self, gi: int, group: dict):
+        """``(buffers, (plan, step increment, temporary copies))`` for the parameters of
+        ``group`` that have a gradient, or None when none has."""
+        if group["amsgrad"]:
+            raise NotImplementedError("linghe.optim.AdamW does not implement amsgrad=True "
+                                      "(this param group asks for it)")
+        params = group["params"]
+        idx = [i for i, p in enumerate(params) if p.grad is not None]
+        if not idx:
+            return None
+        bufs = self._buffers(gi, group)
+        ps = [params[i] for i in idx]
+        gs = [p.grad for p in ps]
+        key = (tuple(idx), tuple(map(_DATA_PTR, ps)), tuple(map(_DATA_PTR, gs)))
+        entry = bufs.plans.get(key)
+        if entry is None:
+            entry = self._plan(bufs, params, idx, ps, gs)
+            if entry[2] is None:  # no temporary copies: reusable
+                bufs.plans[key] = entry
+                if len(bufs.plans) > _PLANS_PER_GROUP:
+                    bufs.plans.popitem(last=False)
+        else:
+            bufs.plans.move_to_end(key)
+        return bufs, entry
+
+    def _plan(self, bufs: _GroupBuffers, params, idx: list[int], ps, gs):
+        """Validate, create missing state, build the chunk table. Returns ``(plan, step
+        increment (None: every parameter), temporary gradient copies or None)``."""
+        device = bufs.steps.device
+        keep = None
+        ms, vs = [], []
+        for j, (i, p, g) in enumerate(zip(idx, ps, gs)):
+            name = f"params[{i}]"
+            if p.dtype not in PARAM_DTYPES:
+                raise TypeError(f"linghe.optim.AdamW: {name} has dtype {p.dtype}; supported: "
+                                "float32, bfloat16, float16")
+            if g.is_sparse:
+                raise RuntimeError("AdamW does not support sparse gradients")
+            if g.dtype not in PARAM_DTYPES:
+                raise TypeError(f"linghe.optim.AdamW: {name}.grad has dtype {g.dtype}; "
+                                "supported: float32, bfloat16, float16")
+            if g.shape != p.shape:
+                raise ValueError(f"{name}.grad has shape {tuple(g.shape)}, the parameter "
+                                 f"{tuple(p.shape)}")
+            if j == 0:
+                check_kernel_device(name, p)
+            if g.device != device:
+                raise ValueError(f"{name}.grad is on {g.device}, the parameter on {device}")
+            if not p.is_contiguous():
+                raise ValueError(f"linghe.optim.AdamW needs contiguous parameters; {name} "
+                                 "is not")
+            if not g.is_contiguous():  # read only: a copy for this step
+                keep = keep or []
+                g = g.contiguous()
+                keep.append(g)
+                gs[j] = g
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["step"] = bufs.steps[i]
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = st[k]
+                if t.shape != p.shape or t.device != device or not t.is_contiguous() \
+                        or t.dtype not in PARAM_DTYPES:
+                    raise ValueError(f"state[{name}][{k!r}] must be a contiguous float tensor "
+                                     f"of the parameter's shape on {device}")
+            if st["exp_avg"].dtype != st["exp_avg_sq"].dtype:
+                st["exp_avg_sq"] = st["exp_avg_sq"].to(st["exp_avg"].dtype)
+            ms.append(st["exp_avg"])
+            vs.append(st["exp_avg_sq"])
+        plan = K.build_adamw_plan(ps, gs, ms, vs, idx, device)
+        inc = None
+        if len(idx) < len(params):  # only the parameters with a gradient count this step
+            inc = torch.zeros(len(params), dtype=torch.float32)
+            inc[idx] = 1.0
+            inc = inc.to(device)
+        return plan, inc, keep

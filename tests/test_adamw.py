@@ -1,0 +1,283 @@
+"""linghe.optim.AdamW: the update against linghe/reference.py and torch.optim.AdamW, fused
+clipping, skipped parameters, param groups, state_dict both ways, input checks, and (GPU)
+CUDA-graph capture without host syncs."""
+
+import copy
+
+import pytest
+import torch
+
+import linghe
+from linghe import optim
+from linghe import reference as ref
+from linghe.testing import assert_close
+
+# sizes: empty, one element, odd, several 16384-element chunks with a tail
+SIZES = [0, 1, 33, 70_001]
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _params(sizes, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(device, dtype)) for n in sizes]
+
+
+def _clone(ps):
+    return [torch.nn.Parameter(p.detach().clone()) for p in ps]
+
+
+def _set_grads(groups_of_params, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    for ps in groups_of_params:
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype)
+    # the same gradients in every list
+    for ps in groups_of_params[1:]:
+        for p, q in zip(ps, groups_of_params[0]):
+            p.grad = q.grad.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_matches_reference(device, dtype, maximize):
+    ps = _params(SIZES, dtype, device)
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
+    opt = optim.AdamW(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, maximize=maximize)
+    for step in range(1, 4):
+        _set_grads([ps], seed=step)
+        # the reference starts from this step's state (so errors do not compound)
+        exp = [p.detach().clone() for p in ps]
+        if step == 1:
+            ms = [torch.zeros_like(p) for p in ps]
+            vs = [torch.zeros_like(p) for p in ps]
+        else:
+            ms = [opt.state[p]["exp_avg"].clone() for p in ps]
+            vs = [opt.state[p]["exp_avg_sq"].clone() for p in ps]
+        ref.adamw_step(exp, [p.grad for p in ps], ms, vs, [step] * len(ps), lr=lr, beta1=b1,
+                       beta2=b2, eps=eps, weight_decay=wd, maximize=maximize)
+        opt.step()
+        for p, e, m, v in zip(ps, exp, ms, vs):
+            st = opt.state[p]
+            assert st["step"].item() == step and st["step"].dtype == torch.float32
+            assert st["exp_avg"].dtype == dtype
+            assert_close(p.detach(), e, tol=TOL[dtype], name="param")
+            assert_close(st["exp_avg"], m, tol=TOL[dtype], name="exp_avg")
+            assert_close(st["exp_avg_sq"], v, tol=TOL[dtype], name="exp_avg_sq")
+
+
+def test_matches_torch_param_groups_and_lr_tensor(device):
+    a, b = _params([300, 17], torch.float32, device), _params([1000], torch.float32, device, 1)
+    a_t, b_t = _clone(a), _clone(b)
+    lr_t = torch.tensor(3e-3, device=device)
+    groups = [dict(params=a, lr=1e-2, weight_decay=0.0), dict(params=b)]
+    groups_t = [dict(params=a_t, lr=1e-2, weight_decay=0.0), dict(params=b_t)]
+    opt = optim.AdamW(groups, lr=lr_t, betas=(0.8, 0.99), weight_decay=0.05)
+    opt_t = torch.optim.AdamW(groups_t, lr=3e-3, betas=(0.8, 0.99), weight_decay=0.05,
+                              foreach=False)
+    for step in range(5):
+        _set_grads([a + b, a_t + b_t], seed=10 + step)
+        if step == 3:  # a new learning rate through the tensor (no new plan, no host read)
+            lr_t.fill_(1e-3)
+            opt_t.param_groups[1]["lr"] = 1e-3
+        opt.step()
+        opt_t.step()
+    for p, q in zip(a + b, a_t + b_t):
+        assert_close(p.detach(), q.detach(), tol=1e-5)
+        assert_close(opt.state[p]["exp_avg_sq"], opt_t.state[q]["exp_avg_sq"], tol=1e-5)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_max_grad_norm_matches_clip_then_step(device, norm_type):
+    ps = _params([5000, 3, 70_001], torch.float32, device)
+    ps_t = _clone(ps)
+    opt = optim.AdamW(ps, lr=1e-3, max_grad_norm=0.5, norm_type=norm_type)
+    opt_t = torch.optim.AdamW(ps_t, lr=1e-3, foreach=False)
+    for step in range(3):
+        _set_grads([ps, ps_t], seed=20 + step, scale=3.0)
+        grads_before = [p.grad.clone() for p in ps]
+        norm_t = torch.nn.utils.clip_grad_norm_(ps_t, 0.5, norm_type=norm_type)
+        opt.step()
+        opt_t.step()
+        assert_close(opt.grad_norm, norm_t, tol=1e-5, name="grad_norm")
+        for p, g in zip(ps, grads_before):  # clipping happens inside the update
+            assert torch.equal(p.grad, g)
+    for p, q in zip(ps, ps_t):
+        assert_close(p.detach(), q.detach(), tol=1e-5)
+        assert_close(opt.state[p]["exp_avg"], opt_t.state[q]["exp_avg"], tol=1e-5)
+    assert "max_grad_norm=0.5" in repr(opt) or opt.max_grad_norm == 0.5
+
+
+def test_params_without_grad_are_skipped(device):
+    ps = _params([40, 50, 60], torch.float32, device)
+    ps_t = _clone(ps)
+    opt = optim.AdamW(ps, lr=1e-2)
+    opt_t = torch.optim.AdamW(ps_t, lr=1e-2, foreach=False)
+    for step, skip in enumerate([None, 1, 1, None, 0]):
+        _set_grads([ps, ps_t], seed=30 + step)
+        if skip is not None:
+            ps[skip].grad = ps_t[skip].grad = None
+        before = [p.detach().clone() for p in ps]
+        opt.step()
+        opt_t.step()
+        if skip is not None:
+            assert torch.equal(ps[skip].detach(), before[skip])
+        for p, q in zip(ps, ps_t):
+            assert_close(p.detach(), q.detach(), tol=1e-5)
+            if q in opt_t.state:
+                assert opt.state[p]["step"].item() == opt_t.state[q]["step"].item()
+    assert [opt.state[p]["step"].item() for p in ps] == [4.0, 3.0, 5.0]
+    # nothing to do: no gradients at all
+    for p in ps:
+        p.grad = None
+    opt.step()
+    assert [opt.state[p]["step"].item() for p in ps] == [4.0, 3.0, 5.0]
+
+
+def test_betas_changed_between_steps(device):
+    ps = _params([100], torch.float32, device)
+    ps_t = _clone(ps)
+    opt = optim.AdamW(ps, lr=1e-2)
+    opt_t = torch.optim.AdamW(ps_t, lr=1e-2, foreach=False)
+    for step in range(4):
+        if step == 2:
+            opt.param_groups[0]["betas"] = opt_t.param_groups[0]["betas"] = (0.5, 0.9)
+        _set_grads([ps, ps_t], seed=40 + step)
+        opt.step()
+        opt_t.step()
+    assert_close(ps[0].detach(), ps_t[0].detach(), tol=1e-5)
+
+
+def test_state_dict_both_ways_with_torch(device):
+    ps = _params([64, 7], torch.float32, device)
+    ps_t = _clone(ps)
+    opt = optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        _set_grads([ps], seed=50 + step)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    # ours -> torch: torch continues where we stopped
+    with torch.no_grad():
+        for p, q in zip(ps, ps_t):
+            q.copy_(p)
+    opt_t = torch.optim.AdamW(ps_t, lr=1e-2, weight_decay=0.1, foreach=False)
+    opt_t.load_state_dict(sd)
+    # torch -> ours: a fresh linghe optimizer over copies, loaded from torch's state
+    ps2 = _clone(ps)
+    opt2 = optim.AdamW(ps2, lr=1e-2, weight_decay=0.1)
+    opt2.load_state_dict(copy.deepcopy(opt_t.state_dict()))
+    for step in range(2):
+        _set_grads([ps, ps_t, ps2], seed=60 + step)
+        opt.step()
+        opt_t.step()
+        opt2.step()
+    for p, q, r in zip(ps, ps_t, ps2):
+        assert_close(p.detach(), q.detach(), tol=1e-5)
+        assert_close(r.detach(), q.detach(), tol=1e-5)
+        assert opt2.state[r]["step"].item() == 4.0
+        assert opt2.state[r]["step"].device == r.device
+
+
+def test_step_bumps_fp8_weight_cache_generation(device):
+    from linghe.fp8 import cache
+
+    ps = _params([10], torch.float32, device)
+    opt = optim.AdamW(ps)
+    _set_grads([ps], seed=1)
+    gen = cache._GENERATION[0]
+    opt.step()
+    assert cache._GENERATION[0] == gen + 1
+
+
+def test_bad_inputs(device):
+    ps = _params([10], torch.float32, device)
+    with pytest.raises(ValueError, match="learning rate"):
+        optim.AdamW(ps, lr=-1.0)
+    with pytest.raises(ValueError, match="beta parameter at index 1"):
+        optim.AdamW(ps, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="weight_decay"):
+        optim.AdamW(ps, weight_decay=-0.1)
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        optim.AdamW(ps, amsgrad=True)
+    with pytest.raises(ValueError, match="max_norm"):
+        optim.AdamW(ps, max_grad_norm=float("nan"))
+    p64 = torch.nn.Parameter(torch.randn(4, dtype=torch.float64, device=device))
+    p64.grad = torch.randn_like(p64)
+    with pytest.raises(TypeError, match="float64"):
+        optim.AdamW([p64]).step()
+    pt = torch.nn.Parameter(torch.randn(4, 6, device=device).t())
+    pt.grad = torch.randn_like(pt)
+    with pytest.raises(ValueError, match="contiguous parameters"):
+        optim.AdamW([pt]).step()
+    # a non-contiguous gradient is read through a copy
+    p = torch.nn.Parameter(torch.randn(6, 4, device=device))
+    q = torch.nn.Parameter(p.detach().clone())
+    p.grad = torch.randn(4, 6, device=device).t()
+    q.grad = p.grad.contiguous()
+    optim.AdamW([p]).step()
+    torch.optim.AdamW([q], foreach=False).step()
+    assert_close(p.detach(), q.detach(), tol=1e-5)
+
+
+def test_prepare_step_changes_nothing(device):
+    ps = _params([100, 3], torch.float32, device)
+    ps_t = _clone(ps)
+    opt = optim.AdamW(ps, lr=1e-2, max_grad_norm=1.0)
+    opt_t = torch.optim.AdamW(ps_t, lr=1e-2, foreach=False)
+    _set_grads([ps, ps_t], seed=80)
+    before = [p.detach().clone() for p in ps]
+    opt.prepare_step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert all(opt.state[p]["step"].item() == 0 and not opt.state[p]["exp_avg"].any()
+               for p in ps)
+    opt.step()
+    torch.nn.utils.clip_grad_norm_(ps_t, 1.0)
+    opt_t.step()
+    for p, q in zip(ps, ps_t):
+        assert_close(p.detach(), q.detach(), tol=1e-5)
+
+
+def test_exported():
+    assert linghe.optim.AdamW is optim.AdamW
+    assert issubclass(optim.AdamW, torch.optim.Optimizer)
+
+
+# ------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_no_host_sync(device):
+    ps = _params([70_001, 3, 4096], torch.bfloat16, device)
+    ps_t = _clone(ps)
+    lr = torch.tensor(1e-3, device=device)
+    opt = optim.AdamW(ps, lr=lr, max_grad_norm=1.0)
+    opt_t = optim.AdamW(ps_t, lr=1e-3, max_grad_norm=1.0)
+    _set_grads([ps, ps_t], seed=70)
+    opt.step()  # warm-up: compile, state, plans
+    opt_t.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+        opt_t.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    # new gradient tensors (as a backward after zero_grad(set_to_none=True) makes them):
+    # prepare_step builds their tables outside the capture
+    for p, q in zip(ps, ps_t):
+        p.grad = p.grad.clone()
+        q.grad = p.grad.clone()
+    opt.prepare_step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):  # replays advance the step counts and bias corrections
+        graph.replay()
+        opt_t.step()
+    torch.cuda.synchronize()
+    for p, q in zip(ps, ps_t):
+        assert opt.state[p]["step"].item() == opt_t.state[q]["step"].item() == 5.0
+        assert_close(p.detach(), q.detach(), tol=1e-2)
