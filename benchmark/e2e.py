@@ -348,7 +348,7 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
           file=file)
     _print_rows(head, lines, file)
     print_targets(targets(rows, loss_gap), file)
-    print_gemm_bound(gemm_bound(rows), file)
+    print_gemm_bound(gemm_bound(rows, cfg), file)
 
 
 def _target(value: float, target: str, met: bool) -> dict:
@@ -388,13 +388,29 @@ def print_targets(t: dict, file=None) -> None:
             for k, v in t.items()), file=file)
 
 
-def gemm_bound(rows) -> dict:
+def lm_head_share(cfg: E2EConfig) -> float:
+    """The LM head's share of the ``gemm`` family's FLOPs (the dense GEMMs: attention
+    projections, shared experts, LM head; the routed experts are ``grouped_gemm``)."""
+    H, I = cfg.hidden, cfg.moe_intermediate
+    lm = cfg.vocab * H
+    attn = H * (cfg.qkv_width + cfg.attn_width) + cfg.attn_width * H
+    layers = cfg.layers * (attn + cfg.shared_experts * 3 * H * I)
+    return lm / (lm + layers)
+
+
+def gemm_bound(rows, cfg: E2EConfig | None = None) -> dict:
     """Amdahl's bound on what FP8 GEMMs can give over bf16, per bf16 row with a profile:
     the GEMM families' GPU time (``gemm`` + ``grouped_gemm``) taken out of the step. With
     every GEMM at 0 ms, no GEMM speedup makes the step faster than ``step / (step -
     gemm)``. A realistic bound: FP8 GEMMs at twice the bf16 GEMMs' throughput (the ratio
     of the tensor-core peaks) plus the quantization time of the FP8 row of the same kind
-    (eager or graph), ``step / (step - gemm / 2 + quantize)``."""
+    (eager or graph), ``step / (step - gemm / 2 + quantize)``.
+
+    With ``cfg``, also the bound for what FP8 recipes actually quantize: the LM head stays
+    bf16 (its time is estimated as :func:`lm_head_share` of the ``gemm`` family, i.e. at
+    the family's average throughput), so only the other GEMMs (``fp8_gemm_ms``) can get
+    faster: ``step / (step - fp8_gemm)`` with them free, ``step / (step - fp8_gemm / 2 +
+    quantize)`` at the 2x peak ratio."""
     ms = {(r["mode"], r["cuda_graph"]): r for r in rows if not r["error"]}
     out = {}
     for (mode, g), r in ms.items():
@@ -405,11 +421,18 @@ def gemm_bound(rows) -> dict:
         fp8 = ms.get(("fp8", g), {}).get("families_ms")
         q = fp8["quantize"] if fp8 else 0.0
         half = step - gemm / 2 + q
-        out[_label(r)] = {
+        b = out[_label(r)] = {
             "step_ms": step, "gemm_ms": gemm, "step_without_gemm_ms": step - gemm,
             "max_speedup_gemms_free": step / (step - gemm) if step > gemm else None,
             "fp8_quantize_ms": q if fp8 else None, "step_fp8_gemms_2x_ms": half,
             "max_speedup_fp8_gemms_2x": step / half if half > 0 else None}
+        if cfg is not None:
+            lm = fam["gemm"] * lm_head_share(cfg)
+            f8 = gemm - lm
+            half8 = step - f8 / 2 + q
+            b.update(lm_head_ms=lm, fp8_gemm_ms=f8,
+                     max_speedup_fp8_gemms_free=step / (step - f8) if step > f8 else None,
+                     max_speedup_fp8_gemms_2x_lm_bf16=step / half8 if half8 > 0 else None)
     return out
 
 
@@ -423,6 +446,12 @@ def print_gemm_bound(bounds: dict, file=None) -> None:
               f"{_f(b['max_speedup_gemms_free'], '.2f')}x over bf16; with FP8 GEMMs at 2x "
               f"the bf16 GEMM throughput{q}: {b['step_fp8_gemms_2x_ms']:.1f} ms, "
               f"{_f(b['max_speedup_fp8_gemms_2x'], '.2f')}x.", file=file)
+        if "fp8_gemm_ms" in b:
+            print(f"  with the LM head in bf16 (as FP8 recipes keep it; ~{b['lm_head_ms']:.1f}"
+                  f" ms by its FLOP share): the FP8-eligible GEMMs take "
+                  f"{b['fp8_gemm_ms']:.1f} ms, so FP8 gives at most "
+                  f"{_f(b['max_speedup_fp8_gemms_free'], '.2f')}x with them free and "
+                  f"{_f(b['max_speedup_fp8_gemms_2x_lm_bf16'], '.2f')}x at 2x.", file=file)
 
 
 def _short(name: str, width: int = 150) -> str:
@@ -486,7 +515,7 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
     return {"job": "throughput", "config": cfg.as_dict(), "flops_per_step": step_flops(cfg),
             "params": total_params(cfg), "peak_tflops": dict(zip(
                 ("bf16", "fp8"), peak_tflops(device))), "rows": rows,
-            "targets": targets(rows, loss_gap), "gemm_bound": gemm_bound(rows),
+            "targets": targets(rows, loss_gap), "gemm_bound": gemm_bound(rows, cfg),
             "loss_json": args.loss_json, "corpus_bytes": len(data)}
 
 

@@ -293,6 +293,18 @@ def test_table_and_targets(capsys):
     assert b["bf16"]["max_speedup_fp8_gemms_2x"] == pytest.approx(150 / 132)
     assert b["bf16 +graph"]["fp8_quantize_ms"] is None
     assert b["bf16 +graph"]["step_fp8_gemms_2x_ms"] == 110.0
+    # with the config: the LM head (bf16 in FP8 recipes) taken out of what FP8 speeds up
+    cfg = preset("ling-mini")
+    share = e2e.lm_head_share(cfg)
+    assert 0.5 < share < 1.0  # a 157184-token vocab dominates the dense GEMMs
+    bc = e2e.gemm_bound(rows, cfg)["bf16"]
+    assert bc["lm_head_ms"] == pytest.approx(40.0 * share)
+    assert bc["fp8_gemm_ms"] == pytest.approx(60.0 - 40.0 * share)
+    assert bc["max_speedup_fp8_gemms_2x_lm_bf16"] == pytest.approx(
+        150 / (150 - bc["fp8_gemm_ms"] / 2 + 12.0))
+    assert bc["max_speedup_fp8_gemms_free"] < b["bf16"]["max_speedup_gemms_free"]
+    e2e.print_gemm_bound({"bf16": bc})
+    assert "LM head in bf16" in capsys.readouterr().out
     rows[1]["top_kernels"] = [{"ms": 9.0, "calls": 2.0, "family": "other",
                                "name": "void at::native::elementwise_kernel<128, 4, " + "x" * 300
                                        + "BinaryFunctor<DivFunctor>>"}]
