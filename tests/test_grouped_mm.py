@@ -586,11 +586,11 @@ sig = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs
            stride_am="i32", stride_be="i32", stride_bi="i32", stride_bj="i32", stride_cm="i32",
            stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32", BM="constexpr",
            BN="constexpr", BK="constexpr", GROUP_M="constexpr", FP8="constexpr",
-           IEEE="constexpr", B_KMAJOR="constexpr", EP2="constexpr")
+           IEEE="constexpr", B_KMAJOR="constexpr", EP2="constexpr", RESCALE="constexpr")
 for bm, bn, warps, stages, kmajor in [(128, 128, 8, 3, True), (64, 128, 4, 4, True),
                                       (64, 128, 4, 4, False)]:
     k = comp(F._grouped_rows_kernel, sig, dict(BM=bm, BN=bn, BK=128, GROUP_M=8,
-             FP8=True, IEEE=False, B_KMAJOR=kmajor, EP2=256), warps, stages,
+             FP8=True, IEEE=False, B_KMAJOR=kmajor, EP2=256, RESCALE=False), warps, stages,
              ("I", "J", "stride_am", "stride_be", "stride_bj", "stride_cm", "R",
               "stride_ask"))
     assert "wgmma" in k.asm["ptx"], "the FP8 grouped GEMM should use Hopper wgmma"
@@ -598,11 +598,12 @@ sig = dict(g_ptr="*fp8e4nv", x_ptr="*fp8e4nv", w_ptr="*bf16", gs_ptr="*fp32", xs
            offsets_ptr="*i32", N="i32", K="i32", R="i32", E="i32", stride_g="i32",
            stride_x="i32", stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
            BN="constexpr", BK="constexpr", BR="constexpr", SEG="constexpr", EP2="constexpr",
-           ALIGN16="constexpr")
+           ALIGN16="constexpr", RESCALE="constexpr", VEC_MASK="constexpr")
 for seg in (False, True):
     k = comp(B._wgrad_fp8_kernel, sig, dict(BN=128, BK=128, BR=128, SEG=seg, EP2=32,
-             ALIGN16=seg), 8, 3, ("stride_g", "stride_x", "stride_we", "stride_wn", "K",
-                                  "N", "stride_gs", "stride_xs"))
+             ALIGN16=seg, RESCALE=False, VEC_MASK=False), 8, 3,
+             ("stride_g", "stride_x", "stride_we", "stride_wn", "K", "N", "stride_gs",
+              "stride_xs"))
     assert "wgmma" in k.asm["ptx"], ("the FP8 wgrad should use Hopper wgmma", seg)
 sig = dict(x_ptr="*bf16", xs_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32",
            qt_ptr="*fp8e4nv", st_ptr="*fp32", R="i32", K="i32", E="i32", stride_x="i32",

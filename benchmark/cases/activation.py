@@ -1,5 +1,6 @@
 """SwiGLU: silu_mul fwd/bwd, silu_mul_quant fwd/bwd (+ quantized-dx backward kernel),
-batch_silu_mul_quant fwd/bwd (32 experts). ``[M, 2048]`` is the input ``x`` (n = 1024)."""
+batch_silu_mul_quant fwd/bwd (32 experts), and the batch quantized-dx backward at the FP8
+MoE step's shape (256 experts). ``[M, 2048]`` is the input ``x`` (n = 1024)."""
 
 import torch
 
@@ -136,4 +137,56 @@ def batch_silu_mul_quant_case(cfg: Config):
                    "linghe": backward_of(
                        lambda: linghe.batch_silu_mul_quant(x, probs, counts, align=align),
                        [x, probs], dy)}),
+    ]
+
+
+def _ref_batch_bwd_quant(x, dy, probs, counts_host, align):
+    """dx (fp32, as the kernel quantizes) quantized 1x128 rowwise and per segment
+    columnwise with pow2 scales, and dprobs; padding rows of x and dy are zeros."""
+    xf = x.detach().float().requires_grad_()
+    pf = probs.detach().float().requires_grad_()
+    dx, dp = torch.autograd.grad(ref.silu_mul(xf, pf), [xf, pf], dy.float())
+    q, s, qt, st, _ = ref.quantize_grouped_1x128(dx, counts_host, align, pow2_scale=True)
+    return q, s, qt, st, dp
+
+
+@case("batch_silu_mul_bwd_quant")
+def batch_silu_mul_bwd_quant_case(cfg: Config):
+    """The batch quantized-dx backward as the FP8 MoE step runs it (``_GroupedSwiGLUFp8``
+    backward): T x top-8 = 65536 routed rows with random expert ids over 256 experts,
+    segments padded to 16 in a buffer of ``max_grouped_rows`` rows (zero padding rows),
+    columnwise copy, pow2 scales, dprobs. (No compile provider: the reference quantizes
+    expert by expert in a host loop over 256 segments.)"""
+    routed, n, E = (256, 128, 8) if cfg.cpu else (65536, 1024, 256)
+    align, topk = 16, 8
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.randint(E, (routed,), generator=g), minlength=E)
+    R = linghe.max_grouped_rows(routed // topk, topk, E, align)
+    padded = (counts + align - 1) // align * align
+    real = torch.zeros(R, dtype=torch.bool)
+    start = 0
+    for c, p in zip(counts.tolist(), padded.tolist()):
+        real[start:start + c] = True
+        start += p
+    real = real.to(cfg.device)
+    x = torch.randn(R, 2 * n, device=cfg.device).to(torch.bfloat16)
+    dy = torch.randn(R, n, device=cfg.device).to(torch.bfloat16)
+    probs = torch.rand(R, device=cfg.device)
+    x[~real], dy[~real], probs[~real] = 0, 0, 0
+    cnt = counts.to(cfg.device, torch.int32)
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = padded.cumsum(0)
+    offsets = offsets.to(cfg.device)
+    K, G = 2 * n, _cdiv(R, 128) + E
+    # Fewest bytes: real rows of x, dy and probs read once; both fp8 copies, their scales
+    # and dprobs written once.
+    nbytes = (routed * (K * 2 + n * 2 + 4) + 2 * R * K + 4 * (R * _cdiv(K, 128) + K * G)
+              + 4 * R)
+    return [
+        Bench(name=f"silu_mul bwd -> fp8 dx row+col {E} experts [{R},{K}] bf16",
+              bytes=nbytes, tol=1e-2,
+              run={"eager": lambda: _ref_batch_bwd_quant(x, dy, probs, counts, align),
+                   "linghe": lambda: silu_mul_bwd_quant(
+                       dy, x, probs, columnwise=True, pow2_scale=True, need_dprobs=True,
+                       counts=cnt, align=align, segments=offsets)}),
     ]

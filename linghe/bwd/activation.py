@@ -74,40 +74,33 @@ def _silu_mul_bwd_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, dx_ptr, dp_ptr, M, N, E,
 
 
 @triton.jit
-def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
-                               dpp_ptr, M, N, E, stride_dy, stride_x, NPROG_N, ALIGN, NG,
-                               COLWISE: tl.constexpr, POW2: tl.constexpr,
-                               HAS_P: tl.constexpr, NEED_DP: tl.constexpr,
-                               SPLIT: tl.constexpr, BATCH: tl.constexpr,
-                               EP2: tl.constexpr, ALIGN16: tl.constexpr):
-    # dx is [M, 2N]; its rowwise groups are 128 consecutive columns of the 2N.
-    # BATCH: rows grouped by expert; program row tiles follow the segments
-    # (expert_tile), so the columnwise groups never cross one; only real rows are read
-    # (rmask), padding/tail rows are written as zeros (wmask).
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _bwd_quant_block(pid_m, pid_n, tile_start, real_end, seg_stop, dy_ptr, x_ptr, p_ptr,
+                     q_ptr, s_ptr, qt_ptr, st_ptr, dpp_ptr, M, N, stride_dy, stride_x,
+                     NPROG_N, NG, COLWISE: tl.constexpr, POW2: tl.constexpr,
+                     HAS_P: tl.constexpr, NEED_DP: tl.constexpr, SPLIT: tl.constexpr,
+                     BATCH: tl.constexpr):
+    """dx columns ``pid_n * 128 ..`` (of the 2N) of the 128-row tile from ``tile_start``:
+    quantized rowwise and columnwise, and this block's dprobs partial. BATCH: rows below
+    ``real_end`` are read (real rows), rows below ``seg_stop`` written (padding/tail rows
+    as zeros). Row vectors and masks are formed here from the scalars, so that a loop over
+    blocks carries only scalars."""
     K = 2 * N
     GK = tl.cdiv(K, 128)
+    rows = tile_start.to(tl.int64) + tl.arange(0, 128)
     if BATCH:
-        tile_start, real_end, seg_stop, _g, _gu, _i, _so, _u = _fwd.expert_tile(
-            cnt_ptr, E, M, pid_m, ALIGN, EP2)
-        if ALIGN16:
-            tile_start = tl.multiple_of(tile_start, 16)
-        rows = tile_start.to(tl.int64) + tl.arange(0, 128)
         wmask = (rows < seg_stop) & (rows < M)
         rmask = (rows < real_end) & wmask
     else:
-        rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
         rmask = rows < M
         wmask = rmask
     p = tl.zeros([128], tl.float32)
     if HAS_P:
         p = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if SPLIT:
-        # N % 128 == 0: program pid_n owns dx group pid_n, a whole 128-column block of the
-        # gate half (pid_n < N/128: dg, and the dprobs partial) or of the up half (du; u
-        # is not read). One 128x128 fp32 result tile is live at a time (fewer registers
-        # than forming dg and du in one program), and loads stay contiguous.
+        # N % 128 == 0: block pid_n is a whole 128-column block of the gate half
+        # (pid_n < N/128: dg, and the dprobs partial) or of the up half (du; u is not
+        # read). One 128x128 fp32 result tile is live at a time (fewer registers than
+        # forming dg and du in one program), and loads stay contiguous.
         NB = N // 128
         gate = (tl.zeros([128], tl.int32) + pid_n) < NB  # uniform: the whole block
         j = (pid_n % NB) * 128 + tl.arange(0, 128)
@@ -119,7 +112,7 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_p
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + j[None, :], mask=m,
                      other=0.0).to(tl.float32)
         silu, sig = silu_f32(g)
-        dyh = dy * silu * u  # zero in up-half programs (u = 0 there)
+        dyh = dy * silu * u  # zero in up-half blocks (u = 0 there)
         if HAS_P:
             dy = dy * p[:, None]
         dx = tl.where(gate[None, :], dy * u * (sig * (1.0 + g * (1.0 - sig))), dy * silu)
@@ -136,8 +129,8 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_p
             tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1),
                      mask=wmask & gate)  # gate is uniform: any [128] vector works
     else:
-        # General N: the program owns dx columns c of the 2N; column c reads gate/up
-        # column j = c mod N (a gather only in the block straddling the halves).
+        # General N: the block is dx columns c of the 2N; column c reads gate/up column
+        # j = c mod N (a gather only in the block straddling the halves).
         c = pid_n * 128 + tl.arange(0, 128)
         cmask = c < K
         is_gate = c < N
@@ -161,6 +154,49 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_p
             tl.store(st_ptr + c.to(tl.int64) * NG + pid_m, sxt, mask=cmask)
         if NEED_DP:
             tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=wmask)
+
+
+@triton.jit
+def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+                               dpp_ptr, M, N, E, stride_dy, stride_x, NPROG_N, ALIGN, NG,
+                               COLWISE: tl.constexpr, POW2: tl.constexpr,
+                               HAS_P: tl.constexpr, NEED_DP: tl.constexpr,
+                               SPLIT: tl.constexpr, BATCH: tl.constexpr,
+                               EP2: tl.constexpr, ALIGN16: tl.constexpr,
+                               NCOL: tl.constexpr):
+    # dx is [M, 2N]; its rowwise groups are 128 consecutive columns of the 2N. Program
+    # (pid_m, pid_c) takes the row tile pid_m and the 128-column blocks
+    # [pid_c * NCOL, pid_c * NCOL + NCOL) of dx, in turn.
+    # BATCH: rows grouped by expert; program row tiles follow the segments
+    # (expert_tile), so the columnwise groups never cross one; only real rows are read
+    # (rmask), padding/tail rows are written as zeros (wmask).
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    if BATCH:
+        tile_start, real_end, seg_stop, _g, _gu, _i, _so, _u = _fwd.expert_tile(
+            cnt_ptr, E, M, pid_m, ALIGN, EP2)
+        if ALIGN16:
+            # 16-byte vector stores of the transposed tile (see aligned16).
+            tile_start, seg_stop = _fwd.aligned16(tile_start, seg_stop)
+    else:
+        tile_start = pid_m.to(tl.int64) * 128
+        real_end = M
+        seg_stop = M
+    if NCOL == 1:
+        _bwd_quant_block(pid_m, pid_c, tile_start, real_end, seg_stop, dy_ptr, x_ptr, p_ptr,
+                         q_ptr, s_ptr, qt_ptr, st_ptr, dpp_ptr, M, N, stride_dy, stride_x,
+                         NPROG_N, NG, COLWISE, POW2, HAS_P, NEED_DP, SPLIT, BATCH)
+    else:
+        # Only scalars cross the loop; disable_licm keeps triton from hoisting the
+        # per-block address and mask tiles out of it (live across the loop they spill).
+        # (ptxas still spills about 100 B here at 255 registers: the probe decides.)
+        n0 = pid_c * NCOL
+        for pid_n in tl.range(n0, tl.minimum(n0 + NCOL, tl.cdiv(2 * N, 128)), num_stages=1,
+                              disable_licm=True):
+            _bwd_quant_block(pid_m, pid_n, tile_start, real_end, seg_stop, dy_ptr, x_ptr,
+                             p_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, dpp_ptr, M, N, stride_dy,
+                             stride_x, NPROG_N, NG, COLWISE, POW2, HAS_P, NEED_DP, SPLIT,
+                             BATCH)
 
 
 def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, *,
@@ -239,18 +275,20 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
     # The batch form launches even with M == 0: its unused groups get scale 1.
     if (M > 0 or batch) and N > 0:
         split = N % BLOCK == 0
+        ncol = max(_fwd.QUANT_BWD_COLS, 1)
         # dprobs partials: one column per gate block (split) or per dx block (general).
         nprog_n = N // BLOCK if split else cdiv(K, BLOCK)
         part = (empty(M, nprog_n, dtype=torch.float32, device=dev)
                 if need_dprobs else None)
         with device_guard(x):
-            launch(_silu_mul_bwd_quant_kernel, (NG, cdiv(K, BLOCK)),
+            launch(_silu_mul_bwd_quant_kernel, (NG, cdiv(cdiv(K, BLOCK), ncol)),
                 dy, x, probs, counts, q, s, qt, st, part, M, N, E,
                 dy.stride(0) if M else N, x.stride(0) if M else K, nprog_n, align, NG,
                 COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
                 NEED_DP=need_dprobs, SPLIT=split, BATCH=batch,
                 EP2=next_power_of_2(E + 1) if batch else 1,
-                ALIGN16=batch and align % 16 == 0, num_warps=_fwd.QUANT_BWD_NUM_WARPS)
+                ALIGN16=batch and align % 16 == 0, NCOL=ncol,
+                num_warps=_fwd.QUANT_BWD_NUM_WARPS)
         if need_dprobs:
             dp = part.sum(1).to(probs.dtype)
     elif need_dprobs:

@@ -14,16 +14,20 @@ straddling two experts is used by both, each masking the other's rows.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..fp8 import Fp8Tensor
+from ..fwd import grouped_mm as _fwd_gm
 from ..fwd.grouped_mm import (
     AUTOTUNE_MIN_ROWS,
     BLOCK,
     _autotune_enabled,
+    fp8_rescale,
+    fp8_scale_floor,
     launch_grouped_rows,
     torch_grouped_mm_ok,
     zero_tail,
@@ -52,9 +56,12 @@ def grouped_mm_dgrad(d_out: torch.Tensor, weight: torch.Tensor, offsets: torch.T
 
 def grouped_mm_fp8_dgrad(dout_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: torch.Tensor,
                          out_dtype: torch.dtype = torch.bfloat16,
-                         block_m: int | None = None) -> torch.Tensor:
+                         block_m: int | None = None,
+                         config: dict | None = None) -> torch.Tensor:
     """FP8 dgrad launcher: ``dout_fp8`` rowwise 1x128 ``[R, N]``, ``w_fp8`` with its
     columnwise copy (``quantize_grouped_weight(columnwise=True)``) -> ``[R, K]``.
+    ``config``: pinned tiles/promotion form (see
+    :func:`~linghe.fwd.grouped_mm.launch_grouped_rows`).
 
     Uses the columnwise (exact transpose) weight copy so both operands are contiguous
     along the contraction dim ``N`` (what FP8 tensor cores want)."""
@@ -67,12 +74,20 @@ def grouped_mm_fp8_dgrad(dout_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: torch.T
     # B_e[n, k] = WqT[k, e*N + n]; scale wts[k // 128, e*GN + n // 128].
     return launch_grouped_rows(
         q, wt, out, offsets, stride_be=N, stride_bi=1, stride_bj=E * N,
-        a_scale=s, b_scale=wts, bs_strides=(GN, 1, E * GN), block_m=block_m)
+        a_scale=s, b_scale=wts, bs_strides=(GN, 1, E * GN), block_m=block_m,
+        config=config)
 
 
 # --------------------------------------------------------------------------------------
 # wgrad
 # --------------------------------------------------------------------------------------
+
+#: FP8 wgrad with segment groups and 16-aligned segments (the MoE path): load a segment's
+#: partial last group with the token mask in 16-byte vector loads (async copies) instead
+#: of zeroing tokens in registers (sm_90 ptxas, offline: ~13 fewer registers at 128x128,
+#: and what lets RESCALE tiles fit). Off until timed on a GPU (``LINGHE_FP8_WGRAD_VEC_MASK=1``
+#: or a launcher's ``config["VEC_MASK"]``).
+WGRAD_VEC_MASK: bool = os.environ.get("LINGHE_FP8_WGRAD_VEC_MASK", "0") == "1"
 
 
 @triton.jit
@@ -118,16 +133,33 @@ def _wgrad_kernel(
 
 
 @triton.jit
-def _wgrad_fp8_step(acc, g_rows, x_rows, gs_cols, xs_cols, stride_gs, stride_xs, r0, grp,
-                    start, end, R, nmask, kmask, BR: tl.constexpr, MASK_R: tl.constexpr):
+def _wgrad_fp8_step(acc, sg_prev, grp_prev, g_rows, x_rows, gs_cols, xs_cols, stride_gs,
+                    stride_xs, r0, grp, start, end, R, nmask, kmask, BR: tl.constexpr,
+                    MASK_R: tl.constexpr, RESCALE: tl.constexpr, VEC_MASK: tl.constexpr):
     """One 128-token group ``grp`` (tokens ``r0 .. r0 + 127``): ``acc += (g_grp @
-    x_grp^T) * (sg x sx)``. ``g_rows``
-    ``[BN, 1]`` / ``x_rows`` ``[BK, 1]`` point at the rows of the columnwise copies, so both
-    tiles are ``[*, BR]`` contiguous along the tokens (the contraction dim): both MMA
-    operands K-major. ``MASK_R``: mask tokens outside ``[start, end)`` (boundary groups);
-    interior groups load unmasked along the tokens (vectorized, 16 B per access)."""
+    x_grp^T) * (sg x sx)``; returns ``(acc, sg_prev, grp_prev)``, the accumulator's units
+    (unchanged without ``RESCALE``).
+
+    ``RESCALE``: ``acc`` is in units of the last step's scales (group ``grp_prev``, -1
+    before the first step) and stays in the MMA: ``acc = dot(g, x^T, acc * (sg_prev /
+    sg) x (sx_prev / sx))`` (:func:`~linghe.fwd.grouped_mm.fp8_rescale`; masked columns
+    load scale 1). The row scales ``sg`` are carried (a few per thread); the column scales
+    ``sx_prev`` are re-read (L1) instead: in the wgmma layout a thread holds ``BK / 4``
+    columns, and carrying them costs that many registers.
+
+    ``g_rows`` ``[BN, 1]`` / ``x_rows`` ``[BK, 1]`` point at the rows of the columnwise
+    copies, so both tiles are ``[*, BR]`` contiguous along the tokens (the contraction
+    dim): both MMA operands K-major. ``MASK_R``: mask tokens outside ``[start, end)``
+    (boundary groups); interior groups load unmasked along the tokens (vectorized, 16 B
+    per access). ``VEC_MASK`` (``start``/``end`` multiples of 16, a boundary group that
+    starts at ``start``): mask the tokens ``>= end`` in the loads themselves, which stay
+    16-byte vectors (async copies, no register round trip)."""
     rs = r0 + tl.arange(0, BR)
-    if MASK_R:
+    if MASK_R and VEC_MASK:
+        tm = (rs < end)[None, :]
+        g = tl.load(g_rows + rs[None, :], mask=nmask[:, None] & tm, other=0.0)
+        x = tl.load(x_rows + rs[None, :], mask=kmask[:, None] & tm, other=0.0)
+    elif MASK_R:
         # Load the whole group (mask only the buffer end, so the loads stay vectorized),
         # then zero the other experts' tokens of one operand in registers (enough for
         # their products to vanish; half the registers of masking both).
@@ -140,9 +172,25 @@ def _wgrad_fp8_step(acc, g_rows, x_rows, gs_cols, xs_cols, stride_gs, stride_xs,
         g = tl.load(g_rows + rs[None, :], mask=nmask[:, None], other=0.0)
         x = tl.load(x_rows + rs[None, :], mask=kmask[:, None], other=0.0)
     # Scales transposed ([G, N] / [G, K]): one contiguous load per operand and step.
-    sg = tl.load(gs_cols + grp * stride_gs, mask=nmask, other=0.0)
-    sx = tl.load(xs_cols + grp * stride_xs, mask=kmask, other=0.0)
-    return acc + (tl.dot(g, tl.trans(x)) * sg[:, None]) * sx[None, :]
+    sg = tl.load(gs_cols + grp * stride_gs, mask=nmask, other=1.0)
+    sx = tl.load(xs_cols + grp * stride_xs, mask=kmask, other=1.0)
+    if RESCALE:
+        sg, rg = fp8_rescale(sg_prev, sg)
+        _, rx = fp8_rescale(_wgrad_col_scales(xs_cols, grp_prev, stride_xs, kmask), sx)
+        acc = tl.dot(g, tl.trans(x), acc * rg[:, None] * rx[None, :])
+        grp_prev = grp
+    else:
+        acc = acc + (tl.dot(g, tl.trans(x)) * sg[:, None]) * sx[None, :]
+        sg = sg_prev
+    return acc, sg, grp_prev
+
+
+@triton.jit
+def _wgrad_col_scales(xs_cols, grp, stride_xs, kmask):
+    """The floored column scales of group ``grp`` (ones for ``grp < 0`` and masked
+    columns): the units of a RESCALE accumulator."""
+    s = tl.load(xs_cols + tl.maximum(grp, 0) * stride_xs, mask=kmask, other=1.0)
+    return fp8_scale_floor(tl.where(grp >= 0, s, 1.0))
 
 
 @triton.jit
@@ -150,7 +198,8 @@ def _wgrad_fp8_kernel(
     g_ptr, x_ptr, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
     N, K, R, E, stride_g, stride_x, stride_gs, stride_xs, stride_we, stride_wn,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, SEG: tl.constexpr,
-    EP2: tl.constexpr, ALIGN16: tl.constexpr,
+    EP2: tl.constexpr, ALIGN16: tl.constexpr, RESCALE: tl.constexpr = False,
+    VEC_MASK: tl.constexpr = False,
 ):
     """FP8 ``dW[e, n, k] = sum_{r in seg e} g[r, n] * x[r, k]`` from the columnwise copies
     ``gq [N, R]`` / ``xq [K, R]`` (row strides ``stride_g``/``stride_x``) and their 1x128
@@ -167,7 +216,14 @@ def _wgrad_fp8_kernel(
     ``G = ceil(R/128) + E``): expert ``e``'s groups are scale columns ``g_off[e] + i``
     (``g_off`` = exclusive cumsum of ``ceil(segment/128)``, from ``offsets`` here) over
     tokens ``start + 128 i ..``; only the last one may be partial (masked to the
-    segment). No group is shared by two experts."""
+    segment). No group is shared by two experts.
+
+    ``RESCALE``: the one-accumulator promotion (see :func:`_wgrad_fp8_step`); the
+    accumulator is multiplied by the last step's scales before the store (an expert
+    with no rows stores ``0 * 1``). ``VEC_MASK`` (``SEG`` and ``ALIGN16`` only): the
+    segment's partial last group masks its tokens in vectorized loads (``end`` is then
+    clamped to a multiple of 16 below ``R``, which a valid layout's ``end`` already is)
+    instead of zeroing them in registers."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     num_k = tl.cdiv(K, BK)
@@ -185,6 +241,9 @@ def _wgrad_fp8_kernel(
     gs_rows = gs_ptr + ns  # + group * stride_gs (scales transposed)
     xs_rows = xs_ptr + ks
     acc = tl.zeros((BN, BK), dtype=tl.float32)
+    # RESCALE: the accumulator's units (row scales; the column scales' group, re-read).
+    sg = tl.full((BN,), 1.0, tl.float32)
+    gp = tl.full([], -1, tl.int32)
     if SEG:
         idx = tl.arange(0, EP2)
         m = idx < E
@@ -193,17 +252,21 @@ def _wgrad_fp8_kernel(
         ntile = tl.where(m & (idx < e), (hi_e - lo_e + (BR - 1)) // BR, 0)
         gbase = tl.sum(ntile, axis=0)
         if ALIGN16:  # segment starts are multiples of 16: 16-byte vector loads
+            if VEC_MASK:  # and the ends (a valid layout's end is <= R rounded down)
+                end = tl.multiple_of(tl.minimum(end, (R // 16) * 16), 16)
+                start = tl.minimum(start, end)
             start = tl.multiple_of(start, 16)
         n_full = (end - start) // BR
         part = ((end - start) % BR) != 0
         for i in range(0, n_full):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
-                                  stride_xs, start + i * BR, gbase + i, start, end, R,
-                                  nmask, kmask, BR, False)
+            acc, sg, gp = _wgrad_fp8_step(
+                acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
+                start + i * BR, gbase + i, start, end, R, nmask, kmask, BR, False, RESCALE, False)
         for i in range(0, part.to(tl.int32)):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
-                                  stride_xs, start + (n_full + i) * BR, gbase + n_full + i,
-                                  start, end, R, nmask, kmask, BR, True)
+            acc, sg, gp = _wgrad_fp8_step(
+                acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
+                start + (n_full + i) * BR, gbase + n_full + i, start, end, R, nmask, kmask,
+                BR, True, RESCALE, VEC_MASK)
     else:
         g0 = start // BR
         lo = (start + BR - 1) // BR  # first full group
@@ -211,17 +274,19 @@ def _wgrad_fp8_kernel(
         head = ((start % BR) != 0) & (start < end)
         tail = ((end % BR) != 0) & (hi >= lo)
         for i in range(0, hi - lo):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
-                                  stride_xs, (lo + i) * BR, lo + i, start, end, R, nmask,
-                                  kmask, BR, False)
+            acc, sg, gp = _wgrad_fp8_step(
+                acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
+                (lo + i) * BR, lo + i, start, end, R, nmask, kmask, BR, False, RESCALE, False)
         for i in range(0, head.to(tl.int32)):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
-                                  stride_xs, (g0 + i) * BR, g0 + i, start, end, R, nmask,
-                                  kmask, BR, True)
+            acc, sg, gp = _wgrad_fp8_step(
+                acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
+                (g0 + i) * BR, g0 + i, start, end, R, nmask, kmask, BR, True, RESCALE, False)
         for i in range(0, tail.to(tl.int32)):
-            acc = _wgrad_fp8_step(acc, g_rows, x_rows, gs_rows, xs_rows, stride_gs,
-                                  stride_xs, (hi + i) * BR, hi + i, start, end, R, nmask,
-                                  kmask, BR, True)
+            acc, sg, gp = _wgrad_fp8_step(
+                acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
+                (hi + i) * BR, hi + i, start, end, R, nmask, kmask, BR, True, RESCALE, False)
+    if RESCALE:
+        acc = acc * sg[:, None] * _wgrad_col_scales(xs_rows, gp, stride_xs, kmask)[None, :]
     tl.store(w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
              + ks[None, :], acc.to(w_ptr.dtype.element_ty),
              mask=nmask[:, None] & kmask[None, :])
@@ -275,12 +340,16 @@ def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Ten
 
 def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.Tensor,
                          out_dtype: torch.dtype = torch.bfloat16, *, segments: bool = False,
-                         align: int = 1) -> torch.Tensor:
+                         align: int = 1, config: dict | None = None) -> torch.Tensor:
     """FP8 wgrad launcher from the columnwise copies: ``dout_fp8`` ``[R, N]`` and
     ``a_fp8`` ``[R, K]``, each with ``columnwise_data [*, R]`` quantized in 128-token
     groups along the whole buffer (``segments=False``) or in groups that follow the
     segments of ``offsets`` (``segments=True``, both copies alike; ``align``: the
-    segments' alignment, a hint for vector loads) -> ``dW [E, N, K]`` in ``out_dtype``."""
+    segments' alignment, a hint for vector loads) -> ``dW [E, N, K]`` in ``out_dtype``.
+    ``config``: pinned tiles instead of the autotuner/heuristic (keys ``BN``, ``BK``,
+    ``num_warps``, ``num_stages``; optional ``RESCALE``, default
+    :data:`~linghe.fwd.grouped_mm.FP8_RESCALE`, and ``VEC_MASK``, default
+    :data:`WGRAD_VEC_MASK`)."""
     gq, gs = dout_fp8.columnwise_data, dout_fp8.columnwise_scale  # [N, R], [N, G]
     xq, xs = a_fp8.columnwise_data, a_fp8.columnwise_scale  # [K, R], [K, G]
     N, R = gq.shape
@@ -294,8 +363,19 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.T
     gs_t, xs_t = gs.t().contiguous(), xs.t().contiguous()
     args = (gq, xq, dw, gs_t, xs_t, offsets, N, K, R, E, gq.stride(0), xq.stride(0),
             gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1))
-    flags = dict(BR=BLOCK, SEG=segments, EP2=max(16, next_power_of_2(E)),
-                 ALIGN16=segments and align % 16 == 0)
+    align16 = segments and align % 16 == 0
+    flags = dict(BR=BLOCK, SEG=segments, EP2=max(16, next_power_of_2(E)), ALIGN16=align16)
+    if config is not None:
+        cfg = dict(BN=config["BN"], BK=config["BK"], num_warps=config["num_warps"],
+                   num_stages=config["num_stages"],
+                   RESCALE=bool(config.get("RESCALE", _fwd_gm.FP8_RESCALE)),
+                   VEC_MASK=align16 and bool(config.get("VEC_MASK", WGRAD_VEC_MASK)))
+        with device_guard(dw):
+            launch(_wgrad_fp8_kernel, (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E), *args,
+                   **flags, **cfg)
+        return dw
+    flags["RESCALE"] = _fwd_gm.FP8_RESCALE
+    flags["VEC_MASK"] = align16 and WGRAD_VEC_MASK
     with device_guard(dw):
         if R >= AUTOTUNE_MIN_ROWS and _autotune_enabled():
             _wgrad_fp8_tuned()[lambda meta: (cdiv(N, meta["BN"]) * cdiv(K, meta["BK"]), E)](
@@ -321,5 +401,6 @@ def _wgrad_fp8_tuned():
     global _wgrad_tuned
     if _wgrad_tuned is None:
         _wgrad_tuned = triton.autotune(configs=_WGRAD_FP8_CONFIGS,
-                                       key=["N", "K", "E", "SEG"])(_wgrad_fp8_kernel)
+                                       key=["N", "K", "E", "SEG", "RESCALE", "VEC_MASK"])(
+                                           _wgrad_fp8_kernel)
     return _wgrad_tuned

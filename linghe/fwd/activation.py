@@ -32,10 +32,19 @@ TILE_ELEMS = 4096
 #: because its single-input tile needs only 168 registers there: 3 programs per SM.)
 QUANT_NUM_WARPS = 8
 #: warps of the per-expert (batch) form: measured on an H200 (32 experts, [65536, 2048]),
-#: 4 warps 203 µs, 8 warps 284, 16 warps 277.
+#: 4 warps 203 µs, 8 warps 284, 16 warps 277 (before :func:`aligned16`, when triton 3.6
+#: stored the transposed tile byte by byte; ``benchmark/probe_activation.py`` re-measures).
 BATCH_QUANT_NUM_WARPS = 4
 #: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy).
 QUANT_BWD_NUM_WARPS = 8
+#: 128-column blocks that one program of the per-expert (batch) forward takes in turn (a
+#: loop): the row tile's :func:`expert_tile` (a load of the counts, two scans and several
+#: reductions over ``next_power_of_2(E + 1)`` lanes, all before the data loads can start)
+#: is then computed once per that many blocks. 1: one block per program, as before.
+#: ``python -m benchmark.probe_activation`` measures the values.
+BATCH_QUANT_COLS = 1
+#: the same for the quantized-dx backward kernel (both forms; 16 blocks at ``N = 1024``).
+QUANT_BWD_COLS = 1
 
 
 @triton.jit
@@ -43,6 +52,11 @@ def silu_f32(g):
     """``(silu(g), sigmoid(g))`` for fp32 ``g``."""
     s = 1.0 / (1.0 + tl.exp(-g))
     return g * s, s
+
+
+@triton.jit
+def _add6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5
 
 
 @triton.jit
@@ -55,28 +69,47 @@ def expert_tile(cnt_ptr, E, R, t, ALIGN, EP2: tl.constexpr):
     [EP2] exclusive, g_used, idx, seg_off [EP2] exclusive, used)``: rows ``< real_end``
     are real, rows in ``[real_end, seg_end)`` are padding/tail (zeros); ``seg_off`` are
     the segment offsets and ``used`` = ``offsets[E]``. Negative counts count as 0.
+
+    Every program of a grouped kernel runs this before its data loads can start, so it
+    is one scan and one (six-operand) reduction: the experts wholly before tile ``t``
+    (``g_end <= t``) give the segment's start, the one expert holding it (``g_start <= t
+    < g_end``, none for a tail tile) its count and padded size. (``seg_off``, a second
+    scan, is dead code unless the caller uses it.)
     """
     idx = tl.arange(0, EP2)
     emask = idx < E
     c = tl.load(cnt_ptr + idx, mask=emask, other=0).to(tl.int32)
-    c = tl.maximum(c, 0)
+    c = tl.maximum(c, 0)  # lanes >= E: 0, so they add nothing below
     padded = (c + ALIGN - 1) // ALIGN * ALIGN
     ntile = (padded + 127) // 128
-    seg_end = tl.cumsum(padded, 0)
     g_end = tl.cumsum(ntile, 0)
-    used = tl.sum(padded, 0)
-    g_used = tl.sum(ntile, 0)
-    e = tl.sum(((g_end <= t) & emask).to(tl.int32), 0)
-    sel = idx == e
-    seg_start = tl.sum(tl.where(sel, seg_end - padded, 0), 0)
-    g_start = tl.sum(tl.where(sel, g_end - ntile, 0), 0)
-    cnt_e = tl.sum(tl.where(sel, c, 0), 0)
-    pad_e = tl.sum(tl.where(sel, padded, 0), 0)
-    is_tail = e >= E
-    tile_start = tl.where(is_tail, used + (t - g_used) * 128, seg_start + (t - g_start) * 128)
+    g_start = g_end - ntile
+    before = g_end <= t
+    this = (g_start <= t) & (g_end > t)
+    zero = tl.zeros_like(c)
+    seg_start, g_start_e, pad_e, cnt_e, used, g_used = tl.reduce(
+        (tl.where(before, padded, zero), tl.where(before, ntile, zero),
+         tl.where(this, padded, zero), tl.where(this, c, zero), padded, ntile), 0, _add6)
+    is_tail = t >= g_used
+    tile_start = tl.where(is_tail, used + (t - g_used) * 128,
+                          seg_start + (t - g_start_e) * 128)
     real_end = tl.where(is_tail, 0, seg_start + cnt_e)
     seg_stop = tl.where(is_tail, R, seg_start + pad_e)
-    return tile_start, real_end, seg_stop, g_end - ntile, g_used, idx, seg_end - padded, used
+    seg_off = tl.cumsum(padded, 0) - padded
+    return tile_start, real_end, seg_stop, g_start, g_used, idx, seg_off, used
+
+
+@triton.jit
+def aligned16(tile_start, seg_stop):
+    """:func:`expert_tile`'s ``(tile_start, seg_stop)`` when ``ALIGN % 16 == 0``, written
+    so that the compiler sees both are multiples of 16 (same values: segment starts and
+    ends are multiples of ``ALIGN``; a tail tile's ``seg_stop = R`` is rounded up to one,
+    which the caller's ``rows < R`` mask covers). A 128-row tile's transposed
+    (row-contiguous) fp8 store is then a 16-byte vector store, and so is its mask.
+    ``tl.multiple_of`` on these scalars is not enough: triton 3.6 (sm_90, offline) drops the
+    hint and, without ``seg_stop``'s, cannot prove the mask constant over 16 rows: it emits
+    64 single-byte stores per thread for the backward tile and spills (120 B of stack)."""
+    return tile_start // 16 * 16, (seg_stop + 15) // 16 * 16
 
 
 @triton.jit
@@ -116,34 +149,10 @@ def _silu_mul_fwd_kernel(x_ptr, p_ptr, y_ptr, M, N, stride_x, stride_y,
 
 
 @triton.jit
-def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, goff_ptr,
-                               M, N, E, stride_x, ALIGN, NG,
-                               BM: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
-                               HAS_P: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr,
-                               ALIGN16: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if BATCH:
-        tile_start, real_end, seg_stop, g_off, g_used, eidx, seg_off, used = expert_tile(
-            cnt_ptr, E, M, pid_m, ALIGN, EP2)
-        # Program (0, 0) publishes the per-expert columnwise group offsets [E + 1] and,
-        # in the next E + 1 entries, the segment offsets that the groups follow.
-        # (EP2 > E, so entry E fits in the same vector.)
-        first = (eidx * 0 + pid_m + pid_n) == 0
-        tl.store(goff_ptr + eidx, tl.where(eidx < E, g_off, g_used), mask=(eidx <= E) & first)
-        tl.store(goff_ptr + E + 1 + eidx, tl.where(eidx < E, seg_off, used),
-                 mask=(eidx <= E) & first)
-        if ALIGN16:
-            # Segment starts are multiples of ALIGN (a multiple of 16): tell the compiler,
-            # so that the transposed (row-contiguous) fp8 stores are 16-byte vectors.
-            tile_start = tl.multiple_of(tile_start, 16)
-        rows = tile_start.to(tl.int64) + tl.arange(0, BM)
-        smask = (rows < seg_stop) & (rows < M)   # rows this program writes
-        lmask = (rows < real_end) & smask        # rows it reads (real rows)
-    else:
-        rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-        smask = rows < M
-        lmask = smask
+def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
+                     st_ptr, M, N, stride_x, NG, BM: tl.constexpr, COLWISE: tl.constexpr,
+                     POW2: tl.constexpr, HAS_P: tl.constexpr):
+    """One [BM, 128] output block (columns ``pid_n * 128 ..``) of the quantizing forward."""
     cols = pid_n * 128 + tl.arange(0, 128)
     cmask = cols < N
     mask = lmask[:, None] & cmask[None, :]
@@ -153,7 +162,6 @@ def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_p
     silu, _ = silu_f32(g)
     y = silu * u
     if HAS_P:
-        p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
         y = y * p[:, None]
     q, s = quant_rows(y, POW2)
     tl.store(q_ptr + rows[:, None] * N + cols[None, :], q,
@@ -166,6 +174,50 @@ def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_p
         tl.store(qt_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qt,
                  mask=smask[:, None] & cmask[None, :])
         tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
+
+
+@triton.jit
+def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, goff_ptr,
+                               M, N, E, stride_x, ALIGN, NG,
+                               BM: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
+                               HAS_P: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr,
+                               ALIGN16: tl.constexpr, NCOL: tl.constexpr):
+    # Program (pid_m, pid_c) takes the row tile pid_m and the 128-column blocks
+    # [pid_c * NCOL, pid_c * NCOL + NCOL) of the output, in turn.
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    if BATCH:
+        tile_start, real_end, seg_stop, g_off, g_used, eidx, seg_off, used = expert_tile(
+            cnt_ptr, E, M, pid_m, ALIGN, EP2)
+        # Program (0, 0) publishes the per-expert columnwise group offsets [E + 1] and,
+        # in the next E + 1 entries, the segment offsets that the groups follow.
+        # (EP2 > E, so entry E fits in the same vector.)
+        first = (eidx * 0 + pid_m + pid_c) == 0
+        tl.store(goff_ptr + eidx, tl.where(eidx < E, g_off, g_used), mask=(eidx <= E) & first)
+        tl.store(goff_ptr + E + 1 + eidx, tl.where(eidx < E, seg_off, used),
+                 mask=(eidx <= E) & first)
+        if ALIGN16:
+            # Segment starts are multiples of ALIGN (a multiple of 16): show the compiler,
+            # so that the transposed (row-contiguous) fp8 stores are 16-byte vectors.
+            tile_start, seg_stop = aligned16(tile_start, seg_stop)
+        rows = tile_start.to(tl.int64) + tl.arange(0, BM)
+        smask = (rows < seg_stop) & (rows < M)   # rows this program writes
+        lmask = (rows < real_end) & smask        # rows it reads (real rows)
+    else:
+        rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        smask = rows < M
+        lmask = smask
+    p = tl.zeros([BM], tl.float32)
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
+    if NCOL == 1:
+        _quant_fwd_block(pid_m, pid_c, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
+                         st_ptr, M, N, stride_x, NG, BM, COLWISE, POW2, HAS_P)
+    else:
+        n0 = pid_c * NCOL
+        for pid_n in tl.range(n0, tl.minimum(n0 + NCOL, tl.cdiv(N, 128)), num_stages=1):
+            _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
+                             qt_ptr, st_ptr, M, N, stride_x, NG, BM, COLWISE, POW2, HAS_P)
 
 
 _TILE_CONFIGS: dict = {}
@@ -215,7 +267,7 @@ def silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None, *, columnwis
             launch(_silu_mul_quant_fwd_kernel, (cdiv(M, BM), cdiv(N, BLOCK)),
                 x, probs, None, q, s, qt, st, None, M, N, 0, x.stride(0), 1,
                 cdiv(M, BLOCK), BM=BM, COLWISE=columnwise, POW2=pow2_scale,
-                HAS_P=probs is not None, BATCH=False, EP2=1, ALIGN16=False,
+                HAS_P=probs is not None, BATCH=False, EP2=1, ALIGN16=False, NCOL=1,
                 num_warps=QUANT_NUM_WARPS if columnwise else 4)
     return q, s, qt, st
 
@@ -251,10 +303,11 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     offs = empty(2, E + 1, dtype=torch.int32, device=dev)  # g_off, seg_off: one allocation
     g_off = offs[0]
     # N == 0 still runs one column of programs so that g_off is written.
+    ncol = max(BATCH_QUANT_COLS, 1)
     with device_guard(x):
-        launch(_silu_mul_quant_fwd_kernel, (G, max(cdiv(N, BLOCK), 1)),
+        launch(_silu_mul_quant_fwd_kernel, (G, max(cdiv(cdiv(N, BLOCK), ncol), 1)),
             x, probs, counts, q, s, qt, st, g_off, R, N, E, x.stride(0), align, G,
             BM=BLOCK, COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-            BATCH=True, EP2=next_power_of_2(E + 1), ALIGN16=align % 16 == 0,
+            BATCH=True, EP2=next_power_of_2(E + 1), ALIGN16=align % 16 == 0, NCOL=ncol,
             num_warps=BATCH_QUANT_NUM_WARPS)
     return q, s, qt, st, g_off, offs[1]

@@ -23,9 +23,13 @@ The same "rows @ B_e" kernel serves the forward (``B_e = W_e^T``) and the dgrad
 scales (``[R, ceil(K/128)]``, transposed by the launcher so that each K step's scales of
 a tile are one contiguous load), weights from :func:`quantize_grouped_weight` (128x128
 blocks per expert). The K loop steps by 128 and promotes each partial product with its
-scales: ``acc += dot(a_q, b_q) * (sa[:, None] * sb[None, :])``. On the GPU, shapes from
-``AUTOTUNE_MIN_ROWS`` rows on pick their tiles from a small autotune list
-(``LINGHE_GROUPED_MM_AUTOTUNE=0``: the heuristic of :func:`_mm_config`).
+scales: ``acc += dot(a_q, b_q) * (sa[:, None] * sb[None, :])`` (the default), or, with
+``RESCALE`` (:data:`FP8_RESCALE`, or ``"RESCALE"`` in a launcher's ``config``), keeps
+the accumulator in units of the current step's scale so the MMA accumulates into it
+(one ``BM x BN`` fp32 tile of registers instead of two; see :func:`fp8_rescale`). On the
+GPU, shapes from ``AUTOTUNE_MIN_ROWS`` rows on pick their tiles from a small autotune
+list (``LINGHE_GROUPED_MM_AUTOTUNE=0``: the heuristic of :func:`_mm_config`); a
+launcher's ``config`` argument pins the tiles (benchmark/fp8_gemm_sweep.py).
 """
 
 from __future__ import annotations
@@ -48,9 +52,44 @@ from ..utils import (
     launch,
     next_power_of_2,
 )
-from .activation import batch_col_groups, expert_tile
+from .activation import aligned16, batch_col_groups, expert_tile
 
 BLOCK = 128  # FP8 group / block size
+
+#: Default promotion form of the FP8 grouped GEMMs (rows kernel and wgrad): ``False``
+#: promotes each K step's product into a second accumulator (``acc += dot * scale``),
+#: ``True`` rescales the one accumulator (:func:`fp8_rescale`). Read once at import
+#: (``LINGHE_FP8_RESCALE=1``); a launcher's ``config["RESCALE"]`` overrides it.
+FP8_RESCALE: bool = os.environ.get("LINGHE_FP8_RESCALE", "0") == "1"
+
+#: Smallest normal fp32: the floor of a K step's scale in the rescaled form.
+_FP32_TINY = tl.constexpr(1.1754943508222875e-38)
+
+
+@triton.jit
+def fp8_scale_floor(s):
+    """``s`` floored at the smallest normal fp32 (NaN and Inf pass through)."""
+    return tl.where(s < _FP32_TINY, _FP32_TINY, s)
+
+
+@triton.jit
+def fp8_rescale(s_prev, s):
+    """For the rescaled FP8 promotion: ``(s_floor, s_prev / s_floor)`` (``s_prev``: the
+    last step's floored scale, or 1 before the first step).
+
+    The accumulator is kept in units of the current K step's scale ``s``: ``acc =
+    dot(a_q, b_q, acc * (s_prev / s))`` each step, ``acc * s_last`` after the loop, so
+    the MMA accumulates in place (no second tile). With power-of-two scales the ratio
+    and the product are exact (same result as promoting); otherwise one correctly
+    rounded division and one extra fp32 rounding per step. ``s`` is floored at the
+    smallest normal fp32 (a product of two tiny scales may underflow to 0, and 0 would
+    turn the ratio into Inf/NaN); such a step's contribution is then overestimated by
+    at most ``128 * 448^2 * 2^-126 < 2^-101`` (absolute). NaN/Inf scales pass through
+    (NaN < x is false), so NaN/Inf inputs still give NaN as the dequantized product
+    would. Limit: the partial sum in units of ``s`` must stay finite, i.e. a row's
+    scales must not span more than ~2^100 across its K steps."""
+    s = fp8_scale_floor(s)
+    return s, tl.math.div_rn(s_prev, s)
 
 
 # --------------------------------------------------------------------------------------
@@ -138,6 +177,7 @@ def _grouped_rows_kernel(
     stride_ask, bs_se, bs_si, bs_sj,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, IEEE: tl.constexpr, B_KMAJOR: tl.constexpr, EP2: tl.constexpr,
+    RESCALE: tl.constexpr = False,
 ):
     """``c[r, j] = sum_i a[r, i] * b[e(r), i, j]`` for rows grouped by expert.
 
@@ -154,8 +194,12 @@ def _grouped_rows_kernel(
     FP8: ``a`` 1x128 rowwise with its scales *transposed*, ``as_t[i // 128, r]`` (row
     stride ``stride_ask``), so that a tile's per-row scales of one K step are one
     contiguous load; ``b`` 128x128 blocks (scale ``bs[e * bs_se + (i // 128) * bs_si +
-    (j // 128) * bs_sj]``), ``BK == 128`` and ``BN`` dividing 128, so one weight scale
-    per step, folded into the row scales (no ``[BM, BN]`` scale tile in registers).
+    (j // 128) * bs_sj]``), ``BK == 128``. ``BN <= 128`` (dividing 128): one weight
+    scale per step, folded into the row scales (no ``[BM, BN]`` scale tile in
+    registers); ``BN`` a multiple of 128: one weight scale per 128 columns (a ``[BN]``
+    vector). ``RESCALE``: the one-accumulator promotion of :func:`fp8_rescale` (masked
+    rows and columns load scale 1, so their ratios stay finite; tail tiles, which have
+    no K loop, store ``0 * 1``).
     """
     num_row_tiles = tl.cdiv(R, BM) + E + 1
     t, pid_n = grouped_tile_order(tl.program_id(0), num_row_tiles, tl.cdiv(J, BN), GROUP_M)
@@ -170,6 +214,9 @@ def _grouped_rows_kernel(
     k_end = tl.where(valid, I, 0)  # tail tiles: no K loop, store zeros
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # RESCALE: the accumulator's units (the last step's row and column scales).
+    sa_prev = tl.full((BM,), 1.0, tl.float32)
+    sb_prev = tl.full((BN,), 1.0, tl.float32)
     a_rows = a_ptr + rows[:, None] * stride_am
     b_base = b_ptr + e64 * stride_be
     for k0 in range(0, k_end, BK):
@@ -186,13 +233,35 @@ def _grouped_rows_kernel(
                         mask=kmask[:, None] & cmask[None, :], other=0.0)
         if FP8:
             kb = k0 // BK
-            sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=0.0)
-            sb = tl.load(bs_ptr + e64 * bs_se + kb * bs_si + ((pid_n * BN) // 128) * bs_sj)
-            acc += tl.dot(a, b) * (sa * sb)[:, None]
+            sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
+            bs_k = bs_ptr + e64 * bs_se + kb * bs_si
+            if BN <= 128:  # one weight scale per step: folded into the row scales
+                s = sa * tl.load(bs_k + ((pid_n * BN) // 128) * bs_sj)
+                if RESCALE:  # sa_prev: the last step's row scale times its weight scale
+                    s, ratio = fp8_rescale(sa_prev, s)
+                    acc = tl.dot(a, b, acc * ratio[:, None])
+                    sa_prev = s
+                else:
+                    acc += tl.dot(a, b) * s[:, None]
+            else:  # one weight scale per 128 columns
+                sb = tl.load(bs_k + (cols // 128) * bs_sj, mask=cmask, other=1.0)
+                if RESCALE:
+                    sa, ra = fp8_rescale(sa_prev, sa)
+                    sb, rb = fp8_rescale(sb_prev, sb)
+                    acc = tl.dot(a, b, acc * ra[:, None] * rb[None, :])
+                    sa_prev = sa
+                    sb_prev = sb
+                else:
+                    acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = dot_f32acc(a, b, acc)
+    if FP8 and RESCALE:
+        if BN <= 128:
+            acc = acc * sa_prev[:, None]
+        else:
+            acc = acc * sa_prev[:, None] * sb_prev[None, :]
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -211,7 +280,10 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
     offline): the promoted accumulator costs a second ``BM x BN`` fp32 tile of registers;
     128x128 tiles with 8 warps take ~190 registers (one program per SM), 64x128 with 4
     warps (one warpgroup, m64n128 wgmma) ~180, so two programs share an SM and one
-    promotes while the other's MMAs run."""
+    promotes while the other's MMAs run. The rescaled form (``RESCALE``) needs one tile:
+    ~128 registers for both, so 128x128/8 warps fits two programs per SM and 128x256 /
+    256x128 with 8 warps compile without spilling (benchmark/NOTES.md,
+    ``python -m benchmark.fp8_gemm_sweep --ptxas``)."""
     if INTERPRET:
         bm = block_m or 32
         return dict(BM=bm, BN=64, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
@@ -227,8 +299,8 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
                 num_stages=4)
 
 
-# The FP8 autotune space (GPU, R >= AUTOTUNE_MIN_ROWS). BN must divide 128 (one weight
-# scale per K step).
+# The FP8 autotune space (GPU, R >= AUTOTUNE_MIN_ROWS), promoting form (FP8_RESCALE off).
+# BN must divide 128 (one weight scale per K step) or be a multiple of 128.
 _FP8_CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=st)
     for bm, bn, w, st in [(64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
@@ -247,21 +319,35 @@ def _rows_kernel_tuned():
     if _rows_tuned is None:
         _rows_tuned = triton.autotune(
             configs=_FP8_CONFIGS,
-            key=["I", "J", "E", "R_BUCKET", "B_KMAJOR"])(_grouped_rows_kernel)
+            key=["I", "J", "E", "R_BUCKET", "B_KMAJOR", "RESCALE"])(_grouped_rows_kernel)
     return _rows_tuned
 
 
 _PLANS: dict = {}  # (R, E, J, fp8, f32, block_m) -> (config, grid)
 
 
+def _check_fp8_config(config: dict) -> dict:
+    """The FP8 rows kernel's tiles from a ``config`` override (keys ``BM``, ``BN``,
+    ``num_warps``, ``num_stages``; optional ``GROUP_M`` (8), ``RESCALE``
+    (:data:`FP8_RESCALE`)), checked: ``BN`` divides 128 or is a multiple of it."""
+    bn = config["BN"]
+    if not (128 % bn == 0 or bn % 128 == 0):
+        raise ValueError(f"FP8 grouped GEMM: BN must divide 128 or be a multiple of 128, "
+                         f"got {bn}")
+    return dict(BM=config["BM"], BN=bn, BK=BLOCK, GROUP_M=config.get("GROUP_M", 8),
+                num_warps=config["num_warps"], num_stages=config["num_stages"],
+                RESCALE=bool(config.get("RESCALE", FP8_RESCALE)))
+
+
 def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
                         a_scale=None, b_scale=None, bs_strides=(0, 0, 0),
-                        block_m: int | None = None):
+                        block_m: int | None = None, config: dict | None = None):
     """Launch ``out[r, :] = a[r, :] @ B_{e(r)}`` with ``B_e[i, j] = b[e*stride_be +
     i*stride_bi + j*stride_bj]``. ``a [R, I]`` and ``out [R, J]`` row-major with a
     contiguous last dim; ``a_scale [R, cdiv(I, 128)]`` (FP8; any strides: it is
     transposed here, one small copy, for contiguous per-step loads). Writes every row of
-    ``out`` (zeros past ``offsets[E]``)."""
+    ``out`` (zeros past ``offsets[E]``). ``config`` (FP8 only): pinned tiles and
+    promotion form instead of the autotuner/heuristic (:func:`_check_fp8_config`)."""
     R, I = a.shape
     J = out.shape[1]
     E = offsets.numel() - 1
@@ -275,6 +361,15 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
             triton.next_power_of_2(R), a.stride(0), stride_be, stride_bi, stride_bj,
             out.stride(0), as_t.stride(0) if fp8 else 0, *bs_strides)
     flags = dict(FP8=fp8, IEEE=f32, B_KMAJOR=stride_bi == 1, EP2=EP2)
+    if config is not None:
+        if not fp8:
+            raise ValueError("launch_grouped_rows: config is for the FP8 kernel only")
+        cfg = _check_fp8_config(config)
+        grid = (row_tile_bound(R, E, cfg["BM"]) * cdiv(J, cfg["BN"]),)
+        with device_guard(a):
+            launch(_grouped_rows_kernel, grid, *args, **flags, **cfg)
+        return out
+    flags["RESCALE"] = fp8 and FP8_RESCALE
     with device_guard(a):
         if fp8 and block_m is None and R >= AUTOTUNE_MIN_ROWS and _autotune_enabled():
             grid = lambda meta: (row_tile_bound(R, E, meta["BM"]) * cdiv(J, meta["BN"]),)
@@ -413,9 +508,10 @@ def quantize_grouped_weight(weight: torch.Tensor, *, columnwise: bool = True,
 
 def grouped_mm_fp8_fwd(a_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: torch.Tensor,
                        out_dtype: torch.dtype = torch.bfloat16,
-                       block_m: int | None = None) -> torch.Tensor:
+                       block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
     """FP8 forward launcher: ``a_fp8`` rowwise 1x128 ``[R, K]``, ``w_fp8`` from
-    :func:`quantize_grouped_weight` ``[E, N, K]`` -> ``[R, N]`` in ``out_dtype``."""
+    :func:`quantize_grouped_weight` ``[E, N, K]`` -> ``[R, N]`` in ``out_dtype``.
+    ``config``: pinned tiles/promotion form (see :func:`launch_grouped_rows`)."""
     q, s = a_fp8.rowwise_data, a_fp8.rowwise_scale
     R, K = q.shape
     E, N, _ = w_fp8.shape
@@ -425,7 +521,7 @@ def grouped_mm_fp8_fwd(a_fp8: Fp8Tensor, w_fp8: Fp8Tensor, offsets: torch.Tensor
     return launch_grouped_rows(
         q, w_fp8.rowwise_data, out, offsets, stride_be=N * K, stride_bi=1, stride_bj=K,
         a_scale=s, b_scale=w_fp8.rowwise_scale,
-        bs_strides=((N // BLOCK) * GK, 1, GK), block_m=block_m)
+        bs_strides=((N // BLOCK) * GK, 1, GK), block_m=block_m, config=config)
 
 
 def fp8_dtype_ok(t: torch.Tensor) -> bool:
@@ -451,7 +547,7 @@ def _quantize_grouped_kernel(x_ptr, xs_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_pt
     tile_start, real_end, seg_stop, _g, _gu, _i, _so, _u = expert_tile(
         cnt_ptr, E, R, pid_m, ALIGN, EP2)
     if ALIGN16:  # segment starts are multiples of 16: vector stores of the transposed tile
-        tile_start = tl.multiple_of(tile_start, 16)
+        tile_start, seg_stop = aligned16(tile_start, seg_stop)
     rows = tile_start.to(tl.int64) + tl.arange(0, 128)
     smask = (rows < seg_stop) & (rows < R)
     lmask = (rows < real_end) & smask
