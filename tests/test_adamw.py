@@ -219,6 +219,33 @@ def test_bad_inputs(device):
     assert_close(p.detach(), q.detach(), tol=1e-5)
 
 
+def test_new_gradient_tensors_reuse_the_tables(device):
+    """Gradients allocated anew every step (zero_grad(set_to_none=True) + backward) move
+    around; the chunk tables depend only on sizes, dtypes and alignment, so only the small
+    address arrays are uploaded (a table of a 7B model has ~440K rows)."""
+    from unittest import mock
+
+    from linghe.optim import multi_tensor as K
+
+    optim.clear_plan_cache()
+    ps = _params([5000, 3, 70_001], torch.float32, device)
+    ps_t = _clone(ps)
+    opt = optim.AdamW(ps, lr=1e-2, max_grad_norm=1.0)
+    opt_t = torch.optim.AdamW(ps_t, lr=1e-2, foreach=False)
+    built = []
+    with mock.patch.object(K, "_build_plan", side_effect=K._build_plan) as norm_b, \
+            mock.patch.object(K, "build_adamw_plan", side_effect=K.build_adamw_plan) as adam_b:
+        for step in range(4):
+            _set_grads([ps, ps_t], seed=90 + step)  # new gradient tensors, new addresses
+            opt.step()
+            torch.nn.utils.clip_grad_norm_(ps_t, 1.0)
+            opt_t.step()
+            built.append((norm_b.call_count, adam_b.call_count))
+    assert built[-1] == (1, 1), built
+    for p, q in zip(ps, ps_t):
+        assert_close(p.detach(), q.detach(), tol=1e-5)
+
+
 def test_prepare_step_changes_nothing(device):
     ps = _params([100, 3], torch.float32, device)
     ps_t = _clone(ps)

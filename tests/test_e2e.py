@@ -384,28 +384,32 @@ def _cuda_fakes():
         is_current_stream_capturing=lambda: _FakeGraph.capturing)
 
 
-def test_graph_stepper_builds_no_pointer_table_inside_capture():
+@pytest.mark.parametrize("optimizer", ["torch", "auto"])
+def test_graph_stepper_builds_no_pointer_table_inside_capture(optimizer):
     """The captured step sets gradients to None, so they first exist inside the capture;
-    clip_grad_norm_'s pointer table for them (a pinned host buffer) must be built between
+    the chunk tables and address arrays for them (uploads from pinned host memory) of
+    clip_grad_norm_ (with PyTorch's AdamW) or linghe.optim.AdamW must be uploaded between
     the two captures, never inside one. On the CPU the capture is faked (the body runs
     once, eagerly); on a GPU it is real."""
     from linghe.optim import multi_tensor
 
+    multi_tensor.clear_plan_cache()
     cfg = CFG if DEVICE == "cpu" else GPU_CFG
     model = build_model(cfg, device=DEVICE, seed=0)
-    opt = make_optimizer(model, 1e-3, capturable=DEVICE == "cuda")
+    opt = make_optimizer(model, 1e-3, mode="bf16", capturable=DEVICE == "cuda",
+                         optimizer=optimizer)
     bb = ByteBatches(stdlib_corpus(corpus_bytes_needed(cfg, 3)), cfg.batch, cfg.seq, DEVICE)
-    built = []
-    build = multi_tensor._build_plan
+    uploads = []
+    upload = multi_tensor._upload
 
     def spy(*args, **kwargs):
-        built.append(torch.cuda.is_current_stream_capturing())
-        return build(*args, **kwargs)
+        uploads.append(torch.cuda.is_current_stream_capturing())
+        return upload(*args, **kwargs)
 
-    with _cuda_fakes(), mock.patch.object(multi_tensor, "_build_plan", spy):
+    with _cuda_fakes(), mock.patch.object(multi_tensor, "_upload", spy):
         step = e2e.make_stepper(model, opt, bb, "bf16", graph=True, warmup=1)
         loss = step(1)
-    assert built and not any(built), built
+    assert uploads and not any(uploads), uploads
     assert math.isfinite(float(loss))
     assert all(p.grad is not None and p.grad.is_contiguous() for p in model.parameters())
 

@@ -455,33 +455,39 @@ def comp(fn, sig, consts):
 B = K._block(4, "float")
 for last in (False, True):
     k = comp(K._norm_partials_kernel,
-             dict(table_ptr="*i64", n_chunks="i32", partial_ptr="*fp32", p="fp32",
-                  counter_ptr="*i32", norm_out_ptr="*fp32", coef_out_ptr="*fp32",
-                  max_norm="fp32", DTYPE="constexpr", ACC="constexpr", MODE="constexpr",
+             dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", partial_ptr="*fp32",
+                  p="fp32", counter_ptr="*i32", norm_out_ptr="*fp32", coef_out_ptr="*fp32",
+                  max_norm="fp32", DTYPE="constexpr", ES="constexpr", ACC="constexpr",
+                  MODE="constexpr",
                   IDENT="constexpr", BLOCK="constexpr", ALIGNED="constexpr", LAST="constexpr",
                   COEF="constexpr", RBLOCK="constexpr"),
-             dict(DTYPE=tl.float32, ACC=tl.float32, MODE=2, IDENT=0.0, BLOCK=B, ALIGNED=True,
+             dict(DTYPE=tl.float32, ES=4, ACC=tl.float32, MODE=2, IDENT=0.0, BLOCK=B, ALIGNED=True,
                   LAST=last, COEF=last, RBLOCK=K.REDUCE_BLOCK))
     if last:
         ptx = k.asm["ptx"]
         assert "atom" in ptx and "acq_rel" in ptx and "ld.global.cg" in ptx, "LAST"
 comp(K._scale_kernel,
-     dict(table_ptr="*i64", n_chunks="i32", coef_ptr="*fp32", DTYPE="constexpr", CT="constexpr",
-          BLOCK="constexpr", ALIGNED="constexpr"),
-     dict(DTYPE=tl.bfloat16, CT=tl.float32, BLOCK=B, ALIGNED=True))
+     dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", coef_ptr="*fp32",
+          DTYPE="constexpr", ES="constexpr", CT="constexpr", BLOCK="constexpr",
+          ALIGNED="constexpr"),
+     dict(DTYPE=tl.bfloat16, ES=2, CT=tl.float32, BLOCK=B, ALIGNED=True))
 comp(K._count_zeros_kernel,
-     dict(table_ptr="*i64", n_chunks="i32", partial_ptr="*i64", ITYPE="constexpr",
-          BLOCK="constexpr", ALIGNED="constexpr"),
-     dict(ITYPE=tl.int32, BLOCK=B, ALIGNED=True))
+     dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", partial_ptr="*i64",
+          ITYPE="constexpr", ES="constexpr", BLOCK="constexpr", ALIGNED="constexpr"),
+     dict(ITYPE=tl.int32, ES=4, BLOCK=B, ALIGNED=True))
 for dt in (tl.bfloat16, tl.float32):
     k = comp(K._adamw_kernel,
-             dict(table_ptr="*i64", n_chunks="i32", bias_ptr="*fp32",
+             dict(table_ptr="*i64", addrs_ptr="*i64", nt="i32", n_chunks="i32",
+                  bias_ptr="*fp32",
                   coef_ptr="*fp32", lr_ptr="*fp32", lr="fp32", beta1="fp32", beta2="fp32",
                   eps="fp32", weight_decay="fp32", P="constexpr", G="constexpr",
-                  M="constexpr", BLOCK="constexpr", ALIGNED="constexpr", CLIP="constexpr",
+                  M="constexpr", ESP="constexpr", ESG="constexpr", ESM="constexpr",
+                  BLOCK="constexpr", ALIGNED="constexpr", CLIP="constexpr",
                   LR_TENSOR="constexpr", MAXIMIZE="constexpr"),
-             dict(P=dt, G=dt, M=dt, BLOCK=K.ADAMW_BLOCK, ALIGNED=True, CLIP=True,
-                  LR_TENSOR=True, MAXIMIZE=False))
+             dict(P=dt, G=dt, M=dt, ESP=dt.primitive_bitwidth // 8,
+                  ESG=dt.primitive_bitwidth // 8, ESM=dt.primitive_bitwidth // 8,
+                  BLOCK=K.ADAMW_BLOCK, ALIGNED=True, CLIP=True, LR_TENSOR=True,
+                  MAXIMIZE=False))
     assert re.search(r"st\.global\.[\w:.]*v4", k.asm["ptx"]), "adamw stores"
 print("COMPILED")
 '''

@@ -48,6 +48,7 @@ from .clip import _norm_and_coef, check_max_norm, check_norm_type, prepare
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _PLANS_PER_GROUP = 8
 
 
@@ -167,13 +168,13 @@ class AdamW(torch.optim.Optimizer):
             planned = self._group_plan(gi, group)
             if planned is None:
                 continue
-            bufs, (plan, inc, _keep) = planned
+            bufs, (plan, inc, _mv), addrs, _keep = planned
             K.adamw_advance(bufs.steps, inc, bufs.betas_t, bufs.bias)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != bufs.steps.device:
                 lr = float(lr)  # a CPU tensor: a host read, no device sync
             beta1, beta2 = bufs.betas
-            K.adamw_(plan, bufs.bias, lr=lr, beta1=beta1, beta2=beta2,
+            K.adamw_(plan, addrs, bufs.bias, lr=lr, beta1=beta1, beta2=beta2,
                      eps=group["eps"], weight_decay=group["weight_decay"],
                      maximize=group["maximize"], coef=coef)
         return loss
@@ -184,8 +185,8 @@ class AdamW(torch.optim.Optimizer):
         chunk tables, the norm's table and buffers) without changing any parameter or
         step count. Call it before capturing ``step()`` in a CUDA graph when the gradients
         were allocated anew since the last eager step (e.g. set to None before a captured
-        backward): building a table uploads it from pinned host memory, which a capture
-        must not do."""
+        backward): new addresses (and a new table) are uploaded from pinned host memory,
+        which a capture must not do."""
         self._clip_coef()
         for gi, group in enumerate(self.param_groups):
             self._group_plan(gi, group)
@@ -225,23 +226,28 @@ class AdamW(torch.optim.Optimizer):
         bufs = self._buffers(gi, group)
         ps = [params[i] for i in idx]
         gs = [p.grad for p in ps]
-        key = (tuple(idx), tuple(map(_DATA_PTR, ps)), tuple(map(_DATA_PTR, gs)))
+        keep = None
+        if not all(map(_IS_CONTIGUOUS, gs)):  # read only: copies for this step
+            gs = keep = [g if g.is_contiguous() else g.contiguous() for g in gs]
+        pg_ptrs = tuple(map(_DATA_PTR, ps)) + tuple(map(_DATA_PTR, gs))
+        # The table depends on which parameters step, their dtypes and the alignment, not
+        # on the addresses: gradients allocated anew every step reuse it.
+        key = (tuple(idx), tuple(p.dtype for p in ps), tuple(g.dtype for g in gs),
+               not any(x % 16 for x in pg_ptrs))
         entry = bufs.plans.get(key)
         if entry is None:
-            entry = self._plan(bufs, params, idx, ps, gs)
-            if entry[2] is None:  # no temporary copies: reusable
-                bufs.plans[key] = entry
-                if len(bufs.plans) > _PLANS_PER_GROUP:
-                    bufs.plans.popitem(last=False)
+            entry = bufs.plans[key] = self._plan(bufs, params, idx, ps, gs, key[-1])
+            if len(bufs.plans) > _PLANS_PER_GROUP:
+                bufs.plans.popitem(last=False)
         else:
             bufs.plans.move_to_end(key)
-        return bufs, entry
+        addrs = entry[0].addr_sets.get(pg_ptrs + entry[2])
+        return bufs, entry, addrs, keep
 
-    def _plan(self, bufs: _GroupBuffers, params, idx: list[int], ps, gs):
+    def _plan(self, bufs: _GroupBuffers, params, idx: list[int], ps, gs, aligned: bool):
         """Validate, create missing state, build the chunk table. Returns ``(plan, step
-        increment (None: every parameter), temporary gradient copies or None)``."""
+        increment (None: every parameter), the moments' addresses)``."""
         device = bufs.steps.device
-        keep = None
         ms, vs = [], []
         for j, (i, p, g) in enumerate(zip(idx, ps, gs)):
             name = f"params[{i}]"
@@ -263,11 +269,6 @@ class AdamW(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"linghe.optim.AdamW needs contiguous parameters; {name} "
                                  "is not")
-            if not g.is_contiguous():  # read only: a copy for this step
-                keep = keep or []
-                g = g.contiguous()
-                keep.append(g)
-                gs[j] = g
             st = self.state[p]
             if "exp_avg" not in st:
                 st["step"] = bufs.steps[i]
@@ -283,10 +284,12 @@ class AdamW(torch.optim.Optimizer):
                 st["exp_avg_sq"] = st["exp_avg_sq"].to(st["exp_avg"].dtype)
             ms.append(st["exp_avg"])
             vs.append(st["exp_avg_sq"])
-        plan = K.build_adamw_plan(ps, gs, ms, vs, idx, device)
+        mv_ptrs = tuple(map(_DATA_PTR, ms)) + tuple(map(_DATA_PTR, vs))
+        plan = K.build_adamw_plan(ps, gs, ms, idx, device,
+                                  aligned and not any(x % 16 for x in mv_ptrs))
         inc = None
         if len(idx) < len(params):  # only the parameters with a gradient count this step
             inc = torch.zeros(len(params), dtype=torch.float32)
             inc[idx] = 1.0
             inc = inc.to(device)
-        return plan, inc, keep
+        return plan, inc, mv_ptrs

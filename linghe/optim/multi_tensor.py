@@ -4,9 +4,12 @@ scaling, zero counting; and the host-side table ("plan") with its cache.
 How a list of tensors becomes a fixed number of launches:
 
 * Every tensor is cut into chunks of ``CHUNK`` elements. The chunk table is an int64
-  tensor ``[n_chunks, 4]`` on the tensors' device; row ``c`` = ``(byte address of the chunk's
-  first element, start element within its tensor, length, flag)`` (``flag`` is the
-  sign-clearing mask for :func:`count_zeros`, unused otherwise).
+  tensor ``[n_chunks, 4]`` on the tensors' device; row ``c`` = ``(slot of the chunk's
+  tensor, start element within it, length, flag)`` (``flag`` is the sign-clearing mask for
+  :func:`count_zeros`, unused otherwise). The tensors' base addresses are a separate small
+  int64 array (one per slot), so the table depends only on the tensors' sizes, dtypes and
+  alignment, never on where they live: gradients that a backward allocates anew every step
+  (``zero_grad(set_to_none=True)``) reuse the table and upload only their addresses.
 * Chunks are grouped by (bucket, dtype, 16-byte alignment); a group is one launch of a
   persistent-ish kernel whose programs stride over the group's chunks (program ``p`` takes
   chunks ``p, p + G, ...``) and write one partial each. Buckets are the distributed groups
@@ -17,15 +20,18 @@ How a list of tensors becomes a fixed number of launches:
   that finishes last (an atomic ticket) reduces the partials and finishes the norm and
   coefficient (:func:`norm_single_launch`).
 
-Addresses are stored as int64 and cast with ``tl.pointer_type`` in the kernel (this works on
-the Triton interpreter too). When every pointer of a launch is 16-byte aligned the launch is
+Addresses are int64 and cast with ``tl.pointer_type`` in the kernel (this works on the
+Triton interpreter too). When every pointer of the list is 16-byte aligned the launches are
 specialised with ``ALIGNED``: ``tl.multiple_of`` on the cast pointer itself (a hint on the
 integer before the cast, or on ``ptr + start``, is lost by the compiler: checked in the PTX
 of sm_90, where only this form gives ``ld.global.v4``).
 
-The plan is cached keyed on ``(data_ptr, numel, dtype)`` of every tensor (gradients persist
-across steps, so steady-state calls do no table work) and is uploaded from pinned memory with
-a non-blocking copy: building or reusing a plan never syncs the host with the device.
+The plan (table and launches) is cached keyed on ``(numel, dtype)`` of every tensor and the
+list's alignment; each plan keeps a few uploaded address arrays keyed on the tensors'
+``data_ptr`` (:class:`AddressSets`). Tables and addresses are uploaded from pinned memory
+with non-blocking copies: building or reusing a plan never syncs the host with the device.
+(Keying the whole table on the addresses, as before, rebuilt a 440K-row table every step
+of a 7B-parameter model whose gradients move between steps: ~20 ms of host time.)
 """
 
 from __future__ import annotations
@@ -153,21 +159,26 @@ def _reduce_all(acc, MODE: tl.constexpr):
 
 
 @triton.jit
-def _table_row(table_ptr, c, n_chunks):
-    """``(byte address, length, flag)`` of chunk ``c`` (zeros past the table): loaded one
-    chunk ahead by the kernels below, so a chunk's data loads never wait on its table row."""
+def _table_row(table_ptr, addrs_ptr, c, n_chunks, ES: tl.constexpr):
+    """``(byte address, length, flag)`` of chunk ``c`` (zeros past the table), from its row
+    ``(slot, start, length, flag)`` and the slot's base address ``addrs[slot]`` (elements of
+    ``ES`` bytes): loaded one chunk ahead by the kernels below, so a chunk's data loads never
+    wait on its table row."""
     ok = c < n_chunks
     row = table_ptr + c.to(tl.int64) * 4
-    addr = tl.load(row, mask=ok, other=0)
+    slot = tl.load(row, mask=ok, other=0)
+    start = tl.load(row + 1, mask=ok, other=0)
     n = tl.load(row + 2, mask=ok, other=0)
     flag = tl.load(row + 3, mask=ok, other=0)
-    return addr, n, flag
+    base = tl.load(addrs_ptr + slot, mask=ok, other=0)
+    return base + start * ES, n, flag
 
 
 @triton.jit
-def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p, counter_ptr, norm_out_ptr,
-                          coef_out_ptr, max_norm,
-                          DTYPE: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+def _norm_partials_kernel(table_ptr, addrs_ptr, n_chunks, partial_ptr, p, counter_ptr,
+                          norm_out_ptr, coef_out_ptr, max_norm,
+                          DTYPE: tl.constexpr, ES: tl.constexpr, ACC: tl.constexpr,
+                          MODE: tl.constexpr,
                           IDENT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
                           LAST: tl.constexpr = False, COEF: tl.constexpr = False,
                           RBLOCK: tl.constexpr = 1024):
@@ -181,11 +192,11 @@ def _norm_partials_kernel(table_ptr, n_chunks, partial_ptr, p, counter_ptr, norm
     G = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
     acc = tl.full([BLOCK], IDENT, ACC)
-    addr_nxt, n_nxt, _f = _table_row(table_ptr, pid, n_chunks)
+    addr_nxt, n_nxt, _f = _table_row(table_ptr, addrs_ptr, pid, n_chunks, ES)
     for c in range(pid, n_chunks, G):
         addr = addr_nxt  # byte address of the chunk's first element
         n = n_nxt
-        addr_nxt, n_nxt, _f = _table_row(table_ptr, c + G, n_chunks)
+        addr_nxt, n_nxt, _f = _table_row(table_ptr, addrs_ptr, c + G, n_chunks, ES)
         ptr = addr.to(tl.pointer_type(DTYPE))
         if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
             ptr = tl.multiple_of(ptr, 16)
@@ -283,19 +294,20 @@ def _norm_finish_kernel(acc_ptr, n_acc, norm_out_ptr, coef_out_ptr, p, max_norm,
 
 
 @triton.jit
-def _scale_kernel(table_ptr, n_chunks, coef_ptr, DTYPE: tl.constexpr, CT: tl.constexpr,
-                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def _scale_kernel(table_ptr, addrs_ptr, n_chunks, coef_ptr, DTYPE: tl.constexpr,
+                  ES: tl.constexpr, CT: tl.constexpr, BLOCK: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """In place: ``x *= coef[0]`` (multiply in ``CT``: fp32, fp64 for fp64 tensors; stored
     in the tensor's dtype)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
     coef = tl.load(coef_ptr).to(CT)
-    addr_nxt, n_nxt, _f = _table_row(table_ptr, pid, n_chunks)
+    addr_nxt, n_nxt, _f = _table_row(table_ptr, addrs_ptr, pid, n_chunks, ES)
     for c in range(pid, n_chunks, G):
         addr = addr_nxt  # byte address of the chunk's first element
         n = n_nxt
-        addr_nxt, n_nxt, _f = _table_row(table_ptr, c + G, n_chunks)
+        addr_nxt, n_nxt, _f = _table_row(table_ptr, addrs_ptr, c + G, n_chunks, ES)
         ptr = addr.to(tl.pointer_type(DTYPE))
         if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
             ptr = tl.multiple_of(ptr, 16)
@@ -313,20 +325,20 @@ def _scale_kernel(table_ptr, n_chunks, coef_ptr, DTYPE: tl.constexpr, CT: tl.con
 
 
 @triton.jit
-def _count_zeros_kernel(table_ptr, n_chunks, partial_ptr, ITYPE: tl.constexpr,
-                        BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def _count_zeros_kernel(table_ptr, addrs_ptr, n_chunks, partial_ptr, ITYPE: tl.constexpr,
+                        ES: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Count elements whose bits ``& flag`` are 0 (``flag`` clears the sign bit of floats,
     so -0.0 counts; it is all ones for integers)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
     cnt = tl.zeros([BLOCK], tl.int32)
-    addr_nxt, n_nxt, f_nxt = _table_row(table_ptr, pid, n_chunks)
+    addr_nxt, n_nxt, f_nxt = _table_row(table_ptr, addrs_ptr, pid, n_chunks, ES)
     for c in range(pid, n_chunks, G):
         addr = addr_nxt  # byte address of the chunk's first element
         n = n_nxt
         mask_bits = f_nxt.to(ITYPE)
-        addr_nxt, n_nxt, f_nxt = _table_row(table_ptr, c + G, n_chunks)
+        addr_nxt, n_nxt, f_nxt = _table_row(table_ptr, addrs_ptr, c + G, n_chunks, ES)
         ptr = addr.to(tl.pointer_type(ITYPE))
         if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
             ptr = tl.multiple_of(ptr, 16)
@@ -342,19 +354,25 @@ def _count_zeros_kernel(table_ptr, n_chunks, partial_ptr, ITYPE: tl.constexpr,
     tl.store(partial_ptr + pid, tl.sum(cnt.to(tl.int64), axis=0))
 
 
-# AdamW table rows: (param, grad, exp_avg, exp_avg_sq byte addresses, length, tensor index
-# into the bias corrections, 0, 0): 8 int64, so a row is one 64-byte line.
-ADAMW_ROW = 8
+# AdamW table rows: (slot, start element, length, row of the bias corrections); the
+# addresses are ``addrs [4, nt]``: parameters, gradients, exp_avg, exp_avg_sq by slot.
+ADAMW_ROW = 4
 
 
 @triton.jit
-def _adamw_row(table_ptr, c, n_chunks):
-    """Chunk ``c``'s four addresses, length and tensor index (zeros past the table)."""
+def _adamw_row(table_ptr, addrs_ptr, nt, c, n_chunks, ESP: tl.constexpr,
+               ESG: tl.constexpr, ESM: tl.constexpr):
+    """Chunk ``c``'s four byte addresses, length and bias row (zeros past the table)."""
     ok = c < n_chunks
-    row = table_ptr + c.to(tl.int64) * 8
-    return (tl.load(row, mask=ok, other=0), tl.load(row + 1, mask=ok, other=0),
-            tl.load(row + 2, mask=ok, other=0), tl.load(row + 3, mask=ok, other=0),
-            tl.load(row + 4, mask=ok, other=0), tl.load(row + 5, mask=ok, other=0))
+    row = table_ptr + c.to(tl.int64) * 4
+    slot = tl.load(row, mask=ok, other=0)
+    start = tl.load(row + 1, mask=ok, other=0)
+    a = addrs_ptr + slot
+    return (tl.load(a, mask=ok, other=0) + start * ESP,
+            tl.load(a + nt, mask=ok, other=0) + start * ESG,
+            tl.load(a + 2 * nt, mask=ok, other=0) + start * ESM,
+            tl.load(a + 3 * nt, mask=ok, other=0) + start * ESM,
+            tl.load(row + 2, mask=ok, other=0), tl.load(row + 3, mask=ok, other=0))
 
 
 @triton.jit
@@ -414,11 +432,14 @@ def _adamw_advance_kernel(steps_ptr, inc_ptr, betas_ptr, bias_ptr, n,
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, n_chunks, bias_ptr, coef_ptr, lr_ptr, lr, beta1, beta2, eps,
-                  weight_decay, P: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+def _adamw_kernel(table_ptr, addrs_ptr, nt, n_chunks, bias_ptr, coef_ptr, lr_ptr, lr, beta1,
+                  beta2, eps, weight_decay, P: tl.constexpr, G: tl.constexpr,
+                  M: tl.constexpr, ESP: tl.constexpr, ESG: tl.constexpr, ESM: tl.constexpr,
                   BLOCK: tl.constexpr, ALIGNED: tl.constexpr, CLIP: tl.constexpr,
                   LR_TENSOR: tl.constexpr, MAXIMIZE: tl.constexpr):
-    """AdamW (decoupled weight decay) over the chunks of an :data:`ADAMW_ROW` table; program
+    """AdamW (decoupled weight decay) over the chunks of an :data:`ADAMW_ROW` table (``nt``
+    tensors, their addresses in ``addrs [4, nt]``; elements of ``ESP``/``ESG``/``ESM``
+    bytes for parameters, gradients, moments); program
     ``pid`` takes chunks ``pid, pid + NP, ...`` (each chunk's row is loaded one chunk
     ahead).
 
@@ -438,10 +459,12 @@ def _adamw_kernel(table_ptr, n_chunks, bias_ptr, coef_ptr, lr_ptr, lr, beta1, be
     else:
         coef = tl.full([], 1.0, tl.float32)
     decay = 1.0 - lr_f * weight_decay
-    pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, pid, n_chunks)
+    pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, addrs_ptr, nt, pid, n_chunks,
+                                                  ESP, ESG, ESM)
     for c in range(pid, n_chunks, NP):
         pa, ga, ma, va, n, t = pa_n, ga_n, ma_n, va_n, n_n, t_n
-        pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, c + NP, n_chunks)
+        pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, addrs_ptr, nt, c + NP,
+                                                      n_chunks, ESP, ESG, ESM)
         bc1 = tl.load(bias_ptr + 2 * t)
         bc2 = tl.load(bias_ptr + 2 * t + 1)
         step_size = tl.div_rn(lr_f, bc1)
@@ -480,7 +503,44 @@ class Launch:
     grid: int
     aligned: bool
     block: int
+    es: int = 4  # element size in bytes
     table: torch.Tensor | None = None  # the plan's table from this launch's first chunk
+
+
+class AddressSets:
+    """A plan's uploaded base-address arrays (int64, on the device), one per distinct tuple
+    of addresses, the most recent ``size`` kept. An upload is a pinned, non-blocking copy.
+    An array used while a CUDA graph is being captured is kept for good (the graph reads it
+    on every replay); a tuple first seen inside a capture cannot be uploaded there, so it
+    raises: run the same call once eagerly before capturing."""
+
+    def __init__(self, device: torch.device, size: int = 8):
+        self.device, self.size = device, size
+        self.d: OrderedDict = OrderedDict()
+        self.kept: set = set()
+
+    def get(self, ptrs: tuple) -> torch.Tensor:
+        capturing = (self.device.type == "cuda"
+                     and torch.cuda.is_current_stream_capturing())
+        t = self.d.get(ptrs)
+        if t is None:
+            if capturing:
+                raise RuntimeError(
+                    "linghe.optim: these tensors' addresses were not seen before the CUDA "
+                    "graph capture; run the same call once eagerly before capturing "
+                    "(linghe.optim.AdamW: prepare_step())")
+            _host, t = _upload(np.asarray(ptrs, dtype=np.int64), self.device)
+            self.d[ptrs] = t
+            if len(self.d) > self.size:
+                for k in self.d:
+                    if k not in self.kept:
+                        del self.d[k]
+                        break
+        else:
+            self.d.move_to_end(ptrs)
+        if capturing:
+            self.kept.add(ptrs)
+        return t
 
 
 @dataclass
@@ -492,6 +552,7 @@ class Plan:
     buckets: list[tuple[int, int]]  # (partial_off, n_partials) per bucket
     n_partials: int
     scratch: dict = field(default_factory=dict)
+    addr_sets: AddressSets | None = None
 
     def buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A scratch device buffer reused across calls with this plan (partials, per-bucket
@@ -502,6 +563,19 @@ class Plan:
         if buf is None:
             buf = self.scratch[key] = empty(n, dtype=dtype, device=self.device)
         return buf
+
+
+class Bound:
+    """A plan bound to one list's addresses: ``addrs`` (int64 per slot, on the device) and
+    every attribute of the :class:`Plan` (launches, scratch buffers, buckets)."""
+
+    __slots__ = ("plan", "addrs")
+
+    def __init__(self, plan, addrs: torch.Tensor):
+        self.plan, self.addrs = plan, addrs
+
+    def __getattr__(self, name):
+        return getattr(self.plan, name)
 
 
 _PLAN_CACHE: OrderedDict = OrderedDict()
@@ -600,27 +674,28 @@ def _upload(table_np: np.ndarray, device: torch.device) -> tuple[torch.Tensor, t
     return host, host.to(device, non_blocking=True)
 
 
-def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device) -> Plan:
-    """Chunk table for ``buckets`` (lists of tensors). ``kind`` = "float" (group by dtype,
-    for norm/scale) or "bits" (group by element size, for count_zeros)."""
-    groups: OrderedDict = OrderedDict()  # (bucket, key, aligned) -> list[(ptr, numel, flag)]
+def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device,
+                aligned: bool) -> Plan:
+    """Chunk table for ``buckets`` (lists of tensors; slots numbered across the buckets in
+    order). ``kind`` = "float" (group by dtype, for norm/scale) or "bits" (group by element
+    size, for count_zeros). ``aligned``: every tensor starts 16-byte aligned."""
+    groups: OrderedDict = OrderedDict()  # (bucket, key) -> list[(slot, numel, flag)]
+    slot = 0
     for b, ts in enumerate(buckets):
         for t in ts:
             n = t.numel()
-            if n == 0:
-                continue
-            ptr = t.data_ptr()
-            es = t.element_size()
-            if kind == "float":
-                key = t.dtype
-                flag = 0
-            else:
-                key = es
-                flag = ((1 << (8 * es - 1)) - 1) if (t.dtype.is_floating_point
-                                                     or t.dtype.is_complex) else -1
-            aligned = ptr % 16 == 0
-            groups.setdefault((b, key, aligned), []).append((ptr, n, flag))
-        groups.setdefault((b, None, None), [])  # keeps empty buckets visible
+            if n:
+                es = t.element_size()
+                if kind == "float":
+                    key = t.dtype
+                    flag = 0
+                else:
+                    key = es
+                    flag = ((1 << (8 * es - 1)) - 1) if (t.dtype.is_floating_point
+                                                         or t.dtype.is_complex) else -1
+                groups.setdefault((b, key), []).append((slot, n, flag))
+            slot += 1
+        groups.setdefault((b, None), [])  # keeps empty buckets visible
     max_prog = _max_programs(device)
     rows = []
     launches: list[Launch] = []
@@ -629,11 +704,11 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
     partial_off = 0
     for b in range(len(buckets)):
         bucket_ranges[b][0] = partial_off
-        for (bb, key, aligned), items in groups.items():
+        for (bb, key), items in groups.items():
             if bb != b or key is None or not items:
                 continue
             arr = np.asarray(items, dtype=np.int64)
-            ptrs, sizes, flags = arr[:, 0], arr[:, 1], arr[:, 2]
+            slots, sizes, flags = arr[:, 0], arr[:, 1], arr[:, 2]
             tid, start, length = _chunks(sizes)
             total = len(tid)
             if kind == "float":
@@ -642,10 +717,10 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
             else:
                 es = key
                 tl_key = _INT_BY_SIZE[key]
-            rows.append(np.stack([ptrs[tid] + start * es, start, length, flags[tid]], axis=1))
+            rows.append(np.stack([slots[tid], start, length, flags[tid]], axis=1))
             grid = min(total, max_prog)
             launches.append(Launch(tl_key, chunk_off, total, partial_off, grid, aligned,
-                                   _block(es, kind)))
+                                   _block(es, kind), es))
             chunk_off += total
             partial_off += grid
         bucket_ranges[b][1] = partial_off - bucket_ranges[b][0]
@@ -653,12 +728,14 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
     host, table = _upload(table_np, device)
     for ln in launches:
         ln.table = table[ln.chunk_off:]
-    return Plan(device, table, host, launches, [tuple(r) for r in bucket_ranges], partial_off)
+    return Plan(device, table, host, launches, [tuple(r) for r in bucket_ranges], partial_off,
+                addr_sets=AddressSets(device))
 
 
 @dataclass
 class AdamWLaunch:
     key: tuple  # (param, grad, moment) tl dtypes
+    es: tuple  # their element sizes
     n_chunks: int
     grid: int
     aligned: bool
@@ -670,55 +747,57 @@ class AdamWPlan:
     table: torch.Tensor
     host_table: torch.Tensor  # pinned source of the upload (kept alive with the plan)
     launches: list[AdamWLaunch]
+    nt: int  # tensors (slots)
+    addr_sets: AddressSets
 
 
 def build_adamw_plan(params: list[torch.Tensor], grads: list[torch.Tensor],
-                     exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-                     index: list[int], device: torch.device) -> AdamWPlan:
-    """The AdamW chunk table of contiguous, same-size ``params[i], grads[i], exp_avgs[i],
-    exp_avg_sqs[i]`` (``index[i]``: the tensor's row in the bias corrections); one
-    launch per (dtypes, 16-byte alignment of all four) group."""
+                     exp_avgs: list[torch.Tensor], index: list[int], device: torch.device,
+                     aligned: bool) -> AdamWPlan:
+    """The AdamW chunk table of contiguous, same-size ``params[i], grads[i], exp_avgs[i]``
+    (and the exp_avg_sqs, of the moments' dtype) in slots ``i``; ``index[i]``: the tensor's
+    row in the bias corrections; one launch per dtype combination. The addresses are bound
+    per call (:meth:`AddressSets.get` of ``params + grads + exp_avgs + exp_avg_sqs``
+    pointers); ``aligned``: all of them 16-byte aligned."""
     groups: OrderedDict = OrderedDict()
-    for i, quad in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        n = quad[0].numel()
-        if n == 0:
-            continue
-        ptrs = [t.data_ptr() for t in quad]
-        key = (quad[0].dtype, quad[1].dtype, quad[2].dtype, all(p % 16 == 0 for p in ptrs))
-        groups.setdefault(key, []).append(
-            ptrs + [n, index[i]] + [t.element_size() for t in quad])
+    for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs)):
+        if p.numel():
+            key = (p.dtype, g.dtype, m.dtype)
+            groups.setdefault(key, []).append((i, p.numel(), index[i]))
     max_prog = num_sms(device) * ADAMW_PROGRAMS_PER_SM
     rows, specs = [], []
-    for (pd, gd, md, aligned), items in groups.items():
+    for (pd, gd, md), items in groups.items():
         arr = np.asarray(items, dtype=np.int64)
-        tid, start, length = _chunks(arr[:, 4])
-        addrs = [arr[tid, j] + start * arr[tid, 6 + j] for j in range(4)]
-        rows.append(np.stack(addrs + [length, arr[tid, 5], 0 * length, 0 * length], axis=1))
-        specs.append(((_TL_DTYPE[pd], _TL_DTYPE[gd], _TL_DTYPE[md]), len(tid), aligned))
+        tid, start, length = _chunks(arr[:, 1])
+        rows.append(np.stack([arr[tid, 0], start, length, arr[tid, 2]], axis=1))
+        es = tuple(torch.empty((), dtype=d).element_size() for d in (pd, gd, md))
+        specs.append(((_TL_DTYPE[pd], _TL_DTYPE[gd], _TL_DTYPE[md]), es, len(tid)))
     table_np = (np.concatenate(rows, axis=0) if rows
                 else np.zeros((0, ADAMW_ROW), dtype=np.int64))
     host, table = _upload(table_np, device)
     launches, off = [], 0
-    for key, n_chunks, aligned in specs:
-        launches.append(AdamWLaunch(key, n_chunks, min(n_chunks, max_prog), aligned,
+    for key, es, n_chunks in specs:
+        launches.append(AdamWLaunch(key, es, n_chunks, min(n_chunks, max_prog), aligned,
                                     table[off:]))
         off += n_chunks
-    return AdamWPlan(table, host, launches)
+    return AdamWPlan(table, host, launches, len(params), AddressSets(device))
 
 
-def get_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device) -> Plan:
-    """Cached :func:`_build_plan`, keyed on ``(data_ptr, numel, dtype)`` of every tensor."""
-    key = (kind, device, tuple(tuple((t.data_ptr(), t.numel(), t.dtype) for t in ts)
-                               for ts in buckets))
+def get_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device) -> Bound:
+    """Cached :func:`_build_plan` (keyed on ``(numel, dtype)`` of every tensor and whether
+    all are 16-byte aligned), bound to these tensors' addresses."""
+    ptrs = tuple(t.data_ptr() for ts in buckets for t in ts)
+    aligned = not any(p % 16 for p in ptrs)
+    key = (kind, device, aligned, tuple(tuple((t.numel(), t.dtype) for t in ts)
+                                        for ts in buckets))
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         _PLAN_CACHE.move_to_end(key)
-        return plan
-    plan = _build_plan(kind, buckets, device)
-    _PLAN_CACHE[key] = plan
-    if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-        _PLAN_CACHE.popitem(last=False)
-    return plan
+    else:
+        plan = _PLAN_CACHE[key] = _build_plan(kind, buckets, device, aligned)
+        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    return Bound(plan, plan.addr_sets.get(ptrs))
 
 
 # ======================================================================================
@@ -726,7 +805,7 @@ def get_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device)
 # ======================================================================================
 
 
-def norm_partials(plan: Plan, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
+def norm_partials(plan: Bound, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
     """Run the partial-norm launches of ``plan``; returns ``partials [plan.n_partials]``."""
     mode = norm_mode(p)
     partials = plan.buffer("partials", max(plan.n_partials, 1), acc_dtype)
@@ -735,13 +814,13 @@ def norm_partials(plan: Plan, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
         for ln in plan.launches:
             part = partials[ln.partial_off:]
             launch(_norm_partials_kernel, (ln.grid,),
-                ln.table, ln.n_chunks, part, float(p), part, part, part, 0.0,
-                DTYPE=ln.key, ACC=acc_tl, MODE=mode, IDENT=_ident(mode), BLOCK=ln.block,
+                ln.table, plan.addrs, ln.n_chunks, part, float(p), part, part, part, 0.0,
+                DTYPE=ln.key, ES=ln.es, ACC=acc_tl, MODE=mode, IDENT=_ident(mode), BLOCK=ln.block,
                 ALIGNED=ln.aligned, num_warps=NUM_WARPS)
     return partials
 
 
-def norm_single_launch(plan: Plan, p: float, acc_dtype: torch.dtype, *, norm_out: torch.Tensor,
+def norm_single_launch(plan: Bound, p: float, acc_dtype: torch.dtype, *, norm_out: torch.Tensor,
                        coef_out: torch.Tensor | None = None, max_norm: float = 0.0) -> None:
     """For a plan of exactly one launch (one dtype, not distributed): partials, the final
     reduce, the norm and the clip coefficient in that one launch (``LAST``)."""
@@ -755,8 +834,8 @@ def norm_single_launch(plan: Plan, p: float, acc_dtype: torch.dtype, *, norm_out
     coef = coef_out if coef_out is not None else norm_out
     with device_guard(plan.table):
         launch(_norm_partials_kernel, (ln.grid,),
-            ln.table, ln.n_chunks, partials, float(p), counter, norm_out, coef,
-            float(max_norm), DTYPE=ln.key, ACC=_TL_DTYPE[acc_dtype], MODE=mode,
+            ln.table, plan.addrs, ln.n_chunks, partials, float(p), counter, norm_out, coef,
+            float(max_norm), DTYPE=ln.key, ES=ln.es, ACC=_TL_DTYPE[acc_dtype], MODE=mode,
             IDENT=_ident(mode), BLOCK=ln.block, ALIGNED=ln.aligned, LAST=True,
             COEF=coef_out is not None, RBLOCK=REDUCE_BLOCK, num_warps=NUM_WARPS)
 
@@ -787,13 +866,13 @@ def finish_norm(accs: torch.Tensor, p: float, *, norm_out: torch.Tensor,
             num_warps=1)
 
 
-def scale_(plan: Plan, coef: torch.Tensor) -> None:
+def scale_(plan: Bound, coef: torch.Tensor) -> None:
     """Multiply every tensor of ``plan`` in place by ``coef[0]`` (a device scalar)."""
     with device_guard(plan.table):
         for ln in plan.launches:
             ct = tl.float64 if ln.key == tl.float64 else tl.float32
-            launch(_scale_kernel, (ln.grid,), ln.table, ln.n_chunks, coef,
-                   DTYPE=ln.key, CT=ct, BLOCK=ln.block, ALIGNED=ln.aligned,
+            launch(_scale_kernel, (ln.grid,), ln.table, plan.addrs, ln.n_chunks, coef,
+                   DTYPE=ln.key, ES=ln.es, CT=ct, BLOCK=ln.block, ALIGNED=ln.aligned,
                    num_warps=NUM_WARPS)
 
 
@@ -809,32 +888,35 @@ def adamw_advance(steps: torch.Tensor, inc: torch.Tensor | None, betas: torch.Te
                    HAS_INC=inc is not None, BLOCK=1024, num_warps=4)
 
 
-def adamw_(plan: AdamWPlan, bias: torch.Tensor, *, lr, beta1: float, beta2: float,
-           eps: float, weight_decay: float, maximize: bool,
+def adamw_(plan: AdamWPlan, addrs: torch.Tensor, bias: torch.Tensor, *, lr, beta1: float,
+           beta2: float, eps: float, weight_decay: float, maximize: bool,
            coef: torch.Tensor | None) -> None:
-    """Run the AdamW launches of ``plan``: ``bias [n, 2]`` the bias corrections of each
-    tensor row of the table (:func:`adamw_advance`); ``lr`` a float or a 1-element float
-    tensor on the device; ``coef`` the clip coefficient ``[1]`` fp32 or None."""
+    """Run the AdamW launches of ``plan`` on the tensors at ``addrs [4, nt]`` (from
+    ``plan.addr_sets``); ``bias [n, 2]`` the bias corrections of each tensor row of the
+    table (:func:`adamw_advance`); ``lr`` a float or a 1-element float tensor on the device;
+    ``coef`` the clip coefficient ``[1]`` fp32 or None."""
     lr_tensor = isinstance(lr, torch.Tensor)
     with device_guard(bias):
         for ln in plan.launches:
             P, G, M = ln.key
-            launch(_adamw_kernel, (ln.grid,), ln.table, ln.n_chunks, bias,
+            ESP, ESG, ESM = ln.es
+            launch(_adamw_kernel, (ln.grid,), ln.table, addrs, plan.nt, ln.n_chunks, bias,
                    coef if coef is not None else bias, lr if lr_tensor else bias,
                    0.0 if lr_tensor else float(lr), float(beta1), float(beta2), float(eps),
-                   float(weight_decay), P=P, G=G, M=M, BLOCK=ADAMW_BLOCK,
+                   float(weight_decay), P=P, G=G, M=M, ESP=ESP, ESG=ESG, ESM=ESM,
+                   BLOCK=ADAMW_BLOCK,
                    ALIGNED=ln.aligned, CLIP=coef is not None, LR_TENSOR=lr_tensor,
                    MAXIMIZE=bool(maximize), num_warps=NUM_WARPS)
 
 
-def count_zeros_partials(plan: Plan) -> torch.Tensor:
+def count_zeros_partials(plan: Bound) -> torch.Tensor:
     partials = empty(max(plan.n_partials, 1), dtype=torch.int64, device=plan.device)
     if plan.n_partials == 0:
         partials.zero_()
     with device_guard(plan.table):
         for ln in plan.launches:
-            launch(_count_zeros_kernel, (ln.grid,), ln.table, ln.n_chunks,
-                   partials[ln.partial_off:], ITYPE=ln.key,
+            launch(_count_zeros_kernel, (ln.grid,), ln.table, plan.addrs, ln.n_chunks,
+                   partials[ln.partial_off:], ITYPE=ln.key, ES=ln.es,
                    BLOCK=ln.block, ALIGNED=ln.aligned,
                    num_warps=NUM_WARPS)
     return partials
