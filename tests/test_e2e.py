@@ -260,6 +260,28 @@ def test_cli_torch_mode(tmp_path):
     assert res["fp8_vs_bf16_rel_gap"] is None and res["targets"] == {}
 
 
+def test_loss_curves_over_seeds(tmp_path):
+    """--seeds 2: one CSV per seed, the per-seed gaps and the target read on their mean."""
+    out = tmp_path / "loss.json"
+    rc = e2e.main(["--mode", "bf16,fp8", "--width", "tiny", "--layers", "1",
+                   "--train-steps", "2", "--seeds", "2", "--seed", "5",
+                   "--out-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["seeds"] == [5, 6]
+    assert (tmp_path / "e2e_loss_tiny.csv").exists()
+    assert (tmp_path / "e2e_loss_tiny_seed6.csv").exists()
+    over = res["fp8_vs_bf16_gap_over_seeds"]
+    assert len(over["per_seed"]) == 2
+    assert res["fp8_vs_bf16_rel_gap"] == pytest.approx(sum(over["per_seed"]) / 2)
+    assert res["fp8_vs_bf16_rel_gap_first_seed"] == over["per_seed"][0]
+    assert res["targets"]["fp8 vs bf16 final loss gap"]["value"] == pytest.approx(
+        res["fp8_vs_bf16_rel_gap"])
+    g = e2e.gap_over_seeds([0.02, -0.02, None])
+    assert g["mean"] == 0.0 and g["stderr"] == pytest.approx(0.02)
+    assert e2e.gap_over_seeds([None])["mean"] is None
+
+
 def test_table_and_targets(capsys):
     def row(mode, graph, ms, busy, gemm=0.0, grouped=0.0, quantize=0.0):
         fam = dict.fromkeys(e2e.FAMILIES, 0.0)
