@@ -257,17 +257,29 @@ def _wgrad_fp8_kernel(
                 end = tl.multiple_of(tl.minimum(end, (R // 16) * 16), 16)
                 start = tl.minimum(start, end)
             start = tl.multiple_of(start, 16)
-        n_full = (end - start) // BR
-        part = ((end - start) % BR) != 0
-        for i in range(0, n_full):
-            acc, sg, gp = _wgrad_fp8_step(
-                acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
-                start + i * BR, gbase + i, start, end, R, nmask, kmask, BR, False, RESCALE, False)
-        for i in range(0, part.to(tl.int32)):
-            acc, sg, gp = _wgrad_fp8_step(
-                acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
-                start + (n_full + i) * BR, gbase + n_full + i, start, end, R, nmask, kmask,
-                BR, True, RESCALE, VEC_MASK)
+        if VEC_MASK:
+            # One loop, one software pipeline, over every group (the token mask is all-true
+            # but in the last one, and costs nothing in the vector copies): with ~256
+            # tokens per expert (256 experts) a tile has two groups, and a separate loop for
+            # the partial one drained the pipeline between them.
+            for i in range(0, (end - start + BR - 1) // BR):
+                acc, sg, gp = _wgrad_fp8_step(
+                    acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
+                    start + i * BR, gbase + i, start, end, R, nmask, kmask, BR, True,
+                    RESCALE, True)
+        else:
+            n_full = (end - start) // BR
+            part = ((end - start) % BR) != 0
+            for i in range(0, n_full):
+                acc, sg, gp = _wgrad_fp8_step(
+                    acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
+                    start + i * BR, gbase + i, start, end, R, nmask, kmask, BR, False,
+                    RESCALE, False)
+            for i in range(0, part.to(tl.int32)):
+                acc, sg, gp = _wgrad_fp8_step(
+                    acc, sg, gp, g_rows, x_rows, gs_rows, xs_rows, stride_gs, stride_xs,
+                    start + (n_full + i) * BR, gbase + n_full + i, start, end, R, nmask,
+                    kmask, BR, True, RESCALE, False)
     else:
         g0 = start // BR
         lo = (start + BR - 1) // BR  # first full group
