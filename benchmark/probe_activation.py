@@ -11,9 +11,9 @@ buffer's static bound ``R = max_grouped_rows`` of rows, zero padding/tail rows,
   (``counts``, columnwise, dprobs), as ``_GroupedSwiGLUFp8.backward`` calls it;
 - ``bwd dense``: the same kernel's non-batch form at the same ``R``;
 - ``fwd E256`` / ``fwd E32``: :func:`linghe.fwd.activation.batch_silu_mul_quant_fwd`;
-- ``... legacy``: the kernels as they were before the 16-row alignment fix and the
-  one-scan ``expert_tile`` (copied below, launched as their launchers did), for a
-  before/after on the same device.
+
+(The kernels before the 16-row alignment fix were timed beside these once, on an H100:
+``benchmark/results/h100_probe_activation_2026-11-25.*``, rows ``legacy``.)
 
 Knobs (module constants of :mod:`linghe.fwd.activation`, read at each call):
 ``QUANT_BWD_NUM_WARPS`` x ``QUANT_BWD_COLS`` for the backward, ``BATCH_QUANT_NUM_WARPS``
@@ -57,10 +57,8 @@ if __name__ == "__main__" and (not torch.cuda.is_available()
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from linghe.fp8.quantize import quant_cols, quant_rows  # noqa: E402
-from linghe.fwd.activation import silu_f32  # noqa: E402
+from benchmark.cases.activation import moe_grouped_inputs  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
 # knob grids: (num_warps, column blocks per program)
@@ -81,8 +79,8 @@ def _parse(argv):
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda when present, else cpu (the Triton interpreter)")
-    p.add_argument("--quick", action="store_true", help="fewer knob values, no legacy rows "
-                   "for 32 experts, no profiler kernel times")
+    p.add_argument("--quick", action="store_true", help="fewer knob values, no profiler "
+                   "kernel times")
     return p.parse_args(argv)
 
 
@@ -110,31 +108,6 @@ def main(argv=None) -> int:
 
 
 # ------------------------------------------------------------------------- inputs
-def _inputs(E: int, routed: int, n: int, device: str, seed: int):
-    """Rows grouped by expert as the FP8 MoE step holds them (see the module docstring)."""
-    from linghe.layout import make_expert_layout, max_grouped_rows
-
-    align, topk = 16, 8
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.bincount(torch.randint(E, (routed,), generator=g), minlength=E)
-    R = max_grouped_rows(routed // topk, topk, E, align)
-    padded = (counts + align - 1) // align * align
-    real = torch.zeros(R, dtype=torch.bool)
-    start = 0
-    for c, p in zip(counts.tolist(), padded.tolist()):
-        real[start:start + c] = True
-        start += p
-    gd = torch.Generator(device=device).manual_seed(seed)  # (large tensors: on the device)
-    real = real.to(device)
-    x = torch.randn(R, 2 * n, generator=gd, device=device).to(torch.bfloat16)
-    dy = torch.randn(R, n, generator=gd, device=device).to(torch.bfloat16)
-    probs = torch.rand(R, generator=gd, device=device)
-    x[~real], dy[~real], probs[~real] = 0, 0, 0  # the layout contract: zero padding rows
-    cnt = counts.to(device, torch.int32)
-    layout = make_expert_layout(cnt, align, R)
-    return dict(E=E, R=R, n=n, align=align, routed=routed, counts=cnt,
-                counts_host=counts, offsets=layout.offsets, real=real, x=x, dy=dy,
-                probs=probs)
 
 
 # ------------------------------------------------------------------------- the probe
@@ -300,7 +273,7 @@ class _Probe:
         self.dev_name = dev_name
         rows = []
         for i, E in enumerate(self.experts):
-            inp = _inputs(E, self.routed, self.n, self.device, seed=i)
+            inp = moe_grouped_inputs(E, self.routed, self.n, self.device, seed=i)
             tag = f"E{E}"
             x, dy, p, c, al = inp["x"], inp["dy"], inp["probs"], inp["counts"], inp["align"]
             dx_ref, dp_ref = self._ref_bwd(inp)
@@ -342,12 +315,6 @@ class _Probe:
                 if base is None:
                     base = out
             del base
-            if not (self.quick and i > 0):
-                row, _ = self._row(f"bwd {tag} legacy", "bwd", E, {"legacy": True},
-                                   lambda x=x, dy=dy, p=p, c=c, al=al, off=inp["offsets"]:
-                                   _legacy_bwd(dy, x, p, c, al, off),
-                                   check_bwd, nb, "_legacy_bwd_quant_kernel")
-                rows.append(row)
             # backward, non-batch form at the same R (first input set only)
             if i == 0:
                 nbd = self._bytes("bwd_dense", inp)
@@ -379,11 +346,6 @@ class _Probe:
                 if base is None:
                     base = out
             del base
-            if not (self.quick and i > 0):
-                row, _ = self._row(f"fwd {tag} legacy", "fwd", E, {"legacy": True},
-                                   lambda x=x, p=p, c=c, al=al: _legacy_fwd(x, p, c, al),
-                                   check_fwd, nf, "_legacy_fwd_quant_kernel")
-                rows.append(row)
             del inp, dx_ref, dp_ref, y_ref
             if not self.cpu:
                 torch.cuda.empty_cache()
@@ -393,7 +355,7 @@ class _Probe:
     def report(self, rows) -> dict:
         best = {}
         for r in rows:
-            if r["ok"] and r["us"] is not None and not r["knobs"].get("legacy"):
+            if r["ok"] and r["us"] is not None:
                 t = r["kernel_us"] or r["us"]
                 b = best.get(r["name"])
                 if b is None or t < b["time_us"]:
@@ -406,23 +368,16 @@ class _Probe:
                 "best": best, "rows": rows}
 
     def print_table(self, rows) -> None:
-        legacy = {r["name"][: -len(" legacy")]: (r["kernel_us"] or r["us"])
-                  for r in rows if r["knobs"].get("legacy") and r["us"]}
-        head = ["case", "knobs", "µs", "kernel µs", "GB/s", "% copy", "vs legacy", "same",
-                "check"]
+        head = ["case", "knobs", "µs", "kernel µs", "GB/s", "% copy", "same", "check"]
         lines = []
         for r in rows:
-            kn = "legacy" if r["knobs"].get("legacy") else \
-                f"w{r['knobs']['warps']} c{r['knobs']['cols']}"
-            t = r["kernel_us"] or r["us"]
-            base = legacy.get(r["name"])
-            vs = f"{base / t:.2f}x" if base and t and not r["knobs"].get("legacy") else "-"
+            kn = f"w{r['knobs']['warps']} c{r['knobs']['cols']}"
             same = {True: "=", False: "DIFF", None: ""}[r.get("same_as_default")]
             chk = "ok" if r["ok"] else ("error: " + r["error"][:50] if r["error"] else "FAIL")
             if r["ok"]:
                 chk += f" (deq {max(r['rowwise_rel_err'], r['colwise_rel_err']):.1e})"
             lines.append([r["name"], kn, _f(r["us"], ".1f"), _f(r["kernel_us"], ".1f"),
-                          _f(r["gbps"], ".0f"), _f(r["pct_copy"], ".0f"), vs, same, chk])
+                          _f(r["gbps"], ".0f"), _f(r["pct_copy"], ".0f"), same, chk])
         widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
         print(f"{self.dev_name}; copy {self.copy_gbps:.0f} GB/s; torch {torch.__version__}, "
               f"triton {triton.__version__}; GB/s and % copy from kernel µs when "
@@ -448,163 +403,6 @@ def _flat(out):
         elif isinstance(o, torch.Tensor):
             res.append(o)
     return res
-
-
-# ------------------------------------------------------------------------- legacy kernels
-# The batch-form kernels as they were before the fix (git history: linghe/fwd/activation.py
-# and linghe/bwd/activation.py), launched as their launchers did. triton 3.6 compiles
-# their transposed fp8 stores as single bytes (tl.multiple_of is lost, seg_stop's
-# alignment unknown); their expert_tile takes two scans and seven reductions.
-
-
-@triton.jit
-def _legacy_expert_tile(cnt_ptr, E, R, t, ALIGN, EP2: tl.constexpr):
-    idx = tl.arange(0, EP2)
-    emask = idx < E
-    c = tl.load(cnt_ptr + idx, mask=emask, other=0).to(tl.int32)
-    c = tl.maximum(c, 0)
-    padded = (c + ALIGN - 1) // ALIGN * ALIGN
-    ntile = (padded + 127) // 128
-    seg_end = tl.cumsum(padded, 0)
-    g_end = tl.cumsum(ntile, 0)
-    used = tl.sum(padded, 0)
-    g_used = tl.sum(ntile, 0)
-    e = tl.sum(((g_end <= t) & emask).to(tl.int32), 0)
-    sel = idx == e
-    seg_start = tl.sum(tl.where(sel, seg_end - padded, 0), 0)
-    g_start = tl.sum(tl.where(sel, g_end - ntile, 0), 0)
-    cnt_e = tl.sum(tl.where(sel, c, 0), 0)
-    pad_e = tl.sum(tl.where(sel, padded, 0), 0)
-    is_tail = e >= E
-    tile_start = tl.where(is_tail, used + (t - g_used) * 128,
-                          seg_start + (t - g_start) * 128)
-    real_end = tl.where(is_tail, 0, seg_start + cnt_e)
-    seg_stop = tl.where(is_tail, R, seg_start + pad_e)
-    return (tile_start, real_end, seg_stop, g_end - ntile, g_used, idx, seg_end - padded,
-            used)
-
-@triton.jit
-def _legacy_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
-                             dpp_ptr, M, N, E, stride_dy, stride_x, NPROG_N, ALIGN, NG,
-                             POW2: tl.constexpr, EP2: tl.constexpr):
-    # the batch form, SPLIT (N % 128 == 0), COLWISE, HAS_P, NEED_DP, ALIGN16
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    K = 2 * N
-    GK = tl.cdiv(K, 128)
-    tile_start, real_end, seg_stop, _g, _gu, _i, _so, _u = _legacy_expert_tile(
-        cnt_ptr, E, M, pid_m, ALIGN, EP2)
-    tile_start = tl.multiple_of(tile_start, 16)
-    rows = tile_start.to(tl.int64) + tl.arange(0, 128)
-    wmask = (rows < seg_stop) & (rows < M)
-    rmask = (rows < real_end) & wmask
-    p = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    NB = N // 128
-    gate = (tl.zeros([128], tl.int32) + pid_n) < NB
-    j = (pid_n % NB) * 128 + tl.arange(0, 128)
-    c = pid_n * 128 + tl.arange(0, 128)
-    m = rmask[:, None] & (j < N)[None, :]
-    xp = x_ptr + rows[:, None] * stride_x + j[None, :]
-    g = tl.load(xp, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(xp + N, mask=m & gate[None, :], other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + j[None, :], mask=m,
-                 other=0.0).to(tl.float32)
-    silu, sig = silu_f32(g)
-    dyh = dy * silu * u
-    dy = dy * p[:, None]
-    dx = tl.where(gate[None, :], dy * u * (sig * (1.0 + g * (1.0 - sig))), dy * silu)
-    qx, sx = quant_rows(dx, POW2)
-    wm = wmask[:, None] & (j < N)[None, :]
-    tl.store(q_ptr + rows[:, None] * K + c[None, :], qx, mask=wm)
-    tl.store(s_ptr + rows * GK + pid_n, sx, mask=wmask)
-    qxt, sxt = quant_cols(dx, POW2)
-    tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=wm)
-    tl.store(st_ptr + c.to(tl.int64) * NG + pid_m, sxt)
-    tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=wmask & gate)
-
-@triton.jit
-def _legacy_fwd_quant_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
-                             goff_ptr, M, N, E, stride_x, ALIGN, NG, POW2: tl.constexpr,
-                             EP2: tl.constexpr):
-    # the batch form, BM 128, COLWISE, HAS_P, ALIGN16
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    tile_start, real_end, seg_stop, g_off, g_used, eidx, seg_off, used = \
-        _legacy_expert_tile(cnt_ptr, E, M, pid_m, ALIGN, EP2)
-    first = (eidx * 0 + pid_m + pid_n) == 0
-    tl.store(goff_ptr + eidx, tl.where(eidx < E, g_off, g_used),
-             mask=(eidx <= E) & first)
-    tl.store(goff_ptr + E + 1 + eidx, tl.where(eidx < E, seg_off, used),
-             mask=(eidx <= E) & first)
-    tile_start = tl.multiple_of(tile_start, 16)
-    rows = tile_start.to(tl.int64) + tl.arange(0, 128)
-    smask = (rows < seg_stop) & (rows < M)
-    lmask = (rows < real_end) & smask
-    cols = pid_n * 128 + tl.arange(0, 128)
-    cmask = cols < N
-    mask = lmask[:, None] & cmask[None, :]
-    xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
-    g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
-    silu, _ = silu_f32(g)
-    y = silu * u
-    p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
-    y = y * p[:, None]
-    q, s = quant_rows(y, POW2)
-    tl.store(q_ptr + rows[:, None] * N + cols[None, :], q,
-             mask=smask[:, None] & cmask[None, :])
-    nvalid = (tl.zeros([128], tl.int32) + pid_n * 128) < N
-    tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask & nvalid)
-    qt, st = quant_cols(y, POW2)
-    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qt,
-             mask=smask[:, None] & cmask[None, :])
-    tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
-
-
-def _legacy_bwd(dy, x, probs, counts, align, segments):
-    """The old launcher of the batch quantized-dx backward (N % 128 == 0, align % 16 == 0,
-    columnwise, pow2 scales, dprobs)."""
-    from linghe.fp8.quantize import FP8_DTYPE
-    from linghe.fp8.tensor import Fp8Tensor
-    from linghe.fwd.activation import QUANT_BWD_NUM_WARPS, batch_col_groups
-    from linghe.utils import cdiv, launch, next_power_of_2
-
-    M, N = x.shape[0], x.shape[1] // 2
-    assert N % 128 == 0 and align % 16 == 0
-    K, E, dev = 2 * N, counts.numel(), x.device
-    NG = batch_col_groups(M, E)
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=dev)
-    s = torch.empty(M, cdiv(K, 128), dtype=torch.float32, device=dev)
-    qt = torch.empty(K, M, dtype=FP8_DTYPE, device=dev)
-    st = torch.empty(K, NG, dtype=torch.float32, device=dev)
-    part = torch.empty(M, N // 128, dtype=torch.float32, device=dev)
-    launch(_legacy_bwd_quant_kernel, (NG, cdiv(K, 128)), dy, x, probs, counts, q, s, qt, st,
-           part, M, N, E, dy.stride(0), x.stride(0), N // 128, align, NG, POW2=True,
-           EP2=next_power_of_2(E + 1), num_warps=QUANT_BWD_NUM_WARPS)
-    dp = part.sum(1).to(probs.dtype)
-    return Fp8Tensor((M, K), x.dtype, rowwise_data=q, rowwise_scale=s, columnwise_data=qt,
-                     columnwise_scale=st, scaling="1x128", col_segments=segments), dp
-
-
-def _legacy_fwd(x, probs, counts, align):
-    """The old launcher of the batch forward (columnwise, pow2 scales, 4 warps)."""
-    from linghe.fp8.quantize import FP8_DTYPE
-    from linghe.fwd.activation import batch_col_groups
-    from linghe.utils import cdiv, launch, next_power_of_2
-
-    R, N = x.shape[0], x.shape[1] // 2
-    assert align % 16 == 0
-    E, dev = counts.numel(), x.device
-    G = batch_col_groups(R, E)
-    q = torch.empty(R, N, dtype=FP8_DTYPE, device=dev)
-    s = torch.empty(R, cdiv(N, 128), dtype=torch.float32, device=dev)
-    qt = torch.empty(N, R, dtype=FP8_DTYPE, device=dev)
-    st = torch.empty(N, G, dtype=torch.float32, device=dev)
-    offs = torch.empty(2, E + 1, dtype=torch.int32, device=dev)
-    launch(_legacy_fwd_quant_kernel, (G, max(cdiv(N, 128), 1)), x, probs, counts, q, s, qt,
-           st, offs[0], R, N, E, x.stride(0), align, G, POW2=True,
-           EP2=next_power_of_2(E + 1), num_warps=4)
-    return q, s, qt, st, offs[0], offs[1]
 
 
 if __name__ == "__main__":

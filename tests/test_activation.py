@@ -608,8 +608,8 @@ def test_quant_kernels_column_loop(device, monkeypatch, n):
 
 def test_probe_activation_cpu_smoke(device, tmp_path):
     """``python -m benchmark.probe_activation --device cpu`` (tiny shapes, interpreter):
-    every row, the pre-fix (legacy) kernels included, passes its reference check, and the
-    column-loop knob gives the same bits as the default."""
+    every row passes its reference check, and the column-loop knob gives the same bits as
+    the default."""
     if device != "cpu":
         pytest.skip("the GPU runs the probe itself (python -m benchmark.probe_activation)")
     import json
@@ -621,8 +621,7 @@ def test_probe_activation_cpu_smoke(device, tmp_path):
     rep = json.loads(out.read_text())
     rows = rep["rows"]
     assert rep["interpreter"] and rows and all(r["ok"] for r in rows)
-    assert {r["name"] for r in rows} >= {"bwd E8", "bwd E8 legacy", "bwd dense", "fwd E8",
-                                         "fwd E8 legacy"}
+    assert {r["name"] for r in rows} >= {"bwd E8", "bwd dense", "fwd E8"}
     assert all(r.get("same_as_default", True) for r in rows)
     assert any(r["knobs"].get("cols", 1) > 1 for r in rows)
 

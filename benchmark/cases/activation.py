@@ -90,12 +90,7 @@ def _batch_inputs(cfg: Config):
     w = torch.rand(E, generator=g) + 0.5
     counts = (w / w.sum() * (R - E * align)).floor().long()
     counts[0] = 0  # one expert with no tokens
-    padded = (counts + align - 1) // align * align
-    real = torch.zeros(R, dtype=torch.bool)
-    start = 0
-    for c, p in zip(counts.tolist(), padded.tolist()):
-        real[start:start + c] = True
-        start += p
+    real = ref.real_rows(ref.expert_segments(counts, align), R, "cpu")
     x = torch.randn(R, 2 * n, dtype=torch.bfloat16)
     x[~real] = 0  # the layout contract: padding and tail rows are zeros
     x = x.to(cfg.device).requires_grad_()
@@ -150,6 +145,31 @@ def _ref_batch_bwd_quant(x, dy, probs, counts_host, align):
     return q, s, qt, st, dp
 
 
+def moe_grouped_inputs(E: int, routed: int, n: int, device: str, seed: int):
+    """Rows grouped by expert as the FP8 MoE step holds them: ``routed`` rows with random
+    expert ids over ``E`` experts, segments padded to 16 in a buffer of the static bound
+    ``max_grouped_rows`` rows, zero padding/tail rows; ``x [R, 2n]``, ``dy [R, n]`` bf16,
+    ``probs [R]``."""
+    from linghe.layout import make_expert_layout, max_grouped_rows
+
+    align, topk = 16, 8
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.bincount(torch.randint(E, (routed,), generator=g), minlength=E)
+    R = max_grouped_rows(routed // topk, topk, E, align)
+    real = ref.real_rows(ref.expert_segments(counts, align), R, "cpu")
+    gd = torch.Generator(device=device).manual_seed(seed)  # (large tensors: on the device)
+    real = real.to(device)
+    x = torch.randn(R, 2 * n, generator=gd, device=device).to(torch.bfloat16)
+    dy = torch.randn(R, n, generator=gd, device=device).to(torch.bfloat16)
+    probs = torch.rand(R, generator=gd, device=device)
+    x[~real], dy[~real], probs[~real] = 0, 0, 0  # the layout contract: zero padding rows
+    cnt = counts.to(device, torch.int32)
+    layout = make_expert_layout(cnt, align, R)
+    return dict(E=E, R=R, n=n, align=align, routed=routed, counts=cnt,
+                counts_host=counts, offsets=layout.offsets, real=real, x=x, dy=dy,
+                probs=probs)
+
+
 @case("batch_silu_mul_bwd_quant")
 def batch_silu_mul_bwd_quant_case(cfg: Config):
     """The batch quantized-dx backward as the FP8 MoE step runs it (``_GroupedSwiGLUFp8``
@@ -158,25 +178,10 @@ def batch_silu_mul_bwd_quant_case(cfg: Config):
     columnwise copy, pow2 scales, dprobs. (No compile provider: the reference quantizes
     expert by expert in a host loop over 256 segments.)"""
     routed, n, E = (256, 128, 8) if cfg.cpu else (65536, 1024, 256)
-    align, topk = 16, 8
-    g = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.randint(E, (routed,), generator=g), minlength=E)
-    R = linghe.max_grouped_rows(routed // topk, topk, E, align)
-    padded = (counts + align - 1) // align * align
-    real = torch.zeros(R, dtype=torch.bool)
-    start = 0
-    for c, p in zip(counts.tolist(), padded.tolist()):
-        real[start:start + c] = True
-        start += p
-    real = real.to(cfg.device)
-    x = torch.randn(R, 2 * n, device=cfg.device).to(torch.bfloat16)
-    dy = torch.randn(R, n, device=cfg.device).to(torch.bfloat16)
-    probs = torch.rand(R, device=cfg.device)
-    x[~real], dy[~real], probs[~real] = 0, 0, 0
-    cnt = counts.to(cfg.device, torch.int32)
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = padded.cumsum(0)
-    offsets = offsets.to(cfg.device)
+    inp = moe_grouped_inputs(E, routed, n, cfg.device, seed=0)
+    R, align = inp["R"], inp["align"]
+    x, dy, probs, cnt, offsets = (inp[k] for k in ("x", "dy", "probs", "counts", "offsets"))
+    counts = inp["counts_host"]
     K, G = 2 * n, _cdiv(R, 128) + E
     # Fewest bytes: real rows of x, dy and probs read once; both fp8 copies, their scales
     # and dprobs written once.
