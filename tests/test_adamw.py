@@ -246,6 +246,33 @@ def test_new_gradient_tensors_reuse_the_tables(device):
         assert_close(p.detach(), q.detach(), tol=1e-5)
 
 
+def test_plans_read_by_a_captured_graph_are_never_evicted():
+    """A captured CUDA graph reads a plan's table and address array by address, so the
+    caches' LRU eviction skips them (marked as the capture marks them)."""
+    from collections import OrderedDict
+
+    from linghe.optim import multi_tensor as K
+
+    d = OrderedDict((k, k) for k in range(5))
+    K.evict_oldest(d, 3, lambda k, _v: k in (0, 2))
+    assert list(d) == [0, 2, 4]
+    K.evict_oldest(d, 1, lambda k, _v: True)  # nothing evictable: kept over the size
+    assert list(d) == [0, 2, 4]
+    sets = K.AddressSets(torch.device("cpu"), size=2)
+    first = sets.get((1, 2))
+    sets.kept.add((1, 2))  # what a get() under capture records
+    for i in range(5):
+        sets.get((10 + i,))
+    assert sets.get((1, 2)) is first and len(sets.d) == 2
+    K.clear_plan_cache()
+    plan = K.get_plan("float", [[torch.randn(3)]], torch.device("cpu")).plan
+    plan.addr_sets.kept.add(next(iter(plan.addr_sets.d)))
+    K.clear_plan_cache()
+    assert K.get_plan("float", [[torch.randn(3)]], torch.device("cpu")).plan is plan
+    plan.addr_sets.kept.clear()
+    K.clear_plan_cache()
+
+
 def test_prepare_step_changes_nothing(device):
     ps = _params([100, 3], torch.float32, device)
     ps_t = _clone(ps)

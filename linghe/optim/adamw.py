@@ -56,7 +56,8 @@ class _GroupBuffers:
     """One param group's device-side step state: ``steps [n]`` float32 (the parameters'
     ``state["step"]`` are views of it), the betas as a float64 device tensor, this step's
     bias corrections ``bias [n, 2]``, and the cached launch plans, keyed on which
-    parameters have a gradient and on the addresses of parameters and gradients."""
+    parameters have a gradient, the dtypes and the alignment (the addresses are bound per
+    call; plans a captured graph reads are never evicted)."""
 
     def __init__(self, params: list[torch.Tensor], state, betas) -> None:
         self.key = tuple(map(id, params))
@@ -214,8 +215,9 @@ class AdamW(torch.optim.Optimizer):
         return bufs
 
     def _group_plan(self, gi: int, group: dict):
-        """``(buffers, (plan, step increment, temporary copies))`` for the parameters of
-        ``group`` that have a gradient, or None when none has."""
+        """``(buffers, (plan, step increment, the moments' addresses), addresses, temporary
+        gradient copies or None)`` for the parameters of ``group`` that have a gradient, or
+        None when none has."""
         if group["amsgrad"]:
             raise NotImplementedError("linghe.optim.AdamW does not implement amsgrad=True "
                                       "(this param group asks for it)")
@@ -237,8 +239,7 @@ class AdamW(torch.optim.Optimizer):
         entry = bufs.plans.get(key)
         if entry is None:
             entry = bufs.plans[key] = self._plan(bufs, params, idx, ps, gs, key[-1])
-            if len(bufs.plans) > _PLANS_PER_GROUP:
-                bufs.plans.popitem(last=False)
+            K.evict_oldest(bufs.plans, _PLANS_PER_GROUP, lambda k, e: K.plan_in_graph(k, e[0]))
         else:
             bufs.plans.move_to_end(key)
         addrs = entry[0].addr_sets.get(pg_ptrs + entry[2])

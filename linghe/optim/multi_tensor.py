@@ -507,6 +507,22 @@ class Launch:
     table: torch.Tensor | None = None  # the plan's table from this launch's first chunk
 
 
+def evict_oldest(d: OrderedDict, size: int, keep) -> None:
+    """Drop the oldest entries of the LRU ``d`` beyond ``size``, skipping those for which
+    ``keep(key, value)`` is true (entries a captured CUDA graph reads)."""
+    while len(d) > size:
+        old = next((k for k, v in d.items() if not keep(k, v)), None)
+        if old is None:
+            return
+        del d[old]
+
+
+def plan_in_graph(_key, plan) -> bool:
+    """Whether a captured CUDA graph reads ``plan``'s table (one of its address arrays was
+    used during a capture): such a plan must stay alive."""
+    return bool(plan.addr_sets.kept)
+
+
 class AddressSets:
     """A plan's uploaded base-address arrays (int64, on the device), one per distinct tuple
     of addresses, the most recent ``size`` kept. An upload is a pinned, non-blocking copy.
@@ -531,11 +547,7 @@ class AddressSets:
                     "(linghe.optim.AdamW: prepare_step())")
             _host, t = _upload(np.asarray(ptrs, dtype=np.int64), self.device)
             self.d[ptrs] = t
-            if len(self.d) > self.size:
-                for k in self.d:
-                    if k not in self.kept:
-                        del self.d[k]
-                        break
+            evict_oldest(self.d, self.size, lambda k, _v: k in self.kept)
         else:
             self.d.move_to_end(ptrs)
         if capturing:
@@ -586,9 +598,10 @@ _DEPENDENT_CACHES: list = []  # the front ends' caches of validated inputs -> pl
 
 
 def clear_plan_cache() -> None:
-    """Drop every cached chunk table and validated-input entry (they hold no tensors, only
-    addresses; this just frees the small tables and scratch buffers)."""
-    _PLAN_CACHE.clear()
+    """Drop every cached chunk table and validated-input entry (this just frees the tables
+    and scratch buffers) but the plans a captured CUDA graph reads."""
+    for k in [k for k, v in _PLAN_CACHE.items() if not plan_in_graph(k, v)]:
+        del _PLAN_CACHE[k]
     for c in _DEPENDENT_CACHES:
         c.clear()
 
@@ -795,8 +808,7 @@ def get_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device)
         _PLAN_CACHE.move_to_end(key)
     else:
         plan = _PLAN_CACHE[key] = _build_plan(kind, buckets, device, aligned)
-        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.popitem(last=False)
+        evict_oldest(_PLAN_CACHE, _PLAN_CACHE_SIZE, plan_in_graph)
     return Bound(plan, plan.addr_sets.get(ptrs))
 
 
@@ -923,5 +935,6 @@ def count_zeros_partials(plan: Bound) -> torch.Tensor:
 
 
 __all__ = ["CHUNK", "INTERPRET", "cdiv", "clear_plan_cache", "get_plan", "TensorListCache",
+           "evict_oldest", "plan_in_graph",
            "adamw_", "adamw_advance", "build_adamw_plan", "norm_partials", "norm_single_launch",
            "reduce_partials", "finish_norm", "scale_", "count_zeros_partials", "NORM_DTYPES"]
