@@ -22,8 +22,9 @@ beside ``torch._grouped_mm`` bf16 on the same segments (through linghe's ``backe
 autotuner over ``_FP8_CONFIGS`` / ``_WGRAD_FP8_CONFIGS``). The wgrad takes its operands
 as the MoE layer does (columnwise groups per segment, ``quantize_grouped_1x128``). Forms:
 ``promote`` (``acc += dot * scale``, two accumulator tiles) and ``rescale`` (one tile,
-``acc = dot(a, b, acc * s_prev / s)``); ``+vm``: the wgrad's vectorized boundary-group
-masks (``VEC_MASK``). A precision probe runs the 128x128 tiles of both forms with fp32
+``acc = dot(a, b, acc * s_prev / s)``), both loading through pointers, and ``tma`` (the
+rows kernel's promoting form with TMA loads, the FP8 default); ``+vm``: the wgrad's
+vectorized boundary-group masks (``VEC_MASK``). A precision probe runs the 128x128 tiles of both forms with fp32
 outputs (the MMA's reduced-precision accumulation, which ``rescale`` carries over the
 whole K loop, is below bf16 rounding otherwise). The summary table is printed last; every
 row goes to ``--out`` as JSON (with the compiled kernels' ``n_regs`` / ``n_spills``).
@@ -78,6 +79,8 @@ ROWS_CANDIDATES = [
     _rows("rescale", 64, 128, 4, 3), _rows("rescale", 128, 128, 8, 3),
     _rows("rescale", 64, 256, 8, 3), _rows("rescale", 128, 256, 8, 3),
     _rows("rescale", 256, 128, 8, 3),
+    _rows("tma", 64, 128, 4, 4), _rows("tma", 64, 128, 4, 3), _rows("tma", 128, 128, 8, 3),
+    _rows("tma", 128, 128, 8, 4), _rows("tma", 128, 64, 4, 4), _rows("tma", 64, 64, 4, 4),
 ]
 #: wgrad ([BN, BK] tiles of dW): promote at 128x128 (the autotuner's non-spilling
 #: members), with vectorized boundary masks, and rescale tiles (all +vm: without it the
@@ -89,9 +92,9 @@ WGRAD_CANDIDATES = [
     _wg("rescale", 64, 256, 8, 3, True), _wg("rescale", 256, 64, 8, 3, True),
     _wg("rescale", 128, 256, 8, 3, True),
 ]
-#: Interpreter smoke run: small tiles, both forms, the BN > 128 path of the rows kernel.
+#: Interpreter smoke run: small tiles, every form, the BN > 128 path of the rows kernel.
 CPU_ROWS = [_rows("promote", 32, 64, 4, 1), _rows("rescale", 32, 64, 4, 1),
-            _rows("rescale", 32, 256, 4, 1)]
+            _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1)]
 CPU_WGRAD = [_wg("promote", 64, 64, 4, 1), _wg("rescale", 64, 64, 4, 1, True),
              _wg("rescale", 64, 128, 4, 1)]
 
@@ -117,9 +120,11 @@ def cfg_name(c: dict | None) -> str:
 
 
 def launch_config(c: dict) -> dict:
-    """A candidate as the launchers' ``config`` argument."""
+    """A candidate as the launchers' ``config`` argument (form ``tma``: the rows kernel
+    with its operands loaded by TMA; ``promote``/``rescale`` load through pointers)."""
     out = {k: v for k, v in c.items() if k != "form"}
     out["RESCALE"] = c["form"] == "rescale"
+    out["TMA"] = c["form"] == "tma"
     return out
 
 
@@ -467,8 +472,15 @@ _PTRS = {
                                  as_ptr="*fp32", bs_ptr="*fp32", offsets_ptr="*i32"),
     "_wgrad_fp8_kernel": dict(g_ptr="*fp8e4nv", x_ptr="*fp8e4nv", w_ptr="*bf16",
                               gs_ptr="*fp32", xs_ptr="*fp32", offsets_ptr="*i32"),
+    # descriptors: their block shapes are filled in per candidate
+    "_grouped_rows_fp8_tma_kernel": dict(a_desc="tensordesc<fp8e4nv[{BM}, 128]>",
+                                         b_desc="tensordesc<fp8e4nv[{BN}, 128]>",
+                                         c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32",
+                                         offsets_ptr="*i32"),
 }
 _DIV16 = {
+    "_grouped_rows_fp8_tma_kernel": ("R", "I", "J", "E", "R_BUCKET", "b_row_e", "stride_cm",
+                                     "stride_ask", "bs_se", "bs_sj"),
     "_grouped_rows_kernel": ("R", "I", "J", "E", "R_BUCKET", "stride_am", "stride_be",
                              "stride_bj", "stride_cm", "stride_ask", "bs_se", "bs_sj"),
     "_wgrad_fp8_kernel": ("N", "K", "R", "E", "stride_g", "stride_x", "stride_gs",
@@ -512,7 +524,7 @@ def ptxas_table(args) -> int:
             if p.is_constexpr:
                 sig[p.name] = "constexpr"
             else:
-                sig[p.name] = _PTRS[name].get(p.name, "i32")
+                sig[p.name] = _PTRS[name].get(p.name, "i32").format(**consts)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or n in _DIV16[name]}
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -524,7 +536,7 @@ def ptxas_table(args) -> int:
     for cands, kernel in ((ROWS_CANDIDATES, fwd_gm._grouped_rows_kernel),
                           (WGRAD_CANDIDATES, bwd_gm._wgrad_fp8_kernel)):
         for c in cands:
-            for form in ("promote", "rescale"):
+            for form in ("tma",) if c["form"] == "tma" else ("promote", "rescale"):
                 cc = dict(c, form=form)
                 if (kernel, cfg_name(cc)) in seen:
                     continue
@@ -536,12 +548,15 @@ def ptxas_table(args) -> int:
                         consts = dict(BN=c["BN"], BK=c["BK"], BR=128, SEG=True, EP2=ep2,
                                       ALIGN16=True, RESCALE=form == "rescale",
                                       VEC_MASK=c["VEC_MASK"])
+                    elif form == "tma":
+                        consts = dict(BM=c["BM"], BN=c["BN"], BK=128, GROUP_M=8, EP2=ep2)
                     else:
                         consts = dict(BM=c["BM"], BN=c["BN"], BK=128, GROUP_M=8, FP8=True,
                                       IEEE=False, B_KMAJOR=True, EP2=ep2,
                                       RESCALE=form == "rescale")
                     t = time.perf_counter()
-                    k = compile_one(kernel, consts, c["num_warps"], c["num_stages"])
+                    k = compile_one(fwd_gm._grouped_rows_fp8_tma_kernel if form == "tma"
+                                    else kernel, consts, c["num_warps"], c["num_stages"])
                     regs, spill = _ptxas_usage(k.asm["ptx"])
                     line = (f"{'wgrad' if 'BK' in c else 'rows '} {lname} "
                             f"{cfg_name(cc):32s} regs {_fmt(regs, 'd', '?'):>3} spill "

@@ -5,6 +5,7 @@ import torch
 
 import linghe
 from linghe import reference as ref
+from linghe.bwd import grouped_mm as bwd_gm
 from linghe.fwd import grouped_mm as fwd_gm
 from linghe.layout import make_expert_layout
 from linghe.testing import assert_close, assert_fp8_close, rel_err
@@ -207,6 +208,39 @@ def test_fp8_kernels_match_dequantized_reference(device, case):
     for e, c in enumerate(counts):
         if c == 0:
             assert torch.all(dw[e] == 0)
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}")
+def test_fp8_tma_kernel_matches_pointer_kernel(device, case):
+    """The TMA rows kernel (the FP8 default) and the pointer kernel give the same
+    forward and dgrad bit for bit, at pinned and default tiles; operands TMA cannot
+    describe (rows of K = 200 bytes: not 16-byte multiples) fall back to the pointer
+    kernel."""
+    counts, align, K, N = case
+    E = len(counts)
+    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16, scale=3.0)
+    w = torch.randn(E, N, K, device=device, dtype=torch.bfloat16) / K**0.5
+    g = torch.randn(x.shape[0], N, device=device, dtype=torch.bfloat16)
+    a = linghe.quantize_1x128(x)
+    wq = linghe.quantize_grouped_weight(w, columnwise=True)
+    gq = linghe.quantize_1x128(g)
+    off = layout.offsets
+    bm, bn, warps, stages = (64, 128, 4, 3) if device == "cuda" else (32, 64, 4, 1)
+    for bn_ in (bn, 256):  # one weight scale per K step, and per 128 columns
+        outs = {}
+        for tma in (False, True):
+            cfg = dict(BM=bm, BN=bn_, num_warps=warps, num_stages=stages, TMA=tma)
+            outs[tma] = (fwd_gm.grouped_mm_fp8_fwd(a, wq, off, torch.float32, config=cfg),
+                         bwd_gm.grouped_mm_fp8_dgrad(gq, wq, off, torch.float32, config=cfg))
+        for i, name in enumerate(("fwd", "dgrad")):
+            assert torch.equal(outs[True][i], outs[False][i]), (name, bn_)
+    r_deq = ref.grouped_mm_fp8_dequantized(a.rowwise_data, a.rowwise_scale, wq.rowwise_data,
+                                           wq.rowwise_scale, off)
+    assert_close(fwd_gm.grouped_mm_fp8_fwd(a, wq, off, torch.float32), r_deq, tol=1e-3,
+                 name="default launch vs dequantized")
+    tma_fwd = fwd_gm._tma_operands(a.rowwise_data, wq.rowwise_data, K, N, E, N * K, 1, K,
+                                   bm, bn)
+    assert (tma_fwd is None) == (K % 16 != 0)
 
 
 def test_fp8_autograd_vs_exact(device):
@@ -594,6 +628,16 @@ for bm, bn, warps, stages, kmajor in [(128, 128, 8, 3, True), (64, 128, 4, 4, Tr
              ("I", "J", "stride_am", "stride_be", "stride_bj", "stride_cm", "R",
               "stride_ask"))
     assert "wgmma" in k.asm["ptx"], "the FP8 grouped GEMM should use Hopper wgmma"
+sig = dict(a_desc="tensordesc<fp8e4nv[64, 128]>", b_desc="tensordesc<fp8e4nv[128, 128]>",
+           c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", offsets_ptr="*i32", R="i32",
+           I="i32", J="i32", E="i32", R_BUCKET="i32", b_row_e="i32", b_col_e="i32",
+           stride_cm="i32", stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32",
+           BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
+           EP2="constexpr")
+k = comp(F._grouped_rows_fp8_tma_kernel, sig, dict(BM=64, BN=128, BK=128, GROUP_M=8,
+         EP2=256), 4, 3, ("I", "J", "R", "stride_cm", "stride_ask"))
+ptx = k.asm["ptx"]
+assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"
 sig = dict(g_ptr="*fp8e4nv", x_ptr="*fp8e4nv", w_ptr="*bf16", gs_ptr="*fp32", xs_ptr="*fp32",
            offsets_ptr="*i32", N="i32", K="i32", R="i32", E="i32", stride_g="i32",
            stride_x="i32", stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
@@ -629,11 +673,11 @@ def test_fp8_kernels_compile_for_sm90(compile_sm90):
 
 def test_fp8_autotuned_launch_path(device, monkeypatch):
     """The autotuned launches (GPU, large shapes) take the same arguments as the
-    heuristic ones: run them with a one-config list (no benchmarking) at a small shape."""
+    heuristic ones: run them with a one-config list (no benchmarking) at a small shape
+    (the pointer kernel: the TMA kernel has fixed tiles)."""
     import triton
 
-    from linghe.bwd import grouped_mm as bwd_gm
-
+    monkeypatch.setattr(fwd_gm, "FP8_TMA", False)
     monkeypatch.setattr(fwd_gm, "AUTOTUNE_MIN_ROWS", 0)
     monkeypatch.setattr(bwd_gm, "AUTOTUNE_MIN_ROWS", 0)
     monkeypatch.setattr(fwd_gm, "_autotune_enabled", lambda: True)
