@@ -24,9 +24,9 @@ as the MoE layer does (columnwise groups per segment, ``quantize_grouped_1x128``
 ``promote`` (``acc += dot * scale``, two accumulator tiles) and ``rescale`` (one tile,
 ``acc = dot(a, b, acc * s_prev / s)``), both loading through pointers, and ``tma`` (the
 rows kernel's promoting form with TMA loads, the FP8 default); ``+vm``: the wgrad's
-vectorized boundary-group masks (``VEC_MASK``). A precision probe runs the 128x128 tiles of both forms with fp32
-outputs (the MMA's reduced-precision accumulation, which ``rescale`` carries over the
-whole K loop, is below bf16 rounding otherwise). The summary table is printed last; every
+vectorized boundary-group masks (``VEC_MASK``). A precision probe runs the 128x128
+tiles of both forms with fp32 outputs (the MMA's reduced-precision accumulation, which
+``rescale`` carries over the whole K loop, is below bf16 rounding otherwise). The summary table is printed last; every
 row goes to ``--out`` as JSON (with the compiled kernels' ``n_regs`` / ``n_spills``).
 
 ``--budget-s`` (default 220) stops starting new candidates once that many seconds have

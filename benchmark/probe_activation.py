@@ -16,8 +16,12 @@ buffer's static bound ``R = max_grouped_rows`` of rows, zero padding/tail rows,
 ``benchmark/results/h100_probe_activation_2026-11-25.*``, rows ``legacy``.)
 
 Knobs (module constants of :mod:`linghe.fwd.activation`, read at each call):
-``QUANT_BWD_NUM_WARPS`` x ``QUANT_BWD_COLS`` for the backward, ``BATCH_QUANT_NUM_WARPS``
-x ``BATCH_QUANT_COLS`` for the batch forward (``*_COLS``: 128-column blocks per program).
+``QUANT_BWD_MODE`` for the batch backward (row ``2k``: ``"two_kernel"``, dx in bf16,
+then the grouped quantizer, the default; not compared bit for bit: rounding dx to bf16
+first moves rare elements by one e4m3 step), ``QUANT_BWD_NUM_WARPS`` x
+``QUANT_BWD_COLS`` for the fused backward (batch and non-batch forms),
+``BATCH_QUANT_NUM_WARPS`` x ``BATCH_QUANT_COLS`` for the batch forward (``*_COLS``:
+128-column blocks per program).
 Every row is checked against :mod:`linghe.reference` in the same run (dequantized
 rowwise and per-segment columnwise copies within e4m3 precision of the fp32 reference,
 dprobs, zeros on padding rows) and compared bit for bit with the default knobs' output.
@@ -61,10 +65,11 @@ import triton  # noqa: E402
 from benchmark.cases.activation import moe_grouped_inputs  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
-# knob grids: (num_warps, column blocks per program)
-_BWD_KNOBS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (16, 4)]
+# knob grids: (num_warps, column blocks per program); the batch backward runs fused with
+# each, and once as two kernels (QUANT_BWD_MODE="two_kernel", the row "2k")
+_BWD_KNOBS = [(16, 1), (8, 1), (8, 4), (16, 4)]
 _FWD_KNOBS = [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
-_BWD_KNOBS_QUICK = [(8, 1), (16, 1), (8, 4)]
+_BWD_KNOBS_QUICK = [(16, 1), (8, 1), (8, 4)]
 _FWD_KNOBS_QUICK = [(4, 1), (8, 1), (4, 4)]
 _CPU_KNOBS = [(4, 1), (4, 2)]  # the interpreter ignores warps; cols 2 runs the loop
 
@@ -125,8 +130,8 @@ class _Probe:
             self.bwd_knobs = _BWD_KNOBS_QUICK if quick else _BWD_KNOBS
             self.fwd_knobs = _FWD_KNOBS_QUICK if quick else _FWD_KNOBS
         self.defaults = {k: getattr(A, k) for k in (
-            "QUANT_BWD_NUM_WARPS", "QUANT_BWD_COLS", "BATCH_QUANT_NUM_WARPS",
-            "BATCH_QUANT_COLS")}
+            "QUANT_BWD_NUM_WARPS", "QUANT_BWD_COLS", "QUANT_BWD_MODE",
+            "BATCH_QUANT_NUM_WARPS", "BATCH_QUANT_COLS")}
         self.copy_gbps = None
 
     # -- knobs
@@ -153,8 +158,10 @@ class _Probe:
         fn()
         return (time.perf_counter() - t0) * 1e6
 
-    def _kernel_us(self, fn, name: str, reps: int = 5) -> float | None:
-        """Device time per call of the kernels whose name contains ``name``."""
+    def _kernel_us(self, fn, name, reps: int = 5) -> float | None:
+        """Device time per call of the kernels whose name contains ``name`` (a string or
+        a tuple of them)."""
+        names = (name,) if isinstance(name, str) else name
         if self.cpu or self.quick:
             return None
         from torch.profiler import ProfilerActivity, profile
@@ -165,7 +172,7 @@ class _Probe:
                     fn()
                 torch.cuda.synchronize()
             tot = sum(e.self_device_time_total for e in prof.key_averages()
-                      if name in e.key)
+                      if any(n in e.key for n in names))
             return tot / reps if tot else None
         except Exception:  # the profiler is optional here
             return None
@@ -303,14 +310,22 @@ class _Probe:
             # backward, batch form
             nb = self._bytes("bwd", inp)
             base = None
-            for w, cols in self.bwd_knobs:
-                with self._knobs(QUANT_BWD_NUM_WARPS=w, QUANT_BWD_COLS=cols):
+            # fused rows are compared bit for bit with the first fused one; the two-kernel
+            # row (last) with nothing
+            bwd_knobs = [dict(QUANT_BWD_MODE="fused", QUANT_BWD_NUM_WARPS=w,
+                              QUANT_BWD_COLS=cols) for w, cols in self.bwd_knobs]
+            bwd_knobs.append(dict(QUANT_BWD_MODE="two_kernel"))
+            for kv in bwd_knobs:
+                with self._knobs(**kv):
                     def fn(x=x, dy=dy, p=p, c=c, al=al, off=inp["offsets"]):
                         return silu_mul_bwd_quant(dy, x, p, columnwise=True, pow2_scale=True,
                                                   need_dprobs=True, counts=c, align=al,
                                                   segments=off)
-                    row, out = self._row(f"bwd {tag}", "bwd", E, {"warps": w, "cols": cols},
-                                         fn, check_bwd, nb, "_silu_mul_bwd_quant", base)
+                    two = kv["QUANT_BWD_MODE"] == "two_kernel"
+                    row, out = self._row(f"bwd {tag}", "bwd", E, _knob_names(kv), fn,
+                                         check_bwd, nb, ("_silu_mul_bwd",
+                                                         "_quantize_grouped"),
+                                         None if two else base)
                 rows.append(row)
                 if base is None:
                     base = out
@@ -320,12 +335,13 @@ class _Probe:
                 nbd = self._bytes("bwd_dense", inp)
                 base = None
                 for w, cols in self.bwd_knobs:
-                    with self._knobs(QUANT_BWD_NUM_WARPS=w, QUANT_BWD_COLS=cols):
+                    kv = dict(QUANT_BWD_NUM_WARPS=w, QUANT_BWD_COLS=cols)
+                    with self._knobs(**kv):
                         def fn(x=x, dy=dy, p=p):
                             return silu_mul_bwd_quant(dy, x, p, columnwise=True,
                                                       pow2_scale=True, need_dprobs=True)
                         row, out = self._row(
-                            "bwd dense", "bwd_dense", 0, {"warps": w, "cols": cols}, fn,
+                            "bwd dense", "bwd_dense", 0, _knob_names(kv), fn,
                             lambda o: check_bwd(o, segmented=False), nbd,
                             "_silu_mul_bwd_quant", base)
                     rows.append(row)
@@ -371,7 +387,8 @@ class _Probe:
         head = ["case", "knobs", "µs", "kernel µs", "GB/s", "% copy", "same", "check"]
         lines = []
         for r in rows:
-            kn = f"w{r['knobs']['warps']} c{r['knobs']['cols']}"
+            k = r["knobs"]
+            kn = "2k" if k.get("mode") == "two_kernel" else f"w{k['warps']} c{k['cols']}"
             same = {True: "=", False: "DIFF", None: ""}[r.get("same_as_default")]
             chk = "ok" if r["ok"] else ("error: " + r["error"][:50] if r["error"] else "FAIL")
             if r["ok"]:
@@ -386,6 +403,15 @@ class _Probe:
         print("-+-".join("-" * w for w in widths))
         for line in lines:
             print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths)))
+
+
+def _knob_names(kv: dict) -> dict:
+    """Short knob names for the rows: warps, cols, mode (two_kernel rows: mode only)."""
+    if kv.get("QUANT_BWD_MODE") == "two_kernel":
+        return {"mode": "two_kernel"}
+    short = {"QUANT_BWD_NUM_WARPS": "warps", "QUANT_BWD_COLS": "cols",
+             "QUANT_BWD_MODE": "mode"}
+    return {short[k]: v for k, v in kv.items()}
 
 
 def _f(v, spec):

@@ -264,6 +264,18 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
     if batch and columnwise and segments is None:
         raise ValueError("silu_mul_bwd_quant with counts and columnwise needs segments "
                          "(the layout's offsets [E + 1]) for the columnwise copy")
+    if batch and _fwd.QUANT_BWD_MODE == "two_kernel" and N > 0:
+        # dx in x's dtype, then the grouped quantizer (same groups; dx is rounded to x's
+        # dtype before it is quantized, so rare elements differ by one e4m3 step).
+        from ..fwd.grouped_mm import quantize_grouped_fwd
+
+        dxh, dp = silu_mul_bwd(dy, x, probs, need_dprobs=need_dprobs, counts=counts,
+                               align=align)
+        q, s, qt, st = quantize_grouped_fwd(dxh, counts, align, columnwise=columnwise,
+                                            pow2_scale=pow2_scale)
+        return Fp8Tensor((M, K), x.dtype, rowwise_data=q, rowwise_scale=s,
+                         columnwise_data=qt, columnwise_scale=st, scaling="1x128",
+                         col_segments=segments if columnwise else None), dp
     q = empty(M, K, dtype=FP8_DTYPE, device=dev)
     s = empty(M, cdiv(K, BLOCK), dtype=torch.float32, device=dev)
     qt = st = None

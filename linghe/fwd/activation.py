@@ -35,8 +35,10 @@ QUANT_NUM_WARPS = 8
 #: 4 warps 203 µs, 8 warps 284, 16 warps 277 (before :func:`aligned16`, when triton 3.6
 #: stored the transposed tile byte by byte; ``benchmark/probe_activation.py`` re-measures).
 BATCH_QUANT_NUM_WARPS = 4
-#: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy).
-QUANT_BWD_NUM_WARPS = 8
+#: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy):
+#: 16 for its non-batch form, 530 against 623 µs with 8 at [69376, 2048] on an H100 (the
+#: batch form, when ``QUANT_BWD_MODE = "fused"``, preferred 8: 766 against 848).
+QUANT_BWD_NUM_WARPS = 16
 #: 128-column blocks that one program of the per-expert (batch) forward takes in turn (a
 #: loop): the row tile's :func:`expert_tile` (a load of the counts, two scans and several
 #: reductions over ``next_power_of_2(E + 1)`` lanes, all before the data loads can start)
@@ -45,6 +47,16 @@ QUANT_BWD_NUM_WARPS = 8
 BATCH_QUANT_COLS = 1
 #: the same for the quantized-dx backward kernel (both forms; 16 blocks at ``N = 1024``).
 QUANT_BWD_COLS = 1
+#: the batch (per-expert) quantized-dx backward: ``"two_kernel"`` (``silu_mul_bwd``
+#: writes dx in x's dtype, then ``quantize_grouped_fwd`` quantizes it) or ``"fused"``
+#: (one kernel). Two kernels move ~1.6x the bytes but both stream at high occupancy,
+#: where the fused one holds three 128x128 fp32 tiles in 255 registers, one program per
+#: SM, and waits on every tile's loads: on an H100 at the FP8 MoE shape 570 against
+#: 766 µs (256 experts) and 496 against 589 (32 experts); software-pipelining the fused
+#: kernel's column loop was slower still (884-947 µs),
+#: ``benchmark/results/h100_probe_activation_2026-11-25b.*``. The non-batch form is
+#: always fused.
+QUANT_BWD_MODE = "two_kernel"
 
 
 @triton.jit
