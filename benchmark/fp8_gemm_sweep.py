@@ -26,8 +26,9 @@ as the MoE layer does (columnwise groups per segment, ``quantize_grouped_1x128``
 rows kernel's promoting form with TMA loads, the FP8 default); ``+vm``: the wgrad's
 vectorized boundary-group masks (``VEC_MASK``). A precision probe runs the 128x128
 tiles of both forms with fp32 outputs (the MMA's reduced-precision accumulation, which
-``rescale`` carries over the whole K loop, is below bf16 rounding otherwise). The summary table is printed last; every
-row goes to ``--out`` as JSON (with the compiled kernels' ``n_regs`` / ``n_spills``).
+``rescale`` carries over the whole K loop, is below bf16 rounding otherwise). The
+summary table is printed last; every row goes to ``--out`` as JSON (with the compiled
+kernels' ``n_regs`` / ``n_spills``).
 
 ``--budget-s`` (default 220) stops starting new candidates once that many seconds have
 passed (skipped rows say so), so a run stays under ~4 minutes with cold Triton caches.
