@@ -107,7 +107,7 @@ def _quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
     if COLWISE:
         qt, st = quant_cols(x, POW2)
         # q_t[k, m] = quant(x)[m, k]: store the tile transposed.
-        tl.store(qt_ptr + cols[None, :] * M + rows[:, None], qt, mask=mask)
+        tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
         tl.store(st_ptr + cols * tl.cdiv(M, 128) + pid_m, st, mask=cmask)
 
 
@@ -138,7 +138,7 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
             qt = to_e4m3(wt * (1.0 / scale))
         else:
             qt = tl.trans(q)
-        tl.store(qt_ptr + cols[:, None] * N + rows[None, :], qt, mask=tmask)
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], qt, mask=tmask)
         tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 
 
