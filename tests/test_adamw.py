@@ -335,3 +335,122 @@ def test_cuda_graph_capture_no_host_sync(device):
     for p, q in zip(ps, ps_t):
         assert opt.state[p]["step"].item() == opt_t.state[q]["step"].item() == 5.0
         assert_close(p.detach(), q.detach(), tol=1e-2)
+
+
+# ------------------------------------------------------------ FP8 copies made in the step
+
+
+def _bound_weights(device, dtype=torch.bfloat16, pow2=True):
+    """A grouped expert weight [E, N, K] and a 2-D Linear weight, each bound to a
+    WeightCache the way the FP8 layers bind them (odd K, partial 128 blocks)."""
+    from linghe.fp8 import WeightCache
+    from linghe.functional.grouped_mm import cached_grouped_weight
+
+    g = torch.Generator().manual_seed(3)
+    w3 = torch.nn.Parameter((torch.randn(3, 128, 136, generator=g) / 8).to(device, dtype))
+    w2 = torch.nn.Parameter((torch.randn(200, 72, generator=g) / 8).to(device, dtype))
+    c3, c2 = WeightCache(), WeightCache()
+    cached_grouped_weight(c3, w3, pow2)  # a miss: binds the weight
+    c2.get(w2, lambda w: linghe.quantize_128x128(w, columnwise=True, pow2_scale=pow2),
+           ("plain", pow2))
+    c2.bind_128x128(w2, ("plain", pow2), pow2, tuple(w2.shape))
+    return (w3, c3, ("grouped_128x128", pow2)), (w2, c2, ("plain", pow2))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_step_makes_fp8_weight_copies(device, pow2):
+    """A weight bound to an FP8 WeightCache: AdamW's step writes its 128x128 FP8 copies
+    in the same pass, bit for bit what quantize_128x128 makes of the updated weight; the
+    update itself is bit-identical to the unbound step (parameters, moments, step count,
+    clipping included); the next forward's lookup hits."""
+    from linghe.fwd.grouped_mm import quantize_grouped_weight
+
+    bound = _bound_weights(device, pow2=pow2)
+    ps = [b[0] for b in bound] + _params([33], torch.bfloat16, device)
+    ps_t = _clone(ps)
+    opt = optim.AdamW(ps, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    opt_t = optim.AdamW(ps_t, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    for step in range(2):
+        _set_grads([ps, ps_t], seed=10 + step)
+        opt.step()
+        opt_t.step()
+        for p, q in zip(ps, ps_t):
+            assert torch.equal(p, q)
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.state[p][k], opt_t.state[q][k]), k
+        for w, c, fmt in bound:
+            assert c.from_optimizer and c.value is not None
+            want = (quantize_grouped_weight(w.detach(), pow2_scale=pow2) if w.dim() == 3
+                    else linghe.quantize_128x128(w.detach(), columnwise=True,
+                                                 pow2_scale=pow2))
+            got = c.value
+            assert got.shape == w.shape and got.dtype == w.dtype
+            for name in ("rowwise_data", "rowwise_scale", "columnwise_data",
+                         "columnwise_scale"):
+                a, b = getattr(got, name), getattr(want, name)
+                assert a.shape == b.shape, name
+                assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                                   b.view(torch.uint8) if b.dtype != torch.float32 else b), name
+            hits = c.hits
+            assert c.get(w, lambda _: pytest.fail("must hit"), fmt) is got
+            assert c.hits == hits + 1
+
+
+def test_fp8_copies_only_where_the_step_can_make_them(device):
+    """Not fused (the separate quantization stays): float32 weights, a weight bound to
+    two caches, and prepare_step's plans (a captured step never fuses), which clear a
+    copy an earlier step made; invalidate_weight_caches() makes such a copy miss."""
+    from linghe.fp8 import WeightCache
+
+    (w3, c3, _fmt), _ = _bound_weights(device)
+    w32 = torch.nn.Parameter(torch.randn(128, 128, device=device))
+    c32 = WeightCache()
+    c32.bind_128x128(w32, ("plain", False), False, (128, 128))
+    (wb, cb, fmtb), _ = _bound_weights(device)
+    cb2 = WeightCache()
+    cb2.bind_128x128(wb, ("other", False), False, tuple((wb.shape[0] * wb.shape[1],
+                                                         wb.shape[2])))
+    opt = optim.AdamW([w3, w32, wb])
+    _set_grads([[w3, w32, wb]], seed=4)
+    opt.prepare_step()
+    assert not any(c.from_optimizer for c in (c3, c32, cb, cb2))
+    opt.step()
+    assert c3.from_optimizer
+    assert not c32.from_optimizer and not cb.from_optimizer and not cb2.from_optimizer
+    # a step that does not make the copy (prepare_step plans a captured step's) clears it
+    opt.prepare_step()
+    assert not c3.from_optimizer and c3.value is None
+    opt.step()
+    assert c3.from_optimizer
+    # invalidate_weight_caches() reaches copies the optimizer made
+    linghe.fp8.invalidate_weight_caches()
+    misses = c3.misses
+    c3.get(w3, lambda w: linghe.functional.grouped_mm.quantize_grouped_weight(
+        w, pow2_scale=True), _fmt)
+    assert c3.misses == misses + 1 and not c3.from_optimizer
+
+
+@pytest.mark.gpu
+def test_fp8_copy_from_the_step_misses_under_capture(device):
+    """A CUDA graph captured after an eager step that made an FP8 copy must contain its
+    own quantization: the cache misses while the capture runs."""
+    from linghe.fwd.grouped_mm import quantize_grouped_weight
+
+    (w3, c3, fmt), _ = _bound_weights(device)
+    opt = optim.AdamW([w3])
+    _set_grads([[w3]], seed=5)
+    opt.step()
+    assert c3.from_optimizer
+    calls = []
+
+    def quantize(w):
+        calls.append(1)
+        return quantize_grouped_weight(w, pow2_scale=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        c3.get(w3, quantize, fmt)
+    torch.cuda.current_stream().wait_stream(side)
+    assert calls and not c3.from_optimizer

@@ -1,5 +1,7 @@
 """linghe.nn.MoE (one process, all experts local) against linghe.reference.moe."""
 
+import copy
+
 import pytest
 import torch
 
@@ -148,6 +150,37 @@ def test_moe_fp8_expert_weights_quantized_once_per_step():
                        fresh.rowwise_data.float())
     m.to(torch.float32)  # module conversion drops the cached copies
     assert all(c.value is None for c in caches.values())
+
+
+def test_moe_fp8_expert_weights_quantized_by_linghe_adamw(device):
+    """With linghe.optim.AdamW the step itself writes the expert weights' FP8 copies: the
+    next forward hits (no quantization), and the training is bit for bit the one whose
+    layers quantize after each step (``fp8_weight_copies=False``)."""
+    torch.manual_seed(0)
+    m = linghe.nn.MoE(128, 2, 1, 64, align=16, dtype=torch.bfloat16, device=device)
+    m_t = copy.deepcopy(m)
+    opt = linghe.optim.AdamW(m.parameters(), lr=1e-2)
+    opt_t = linghe.optim.AdamW(m_t.parameters(), lr=1e-2, fp8_weight_copies=False)
+    caches = m._fp8_weight_caches
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16, device=device)
+    for step in range(3):
+        outs = []
+        for mod, o in ((m, opt), (m_t, opt_t)):
+            with linghe.TrainingContext(fp8="blockwise"):
+                out, _ = mod(x)
+            out.float().square().sum().backward()
+            o.step()
+            o.zero_grad()
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), step
+        assert all(c.misses == 1 and c.hits == step for c in caches.values())
+        assert all(c.from_optimizer for c in caches.values())
+        assert all(c.misses == step + 1 and not c.from_optimizer
+                   for c in m_t._fp8_weight_caches.values())
+    w = m.experts_down.detach()
+    fresh = linghe.quantize_grouped_weight(w, columnwise=True, pow2_scale=True)
+    assert torch.equal(caches["experts_down"].value.rowwise_data.view(torch.uint8),
+                       fresh.rowwise_data.view(torch.uint8))
 
 
 # ------------------------------------------------------------ grouped_swiglu (expert FFN)

@@ -163,9 +163,16 @@ def cached_grouped_weight(cache: WeightCache, weight: torch.Tensor,
                           pow2_scale: bool) -> Fp8Tensor:
     """``quantize_grouped_weight(weight, columnwise=True)`` through ``cache``: quantized
     once per version of ``weight`` (once per optimizer step), both copies kept, so that
-    every micro-batch's forward and dgrad reuse them."""
-    return cache.get(weight, lambda w: quantize_grouped_weight(
-        w, columnwise=True, pow2_scale=pow2_scale), ("grouped_128x128", pow2_scale))
+    every micro-batch's forward and dgrad reuse them; bound to ``weight``, so that
+    :class:`linghe.optim.AdamW` makes the copy inside its step."""
+    fmt = ("grouped_128x128", pow2_scale)
+
+    def quantize(w):  # (a miss: bind the weight itself, not this detached alias)
+        E, N, K = weight.shape
+        cache.bind_128x128(weight, fmt, pow2_scale, (E * N, K))
+        return quantize_grouped_weight(w, columnwise=True, pow2_scale=pow2_scale)
+
+    return cache.get(weight, quantize, fmt)
 
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = False,

@@ -14,7 +14,10 @@ the same hyperparameters, state names and ``state_dict`` layout) whose ``step()`
 
 So clipping costs one read of the gradients instead of ``clip_grad_norm_``'s read plus a
 read and write, and the update is one launch instead of PyTorch's fused AdamW's one launch
-per ~21M elements (each a few waves with a tail). No host sync; the whole ``step()`` can
+per ~21M elements (each a few waves with a tail). A 16-bit weight bound to an FP8 layer's
+weight cache is updated by its own launch that also writes its 128x128 FP8 copies
+(:mod:`linghe.optim.fp8_weights`; ``fp8_weight_copies=False`` turns it off): the next
+forward finds them instead of reading the weight again. No host sync; the whole ``step()`` can
 be captured in a CUDA graph (step counts and the clip coefficient live on the device;
 see :meth:`AdamW.prepare_step`; pass ``lr`` as a device tensor to change it between replays; other
 hyperparameters are baked into a captured step).
@@ -42,14 +45,54 @@ from collections import OrderedDict
 
 import torch
 
+from ..fp8.cache import bound_caches
+from ..fp8.tensor import Fp8Tensor
 from ..utils import check_kernel_device
 from . import multi_tensor as K
 from .clip import _norm_and_coef, check_max_norm, check_norm_type, prepare
+from .fp8_weights import adamw_quant_128_
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _PLANS_PER_GROUP = 8
+
+
+def _capturing(group: dict) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (the group's device
+    is a GPU)."""
+    params = group["params"]
+    return bool(params) and params[0].is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _fp8_bound(params, idx: list[int], fuse: bool) -> tuple:
+    """``(index, cache, fmt, pow2, shape2d)`` for the parameters of ``idx`` whose step
+    makes the FP8 copy of the one cache bound to them (:meth:`WeightCache.bind_128x128`;
+    with ``fuse``: 16-bit, contiguous, with a contiguous gradient of the same shape).
+    Copies that an earlier step put in the caches of the others are cleared: this step
+    changes their weights without making new ones."""
+    out = []
+    for i in idx:
+        p = params[i]
+        bound = bound_caches(p)
+        if not bound:
+            continue
+        g = p.grad
+        if (fuse and len(bound) == 1 and p.dtype in _FP8_FUSED_DTYPES
+                and p.is_contiguous() and g.shape == p.shape and g.is_contiguous()
+                and bound[0][3][0] * bound[0][3][1] == p.numel()):
+            out.append((i, *bound[0]))
+            continue
+        for cache, *_ in bound:
+            if cache.from_optimizer:
+                cache.clear()
+    return tuple(out)
+
+
+#: Parameter dtypes whose step may write their FP8 copy (a 16-bit weight's transposed
+#: e4m3 tile is stored from registers, as in ``quantize_128x128``; float32 weights keep
+#: the separate quantization).
+_FP8_FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class _GroupBuffers:
@@ -103,6 +146,10 @@ class AdamW(torch.optim.Optimizer):
         max_grad_norm: clip the gradients of all param groups to this total norm inside the
             step (``None``: no clipping).
         norm_type: the norm's order for ``max_grad_norm`` (``p > 0``, ``inf``, ``-inf``).
+        fp8_weight_copies: make the FP8 copies of weights bound to an FP8 layer's
+            :class:`~linghe.fp8.WeightCache` inside the step (16-bit weights, 128x128
+            blocks; :mod:`linghe.optim.fp8_weights`), so that the next forward does not
+            read them again to quantize; False leaves the quantization to the layers.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
@@ -110,7 +157,8 @@ class AdamW(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
-                 max_grad_norm: float | None = None, norm_type: float = 2.0) -> None:
+                 max_grad_norm: float | None = None, norm_type: float = 2.0,
+                 fp8_weight_copies: bool = True) -> None:
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
                 raise ValueError("Tensor lr must be 1-element")
@@ -132,6 +180,7 @@ class AdamW(torch.optim.Optimizer):
                                       "torch.optim.AdamW(differentiable=True)")
         self.max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
         self.norm_type = check_norm_type(norm_type)
+        self.fp8_weight_copies = bool(fp8_weight_copies)
         #: The total gradient norm of the last ``step()`` (0-dim float32 tensor on the
         #: device) when ``max_grad_norm`` is set, else None.
         self.grad_norm: torch.Tensor | None = None
@@ -142,6 +191,7 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("fp8_weight_copies", True)
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -154,7 +204,8 @@ class AdamW(torch.optim.Optimizer):
         self._groups = {}  # rebuilt from the loaded state on the next step
 
     def extra_repr(self) -> str:
-        return f"max_grad_norm={self.max_grad_norm}, norm_type={self.norm_type}"
+        return (f"max_grad_norm={self.max_grad_norm}, norm_type={self.norm_type}, "
+                f"fp8_weight_copies={self.fp8_weight_copies}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -166,19 +217,36 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         coef = self._clip_coef()
         for gi, group in enumerate(self.param_groups):
-            planned = self._group_plan(gi, group)
+            planned = self._group_plan(
+                gi, group, fuse_fp8=self.fp8_weight_copies and not _capturing(group))
             if planned is None:
                 continue
-            bufs, (plan, inc, _mv), addrs, _keep = planned
+            bufs, (plan, inc, _mv), addrs, _keep, fused = planned
             K.adamw_advance(bufs.steps, inc, bufs.betas_t, bufs.bias)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != bufs.steps.device:
                 lr = float(lr)  # a CPU tensor: a host read, no device sync
             beta1, beta2 = bufs.betas
-            K.adamw_(plan, addrs, bufs.bias, lr=lr, beta1=beta1, beta2=beta2,
-                     eps=group["eps"], weight_decay=group["weight_decay"],
-                     maximize=group["maximize"], coef=coef)
+            hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], maximize=group["maximize"],
+                         coef=coef)
+            if plan is not None:
+                K.adamw_(plan, addrs, bufs.bias, **hyper)
+            for i, cache, fmt, pow2, shape2d in fused:
+                self._step_fp8(group["params"][i], i, bufs, cache, fmt, pow2, shape2d, hyper)
         return loss
+
+    def _step_fp8(self, p, i, bufs, cache, fmt, pow2, shape2d, hyper) -> None:
+        """AdamW on ``p`` (row ``i`` of the group's bias corrections) that also makes its
+        FP8 copy for ``cache`` (:mod:`linghe.optim.fp8_weights`)."""
+        st = self.state[p]
+        cache.clear()  # free the last copy before the new one is allocated
+        q, s, qt, st_ = adamw_quant_128_(p, p.grad, st["exp_avg"], st["exp_avg_sq"],
+                                         bufs.bias, i, pow2_scale=pow2, shape2d=shape2d,
+                                         **hyper)
+        cache.put_from_optimizer(p, Fp8Tensor(p.shape, p.dtype, rowwise_data=q,
+                                               rowwise_scale=s, columnwise_data=qt,
+                                               columnwise_scale=st_, scaling="128x128"), fmt)
 
     @torch.no_grad()
     def prepare_step(self) -> None:
@@ -186,11 +254,13 @@ class AdamW(torch.optim.Optimizer):
         chunk tables, the norm's table and buffers) without changing any parameter or
         step count. Call it before capturing ``step()`` in a CUDA graph when the gradients
         were allocated anew since the last eager step (e.g. set to None before a captured
-        backward): new addresses (and a new table) are uploaded from pinned host memory,
-        which a capture must not do."""
+        backward), or when eager steps made FP8 weight copies (a captured step does not,
+        so its table covers those weights too): new addresses (and a new table) are
+        uploaded from pinned host memory, which a capture must not do. FP8 copies that
+        eager steps put in caches are dropped (the captured forward quantizes)."""
         self._clip_coef()
         for gi, group in enumerate(self.param_groups):
-            self._group_plan(gi, group)
+            self._group_plan(gi, group, fuse_fp8=False)  # (what a captured step runs)
 
     # ------------------------------------------------------------------------ internals
 
@@ -214,10 +284,12 @@ class AdamW(torch.optim.Optimizer):
             bufs.set_betas(group["betas"])
         return bufs
 
-    def _group_plan(self, gi: int, group: dict):
-        """``(buffers, (plan, step increment, the moments' addresses), addresses, temporary
-        gradient copies or None)`` for the parameters of ``group`` that have a gradient, or
-        None when none has."""
+    def _group_plan(self, gi: int, group: dict, fuse_fp8: bool):
+        """``(buffers, (plan or None, step increment, the moments' addresses), addresses,
+        temporary gradient copies or None, fused)`` for the parameters of ``group`` that
+        have a gradient, or None when none has. ``fused``: ``(index, cache, fmt, pow2,
+        shape2d)`` of the parameters whose step also makes their FP8 copy (``fuse_fp8``,
+        :func:`_fp8_bound`); the table covers the others."""
         if group["amsgrad"]:
             raise NotImplementedError("linghe.optim.AdamW does not implement amsgrad=True "
                                       "(this param group asks for it)")
@@ -226,7 +298,10 @@ class AdamW(torch.optim.Optimizer):
         if not idx:
             return None
         bufs = self._buffers(gi, group)
-        ps = [params[i] for i in idx]
+        fused = _fp8_bound(params, idx, fuse_fp8)
+        skip = {f[0] for f in fused}
+        flat = [i for i in idx if i not in skip]
+        ps = [params[i] for i in flat]
         gs = [p.grad for p in ps]
         keep = None
         if not all(map(_IS_CONTIGUOUS, gs)):  # read only: copies for this step
@@ -234,22 +309,28 @@ class AdamW(torch.optim.Optimizer):
         pg_ptrs = tuple(map(_DATA_PTR, ps)) + tuple(map(_DATA_PTR, gs))
         # The table depends on which parameters step, their dtypes and the alignment, not
         # on the addresses: gradients allocated anew every step reuse it.
-        key = (tuple(idx), tuple(p.dtype for p in ps), tuple(g.dtype for g in gs),
-               not any(x % 16 for x in pg_ptrs))
+        key = (tuple(idx), tuple(flat), tuple(p.dtype for p in ps),
+               tuple(g.dtype for g in gs), not any(x % 16 for x in pg_ptrs))
         entry = bufs.plans.get(key)
         if entry is None:
-            entry = bufs.plans[key] = self._plan(bufs, params, idx, ps, gs, key[-1])
-            K.evict_oldest(bufs.plans, _PLANS_PER_GROUP, lambda k, e: K.plan_in_graph(k, e[0]))
+            entry = bufs.plans[key] = self._plan(bufs, params, idx, flat, key[-1])
+            K.evict_oldest(bufs.plans, _PLANS_PER_GROUP,
+                           lambda k, e: e[0] is not None and K.plan_in_graph(k, e[0]))
         else:
             bufs.plans.move_to_end(key)
-        addrs = entry[0].addr_sets.get(pg_ptrs + entry[2])
-        return bufs, entry, addrs, keep
+        addrs = entry[0].addr_sets.get(pg_ptrs + entry[2]) if entry[0] is not None else None
+        return bufs, entry, addrs, keep, fused
 
-    def _plan(self, bufs: _GroupBuffers, params, idx: list[int], ps, gs, aligned: bool):
-        """Validate, create missing state, build the chunk table. Returns ``(plan, step
-        increment (None: every parameter), the moments' addresses)``."""
+    def _plan(self, bufs: _GroupBuffers, params, idx: list[int], flat: list[int],
+              aligned: bool):
+        """Validate, create missing state (every parameter of ``idx``), build the chunk
+        table of those in ``flat``. Returns ``(plan (None without any), step increment
+        (None: every parameter), the moments' addresses)``."""
         device = bufs.steps.device
         ms, vs = [], []
+        ps = [params[i] for i in idx]
+        gs = [p.grad for p in ps]
+        in_table = set(flat)
         for j, (i, p, g) in enumerate(zip(idx, ps, gs)):
             name = f"params[{i}]"
             if p.dtype not in PARAM_DTYPES:
@@ -283,11 +364,15 @@ class AdamW(torch.optim.Optimizer):
                                      f"of the parameter's shape on {device}")
             if st["exp_avg"].dtype != st["exp_avg_sq"].dtype:
                 st["exp_avg_sq"] = st["exp_avg_sq"].to(st["exp_avg"].dtype)
-            ms.append(st["exp_avg"])
-            vs.append(st["exp_avg_sq"])
+            if i in in_table:
+                ms.append(st["exp_avg"])
+                vs.append(st["exp_avg_sq"])
         mv_ptrs = tuple(map(_DATA_PTR, ms)) + tuple(map(_DATA_PTR, vs))
-        plan = K.build_adamw_plan(ps, gs, ms, idx, device,
-                                  aligned and not any(x % 16 for x in mv_ptrs))
+        plan = None
+        if flat:
+            fps = [params[i] for i in flat]
+            plan = K.build_adamw_plan(fps, [p.grad for p in fps], ms, flat, device,
+                                      aligned and not any(x % 16 for x in mv_ptrs))
         inc = None
         if len(idx) < len(params):  # only the parameters with a gradient count this step
             inc = torch.zeros(len(params), dtype=torch.float32)

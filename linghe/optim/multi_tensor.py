@@ -378,7 +378,8 @@ def _adamw_row(table_ptr, addrs_ptr, nt, c, n_chunks, ESP: tl.constexpr,
 @triton.jit
 def _adamw_block(pp, gp, mp, vp, mask, coef, decay, step_size, bc2_sqrt, beta1, beta2, eps,
                  MAXIMIZE: tl.constexpr):
-    """One block of elements: the update in float32, stored in each tensor's dtype."""
+    """One block of elements: the update in float32, stored in each tensor's dtype;
+    returns the parameter's new values as stored."""
     p = tl.load(pp, mask=mask).to(tl.float32)
     g = tl.load(gp, mask=mask).to(tl.float32) * coef
     m = tl.load(mp, mask=mask).to(tl.float32)
@@ -390,9 +391,11 @@ def _adamw_block(pp, gp, mp, vp, mask, coef, decay, step_size, bc2_sqrt, beta1, 
     v = beta2 * v + (1.0 - beta2) * (g * g)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    tl.store(pp, p.to(pp.dtype.element_ty), mask=mask)
+    p = p.to(pp.dtype.element_ty)
+    tl.store(pp, p, mask=mask)
     tl.store(mp, m.to(mp.dtype.element_ty), mask=mask)
     tl.store(vp, v.to(vp.dtype.element_ty), mask=mask)
+    return p
 
 
 @triton.jit

@@ -1,0 +1,128 @@
+"""AdamW updates that also write a weight's FP8 copies (128x128 blocks).
+
+An FP8 layer quantizes its weights once per optimizer step (:class:`~linghe.fp8.WeightCache`):
+the first forward after a step reads every updated weight again, only to quantize it.
+For a weight bound to such a cache (:meth:`WeightCache.bind_128x128`),
+:class:`linghe.optim.AdamW` instead runs :func:`adamw_quant_128_`: each program updates one
+128x128 block of the weight (and its moments) exactly as the multi-tensor AdamW kernel
+does, then quantizes the block from the values it has just written (in the weight's
+dtype), and writes both FP8 copies and the block's scale; the optimizer puts the result
+in the cache for the next step's generation. The bytes saved are one read of the weight
+(2 bytes per bf16 parameter), a sixth of the optimizer's and the quantization's traffic.
+
+The copies are bit-identical to :func:`linghe.quantize_128x128` of the updated weight
+(``columnwise=True``): the same block amax, scale and e4m3 rounding. A program takes its
+block as two 64-row halves (the update of a full 128x128 block needs the parameter, the
+gradient and both moments in registers at once), keeps the first half's new values, and
+quantizes both with the block's scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8.quantize import FP8_DTYPE, fp8_block_scale, to_e4m3
+from ..utils import cdiv, device_guard, empty, launch
+from .multi_tensor import _adamw_block
+
+BLOCK = 128
+HALF = 64
+
+
+@triton.jit
+def _adamw_half(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, coef, decay, step_size,
+                bc2_sqrt, beta1, beta2, eps, MAXIMIZE: tl.constexpr):
+    """Update rows ``rows`` x columns ``cols`` of a ``[N, K]`` weight; returns the new
+    values as stored (the weight's dtype), zero outside the weight."""
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    o = rows[:, None] * K + cols[None, :]
+    p = _adamw_block(p_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, mask, coef, decay,
+                     step_size, bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
+    return tl.where(mask, p, tl.zeros_like(p))
+
+
+@triton.jit
+def _store_half(q, rows, cols, N, K, q_ptr, qt_ptr):
+    """Store a half block's e4m3 values rowwise into ``q [N, K]`` and transposed into
+    ``qt [K, N]``."""
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q),
+             mask=tl.trans(mask))
+
+
+@triton.jit
+def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+                            bias_ptr, t, coef_ptr, lr_ptr, lr, beta1, beta2, eps,
+                            weight_decay, N, K, CLIP: tl.constexpr, LR_TENSOR: tl.constexpr,
+                            MAXIMIZE: tl.constexpr, POW2: tl.constexpr):
+    """AdamW on the 128x128 block ``(pid_n, pid_k)`` of a weight ``[N, K]`` (the math of
+    :func:`~linghe.optim.multi_tensor._adamw_kernel`, bias corrections from row ``t`` of
+    ``bias``), then the block quantized like ``_quantize_128x128_kernel``: ``q [N, K]``,
+    ``s [cdiv(N,128), cdiv(K,128)]``, ``qt [K, N]``, ``st [cdiv(K,128), cdiv(N,128)]``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if LR_TENSOR:
+        lr_f = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr_f = tl.zeros([], tl.float32) + lr
+    if CLIP:
+        coef = tl.load(coef_ptr).to(tl.float32)
+    else:
+        coef = tl.full([], 1.0, tl.float32)
+    decay = 1.0 - lr_f * weight_decay
+    bc1 = tl.load(bias_ptr + 2 * t)
+    bc2 = tl.load(bias_ptr + 2 * t + 1)
+    step_size = tl.div_rn(lr_f, bc1)
+    bc2_sqrt = tl.sqrt_rn(bc2)
+    cols = pid_k * 128 + tl.arange(0, 128)
+    rows_a = pid_n.to(tl.int64) * 128 + tl.arange(0, 64)
+    rows_b = rows_a + 64
+    pa = _adamw_half(p_ptr, g_ptr, m_ptr, v_ptr, rows_a, cols, N, K, coef, decay, step_size,
+                     bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
+    pb = _adamw_half(p_ptr, g_ptr, m_ptr, v_ptr, rows_b, cols, N, K, coef, decay, step_size,
+                     bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
+    wa = pa.to(tl.float32)
+    wb = pb.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(wa), axis=1), axis=0),
+                      tl.max(tl.max(tl.abs(wb), axis=1), axis=0))
+    scale = fp8_block_scale(amax, POW2)
+    inv = 1.0 / scale
+    _store_half(to_e4m3(wa * inv), rows_a, cols, N, K, q_ptr, qt_ptr)
+    _store_half(to_e4m3(wb * inv), rows_b, cols, N, K, q_ptr, qt_ptr)
+    tl.store(s_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
+    tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
+
+
+#: Warps of :func:`adamw_quant_128_` (a 64x128 half block of four fp32 tensors in flight).
+NUM_WARPS = 8
+
+
+def adamw_quant_128_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                     bias: torch.Tensor, row: int, *, lr, beta1: float, beta2: float,
+                     eps: float, weight_decay: float, maximize: bool,
+                     coef: torch.Tensor | None, pow2_scale: bool, shape2d: tuple[int, int]):
+    """One AdamW step of ``p`` (in place, with its moments ``m``/``v``; gradient ``g``;
+    bias corrections ``bias[row]``; the other arguments as for
+    :func:`~linghe.optim.multi_tensor.adamw_`) viewed as ``shape2d = (N, K)``, returning
+    the FP8 copies of the updated weight as :func:`linghe.quantize_128x128` makes them:
+    ``(q [N, K], s, qt [K, N], st)``. All four tensors contiguous, of ``N * K``
+    elements, on one CUDA device (or the interpreter)."""
+    N, K = shape2d
+    dev = p.device
+    q = empty(N, K, dtype=FP8_DTYPE, device=dev)
+    s = empty(cdiv(N, BLOCK), cdiv(K, BLOCK), dtype=torch.float32, device=dev)
+    qt = empty(K, N, dtype=FP8_DTYPE, device=dev)
+    st = empty(cdiv(K, BLOCK), cdiv(N, BLOCK), dtype=torch.float32, device=dev)
+    if N and K:
+        lr_tensor = isinstance(lr, torch.Tensor)
+        with device_guard(p):
+            launch(_adamw_quant_128_kernel, (cdiv(N, BLOCK), cdiv(K, BLOCK)), p, g, m, v, q, s,
+                   qt, st, bias, row, coef if coef is not None else bias,
+                   lr if lr_tensor else bias, 0.0 if lr_tensor else float(lr), float(beta1),
+                   float(beta2), float(eps), float(weight_decay), N, K,
+                   CLIP=coef is not None, LR_TENSOR=lr_tensor, MAXIMIZE=bool(maximize),
+                   POW2=bool(pow2_scale), num_warps=NUM_WARPS)
+    return q, s, qt, st
