@@ -187,3 +187,55 @@ def adamw_case(cfg: Config):
     return [Bench(name=f"adamw+clip {len(shapes)} bf16 ({n / 1e6:.1f}M)", bytes=16 * n,
                   tol=1e-2, run=run,
                   note="bytes: p, g, m, v read, p, m, v written, g read for the norm")]
+
+
+@case("adamw_fp8_weights")
+def adamw_fp8_weights_case(cfg: Config):
+    """One AdamW step of an MoE expert weight ``[E, 2048, 2048]`` bf16 plus its 128x128 FP8
+    copies (rowwise and columnwise), as the next FP8 forward needs them. linghe: the step
+    writes the copies (``linghe.optim.AdamW`` with the weight bound to an FP8
+    ``WeightCache``); separate: the same AdamW with ``fp8_weight_copies=False``, then
+    ``quantize_grouped_weight`` (what the layer did before); torch: ``torch.optim.AdamW(
+    fused=True)`` then ``quantize_grouped_weight``; eager: the foreach AdamW then the
+    reference quantization. Bytes: 16 per element (p, g, m, v read; p, m, v written; two
+    FP8 copies written)."""
+    from linghe.fp8 import WeightCache
+    from linghe.functional.grouped_mm import cached_grouped_weight, quantize_grouped_weight
+
+    E, N, K = (2, 128, 136) if cfg.cpu else (64, 2048, 2048)
+    eager_p, torch_p, sep_p, lin_p = (ps[0] for ps in _adamw_copies([(E, N, K)], cfg.device,
+                                                                     4))
+    n = eager_p.numel()
+    cache = WeightCache()
+    cached_grouped_weight(cache, lin_p, True)  # binds the weight, as the MoE layer does
+    lin_opt = linghe.optim.AdamW([lin_p], **_ADAMW)
+
+    def lin_step():
+        lin_opt.step()
+        return lin_p.detach()
+
+    sep_opt = linghe.optim.AdamW([sep_p], fp8_weight_copies=False, **_ADAMW)
+
+    def sep_step():
+        sep_opt.step()
+        quantize_grouped_weight(sep_p.detach(), pow2_scale=True)
+        return sep_p.detach()
+
+    torch_opt = torch.optim.AdamW([torch_p], fused=not cfg.cpu or None, **_ADAMW)
+
+    def torch_step():
+        torch_opt.step()
+        quantize_grouped_weight(torch_p.detach(), pow2_scale=True)
+        return torch_p.detach()
+
+    eager_opt = torch.optim.AdamW([eager_p], foreach=True, **_ADAMW)
+
+    def eager():
+        eager_opt.step()
+        ref.quantize_128x128(eager_p.detach().reshape(E * N, K), pow2_scale=True)
+        return eager_p.detach()
+
+    run = {"eager": eager, "linghe": lin_step, "separate": sep_step, "torch": torch_step}
+    return [Bench(name=f"adamw + fp8 copies [{E},{N},{K}] bf16 ({n / 1e6:.1f}M)",
+                  bytes=16 * n, tol=1e-2, run=run,
+                  note="bytes: p, g, m, v read, p, m, v and two FP8 copies written")]

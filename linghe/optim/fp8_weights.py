@@ -7,14 +7,14 @@ For a weight bound to such a cache (:meth:`WeightCache.bind_128x128`),
 128x128 block of the weight (and its moments) exactly as the multi-tensor AdamW kernel
 does, then quantizes the block from the values it has just written (in the weight's
 dtype), and writes both FP8 copies and the block's scale; the optimizer puts the result
-in the cache for the next step's generation. The bytes saved are one read of the weight
-(2 bytes per bf16 parameter), a sixth of the optimizer's and the quantization's traffic.
+in the cache. The bytes saved are one read of the weight from memory (2 bytes per bf16
+parameter; the block is read back from L2), a ninth of the optimizer's and the
+quantization's traffic.
 
 The copies are bit-identical to :func:`linghe.quantize_128x128` of the updated weight
-(``columnwise=True``): the same block amax, scale and e4m3 rounding. A program takes its
-block as two 64-row halves (the update of a full 128x128 block needs the parameter, the
-gradient and both moments in registers at once), keeps the first half's new values, and
-quantizes both with the block's scale.
+(``columnwise=True``): the same block amax, scale and e4m3 rounding. A program walks its
+block in slices of ``ROWS`` rows twice: the update (the block's amax kept), then the
+quantization of the values it wrote.
 """
 
 from __future__ import annotations
@@ -28,40 +28,21 @@ from ..utils import cdiv, device_guard, empty, launch
 from .multi_tensor import _adamw_block
 
 BLOCK = 128
-HALF = 64
-
-
-@triton.jit
-def _adamw_half(p_ptr, g_ptr, m_ptr, v_ptr, rows, cols, N, K, coef, decay, step_size,
-                bc2_sqrt, beta1, beta2, eps, MAXIMIZE: tl.constexpr):
-    """Update rows ``rows`` x columns ``cols`` of a ``[N, K]`` weight; returns the new
-    values as stored (the weight's dtype), zero outside the weight."""
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    o = rows[:, None] * K + cols[None, :]
-    p = _adamw_block(p_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, mask, coef, decay,
-                     step_size, bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
-    return tl.where(mask, p, tl.zeros_like(p))
-
-
-@triton.jit
-def _store_half(q, rows, cols, N, K, q_ptr, qt_ptr):
-    """Store a half block's e4m3 values rowwise into ``q [N, K]`` and transposed into
-    ``qt [K, N]``."""
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-    tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q),
-             mask=tl.trans(mask))
 
 
 @triton.jit
 def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                             bias_ptr, t, coef_ptr, lr_ptr, lr, beta1, beta2, eps,
                             weight_decay, N, K, CLIP: tl.constexpr, LR_TENSOR: tl.constexpr,
-                            MAXIMIZE: tl.constexpr, POW2: tl.constexpr):
+                            MAXIMIZE: tl.constexpr, POW2: tl.constexpr, ROWS: tl.constexpr):
     """AdamW on the 128x128 block ``(pid_n, pid_k)`` of a weight ``[N, K]`` (the math of
     :func:`~linghe.optim.multi_tensor._adamw_kernel`, bias corrections from row ``t`` of
     ``bias``), then the block quantized like ``_quantize_128x128_kernel``: ``q [N, K]``,
-    ``s [cdiv(N,128), cdiv(K,128)]``, ``qt [K, N]``, ``st [cdiv(K,128), cdiv(N,128)]``."""
+    ``s [cdiv(N,128), cdiv(K,128)]``, ``qt [K, N]``, ``st [cdiv(K,128), cdiv(N,128)]``.
+
+    Two passes of ``ROWS``-row slices: the update (keeping the block's amax of the values
+    as stored), then, after a barrier, the quantization of those values read back (the
+    block was just written: L2 hits)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if LR_TENSOR:
@@ -78,25 +59,34 @@ def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st
     step_size = tl.div_rn(lr_f, bc1)
     bc2_sqrt = tl.sqrt_rn(bc2)
     cols = pid_k * 128 + tl.arange(0, 128)
-    rows_a = pid_n.to(tl.int64) * 128 + tl.arange(0, 64)
-    rows_b = rows_a + 64
-    pa = _adamw_half(p_ptr, g_ptr, m_ptr, v_ptr, rows_a, cols, N, K, coef, decay, step_size,
-                     bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
-    pb = _adamw_half(p_ptr, g_ptr, m_ptr, v_ptr, rows_b, cols, N, K, coef, decay, step_size,
-                     bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
-    wa = pa.to(tl.float32)
-    wb = pb.to(tl.float32)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(wa), axis=1), axis=0),
-                      tl.max(tl.max(tl.abs(wb), axis=1), axis=0))
+    cmask = cols < K
+    r0 = pid_n.to(tl.int64) * 128
+    amax = tl.zeros([], tl.float32)
+    for i in range(0, 128, ROWS):
+        rows = r0 + i + tl.arange(0, ROWS)
+        mask = (rows < N)[:, None] & cmask[None, :]
+        o = rows[:, None] * K + cols[None, :]
+        p = _adamw_block(p_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, mask, coef, decay,
+                         step_size, bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(tl.where(mask, p.to(tl.float32), 0.0)),
+                                              axis=1), axis=0))
     scale = fp8_block_scale(amax, POW2)
     inv = 1.0 / scale
-    _store_half(to_e4m3(wa * inv), rows_a, cols, N, K, q_ptr, qt_ptr)
-    _store_half(to_e4m3(wb * inv), rows_b, cols, N, K, q_ptr, qt_ptr)
+    tl.debug_barrier()  # this CTA's writes of the block are visible to all its threads
+    for i in range(0, 128, ROWS):
+        rows = r0 + i + tl.arange(0, ROWS)
+        mask = (rows < N)[:, None] & cmask[None, :]
+        w = tl.load(p_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        q = to_e4m3(w.to(tl.float32) * inv)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q),
+                 mask=tl.trans(mask))
     tl.store(s_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
     tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 
 
-#: Warps of :func:`adamw_quant_128_` (a 64x128 half block of four fp32 tensors in flight).
+#: Launch knobs of :func:`adamw_quant_128_`: rows per slice, warps.
+ROWS = 16
 NUM_WARPS = 8
 
 
@@ -124,5 +114,5 @@ def adamw_quant_128_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
                    lr if lr_tensor else bias, 0.0 if lr_tensor else float(lr), float(beta1),
                    float(beta2), float(eps), float(weight_decay), N, K,
                    CLIP=coef is not None, LR_TENSOR=lr_tensor, MAXIMIZE=bool(maximize),
-                   POW2=bool(pow2_scale), num_warps=NUM_WARPS)
+                   POW2=bool(pow2_scale), ROWS=ROWS, num_warps=NUM_WARPS)
     return q, s, qt, st
