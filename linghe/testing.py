@@ -17,6 +17,17 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t.detach().double() if t.is_floating_point() else t.detach()
 
 
+def as_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (float32) rounded to ``dtype`` the way a kernel's store rounds it: to
+    nearest even on the GPU; on the Triton interpreter bf16 stores truncate (a known
+    quirk of its casts), so there the low 16 bits are dropped. Returned as float32."""
+    from .utils import INTERPRET
+
+    if INTERPRET and dtype == torch.bfloat16 and t.dtype == torch.float32:
+        return (t.contiguous().view(torch.int32) & -65536).view(torch.float32)
+    return t.to(dtype).float()
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64 over finite entries of ``ref`` (``||out - ref||``
     when ``ref`` is all zeros). ``inf`` if ``out`` has NaN where ``ref`` does not."""

@@ -136,11 +136,18 @@ def batch_silu_mul_quant_case(cfg: Config):
 
 
 def _ref_batch_bwd_quant(x, dy, probs, counts_host, align):
-    """dx (fp32, as the kernel quantizes) quantized 1x128 rowwise and per segment
-    columnwise with pow2 scales, and dprobs; padding rows of x and dy are zeros."""
+    """dx quantized 1x128 rowwise and per segment columnwise with pow2 scales, and dprobs;
+    padding rows of x and dy are zeros. dx as the kernels quantize it: in fp32 (the fused
+    kernel), rounded to x's dtype first (the default two-kernel form,
+    ``linghe.fwd.activation.QUANT_BWD_MODE``)."""
+    from linghe.fwd import activation as A
+    from linghe.testing import as_stored
+
     xf = x.detach().float().requires_grad_()
     pf = probs.detach().float().requires_grad_()
     dx, dp = torch.autograd.grad(ref.silu_mul(xf, pf), [xf, pf], dy.float())
+    if A.QUANT_BWD_MODE == "two_kernel":
+        dx = as_stored(dx, x.dtype)
     q, s, qt, st, _ = ref.quantize_grouped_1x128(dx, counts_host, align, pow2_scale=True)
     return q, s, qt, st, dp
 

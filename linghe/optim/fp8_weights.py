@@ -13,8 +13,8 @@ quantization's traffic.
 
 The copies are bit-identical to :func:`linghe.quantize_128x128` of the updated weight
 (``columnwise=True``): the same block amax, scale and e4m3 rounding. A program walks its
-block in slices of ``ROWS`` rows twice: the update (the block's amax kept), then the
-quantization of the values it wrote.
+block in slices of ``ROWS`` rows for the update (the block's amax kept), then quantizes
+the values it wrote as one tile.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st
     ``bias``), then the block quantized like ``_quantize_128x128_kernel``: ``q [N, K]``,
     ``s [cdiv(N,128), cdiv(K,128)]``, ``qt [K, N]``, ``st [cdiv(K,128), cdiv(N,128)]``.
 
-    Two passes of ``ROWS``-row slices: the update (keeping the block's amax of the values
-    as stored), then, after a barrier, the quantization of those values read back (the
-    block was just written: L2 hits)."""
+    Two passes: the update in ``ROWS``-row slices (keeping the block's amax of the
+    values as stored), then, after a barrier, the quantization of those values read back
+    as one tile (the block was just written: L2 hits; 128-byte rows of the transposed
+    copy, where 16-row slices wrote 16-byte pieces)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if LR_TENSOR:
@@ -71,16 +72,15 @@ def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(tl.where(mask, p.to(tl.float32), 0.0)),
                                               axis=1), axis=0))
     scale = fp8_block_scale(amax, POW2)
-    inv = 1.0 / scale
     tl.debug_barrier()  # this CTA's writes of the block are visible to all its threads
-    for i in range(0, 128, ROWS):
-        rows = r0 + i + tl.arange(0, ROWS)
-        mask = (rows < N)[:, None] & cmask[None, :]
-        w = tl.load(p_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
-        q = to_e4m3(w.to(tl.float32) * inv)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q),
-                 mask=tl.trans(mask))
+    # the whole block at once: each row of the transposed copy gets 128 contiguous bytes
+    rows = r0 + tl.arange(0, 128)
+    mask = (rows < N)[:, None] & cmask[None, :]
+    w = tl.load(p_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    q = to_e4m3(w.to(tl.float32) * (1.0 / scale))
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q),
+             mask=tl.trans(mask))
     tl.store(s_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
     tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 

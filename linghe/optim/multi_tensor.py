@@ -386,11 +386,13 @@ def _adamw_block(pp, gp, mp, vp, mask, coef, decay, step_size, bc2_sqrt, beta1, 
     v = tl.load(vp, mask=mask).to(tl.float32)
     if MAXIMIZE:
         g = -g
+    # Explicit FMAs: every kernel that inlines this block (the multi-tensor AdamW and
+    # linghe.optim.fp8_weights) rounds the same way, whatever the compiler would contract.
     p = p * decay
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * (g * g)
+    m = tl.fma(m, beta1, (1.0 - beta1) * g)
+    v = tl.fma(v, beta2, (1.0 - beta2) * (g * g))
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
+    p = tl.fma(-step_size, tl.div_rn(m, denom), p)
     p = p.to(pp.dtype.element_ty)
     tl.store(pp, p, mask=mask)
     tl.store(mp, m.to(mp.dtype.element_ty), mask=mask)
