@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..fp8.quantize import FP8_DTYPE, fp8_block_scale, to_e4m3
 from ..utils import cdiv, device_guard, empty, launch
-from .multi_tensor import _adamw_block
+from .multi_tensor import _adamw_block, adamw_bias, adamw_scalars
 
 BLOCK = 128
 
@@ -46,19 +46,8 @@ def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st
     copy, where 16-row slices wrote 16-byte pieces)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if LR_TENSOR:
-        lr_f = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr_f = tl.zeros([], tl.float32) + lr
-    if CLIP:
-        coef = tl.load(coef_ptr).to(tl.float32)
-    else:
-        coef = tl.full([], 1.0, tl.float32)
-    decay = 1.0 - lr_f * weight_decay
-    bc1 = tl.load(bias_ptr + 2 * t)
-    bc2 = tl.load(bias_ptr + 2 * t + 1)
-    step_size = tl.div_rn(lr_f, bc1)
-    bc2_sqrt = tl.sqrt_rn(bc2)
+    lr_f, coef, decay = adamw_scalars(coef_ptr, lr_ptr, lr, weight_decay, CLIP, LR_TENSOR)
+    step_size, bc2_sqrt = adamw_bias(bias_ptr, t, lr_f)
     cols = pid_k * 128 + tl.arange(0, 128)
     cmask = cols < K
     r0 = pid_n.to(tl.int64) * 128

@@ -376,6 +376,31 @@ def _adamw_row(table_ptr, addrs_ptr, nt, c, n_chunks, ESP: tl.constexpr,
 
 
 @triton.jit
+def adamw_scalars(coef_ptr, lr_ptr, lr, weight_decay, CLIP: tl.constexpr,
+                  LR_TENSOR: tl.constexpr):
+    """A step's ``(lr, clip coefficient, 1 - lr * weight_decay)`` in float32: ``lr``
+    from ``lr_ptr`` (``LR_TENSOR``) or the argument, the coefficient from ``coef_ptr``
+    (``CLIP``) or 1."""
+    if LR_TENSOR:
+        lr_f = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr_f = tl.zeros([], tl.float32) + lr
+    if CLIP:
+        coef = tl.load(coef_ptr).to(tl.float32)
+    else:
+        coef = tl.full([], 1.0, tl.float32)
+    return lr_f, coef, 1.0 - lr_f * weight_decay
+
+
+@triton.jit
+def adamw_bias(bias_ptr, t, lr_f):
+    """``(lr / bc1, sqrt(bc2))`` from tensor ``t``'s bias corrections ``bias[t]``."""
+    bc1 = tl.load(bias_ptr + 2 * t)
+    bc2 = tl.load(bias_ptr + 2 * t + 1)
+    return tl.div_rn(lr_f, bc1), tl.sqrt_rn(bc2)
+
+
+@triton.jit
 def _adamw_block(pp, gp, mp, vp, mask, coef, decay, step_size, bc2_sqrt, beta1, beta2, eps,
                  MAXIMIZE: tl.constexpr):
     """One block of elements: the update in float32, stored in each tensor's dtype;
@@ -455,25 +480,14 @@ def _adamw_kernel(table_ptr, addrs_ptr, nt, n_chunks, bias_ptr, coef_ptr, lr_ptr
     pid = tl.program_id(0)
     NP = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
-    if LR_TENSOR:
-        lr_f = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr_f = tl.zeros([], tl.float32) + lr
-    if CLIP:
-        coef = tl.load(coef_ptr).to(tl.float32)
-    else:
-        coef = tl.full([], 1.0, tl.float32)
-    decay = 1.0 - lr_f * weight_decay
+    lr_f, coef, decay = adamw_scalars(coef_ptr, lr_ptr, lr, weight_decay, CLIP, LR_TENSOR)
     pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, addrs_ptr, nt, pid, n_chunks,
                                                   ESP, ESG, ESM)
     for c in range(pid, n_chunks, NP):
         pa, ga, ma, va, n, t = pa_n, ga_n, ma_n, va_n, n_n, t_n
         pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, addrs_ptr, nt, c + NP,
                                                       n_chunks, ESP, ESG, ESM)
-        bc1 = tl.load(bias_ptr + 2 * t)
-        bc2 = tl.load(bias_ptr + 2 * t + 1)
-        step_size = tl.div_rn(lr_f, bc1)
-        bc2_sqrt = tl.sqrt_rn(bc2)
+        step_size, bc2_sqrt = adamw_bias(bias_ptr, t, lr_f)
         pp = pa.to(tl.pointer_type(P))
         gp = ga.to(tl.pointer_type(G))
         mp = ma.to(tl.pointer_type(M))
