@@ -489,12 +489,25 @@ for dt in (tl.bfloat16, tl.float32):
                   BLOCK=K.ADAMW_BLOCK, ALIGNED=True, CLIP=True, LR_TENSOR=True,
                   MAXIMIZE=False))
     assert re.search(r"st\.global\.[\w:.]*v4", k.asm["ptx"]), "adamw stores"
+from linghe.optim import fp8_weights as W  # noqa: E402
+sig = {p.name: "constexpr" if p.is_constexpr else "i32" for p in W._adamw_quant_128_kernel.params}
+sig.update({n: "*bf16" for n in ("p_ptr", "g_ptr", "m_ptr", "v_ptr")},
+           q_ptr="*fp8e4nv", qt_ptr="*fp8e4nv",
+           **{n: "*fp32" for n in ("s_ptr", "st_ptr", "bias_ptr", "coef_ptr", "lr_ptr")},
+           **{n: "fp32" for n in ("lr", "beta1", "beta2", "eps", "weight_decay")})
+k = triton.compile(ASTSource(fn=W._adamw_quant_128_kernel, signature=sig, constexprs=dict(
+    CLIP=True, LR_TENSOR=False, MAXIMIZE=False, POW2=True, ROWS=W.ROWS), attrs={
+    (i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+    if sig[n].startswith("*") or n in ("N", "K")}),  # (the MoE shapes: multiples of 16)
+    target=GPUTarget("cuda", 90, 32), options={"num_warps": W.NUM_WARPS})
+ptx = k.asm["ptx"]  # the moments and both FP8 copies in 16-byte stores, no byte stores
+assert re.search(r"st\.global\.[\w:.]*v4", ptx) and "st.global.b8" not in ptx, "fp8_weights"
 print("COMPILED")
 '''
 
 
 def test_kernels_compile_for_sm90(compile_sm90):
-    """Compile the multi-tensor kernels for an H100/H200 (sm_90) without a GPU (subprocess
-    without TRITON_INTERPRET): catches GPU-only compile errors the interpreter accepts, and
-    checks the loads vectorize to 16 bytes."""
+    """Compile the multi-tensor kernels and the FP8-copy AdamW kernel for an H100/H200
+    (sm_90) without a GPU (subprocess without TRITON_INTERPRET): catches GPU-only compile
+    errors the interpreter accepts, and checks the accesses vectorize to 16 bytes."""
     compile_sm90(_COMPILE_SCRIPT)
