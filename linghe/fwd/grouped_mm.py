@@ -96,6 +96,20 @@ def fp8_rescale(s_prev, s):
     return s, tl.math.div_rn(s_prev, s)
 
 
+@triton.jit
+def fp8_promote(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, BN: tl.constexpr):
+    """The promoting form's step: ``acc + dot(a, b) * scales`` for one 128-deep K step,
+    with the row scales ``sa [BM]`` and the step's weight scales at ``bs_k + (column
+    block) * bs_sj`` (loaded before the MMA is issued): ``BN <= 128`` (dividing 128) has
+    one weight scale, folded into the row scales (no ``[BM, BN]`` scale tile in
+    registers); a multiple of 128 one per 128 columns."""
+    if BN <= 128:
+        s = sa * tl.load(bs_k + ((pid_n * BN) // 128) * bs_sj)
+        return acc + tl.dot(a, b) * s[:, None]
+    sb = tl.load(bs_k + (cols // 128) * bs_sj, mask=cmask, other=1.0)
+    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
+
+
 # --------------------------------------------------------------------------------------
 # Tile schedule
 # --------------------------------------------------------------------------------------
@@ -239,24 +253,21 @@ def _grouped_rows_kernel(
             kb = k0 // BK
             sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
             bs_k = bs_ptr + e64 * bs_se + kb * bs_si
-            if BN <= 128:  # one weight scale per step: folded into the row scales
+            if not RESCALE:
+                acc = fp8_promote(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, BN)
+            elif BN <= 128:  # one weight scale per step: folded into the row scales
                 s = sa * tl.load(bs_k + ((pid_n * BN) // 128) * bs_sj)
-                if RESCALE:  # sa_prev: the last step's row scale times its weight scale
-                    s, ratio = fp8_rescale(sa_prev, s)
-                    acc = tl.dot(a, b, acc * ratio[:, None])
-                    sa_prev = s
-                else:
-                    acc += tl.dot(a, b) * s[:, None]
+                # sa_prev: the last step's row scale times its weight scale
+                s, ratio = fp8_rescale(sa_prev, s)
+                acc = tl.dot(a, b, acc * ratio[:, None])
+                sa_prev = s
             else:  # one weight scale per 128 columns
                 sb = tl.load(bs_k + (cols // 128) * bs_sj, mask=cmask, other=1.0)
-                if RESCALE:
-                    sa, ra = fp8_rescale(sa_prev, sa)
-                    sb, rb = fp8_rescale(sb_prev, sb)
-                    acc = tl.dot(a, b, acc * ra[:, None] * rb[None, :])
-                    sa_prev = sa
-                    sb_prev = sb
-                else:
-                    acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+                sa, ra = fp8_rescale(sa_prev, sa)
+                sb, rb = fp8_rescale(sb_prev, sb)
+                acc = tl.dot(a, b, acc * ra[:, None] * rb[None, :])
+                sa_prev = sa
+                sb_prev = sb
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -268,7 +279,6 @@ def _grouped_rows_kernel(
             acc = acc * sa_prev[:, None] * sb_prev[None, :]
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
-
 
 
 @triton.jit
@@ -311,14 +321,11 @@ def _grouped_rows_fp8_tma_kernel(
         bt = b_desc.load([b_row, b_col + k0])
         kb = k0 // BK
         sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
-        if BN <= 128:  # one weight scale per step: folded into the row scales
-            s = sa * tl.load(bs_e + kb * bs_si + ((pid_n * BN) // 128) * bs_sj)
-            acc += tl.dot(a, tl.trans(bt)) * s[:, None]
-        else:  # one weight scale per 128 columns
-            sb = tl.load(bs_e + kb * bs_si + (cols // 128) * bs_sj, mask=cmask, other=1.0)
-            acc += tl.dot(a, tl.trans(bt)) * sa[:, None] * sb[None, :]
+        acc = fp8_promote(acc, a, tl.trans(bt), sa, bs_e + kb * bs_si, pid_n, cols, cmask,
+                          bs_sj, BN)
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
 
 #: Autotune the GEMMs from this many rows on (tests and small shapes use the heuristic:
 #: one compile per shape instead of one per config).
