@@ -20,6 +20,7 @@ from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import activation as _fwd
 from ..fwd.activation import rows_valid, silu_f32
+from ..fwd.grouped_mm import quantize_grouped_fwd
 from ..utils import cdiv, device_guard, empty, launch, next_power_of_2
 
 BLOCK = 128
@@ -267,8 +268,6 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
     if batch and _fwd.QUANT_BWD_MODE == "two_kernel" and N > 0:
         # dx in x's dtype, then the grouped quantizer (same groups; dx is rounded to x's
         # dtype before it is quantized, so rare elements differ by one e4m3 step).
-        from ..fwd.grouped_mm import quantize_grouped_fwd
-
         dxh, dp = silu_mul_bwd(dy, x, probs, need_dprobs=need_dprobs, counts=counts,
                                align=align)
         q, s, qt, st = quantize_grouped_fwd(dxh, counts, align, columnwise=columnwise,
