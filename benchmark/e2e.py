@@ -59,6 +59,7 @@ import triton  # noqa: E402
 
 import linghe  # noqa: E402
 
+from . import e2e_model  # noqa: E402
 from .e2e_model import (  # noqa: E402
     MODES,
     ByteBatches,
@@ -750,6 +751,9 @@ def parse_args(argv=None):
                    help="auto: the linghe modes train with linghe.optim.AdamW (clipping "
                         "fused), the torch mode with PyTorch's fused AdamW; torch: every mode "
                         "with PyTorch's fused AdamW (the earlier setup)")
+    p.add_argument("--fp8-wgrad", choices=("fp8", "bf16"), default="fp8",
+                   help="the fp8 mode's weight gradients: in FP8 (the recipe's default) or "
+                        "in bf16 (TrainingContext(fp8_wgrad=False))")
     p.add_argument("--top-kernels", type=int, default=10,
                    help="print the N longest kernels of each profiled row (0: none)")
     args = p.parse_args(argv)
@@ -803,13 +807,15 @@ def main(argv=None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = config_from_args(args, device)
+    e2e_model.FP8_WGRAD = args.fp8_wgrad == "fp8"
     env = environment()
     print(f"[e2e] {env['device']}; torch {env['torch']}, triton {env['triton']}")
     if args.train_steps:
         result = loss_curve_job(args, cfg, device)
     else:
         result = throughput_job(args, cfg, device)
-    result.update(env=env, width=args.width, argv=sys.argv[1:] if argv is None else argv)
+    result.update(env=env, width=args.width, fp8_wgrad=args.fp8_wgrad,
+                  argv=sys.argv[1:] if argv is None else argv)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:

@@ -355,10 +355,15 @@ def build_model(cfg: E2EConfig, *, device, dtype=torch.bfloat16, seed: int = 0) 
 # ======================================================================================
 
 
+#: The fp8 mode's weight gradients in FP8 (``True``, the recipe's default) or in bf16
+#: (``benchmark.e2e --fp8-wgrad bf16``).
+FP8_WGRAD = True
+
+
 def fp8_context(mode: str):
     """The context a step of ``mode`` runs in."""
     if mode == "fp8":
-        return linghe.TrainingContext(fp8="blockwise")
+        return linghe.TrainingContext(fp8="blockwise", fp8_wgrad=FP8_WGRAD)
     return contextlib.nullcontext()
 
 

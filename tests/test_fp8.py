@@ -79,6 +79,26 @@ def test_empty_inputs(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (0, 128), (5, 0), (45, 300), (33, 256)])
+def test_dequantize_1x128_rows(device, dtype, shape):
+    """The rowwise dequantization kernel: the reference's fp32 product, rounded once."""
+    from linghe.fp8.quantize import dequantize_1x128_rows
+    from linghe.testing import as_stored
+
+    x = torch.randn(shape, device=device) * 7
+    t = linghe.quantize_1x128(x)
+    out = dequantize_1x128_rows(t.rowwise_data, t.rowwise_scale, dtype)
+    assert out.shape == shape and out.dtype == dtype
+    want = ref.dequantize_1x128(t.rowwise_data, t.rowwise_scale)
+    assert torch.equal(out.float(), as_stored(want, dtype))
+    with pytest.raises(TypeError, match="q must have dtype"):
+        dequantize_1x128_rows(x, t.rowwise_scale)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        dequantize_1x128_rows(t.rowwise_data, torch.ones(shape[0], t.rowwise_scale.shape[1] + 1,
+                                                         device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1), (300, 260), (128, 384), (384, 200)])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_quantize_128x128(device, shape, pow2, dtype):

@@ -248,6 +248,88 @@ def test_grouped_swiglu_fp8_vs_reference(case):
     assert all(c.misses == 1 for c in caches)
 
 
+@pytest.mark.parametrize("case", [([5, 0, 30], 16, 128, 192), ([0, 17, 1], 8, 256, 64),
+                                  ([0, 0], 16, 128, 64)],
+                         ids=lambda c: f"E{len(c[0])}-a{c[1]}-H{c[2]}-I{c[3]}")
+@pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16-rows", "fp8-rows"])
+def test_grouped_swiglu_fp8_high_precision_wgrad(case, fp8_rows):
+    """``fp8_wgrad=False``: the same forward and dgrads as the FP8 wgrad path (bit for
+    bit), and weight gradients that are the high-precision products of the gradients and
+    the FP8 activations the forward multiplied."""
+    counts, align, H, I = case
+    rows, probs, w1, w2, layout, real = _expert_inputs(counts, align, H, I)
+    g = torch.randn(rows.shape[0], H)
+    g[~real] = 0
+    offsets = layout.offsets
+
+    def run(fp8_wgrad):
+        ins = [t.detach().clone().requires_grad_(True) for t in (rows, probs, w1, w2)]
+        r = ins[0]
+        if fp8_rows:
+            r = linghe.quantize_1x128(r, pow2_scale=True)
+            r.requires_grad_(True)
+        out = grouped_swiglu(r, ins[1], ins[2], ins[3], layout, fp8=True, pow2_scale=True,
+                             fp8_wgrad=fp8_wgrad)
+        out.backward(g.to(out.dtype))
+        return out.detach(), [t.grad for t in ins], r.grad if fp8_rows else None
+
+    out8, grads8, rg8 = run(True)
+    out, grads, rg = run(False)
+    assert torch.equal(out, out8)
+    # dgrads: the same FP8 kernels on the same values.
+    if fp8_rows:
+        assert torch.equal(rg, rg8)
+    else:
+        assert torch.equal(grads[0], grads8[0])
+    assert torch.equal(grads[1], grads8[1])
+    # d_down against the float64 product of the gradient and the FP8 SwiGLU output the
+    # forward multiplied (rebuilt from the public kernel-level ops).
+    w1q = linghe.quantize_grouped_weight(w1, pow2_scale=True)
+    h = linghe.grouped_mm_fp8(linghe.quantize_1x128(rows, pow2_scale=True), w1q, layout)
+    a2, _ = linghe.batch_silu_mul_quant(h, probs, layout=layout, pow2_scale=True)
+    w2r = w2.double().requires_grad_(True)
+    (ref.grouped_mm(a2.dequantize(dtype=torch.float64), w2r, offsets) * g.double()).sum() \
+        .backward()
+    assert_close(grads[3], w2r.grad, 0.01, "d_down")
+    # d_gate_up: dh from the FP8 dgrad chain (same as the FP8 path), times the rows.
+    assert_close(grads[2], grads8[2], FP8_VS_EXACT, "d_gate_up vs FP8 wgrad")
+    rgrads = _grads_of(
+        lambda r, p, a, b: ref.grouped_swiglu(r, p, a, b, offsets),
+        (rows.double(), probs.double(), w1.double(), w2.double()), g.double())[1]
+    if real.any():
+        assert_close(grads[2], rgrads[2], FP8_VS_EXACT, "d_gate_up")
+        assert_close(grads[3], rgrads[3], FP8_VS_EXACT, "d_down vs exact")
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.all(grads[2][e] == 0) and torch.all(grads[3][e] == 0)
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+def test_moe_follows_recipe_fp8_wgrad(monkeypatch, fp8_wgrad):
+    """``TrainingContext(fp8_wgrad=...)`` picks the experts' weight-gradient kernels."""
+    from linghe.bwd import grouped_mm as bwd_gm
+
+    calls = {"fp8": 0, "hp": 0}
+    fp8_fn, hp_fn = bwd_gm.grouped_mm_fp8_wgrad, bwd_gm.grouped_mm_wgrad
+
+    def fp8_spy(*a, **k):
+        calls["fp8"] += 1
+        return fp8_fn(*a, **k)
+
+    def hp_spy(*a, **k):
+        calls["hp"] += 1
+        return hp_fn(*a, **k)
+
+    monkeypatch.setattr(bwd_gm, "grouped_mm_fp8_wgrad", fp8_spy)
+    monkeypatch.setattr(bwd_gm, "grouped_mm_wgrad", hp_spy)
+    m = linghe.nn.MoE(128, 4, 2, 64, align=16, dtype=torch.bfloat16)
+    x = torch.randn(9, 128).to(torch.bfloat16)
+    with linghe.TrainingContext(fp8="blockwise", fp8_wgrad=fp8_wgrad):
+        out, _ = m(x)
+    out.float().sum().backward()
+    assert calls == ({"fp8": 2, "hp": 0} if fp8_wgrad else {"fp8": 0, "hp": 2})
+
+
 def test_grouped_swiglu_fp8_rows_and_partial_grads():
     """FP8 rows (quantize_tokens -> permute) and gradients for only some inputs."""
     H, I, E, T, k = 128, 64, 3, 7, 2
@@ -280,11 +362,14 @@ def test_grouped_swiglu_fp8_rows_and_partial_grads():
     assert_close(w1.grad, w1r.grad, FP8_VS_EXACT, "d_gate_up")
 
 
-@pytest.mark.parametrize("T,E,k,I,shared", [(7, 4, 2, 64, 0), (3, 4, 1, 64, 1)])
-def test_moe_fp8_vs_bf16_layer(T, E, k, I, shared):
+@pytest.mark.parametrize("T,E,k,I,shared,fp8_wgrad", [(7, 4, 2, 64, 0, True),
+                                                      (3, 4, 1, 64, 1, True),
+                                                      (7, 4, 2, 64, 1, False)])
+def test_moe_fp8_vs_bf16_layer(T, E, k, I, shared, fp8_wgrad):
     """The FP8 layer (tokens quantized once, FP8 permute, fused FP8 experts) against the
     same layer in bf16: outputs and every gradient within FP8 tolerance; few tokens over
-    many experts leave experts without tokens."""
+    many experts leave experts without tokens. ``fp8_wgrad=False``: the recipe's
+    high-precision weight gradients reach the experts too."""
     m = linghe.nn.MoE(128, E, k, I, num_shared_experts=shared, align=16,
                       dtype=torch.bfloat16)
     m.expert_bias.copy_(torch.randn(E) * 0.1)
@@ -294,7 +379,7 @@ def test_moe_fp8_vs_bf16_layer(T, E, k, I, shared):
     for fp8 in (False, True):
         m.zero_grad()
         xi = x.clone().requires_grad_(True)
-        with linghe.TrainingContext(fp8="blockwise" if fp8 else None):
+        with linghe.TrainingContext(fp8="blockwise" if fp8 else None, fp8_wgrad=fp8_wgrad):
             out, aux = m(xi)
         ((out.float() * g).sum() + aux.z_loss).backward()
         res.append((out, xi.grad, {n: p.grad.clone() for n, p in m.named_parameters()},

@@ -208,6 +208,43 @@ def quantize_1x128_launch(x2: torch.Tensor, rowwise: bool, columnwise: bool,
     return q, s, qt, st
 
 
+@triton.jit
+def _dequantize_1x128_rows_kernel(q_ptr, s_ptr, out_ptr, M, K, stride_qm, stride_sm,
+                                  stride_om, BM: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    pid_k = tl.program_id(1)
+    cols = pid_k * 128 + tl.arange(0, 128)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < K)[None, :]
+    q = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :], mask=mask, other=0.0)
+    s = tl.load(s_ptr + rows * stride_sm + pid_k, mask=rmask, other=1.0)
+    x = q.to(tl.float32) * s[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+             x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_1x128_rows(q: torch.Tensor, scale: torch.Tensor,
+                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rowwise 1x128 dequantization (kernel-level API): ``q [M, K]`` FP8 (last dim
+    contiguous) times ``scale [M, ceil(K/128)]`` float32 -> ``[M, K]`` in ``dtype``,
+    the values :func:`linghe.reference.dequantize_1x128` gives (fp32 product, then one
+    rounding). One read of the FP8 rows and one write: what a bf16 consumer of an FP8
+    activation (e.g. a high-precision weight gradient) needs."""
+    check_tensor("q", q, dtypes=(FP8_DTYPE,), ndim=2, last_dim_contiguous=True)
+    M, K = q.shape
+    check_tensor("scale", scale, dtypes=(torch.float32,), shape=(M, cdiv(K, BLOCK)),
+                 last_dim_contiguous=True)
+    check_kernel_device("q", q)
+    out = empty(M, K, dtype=dtype, device=q.device)
+    if M > 0 and K > 0:
+        BM = 32
+        with device_guard(q):
+            launch(_dequantize_1x128_rows_kernel, (cdiv(M, BM), cdiv(K, BLOCK)),
+                   q, scale, out, M, K, q.stride(0), scale.stride(0), out.stride(0), BM=BM,
+                   num_warps=4)
+    return out
+
+
 def quantize_128x128(w: torch.Tensor, *, columnwise: bool = False,
                      pow2_scale: bool = False) -> Fp8Tensor:
     """Quantize a weight ``w [N, K]`` to FP8 e4m3 in 128x128 blocks.

@@ -32,9 +32,10 @@ import torch
 
 from .. import library
 from ..bwd import grouped_mm as bwd_gm
-from ..bwd.activation import silu_mul_bwd_quant
+from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
+from ..fp8.quantize import dequantize_1x128_rows
 from ..fwd import grouped_mm as fwd_gm
 from ..fwd.activation import batch_silu_mul_quant_fwd
 from ..layout import ExpertLayout
@@ -104,7 +105,7 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
     the columnwise (dgrad) copies of both FP8 weights."""
 
     @staticmethod
-    def forward(ctx, rows, probs, w1, w2, layout, caches, pow2):
+    def forward(ctx, rows, probs, w1, w2, layout, caches, pow2, fp8_wgrad):
         offsets, counts, align = layout.offsets, layout.tokens_per_expert, layout.align
         need_rows = rows.requires_grad
         need_p = probs is not None and probs.requires_grad
@@ -114,13 +115,16 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
         out_dtype = rows.dtype
         if isinstance(rows, Fp8Tensor):
             a1 = rows
-            # FP8 rows: keep the rowwise copy; the backward requantizes it columnwise.
+            # FP8 rows: keep the rowwise copy; the backward requantizes it columnwise
+            # (FP8 wgrad) or dequantizes it (high-precision wgrad).
             a1_saved = _Parts(rows.shape, rows.rowwise_data, rows.rowwise_scale) \
                 if need_w1 else None
         else:
             a1 = _Parts(rows.shape, *fwd_gm.quantize_grouped_fwd(
-                rows, counts, align, rowwise=True, columnwise=need_w1, pow2_scale=pow2))
-            a1_saved = _columnwise(a1) if need_w1 else None
+                rows, counts, align, rowwise=True, columnwise=need_w1 and fp8_wgrad,
+                pow2_scale=pow2))
+            # High-precision wgrad: the rows themselves.
+            a1_saved = (_columnwise(a1) if fp8_wgrad else rows.detach()) if need_w1 else None
         if caches is not None:
             w1q = cached_grouped_weight(caches[0], w1, pow2)
             w2q = cached_grouped_weight(caches[1], w2, pow2)
@@ -129,14 +133,17 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
             w2q = quantize_grouped_weight(w2.detach(), columnwise=need_da, pow2_scale=pow2)
         h = fwd_gm.grouped_mm_fp8_fwd(a1, w1q, offsets, out_dtype=out_dtype)
         q, s, qt, st, _g_off, _seg = batch_silu_mul_quant_fwd(
-            h, probs, counts, align, columnwise=need_w2, pow2_scale=pow2)
+            h, probs, counts, align, columnwise=need_w2 and fp8_wgrad, pow2_scale=pow2)
         a2 = _Parts((h.shape[0], h.shape[1] // 2), q, s, qt, st)
         y = fwd_gm.grouped_mm_fp8_fwd(a2, w2q, offsets, out_dtype=out_dtype)
 
-        ctx.layout, ctx.pow2 = layout, pow2
+        ctx.layout, ctx.pow2, ctx.fp8_wgrad = layout, pow2, fp8_wgrad
         ctx.need = (need_rows, need_p, need_w1, need_w2, need_da)
         ctx.a1 = a1_saved
-        ctx.a2 = _columnwise(a2) if need_w2 else None
+        # High-precision wgrad: the rowwise copy (what the down GEMM multiplied), dequantized
+        # in backward.
+        ctx.a2 = ((_columnwise(a2) if fp8_wgrad else _Parts(a2.shape, q, s))
+                  if need_w2 else None)
         ctx.w1 = _columnwise(w1q) if need_rows else None
         ctx.w2 = _columnwise(w2q) if need_da else None
         ctx.dtypes = (rows.dtype, w1.dtype, w2.dtype)
@@ -145,6 +152,8 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if not ctx.fp8_wgrad:
+            return _GroupedSwiGLUFp8._backward_hp_wgrad(ctx, dy)
         h, probs = ctx.saved_tensors
         layout, pow2 = ctx.layout, ctx.pow2
         need_rows, need_p, need_w1, need_w2, need_da = ctx.need
@@ -175,7 +184,50 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
                 d_w1 = bwd_gm.grouped_mm_fp8_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
                                                    segments=True, align=align)
         ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = None
-        return d_rows, d_p, d_w1, d_w2, None, None, None
+        return d_rows, d_p, d_w1, d_w2, None, None, None, None
+
+    @staticmethod
+    def _backward_hp_wgrad(ctx, dy):
+        """The backward with the weight gradients in high precision (``fp8_wgrad=False``):
+        the dgrads stay FP8 (rowwise copies only), the wgrads are ``grouped_mm_wgrad``
+        (``torch._grouped_mm`` where it applies) of the gradients as they arrive in
+        rows' dtype and the dequantized FP8 activations the forward multiplied. With ~256
+        tokens per expert (256 experts) the FP8 wgrad's short K loop per output tile
+        loses to the bf16 kernel, and no columnwise copy is made on either side."""
+        h, probs = ctx.saved_tensors
+        layout, pow2 = ctx.layout, ctx.pow2
+        need_rows, need_p, need_w1, need_w2, need_da = ctx.need
+        offsets, counts, align = layout.offsets, layout.tokens_per_expert, layout.align
+        x_dtype, w1_dtype, w2_dtype = ctx.dtypes
+        if isinstance(dy, Fp8Tensor):
+            dy = dy.dequantize()
+        dy = dy.contiguous()
+        d_rows = d_p = d_w1 = d_w2 = None
+        if need_w2:
+            a2 = ctx.a2
+            a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
+            d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype)
+            del a2_hp
+        if need_da:
+            dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
+                dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
+            da = bwd_gm.grouped_mm_fp8_dgrad(dyq, ctx.w2, offsets, out_dtype=h.dtype)
+            del dyq
+            dh, d_p = silu_mul_bwd(da, h, probs, need_dprobs=need_p, counts=counts,
+                                   align=align)
+            del da
+            if need_rows:
+                dhq = _Parts(dh.shape, *fwd_gm.quantize_grouped_fwd(
+                    dh, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
+                d_rows = bwd_gm.grouped_mm_fp8_dgrad(dhq, ctx.w1, offsets, out_dtype=x_dtype)
+                del dhq
+            if need_w1:
+                a1 = ctx.a1
+                if isinstance(a1, _Parts):  # FP8 rows: what the gate_up GEMM multiplied
+                    a1 = dequantize_1x128_rows(a1.rowwise_data, a1.rowwise_scale, dh.dtype)
+                d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype)
+        ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = None
+        return d_rows, d_p, d_w1, d_w2, None, None, None, None
 
 
 def _check(rows, probs_rows, gate_up, down, layout, fp8):
@@ -216,7 +268,8 @@ def _check(rows, probs_rows, gate_up, down, layout, fp8):
 def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
                    down: torch.Tensor, layout: ExpertLayout, *, fp8: bool = False,
                    pow2_scale: bool = False,
-                   weight_caches: tuple[WeightCache, WeightCache] | None = None):
+                   weight_caches: tuple[WeightCache, WeightCache] | None = None,
+                   fp8_wgrad: bool = True):
     """SwiGLU experts over rows grouped by expert: ``y_e = (silu(g_e) * u_e * p) @
     down[e]^T`` with ``[g_e, u_e] = rows_e @ gate_up[e]^T``.
 
@@ -239,12 +292,19 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
         weight_caches: with ``fp8``, two :class:`~linghe.fp8.WeightCache` (gate_up,
             down): weights quantized once per version (optimizer step) and reused by
             every micro-batch and its dgrad.
+        fp8_wgrad: with ``fp8``, compute the two weight gradients in FP8 (from columnwise
+            copies made in forward and backward); ``False``: in rows' dtype, from the
+            gradients as they arrive and the dequantized FP8 activations (no columnwise
+            copies; faster with few tokens per expert, see ``benchmark/NOTES.md``). The
+            recipe's ``fp8_wgrad`` (:class:`linghe.TrainingContext`) is what
+            :class:`linghe.nn.MoE` passes.
 
     Returns ``y [R, H]`` in rows' (logical) dtype, zeros on padding and tail rows.
     Gradients: ``rows`` (a plain tensor also for FP8 rows), ``probs_rows`` (float32),
     ``gate_up`` and ``down`` (their dtype; an expert without rows gets zeros). FP8
     saves ``h [R, 2I]`` (rows' dtype), the FP8 columnwise copies of the SwiGLU output and
-    of ``rows`` (or the FP8 rows themselves) and the weights' columnwise copies.
+    of ``rows`` (or the FP8 rows themselves) and the weights' columnwise copies; with
+    ``fp8_wgrad=False`` the SwiGLU output's rowwise copy and ``rows`` instead.
     """
     _check(rows, probs_rows, gate_up, down, layout, fp8)
     if weight_caches is not None:
@@ -261,4 +321,5 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
         return library.grouped_swiglu_fp8(rows, probs_rows, gate_up, down, layout,
                                           bool(pow2_scale))
     return apply_function(_GroupedSwiGLUFp8, rows, probs_rows, gate_up, down, layout,
-                          tuple(weight_caches) if weight_caches else None, bool(pow2_scale))
+                          tuple(weight_caches) if weight_caches else None, bool(pow2_scale),
+                          bool(fp8_wgrad))
