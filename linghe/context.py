@@ -63,7 +63,14 @@ class TrainingContext:
         amax_group: process group over which the delayed recipe reduces amaxes (MAX) once
             per step; ``None``: no reduction (single process).
         history_len, amax_compute (``"max"``/``"most_recent"``), margin: delayed scaling.
-        fp8_wgrad: compute the weight gradient in FP8 (else in the input's precision).
+        fp8_wgrad: compute the weight gradients of ``linghe.nn.Linear`` (and the other
+            dense FP8 layers) in FP8 (else in the input's precision).
+        expert_fp8_wgrad: compute the routed experts' weight gradients
+            (:class:`linghe.nn.MoE`) in FP8; by default they are computed in the input's
+            precision from the gradients as they arrive and the dequantized FP8
+            activations: with few tokens per expert (8192 tokens over 256 experts) the
+            FP8 grouped wgrad's short contraction per output tile loses to the bf16 grouped
+            GEMM, and no columnwise copies are made (``benchmark/NOTES.md``).
 
     Use::
 
@@ -84,12 +91,13 @@ class TrainingContext:
 
     def __init__(self, fp8: str | None = None, *, pow2_scale: bool = True, amax_group=None,
                  history_len: int = 16, amax_compute: str = "max", margin: float = 0,
-                 fp8_wgrad: bool = True):
+                 fp8_wgrad: bool = True, expert_fp8_wgrad: bool = False):
         if fp8 is not None and not isinstance(fp8, str):
             raise ValueError(f"fp8 must be None or one of {RECIPES}, got {fp8!r}")
         self.recipe: Fp8Recipe | None = None
         if fp8 is not None:
             self.recipe = Fp8Recipe(fp8, pow2_scale=pow2_scale, fp8_wgrad=fp8_wgrad,
+                                    expert_fp8_wgrad=expert_fp8_wgrad,
                                     history_len=history_len, amax_compute=amax_compute,
                                     margin=margin, amax_group=amax_group)
         self._token: contextvars.Token | None = None

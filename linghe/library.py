@@ -1565,9 +1565,9 @@ def grouped_swiglu_fp8(rows, probs_rows: Tensor | None, gate_up: Tensor, down: T
     a documented fallback to the unfused FP8 path, ``grouped_mm(fp8) -> silu_mul ->
     grouped_mm(fp8)`` (the same FP8 GEMMs; the SwiGLU output and the gradients are
     quantized in plain 1x128 groups by the GEMM ops instead of by the kernels that produce
-    them, so the values differ from eager within FP8 rounding). FP8 ``rows`` are
-    dequantized first (their gradient flows straight through). The fused autograd node is
-    not registered yet."""
+    them, so the values differ from eager within FP8 rounding, and the weight gradients
+    are FP8 whatever ``fp8_wgrad`` says). FP8 ``rows`` are dequantized first (their
+    gradient flows straight through). The fused autograd node is not registered yet."""
     if isinstance(rows, Fp8Tensor):
         rows = rows.dequantize()
     backend = "triton"

@@ -99,6 +99,7 @@ def test_recipe_formats():
     (dict(fp8="delayed", margin=-1), "margin must be a number >= 0"),
     (dict(fp8="blockwise", pow2_scale="yes"), "pow2_scale must be a bool"),
     (dict(fp8="blockwise", fp8_wgrad=1), "fp8_wgrad must be a bool"),
+    (dict(fp8="blockwise", expert_fp8_wgrad=None), "expert_fp8_wgrad must be a bool"),
     (dict(fp8="blockwise", amax_group=object()), "amax_group is used only by"),
 ])
 def test_bad_options(kwargs, match):

@@ -218,7 +218,8 @@ def _grads_of(fn, inputs, g):
 @pytest.mark.parametrize("case", [([5, 0, 30], 16, 128, 192), ([0, 17, 1], 8, 256, 64),
                                   ([0, 0], 16, 128, 64)],
                          ids=lambda c: f"E{len(c[0])}-a{c[1]}-H{c[2]}-I{c[3]}")
-def test_grouped_swiglu_fp8_vs_reference(case):
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8-wgrad", "bf16-wgrad"])
+def test_grouped_swiglu_fp8_vs_reference(case, fp8_wgrad):
     counts, align, H, I = case
     rows, probs, w1, w2, layout, real = _expert_inputs(counts, align, H, I)
     g = torch.randn(rows.shape[0], H)
@@ -226,7 +227,8 @@ def test_grouped_swiglu_fp8_vs_reference(case):
     caches = (linghe.fp8.WeightCache(), linghe.fp8.WeightCache())
     out, grads = _grads_of(
         lambda r, p, a, b: grouped_swiglu(r, p, a, b, layout, fp8=True, pow2_scale=True,
-                                          weight_caches=caches), (rows, probs, w1, w2), g)
+                                          weight_caches=caches, fp8_wgrad=fp8_wgrad),
+        (rows, probs, w1, w2), g)
     rout, rgrads = _grads_of(
         lambda r, p, a, b: ref.grouped_swiglu(r, p, a, b, layout.offsets),
         (rows.double(), probs.double(), w1.double(), w2.double()), g.double())
@@ -305,8 +307,9 @@ def test_grouped_swiglu_fp8_high_precision_wgrad(case, fp8_rows):
 
 
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
-def test_moe_follows_recipe_fp8_wgrad(monkeypatch, fp8_wgrad):
-    """``TrainingContext(fp8_wgrad=...)`` picks the experts' weight-gradient kernels."""
+def test_moe_follows_recipe_expert_fp8_wgrad(monkeypatch, fp8_wgrad):
+    """``TrainingContext(expert_fp8_wgrad=...)`` picks the experts' weight-gradient
+    kernels (the dense layers' ``fp8_wgrad`` does not)."""
     from linghe.bwd import grouped_mm as bwd_gm
 
     calls = {"fp8": 0, "hp": 0}
@@ -324,7 +327,8 @@ def test_moe_follows_recipe_fp8_wgrad(monkeypatch, fp8_wgrad):
     monkeypatch.setattr(bwd_gm, "grouped_mm_wgrad", hp_spy)
     m = linghe.nn.MoE(128, 4, 2, 64, align=16, dtype=torch.bfloat16)
     x = torch.randn(9, 128).to(torch.bfloat16)
-    with linghe.TrainingContext(fp8="blockwise", fp8_wgrad=fp8_wgrad):
+    with linghe.TrainingContext(fp8="blockwise", fp8_wgrad=not fp8_wgrad,
+                                expert_fp8_wgrad=fp8_wgrad):
         out, _ = m(x)
     out.float().sum().backward()
     assert calls == ({"fp8": 2, "hp": 0} if fp8_wgrad else {"fp8": 0, "hp": 2})
@@ -368,8 +372,8 @@ def test_grouped_swiglu_fp8_rows_and_partial_grads():
 def test_moe_fp8_vs_bf16_layer(T, E, k, I, shared, fp8_wgrad):
     """The FP8 layer (tokens quantized once, FP8 permute, fused FP8 experts) against the
     same layer in bf16: outputs and every gradient within FP8 tolerance; few tokens over
-    many experts leave experts without tokens. ``fp8_wgrad=False``: the recipe's
-    high-precision weight gradients reach the experts too."""
+    many experts leave experts without tokens; the experts' weight gradients in FP8 or
+    (the default) in bf16."""
     m = linghe.nn.MoE(128, E, k, I, num_shared_experts=shared, align=16,
                       dtype=torch.bfloat16)
     m.expert_bias.copy_(torch.randn(E) * 0.1)
@@ -379,7 +383,8 @@ def test_moe_fp8_vs_bf16_layer(T, E, k, I, shared, fp8_wgrad):
     for fp8 in (False, True):
         m.zero_grad()
         xi = x.clone().requires_grad_(True)
-        with linghe.TrainingContext(fp8="blockwise" if fp8 else None, fp8_wgrad=fp8_wgrad):
+        with linghe.TrainingContext(fp8="blockwise" if fp8 else None,
+                                    expert_fp8_wgrad=fp8_wgrad):
             out, aux = m(xi)
         ((out.float() * g).sum() + aux.z_loss).backward()
         res.append((out, xi.grad, {n: p.grad.clone() for n, p in m.named_parameters()},
@@ -427,7 +432,8 @@ def test_grouped_swiglu_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.fp8_autotune()
-def test_grouped_swiglu_fp8_standard_shape_gpu():
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8-wgrad", "bf16-wgrad"])
+def test_grouped_swiglu_fp8_standard_shape_gpu(fp8_wgrad):
     """The FP8 expert FFN at the EP-8 shape (32 experts, 65536 routed rows, H 2048,
     I 1024, align 16; the autotuned GEMMs) against float32 math on the same bf16 inputs."""
     torch.manual_seed(0)
@@ -447,7 +453,8 @@ def test_grouped_swiglu_fp8_standard_shape_gpu():
     caches = (linghe.fp8.WeightCache(), linghe.fp8.WeightCache())
     out, grads = _grads_of(
         lambda r, p, a, b: grouped_swiglu(r, p, a, b, layout, fp8=True, pow2_scale=True,
-                                          weight_caches=caches), (rows, probs, w1, w2), g)
+                                          weight_caches=caches, fp8_wgrad=fp8_wgrad),
+        (rows, probs, w1, w2), g)
     rout, rgrads = _grads_of(
         lambda r, p, a, b: ref.grouped_swiglu(r, p, a, b, layout.offsets),
         (rows.float(), probs, w1.float(), w2.float()), g)

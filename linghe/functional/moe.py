@@ -191,7 +191,8 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
         """The backward with the weight gradients in high precision (``fp8_wgrad=False``):
         the dgrads stay FP8 (rowwise copies only), the wgrads are ``grouped_mm_wgrad``
         (``torch._grouped_mm`` where it applies) of the gradients as they arrive in
-        rows' dtype and the dequantized FP8 activations the forward multiplied. With ~256
+        rows' dtype and the activations: the SwiGLU output the down GEMM multiplied
+        (dequantized) and the rows (FP8 rows dequantized). With ~256
         tokens per expert (256 experts) the FP8 wgrad's short K loop per output tile
         loses to the bf16 kernel, and no columnwise copy is made on either side."""
         h, probs = ctx.saved_tensors
@@ -269,7 +270,7 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
                    down: torch.Tensor, layout: ExpertLayout, *, fp8: bool = False,
                    pow2_scale: bool = False,
                    weight_caches: tuple[WeightCache, WeightCache] | None = None,
-                   fp8_wgrad: bool = True):
+                   fp8_wgrad: bool = False):
     """SwiGLU experts over rows grouped by expert: ``y_e = (silu(g_e) * u_e * p) @
     down[e]^T`` with ``[g_e, u_e] = rows_e @ gate_up[e]^T``.
 
@@ -293,11 +294,11 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
             down): weights quantized once per version (optimizer step) and reused by
             every micro-batch and its dgrad.
         fp8_wgrad: with ``fp8``, compute the two weight gradients in FP8 (from columnwise
-            copies made in forward and backward); ``False``: in rows' dtype, from the
-            gradients as they arrive and the dequantized FP8 activations (no columnwise
-            copies; faster with few tokens per expert, see ``benchmark/NOTES.md``). The
-            recipe's ``fp8_wgrad`` (:class:`linghe.TrainingContext`) is what
-            :class:`linghe.nn.MoE` passes.
+            copies made in forward and backward); ``False`` (default): in rows' dtype,
+            from the gradients as they arrive and the dequantized FP8 activations (no
+            columnwise copies; faster on an H100 at 32 and at 256 experts, see
+            ``benchmark/NOTES.md``). :class:`linghe.nn.MoE` passes the recipe's
+            ``expert_fp8_wgrad`` (:class:`linghe.TrainingContext`).
 
     Returns ``y [R, H]`` in rows' (logical) dtype, zeros on padding and tail rows.
     Gradients: ``rows`` (a plain tensor also for FP8 rows), ``probs_rows`` (float32),

@@ -231,7 +231,7 @@ class MoE(nn.Module):
         caches = self._fp8_weight_caches
         y = grouped_swiglu(rows, prow, w1, w2, handle.layout, fp8=fp8, pow2_scale=pow2,
                            weight_caches=(caches["experts_gate_up"], caches["experts_down"]),
-                           fp8_wgrad=not fp8 or recipe.fp8_wgrad)
+                           fp8_wgrad=fp8 and recipe.expert_fp8_wgrad)
         out = self.dispatcher.combine(y, handle)
         if self.shared_experts is not None:
             out = out + (shared if shared is not None else self.shared_experts(x2))
