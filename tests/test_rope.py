@@ -88,23 +88,31 @@ def test_qk_norm_rope_head_shapes(device, H, Hkv, D, R):
                         interleaved=True, norm="both", packed=False, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_qk_norm_rope_many_tokens(device, monkeypatch, persistent):
-    # More tokens than persistent programs: each program loops over tokens (forward: both
-    # the per-token and the persistent kernel).
+@pytest.mark.parametrize("tokens,programs", [(1, 1), (4, 1), (2, 2)])
+def test_qk_norm_rope_many_tokens(device, monkeypatch, tokens, programs):
+    # More token blocks than persistent backward programs: each program loops over them;
+    # 87 tokens are not a multiple of the token block (masked tail).
+    from linghe.bwd import rope as bwd_rope
     from linghe.fwd import rope as fwd_rope
 
-    monkeypatch.setattr(fwd_rope, "FWD_PERSISTENT", persistent)
-    monkeypatch.setattr(fwd_rope, "FWD_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(fwd_rope, "FWD_TOKENS", tokens)
+    monkeypatch.setattr(fwd_rope, "BWD_TOKENS", tokens)
+    monkeypatch.setattr(bwd_rope, "PROGRAMS_PER_SM", programs)
     _check_qk_norm_rope(device, B=3, S=29, H=2, Hkv=1, D=4, R=2, layout="sbh",
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_qk_norm_rope_several_head_blocks(device, interleaved):
-    # head_dim 256 caps a head tile at 16 heads: 17 q heads take two blocks.
-    _check_qk_norm_rope(device, B=1, S=2, H=17, Hkv=1, D=256, R=128, layout="bsh",
-                        interleaved=interleaved, norm="both", packed=False,
+@pytest.mark.parametrize("norm", ["both", "k"])
+def test_qk_norm_rope_several_head_blocks(device, monkeypatch, interleaved, norm):
+    # A tile cap of 4096 elements at head_dim 256 caps a head tile at 16 heads: 17 q heads
+    # take two blocks, 2 kv heads one (the head-block loops of both kernels).
+    from linghe.fwd import rope as fwd_rope
+
+    monkeypatch.setattr(fwd_rope, "TILE_CAP", 4096)
+    monkeypatch.setattr(fwd_rope, "FWD_TOKENS", 2)
+    _check_qk_norm_rope(device, B=1, S=3, H=17, Hkv=1, D=256, R=128, layout="bsh",
+                        interleaved=interleaved, norm=norm, packed=False,
                         dtype=torch.float32)
 
 

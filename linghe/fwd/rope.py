@@ -1,7 +1,8 @@
 """Forward kernels: split + qk-norm + rotate-half RoPE + transpose, and HF-layout RoPE.
 
-Shared in-kernel helpers (``rope_tables``, ``head_columns``, ``reduce_angle``) are also
-used by :mod:`linghe.bwd.rope`.
+The qk_norm_rope helpers (``token_block``, ``rope_cos_sin``, ``heads_at``, ``load_pieces``,
+``store_pieces``, ``load_weight_pieces``, ``rope_config``) are shared with
+:mod:`linghe.bwd.rope`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..bwd.resident import learn_resident, resident_programs
-from ..utils import device_guard, empty, launch, next_power_of_2, num_sms
+from ..utils import device_guard, empty, launch, next_power_of_2
 
 
 @triton.jit
@@ -26,36 +26,11 @@ def reduce_angle(a):
 
 
 @triton.jit
-def rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D: tl.constexpr):
-    """Per-dim RoPE factors for one position (fp32 ``[BLOCK_D]``), ``HALF = R/2``.
-
-    Returns ``(cos, sin_s)``: ``cos`` (1 outside the rotary dims) and ``sin`` signed so
-    that ``y = x*cos + x[partner]*sin_s`` (``-sin`` in the first half, ``+sin`` in the
-    second, 0 outside), ``partner`` being ``i + R/2`` in the first half, ``i - R/2`` in
-    the second (:func:`load_partner`). A position outside ``[0, NPOS)`` reads nothing and
-    gets angle 0 (no rotation).
-    """
-    d = tl.arange(0, BLOCK_D)
-    first = d < HALF
-    rot = d < R
-    fi = tl.where(first, d, d - HALF)
-    pv = pos + tl.zeros([BLOCK_D], dtype=tl.int64)
-    ok = rot & (pv >= 0) & (pv < NPOS)
-    ang = tl.load(freqs_ptr + pv * HALF + fi, mask=ok, other=0.0).to(tl.float32)
-    ang = reduce_angle(ang)
-    cos = tl.where(rot, tl.cos(ang), 1.0)
-    sin = tl.sin(ang)
-    sin_s = tl.where(first, -sin, tl.where(rot, sin, 0.0))
-    return cos, sin_s
-
-
-@triton.jit
 def load_partner(ptr, d, HALF, R, mask):
     """``x[partner(d)]`` in ``ptr``'s dtype for rows at ``ptr`` (``d`` broadcast against
     ``ptr``): ``x[d + HALF]`` for ``d < HALF``, ``x[d - HALF]`` for ``HALF <= d < R``, 0
     beyond. Two loads with affine (vectorizable) offsets instead of a gather; they hit L1.
-    Kept in the narrow dtype (fewer registers while it waits, e.g. across the backward's
-    prefetch); float32 math promotes it exactly."""
+    Used by the HF-layout kernel (whose rotary part is the whole head)."""
     first = d < HALF
     second = (d >= HALF) & (d < R)
     a = tl.load(ptr + (d + HALF), mask=mask & first, other=0.0)
@@ -84,187 +59,269 @@ def head_columns(h, H, HKV, G, KIND: tl.constexpr, INTERLEAVED: tl.constexpr):
     return col
 
 
+# --------------------------------------------------------------------------------------
+# qk_norm_rope: tiles are 4-D [chunks, tokens, heads, BLOCK_HALF]. A head's rotary part is
+# one tile of two chunks ``x12[j, ..., i] = x[j*R/2 + i]`` (the rotation pairs chunk 0 with
+# chunk 1: its partner tile is ``tl.flip`` along the chunk axis, a register/lane swap, no
+# re-load and no gather); the rest ``x3[c, ..., i] = x[R + c*R/2 + i]`` is a tile of the
+# same shape when ``D - R == R`` (the standard half RoPE), so every tile of a kind shares
+# one register layout (no layout conversions through shared memory). The chunk axis comes
+# first so that Triton's layouts put it on lanes of a warp (flip = one shuffle; per-head
+# sums stay within a warp), warps going to tokens and heads.
+# --------------------------------------------------------------------------------------
+
+
 @triton.jit
-def load_norm_weight(w_ptr, D, HALF, R, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``(w, w[partner])`` as fp32 ``[BLOCK_D]`` (ones when there is no norm)."""
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
+def token_block(t0, T, S, BLOCK_T: tl.constexpr):
+    """Tokens ``t0 .. t0+BLOCK_T`` (int64, output order ``t = b*S + s``): ``(t, live, b,
+    s)`` as ``[BLOCK_T]`` vectors."""
+    t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    live = t < T
+    b = t // S
+    return t, live, b, t - b * S
+
+
+@triton.jit
+def cos_sin(a):
+    """``(cos(a), sin(a))`` in fp32 for any angle: Cody-Waite reduction to ``[-pi, pi]``,
+    then Taylor polynomials of the half angle (``|a/2| <= pi/2``: truncation under 6e-8)
+    and the double-angle formulas. About 20 FMA-class instructions for both, a fraction of
+    two libdevice calls; absolute error about 3e-7 (reduction + libdevice: about 2e-7)."""
+    h = reduce_angle(a) * 0.5
+    x2 = h * h
+    s = 1.0 / 39916800.0
+    s = s * x2 - 1.0 / 362880.0
+    s = s * x2 + 1.0 / 5040.0
+    s = s * x2 - 1.0 / 120.0
+    s = s * x2 + 1.0 / 6.0
+    s = h - h * x2 * s  # sin(h)
+    c = 1.0 / 479001600.0
+    c = c * x2 - 1.0 / 3628800.0
+    c = c * x2 + 1.0 / 40320.0
+    c = c * x2 - 1.0 / 720.0
+    c = c * x2 + 1.0 / 24.0
+    c = c * x2 - 0.5
+    c = c * x2 + 1.0  # cos(h)
+    return (c - s) * (c + s), 2.0 * s * c
+
+
+@triton.jit
+def rope_cos_sin(freqs_ptr, pos_ptr, t0, T, S, NPOS, HALF, HAS_POS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """``(cos [1,BT,1,BLOCK_HALF], sin_s [2,BT,1,BLOCK_HALF])`` fp32 of the angles
+    ``freqs[pos]`` of tokens ``t0 ..``, ``sin_s`` signed for the chunk (``-sin`` for chunk
+    0, ``+sin`` for chunk 1) so that ``y12 = x12*cos + flip(x12)*sin_s``. A position
+    outside ``[0, NPOS)`` reads nothing and gets angle 0 (no rotation). Computed once per
+    (token, i) in a compact 1-D layout (one value per thread), then broadcast: the tiles'
+    layouts hold up to 8 columns per thread, and evaluating sin/cos there would repeat
+    them per thread (several times the kernel's other arithmetic)."""
+    k = tl.arange(0, BLOCK_T * BLOCK_HALF)
+    i = k % BLOCK_HALF
+    t = t0 + k // BLOCK_HALF
+    live = t < T
+    if HAS_POS:
+        p = tl.load(pos_ptr + t, mask=live, other=0).to(tl.int64)
+    else:
+        p = t - (t // S) * S
+    ok = live & (p >= 0) & (p < NPOS) & (i < HALF)
+    cos, sin = cos_sin(tl.load(freqs_ptr + p * HALF + i, mask=ok, other=0.0))
+    cos = tl.reshape(cos, [BLOCK_T, BLOCK_HALF])[None, :, None, :]
+    sin = tl.reshape(sin, [BLOCK_T, BLOCK_HALF])[None, :, None, :]
+    j = tl.arange(0, 2)[:, None, None, None]
+    return cos, tl.where(j == 0, -sin, sin)
+
+
+@triton.jit
+def load_pieces(src, m, HALF, R, D, HAS_REST: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                BLOCK_NR: tl.constexpr):
+    """``(x12 [2,BT,BH,BLOCK_HALF], x3 [BLOCK_NR,BT,BH,BLOCK_HALF])`` of the heads starting
+    at the element pointers ``src [1,BT,BH,1]`` (``m`` their mask), in the pointer's dtype;
+    ``x3`` is ``x12`` when there is no non-rotary part."""
+    i = tl.arange(0, BLOCK_HALF)[None, None, None, :]
+    j = tl.arange(0, 2)[:, None, None, None]
+    mi = m & (i < HALF)
+    x12 = tl.load(src + (j * HALF + i), mask=mi, other=0.0)
+    if HAS_REST:
+        c = tl.arange(0, BLOCK_NR)[:, None, None, None] * HALF + i
+        x3 = tl.load(src + R + c, mask=mi & (c < D - R), other=0.0)
+    else:
+        x3 = x12
+    return x12, x3
+
+
+@triton.jit
+def store_pieces(dst, m, y12, y3, HALF, R, D, HAS_REST: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
+    """Store the pieces of heads starting at ``dst [1,BT,BH,1]`` (``m`` their mask)."""
+    i = tl.arange(0, BLOCK_HALF)[None, None, None, :]
+    j = tl.arange(0, 2)[:, None, None, None]
+    mi = m & (i < HALF)
+    ty = dst.dtype.element_ty
+    tl.store(dst + (j * HALF + i), y12.to(ty), mask=mi)
+    if HAS_REST:
+        c = tl.arange(0, BLOCK_NR)[:, None, None, None] * HALF + i
+        tl.store(dst + R + c, y3.to(ty), mask=mi & (c < D - R))
+
+
+@triton.jit
+def load_weight_pieces(w_ptr, HALF, R, D, NORM: tl.constexpr, HAS_REST: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
+    """The norm weight's pieces ``(w12 [2,1,1,BLOCK_HALF], w3 [BLOCK_NR,1,1,BLOCK_HALF])``
+    in fp32 (ones without norm)."""
+    i = tl.arange(0, BLOCK_HALF)[None, None, None, :]
+    j = tl.arange(0, 2)[:, None, None, None]
+    c = tl.arange(0, BLOCK_NR)[:, None, None, None] * HALF + i
     if NORM:
-        w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-        wp = load_partner(w_ptr, d, HALF, R, dmask)
+        w12 = tl.load(w_ptr + (j * HALF + i), mask=i < HALF, other=0.0).to(tl.float32)
+        if HAS_REST:
+            w3 = tl.load(w_ptr + R + c, mask=(i < HALF) & (c < D - R),
+                         other=0.0).to(tl.float32)
+        else:
+            w3 = w12
     else:
-        w = tl.full([BLOCK_D], 1.0, tl.float32)
-        wp = w
-    return w, wp
+        w12 = tl.full([2, 1, 1, BLOCK_HALF], 1.0, tl.float32)
+        w3 = tl.full([BLOCK_NR, 1, 1, BLOCK_HALF], 1.0, tl.float32)
+    return w12, w3
 
 
 @triton.jit
-def load_heads(in_row, h0, NH, H, HKV, G, D, HALF, R, KIND: tl.constexpr,
-               INTERLEAVED: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """Heads ``h0 .. h0+BLOCK_H`` of one kind of one token of the fused projection.
-    Returns ``(x [BLOCK_H, BLOCK_D] and x[partner] in the input dtype (x when not ROPE), h,
-    col offsets, mask)``."""
-    d = tl.arange(0, BLOCK_D)
+def heads_at(h0, NH, H, HKV, G, D, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
+             BLOCK_H: tl.constexpr):
+    """``(h, hmask, col)`` as ``[1,1,BH,1]``: head ids ``h0 .. h0+BLOCK_H`` of one kind,
+    their mask and their first element's column in the fused projection (int64)."""
     h = h0 + tl.arange(0, BLOCK_H)
-    mask = (h < NH)[:, None] & (d < D)[None, :]
-    col = head_columns(h, H, HKV, G, KIND, INTERLEAVED) * D
-    src = in_row + col[:, None]
-    x = tl.load(src + d[None, :], mask=mask, other=0.0)
-    if ROPE:
-        xp = load_partner(src, d[None, :], HALF, R, mask)
-    else:
-        xp = x
-    return x, xp, h, col, mask
+    col = head_columns(h, H, HKV, G, KIND, INTERLEAVED).to(tl.int64) * D
+    return h[None, None, :, None], (h < NH)[None, None, :, None], col[None, None, :, None]
 
 
 @triton.jit
-def finish_heads_fwd(x, xp, h, mask, out_row, w, wp, D, eps, cos, sin_s,
-                     NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(norm), (rope) and store heads ``h`` of one token contiguously at ``out_row``."""
-    d = tl.arange(0, BLOCK_D)
-    if ROPE:
-        y = x.to(tl.float32)
-        if NORM:
-            rstd = tl.math.rsqrt(tl.sum(y * y, axis=1) / D + eps)
-            y = y * rstd[:, None] * w[None, :]
-            xp = xp * rstd[:, None] * wp[None, :]
-        y = y * cos[None, :] + xp * sin_s[None, :]
-    else:
-        y = x
-    tl.store(out_row + h[:, None] * D + d[None, :], y.to(out_row.dtype.element_ty), mask=mask)
+def sum_sq(x12, x3, HAS_REST: tl.constexpr):
+    """Per-head sum of squares ``[BT, BH]`` (fp32 tiles)."""
+    ss = tl.sum(tl.sum(x12 * x12, axis=3), axis=0)
+    if HAS_REST:
+        ss += tl.sum(tl.sum(x3 * x3, axis=3), axis=0)
+    return ss
 
 
 @triton.jit
-def _qkv_part_fwd(in_row, out_row, w_ptr, NH, H, HKV, G, D, HALF, R, eps, cos, sin_s,
-                  KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                  ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One token's heads of one kind, in head blocks: load, (norm), (rope), store."""
-    w, wp = load_norm_weight(w_ptr, D, HALF, R, NORM, BLOCK_D)
-    for h0 in range(0, NH, BLOCK_H):
-        x, xp, h, col, mask = load_heads(in_row, h0, NH, H, HKV, G, D, HALF, R, KIND,
-                                         INTERLEAVED, ROPE, BLOCK_H, BLOCK_D)
-        finish_heads_fwd(x, xp, h, mask, out_row, w, wp, D, eps, cos, sin_s, NORM, ROPE,
-                         BLOCK_D)
+def rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM: tl.constexpr,
+                  HAS_REST: tl.constexpr):
+    """(RMSNorm), then rotate-half RoPE: fp32 ``(y12, y3)``."""
+    a = x12.to(tl.float32)
+    c = x3.to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt(sum_sq(a, c, HAS_REST) / D + eps)[None, :, :, None]
+        a = a * rstd * w12
+        c = c * rstd * w3
+    return a * cos + tl.flip(a, 0) * sin_s, c
 
 
 @triton.jit
 def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
-                             v_ptr, S, H, HKV, D, HALF, R, NPOS, stride_b, stride_s, eps,
+                             v_ptr, T, S, H, HKV, D, HALF, R, NPOS, stride_b, stride_s, eps,
                              INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
                              NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
-                             ONE_BLOCK: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                             BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)  # token in output order: t = b * S + s
-    b = t // S
-    s = t - b * S
+                             HAS_REST: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                             BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                             BLOCK_NR: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``BLOCK_T`` tokens per program, all heads of each kind in one tile (``ONE_BLOCK``:
+    every load is issued before any math) or in head blocks."""
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     G = H // HKV
-    in_row = qkv_ptr + b * stride_b + s * stride_s
-    q_row, k_row, v_row = q_ptr + t * H * D, k_ptr + t * HKV * D, v_ptr + t * HKV * D
+    t, live, b, s = token_block(t0, T, S, BLOCK_T)
+    row = qkv_ptr + (b * stride_b + s * stride_s)[None, :, None, None]
+    live4 = live[None, :, None, None]
+    t4 = t[None, :, None, None]
+    dd = tl.arange(0, BLOCK_D)[None, None, None, :]
     if ONE_BLOCK:
-        # Every head fits one tile per kind: issue all loads before any math.
-        xq, xqp, hq, _, mq = load_heads(in_row, 0, H, H, HKV, G, D, HALF, R, 0, INTERLEAVED,
-                                        True, BLOCK_HQ, BLOCK_D)
-        xk, xkp, hk, _, mk = load_heads(in_row, 0, HKV, H, HKV, G, D, HALF, R, 1,
-                                        INTERLEAVED, True, BLOCK_HK, BLOCK_D)
-        xv, _, hv, _, mv = load_heads(in_row, 0, HKV, H, HKV, G, D, HALF, R, 2, INTERLEAVED,
-                                      False, BLOCK_HK, BLOCK_D)
-    if HAS_POS:
-        pos = tl.load(pos_ptr + t).to(tl.int64)
+        hq, mq, cq = heads_at(0, H, H, HKV, G, D, 0, INTERLEAVED, BLOCK_HQ)
+        hk, mk, ck = heads_at(0, HKV, H, HKV, G, D, 1, INTERLEAVED, BLOCK_HK)
+        hv, mv, cv = heads_at(0, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
+        mq = mq & live4
+        mk = mk & live4
+        mv = mv & live4 & (dd < D)
+        xq12, xq3 = load_pieces(row + cq, mq, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
+        xk12, xk3 = load_pieces(row + ck, mk, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
+        xv = tl.load(row + cv + dd, mask=mv, other=0.0)
+        tl.store(v_ptr + (t4 * HKV + hv) * D + dd, xv, mask=mv)
+        cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t0, T, S, NPOS, HALF, HAS_POS, BLOCK_T,
+                                  BLOCK_HALF)
+        w12, w3 = load_weight_pieces(qw_ptr, HALF, R, D, NORM_Q, HAS_REST, BLOCK_HALF,
+                                     BLOCK_NR)
+        y12, y3 = rope_norm_fwd(xq12, xq3, w12, w3, cos, sin_s, D, eps, NORM_Q, HAS_REST)
+        store_pieces(q_ptr + (t4 * H + hq) * D, mq, y12, y3, HALF, R, D, HAS_REST,
+                     BLOCK_HALF, BLOCK_NR)
+        w12, w3 = load_weight_pieces(kw_ptr, HALF, R, D, NORM_K, HAS_REST, BLOCK_HALF,
+                                     BLOCK_NR)
+        y12, y3 = rope_norm_fwd(xk12, xk3, w12, w3, cos, sin_s, D, eps, NORM_K, HAS_REST)
+        store_pieces(k_ptr + (t4 * HKV + hk) * D, mk, y12, y3, HALF, R, D, HAS_REST,
+                     BLOCK_HALF, BLOCK_NR)
     else:
-        pos = s
-    cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D)
-    if ONE_BLOCK:
-        wq, wqp = load_norm_weight(qw_ptr, D, HALF, R, NORM_Q, BLOCK_D)
-        wk, wkp = load_norm_weight(kw_ptr, D, HALF, R, NORM_K, BLOCK_D)
-        finish_heads_fwd(xv, xv, hv, mv, v_row, wk, wkp, D, eps, cos, sin_s, False, False,
-                         BLOCK_D)
-        finish_heads_fwd(xq, xqp, hq, mq, q_row, wq, wqp, D, eps, cos, sin_s, NORM_Q, True,
-                         BLOCK_D)
-        finish_heads_fwd(xk, xkp, hk, mk, k_row, wk, wkp, D, eps, cos, sin_s, NORM_K, True,
-                         BLOCK_D)
-    else:
-        _qkv_part_fwd(in_row, q_row, qw_ptr, H, H, HKV, G, D, HALF, R, eps, cos, sin_s, 0,
-                      INTERLEAVED, NORM_Q, True, BLOCK_HQ, BLOCK_D)
-        _qkv_part_fwd(in_row, k_row, kw_ptr, HKV, H, HKV, G, D, HALF, R, eps, cos, sin_s, 1,
-                      INTERLEAVED, NORM_K, True, BLOCK_HK, BLOCK_D)
-        _qkv_part_fwd(in_row, v_row, kw_ptr, HKV, H, HKV, G, D, HALF, R, eps, cos, sin_s, 2,
-                      INTERLEAVED, False, False, BLOCK_HK, BLOCK_D)
+        cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t0, T, S, NPOS, HALF, HAS_POS, BLOCK_T,
+                                  BLOCK_HALF)
+        w12, w3 = load_weight_pieces(qw_ptr, HALF, R, D, NORM_Q, HAS_REST, BLOCK_HALF,
+                                     BLOCK_NR)
+        for h0 in range(0, H, BLOCK_HQ):
+            hq, mq, cq = heads_at(h0, H, H, HKV, G, D, 0, INTERLEAVED, BLOCK_HQ)
+            mq = mq & live4
+            x12, x3 = load_pieces(row + cq, mq, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
+            y12, y3 = rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM_Q, HAS_REST)
+            store_pieces(q_ptr + (t4 * H + hq) * D, mq, y12, y3, HALF, R, D, HAS_REST,
+                         BLOCK_HALF, BLOCK_NR)
+        w12, w3 = load_weight_pieces(kw_ptr, HALF, R, D, NORM_K, HAS_REST, BLOCK_HALF,
+                                     BLOCK_NR)
+        for h0 in range(0, HKV, BLOCK_HK):
+            hk, mk, ck = heads_at(h0, HKV, H, HKV, G, D, 1, INTERLEAVED, BLOCK_HK)
+            mk = mk & live4
+            x12, x3 = load_pieces(row + ck, mk, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
+            y12, y3 = rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM_K, HAS_REST)
+            store_pieces(k_ptr + (t4 * HKV + hk) * D, mk, y12, y3, HALF, R, D, HAS_REST,
+                         BLOCK_HALF, BLOCK_NR)
+            hv, mv, cv = heads_at(h0, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
+            mv = mv & live4 & (dd < D)
+            xv = tl.load(row + cv + dd, mask=mv, other=0.0)
+            tl.store(v_ptr + (t4 * HKV + hv) * D + dd, xv, mask=mv)
 
 
-@triton.jit
-def _load_token_fwd(qkv_ptr, t, T, S, H, HKV, G, D, HALF, R, stride_b, stride_s,
-                    INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """Every load of token ``t`` (int64, output order; nothing is read when ``t >= T``)
-    when all heads of a kind fit one tile: ``(xq, xq[p], xk, xk[p], xv)``, input dtype."""
-    live = (t < T).to(tl.int32)
-    b = t // S
-    s = t - b * S
-    in_row = qkv_ptr + b * stride_b + s * stride_s
-    xq, xqp, _, _, _ = load_heads(in_row, 0, H * live, H, HKV, G, D, HALF, R, 0, INTERLEAVED,
-                                  True, BLOCK_HQ, BLOCK_D)
-    xk, xkp, _, _, _ = load_heads(in_row, 0, HKV * live, H, HKV, G, D, HALF, R, 1,
-                                  INTERLEAVED, True, BLOCK_HK, BLOCK_D)
-    xv, _, _, _, _ = load_heads(in_row, 0, HKV * live, H, HKV, G, D, HALF, R, 2, INTERLEAVED,
-                                False, BLOCK_HK, BLOCK_D)
-    return xq, xqp, xk, xkp, xv
+#: Tokens per program and warps of the forward (and the backward's tokens per loop step
+#: and warps); see :func:`rope_config`. Measured on an H100 at the standard shape (seq 4096
+#: x 2, 16q/4kv heads of 128, rotary 64, bf16; ``benchmark/probe_rope.py``, kernel µs):
+#: forward t1 w4 38.5, t2 w4 38.9, t2 w8 38.6, t4 w8 39.4, t1 w8 46.6 (HEAD's kernel 42.6);
+#: backward t1 w4 61.4, t2 w4 62.6, t2 w8 74.8, t1 w8 98.3 (HEAD's kernel 113.3).
+FWD_TOKENS = 1
+FWD_NUM_WARPS = 4
+BWD_TOKENS = 1
+BWD_NUM_WARPS = 4
+#: Elements of one kind's head tile (all its tokens and heads, full head width) at most.
+TILE_CAP = 8192
 
 
-@triton.jit
-def _qk_norm_rope_fwd_persistent_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
-                                        k_ptr, v_ptr, T, S, H, HKV, D, HALF, R, NPOS,
-                                        stride_b, stride_s, eps, INTERLEAVED: tl.constexpr,
-                                        HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
-                                        NORM_K: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                                        BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Persistent variant of :func:`_qk_norm_rope_fwd_kernel` for heads that fit one tile
-    per kind: program ``pid`` handles tokens ``pid, pid + P, ...`` and issues the next
-    token's loads before the current token's math and stores (two tokens in flight)."""
-    pid = tl.program_id(0)
-    zero64 = pid.to(tl.int64) * 0
-    P = tl.num_programs(0)
-    G = H // HKV
-    d = tl.arange(0, BLOCK_D)
-    hq = tl.arange(0, BLOCK_HQ)
-    hk = tl.arange(0, BLOCK_HK)
-    mq = (hq < H)[:, None] & (d < D)[None, :]
-    mk = (hk < HKV)[:, None] & (d < D)[None, :]
-    wq, wqp = load_norm_weight(qw_ptr, D, HALF, R, NORM_Q, BLOCK_D)
-    wk, wkp = load_norm_weight(kw_ptr, D, HALF, R, NORM_K, BLOCK_D)
-    xq, xqp, xk, xkp, xv = _load_token_fwd(qkv_ptr, pid + zero64, T, S, H, HKV, G, D, HALF,
-                                           R, stride_b, stride_s, INTERLEAVED, BLOCK_HQ,
-                                           BLOCK_HK, BLOCK_D)
-    for t32 in range(pid, T, P):
-        t = t32 + zero64  # int64 (t32 is a plain int in the interpreter)
-        nxq, nxqp, nxk, nxkp, nxv = _load_token_fwd(qkv_ptr, t + P, T, S, H, HKV, G, D, HALF,
-                                                    R, stride_b, stride_s, INTERLEAVED,
-                                                    BLOCK_HQ, BLOCK_HK, BLOCK_D)
-        if HAS_POS:
-            pos = tl.load(pos_ptr + t).to(tl.int64)
-        else:
-            pos = t - (t // S) * S
-        cos, sin_s = rope_tables(freqs_ptr, pos, NPOS, HALF, R, BLOCK_D)
-        finish_heads_fwd(xv, xv, hk, mk, v_ptr + t * HKV * D, wk, wkp, D, eps, cos, sin_s,
-                         False, False, BLOCK_D)
-        finish_heads_fwd(xq, xqp, hq, mq, q_ptr + t * H * D, wq, wqp, D, eps, cos, sin_s,
-                         NORM_Q, True, BLOCK_D)
-        finish_heads_fwd(xk, xkp, hk, mk, k_ptr + t * HKV * D, wk, wkp, D, eps, cos, sin_s,
-                         NORM_K, True, BLOCK_D)
-        xq, xqp, xk, xkp, xv = nxq, nxqp, nxk, nxkp, nxv
+@functools.cache  # per-shape decision, cached (host time)
+def rope_config(H: int, Hkv: int, D: int, R: int, tokens: int, num_warps: int,
+                tile_cap: int):
+    """``dict`` of the qk_norm_rope kernels' block sizes: ``BLOCK_T`` (tokens per program or
+    loop step, ``tokens`` or fewer so that a q tile stays within ``tile_cap`` elements),
+    ``BLOCK_HQ``/``BLOCK_HK`` (head tiles), ``BLOCK_HALF`` (rotary half), ``BLOCK_NR``
+    (chunks of ``R/2`` dims covering the non-rotary part), ``BLOCK_D`` (v copy width),
+    ``HAS_REST``, ``ONE_BLOCK`` (all heads of a kind in one tile) and ``num_warps``."""
+    BLOCK_D = next_power_of_2(max(D, 2))
+    BLOCK_HQ = min(next_power_of_2(H), max(1, tile_cap // BLOCK_D))
+    BLOCK_HK = min(next_power_of_2(Hkv), max(1, tile_cap // BLOCK_D))
+    BLOCK_T = max(1, min(tokens, tile_cap // (BLOCK_HQ * BLOCK_D)))
+    BLOCK_T = 1 << (BLOCK_T.bit_length() - 1)  # a power of two
+    half = R // 2
+    return dict(BLOCK_T=BLOCK_T, BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK,
+                BLOCK_HALF=next_power_of_2(max(half, 1)),
+                BLOCK_NR=next_power_of_2(max(-(-(D - R) // half), 1)), BLOCK_D=BLOCK_D,
+                HAS_REST=D > R, ONE_BLOCK=H <= BLOCK_HQ and Hkv <= BLOCK_HK,
+                num_warps=num_warps)
 
-
-#: Use the persistent, prefetching forward when all heads fit one tile per kind (False =
-#: one program per token, the round-1 kernel). Measured on an H200 at the standard shape
-#: (seq 4096 x 2, 16q/4kv heads of 128): one program per token 39.6 µs, persistent 46.5.
-FWD_PERSISTENT = False
-#: Persistent forward programs per SM before the kernel's fit is known, and the cap after.
-FWD_PROGRAMS_PER_SM = 4
-FWD_MAX_PROGRAMS_PER_SM = 16
 
 @functools.cache  # per-shape decision, cached (host time)
 def head_blocks(H: int, Hkv: int, D: int):
-    """(BLOCK_HQ, BLOCK_HK, BLOCK_D, num_warps): head tiles of at most 4096 elements."""
+    """(BLOCK_HQ, BLOCK_HK, BLOCK_D, num_warps) of the HF-layout kernel: head tiles of at
+    most 4096 elements."""
     BLOCK_D = next_power_of_2(max(D, 2))
     cap = max(1, 4096 // BLOCK_D)
     BLOCK_HQ = min(next_power_of_2(H), cap)
@@ -294,33 +351,16 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
     T = B * S
     if T == 0:
         return q, k, v
-    BHQ, BHK, BD, nw = head_blocks(H, Hkv, D)
-    dummy = freqs
-    one_block = H <= BHQ and Hkv <= BHK
-    if FWD_PERSISTENT and one_block:
-        nq, nk, pos = q_norm_weight is not None, k_norm_weight is not None, position_ids
-        key = ("qk_norm_rope_fwd", dev.index, qkv.dtype, nq, nk, interleaved,
-               pos is not None, BHQ, BHK, BD, nw)
-        P = max(1, min(T, num_sms(dev) * resident_programs(key, FWD_PROGRAMS_PER_SM)))
-        with device_guard(qkv):
-            ck = launch(_qk_norm_rope_fwd_persistent_kernel, (P,),
-                qkv, freqs, pos if pos is not None else dummy,
-                q_norm_weight if nq else dummy, k_norm_weight if nk else dummy,
-                q, k, v, T, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0],
-                stride_b, stride_s, eps, INTERLEAVED=interleaved, HAS_POS=pos is not None,
-                NORM_Q=nq, NORM_K=nk, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
-        learn_resident(key, ck, nw, FWD_MAX_PROGRAMS_PER_SM)
-        return q, k, v
+    cfg = rope_config(H, Hkv, D, rotary_dim, FWD_TOKENS, FWD_NUM_WARPS, TILE_CAP)
+    grid = (-(-T // cfg["BLOCK_T"]),)
     with device_guard(qkv):
-        launch(_qk_norm_rope_fwd_kernel, (T,),
-            qkv, freqs, position_ids if position_ids is not None else dummy,
-            q_norm_weight if q_norm_weight is not None else dummy,
-            k_norm_weight if k_norm_weight is not None else dummy,
-            q, k, v, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0], stride_b,
-            stride_s, eps,
-            INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
-            NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None,
-            ONE_BLOCK=one_block, BLOCK_HQ=BHQ, BLOCK_HK=BHK, BLOCK_D=BD, num_warps=nw)
+        launch(_qk_norm_rope_fwd_kernel, grid,
+            qkv, freqs, position_ids if position_ids is not None else freqs,
+            q_norm_weight if q_norm_weight is not None else freqs,
+            k_norm_weight if k_norm_weight is not None else freqs,
+            q, k, v, T, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0], stride_b,
+            stride_s, eps, INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
+            NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None, **cfg)
     return q, k, v
 
 
