@@ -824,8 +824,9 @@ def linear_cross_entropy_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None
                                                      Tensor]:
     """The chunked forward of :func:`linghe.linear_cross_entropy`: ``(loss, inv_n, dh, dw,
     db, lse)``, absent where not made. With a "mean"/"sum" reduction and a gradient
-    needed, the unscaled gradients are computed here (``lse`` absent); otherwise ``lse
-    [N]`` is kept for the backward's recomputation."""
+    needed, the gradients (times the row weight ``inv_n``; the backward applies
+    ``grad_output``) are computed here (``lse`` absent); otherwise ``lse [N]`` is kept for
+    the backward's recomputation."""
     from .functional.loss import lce_forward  # (lazy: functional.loss imports this module)
 
     vocab = dict(vocab_start=0, vocab_total=weight.shape[0])
@@ -893,8 +894,8 @@ def _lce_backward(ctx, grad, *_unused):
     nh, nw, nb = ctx.need
     none = (None,) * 9
     if ctx.fused:
-        dh, dw, db, inv_n = ctx.saved_tensors
-        scale = grad.float() * inv_n[0]
+        dh, dw, db, _ = ctx.saved_tensors
+        scale = grad.float()  # (the forward applied the row weight inv_n)
         return ((dh * scale).to(dh.dtype) if nh else None,
                 (dw * scale).to(dw.dtype) if nw else None,
                 (db * scale).to(ctx.bias_dtype) if nb else None, *none)

@@ -242,6 +242,23 @@ def test_linear_cross_entropy_no_grad_and_partial_grads(device):
     assert_close(w.grad, w64.grad)
 
 
+def test_linear_cross_entropy_gradients_handed_over_once(device):
+    """The fused path's gradients (made in the forward) are scaled in place by
+    grad_output (skipped on the device when it is 1) and handed over once: a second
+    backward through the same call is refused, not silently wrong."""
+    h = torch.randn(9, 8, device=device, requires_grad=True)
+    w = torch.randn(20, 8, device=device, requires_grad=True)
+    lab = torch.randint(0, 20, (9,), device=device)
+    out = linghe.linear_cross_entropy(h, w, lab, chunk_size=4)
+    out.backward(retain_graph=True)  # grad_output 1: the kernel leaves them as they are
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref.linear_cross_entropy(h64, w64, lab).backward()
+    assert_close(h.grad, h64.grad)
+    assert_close(w.grad, w64.grad)
+    with pytest.raises(RuntimeError, match="hands them over once"):
+        out.backward()
+
+
 def test_default_chunk_size():
     from linghe.functional.loss import default_chunk_size
 
@@ -309,7 +326,8 @@ def comp(fn, sig, consts, warps):
 
 ptr = "*bf16"
 fsig = dict(x_ptr=ptr, stride_x="i32", lab_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32",
-            part_ptr="*fp32", N="i32", V="i32", vocab_start="i32", V_total="i32",
+            part_ptr="*fp32", w_ptr="*fp32", N="i32", V="i32", vocab_start="i32",
+            V_total="i32",
             ignore_index="i32", eps="fp32", z_loss="fp32", CHUNK="constexpr",
             BLOCK_V="constexpr", SMOOTH="constexpr", SPLIT="constexpr", FUSE_BWD="constexpr",
             PREFETCH="constexpr")
@@ -330,8 +348,12 @@ csig = dict(part_ptr="*fp32", lab_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32",
             SMOOTH="constexpr", S_P2="constexpr", BLOCK="constexpr")
 comp(F._ce_combine_kernel, csig, dict(SMOOTH=True, S_P2=8, BLOCK=256), 4)
 rsig = dict(loss_ptr="*fp32", lab_ptr="*i64", out_ptr="*fp32", inv_n_ptr="*fp32", N="i32",
-            V_total="i32", ignore_index="i32", MEAN="constexpr", BLOCK="constexpr")
-comp(F._ce_reduce_kernel, rsig, dict(MEAN=True, BLOCK=8192), 16)
+            V_total="i32", ignore_index="i32", MEAN="constexpr", BLOCK="constexpr",
+            COUNT_ONLY="constexpr")
+for count_only in (False, True):
+    comp(F._ce_reduce_kernel, rsig, dict(MEAN=True, BLOCK=8192, COUNT_ONLY=count_only), 16)
+ssig = dict(x_ptr=ptr, g_ptr="*fp32", n="i64", BLOCK="constexpr")
+comp(B._scale_unless_one_kernel, ssig, dict(BLOCK=4096), 8)
 print("COMPILED")
 '''
 

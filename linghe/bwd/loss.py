@@ -100,3 +100,27 @@ def ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
             num_warps=warps)
     return dx
 
+
+
+@triton.jit
+def _scale_unless_one_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:  # loss.backward()'s gradient is 1: nothing to read or write
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        tl.store(x_ptr + offs, (x.to(tl.float32) * g).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_by_grad_(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``t *= grad`` in place (``t`` contiguous, ``grad`` a one-element device tensor),
+    decided on the device: with ``grad == 1`` (a loss's usual gradient) the kernel reads
+    ``grad`` and returns, so a precomputed gradient costs no pass over its bytes and the
+    host never syncs. Returns ``t``."""
+    n = t.numel()
+    if n:
+        BLOCK = 4096
+        with device_guard(t):
+            launch(_scale_unless_one_kernel, (triton.cdiv(n, BLOCK),), t, grad.reshape(1), n,
+                   BLOCK=BLOCK, num_warps=8)
+    return t

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from .. import library
-from ..bwd.loss import ce_backward
-from ..fwd.loss import ce_forward, ce_partials, ce_reduce
+from ..bwd.loss import ce_backward, scale_by_grad_
+from ..fwd.loss import ce_forward, ce_partials, ce_reduce, ce_row_weight
 from ..utils import (
     FLOAT_DTYPES,
     apply_function,
@@ -208,9 +208,11 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
     ``linghe.library``). ``vocab``: ``dict(vocab_start=, vocab_total=)`` of this rank.
 
     Returns ``(out, inv_n, dh, dw, db, lse)``: with a "mean"/"sum" reduction and a gradient
-    needed ("fused"), the unscaled gradients ``dh``, ``dw``, ``db`` (``None`` where not
-    needed) and ``lse = None``; otherwise no gradients and the per-row ``lse [N]`` for the
-    backward's recomputation. ``inv_n`` is ``None`` for ``reduction="none"``."""
+    needed ("fused"), the gradients ``dh``, ``dw``, ``db`` of the reduced loss (``None``
+    where not needed; the row weight ``inv_n`` is applied to the logits' gradient, so
+    only ``grad_output`` is left for the backward) and ``lse = None``; otherwise no
+    gradients and the per-row ``lse [N]`` for the backward's recomputation. ``inv_n`` is
+    ``None`` for ``reduction="none"``."""
     N, H = hidden.shape
     V = weight.shape[0]
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
@@ -218,13 +220,16 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
     loss_rows = empty(N, dtype=torch.float32, device=hidden.device)
     need_h, need_w, need_b = need_grads
     fused = reduction != "none" and any(need_grads)
-    dh = dw = db = None
+    dh = dw = db = row_w = None
     if fused:
-        # gradients are computed now (unscaled: weight 1 per valid row), scaled later
+        # The gradients are computed now, each row's weighted by the reduction's row
+        # weight (known from the labels), so the backward only applies grad_output.
+        row_w = ce_row_weight(labels, ignore_index=ignore_index,
+                              vocab_total=vocab["vocab_total"], mean=reduction == "mean")
         if need_h:
             dh = empty(N, H, dtype=hidden.dtype, device=hidden.device)
-        if need_w:
-            dw = torch.zeros(V, H, dtype=weight.dtype, device=weight.device)
+        if need_w:  # the first chunk writes it (no zero fill) unless there is none
+            dw = (empty if N else torch.zeros)(V, H, dtype=weight.dtype, device=weight.device)
         if need_b:
             db = torch.zeros(V, dtype=torch.float32, device=weight.device)
     one = torch.ones(1, dtype=torch.float32, device=hidden.device)
@@ -235,19 +240,22 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
         logits = _chunk_logits(h, weight, bias)
         if group is None:
             _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
-                                      fuse_bwd=fused, **opts)
+                                      fuse_bwd=fused, row_weight=row_w, **opts)
         else:
             loss_c, lse = _dist_stats(logits, labels[s:e], group, **opts, **vocab)
             loss_rows[s:e] = loss_c
             if fused:
-                ce_backward(logits, labels[s:e], lse, one[0], one, **opts, **vocab,
+                ce_backward(logits, labels[s:e], lse, one[0], row_w, **opts, **vocab,
                             inplace=True)
         lses.append(lse)
-        if fused:  # logits now hold d loss_rows / d logits (this rank's columns)
+        if fused:  # logits now hold d loss / d logits (this rank's columns)
             if dh is not None:
                 torch.mm(logits, weight, out=dh[s:e])
             if dw is not None:
-                dw.addmm_(logits.t(), h)
+                if s == 0:
+                    torch.mm(logits.t(), h, out=dw)
+                else:
+                    dw.addmm_(logits.t(), h)
             if db is not None:
                 db += logits.sum(0, dtype=torch.float32)
         del logits
@@ -317,6 +325,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
             chunk_size, need_grads, vocab, group)
         ctx.fused = lse is None
+        ctx.grads_taken = False
         ctx.opts = (ignore_index, label_smoothing, z_loss)
         ctx.vocab = vocab
         ctx.group = group
@@ -333,11 +342,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         nh, nw, nb = ctx.needs_input_grad[:3]
         none = (None,) * 8
         if ctx.fused:
-            dh, dw, db, inv_n = ctx.saved_tensors
-            scale = grad.float() * inv_n[0]
-            gh = (dh * scale).to(dh.dtype) if (nh and dh is not None) else None
-            gw = (dw * scale).to(dw.dtype) if (nw and dw is not None) else None
-            gb = (db * scale).to(ctx.bias_dtype) if (nb and db is not None) else None
+            # The forward's gradients (row weight applied) times grad_output, in place:
+            # handed to autograd once, so a second backward through this node (retain_graph)
+            # would see them scaled and accumulated into: refused.
+            if ctx.grads_taken:
+                raise RuntimeError(
+                    "linear_cross_entropy computes its gradients in the forward and hands "
+                    "them over once: a second backward through the same call is not "
+                    "supported (call it again, or use reduction='none' and reduce outside)")
+            ctx.grads_taken = True
+            dh, dw, db, _ = ctx.saved_tensors
+            gh = scale_by_grad_(dh, grad) if (nh and dh is not None) else None
+            gw = scale_by_grad_(dw, grad) if (nw and dw is not None) else None
+            gb = (db * grad.float()).to(ctx.bias_dtype) if (nb and db is not None) else None
             return (gh, gw, gb, *none)
         # reduction "none" (per-row grad_output): recompute the logits chunk by chunk
         hidden, weight, bias, labels, lse = ctx.saved_tensors

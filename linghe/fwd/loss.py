@@ -12,9 +12,10 @@ Modes (constexpr):
   column range: long rows are split over several programs (:func:`split_v`) and a small
   kernel (``_ce_combine_kernel``) combines them per row; the vocab-parallel path uses
   the partials of its whole slice and combines them across ranks;
-- ``FUSE_BWD``: after the statistics, a second sweep over the row writes the *unscaled*
-  gradient ``d loss_i / d logits_i`` (1 per valid row) over the logits in place; the fused
-  linear cross entropy uses this.
+- ``FUSE_BWD``: after the statistics, a second sweep over the row writes the gradient
+  ``w * d loss_i / d logits_i`` over the logits in place, ``w`` the reduction's row weight
+  read from the device (``1 / n_valid`` for "mean": :func:`ce_row_weight`); the fused
+  linear cross entropy uses this, so its gradients need no rescaling pass afterwards.
 
 Labels outside ``[0, V_total)`` and equal to ``ignore_index`` mark the row ignored: loss 0,
 gradient 0 (written without reading the row), and the target load is masked (never an
@@ -87,8 +88,8 @@ def _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index):
 
 
 @triton.jit
-def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, vocab_start,
-                   V_total, ignore_index, eps, z_loss,
+def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, w_ptr, N, V,
+                   vocab_start, V_total, ignore_index, eps, z_loss,
                    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr,
                    SPLIT: tl.constexpr, FUSE_BWD: tl.constexpr,
                    PREFETCH: tl.constexpr = PREFETCH_DEFAULT):
@@ -151,8 +152,8 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, N, V, 
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
         tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
         if FUSE_BWD:
-            # gradient of this row's loss (unscaled: weight 1 per valid row)
-            g = tl.where(valid, 1.0, 0.0)
+            # gradient of this row's loss times the reduction's row weight
+            g = tl.where(valid, tl.load(w_ptr), 0.0)
             coef = g * (1.0 + 2.0 * z_loss * lse)
             smooth = g * eps / V_total
             hit = g * (1.0 - eps)
@@ -196,16 +197,18 @@ def _ce_combine_kernel(part_ptr, lab_ptr, loss_ptr, lse_ptr, N, S, V_total, igno
 
 @triton.jit
 def _ce_reduce_kernel(loss_ptr, lab_ptr, out_ptr, inv_n_ptr, N, V_total, ignore_index,
-                      MEAN: tl.constexpr, BLOCK: tl.constexpr):
+                      MEAN: tl.constexpr, BLOCK: tl.constexpr, COUNT_ONLY: tl.constexpr = False):
     """One program: ``out = sum(loss) [/ max(n_valid, 1)]`` (a fixed order: deterministic)
-    and ``inv_n = 1/max(n_valid, 1)`` (mean) or 1 (sum), the backward's row weight."""
+    and ``inv_n = 1/max(n_valid, 1)`` (mean) or 1 (sum), the backward's row weight;
+    ``COUNT_ONLY``: ``inv_n`` alone (from the labels)."""
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     cnt = tl.zeros([BLOCK], dtype=tl.int32)
     for off in range(0, N, BLOCK):
         o = off + offs
         mask = o < N
-        acc += tl.load(loss_ptr + o, mask=mask, other=0.0)
+        if not COUNT_ONLY:
+            acc += tl.load(loss_ptr + o, mask=mask, other=0.0)
         lab = tl.load(lab_ptr + o, mask=mask, other=ignore_index).to(tl.int64)
         ok = mask & (lab != ignore_index) & (lab >= 0) & (lab < V_total)
         cnt += ok.to(tl.int32)
@@ -215,7 +218,8 @@ def _ce_reduce_kernel(loss_ptr, lab_ptr, out_ptr, inv_n_ptr, N, V_total, ignore_
         inv = 1.0 / tl.maximum(n, 1).to(tl.float32)
     else:
         inv = n.to(tl.float32) * 0.0 + 1.0
-    tl.store(out_ptr, total * inv)
+    if not COUNT_ONLY:
+        tl.store(out_ptr, total * inv)
     tl.store(inv_n_ptr, inv)
 
 
@@ -237,7 +241,8 @@ def split_v(V: int, BV: int, kind: str = "fwd") -> tuple[int, int]:
 
 def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
                label_smoothing: float, z_loss: float, reduction: str = "none",
-               loss_out: torch.Tensor | None = None, fuse_bwd: bool = False):
+               loss_out: torch.Tensor | None = None, fuse_bwd: bool = False,
+               row_weight: torch.Tensor | None = None):
     """Forward over ``logits [N, V]`` (rows with stride(1) == 1).
 
     Returns ``(loss [N] fp32, lse [N] fp32, out, inv_n)``: per-row losses (0 for ignored
@@ -245,8 +250,9 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
     fp32 scalar loss and the backward's row weight ``inv_n [1]`` (``None, None`` for
     "none"). Long rows are split over several programs (:func:`split_v`) whose partials a
     small kernel combines per row; the reduction is one more single-program kernel. With
-    ``fuse_bwd=True`` (one program per row) the logits are overwritten by the unscaled
-    gradient (see the module doc).
+    ``fuse_bwd=True`` (one program per row) the logits are overwritten by the gradient
+    times ``row_weight`` (a float32 ``[1]`` device tensor, e.g. :func:`ce_row_weight`;
+    ``None``: 1) (see the module doc).
     ``loss_out`` (a contiguous fp32 [N] buffer) receives the per-row loss if given.
     """
     N, V = logits.shape
@@ -264,20 +270,23 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
     chunk, S = split_v(V, BV)
     if fuse_bwd:
         S = 1
+        if row_weight is None:
+            row_weight = torch.ones(1, dtype=torch.float32, device=dev)
     smooth = label_smoothing != 0.0
     eps, z = float(label_smoothing), float(z_loss)
     with device_guard(logits):
         if S == 1:
             launch(_ce_fwd_kernel, (N,),
-                logits, logits.stride(0), labels, loss, lse, loss, N, V, 0, V,
+                logits, logits.stride(0), labels, loss, lse, loss,
+                row_weight if fuse_bwd else loss, N, V, 0, V,
                 ignore_index, eps, z, CHUNK=BV, BLOCK_V=BV, SMOOTH=smooth, SPLIT=False,
                 FUSE_BWD=fuse_bwd, num_warps=warps)
         else:
             part = empty(S, 4, N, dtype=torch.float32, device=dev)
             launch(_ce_fwd_kernel, (N, S),
-                logits, logits.stride(0), labels, loss, lse, part, N, V, 0, V, ignore_index,
-                eps, z, CHUNK=chunk, BLOCK_V=BV, SMOOTH=smooth, SPLIT=True, FUSE_BWD=False,
-                num_warps=warps)
+                logits, logits.stride(0), labels, loss, lse, part, loss, N, V, 0, V,
+                ignore_index, eps, z, CHUNK=chunk, BLOCK_V=BV, SMOOTH=smooth, SPLIT=True,
+                FUSE_BWD=False, num_warps=warps)
             S_P2 = next_power_of_2(S)
             BR = max(16, min(256, 2048 // S_P2))
             launch(_ce_combine_kernel, (cdiv(N, BR),),
@@ -301,7 +310,7 @@ def ce_partials(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int
     BV, warps = block_v(V)
     with device_guard(logits):
         launch(_ce_fwd_kernel, (N, 1),
-            logits, logits.stride(0), labels, part, part, part, N, V, vocab_start,
+            logits, logits.stride(0), labels, part, part, part, part, N, V, vocab_start,
             vocab_total, ignore_index, 0.0, 0.0, CHUNK=cdiv(V, BV) * BV, BLOCK_V=BV,
             SMOOTH=True, SPLIT=True, FUSE_BWD=False, num_warps=warps)
     return part[0]
@@ -319,3 +328,18 @@ def ce_reduce(loss_rows: torch.Tensor, labels: torch.Tensor, *, ignore_index: in
         launch(_ce_reduce_kernel, (1,), loss_rows, labels, out, inv_n, N, vocab_total, ignore_index,
                MEAN=mean, BLOCK=B, num_warps=max(1, min(16, B // 256)))
     return out, inv_n
+
+
+def ce_row_weight(labels: torch.Tensor, *, ignore_index: int, vocab_total: int,
+                  mean: bool) -> torch.Tensor:
+    """The reduction's row weight ``[1]`` fp32 from the labels alone (on the device, no
+    sync): ``1 / max(n_valid, 1)`` for "mean", 1 for "sum" (what :func:`ce_reduce`
+    returns as ``inv_n``), known before any logits are computed."""
+    N = labels.shape[0]
+    inv_n = empty(1, dtype=torch.float32, device=labels.device)
+    with device_guard(labels):
+        B = min(max(next_power_of_2(max(N, 1)), 128), 256 if INTERPRET else 8192)
+        launch(_ce_reduce_kernel, (1,), inv_n, labels, inv_n, inv_n, N, vocab_total,
+               ignore_index, MEAN=mean, BLOCK=B, COUNT_ONLY=True,
+               num_warps=max(1, min(16, B // 256)))
+    return inv_n
