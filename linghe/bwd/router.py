@@ -1,9 +1,10 @@
 """Router backward kernels: router GEMM grads (fp32-exact), top-k routing, z-loss.
 
 - ``router_logits``: ``dx = dlogits @ W`` (dx in x's dtype) and ``dW = dlogits^T @ x``
-  (fp32), both through :func:`linghe.fwd.router.matmul_exact` (bf16 part splitting, no
-  TF32); ``dW`` splits the token dimension over programs and sums the partial products in a
-  deterministic second pass.
+  (fp32), both through :func:`linghe.fwd.router.matmul_parts` (bf16 parts, no TF32):
+  ``dlogits`` is split into its bf16 parts once (shared by both GEMMs), ``W``'s parts come
+  from the forward; ``dW`` splits the token dimension over programs and sums the fp32
+  partials in a deterministic second pass.
 - ``topk_route``: one program per block of rows recomputes the scores from the logits and
   back-propagates ``dprobs`` through the scale, the normalization and softmax/sigmoid
   (selection has no gradient).
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwd.router import _rows_per_prog, matmul_exact
+from ..fwd.router import CONFIG, _rows_per_prog, matmul_parts, split_parts
 from ..utils import INTERPRET, cdiv, device_guard, empty, empty_like, launch, next_power_of_2
 
 #: Part-product order of ``dx`` when x is bf16/fp16: 0 (default) is a single bf16 GEMM
@@ -28,15 +29,26 @@ DX_ORDER = 0
 
 
 def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
-                      need_dx: bool = True, need_dw: bool = True):
+                      need_dx: bool = True, need_dw: bool = True,
+                      w_parts: torch.Tensor | None = None):
     """``dlogits [T, E]`` fp32, ``x2 [T, K]``, ``weight [E, K]`` -> ``(dx [T, K] x.dtype,
-    dw [E, K] fp32)`` (``None`` where not needed)."""
+    dw [E, K] fp32)`` (``None`` where not needed). ``w_parts``: the forward's
+    :func:`linghe.fwd.router.weight_parts` of ``weight`` (split here when absent)."""
     dx_order = 2 if x2.dtype == torch.float32 else DX_ORDER
-    dx = matmul_exact(dlogits, weight, x2.dtype, order=dx_order) if need_dx else None
     # fp32 weight: fp32-exact dw (ORDER 2); a bf16/fp16 weight gets its gradient in its own
     # dtype, so bf16-level accuracy (ORDER 1: 2 passes instead of 3) is enough there.
-    order = 2 if weight.dtype == torch.float32 else 1
-    dw = matmul_exact(dlogits.t(), x2, torch.float32, order=order) if need_dw else None
+    dw_order = 2 if weight.dtype == torch.float32 else 1
+    dl_parts = max(dx_order + 1 if need_dx else 0, dw_order + 1 if need_dw else 0)
+    if dl_parts == 0:
+        return None, None
+    dlp = split_parts(dlogits, dl_parts)
+    dx = dw = None
+    if need_dx:
+        wp = split_parts(weight, dx_order + 1) if w_parts is None else w_parts
+        dx = matmul_parts(dlp, wp, x2.dtype, dx_order, config=CONFIG["dx"])
+    if need_dw:
+        dw = matmul_parts(dlp.transpose(1, 2), split_parts(x2, dw_order + 1), torch.float32,
+                          dw_order, config=CONFIG["dw"])
     return dx, dw
 
 

@@ -6,7 +6,7 @@ import torch
 
 from .. import library
 from ..bwd.router import router_logits_bwd, router_z_loss_bwd, topk_route_bwd
-from ..fwd.router import router_logits_fwd, router_z_loss_fwd, topk_route_fwd
+from ..fwd.router import router_logits_fwd, router_z_loss_fwd, topk_route_fwd, weight_parts
 from ..utils import (
     FLOAT_DTYPES,
     apply_function,
@@ -21,17 +21,18 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         x2 = rows_view(x)
-        ctx.save_for_backward(x2, weight)
+        wp = weight_parts(weight)  # bf16 parts of the weight, reused by the backward's dx
+        ctx.save_for_backward(x2, weight, wp)
         ctx.x_shape = x.shape
-        out = router_logits_fwd(x2, weight)
+        out = router_logits_fwd(x2, weight, wp)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dlogits):
-        x2, weight = ctx.saved_tensors
+        x2, weight, wp = ctx.saved_tensors
         dl = rows_view(dlogits.float()).contiguous()
         dx, dw = router_logits_bwd(dl, x2, weight, need_dx=ctx.needs_input_grad[0],
-                                   need_dw=ctx.needs_input_grad[1])
+                                   need_dw=ctx.needs_input_grad[1], w_parts=wp)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         if dw is not None:
@@ -57,7 +58,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     dlogits^T @ x`` accumulated in fp32 (returned in ``weight``'s dtype; fp32-exact for an
     fp32 weight). On Hopper, "fp32-exact" means fp32 tensor-core accumulation (not IEEE
     round-to-nearest): relative error ~1e-6 at K ~ 2048.
-    Saves ``x`` and ``weight``.
+    Saves ``x``, ``weight`` and the weight's bf16 parts (``[3, E, K]`` bf16 for an fp32
+    weight, ``[2, E, K]`` for fp16; a view of the weight itself for bf16).
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1, last_dim_contiguous=True)
     check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2)

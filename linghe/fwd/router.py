@@ -1,13 +1,18 @@
 """Router forward kernels: fp32-exact router GEMM, fused top-k routing, z-loss.
 
-**fp32-exact GEMM without TF32.** ``_mm_kernel`` computes ``C = A @ B`` where each operand
-is read in its own dtype and split in registers into bf16 parts whose sum is exactly the
-value (bf16: 1 part; fp16: 2 parts; fp32: 3 parts: ``hi = bf16(a)``, ``mid = bf16(a - hi)``,
-``lo = bf16(a - hi - mid)``, 8+8+8 significand bits). Every product of two bf16 parts is
-exact in fp32, and the tensor cores accumulate in fp32, so summing the part products
-``a_i * b_j`` with ``i + j <= ORDER`` gives a float32-accurate result (``ORDER=2`` drops
-only terms below ``2^-24`` relative; ``ORDER=1`` is used when the output is bf16/fp16).
-For bf16 ``x`` and bf16 weight that is one bf16 tensor-core dot; fp32 weight costs 3.
+**fp32-exact GEMM without TF32.** Each operand is represented by bf16 parts whose sum is
+exactly its value (:func:`split_parts`; bf16: 1 part, the tensor itself; fp16: 2 parts;
+fp32: 3 parts ``hi = bf16(a)``, ``mid = bf16(a - hi)``, ``lo = bf16(a - hi - mid)``,
+8+8+8 significand bits), made once per call by a small elementwise kernel (the router
+weight's parts once per forward, saved for the backward). Every product of two bf16 parts
+is exact in fp32 and the tensor cores accumulate in fp32, so ``_mm_kernel``, which loads
+only bf16 parts and sums the part products ``a_i * b_j`` with ``i + j <= ORDER`` into one
+accumulator, is float32-accurate (``ORDER=2`` drops only terms below ``2^-24`` relative;
+``ORDER=1`` is enough for a bf16/fp16 output). bf16 ``x`` with an fp32 weight costs 3
+bf16 tensor-core passes. The forward writes ``[T, E]`` directly from ``128 x 128`` tiles
+(``T/128 * E/128`` programs: about one wave at the standard shape); when there are too few
+output tiles for the SMs (``dW = dlogits^T @ x``: ``[E, K]``) K is split over programs
+and the fp32 partials are summed by a second kernel in a fixed order (deterministic).
 On Hopper the tensor cores' fp32 accumulation is not IEEE round-to-nearest, so "exact"
 means relative error ~1e-6 at K ~ 2048 (still ~100x under TF32).
 
@@ -40,211 +45,292 @@ from ..utils import (
 
 @triton.jit
 def _split3(a):
-    """fp32 tile -> three bf16 tiles with ``hi + mid + lo == a`` (for normal values)."""
+    """fp32 tile -> three bf16 tiles with ``hi + mid + lo == a`` (for finite values; an
+    Inf/NaN ``a`` gives ``hi = a`` and zero ``mid``/``lo``)."""
     h = a.to(tl.bfloat16)
-    r = a - h.to(tl.float32)
+    hf = h.to(tl.float32)
+    r = tl.where(tl.abs(hf) < float("inf"), a - hf, 0.0)
     m = r.to(tl.bfloat16)
     lo = (r - m.to(tl.float32)).to(tl.bfloat16)
     return h, m, lo
 
 
 @triton.jit
-def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, k_per_split,
-               s_ap, s_bp, SA: tl.constexpr, SB: tl.constexpr, ORDER: tl.constexpr,
-               A_SPLIT: tl.constexpr, B_SPLIT: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """``C = A @ B`` from bf16 parts (module docstring). ``A_SPLIT``/``B_SPLIT``: the
-    operand is already split in memory (:func:`split3`: parts ``s_ap``/``s_bp`` elements
-    apart), so the tile is loaded as three bf16 tiles instead of split in registers."""
+def _split_kernel(src_ptr, dst_ptr, n, C, s_r, s_c, P: tl.constexpr, BLOCK: tl.constexpr):
+    # element i of the [R, C] source (row-major order) -> dst[p * n + i], p < P
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    src = src_ptr + (offs // C) * s_r + (offs % C) * s_c
+    h, m, lo = _split3(tl.load(src, mask=mask, other=0.0).to(tl.float32))
+    tl.store(dst_ptr + offs, h, mask=mask)
+    if P > 1:
+        tl.store(dst_ptr + n + offs, m, mask=mask)
+    if P > 2:
+        tl.store(dst_ptr + 2 * n + offs, lo, mask=mask)
+
+
+#: bf16 parts that represent a value of each dtype exactly (fp16: 11 significand bits).
+_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def split_parts(a: torch.Tensor, parts: int | None = None) -> torch.Tensor:
+    """``a [R, C]`` (any strides) -> ``[P, R, C]`` bf16 parts ``hi, mid, lo`` (the first
+    ``parts`` of them; default all that ``a``'s dtype needs) with ``hi + mid + lo == a``
+    (finite values). A bf16 ``a`` is returned as the view ``a[None]`` (no copy)."""
+    R, C = a.shape
+    P = _PARTS[a.dtype] if parts is None else min(parts, _PARTS[a.dtype])
+    if a.dtype == torch.bfloat16:
+        return a.unsqueeze(0)
+    out = empty(P, R, C, dtype=torch.bfloat16, device=a.device)
+    n = R * C
+    if n:
+        if a.is_contiguous():
+            C_, s_r, s_c = n, 0, 1  # flat copy: no index arithmetic per element
+        else:
+            C_, s_r, s_c = C, a.stride(0), a.stride(1)
+        BLOCK = 1024 if INTERPRET else 2048
+        with device_guard(a):
+            launch(_split_kernel, (cdiv(n, BLOCK),), a, out, n, C_, s_r, s_c, P=P,
+                   BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def split3(a: torch.Tensor) -> torch.Tensor:
+    """float32 ``a [M, K]`` (any strides) -> ``[3, M, K]`` contiguous bf16 parts
+    ``hi, mid, lo`` with ``hi + mid + lo == a`` (finite values)."""
+    return split_parts(a.float(), 3)
+
+
+@triton.jit
+def _acc_dot(a, b, acc0, acc1, acc2, IDX: tl.constexpr):
+    if IDX == 0:
+        acc0 = dot_f32acc(a, b, acc0)
+    elif IDX == 1:
+        acc1 = dot_f32acc(a, b, acc1)
+    else:
+        acc2 = dot_f32acc(a, b, acc2)
+    return acc0, acc1, acc2
+
+
+@triton.jit
+def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_ap, s_bp,
+               s_cs, k_per_split, PA: tl.constexpr, PB: tl.constexpr, ORDER: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+               EVEN_K: tl.constexpr, NACC: tl.constexpr, I11: tl.constexpr,
+               I20: tl.constexpr, I02: tl.constexpr, I10: tl.constexpr, I01: tl.constexpr):
+    """``C = A @ B`` from bf16 parts (module docstring): ``A`` is ``PA`` bf16 ``[M, K]``
+    tiles ``s_ap`` elements apart, ``B`` is ``PB`` bf16 ``[K, N]`` tiles ``s_bp`` apart;
+    the part products ``a_i b_j`` with ``i + j <= ORDER`` go into one fp32 accumulator.
+    Program ``(t, s)`` computes output tile ``t`` over the K range
+    ``[s * k_per_split, (s + 1) * k_per_split)`` and stores it at ``c + s * s_cs`` (a
+    split-K partial, summed by ``_sum_splits_kernel``; ``s_cs = 0`` without split-K).
+    ``EVEN_K``: every K range is a whole number of ``BK`` blocks (no K mask).
+    ``I11 .. I01``: the accumulator (0..NACC-1) of each part product ``a_i b_j``; with one
+    accumulator per dot (``NACC`` = number of products) no dot waits for the previous one
+    (Triton waits for a chained wgmma before the next dot of the chain), at the cost of
+    ``NACC`` accumulators in registers."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     pid_m, pid_n = grouped_tile_order(pid, num_m, num_n, GROUP_M)
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
     mmask = rm < M
     nmask = rn < N
     k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_len = tl.minimum(K - k_lo, k_per_split)
+    rk = tl.arange(0, BK)
+    a_ptrs = (a_ptr + rm[:, None].to(tl.int64) * s_am
+              + (k_lo + rk)[None, :].to(tl.int64) * s_ak)
+    b_ptrs = (b_ptr + (k_lo + rk)[:, None].to(tl.int64) * s_bk
+              + rn[None, :].to(tl.int64) * s_bn)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        rk = k0 + tl.arange(0, BK)
-        kmask = rk < k_hi
-        a_ptrs = a_ptr + rm[:, None] * s_am + rk[None, :].to(tl.int64) * s_ak
-        a_mask = mmask[:, None] & kmask[None, :]
-        b_ptrs = b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn
-        b_mask = kmask[:, None] & nmask[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        if SA == 1:
-            a0 = a.to(tl.bfloat16)
-            a1 = a0
-            a2 = a0
-        elif A_SPLIT:
-            a0 = a
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, k_len, BK):
+        if EVEN_K:
+            a_mask = mmask[:, None]
+            b_mask = nmask[None, :]
+        else:
+            kmask = rk < k_len - k0
+            a_mask = mmask[:, None] & kmask[None, :]
+            b_mask = kmask[:, None] & nmask[None, :]
+        a0 = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b0 = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        a1 = a0
+        a2 = a0
+        b1 = b0
+        b2 = b0
+        if PA > 1:
             a1 = tl.load(a_ptrs + s_ap, mask=a_mask, other=0.0)
-            a2 = a1
-            if SA > 2 and ORDER >= 2:
-                a2 = tl.load(a_ptrs + 2 * s_ap, mask=a_mask, other=0.0)
-        else:
-            a0, a1, a2 = _split3(a.to(tl.float32))
-        if SB == 1:
-            b0 = b.to(tl.bfloat16)
-            b1 = b0
-            b2 = b0
-        elif B_SPLIT:
-            b0 = b
+        if PA > 2:
+            a2 = tl.load(a_ptrs + s_ap + s_ap, mask=a_mask, other=0.0)
+        if PB > 1:
             b1 = tl.load(b_ptrs + s_bp, mask=b_mask, other=0.0)
-            b2 = b1
-            if SB > 2 and ORDER >= 2:
-                b2 = tl.load(b_ptrs + 2 * s_bp, mask=b_mask, other=0.0)
-        else:
-            b0, b1, b2 = _split3(b.to(tl.float32))
-        # smallest terms first
+        if PB > 2:
+            b2 = tl.load(b_ptrs + s_bp + s_bp, mask=b_mask, other=0.0)
+        # smallest terms first (PA, PB <= ORDER + 1: every loaded part is used)
         if ORDER >= 2:
-            if SA > 1:
-                if SB > 1:
-                    acc = dot_f32acc(a1, b1, acc)
-            if SA > 2:
-                acc = dot_f32acc(a2, b0, acc)
-            if SB > 2:
-                acc = dot_f32acc(a0, b2, acc)
-        if ORDER >= 1:
-            if SA > 1:
-                acc = dot_f32acc(a1, b0, acc)
-            if SB > 1:
-                acc = dot_f32acc(a0, b1, acc)
+            if PA > 1:
+                if PB > 1:
+                    acc, acc1, acc2 = _acc_dot(a1, b1, acc, acc1, acc2, I11)
+            if PA > 2:
+                acc, acc1, acc2 = _acc_dot(a2, b0, acc, acc1, acc2, I20)
+            if PB > 2:
+                acc, acc1, acc2 = _acc_dot(a0, b2, acc, acc1, acc2, I02)
+        if PA > 1:
+            acc, acc1, acc2 = _acc_dot(a1, b0, acc, acc1, acc2, I10)
+        if PB > 1:
+            acc, acc1, acc2 = _acc_dot(a0, b1, acc, acc1, acc2, I01)
         acc = dot_f32acc(a0, b0, acc)
-    c_base = c_ptr + pid_s.to(tl.int64) * M * N
-    tl.store(c_base + rm[:, None] * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
-
-
-_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
-#: Split a float32 operand into its bf16 parts in memory before the GEMM (knob; False:
-#: every tile splits the fp32 values it loads, in registers).
-PRESPLIT = True
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    if NACC == 3:
+        acc = acc2 + acc1 + acc
+    elif NACC == 2:
+        acc = acc1 + acc
+    c_ptrs = (c_ptr + pid_s.to(tl.int64) * s_cs + rm[:, None].to(tl.int64) * s_cm
+              + rn[None, :].to(tl.int64) * s_cn)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _split3_kernel(src_ptr, dst_ptr, n, K, s_m, s_k, BLOCK: tl.constexpr):
-    # (n = M * K comes from the host: an int argument equal to 1 is specialized to a
-    # constexpr, which has no .to())
+def _sum_splits_kernel(p_ptr, out_ptr, n, S, BLOCK: tl.constexpr):
+    """``out[i] = p[0, i] + p[1, i] + ... + p[S-1, i]`` in that order (deterministic)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    m = offs // K
-    k = offs % K
-    h, mid, lo = _split3(tl.load(src_ptr + m * s_m + k * s_k, mask=mask, other=0.0))
-    tl.store(dst_ptr + offs, h, mask=mask)
-    tl.store(dst_ptr + n + offs, mid, mask=mask)
-    tl.store(dst_ptr + 2 * n + offs, lo, mask=mask)
+    p = p_ptr + offs
+    acc = tl.load(p, mask=mask, other=0.0)
+    for _ in range(1, S):
+        p += n
+        acc += tl.load(p, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def split3(a: torch.Tensor) -> torch.Tensor:
-    """float32 ``a [M, K]`` (any strides) -> ``[3, M, K]`` contiguous bf16 parts
-    ``hi, mid, lo`` with ``hi + mid + lo == a`` (for normal values)."""
-    M, K = a.shape
-    out = empty(3, M, K, dtype=torch.bfloat16, device=a.device)
-    if M * K:
-        BLOCK = 1024
-        launch(_split3_kernel, (cdiv(M * K, BLOCK),), a, out, M * K, K, a.stride(0),
-               a.stride(1), BLOCK=BLOCK, num_warps=4)
-    return out
+#: Split K over programs when there are at most ``sms / 2`` output tiles and
+#: ``K >= SPLIT_K_MIN_K`` (each split keeps at least ``SPLIT_K_MIN_K / 2`` of K).
+SPLIT_K_MIN_K = 2048
+#: Launch config per role (``"fwd"``, ``"dx"``, ``"dw"``): ``None`` for the heuristic of
+#: :func:`_mm_config`, or ``(BM, BN, BK, num_warps, num_stages, split_k)``.
+CONFIG: dict = {"fwd": None, "dx": None, "dw": None}
+#: One fp32 accumulator per part product when there are at most 3 (fwd: ``x*w_lo``,
+#: ``x*w_mid``, ``x*w_hi``; dW) and they fit in registers, so the dots of one K step do
+#: not wait for each other (False: one accumulator, chained dots; Triton 3.6 then waits
+#: for each dot's wgmmas before the next dot).
+MULTI_ACC = True
 _MM_CFG: dict = {}
 
 
-def _mm_config(M: int, N: int, K: int, ea: int, eb: int, dev) -> tuple:
-    """``(BM, BN, BK, num_warps, num_stages, split_k)`` for ``[M, K] @ [K, N]`` with operand
-    element sizes ``ea``/``eb`` (cached per shape)."""
-    key = (M, N, K, ea, eb, dev)
+def _mm_config(M: int, N: int, K: int, pa: int, pb: int, dev) -> tuple:
+    """``(BM, BN, BK, num_warps, num_stages, split_k)`` for ``[M, K] @ [K, N]`` with
+    ``pa``/``pb`` bf16 parts loaded per operand (cached per shape)."""
+    key = (M, N, K, pa, pb, dev)
     cfg = _MM_CFG.get(key)
     if cfg is not None:
         return cfg
     if INTERPRET:
-        cfg = (32, 32, 32, 4, 1, 1)
+        BM, BN, BK, nw, ns, sms = 32, 32, 32, 4, 1, 8
     else:
         sms = num_sms(dev)
-        if N <= 256:
-            # narrow output (the router's E): one tile spans N, so A is read exactly once
-            BM, BN, nw = 64, max(16, next_power_of_2(N)), 4
-        else:
-            BM, BN, nw = 128, 128, 8
-        BK = 64
-        if eb == 4 and BN >= 256:
-            BK, nw = 32, 8  # an fp32 B tile is split in registers: keep it small
-        ns = 2 if (ea == 4 and eb == 4) else (3 if max(ea, eb) == 4 or BN >= 256 else 4)
-        # (smem: BN=256 bf16 stages are 40 KB each, plus a 64 KB fp32 epilogue tile)
-        if BN < 256 and M * N <= 64 * 128 * sms:
-            BM = 64
-        tiles = cdiv(M, BM) * cdiv(N, BN)
-        split_k = 1
-        if tiles < sms and K >= 2048:
-            # few output tiles (dW = dlogits^T @ x: [E, K] over T): split the reduction so
-            # that about two waves of programs run; fp32 partials summed deterministically
-            split_k = max(1, min(cdiv(2 * sms, tiles), K // 512))
-        cfg = (BM, BN, BK, nw, ns, split_k)
+        BM = 128 if M > 64 else max(16, next_power_of_2(M))
+        BN = 128 if N > 64 else max(16, next_power_of_2(N))
+        BK, nw = 64, 8
+        # bf16 stages of (BM * pa + BN * pb) x BK: at most ~200 KB of shared memory in all
+        stage = (BM * pa + BN * pb) * BK * 2
+        ns = max(2, min(4, (200 * 1024) // stage))
+        if K <= 4 * BK:
+            # short K (dx = dlogits @ W, K = E): fewer stages, so that two programs share
+            # an SM and one's epilogue overlaps the other's loads
+            ns = min(ns, max(2, cdiv(K, BK) - 1))
+    tiles = cdiv(M, BM) * cdiv(N, BN)
+    split_k = 1
+    if 2 * tiles <= sms and K >= SPLIT_K_MIN_K:
+        # few output tiles (dW = dlogits^T @ x: [E, K] over T): one wave of programs over
+        # K chunks; the fp32 partials are summed in a second, deterministic pass
+        split_k = max(1, min(sms // tiles, 2 * K // SPLIT_K_MIN_K))
+    cfg = (BM, BN, BK, nw, ns, split_k)
     _MM_CFG[key] = cfg
     return cfg
 
 
-def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
-                 order: int | None = None, split_k: int | None = None) -> torch.Tensor:
-    """``a [M, K] @ b [K, N]`` (any strides) -> ``[M, N]`` contiguous ``out_dtype``, exact to
-    float32 accuracy without TF32 (see the module docstring). ``order`` defaults to 2 for
-    a float32 output and 1 otherwise. ``split_k`` > 1 sums partial products over K chunks
-    (a deterministic second pass). The operand with more bf16 parts is put in the MMA's A
-    slot (computing ``C^T = B^T A^T``): on Hopper, A may come from registers, B must be
-    staged through shared memory."""
-    M, K = a.shape
-    N = b.shape[1]
-    if order is None:
-        order = 2 if out_dtype == torch.float32 else 1
-    dev = a.device
-    swap = _PARTS[b.dtype] > _PARTS[a.dtype] and order > 0
-    if swap:
-        a_, b_, M_, N_ = b.t(), a.t(), N, M
-    else:
-        a_, b_, M_, N_ = a, b, M, N
-    BM, BN, BK, nw, ns, sk = _mm_config(M_, N_, K, a_.element_size(), b_.element_size(), dev)
-    if split_k is None:
-        split_k = sk
+def matmul_parts(ap: torch.Tensor, bp: torch.Tensor, out_dtype: torch.dtype, order: int, *,
+                 config: tuple | None = None) -> torch.Tensor:
+    """``sum_{i + j <= order} ap[i] @ bp[j]`` -> ``[M, N]`` contiguous ``out_dtype``.
+
+    ``ap [PA, M, K]`` and ``bp [PB, K, N]``: bf16 parts (:func:`split_parts`; any strides
+    within a part, parts ``stride(0)`` apart). ``config``: ``(BM, BN, BK, num_warps,
+    num_stages, split_k)``, default :func:`_mm_config`; ``split_k > 1`` writes fp32
+    partials over K chunks and sums them in a fixed order (deterministic)."""
+    PA, M, K = ap.shape
+    PB, _, N = bp.shape
+    pa, pb = min(PA, order + 1), min(PB, order + 1)
+    dev = ap.device
+    BM, BN, BK, nw, ns, split_k = config or _mm_config(M, N, K, pa, pb, dev)
     k_per = cdiv(cdiv(K, split_k), BK) * BK if K else BK
     split_k = max(1, cdiv(K, k_per))
-    if split_k == 1:
-        c = empty(M, N, dtype=out_dtype, device=dev)
-    else:
-        c = empty(split_k, M, N, dtype=torch.float32, device=dev)
+    out = empty(M, N, dtype=out_dtype, device=dev)
     if M == 0 or N == 0:
-        return c if split_k == 1 else c.sum(0).to(out_dtype)
+        return out
     if K == 0:
-        return torch.zeros(M, N, dtype=out_dtype, device=dev)
-    s_cm, s_cn = (1, N) if swap else (N, 1)
-    tiles = cdiv(M_, BM) * cdiv(N_, BN)
-    sa, sb = _PARTS[a_.dtype], _PARTS[b_.dtype]
-    with device_guard(a):
-        # An fp32 operand is split once here, not in every tile that reads it (each A tile
-        # is read by all N tiles and vice versa); the MMA then reads bf16 parts.
-        a_split = sa == 3 and PRESPLIT and order > 0
-        b_split = sb == 3 and PRESPLIT and order > 0
-        if a_split:
-            a_ = split3(a_)
-        if b_split:
-            b_ = split3(b_)
-        s_ap = M_ * K if a_split else 0
-        s_bp = K * N_ if b_split else 0
-        launch(_mm_kernel, (tiles, split_k),
-            a_, b_, c, M_, N_, K, a_.stride(-2), a_.stride(-1), b_.stride(-2), b_.stride(-1),
-            s_cm, s_cn, k_per, s_ap, s_bp, SA=sa, SB=sb, ORDER=order, A_SPLIT=a_split,
-            B_SPLIT=b_split, BM=BM, BN=BN, BK=BK, GROUP_M=8, num_warps=nw, num_stages=ns)
-    if split_k > 1:
-        c = c.sum(0) if out_dtype == torch.float32 else c.sum(0).to(out_dtype)
-    return c
+        return out.zero_()
+    c = out if split_k == 1 else empty(split_k, M, N, dtype=torch.float32, device=dev)
+    # the part products besides a0*b0, smallest first (the kernel's order)
+    terms = [t for t, use in (("11", pa > 1 and pb > 1 and order >= 2), ("20", pa > 2),
+                              ("02", pb > 2), ("10", pa > 1), ("01", pb > 1)) if use]
+    acc_of = dict.fromkeys(("11", "20", "02", "10", "01"), 0)
+    nacc = 1
+    if MULTI_ACC and len(terms) <= 2 and BM * BN * (len(terms) + 1) <= 6144 * nw:
+        # (at most ~192 accumulator registers per thread: larger tiles spill)
+        nacc = len(terms) + 1
+        for i, t in enumerate(terms):
+            acc_of[t] = nacc - 1 - i
+    with device_guard(ap):
+        launch(_mm_kernel, (cdiv(M, BM) * cdiv(N, BN), split_k),
+               ap, bp, c, M, N, K, ap.stride(1), ap.stride(2), bp.stride(1), bp.stride(2), N, 1,
+               ap.stride(0) if pa > 1 else 0, bp.stride(0) if pb > 1 else 0,
+               M * N if split_k > 1 else 0, k_per, PA=pa, PB=pb, ORDER=order, BM=BM, BN=BN,
+               BK=BK, GROUP_M=8, EVEN_K=K % k_per == 0 and k_per % BK == 0, NACC=nacc,
+               I11=acc_of["11"], I20=acc_of["20"], I02=acc_of["02"], I10=acc_of["10"],
+               I01=acc_of["01"], num_warps=nw, num_stages=ns)
+        if split_k > 1:
+            BLOCK = 1024
+            launch(_sum_splits_kernel, (cdiv(M * N, BLOCK),), c, out, M * N, split_k,
+                   BLOCK=BLOCK, num_warps=4)
+    return out
 
 
-def router_logits_fwd(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x2 [T, K] @ weight[E, K]^T`` -> fp32 ``[T, E]``."""
-    return matmul_exact(x2, weight.t(), torch.float32, order=2)
+def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
+                 order: int | None = None, split_k: int | None = None) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` (any strides, bf16/fp16/fp32) -> ``[M, N]`` contiguous
+    ``out_dtype``, exact to float32 accuracy without TF32 (module docstring). ``order``
+    defaults to 2 for a float32 output and 1 otherwise; ``split_k`` overrides the
+    heuristic's K split."""
+    if order is None:
+        order = 2 if out_dtype == torch.float32 else 1
+    ap = split_parts(a, order + 1)
+    bp = split_parts(b, order + 1)
+    cfg = None
+    if split_k is not None:
+        PA, M, K = ap.shape
+        cfg = _mm_config(M, bp.shape[2], K, min(PA, order + 1), min(bp.shape[0], order + 1),
+                         a.device)[:5] + (split_k,)
+    return matmul_parts(ap, bp, out_dtype, order, config=cfg)
+
+
+def weight_parts(weight: torch.Tensor) -> torch.Tensor:
+    """The router weight ``[E, K]`` as its bf16 parts ``[P, E, K]`` (:func:`split_parts`):
+    made once per forward and saved for the backward's ``dx``."""
+    return split_parts(weight)
+
+
+def router_logits_fwd(x2: torch.Tensor, weight: torch.Tensor,
+                      w_parts: torch.Tensor | None = None) -> torch.Tensor:
+    """``x2 [T, K] @ weight[E, K]^T`` -> fp32 ``[T, E]`` (fp32-exact). ``w_parts``:
+    :func:`weight_parts` of ``weight`` if the caller has it (else split here)."""
+    wp = weight_parts(weight) if w_parts is None else w_parts
+    return matmul_parts(split_parts(x2), wp.transpose(1, 2), torch.float32, 2,
+                        config=CONFIG["fwd"])
 
 
 # ------------------------------------------------------------------------------ top-k
