@@ -261,3 +261,37 @@ class Report:
     device: str
     copy_gbps: float
     rows: list[dict] = field(default_factory=list)
+
+
+def load_module_at(rev: str, path: str, name: str, *, src_dir: str | None = None,
+                   replace: Sequence[tuple[str, str]] = ()):
+    """A past version of a linghe module, for probes that time a change against what it
+    replaced: ``path`` (e.g. ``"linghe/fwd/rope.py"``) at git ``rev``, or read from
+    ``src_dir`` (a folder holding the file under its base name; for copies of the tree
+    without ``.git``), imported as ``name`` (e.g. ``"linghe.fwd._rope_old"``, so that its
+    relative imports resolve in the package) after the ``replace`` string substitutions
+    (e.g. pointing an old backward at the old forward)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if src_dir:
+        with open(os.path.join(src_dir, os.path.basename(path))) as fh:
+            src = fh.read()
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
+                             capture_output=True, text=True).stdout
+    for old, new in replace:
+        src = src.replace(old, new)
+    # Triton reads a kernel's source from its file: keep the file for the process' life.
+    fd, file = tempfile.mkstemp(suffix=".py", prefix=name.replace(".", "_"))
+    with os.fdopen(fd, "w") as fh:
+        fh.write(src)
+    spec = importlib.util.spec_from_file_location(name, file)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,11 +1,12 @@
 """Probe of the ``qk_norm_rope`` kernels (split + qk-norm + half RoPE + transpose):
-``python -m benchmark.probe_rope --out DIR [--cpu] [--quick] [--old DIR]``.
+``python -m benchmark.probe_rope --out DIR [--cpu] [--quick] [--old-rev REV | --old DIR]``.
 
 At the standard shape (seq 4096 x batch 2, 16 q / 4 kv heads, head_dim 128, rotary_dim
 64, bf16 qk-norm weights, layout "sbh", Megatron-interleaved qkv, bf16) it times the
 forward and backward launchers of :mod:`linghe.fwd.rope` / :mod:`linghe.bwd.rope` against
-the same launchers at git ``HEAD`` (the "old" kernels, loaded from ``git show HEAD:...``
-into temporary modules, or from ``--old DIR`` holding ``fwd_rope.py`` and ``bwd_rope.py``)
+the same launchers before the rewrite (the "old" kernels, git ``--old-rev``, default the
+commit before it, loaded into temporary modules, or from ``--old DIR`` holding
+``rope.py`` files of ``fwd`` and ``bwd``: see ``--old``)
 and, for the new kernels, every value of the launch knobs (``FWD_TOKENS`` x
 ``FWD_NUM_WARPS``, ``BWD_TOKENS`` x ``BWD_NUM_WARPS``; rows marked ``*`` are the
 defaults).
@@ -30,13 +31,10 @@ not a measurement). The table is printed last; ``DIR/probe_rope.json`` gets the 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -52,6 +50,8 @@ from linghe import reference as ref  # noqa: E402
 from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
+from .harness import load_module_at  # noqa: E402
+
 _FWD_KNOBS = [(1, 4), (2, 4), (2, 8), (4, 8), (1, 8)]
 _BWD_KNOBS = [(1, 4), (1, 8), (2, 8), (2, 4)]
 _CPU_KNOBS = [(1, 4), (2, 4)]
@@ -64,39 +64,28 @@ def _parse(argv):
     p.add_argument("--out", default=None, help="directory for probe_rope.json")
     p.add_argument("--cpu", action="store_true", help="tiny shapes, Triton interpreter")
     p.add_argument("--quick", action="store_true", help="default knobs only")
-    p.add_argument("--old", default=None, help="directory with the old fwd_rope.py and "
-                   "bwd_rope.py (default: git show HEAD:linghe/{fwd,bwd}/rope.py)")
+    p.add_argument("--old-rev", default=OLD_REV, help="git revision of the old kernels")
+    p.add_argument("--old", default=None, help="directory with the old kernels (fwd's and "
+                   "bwd's rope.py under fwd/ and bwd/) instead of git (a copy without .git)")
     return p.parse_args(argv)
 
 
 # ------------------------------------------------------------------------ old kernels
-def _load_old(old_dir: str | None, tmp: str):
-    """The HEAD versions of linghe/fwd/rope.py and linghe/bwd/rope.py as modules
-    ``linghe.fwd._rope_old`` / ``linghe.bwd._rope_old`` (relative imports resolve in the
-    package; the old backward imports the old forward's helpers)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    srcs = {}
-    for part in ("fwd", "bwd"):
-        if old_dir:
-            with open(os.path.join(old_dir, f"{part}_rope.py")) as f:
-                srcs[part] = f.read()
-        else:
-            srcs[part] = subprocess.run(["git", "show", f"HEAD:linghe/{part}/rope.py"],
-                                        cwd=root, check=True, capture_output=True,
-                                        text=True).stdout
-    srcs["bwd"] = srcs["bwd"].replace("from ..fwd.rope import", "from ..fwd._rope_old import")
-    mods = {}
-    for part in ("fwd", "bwd"):
-        path = os.path.join(tmp, f"{part}_rope_old.py")
-        with open(path, "w") as f:
-            f.write(srcs[part])
-        name = f"linghe.{part}._rope_old"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        mods[part] = mod
-    return mods["fwd"], mods["bwd"]
+#: The commit before the 4-D-tile rewrite of the qk_norm_rope kernels.
+OLD_REV = "42e0718~1"
+
+
+def _load_old(old_dir: str | None, rev: str):
+    """The old linghe/fwd/rope.py and linghe/bwd/rope.py (at git ``rev``, or from
+    ``old_dir``/fwd and ``old_dir``/bwd) as modules ``linghe.fwd._rope_old`` /
+    ``linghe.bwd._rope_old`` (the old backward imports the old forward's helpers)."""
+    def src(part):
+        return os.path.join(old_dir, part) if old_dir else None
+
+    fwd = load_module_at(rev, "linghe/fwd/rope.py", "linghe.fwd._rope_old", src_dir=src("fwd"))
+    bwd = load_module_at(rev, "linghe/bwd/rope.py", "linghe.bwd._rope_old", src_dir=src("bwd"),
+                         replace=[("from ..fwd.rope import", "from ..fwd._rope_old import")])
+    return fwd, bwd
 
 
 # ------------------------------------------------------------------------ timing
@@ -209,8 +198,7 @@ def main(argv=None) -> int:
     from linghe.bwd import rope as B
     from linghe.fwd import rope as F
 
-    tmp = tempfile.TemporaryDirectory()
-    oldF, oldB = _load_old(args.old, tmp.name)
+    oldF, oldB = _load_old(args.old, args.old_rev)
     p = _shape(cpu)
     T, W = p["B"] * p["S"], (p["H"] + 2 * p["Hkv"]) * p["D"]
     opts = dict(num_heads=p["H"], num_kv_heads=p["Hkv"], head_dim=p["D"], rotary_dim=p["R"],
@@ -318,7 +306,7 @@ def _print_table(rows, dev_name, copy):
     lines = []
     for r in rows:
         k = r["knobs"]
-        kn = (f"t{k['tokens']} w{k['warps']}" if k else "HEAD") + (" *" if r["default"] else "")
+        kn = (f"t{k['tokens']} w{k['warps']}" if k else "before") + (" *" if r["default"] else "")
         vo = r.get("vs_old")
         vs = ("; ".join(f"{n} {d['differ']}/{d['max_abs']:.2g}" for n, d in vo.items())
               if vo else "")
