@@ -7,6 +7,14 @@ from torch.utils._pytree import tree_map
 
 from .. import reference as ref
 
+
+def _tracing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is being traced (torch.compile, fake or functional tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return torch.compiler.is_compiling() or is_fake(t) or \
+        torch._is_functional_tensor(t)
+
 _COMPONENTS = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale",
                "col_segments")
 SCALINGS = ("1x128", "128x128", "tensor")
@@ -112,8 +120,9 @@ class Fp8Tensor(torch.Tensor):
             if self.rowwise_data is None:
                 raise ValueError("this Fp8Tensor has no rowwise copy")
             q = self.rowwise_data
-            if self.scaling == "1x128" and q.is_cuda and q.dim() == 2:
-                # One kernel (the reference's math) instead of a chain of torch ops.
+            if self.scaling == "1x128" and q.is_cuda and q.dim() == 2 and not _tracing(q):
+                # One kernel (the reference's math) instead of a chain of torch ops (which
+                # stay the path while torch.compile traces: a kernel has no fake form).
                 from .quantize import dequantize_1x128_rows
 
                 return dequantize_1x128_rows(q, self.rowwise_scale, dtype).reshape(self.shape)
