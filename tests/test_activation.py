@@ -332,6 +332,94 @@ def test_batch_silu_mul_quant(device, case, align, n, dtype):
     assert_close(gp, rp, name="dprobs")
 
 
+def _ref_tile_map(counts, align, R):
+    """The rows of :func:`linghe.fwd.activation.batch_tile_map` (columns 0-2) on the host."""
+    G = -(-R // 128) + len(counts)
+    tiles = []
+    for start, c, p in ref.expert_segments(counts, align):
+        tiles += [(start + 128 * k, start + c, start + p) for k in range(-(-p // 128))]
+    used = sum(p for *_, p in ref.expert_segments(counts, align))
+    k = 0
+    while len(tiles) < G:
+        tiles.append((used + 128 * k, 0, R))
+        k += 1
+    return tiles[:G]
+
+
+@pytest.mark.parametrize("counts,align,R", [
+    ([37], 16, 48), ([0, 0, 0], 16, 7), ([], 16, 300), ([5, 0, 40], 128, 300),
+    ([3, 0, 0, 17, 1, 0, 129, 2], 16, 300),
+    ([17000, 3, 0], 16, 17040),           # one expert with 133 tiles: two map chunks
+    ([50, 60], 16, 80),                   # counts past R: tiles >= G are dropped
+    ("e37", 16, None), ("e300", 8, None), ("e300", 128, None),  # E not a power of two
+])
+def test_batch_tile_map(device, counts, align, R):
+    """Every tile's ``(tile_start, real_end, seg_stop)`` and the offsets, for zero-token
+    experts, tails, many experts (E not a power of two), long segments, bogus counts."""
+    from linghe.fwd.activation import batch_tile_map
+
+    if isinstance(counts, str):
+        g = torch.Generator().manual_seed(int(counts[1:]) + align)
+        E = int(counts[1:])
+        counts = torch.randint(0, 40, (E,), generator=g)
+        counts[torch.randperm(E, generator=g)[:E // 5]] = 0
+        counts = counts.tolist()
+        R = sum(p for *_, p in ref.expert_segments(counts, align)) + 77
+    c = torch.tensor(counts, dtype=torch.int32, device=device)
+    tmap, g_off, seg_off = batch_tile_map(c, align, R)
+    want = _ref_tile_map(counts, align, R)
+    assert tmap.shape == (len(want), 4)
+    assert tmap[:, :3].cpu().tolist() == [list(t) for t in want]
+    segs = ref.expert_segments(counts, align)
+    ntile = [-(-p // 128) for *_, p in segs]
+    assert g_off.cpu().tolist() == [sum(ntile[:e]) for e in range(len(counts) + 1)]
+    assert seg_off.cpu().tolist() == [s_ for s_, _, _ in segs] + [sum(p for *_, p in segs)]
+
+
+@pytest.mark.gpu_subset(case=["e37"])
+@pytest.mark.parametrize("case", ["e37", 3])
+def test_batch_quant_fwd_knobs_same_bits(device, monkeypatch, case):
+    """The batch forward's launch knobs (program order, column blocks per program, warps,
+    register cap) change nothing in the outputs: the same bits as the defaults, which
+    match the reference. 37 experts (E not a power of two, zero-token experts, a tail)."""
+    from linghe.fwd import activation as A
+
+    if case == "e37":
+        g = torch.Generator().manual_seed(5)
+        counts = torch.randint(0, 300, (37,), generator=g)
+        counts[torch.randperm(37, generator=g)[:6]] = 0
+        counts, tail = counts.tolist(), 45
+    else:
+        counts, tail = BATCH_CASES[case]
+    n = 300  # 3 column blocks, the last partial
+    x, probs, c, real, R = _batch_inputs(counts, tail, 16, n, torch.bfloat16, device)
+
+    def run():
+        return A.batch_silu_mul_quant_fwd(x, probs, c, 16, columnwise=True, pow2_scale=True)
+
+    want = run()
+    q, s, qt, st, g_ref = ref.batch_silu_mul_quant(x.double(), probs.double(), counts, 16,
+                                                   pow2_scale=True)
+    assert torch.equal(want[4].cpu(), g_ref.cpu())
+    _check_scales(want[1], s, "rowwise scale")
+    _check_scales(want[3], st, "columnwise scale")
+    assert_fp8_close(want[0], q, "rowwise data")
+    assert_fp8_close(want[2], qt, "columnwise data")
+    for knobs in (dict(BATCH_QUANT_ORDER="cols"), dict(BATCH_QUANT_COLS=2),
+                  dict(BATCH_QUANT_COLS=3, BATCH_QUANT_ORDER="cols"),
+                  dict(BATCH_QUANT_NUM_WARPS=8, BATCH_QUANT_MAXNREG=80),
+                  dict(BATCH_QUANT_NUM_WARPS=16)):
+        with monkeypatch.context() as m:
+            for k, v in knobs.items():
+                m.setattr(A, k, v)
+            got = run()
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape and a.dtype == b.dtype, (knobs, i)
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), \
+                (knobs, i)
+
+
 def test_batch_silu_mul_quant_layout_and_int64_counts(device):
     counts = torch.tensor([4, 0, 19], device=device)  # int64
     layout = make_expert_layout(counts, 16, num_rows=60)
@@ -676,9 +764,29 @@ def test_probe_activation_cpu_smoke(device, tmp_path):
     assert any(r["knobs"].get("cols", 1) > 1 for r in rows)
 
 
+def test_probe_batch_quant_cpu_smoke(device, tmp_path):
+    """``python -m benchmark.probe_batch_quant --cpu`` (tiny shapes, interpreter): every
+    row passes, the new launcher's outputs are bit-identical to the old kernel's (loaded
+    from git) at every knob value, and the default matches the reference."""
+    if device != "cpu":
+        pytest.skip("the GPU runs the probe itself (python -m benchmark.probe_batch_quant)")
+    import json
+
+    from benchmark import probe_batch_quant
+
+    assert probe_batch_quant.main(["--cpu", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "probe_batch_quant.json").read_text())
+    rows = rep["rows"]
+    assert rep["interpreter"] and rows and all(r["ok"] for r in rows)
+    new = [r for r in rows if r["impl"] == "new"]
+    assert len(new) >= 4 and all(r["same_as_old"] for r in new)
+    assert any(r["vs_ref"]["ok"] for r in new if r.get("vs_ref"))
+
+
 # ------------------------------------------------------------------ offline GPU compile
-# The launchers' constexprs at the FP8 MoE shape (256 experts: EP2 = 512, align 16,
-# pow2 scales), with NCOL = 1 and a loop over column blocks (NCOL = 2).
+# The launchers' constexprs at the FP8 MoE shape (align 16, pow2 scales): the plain
+# forward, the batch forward with one column block per program and a loop over column
+# blocks (NCOL = 2) in both program orders and at 4/8/16 warps, and the batch tile map.
 _COMPILE_SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
@@ -693,19 +801,29 @@ def comp(fn, sig, consts, warps, div):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     return k.asm["ptx"]
 
-fs = dict(x_ptr="*bf16", p_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32",
-          qt_ptr="*fp8e4nv", st_ptr="*fp32", goff_ptr="*i32", M="i32", N="i32", E="i32",
-          stride_x="i32", ALIGN="i32", NG="i32", BM="constexpr", COLWISE="constexpr",
-          POW2="constexpr", HAS_P="constexpr", BATCH="constexpr", EP2="constexpr",
-          ALIGN16="constexpr", NCOL="constexpr")
-for batch, ncol in ((False, 1), (True, 1), (True, 2)):
-    ptx = comp(F._silu_mul_quant_fwd_kernel, fs,
-               dict(BM=128, COLWISE=True, POW2=True, HAS_P=True, BATCH=batch,
-                    EP2=512 if batch else 1, ALIGN16=batch, NCOL=ncol),
-               F.BATCH_QUANT_NUM_WARPS if batch else F.QUANT_NUM_WARPS,
-               ("M", "N", "stride_x", "ALIGN", "E"))
-    # The transposed fp8 stores must be 16-byte vectors (the batch form needs ALIGN16).
-    assert "st.global.b8" not in ptx and "st.global.v4" in ptx, (batch, ncol)
+fs = dict(x_ptr="*bf16", p_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv",
+          st_ptr="*fp32", M="i32", N="i32", stride_x="i32", NG="i32", BM="constexpr",
+          COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr")
+ptx = comp(F._silu_mul_quant_fwd_kernel, fs, dict(BM=128, COLWISE=True, POW2=True, HAS_P=True),
+           F.QUANT_NUM_WARPS, ("M", "N", "stride_x"))
+# The transposed fp8 stores must be 16-byte vectors.
+assert "st.global.b8" not in ptx and "st.global.v4" in ptx
+bq = dict(x_ptr="*bf16", p_ptr="*fp32", map_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32",
+          qt_ptr="*fp8e4nv", st_ptr="*fp32", M="i32", N="i32", stride_x="i32", NG="i32",
+          NPC="i32", COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr",
+          ALIGN16="constexpr", NCOL="constexpr", ROWS_FIRST="constexpr")
+for warps, ncol, rows_first in ((4, 1, True), (4, 2, False), (8, 1, False), (16, 1, True)):
+    ptx = comp(F._batch_silu_mul_quant_fwd_kernel, bq,
+               dict(COLWISE=True, POW2=True, HAS_P=True, ALIGN16=True, NCOL=ncol,
+                    ROWS_FIRST=rows_first), warps, ("M", "N", "stride_x"))
+    # 16-byte loads and stores (the batch form needs ALIGN16 for the transposed ones),
+    # one MUFU op each for silu's exp2 and reciprocal (silu_ftz).
+    assert "st.global.b8" not in ptx and "st.global.v4" in ptx, (warps, ncol)
+    assert "ld.global.v4" in ptx and "ex2.approx.ftz.f32" in ptx, (warps, ncol)
+    assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx, (warps, ncol)
+comp(F._batch_tile_map_kernel, dict(cnt_ptr="*i32", map_ptr="*i32", off_ptr="*i32", E="i32",
+     R="i32", G="i32", ALIGN="i32", EP2="constexpr", BT="constexpr"), dict(EP2=256, BT=128),
+     4, ())
 bs = dict(dy_ptr="*bf16", x_ptr="*bf16", p_ptr="*fp32", cnt_ptr="*i32", q_ptr="*fp8e4nv",
           s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", dpp_ptr="*fp32", M="i32",
           N="i32", E="i32", stride_dy="i32", stride_x="i32", NPROG_N="i32", ALIGN="i32",

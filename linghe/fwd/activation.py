@@ -8,8 +8,9 @@
   columnwise from the same fp32 values); programs take 128 rows x 128 output columns.
 - :func:`batch_silu_mul_quant_fwd`: the same for rows grouped by expert
   (:mod:`linghe.layout`): columnwise groups start at each expert segment's start and never
-  cross segments. Counts are read on the device (no host sync); the grid is sized by a
-  static bound and programs past the rows in use write zeros / scale 1.
+  cross segments. Counts are read on the device (no host sync): a one-wave launch turns
+  them into a row-tile map, then the grid (sized by a static bound) quantizes; programs
+  past the rows in use write zeros / scale 1.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
-from ..utils import cdiv, device_guard, empty, launch, next_power_of_2
+from ..utils import _INTERPRET_C, cdiv, device_guard, empty, launch, next_power_of_2
 
 BLOCK = 128
 
@@ -27,24 +28,32 @@ BLOCK = 128
 #: elements of one [BM, BN] tile per program in the plain (non-quantizing) kernels.
 TILE_ELEMS = 4096
 #: warps of the 128x128-tile quantizing forward kernels. ptxas (sm_90, offline): 8 warps
-#: use 128 registers, 4 warps 176 (255 for the batch form), so either way 2 programs fit
+#: use 128 registers, 4 warps 176, so either way 2 programs fit
 #: on an SM; 8 warps give those two tiles twice the warps. (quantize_1x128 prefers 4 warps
 #: because its single-input tile needs only 168 registers there: 3 programs per SM.)
 QUANT_NUM_WARPS = 8
-#: warps of the per-expert (batch) form: measured on an H200 (32 experts, [65536, 2048]),
-#: 4 warps 203 µs, 8 warps 284, 16 warps 277 (before :func:`aligned16`, when triton 3.6
-#: stored the transposed tile byte by byte; ``benchmark/probe_activation.py`` re-measures).
-BATCH_QUANT_NUM_WARPS = 4
+#: warps of the per-expert (batch) forward, :func:`batch_silu_mul_quant_fwd` (one 128x128
+#: tile per program), and its register cap per thread (``maxnreg``; None: ptxas chooses).
+#: A program holds its tile in registers, so these set how many programs share an SM:
+#: ptxas (triton 3.6, sm_90, columnwise + probs) gives 4 warps 168 registers (3 programs
+#: per SM), 8 warps 127 (2), 16 warps 64 (2); a cap of 80 at 8 warps gives 3 programs
+#: with 80 bytes of spills. ``python -m benchmark.probe_batch_quant`` times them: on an
+#: H100 8 warps with the ``"cols"`` order were fastest at 32 and 256 experts (163.8 /
+#: 174.7 µs; 4 warps, ``"rows"``: 166.6 / 176.7; the kernel before the tile map: 200.7 /
+#: 277.0), ``h100_probe_batch_quant_2026-11-25c.json``.
+BATCH_QUANT_NUM_WARPS = 8
+BATCH_QUANT_MAXNREG = None
 #: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy):
 #: 16 for its non-batch form, 530 against 623 µs with 8 at [69376, 2048] on an H100 (the
 #: batch form, when ``QUANT_BWD_MODE = "fused"``, preferred 8: 766 against 848).
 QUANT_BWD_NUM_WARPS = 16
 #: 128-column blocks that one program of the per-expert (batch) forward takes in turn (a
-#: loop): the row tile's :func:`expert_tile` (a load of the counts, two scans and several
-#: reductions over ``next_power_of_2(E + 1)`` lanes, all before the data loads can start)
-#: is then computed once per that many blocks. 1: one block per program, as before.
-#: ``python -m benchmark.probe_activation`` measures the values.
+#: loop; the program's row tile is looked up once). 1: one block per program.
 BATCH_QUANT_COLS = 1
+#: the batch forward's program order: ``"rows"`` (consecutive programs take consecutive
+#: row tiles of one column block: each qt row is written in long runs) or ``"cols"``
+#: (consecutive programs take the column blocks of one row tile: h is read in order).
+BATCH_QUANT_ORDER = "cols"
 #: the same for the quantized-dx backward kernel (both forms; 16 blocks at ``N = 1024``).
 QUANT_BWD_COLS = 1
 #: the batch (per-expert) quantized-dx backward: ``"two_kernel"`` (``silu_mul_bwd``
@@ -64,6 +73,28 @@ def silu_f32(g):
     """``(silu(g), sigmoid(g))`` for fp32 ``g``."""
     s = 1.0 / (1.0 + tl.exp(-g))
     return g * s, s
+
+
+@triton.jit
+def silu_ftz(g):
+    """``silu(g) = g * sigmoid(g)`` for fp32 ``g`` with one MUFU op each for the exponential
+    and the reciprocal (``ex2.approx.ftz``, ``rcp.approx.ftz``): the same bits as
+    :func:`silu_f32`, whose ``tl.exp`` and ``1.0 / x`` (``ex2.approx.f32``,
+    ``div.full.f32``) wrap the same MUFU ops in denormal fix-ups (6 instructions each
+    instead of 2 on sm_90), except that ``sigmoid(g)`` is flushed to 0 where it is
+    denormal: for ``g < -87.3`` silu is ``-0`` here, ``~-1e-36`` there (an exp2 result
+    that would be denormal only meets ``1 + e == 1``). The interpreter computes
+    :func:`silu_f32`'s formula."""
+    if _INTERPRET_C:
+        s = 1.0 / (1.0 + tl.exp(-g))
+    else:
+        # (-g) * log2(e) == g * -log2(e) exactly; log2(e) is tl.exp's fp32 constant.
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f",
+                                      [g * -1.4426950408889634], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        s = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    return g * s
 
 
 @triton.jit
@@ -163,15 +194,19 @@ def _silu_mul_fwd_kernel(x_ptr, p_ptr, y_ptr, M, N, stride_x, stride_y,
 @triton.jit
 def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
                      st_ptr, M, N, stride_x, NG, BM: tl.constexpr, COLWISE: tl.constexpr,
-                     POW2: tl.constexpr, HAS_P: tl.constexpr):
-    """One [BM, 128] output block (columns ``pid_n * 128 ..``) of the quantizing forward."""
+                     POW2: tl.constexpr, HAS_P: tl.constexpr, FAST_SILU: tl.constexpr):
+    """One [BM, 128] output block (columns ``pid_n * 128 ..``) of the quantizing forward
+    (``FAST_SILU``: :func:`silu_ftz`, else :func:`silu_f32`)."""
     cols = pid_n * 128 + tl.arange(0, 128)
     cmask = cols < N
     mask = lmask[:, None] & cmask[None, :]
     xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
     g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
-    silu, _ = silu_f32(g)
+    if FAST_SILU:
+        silu = silu_ftz(g)
+    else:
+        silu, _ = silu_f32(g)
     y = silu * u
     if HAS_P:
         y = y * p[:, None]
@@ -189,47 +224,107 @@ def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, q
 
 
 @triton.jit
-def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, goff_ptr,
-                               M, N, E, stride_x, ALIGN, NG,
+def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG,
                                BM: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
-                               HAS_P: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr,
-                               ALIGN16: tl.constexpr, NCOL: tl.constexpr):
-    # Program (pid_m, pid_c) takes the row tile pid_m and the 128-column blocks
-    # [pid_c * NCOL, pid_c * NCOL + NCOL) of the output, in turn.
+                               HAS_P: tl.constexpr):
+    # Program (pid_m, pid_n): rows [pid_m * BM, +BM), the 128-column block pid_n.
     pid_m = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    if BATCH:
-        tile_start, real_end, seg_stop, g_off, g_used, eidx, seg_off, used = expert_tile(
-            cnt_ptr, E, M, pid_m, ALIGN, EP2)
-        # Program (0, 0) publishes the per-expert columnwise group offsets [E + 1] and,
-        # in the next E + 1 entries, the segment offsets that the groups follow.
-        # (EP2 > E, so entry E fits in the same vector.)
-        first = (eidx * 0 + pid_m + pid_c) == 0
-        tl.store(goff_ptr + eidx, tl.where(eidx < E, g_off, g_used), mask=(eidx <= E) & first)
-        tl.store(goff_ptr + E + 1 + eidx, tl.where(eidx < E, seg_off, used),
-                 mask=(eidx <= E) & first)
+    pid_n = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    smask = rows < M
+    p = tl.zeros([BM], tl.float32)
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=smask, other=0.0).to(tl.float32)
+    _quant_fwd_block(pid_m, pid_n, rows, smask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
+                     st_ptr, M, N, stride_x, NG, BM, COLWISE, POW2, HAS_P, False)
+
+
+@triton.jit
+def _batch_tile_map_kernel(cnt_ptr, map_ptr, off_ptr, E, R, G, ALIGN, EP2: tl.constexpr,
+                           BT: tl.constexpr):
+    """The row tiles of a grouped buffer, for :func:`_batch_silu_mul_quant_fwd_kernel`.
+
+    Program ``e < E`` writes expert ``e``'s tiles, program ``E`` the tail tiles: tile
+    ``t`` gets ``map[t] = (tile_start, real_end, seg_stop)`` (rows ``< real_end`` are real,
+    rows up to ``seg_stop`` padding/tail; the same values as :func:`expert_tile`), tiles
+    ``t >= G`` are dropped. Also ``off[e]`` = ``g_off[e]`` (expert ``e``'s first tile,
+    ``g_off[E]`` the experts' tiles) and ``off[E + 1 + e]`` = its segment offset
+    (``offsets[E]`` the rows in use). Negative counts count as 0."""
+    e = tl.program_id(0)
+    idx = tl.arange(0, EP2)
+    c = tl.load(cnt_ptr + idx, mask=idx < E, other=0).to(tl.int32)
+    c = tl.maximum(c, 0)
+    padded = (c + ALIGN - 1) // ALIGN * ALIGN
+    ntile = (padded + 127) // 128
+    zero = tl.zeros_like(c)
+    before = idx < e
+    this = idx == e
+    seg_start = tl.sum(tl.where(before, padded, zero), 0)
+    g_start = tl.sum(tl.where(before, ntile, zero), 0)
+    tl.store(off_ptr + e, g_start)
+    tl.store(off_ptr + E + 1 + e, seg_start)
+    tail = e == E
+    nt = tl.where(tail, G - g_start, tl.sum(tl.where(this, ntile, zero), 0))
+    real_end = tl.where(tail, 0, seg_start + tl.sum(tl.where(this, c, zero), 0))
+    seg_stop = tl.where(tail, R, seg_start + tl.sum(tl.where(this, padded, zero), 0))
+    for k0 in range(0, nt, BT):
+        k = k0 + tl.arange(0, BT)
+        t = g_start + k
+        m = (k < nt) & (t < G)
+        tl.store(map_ptr + t * 4, seg_start + k * 128, mask=m)
+        tl.store(map_ptr + t * 4 + 1, real_end + k * 0, mask=m)
+        tl.store(map_ptr + t * 4 + 2, seg_stop + k * 0, mask=m)
+
+
+@triton.jit
+def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+                                     M, N, stride_x, NG, NPC, COLWISE: tl.constexpr,
+                                     POW2: tl.constexpr, HAS_P: tl.constexpr,
+                                     ALIGN16: tl.constexpr, NCOL: tl.constexpr,
+                                     ROWS_FIRST: tl.constexpr):
+    # Program pid takes row tile pid_m (from the tile map: it starts at its segment's
+    # start, so columnwise groups never cross segments) and the 128-column blocks
+    # [pid_c * NCOL, pid_c * NCOL + NCOL), in turn; NPC column programs per row tile.
+    pid = tl.program_id(0)
+    if ROWS_FIRST:
+        pid_m = pid % NG
+        pid_c = pid // NG
+    else:
+        pid_m = pid // NPC
+        pid_c = pid % NPC
+    tile_start = tl.load(map_ptr + pid_m * 4)
+    real_end = tl.load(map_ptr + pid_m * 4 + 1)
+    seg_stop = tl.load(map_ptr + pid_m * 4 + 2)
+    n0 = pid_c * NCOL
+    n1 = tl.minimum(n0 + NCOL, tl.cdiv(N, 128))
+    if (tile_start >= seg_stop) | (tile_start >= M):
+        # A tile past the rows (the static bound's spare tiles; ~18% of them at 256
+        # experts): only its columnwise group's scales, 1.
+        if COLWISE:
+            for pid_n in tl.range(n0, n1, num_stages=1):
+                cols = pid_n * 128 + tl.arange(0, 128)
+                tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m,
+                         tl.full([128], 1.0, tl.float32), mask=cols < N)
+    else:
         if ALIGN16:
             # Segment starts are multiples of ALIGN (a multiple of 16): show the compiler,
             # so that the transposed (row-contiguous) fp8 stores are 16-byte vectors.
             tile_start, seg_stop = aligned16(tile_start, seg_stop)
-        rows = tile_start.to(tl.int64) + tl.arange(0, BM)
+        rows = tile_start.to(tl.int64) + tl.arange(0, 128)
         smask = (rows < seg_stop) & (rows < M)   # rows this program writes
         lmask = (rows < real_end) & smask        # rows it reads (real rows)
-    else:
-        rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-        smask = rows < M
-        lmask = smask
-    p = tl.zeros([BM], tl.float32)
-    if HAS_P:
-        p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
-    if NCOL == 1:
-        _quant_fwd_block(pid_m, pid_c, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
-                         st_ptr, M, N, stride_x, NG, BM, COLWISE, POW2, HAS_P)
-    else:
-        n0 = pid_c * NCOL
-        for pid_n in tl.range(n0, tl.minimum(n0 + NCOL, tl.cdiv(N, 128)), num_stages=1):
-            _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
-                             qt_ptr, st_ptr, M, N, stride_x, NG, BM, COLWISE, POW2, HAS_P)
+        p = tl.zeros([128], tl.float32)
+        if HAS_P:
+            p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
+        if NCOL == 1:
+            _quant_fwd_block(pid_m, pid_c, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
+                             qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P,
+                             True)
+        else:
+            for pid_n in tl.range(n0, n1, num_stages=1):
+                _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
+                                 qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2,
+                                 HAS_P, True)
 
 
 _TILE_CONFIGS: dict = {}
@@ -277,9 +372,8 @@ def silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None, *, columnwis
         BM = 128 if columnwise else 32
         with device_guard(x):
             launch(_silu_mul_quant_fwd_kernel, (cdiv(M, BM), cdiv(N, BLOCK)),
-                x, probs, None, q, s, qt, st, None, M, N, 0, x.stride(0), 1,
-                cdiv(M, BLOCK), BM=BM, COLWISE=columnwise, POW2=pow2_scale,
-                HAS_P=probs is not None, BATCH=False, EP2=1, ALIGN16=False, NCOL=1,
+                x, probs, q, s, qt, st, M, N, x.stride(0), cdiv(M, BLOCK), BM=BM,
+                COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
                 num_warps=QUANT_NUM_WARPS if columnwise else 4)
     return q, s, qt, st
 
@@ -288,6 +382,28 @@ def batch_col_groups(num_rows: int, num_experts: int) -> int:
     """Static bound ``G = cdiv(num_rows, 128) + num_experts`` on the columnwise groups of a
     grouped buffer (each expert adds at most one partial group)."""
     return cdiv(num_rows, BLOCK) + num_experts
+
+
+def batch_tile_map(counts: torch.Tensor, align: int, num_rows: int):
+    """The 128-row tiles of a grouped buffer of ``num_rows`` rows with segments
+    ``counts [E]`` padded to ``align`` (one launch of ``E + 1`` programs, no host sync).
+
+    Returns ``(tile_map [G, 4] int32, g_off [E + 1] int32, seg_off [E + 1] int32)`` with
+    ``G = cdiv(num_rows, 128) + E``: tile ``t``'s ``(tile_start, real_end, seg_stop)`` in
+    columns 0-2 (column 3 unused; as :func:`expert_tile`: expert ``e`` owns tiles
+    ``[g_off[e], g_off[e+1])``, which start at its segment start ``seg_off[e]``; tiles from
+    ``g_off[E]`` on cover the tail rows from ``seg_off[E]`` and then lie past the rows)."""
+    E = counts.numel()
+    G = batch_col_groups(num_rows, E)
+    # One allocation; g_off first (storage offset 0, as the custom op's fake outputs
+    # have), the map's rows 16-byte aligned after it.
+    n_off = -(-2 * (E + 1) // 4) * 4
+    buf = empty(n_off + 4 * G, dtype=torch.int32, device=counts.device)
+    offs, tmap = buf[:2 * (E + 1)], buf[n_off:]
+    with device_guard(counts):
+        launch(_batch_tile_map_kernel, (E + 1,), counts, tmap, offs, E, num_rows, G, align,
+               EP2=next_power_of_2(max(E, 1)), BT=128, num_warps=4)
+    return tmap.view(G, 4), offs[:E + 1], offs[E + 1:]
 
 
 def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
@@ -301,6 +417,9 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     are columns ``[g_off[e], g_off[e+1])`` of ``st`` and start at row ``seg_off[e]`` (the
     segment offsets); columns from ``g_off[E]`` on hold the tail rows' groups (zeros) and
     then unused groups, all with scale 1.
+
+    Two launches: :func:`batch_tile_map`, then one program per 128-row tile x
+    ``BATCH_QUANT_COLS`` 128-column blocks.
     """
     R, N = x.shape[0], x.shape[1] // 2
     E = counts.numel()
@@ -312,14 +431,15 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     if columnwise:
         qt = empty(N, R, dtype=FP8_DTYPE, device=dev)
         st = empty(N, G, dtype=torch.float32, device=dev)
-    offs = empty(2, E + 1, dtype=torch.int32, device=dev)  # g_off, seg_off: one allocation
-    g_off = offs[0]
-    # N == 0 still runs one column of programs so that g_off is written.
+    tmap, g_off, seg_off = batch_tile_map(counts, align, R)
     ncol = max(BATCH_QUANT_COLS, 1)
-    with device_guard(x):
-        launch(_silu_mul_quant_fwd_kernel, (G, max(cdiv(cdiv(N, BLOCK), ncol), 1)),
-            x, probs, counts, q, s, qt, st, g_off, R, N, E, x.stride(0), align, G,
-            BM=BLOCK, COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-            BATCH=True, EP2=next_power_of_2(E + 1), ALIGN16=align % 16 == 0, NCOL=ncol,
-            num_warps=BATCH_QUANT_NUM_WARPS)
-    return q, s, qt, st, g_off, offs[1]
+    npc = cdiv(cdiv(N, BLOCK), ncol)
+    if G > 0 and npc > 0:
+        opts = {} if BATCH_QUANT_MAXNREG is None else {"maxnreg": BATCH_QUANT_MAXNREG}
+        with device_guard(x):
+            launch(_batch_silu_mul_quant_fwd_kernel, (G * npc,),
+                   x, probs, tmap, q, s, qt, st, R, N, x.stride(0), G, npc,
+                   COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
+                   ALIGN16=align % 16 == 0, NCOL=ncol, ROWS_FIRST=BATCH_QUANT_ORDER == "rows",
+                   num_warps=BATCH_QUANT_NUM_WARPS, **opts)
+    return q, s, qt, st, g_off, seg_off
