@@ -38,10 +38,11 @@ QUANT_NUM_WARPS = 8
 #: ptxas (triton 3.6, sm_90, columnwise + probs) gives 4 warps 168 registers (3 programs
 #: per SM), 8 warps 127 (2), 16 warps 64 (2); a cap of 80 at 8 warps gives 3 programs
 #: with 80 bytes of spills. ``python -m benchmark.probe_batch_quant`` times them: on an
-#: H100 8 warps with the ``"cols"`` order were fastest at 32 and 256 experts (163.8 /
-#: 174.7 µs; 4 warps, ``"rows"``: 166.6 / 176.7; the kernel before the tile map: 200.7 /
-#: 277.0), ``h100_probe_batch_quant_2026-11-25c.json``.
-BATCH_QUANT_NUM_WARPS = 8
+#: H100, 4 warps in ``"rows"`` order: 166.6 / 176.7 µs at 32 / 256 experts with pow2
+#: scales (the kernel before the tile map: 200.7 / 277.0;
+#: ``h100_probe_batch_quant_2026-11-25c.json``), 167.8 without. 8 warps in ``"cols"``
+#: order were 1-2% faster with pow2 scales (163.8 / 174.7) but 229 µs without them.
+BATCH_QUANT_NUM_WARPS = 4
 BATCH_QUANT_MAXNREG = None
 #: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy):
 #: 16 for its non-batch form, 530 against 623 µs with 8 at [69376, 2048] on an H100 (the
@@ -53,7 +54,7 @@ BATCH_QUANT_COLS = 1
 #: the batch forward's program order: ``"rows"`` (consecutive programs take consecutive
 #: row tiles of one column block: each qt row is written in long runs) or ``"cols"``
 #: (consecutive programs take the column blocks of one row tile: h is read in order).
-BATCH_QUANT_ORDER = "cols"
+BATCH_QUANT_ORDER = "rows"
 #: the same for the quantized-dx backward kernel (both forms; 16 blocks at ``N = 1024``).
 QUANT_BWD_COLS = 1
 #: the batch (per-expert) quantized-dx backward: ``"two_kernel"`` (``silu_mul_bwd``
