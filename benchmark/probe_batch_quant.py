@@ -51,7 +51,7 @@ import triton  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
 from .cases.activation import moe_grouped_inputs  # noqa: E402
-from .harness import load_module_at  # noqa: E402
+from .harness import device_time_us, load_module_at  # noqa: E402
 
 #: The commit whose batch forward the rewrite replaced (in-kernel expert lookup per
 #: program, libdevice-style exp/division).
@@ -114,24 +114,6 @@ def _graph_us(fn):
 
 def _bench_us(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def _kernel_us(fn, reps=10):
-    """Profiler device time per call (all kernels of a call)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-        tot = sum(e.self_device_time_total for e in prof.key_averages()
-                  if "memcpy" not in e.key.lower() and "memset" not in e.key.lower())
-        return tot / reps or None
-    except Exception:  # the profiler is optional
-        return None
 
 
 def _copy_gbps(cpu):
@@ -242,7 +224,7 @@ def main(argv=None) -> int:
             if cpu:
                 r["interp_us"] = first
             else:
-                r["kernel_us"] = _kernel_us(fn)
+                r["kernel_us"] = device_time_us(fn)
                 r["graph_us"] = _graph_us(fn)
                 r["bench_us"] = _bench_us(fn)
                 t = r["kernel_us"] or r["graph_us"]

@@ -50,7 +50,7 @@ from linghe import reference as ref  # noqa: E402
 from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
-from .harness import load_module_at  # noqa: E402
+from .harness import device_time_us, load_module_at  # noqa: E402
 
 _FWD_KNOBS = [(1, 4), (2, 4), (2, 8), (4, 8), (1, 8)]
 _BWD_KNOBS = [(1, 4), (1, 8), (2, 8), (2, 4)]
@@ -92,27 +92,6 @@ def _load_old(old_dir: str | None, rev: str):
 def _sync(cpu):
     if not cpu:
         torch.cuda.synchronize()
-
-
-def _kernel_us(fn, reps=10):
-    """Profiler kernel time per call (each call after an L2 flush; flushes subtracted)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-
-    def total(with_fn):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                flush.zero_()
-                if with_fn:
-                    fn()
-            torch.cuda.synchronize()
-        return sum(e.self_device_time_total for e in prof.key_averages())
-
-    try:
-        return max(total(True) - total(False), 0.0) / reps
-    except Exception:  # the profiler is optional
-        return None
 
 
 def _graph_us(fn):
@@ -240,7 +219,7 @@ def main(argv=None) -> int:
                 r["kernel_us"], r["graph_us"], r["host_us"] = None, None, None
                 r["interp_us"] = first
             else:
-                r["kernel_us"] = _kernel_us(fn)
+                r["kernel_us"] = device_time_us(fn)
                 r["graph_us"] = _graph_us(fn)
                 r["host_us"], r["host_waited"] = _host_us(fn)
                 t = r["kernel_us"] or r["graph_us"]

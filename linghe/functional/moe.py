@@ -152,83 +152,84 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if not ctx.fp8_wgrad:
-            return _GroupedSwiGLUFp8._backward_hp_wgrad(ctx, dy)
-        h, probs = ctx.saved_tensors
-        layout, pow2 = ctx.layout, ctx.pow2
-        need_rows, need_p, need_w1, need_w2, need_da = ctx.need
-        offsets, counts, align = layout.offsets, layout.tokens_per_expert, layout.align
-        x_dtype, w1_dtype, w2_dtype = ctx.dtypes
         if isinstance(dy, Fp8Tensor):
             dy = dy.dequantize()
-        dy = dy.contiguous()
-        d_rows = d_p = d_w1 = d_w2 = None
-        dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
-            dy, counts, align, rowwise=need_da, columnwise=need_w2, pow2_scale=pow2))
-        if need_w2:
-            d_w2 = bwd_gm.grouped_mm_fp8_wgrad(dyq, ctx.a2, offsets, out_dtype=w2_dtype,
-                                               segments=True, align=align)
-        if need_da:
-            da = bwd_gm.grouped_mm_fp8_dgrad(dyq, ctx.w2, offsets, out_dtype=h.dtype)
-            dh, d_p = silu_mul_bwd_quant(da, h, probs, columnwise=need_w1, pow2_scale=pow2,
-                                         need_dprobs=need_p, counts=counts, align=align,
-                                         segments=offsets)
-            if need_rows:
-                d_rows = bwd_gm.grouped_mm_fp8_dgrad(dh, ctx.w1, offsets, out_dtype=x_dtype)
-            if need_w1:
-                a1 = ctx.a1
-                if a1.columnwise_data is None:  # FP8 rows: columnwise from the rowwise copy
-                    a1 = _Parts(a1.shape, *fwd_gm.quantize_grouped_fwd(
-                        a1.rowwise_data, counts, align, x_scale=a1.rowwise_scale,
-                        rowwise=False, columnwise=True, pow2_scale=pow2))
-                d_w1 = bwd_gm.grouped_mm_fp8_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
-                                                   segments=True, align=align)
+        h, probs = ctx.saved_tensors
+        backward = _backward_fp8_wgrad if ctx.fp8_wgrad else _backward_hp_wgrad
+        grads = backward(ctx, dy.contiguous(), h, probs)
         ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = None
-        return d_rows, d_p, d_w1, d_w2, None, None, None, None
+        return (*grads, None, None, None, None)
 
-    @staticmethod
-    def _backward_hp_wgrad(ctx, dy):
-        """The backward with the weight gradients in high precision (``fp8_wgrad=False``):
-        the dgrads stay FP8 (rowwise copies only), the wgrads are ``grouped_mm_wgrad``
-        (``torch._grouped_mm`` where it applies) of the gradients as they arrive in
-        rows' dtype and the activations: the SwiGLU output the down GEMM multiplied
-        (dequantized) and the rows (FP8 rows dequantized). With ~256
-        tokens per expert (256 experts) the FP8 wgrad's short K loop per output tile
-        loses to the bf16 kernel, and no columnwise copy is made on either side."""
-        h, probs = ctx.saved_tensors
-        layout, pow2 = ctx.layout, ctx.pow2
-        need_rows, need_p, need_w1, need_w2, need_da = ctx.need
-        offsets, counts, align = layout.offsets, layout.tokens_per_expert, layout.align
-        x_dtype, w1_dtype, w2_dtype = ctx.dtypes
-        if isinstance(dy, Fp8Tensor):
-            dy = dy.dequantize()
-        dy = dy.contiguous()
-        d_rows = d_p = d_w1 = d_w2 = None
-        if need_w2:
-            a2 = ctx.a2
-            a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
-            d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype)
-            del a2_hp
-        if need_da:
-            dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
-                dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
-            da = bwd_gm.grouped_mm_fp8_dgrad(dyq, ctx.w2, offsets, out_dtype=h.dtype)
-            del dyq
-            dh, d_p = silu_mul_bwd(da, h, probs, need_dprobs=need_p, counts=counts,
-                                   align=align)
-            del da
-            if need_rows:
-                dhq = _Parts(dh.shape, *fwd_gm.quantize_grouped_fwd(
-                    dh, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
-                d_rows = bwd_gm.grouped_mm_fp8_dgrad(dhq, ctx.w1, offsets, out_dtype=x_dtype)
-                del dhq
-            if need_w1:
-                a1 = ctx.a1
-                if isinstance(a1, _Parts):  # FP8 rows: what the gate_up GEMM multiplied
-                    a1 = dequantize_1x128_rows(a1.rowwise_data, a1.rowwise_scale, dh.dtype)
-                d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype)
-        ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = None
-        return d_rows, d_p, d_w1, d_w2, None, None, None, None
+
+def _backward_fp8_wgrad(ctx, dy, h, probs):
+    """``(d_rows, d_probs, d_gate_up, d_down)`` with every GEMM in FP8 (module docstring)."""
+    pow2 = ctx.pow2
+    need_rows, need_p, need_w1, need_w2, need_da = ctx.need
+    offsets, counts, align = (ctx.layout.offsets, ctx.layout.tokens_per_expert,
+                              ctx.layout.align)
+    x_dtype, w1_dtype, w2_dtype = ctx.dtypes
+    d_rows = d_p = d_w1 = d_w2 = None
+    dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
+        dy, counts, align, rowwise=need_da, columnwise=need_w2, pow2_scale=pow2))
+    if need_w2:
+        d_w2 = bwd_gm.grouped_mm_fp8_wgrad(dyq, ctx.a2, offsets, out_dtype=w2_dtype,
+                                           segments=True, align=align)
+    if need_da:
+        da = bwd_gm.grouped_mm_fp8_dgrad(dyq, ctx.w2, offsets, out_dtype=h.dtype)
+        dh, d_p = silu_mul_bwd_quant(da, h, probs, columnwise=need_w1, pow2_scale=pow2,
+                                     need_dprobs=need_p, counts=counts, align=align,
+                                     segments=offsets)
+        if need_rows:
+            d_rows = bwd_gm.grouped_mm_fp8_dgrad(dh, ctx.w1, offsets, out_dtype=x_dtype)
+        if need_w1:
+            a1 = ctx.a1
+            if a1.columnwise_data is None:  # FP8 rows: columnwise from the rowwise copy
+                a1 = _Parts(a1.shape, *fwd_gm.quantize_grouped_fwd(
+                    a1.rowwise_data, counts, align, x_scale=a1.rowwise_scale,
+                    rowwise=False, columnwise=True, pow2_scale=pow2))
+            d_w1 = bwd_gm.grouped_mm_fp8_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
+                                               segments=True, align=align)
+    return d_rows, d_p, d_w1, d_w2
+
+
+def _backward_hp_wgrad(ctx, dy, h, probs):
+    """The backward with the weight gradients in high precision (``fp8_wgrad=False``):
+    the dgrads stay FP8 (rowwise copies only), the wgrads are ``grouped_mm_wgrad``
+    (``torch._grouped_mm`` where it applies) of the gradients as they arrive in
+    rows' dtype and the activations: the SwiGLU output the down GEMM multiplied
+    (dequantized) and the rows (FP8 rows dequantized). With ~256
+    tokens per expert (256 experts) the FP8 wgrad's short K loop per output tile
+    loses to the bf16 kernel, and no columnwise copy is made on either side."""
+    pow2 = ctx.pow2
+    need_rows, need_p, need_w1, need_w2, need_da = ctx.need
+    offsets, counts, align = (ctx.layout.offsets, ctx.layout.tokens_per_expert,
+                              ctx.layout.align)
+    x_dtype, w1_dtype, w2_dtype = ctx.dtypes
+    d_rows = d_p = d_w1 = d_w2 = None
+    if need_w2:
+        a2 = ctx.a2
+        a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
+        d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype)
+        del a2_hp
+    if need_da:
+        dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
+            dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
+        da = bwd_gm.grouped_mm_fp8_dgrad(dyq, ctx.w2, offsets, out_dtype=h.dtype)
+        del dyq
+        dh, d_p = silu_mul_bwd(da, h, probs, need_dprobs=need_p, counts=counts,
+                               align=align)
+        del da
+        if need_rows:
+            dhq = _Parts(dh.shape, *fwd_gm.quantize_grouped_fwd(
+                dh, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
+            d_rows = bwd_gm.grouped_mm_fp8_dgrad(dhq, ctx.w1, offsets, out_dtype=x_dtype)
+            del dhq
+        if need_w1:
+            a1 = ctx.a1
+            if isinstance(a1, _Parts):  # FP8 rows: what the gate_up GEMM multiplied
+                a1 = dequantize_1x128_rows(a1.rowwise_data, a1.rowwise_scale, dh.dtype)
+            d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype)
+    return d_rows, d_p, d_w1, d_w2
 
 
 def _check(rows, probs_rows, gate_up, down, layout, fp8):
