@@ -752,8 +752,11 @@ def parse_args(argv=None):
                         "fused), the torch mode with PyTorch's fused AdamW; torch: every mode "
                         "with PyTorch's fused AdamW (the earlier setup)")
     p.add_argument("--fp8-wgrad", choices=("fp8", "bf16"), default="fp8",
-                   help="the fp8 mode's weight gradients: in FP8 (the recipe's default) or "
-                        "in bf16 (TrainingContext(fp8_wgrad=False))")
+                   help="the fp8 mode's dense layers' weight gradients: in FP8 (the "
+                        "recipe's default) or in bf16 (TrainingContext(fp8_wgrad=False))")
+    p.add_argument("--expert-fp8-wgrad", choices=("fp8", "bf16"), default="bf16",
+                   help="the fp8 mode's MoE experts' weight gradients: in bf16 (the "
+                        "recipe's default) or in FP8 (TrainingContext(expert_fp8_wgrad=True))")
     p.add_argument("--top-kernels", type=int, default=10,
                    help="print the N longest kernels of each profiled row (0: none)")
     args = p.parse_args(argv)
@@ -808,6 +811,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = config_from_args(args, device)
     e2e_model.FP8_WGRAD = args.fp8_wgrad == "fp8"
+    e2e_model.EXPERT_FP8_WGRAD = args.expert_fp8_wgrad == "fp8"
     env = environment()
     print(f"[e2e] {env['device']}; torch {env['torch']}, triton {env['triton']}")
     if args.train_steps:
@@ -815,6 +819,7 @@ def main(argv=None) -> int:
     else:
         result = throughput_job(args, cfg, device)
     result.update(env=env, width=args.width, fp8_wgrad=args.fp8_wgrad,
+                  expert_fp8_wgrad=args.expert_fp8_wgrad,
                   argv=sys.argv[1:] if argv is None else argv)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -355,15 +355,18 @@ def build_model(cfg: E2EConfig, *, device, dtype=torch.bfloat16, seed: int = 0) 
 # ======================================================================================
 
 
-#: The fp8 mode's weight gradients in FP8 (``True``, the recipe's default) or in bf16
-#: (``benchmark.e2e --fp8-wgrad bf16``).
+#: The fp8 mode's dense layers' weight gradients in FP8 (``True``, the recipe's default) or
+#: in bf16 (``benchmark.e2e --fp8-wgrad bf16``), and the MoE experts' (bf16 by default;
+#: ``--expert-fp8-wgrad fp8``).
 FP8_WGRAD = True
+EXPERT_FP8_WGRAD = False
 
 
 def fp8_context(mode: str):
     """The context a step of ``mode`` runs in."""
     if mode == "fp8":
-        return linghe.TrainingContext(fp8="blockwise", fp8_wgrad=FP8_WGRAD)
+        return linghe.TrainingContext(fp8="blockwise", fp8_wgrad=FP8_WGRAD,
+                                      expert_fp8_wgrad=EXPERT_FP8_WGRAD)
     return contextlib.nullcontext()
 
 

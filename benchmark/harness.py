@@ -285,6 +285,8 @@ def load_module_at(rev: str, path: str, name: str, *, src_dir: str | None = None
         src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
                              capture_output=True, text=True).stdout
     for old, new in replace:
+        if old not in src:
+            raise ValueError(f"load_module_at: {old!r} is not in {path} at {rev}")
         src = src.replace(old, new)
     # Triton reads a kernel's source from its file: keep the file for the process' life.
     fd, file = tempfile.mkstemp(suffix=".py", prefix=name.replace(".", "_"))
@@ -293,5 +295,9 @@ def load_module_at(rev: str, path: str, name: str, *, src_dir: str | None = None
     spec = importlib.util.spec_from_file_location(name, file)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return mod

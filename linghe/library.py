@@ -883,6 +883,9 @@ def _lce_setup(ctx, inputs, output):
     ctx.need = (nh, nw, nb)
     ctx.opts = (ignore_index, ls, z, chunk)
     ctx.bias_dtype = bias.dtype if bias is not None else None
+    from .functional.loss import row_weight_in_forward
+
+    ctx.row_weight_applied = row_weight_in_forward(hidden.dtype)
     if ctx.fused:
         ctx.save_for_backward(dh, dw, db, inv_n)
     else:
@@ -894,8 +897,9 @@ def _lce_backward(ctx, grad, *_unused):
     nh, nw, nb = ctx.need
     none = (None,) * 9
     if ctx.fused:
-        dh, dw, db, _ = ctx.saved_tensors
-        scale = grad.float()  # (the forward applied the row weight inv_n)
+        dh, dw, db, inv_n = ctx.saved_tensors
+        # (the forward applied the row weight inv_n, except for float16)
+        scale = grad.float() if ctx.row_weight_applied else grad.float() * inv_n[0]
         return ((dh * scale).to(dh.dtype) if nh else None,
                 (dw * scale).to(dw.dtype) if nw else None,
                 (db * scale).to(ctx.bias_dtype) if nb else None, *none)

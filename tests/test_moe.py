@@ -251,7 +251,7 @@ def test_grouped_swiglu_fp8_vs_reference(case, fp8_wgrad):
 
 
 @pytest.mark.parametrize("case", [([5, 0, 30], 16, 128, 192), ([0, 17, 1], 8, 256, 64),
-                                  ([0, 0], 16, 128, 64)],
+                                  ([0, 0], 16, 128, 64), ([3, 6, 0], 4, 128, 64)],
                          ids=lambda c: f"E{len(c[0])}-a{c[1]}-H{c[2]}-I{c[3]}")
 @pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16-rows", "fp8-rows"])
 def test_grouped_swiglu_fp8_high_precision_wgrad(case, fp8_rows):

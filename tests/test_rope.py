@@ -106,7 +106,7 @@ def test_qk_norm_rope_many_tokens(device, monkeypatch, tokens, programs):
 @pytest.mark.parametrize("norm", ["both", "k"])
 def test_qk_norm_rope_several_head_blocks(device, monkeypatch, interleaved, norm):
     # A tile cap of 4096 elements at head_dim 256 caps a head tile at 16 heads: 17 q heads
-    # take two blocks, 2 kv heads one (the head-block loops of both kernels).
+    # take two blocks, the 1 kv head one (the head-block loops of both kernels).
     from linghe.fwd import rope as fwd_rope
 
     monkeypatch.setattr(fwd_rope, "TILE_CAP", 4096)

@@ -342,7 +342,7 @@ def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Ten
     out_dtype = out_dtype or rows.dtype
     use_torch = (backend == "torch" or (backend == "auto" and out_dtype == torch.bfloat16
                                         and torch_grouped_mm_ok(d_out, rows)))
-    if use_torch and N > 0 and K > 0:
+    if use_torch and N > 0 and K > 0 and E > 0:
         # 2D x 2D with offs along the contraction (row) dim -> [E, N, K]; rows past
         # offsets[E] are ignored, an empty group gives zeros.
         return torch._grouped_mm(d_out.t(), rows, offs=offsets[1:]).to(out_dtype)

@@ -120,7 +120,10 @@ class Fp8Tensor(torch.Tensor):
             if self.rowwise_data is None:
                 raise ValueError("this Fp8Tensor has no rowwise copy")
             q = self.rowwise_data
-            if self.scaling == "1x128" and q.is_cuda and q.dim() == 2 and not _tracing(q):
+            if (self.scaling == "1x128" and q.is_cuda and q.dim() == 2
+                    and q.dtype == torch.float8_e4m3fn and q.stride(-1) == 1
+                    and self.rowwise_scale.dtype == torch.float32
+                    and self.rowwise_scale.stride(-1) == 1 and not _tracing(q)):
                 # One kernel (the reference's math) instead of a chain of torch ops (which
                 # stay the path while torch.compile traces: a kernel has no fake form).
                 from .quantize import dequantize_1x128_rows

@@ -202,6 +202,14 @@ def _chunk_logits(h, weight, bias):
     return torch.addmm(bias, h, weight.t())
 
 
+def row_weight_in_forward(dtype: torch.dtype) -> bool:
+    """Whether the fused linear cross entropy applies the reduction's row weight
+    (``1/n_valid``) to the logits' gradient in the forward (then the backward only applies
+    ``grad_output``): not for float16, whose range would flush ``p / n_valid`` to zero at
+    thousands of tokens before the GEMMs (bf16 and float32 have float32's exponent range)."""
+    return dtype != torch.float16
+
+
 def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
                 chunk_size, need_grads, vocab, group):
     """The chunked forward of :func:`linear_cross_entropy` (also run by its custom op,
@@ -209,10 +217,11 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
 
     Returns ``(out, inv_n, dh, dw, db, lse)``: with a "mean"/"sum" reduction and a gradient
     needed ("fused"), the gradients ``dh``, ``dw``, ``db`` of the reduced loss (``None``
-    where not needed; the row weight ``inv_n`` is applied to the logits' gradient, so
-    only ``grad_output`` is left for the backward) and ``lse = None``; otherwise no
-    gradients and the per-row ``lse [N]`` for the backward's recomputation. ``inv_n`` is
-    ``None`` for ``reduction="none"``."""
+    where not needed; the row weight ``inv_n`` already applied where
+    :func:`row_weight_in_forward`, so only ``grad_output`` is left for the backward,
+    else weight 1 per row) and ``lse = None``; otherwise no gradients and the per-row
+    ``lse [N]`` for the backward's recomputation. ``inv_n`` is ``None`` for
+    ``reduction="none"``."""
     N, H = hidden.shape
     V = weight.shape[0]
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
@@ -224,8 +233,9 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
     if fused:
         # The gradients are computed now, each row's weighted by the reduction's row
         # weight (known from the labels), so the backward only applies grad_output.
-        row_w = ce_row_weight(labels, ignore_index=ignore_index,
-                              vocab_total=vocab["vocab_total"], mean=reduction == "mean")
+        if row_weight_in_forward(hidden.dtype):
+            row_w = ce_row_weight(labels, ignore_index=ignore_index,
+                                  vocab_total=vocab["vocab_total"], mean=reduction == "mean")
         if need_h:
             dh = empty(N, H, dtype=hidden.dtype, device=hidden.device)
         if need_w:  # the first chunk writes it (no zero fill) unless there is none
@@ -326,6 +336,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk_size, need_grads, vocab, group)
         ctx.fused = lse is None
         ctx.grads_taken = False
+        ctx.row_weight_applied = row_weight_in_forward(hidden.dtype)
         ctx.opts = (ignore_index, label_smoothing, z_loss)
         ctx.vocab = vocab
         ctx.group = group
@@ -351,10 +362,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     "them over once: a second backward through the same call is not "
                     "supported (call it again, or use reduction='none' and reduce outside)")
             ctx.grads_taken = True
-            dh, dw, db, _ = ctx.saved_tensors
-            gh = scale_by_grad_(dh, grad) if (nh and dh is not None) else None
-            gw = scale_by_grad_(dw, grad) if (nw and dw is not None) else None
-            gb = (db * grad.float()).to(ctx.bias_dtype) if (nb and db is not None) else None
+            dh, dw, db, inv_n = ctx.saved_tensors
+            g = grad if ctx.row_weight_applied else grad.float() * inv_n[0]
+            if torch.is_grad_enabled():  # create_graph: differentiable in grad_output
+                gh = (dh * g).to(dh.dtype) if (nh and dh is not None) else None
+                gw = (dw * g).to(dw.dtype) if (nw and dw is not None) else None
+            else:
+                gh = scale_by_grad_(dh, g) if (nh and dh is not None) else None
+                gw = scale_by_grad_(dw, g) if (nw and dw is not None) else None
+            gb = (db * g.float()).to(ctx.bias_dtype) if (nb and db is not None) else None
             return (gh, gw, gb, *none)
         # reduction "none" (per-row grad_output): recompute the logits chunk by chunk
         hidden, weight, bias, labels, lse = ctx.saved_tensors
@@ -385,8 +401,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ``db += dlogits.sum(0)``. So the forward (when any input requires grad and the
     reduction is "mean"/"sum") stores ``dh [N, H]``, ``dW [V, H]`` (input dtype; with
     bf16/fp16 inputs the chunk sums are rounded to that dtype once per chunk) and ``db``
-    (fp32), and the backward only scales them by ``grad_output`` (times ``1/n_valid``
-    for "mean"). With ``reduction="none"`` the per-row ``grad_output`` is only known in
+    (fp32), already weighted by ``1/n_valid`` for "mean" (float16: in the backward), and
+    the backward only scales them by ``grad_output``, in place and not at all when it is 1
+    (decided on the device): they are handed over once, so a second backward through the
+    same call raises. With ``reduction="none"`` the per-row ``grad_output`` is only known in
     backward, so the forward saves ``hidden``, ``weight``, ``bias``, ``labels`` and the
     per-row ``lse`` and the backward recomputes the logits chunk by chunk. Peak extra
     memory: one ``[chunk, V]`` logits chunk (plus the stored gradients).

@@ -24,6 +24,11 @@ backward::
 
 Columnwise (wgrad) copies are grouped per expert segment (:mod:`linghe.layout`), so no
 1x128 group mixes two experts and the wgrad never computes a group twice.
+
+That is the ``fp8_wgrad=True`` flow. By default (``fp8_wgrad=False``, the recipe's
+``expert_fp8_wgrad``) no columnwise copy is made: ``dW2 = wgrad(dy, a)`` and ``dW1 =
+wgrad(dh, rows)`` run in rows' dtype on ``dy``/``dh`` as they arrive and the dequantized
+rowwise ``a`` / ``rows``; the dgrads stay FP8.
 """
 
 from __future__ import annotations
@@ -123,8 +128,8 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
             a1 = _Parts(rows.shape, *fwd_gm.quantize_grouped_fwd(
                 rows, counts, align, rowwise=True, columnwise=need_w1 and fp8_wgrad,
                 pow2_scale=pow2))
-            # High-precision wgrad: the rows themselves.
-            a1_saved = (_columnwise(a1) if fp8_wgrad else rows.detach()) if need_w1 else None
+            # High-precision wgrad: the rows themselves (saved for backward below).
+            a1_saved = _columnwise(a1) if need_w1 and fp8_wgrad else None
         if caches is not None:
             w1q = cached_grouped_weight(caches[0], w1, pow2)
             w2q = cached_grouped_weight(caches[1], w2, pow2)
@@ -147,16 +152,19 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
         ctx.w1 = _columnwise(w1q) if need_rows else None
         ctx.w2 = _columnwise(w2q) if need_da else None
         ctx.dtypes = (rows.dtype, w1.dtype, w2.dtype)
-        ctx.save_for_backward(h if need_da else None, probs)
+        hp_rows = need_w1 and not fp8_wgrad and not isinstance(rows, Fp8Tensor)
+        ctx.save_for_backward(h if need_da else None, probs, rows if hp_rows else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         if isinstance(dy, Fp8Tensor):
             dy = dy.dequantize()
-        h, probs = ctx.saved_tensors
-        backward = _backward_fp8_wgrad if ctx.fp8_wgrad else _backward_hp_wgrad
-        grads = backward(ctx, dy.contiguous(), h, probs)
+        h, probs, rows = ctx.saved_tensors
+        if ctx.fp8_wgrad:
+            grads = _backward_fp8_wgrad(ctx, dy.contiguous(), h, probs)
+        else:
+            grads = _backward_hp_wgrad(ctx, dy.contiguous(), h, probs, rows)
         ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = None
         return (*grads, None, None, None, None)
 
@@ -192,7 +200,7 @@ def _backward_fp8_wgrad(ctx, dy, h, probs):
     return d_rows, d_p, d_w1, d_w2
 
 
-def _backward_hp_wgrad(ctx, dy, h, probs):
+def _backward_hp_wgrad(ctx, dy, h, probs, rows):
     """The backward with the weight gradients in high precision (``fp8_wgrad=False``):
     the dgrads stay FP8 (rowwise copies only), the wgrads are ``grouped_mm_wgrad``
     (``torch._grouped_mm`` where it applies) of the gradients as they arrive in
@@ -206,10 +214,13 @@ def _backward_hp_wgrad(ctx, dy, h, probs):
                               ctx.layout.align)
     x_dtype, w1_dtype, w2_dtype = ctx.dtypes
     d_rows = d_p = d_w1 = d_w2 = None
+    # torch._grouped_mm's wgrad contracts over the rows: segment starts on multiples of 8.
+    backend = "auto" if align % 8 == 0 else "triton"
     if need_w2:
         a2 = ctx.a2
         a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
-        d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype)
+        d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype,
+                                       backend=backend)
         del a2_hp
     if need_da:
         dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
@@ -225,10 +236,11 @@ def _backward_hp_wgrad(ctx, dy, h, probs):
             d_rows = bwd_gm.grouped_mm_fp8_dgrad(dhq, ctx.w1, offsets, out_dtype=x_dtype)
             del dhq
         if need_w1:
-            a1 = ctx.a1
+            a1 = ctx.a1 if ctx.a1 is not None else rows
             if isinstance(a1, _Parts):  # FP8 rows: what the gate_up GEMM multiplied
                 a1 = dequantize_1x128_rows(a1.rowwise_data, a1.rowwise_scale, dh.dtype)
-            d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype)
+            d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
+                                           backend=backend)
     return d_rows, d_p, d_w1, d_w2
 
 
@@ -306,7 +318,9 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
     ``gate_up`` and ``down`` (their dtype; an expert without rows gets zeros). FP8
     saves ``h [R, 2I]`` (rows' dtype), the FP8 columnwise copies of the SwiGLU output and
     of ``rows`` (or the FP8 rows themselves) and the weights' columnwise copies; with
-    ``fp8_wgrad=False`` the SwiGLU output's rowwise copy and ``rows`` instead.
+    ``fp8_wgrad=False`` the SwiGLU output's rowwise copy and ``rows`` instead. The
+    gradient of ``y`` must be zero on padding and tail rows (what ``unpermute``'s backward
+    gives): the high-precision wgrad multiplies those rows too.
     """
     _check(rows, probs_rows, gate_up, down, layout, fp8)
     if weight_caches is not None:

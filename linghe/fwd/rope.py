@@ -83,7 +83,9 @@ def token_block(t0, T, S, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def cos_sin(a):
-    """``(cos(a), sin(a))`` in fp32 for any angle: Cody-Waite reduction to ``[-pi, pi]``,
+    """``(cos(a), sin(a))`` in fp32: Cody-Waite reduction to ``[-pi, pi]`` (exact while
+    ``|a| < ~4e5`` rad, i.e. positions below ~4e5 at RoPE's highest frequency 1; as the
+    libdevice functions after the same reduction),
     then Taylor polynomials of the half angle (``|a/2| <= pi/2``: truncation under 6e-8)
     and the double-angle formulas. About 20 FMA-class instructions for both, a fraction of
     two libdevice calls; absolute error about 3e-7 (reduction + libdevice: about 2e-7)."""
