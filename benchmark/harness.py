@@ -143,6 +143,17 @@ def time_us(fn: Callable[[], Any], cfg: Config) -> float:
     return statistics.median(ts) * 1e6
 
 
+def graph_time_us(fn: Callable[[], Any], rep: int = 200) -> float | None:
+    """Median time of ``fn`` in µs replayed from a CUDA graph (``do_bench_cudagraph``: the
+    host hidden); ``None`` where ``fn`` cannot be captured."""
+    import triton
+
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+    except Exception:
+        return None
+
+
 def device_time_us(fn: Callable[[], Any], reps: int = 10) -> float | None:
     """Kernel time of one ``fn`` call in µs: the durations of the CUDA kernels it launches,
     summed by ``torch.profiler`` over ``reps`` calls (each after an L2 flush), minus the

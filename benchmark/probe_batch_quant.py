@@ -51,7 +51,13 @@ import triton  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
 from .cases.activation import moe_grouped_inputs  # noqa: E402
-from .harness import device_time_us, load_module_at  # noqa: E402
+from .harness import (  # noqa: E402
+    Config,
+    copy_bandwidth_gbps,
+    device_time_us,
+    graph_time_us,
+    load_module_at,
+)
 
 #: The commit whose batch forward the rewrite replaced (in-kernel expert lookup per
 #: program, libdevice-style exp/division).
@@ -105,26 +111,8 @@ def _knobs(mod, values):
 
 
 # ------------------------------------------------------------------------ timing
-def _graph_us(fn):
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
-    except Exception:
-        return None
-
-
 def _bench_us(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def _copy_gbps(cpu):
-    if cpu:
-        return None
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    us = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200,
-                                 return_mode="median") * 1e3
-    return 2 * n / us / 1e3
 
 
 # ------------------------------------------------------------------------ checks
@@ -194,7 +182,7 @@ def main(argv=None) -> int:
     knobs = [dflt] if args.quick else [dflt] + [k for k in (_CPU_KNOBS if cpu else _KNOBS)
                                                 if k != dflt]
     routed, n, experts = (256, 256, (8, 3)) if cpu else (65536, 1024, (32, 256))
-    copy = _copy_gbps(cpu)
+    copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))
     dev_name = (torch.cuda.get_device_name() if not cpu
                 else (platform.processor() or "cpu") + " (Triton interpreter)")
     print(f"device: {dev_name}; copy {copy or 0:.0f} GB/s; torch {torch.__version__}, "
@@ -225,7 +213,7 @@ def main(argv=None) -> int:
                 r["interp_us"] = first
             else:
                 r["kernel_us"] = device_time_us(fn)
-                r["graph_us"] = _graph_us(fn)
+                r["graph_us"] = graph_time_us(fn, rep=100)
                 r["bench_us"] = _bench_us(fn)
                 t = r["kernel_us"] or r["graph_us"]
                 r["gbps"] = nbytes / t / 1e3 if t else None

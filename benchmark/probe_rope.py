@@ -50,7 +50,14 @@ from linghe import reference as ref  # noqa: E402
 from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
-from .harness import device_time_us, load_module_at  # noqa: E402
+from .harness import (  # noqa: E402
+    Config,
+    copy_bandwidth_gbps,
+    device_time_us,
+    graph_time_us,
+    host_us,
+    load_module_at,
+)
 
 _FWD_KNOBS = [(1, 4), (2, 4), (2, 8), (4, 8), (1, 8)]
 _BWD_KNOBS = [(1, 4), (1, 8), (2, 8), (2, 4)]
@@ -92,31 +99,6 @@ def _load_old(old_dir: str | None, rev: str):
 def _sync(cpu):
     if not cpu:
         torch.cuda.synchronize()
-
-
-def _graph_us(fn):
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
-    except Exception:
-        return None
-
-
-def _host_us(fn, calls=20):
-    from benchmark.harness import host_us
-
-    us, waited = host_us(fn, calls=calls)
-    return us, waited
-
-
-def _copy_gbps(cpu):
-    if cpu:
-        return None
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    us = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200,
-                                 return_mode="median") * 1e3
-    return 2 * n / us / 1e3
 
 
 # ------------------------------------------------------------------------ the probe
@@ -185,7 +167,7 @@ def main(argv=None) -> int:
     qkv, freqs, qw, kw, grads = _inputs(p, dev)
     fwd_bytes = 2 * T * W * 2 + p["S"] * p["R"] // 2 * 4
     bwd_bytes = 2 * T * W * 2 + T * (p["H"] + p["Hkv"]) * p["D"] * 2 + p["S"] * p["R"] // 2 * 4
-    copy = _copy_gbps(cpu)
+    copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))
     dev_name = (torch.cuda.get_device_name() if not cpu
                 else (platform.processor() or "cpu") + " (Triton interpreter)")
     print(f"device: {dev_name}; copy {copy or 0:.0f} GB/s; torch {torch.__version__}, "
@@ -220,8 +202,8 @@ def main(argv=None) -> int:
                 r["interp_us"] = first
             else:
                 r["kernel_us"] = device_time_us(fn)
-                r["graph_us"] = _graph_us(fn)
-                r["host_us"], r["host_waited"] = _host_us(fn)
+                r["graph_us"] = graph_time_us(fn)
+                r["host_us"], r["host_waited"] = host_us(fn)
                 t = r["kernel_us"] or r["graph_us"]
                 r["gbps"] = nbytes / t / 1e3 if t else None
                 r["pct_copy"] = 100 * r["gbps"] / copy if r["gbps"] and copy else None
@@ -258,7 +240,7 @@ def main(argv=None) -> int:
         bw = backward_of(lambda: linghe.qk_norm_rope(
             x, freqs, q_norm_weight=w1, k_norm_weight=w2, num_heads=p["H"],
             num_kv_heads=p["Hkv"], rotary_dim=p["R"], layout="sbh"), [x, w1, w2], grads)
-        autograd_host = _host_us(bw)
+        autograd_host = host_us(bw)
         print(f"  autograd backward host {autograd_host[0]:.1f} µs/call", file=sys.stderr)
 
     report = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,

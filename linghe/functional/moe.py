@@ -103,6 +103,12 @@ def _columnwise(t) -> _Parts:
     return _Parts(t.shape, qt=t.columnwise_data, st=t.columnwise_scale)
 
 
+def _segments(layout: ExpertLayout):
+    """``(offsets, tokens_per_expert, align)`` of a layout: what every GEMM and quantizer
+    of the expert FFN reads."""
+    return layout.offsets, layout.tokens_per_expert, layout.align
+
+
 class _GroupedSwiGLUFp8(torch.autograd.Function):
     """Saved for backward: ``h [R, 2I]`` (high precision, the SwiGLU input), ``probs``,
     the columnwise FP8 copies of ``a`` (and of ``rows`` when they came in high
@@ -111,7 +117,7 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, probs, w1, w2, layout, caches, pow2, fp8_wgrad):
-        offsets, counts, align = layout.offsets, layout.tokens_per_expert, layout.align
+        offsets, counts, align = _segments(layout)
         need_rows = rows.requires_grad
         need_p = probs is not None and probs.requires_grad
         need_w1, need_w2 = w1.requires_grad, w2.requires_grad
@@ -173,8 +179,7 @@ def _backward_fp8_wgrad(ctx, dy, h, probs):
     """``(d_rows, d_probs, d_gate_up, d_down)`` with every GEMM in FP8 (module docstring)."""
     pow2 = ctx.pow2
     need_rows, need_p, need_w1, need_w2, need_da = ctx.need
-    offsets, counts, align = (ctx.layout.offsets, ctx.layout.tokens_per_expert,
-                              ctx.layout.align)
+    offsets, counts, align = _segments(ctx.layout)
     x_dtype, w1_dtype, w2_dtype = ctx.dtypes
     d_rows = d_p = d_w1 = d_w2 = None
     dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
@@ -210,8 +215,7 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
     loses to the bf16 kernel, and no columnwise copy is made on either side."""
     pow2 = ctx.pow2
     need_rows, need_p, need_w1, need_w2, need_da = ctx.need
-    offsets, counts, align = (ctx.layout.offsets, ctx.layout.tokens_per_expert,
-                              ctx.layout.align)
+    offsets, counts, align = _segments(ctx.layout)
     x_dtype, w1_dtype, w2_dtype = ctx.dtypes
     d_rows = d_p = d_w1 = d_w2 = None
     # torch._grouped_mm's wgrad contracts over the rows: segment starts on multiples of 8.
