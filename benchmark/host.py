@@ -110,9 +110,121 @@ def _cases(device: str, small: bool) -> list[HostCase]:
         with ctx:
             return lin(xg)
 
+    def fp8_linear_fwd_nograd():
+        with ctx, torch.no_grad():
+            return lin(xg)
+
+    # The pieces of an FP8 Linear call, to see where its host time goes: the autograd
+    # floor of a custom Function (fwd+bwd that launch nothing), the quantization of the
+    # input, one FP8 GEMM (linghe's dispatch, and torch._scaled_mm alone), the forward
+    # without and with autograd.
+    xq = linghe.quantize_1x128(x, rowwise=True, columnwise=False, pow2_scale=True)
+    with ctx:
+        wq = lin._fp8_weight_cache.get_for_recipe(lin.weight, linghe.current_recipe(), "w")
+        recipe = linghe.current_recipe()
+    from linghe.fp8 import gemm as fp8_gemm
+    sx_cublas, sw_cublas = fp8_gemm._torch_scales(xq.rowwise_scale, "1x128",
+                                                  wq.rowwise_scale, "128x128", H)
     out += [HostCase("nn.Linear bf16 fwd+bwd", lambda: lin(xg), backward=True),
-            HostCase("nn.Linear fp8 fwd+bwd", fp8_linear, backward=True)]
-    return out
+            HostCase("nn.Linear fp8 fwd+bwd", fp8_linear, backward=True),
+            HostCase("  autograd Function floor fwd+bwd", lambda: _Noop.apply(xg),
+                     backward=True),
+            HostCase("  nn.Linear fp8 fwd (no grad)", fp8_linear_fwd_nograd),
+            HostCase("  nn.Linear fp8 fwd (grad)", fp8_linear),
+            HostCase("  nn.Linear fp8 backward body (no engine)",
+                     lambda: _fp8_linear_backward_body(lin, xg, ctx)),
+            HostCase("  nn.Linear fp8 fwd+bwd, triton GEMMs",
+                     lambda: _with_env("LINGHE_FP8_GEMM_BACKEND", "triton", fp8_linear),
+                     backward=True),
+            HostCase("  _scaled_mm in an autograd backward", lambda: _ScaledMmInBackward.apply(
+                xg, xq.rowwise_data, wq.rowwise_data, sx_cublas, sw_cublas),
+                backward=True) if device == "cuda" else None,
+            HostCase("  quantize_1x128 row+col (dy)", lambda: linghe.quantize_1x128(
+                x, rowwise=True, columnwise=True, pow2_scale=True)),
+            HostCase("  x.grad-like add_ (AccumulateGrad)", lambda: x.add_(0)),
+            HostCase("  TrainingContext enter+exit", lambda: _enter_exit(ctx)),
+            HostCase("  WeightCache hit", lambda: lin._fp8_weight_cache.get_for_recipe(
+                lin.weight, recipe, "w")),
+            HostCase("  quantize_1x128 row", lambda: linghe.quantize_1x128(
+                x, rowwise=True, columnwise=False, pow2_scale=True)),
+            HostCase("  fp8 gemm._gemm fprop", lambda: fp8_gemm._fprop(
+                xq, wq, None, torch.bfloat16)),
+            HostCase("  torch._scaled_mm fprop", lambda: torch._scaled_mm(
+                xq.rowwise_data, wq.rowwise_data.t(), sx_cublas, sw_cublas,
+                out_dtype=torch.bfloat16)) if device == "cuda" else None]
+    return [c for c in out if c is not None]
+
+
+class _FakeCtx:
+    """What ``_Fp8Linear.backward`` reads from its ctx, without the autograd engine."""
+
+    needs_input_grad = (True, True, False, False, False, False, False)
+
+
+_BWD_STATE: dict = {}
+
+
+def _fp8_linear_backward_body(lin, x, ctx) -> None:
+    """``_Fp8Linear.backward`` called directly (its forward ran once into a fake ctx):
+    the backward's own host time, without the engine's."""
+    from linghe.functional.linear import _Fp8Linear
+
+    st = _BWD_STATE.get(id(lin))
+    if st is None:
+        fake = _FakeCtx()
+        with ctx, torch.no_grad():
+            y = _Fp8Linear.forward(fake, x.detach(), lin.weight, None,
+                                   linghe.current_recipe(), lin._fp8_weight_cache, id(lin),
+                                   True)
+        saved = dict(vars(fake))
+        st = _BWD_STATE[id(lin)] = (fake, saved, torch.randn_like(y))
+    fake, saved, dy = st
+    vars(fake).update(saved)
+    return _Fp8Linear.backward(fake, dy)
+
+
+def _with_env(name: str, value: str, fn):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+class _ScaledMmInBackward(torch.autograd.Function):
+    """Identity whose backward runs one ``torch._scaled_mm`` (on the autograd thread)."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, sa, sb):
+        ctx.args = (a, b, sa, sb)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b, sa, sb = ctx.args
+        torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16)
+        return g, None, None, None, None
+
+
+def _enter_exit(ctx) -> None:
+    with ctx:
+        pass
+
+
+class _Noop(torch.autograd.Function):
+    """A custom Function that launches nothing: the autograd floor of an op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 def _first_tensor(out):
@@ -125,8 +237,10 @@ def _call(c: HostCase):
     out = c.run()
     if c.backward:
         y = _first_tensor(out)
-        y.backward(torch.ones_like(y) if y.dim() == 0 else _GRADS.setdefault(
-            (y.shape, y.dtype, y.device), torch.randn_like(y)))
+        key = (y.shape, y.dtype, y.device)
+        if key not in _GRADS:  # (one gradient per shape: no randn on the timed path)
+            _GRADS[key] = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
+        y.backward(_GRADS[key])
     return out
 
 
@@ -191,6 +305,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="cProfile one row (substring)")
     p.add_argument("--torch-profile", default=None,
                    help="torch.profiler CPU table of one row (substring)")
+    p.add_argument("--loop", type=float, default=None,
+                   help="run the first selected row back to back for this many seconds "
+                        "(a sync every 20 calls) and exit: a target for a sampling "
+                        "profiler such as py-spy")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,8 +318,22 @@ def main(argv=None) -> int:
         cases = [c for c in cases if any(s in c.name for s in args.case)]
 
     def calls_of(c: HostCase) -> int:
-        return args.calls_bwd if c.backward and device == "cuda" else calls
+        many = c.backward or "backward body" in c.name
+        return args.calls_bwd if many and device == "cuda" else calls
 
+    if args.loop:
+        c = cases[0]
+        print(f"== looping {c.name} for {args.loop:.1f} s")
+        t_end = time.perf_counter() + args.loop
+        n = 0
+        while time.perf_counter() < t_end:
+            for _ in range(20):
+                _call(c)
+            n += 20
+            if device == "cuda":
+                torch.cuda.synchronize()
+        print(f"{n} calls")
+        return 0
     for name, run, what in ((args.torch_profile, torch_profile, "torch.profiler"),
                             (args.profile, profile, "cProfile")):
         if name:

@@ -127,6 +127,30 @@ def test_empty(device):
             assert gemm.fprop(xq, wq).shape == (M, N)
 
 
+def test_group_major_scales(device):
+    """``quantize_1x128_launch(group_major_scales=True)`` (the FP8 Linear's hot path) gives
+    the same numbers in the transposed scale layout, which the GEMMs read as is: the
+    torch backend's scale re-layout is a view, not a copy."""
+    from linghe.fp8.quantize import quantize_1x128_launch
+
+    x = torch.randn(200, 384, device=device, dtype=torch.bfloat16)
+    row = quantize_1x128_launch(x, True, True, True)
+    grp = quantize_1x128_launch(x, True, True, True, True)
+    for a, b in zip(row, grp):
+        assert a.shape == b.shape and torch.equal(a.float(), b.float())
+    s, st = grp[1], grp[3]
+    assert s.stride() == (1, 200) and st.stride() == (1, 384)
+    sa, _ = gemm._torch_scales(s, "1x128", torch.ones(1, 3), "128x128", 384)
+    assert sa.data_ptr() == s.data_ptr() and sa.stride() == (1, 200)
+    assert gemm._torch_b_scale(st, "1x128").data_ptr() == st.data_ptr()
+    w = linghe.quantize_128x128(torch.randn(96, 384, device=device), pow2_scale=True)
+    y_row = gemm._gemm(row[0], row[1], "1x128", w.rowwise_data, w.rowwise_scale, "128x128",
+                       torch.float32, None)
+    y_grp = gemm._gemm(grp[0], grp[1], "1x128", w.rowwise_data, w.rowwise_scale, "128x128",
+                       torch.float32, None)
+    assert torch.equal(y_row, y_grp)
+
+
 @pytest.mark.gpu  # the triton 3.9 interpreter reads the e4m3 NaN byte 0x7F as 480
 def test_nan_propagates(device):
     x = torch.randn(4, 128, device=device)

@@ -223,6 +223,8 @@ def _torch_b_scale(sb, b_scaling):
     L4 = K/128 rounded up to a multiple of 4 (a zero-padded copy); 1x128: ``[K/128, N]``
     contiguous. Weights' 128x128 scales live for a whole optimizer step, so the re-layout is
     cached on the scale tensor itself (keyed by its ``_version``): no torch ops per GEMM."""
+    if b_scaling == "1x128" and sb.stride(0) == 1:
+        return sb.t()  # already group-major (quantize_1x128_launch(group_major_scales=True))
     cached = getattr(sb, "_linghe_cublas", None)
     if cached is not None and cached[0] == sb._version:
         return cached[1]
@@ -242,11 +244,14 @@ def _torch_b_scale(sb, b_scaling):
 
 
 def _torch_scales(sa, a_scaling, sb, b_scaling, K):
-    """Scales in the layouts cuBLAS wants: 1x128 A scales outer-dim-major (stride [1, M],
-    one small transposing copy per call), B scales as :func:`_torch_b_scale` says."""
+    """Scales in the layouts cuBLAS wants: 1x128 A scales outer-dim-major (stride [1, M]:
+    as they are when quantized group-major, else one small transposing copy per call), B
+    scales as :func:`_torch_b_scale` says."""
     if a_scaling == "tensor":
         return sa.reshape(()).float(), sb.reshape(()).float()
-    return sa.t().contiguous().t(), _torch_b_scale(sb, b_scaling)
+    if sa.stride(0) != 1:
+        sa = sa.t().contiguous().t()
+    return sa, _torch_b_scale(sb, b_scaling)
 
 
 def _torch_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):

@@ -89,6 +89,7 @@ def quant_cols(x, POW2: tl.constexpr):
 
 @triton.jit
 def _quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
+                           stride_sm, stride_sg, stride_stk, stride_stg,
                            BM: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                            POW2: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -103,12 +104,12 @@ def _quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
     if ROWWISE:
         q, s = quant_rows(x, POW2)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + rows * tl.cdiv(K, 128) + pid_k, s, mask=rmask)
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
     if COLWISE:
         qt, st = quant_cols(x, POW2)
         # q_t[k, m] = quant(x)[m, k]: store the tile transposed.
         tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
-        tl.store(st_ptr + cols * tl.cdiv(M, 128) + pid_m, st, mask=cmask)
+        tl.store(st_ptr + cols * stride_stk + pid_m * stride_stg, st, mask=cmask)
 
 
 @triton.jit
@@ -147,15 +148,25 @@ WARPS_COLWISE = 4
 WARPS_ROWWISE = 8
 
 
-def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool):
-    """Allocate the four 1x128 components (``None`` where not asked) for ``[M, K]``."""
+def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,
+                group_major: bool = False):
+    """Allocate the four 1x128 components (``None`` where not asked) for ``[M, K]``.
+
+    The scales are ``[rows, groups]`` tensors; ``group_major`` stores them transposed in
+    memory (strides ``(1, rows)``): the layout cuBLAS's blockwise FP8 GEMM reads, so a
+    GEMM through ``torch._scaled_mm`` needs no re-layout copy."""
     q = s = qt = st = None
+    f32 = torch.float32
     if rowwise:
         q = empty(M, K, dtype=FP8_DTYPE, device=device)
-        s = empty(M, cdiv(K, BLOCK), dtype=torch.float32, device=device)
+        G = cdiv(K, BLOCK)
+        s = empty(G, M, dtype=f32, device=device).t() if group_major else \
+            empty(M, G, dtype=f32, device=device)
     if columnwise:
         qt = empty(K, M, dtype=FP8_DTYPE, device=device)
-        st = empty(K, cdiv(M, BLOCK), dtype=torch.float32, device=device)
+        G = cdiv(M, BLOCK)
+        st = empty(G, K, dtype=f32, device=device).t() if group_major else \
+            empty(K, G, dtype=f32, device=device)
     return q, s, qt, st
 
 
@@ -190,19 +201,24 @@ def quantize_1x128(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = 
 
 
 def quantize_1x128_launch(x2: torch.Tensor, rowwise: bool, columnwise: bool,
-                          pow2_scale: bool):
+                          pow2_scale: bool, group_major_scales: bool = False):
     """The launcher of :func:`quantize_1x128` on ``x2 [M, K]`` (last dim contiguous):
-    ``(q, s, qt, st)``, ``None`` for the copies not asked for."""
+    ``(q, s, qt, st)``, ``None`` for the copies not asked for; the scales in the layout
+    :func:`empty_1x128` says (``group_major_scales``)."""
     M, K = x2.shape
-    q, s, qt, st = empty_1x128(M, K, x2.device, rowwise=rowwise, columnwise=columnwise)
+    q, s, qt, st = empty_1x128(M, K, x2.device, rowwise=rowwise, columnwise=columnwise,
+                               group_major=group_major_scales)
     if M > 0 and K > 0:
+        ssm, ssg = s.stride() if s is not None else (0, 0)
+        sstk, sstg = st.stride() if st is not None else (0, 0)
         # Columnwise groups span 128 rows, so a program takes 128 rows; rowwise alone
         # takes fewer rows per program for more parallelism.
         BM = 128 if columnwise else 32
         grid = (cdiv(M, BM), cdiv(K, BLOCK))
         with device_guard(x2):
             launch(_quantize_1x128_kernel, grid,
-                x2, q, s, qt, st, M, K, x2.stride(0), BM=BM, ROWWISE=rowwise,
+                x2, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg, BM=BM,
+                ROWWISE=rowwise,
                 COLWISE=columnwise, POW2=pow2_scale,
                 num_warps=WARPS_COLWISE if columnwise else WARPS_ROWWISE)
     return q, s, qt, st

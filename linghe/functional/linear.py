@@ -10,6 +10,7 @@ import torch
 from .. import library
 from ..fp8 import gemm
 from ..fp8.cache import WeightCache
+from ..fp8.quantize import quantize_1x128_launch
 from ..fp8.recipe import Fp8Recipe
 from ..fp8.tensor import Fp8Tensor
 from ..utils import FLOAT_DTYPES, apply_function, check_tensor
@@ -48,10 +49,15 @@ def _prepare_input(x, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
                    {"columnwise_data": fill.columnwise_data,
                     "columnwise_scale": fill.columnwise_scale}))
         x = x2.dequantize(columnwise=x2.rowwise_data is None)  # another recipe's format
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return recipe.quantize_input(x2, rowwise=True, columnwise=need_col, key=slot)
+    return recipe.quantize_input(_rows(x, x.shape[-1]), rowwise=True, columnwise=need_col,
+                                 key=slot)
+
+
+def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
+    """``t [..., K]`` as ``[M, K]`` with a contiguous last dim (no torch op when it
+    already is one)."""
+    t2 = t if t.dim() == 2 else t.reshape(-1, K)
+    return t2 if t2.stride(-1) == 1 or K <= 1 else t2.contiguous()
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -62,15 +68,25 @@ class _Fp8Linear(torch.autograd.Function):
         lead = x.shape[:-1]
         out_dtype = x.dtype if x.dtype in gemm.OUT_DTYPES else torch.bfloat16
         fp8_wgrad = recipe.fp8_wgrad
-        slot = (owner, "x")
-        xq = _prepare_input(x, recipe, need_dw and fp8_wgrad, slot)
+        need_col = need_dw and fp8_wgrad
         wslot = (owner, "w")
         if cache is not None:
             wq = cache.get_for_recipe(weight, recipe, wslot)
         else:
             with torch.no_grad():
                 wq = recipe.quantize_weight(weight.detach().contiguous(), key=wslot)
-        y = gemm._fprop(xq, wq, bias, out_dtype)
+        if recipe.name == "blockwise" and not isinstance(x, Fp8Tensor):
+            # The hot path: raw components, scales quantized group-major (what cuBLAS
+            # reads), no Fp8Tensor wrapper; the fewest torch ops per call.
+            q, s, qt, st = quantize_1x128_launch(_rows(x, K), True, need_col,
+                                                 recipe.pow2_scale, True)
+            xcol = (qt, st, "1x128")
+            y = gemm._gemm(q, s, "1x128", wq.rowwise_data, wq.rowwise_scale, wq.scaling,
+                           out_dtype, bias)
+        else:
+            xq = _prepare_input(x, recipe, need_col, (owner, "x"))
+            xcol = (xq.columnwise_data, xq.columnwise_scale, xq.scaling)
+            y = gemm._fprop(xq, wq, bias, out_dtype)
 
         ctx.recipe, ctx.owner, ctx.lead, ctx.K = recipe, owner, lead, K
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -83,35 +99,40 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.xq = ctx.x_hp = None
         if need_dw:
             if fp8_wgrad:
-                ctx.xq = (xq.columnwise_data, xq.columnwise_scale, xq.scaling)
+                ctx.xq = xcol
             else:
                 xh = x.dequantize() if isinstance(x, Fp8Tensor) else x
-                ctx.x_hp = xh.reshape(-1, K)
-        return y.reshape(*lead, y.shape[-1])
+                ctx.x_hp = _rows(xh, K)
+        return y if len(lead) == 1 else y.reshape(*lead, y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         recipe = ctx.recipe
-        N = dy.shape[-1]
-        dy2 = dy.reshape(-1, N)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
+        dy2 = _rows(dy, dy.shape[-1])
         need_dx = ctx.needs_input_grad[0]
         need_dw = ctx.needs_input_grad[1]
         fp8_dw = need_dw and ctx.xq is not None
         dx = dw = db = None
         if need_dx or fp8_dw:
-            dyq = recipe.quantize_input(dy2, rowwise=need_dx, columnwise=fp8_dw,
-                                        key=(ctx.owner, "dy"), grad=True)
+            if recipe.name == "blockwise":  # (raw components, group-major scales)
+                dq, ds, dqt, dst = quantize_1x128_launch(dy2, need_dx, fp8_dw,
+                                                         recipe.pow2_scale, True)
+                dscaling = "1x128"
+            else:
+                dyq = recipe.quantize_input(dy2, rowwise=need_dx, columnwise=fp8_dw,
+                                            key=(ctx.owner, "dy"), grad=True)
+                dq, ds, dqt, dst = (dyq.rowwise_data, dyq.rowwise_scale,
+                                    dyq.columnwise_data, dyq.columnwise_scale)
+                dscaling = dyq.scaling
         if need_dx:
             gdt = ctx.x_dtype if ctx.x_dtype in gemm.OUT_DTYPES else torch.bfloat16
-            dx = gemm._gemm(dyq.rowwise_data, dyq.rowwise_scale, dyq.scaling, *ctx.wq, gdt,
-                            None).reshape(*ctx.lead, ctx.K)
+            dx = gemm._gemm(dq, ds, dscaling, *ctx.wq, gdt, None)
+            if len(ctx.lead) != 1:
+                dx = dx.reshape(*ctx.lead, ctx.K)
         if need_dw:
             wdt = ctx.w_dtype if ctx.w_dtype in gemm.OUT_DTYPES else torch.float32
             if fp8_dw:
-                dw = gemm._gemm(dyq.columnwise_data, dyq.columnwise_scale, dyq.scaling,
-                                *ctx.xq, wdt, None)
+                dw = gemm._gemm(dqt, dst, dscaling, *ctx.xq, wdt, None)
             else:
                 x2 = ctx.x_hp
                 dw = (dy2.to(x2.dtype).t() @ x2).to(wdt)
