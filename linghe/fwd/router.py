@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..utils import (
     INTERPRET,
@@ -318,6 +319,187 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
     return matmul_parts(ap, bp, out_dtype, order, config=cfg)
 
 
+
+# ------------------------------------------------------------------------ forward GEMM
+@triton.jit
+def _logits_kernel(x_desc, w_desc, out_ptr, ws_ptr, flag_ptr, M, N, K, k_per_split,
+                   P: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr, NACC: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   GROUP_M: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr,
+                   CH: tl.constexpr):
+    """``out = x @ (w_0 + .. + w_{P-1})^T`` (fp32) for a bf16 ``x [M, K]`` and the
+    weight's ``P`` bf16 parts, both loaded by TMA: ``x_desc`` over ``x`` with ``[BM, BK]``
+    boxes, ``w_desc`` over the parts stacked along the rows (``[P * N, K]``: part ``p``'s
+    box of column tile ``n`` starts at row ``p * N + n * BN``; rows of a box past the
+    part's ``N`` rows are the next part's and only feed columns that are not stored).
+    The copy engine zero-fills past ``K`` and ``M``: no masks in the K loop.
+
+    Part ``p``'s products go to accumulator ``0`` (``p = 0``), ``I1`` or ``I2`` (of
+    ``NACC``), smallest part first; the accumulators are summed at the end, smallest
+    first. Program ``pid`` computes tile ``pid % tiles`` over the K chunk ``rank = pid //
+    tiles`` (``k_per_split`` wide, ``SPLIT`` chunks); with ``SPLIT > 1`` each chunk
+    stores its fp32 partial to ``ws[rank]``. Without ``FIXUP`` ``_sum_splits_kernel``
+    sums them; with ``FIXUP`` each program then counts itself in ``flag[tile]``
+    (acq_rel, after a barrier: the whole partial is visible first), and the tile's last
+    program to arrive sums the ``SPLIT`` partials in rank order (deterministic: the same
+    fp32 adds in the same order whichever program is last), ``CH`` rows at a time, and
+    stores the tile. Nobody waits for another program (no co-residency assumption)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    tiles = num_m * num_n
+    rank = pid // tiles
+    tile = pid % tiles
+    pid_m, pid_n = grouped_tile_order(tile, num_m, num_n, GROUP_M)
+    off_m = pid_m * BM
+    off_n = pid_n * BN
+    k_lo = rank * k_per_split
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BK):
+        a = x_desc.load([off_m, k0])
+        if P > 2:
+            b2 = w_desc.load([N + N + off_n, k0])
+            acc, acc1, acc2 = _acc_dot(a, tl.trans(b2), acc, acc1, acc2, I2)
+        if P > 1:
+            b1 = w_desc.load([N + off_n, k0])
+            acc, acc1, acc2 = _acc_dot(a, tl.trans(b1), acc, acc1, acc2, I1)
+        b0 = w_desc.load([off_n, k0])
+        acc = dot_f32acc(a, tl.trans(b0), acc)
+    if NACC == 3:
+        acc = acc2 + acc1 + acc
+    elif NACC == 2:
+        acc = acc1 + acc
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + offs, acc, mask=mask)
+    else:
+        mn = M.to(tl.int64) * N
+        tl.store(ws_ptr + rank * mn + offs, acc, mask=mask)
+        if FIXUP:
+            tl.debug_barrier()  # every thread's partial is written before the release
+            if tl.atomic_add(flag_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                # the tile's last chunk to finish: sum the partials in rank order, CH rows
+                # at a time (the accumulator is dead: few registers)
+                for i in range(0, BM, CH):
+                    r2 = off_m + i + tl.arange(0, CH)
+                    m2 = (r2 < M)[:, None] & (rn < N)[None, :]
+                    o2 = r2.to(tl.int64)[:, None] * N + rn[None, :]
+                    s = tl.load(ws_ptr + o2, mask=m2, other=0.0, cache_modifier=".cg")
+                    for r in range(1, SPLIT):
+                        s += tl.load(ws_ptr + r * mn + o2, mask=m2, other=0.0,
+                                     cache_modifier=".cg")
+                    tl.store(out_ptr + o2, s, mask=m2)
+
+
+#: The TMA forward kernel (:func:`_logits_kernel`) for a bf16 ``x`` whose operands TMA can
+#: address (False: the pointer kernel :func:`matmul_parts` everywhere).
+FWD_TMA = True
+#: Launch config of the TMA forward kernel: ``None`` for :func:`_logits_config`, or a dict
+#: with keys ``BM, BN, BK, num_warps, num_stages, SPLIT, NACC, FIXUP`` (missing keys: the
+#: heuristic's values).
+FWD_TMA_CONFIG: dict | None = None
+_LOGITS_CFG: dict = {}
+
+
+def _logits_config(M: int, N: int, K: int, P: int, dev) -> dict:
+    """Tiles of the TMA forward kernel (cached per shape).
+
+    What bounds it at the router's shape (T=8192, E=256, K=2048, 3 weight parts; 128
+    output tiles of 128x128, one wave) is the bytes the SMs pull from L2, not the MMAs:
+    each program reads its x rows once per column tile and all ``P`` weight parts of its
+    columns once per row tile, ``M*N*K * (2/BN + 2P/BM)`` bytes in all (268 MB at
+    128x128, 5+ TB/s at 49 µs). 256x128 tiles with K split in two (still 128 programs)
+    read 160 MB; their 256x128 fp32 accumulator (128 registers a thread at 8 warps)
+    leaves room for one accumulator only (``NACC=1``: every part product into it, which
+    costs accuracy on Hopper, see the module docstring)."""
+    key = (M, N, K, P, dev)
+    cfg = _LOGITS_CFG.get(key)
+    if cfg is not None:
+        return cfg
+    if INTERPRET:
+        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT=1, NACC=P,
+                   FIXUP=True)
+    else:
+        sms = num_sms(dev)
+        BN = 128 if N > 64 else max(16, next_power_of_2(N))
+        BM = 256 if M > 128 else (128 if M > 64 else 64)
+        nw = 8 if BM >= 128 else 4
+        tiles = cdiv(M, BM) * cdiv(N, BN)
+        split = 2 if 2 * tiles <= sms and K >= 1024 else 1
+        if split == 1 and BM == 256 and 2 * tiles <= sms:
+            BM = 128  # short K: more, smaller tiles instead of a K split
+            tiles = cdiv(M, BM) * cdiv(N, BN)
+        BK = 64
+        stage = (BM + P * BN) * BK * 2
+        ns = max(2, min(4, (200 * 1024) // stage))
+        # accumulators: at most ~192 fp32 registers a thread
+        nacc = max(1, min(P, (192 * 32 * nw) // (BM * BN)))
+        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split,
+                   NACC=nacc, FIXUP=True)
+    _LOGITS_CFG[key] = cfg
+    return cfg
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A bf16 matrix (or stack of matrices) TMA can address: unit last stride, 16-byte
+    aligned base and row stride."""
+    return (t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(-2) * 2) % 16 == 0)
+
+
+def logits_tma(x2: torch.Tensor, wp: torch.Tensor, *, config: dict | None = None
+               ) -> torch.Tensor | None:
+    """``x2 [T, K] @ (wp[0] + .. + wp[P-1])^T`` -> fp32 ``[T, E]`` through
+    :func:`_logits_kernel`, or ``None`` where TMA cannot address the operands (bf16
+    ``x2`` and ``wp [P, E, K]`` with a unit K stride, 16-byte aligned rows, parts
+    stacked as one ``[P * E, K]`` matrix). ``config``: overrides of
+    :func:`_logits_config`'s keys."""
+    P, E, K = wp.shape
+    T = x2.shape[0]
+    if not (x2.dtype == torch.bfloat16 and _tma_ok(x2) and _tma_ok(wp)
+            and (P == 1 or wp.stride(0) == E * wp.stride(1))):
+        return None
+    dev = x2.device
+    out = empty(T, E, dtype=torch.float32, device=dev)
+    if T == 0 or E == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    cfg = dict(_logits_config(T, E, K, P, dev))
+    if config:
+        cfg.update(config)
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    nacc = min(cfg["NACC"], P)
+    k_per = cdiv(cdiv(K, cfg["SPLIT"]), BK) * BK
+    split = cdiv(K, k_per)
+    tiles = cdiv(T, BM) * cdiv(E, BN)
+    fixup = bool(cfg["FIXUP"])
+    ws = flags = out
+    if split > 1:
+        ws = empty(split, T, E, dtype=torch.float32, device=dev)
+        if fixup:
+            flags = torch.zeros(tiles, dtype=torch.int32, device=dev)
+    x_desc = TensorDescriptor(x2, [T, K], [x2.stride(0), 1], [BM, BK])
+    w2 = wp.as_strided((P * E, K), (wp.stride(1), 1))  # the parts stacked along the rows
+    w_desc = TensorDescriptor(w2, [P * E, K], [wp.stride(1), 1], [BN, BK])
+    with device_guard(x2):
+        launch(_logits_kernel, (tiles * split,), x_desc, w_desc, out, ws, flags, T, E, K, k_per,
+               P=P, I1=min(1, nacc - 1), I2=min(2, nacc - 1), NACC=nacc, BM=BM, BN=BN,
+               BK=BK, GROUP_M=8, SPLIT=split, FIXUP=fixup,
+               CH=max(1, min(BM, 512 * cfg["num_warps"] // BN)), num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
+        if split > 1 and not fixup:
+            BLOCK = 1024
+            launch(_sum_splits_kernel, (cdiv(T * E, BLOCK),), ws, out, T * E, split,
+                   BLOCK=BLOCK, num_warps=4)
+    return out
+
+
 def weight_parts(weight: torch.Tensor) -> torch.Tensor:
     """The router weight ``[E, K]`` as its bf16 parts ``[P, E, K]`` (:func:`split_parts`):
     made once per forward and saved for the backward's ``dx``."""
@@ -329,6 +511,10 @@ def router_logits_fwd(x2: torch.Tensor, weight: torch.Tensor,
     """``x2 [T, K] @ weight[E, K]^T`` -> fp32 ``[T, E]`` (fp32-exact). ``w_parts``:
     :func:`weight_parts` of ``weight`` if the caller has it (else split here)."""
     wp = weight_parts(weight) if w_parts is None else w_parts
+    if FWD_TMA:
+        out = logits_tma(x2, wp, config=FWD_TMA_CONFIG)
+        if out is not None:
+            return out
     return matmul_parts(split_parts(x2), wp.transpose(1, 2), torch.float32, 2,
                         config=CONFIG["fwd"])
 
