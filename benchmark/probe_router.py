@@ -88,32 +88,37 @@ class _Old:
         self.router_logits_bwd = b.router_logits_bwd
 
 
-def _tma(BM, BN, BK, nw, ns, split, nacc, fixup=True):
+def _tma(BM, BN, BK, nw, ns, split, nacc, fixup=True, lo_first=False, areg=False):
     return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split, NACC=nacc,
-                FIXUP=fixup)
+                FIXUP=fixup, LO_FIRST=lo_first, AREG=areg)
 
 
 def _tma_name(c) -> str:
     s = f"tma {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
     if c["SPLIT"] > 1:
         s += f" k{c['SPLIT']}{'' if c['FIXUP'] else ' sum'}"
-    return s + f" acc{c['NACC']}"
+    s += f" acc{c['NACC']}"
+    return s + (" lo1st" if c.get("LO_FIRST") else "") + (" areg" if c.get("AREG") else "")
 
 
-#: TMA forward configs, most informative first (the budget may cut the tail).
+#: TMA forward configs, most informative first (the budget may cut the tail). ``lo1st``:
+#: the small weight parts over the K chunk first, then the hi part (two loops; one
+#: accumulator as accurate as one per part); ``areg``: x through registers.
 _TMA_GPU = [
-    _tma(128, 128, 64, 8, 3, 1, 3),   # main's tiles and accumulators, TMA loads
+    _tma(256, 128, 64, 8, 2, 2, 1),                    # one loop, 3 chained dots
+    _tma(256, 128, 32, 8, 6, 2, 1, lo_first=True),
+    _tma(256, 128, 64, 8, 3, 2, 1, lo_first=True, areg=True),
+    _tma(128, 128, 64, 8, 3, 1, 3),                    # main's tiles and accumulators
+    _tma(128, 128, 64, 8, 4, 1, 1, lo_first=True),
+    _tma(128, 256, 64, 8, 2, 2, 1, lo_first=True),
+    _tma(256, 128, 64, 16, 3, 2, 1, lo_first=True),
+    _tma(256, 128, 64, 8, 3, 2, 1, fixup=False, lo_first=True),
     _tma(256, 128, 32, 8, 4, 2, 1),
-    _tma(256, 128, 64, 8, 2, 2, 1, fixup=False),
-    _tma(256, 128, 64, 16, 2, 2, 1),
-    _tma(128, 128, 64, 8, 3, 1, 2),
     _tma(256, 64, 64, 8, 3, 2, 2),
-    _tma(128, 256, 64, 8, 2, 2, 1),
-    _tma(128, 128, 64, 8, 3, 2, 3),
-    _tma(256, 128, 32, 8, 5, 2, 1),
+    _tma(128, 128, 64, 8, 3, 1, 2, areg=True),
 ]
-_TMA_CPU = [_tma(16, 16, 16, 4, 1, 1, 3), _tma(32, 16, 16, 4, 1, 2, 1),
-            _tma(16, 32, 16, 4, 1, 3, 2, fixup=False)]
+_TMA_CPU = [_tma(16, 16, 16, 4, 1, 1, 3), _tma(32, 16, 16, 4, 1, 2, 1, lo_first=True),
+            _tma(16, 32, 16, 4, 1, 3, 2, fixup=False, areg=True)]
 #: pointer-kernel configs ``(BM, BN, BK, num_warps, num_stages, split_k)``
 _PTR_GPU = [(256, 128, 64, 8, 2, 2)]
 _PTR_CPU = [(32, 16, 16, 4, 1, 2)]

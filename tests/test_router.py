@@ -85,11 +85,12 @@ def test_router_logits_configs_and_split_k(device, monkeypatch, cfg, T, K, E, wd
     _check_logits_and_grads(device, x, w)
 
 
-# TMA forward kernel configs: (BM, BN, BK, SPLIT, NACC, FIXUP); tiles smaller than the
-# shapes, K split in 2-3 chunks (a ragged last chunk), partials summed by the tile's last
-# program (FIXUP) or by the second kernel
-_TMA_CONFIGS = [(16, 16, 16, 1, 3, True), (32, 16, 16, 2, 1, True), (16, 32, 32, 3, 2, True),
-                (16, 16, 16, 2, 2, False)]
+# TMA forward kernel configs: (BM, BN, BK, SPLIT, NACC, FIXUP, LO_FIRST); tiles smaller
+# than the shapes, K split in 2-3 chunks (a ragged last chunk), partials summed by the
+# tile's last program (FIXUP) or by the second kernel, small parts first (LO_FIRST)
+_TMA_CONFIGS = [(16, 16, 16, 1, 3, True, False), (32, 16, 16, 2, 1, True, True),
+                (16, 32, 32, 3, 2, True, False), (16, 16, 16, 2, 2, False, True),
+                (16, 16, 16, 1, 1, True, False)]
 
 
 @pytest.mark.gpu_subset(**{"T,K,E": [(37, 104, 33)]})
@@ -102,9 +103,9 @@ def test_router_logits_tma_kernel(device, monkeypatch, cfg, T, K, E, wd):
     and without a K split; every output element written (outputs are NaN-poisoned)."""
     from linghe.fwd import router as fwd_router
 
-    BM, BN, BK, split, nacc, fixup = cfg
+    BM, BN, BK, split, nacc, fixup, lo_first = cfg
     c = dict(BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=1, SPLIT=split, NACC=nacc,
-             FIXUP=fixup)
+             FIXUP=fixup, LO_FIRST=lo_first, AREG=nacc == 1)
     if device == "cuda":  # wgmma tiles
         c.update(BM=64, BN=max(16, BN), BK=max(16, BK), num_stages=2)
     x = torch.randn(T, K, device=device).to(torch.bfloat16)
