@@ -336,7 +336,6 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
     return matmul_parts(ap, bp, out_dtype, order, config=cfg)
 
 
-
 # ------------------------------------------------------------------------ forward GEMM
 _INTERP = tl.constexpr(INTERPRET)
 
