@@ -109,8 +109,9 @@ def _parse(argv):
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pretrain-steps", type=int, default=None,
-                   help="bf16 training steps before the probe (default 100; 2 on --cpu)")
+    p.add_argument("--pretrain-steps", default=None,
+                   help="bf16 training steps before the probe, or a comma-separated list of "
+                        "increasing step counts to probe at each (default 100; 2 on --cpu)")
     p.add_argument("--schedule-steps", type=int, default=300,
                    help="length of the learning-rate schedule of the pretraining (the loss "
                         "curve's 300 steps)")
@@ -128,6 +129,14 @@ def _parse(argv):
         p.error(f"unknown variants {bad}")
     if a.opt_steps < 1:
         p.error("--opt-steps must be >= 1")
+    if a.pretrain_steps is not None:
+        try:
+            a.pretrain_steps = [int(x) for x in a.pretrain_steps.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--pretrain-steps must be integers, got {a.pretrain_steps!r}")
+        if not a.pretrain_steps or any(x < 0 for x in a.pretrain_steps) or \
+                a.pretrain_steps != sorted(set(a.pretrain_steps)):
+            p.error("--pretrain-steps must be increasing step counts >= 0")
     return a
 
 
@@ -352,10 +361,14 @@ def check_weight_copies(model, prev: dict) -> list[dict]:
 def cached_vs_fresh(model, tokens, labels) -> dict:
     """fp8 forward + backward with the caches as they are, then after
     ``invalidate_weight_caches()``: loss and gradient differences (0 when every copy the
-    layers used is what a fresh quantization gives)."""
-    l1, g1 = run_variant(model, tokens, labels, "fp8")
-    invalidate_weight_caches()
-    l2, g2 = run_variant(model, tokens, labels, "fp8")
+    layers used is what a fresh quantization gives). Attention runs PyTorch's math SDPA
+    here: the GPU's default (cuDNN) attention backward is not deterministic."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        l1, g1 = run_variant(model, tokens, labels, "fp8")
+        invalidate_weight_caches()
+        l2, g2 = run_variant(model, tokens, labels, "fp8")
     maxdiff = {n: float((g1[n] - g2[n]).abs().max()) for n in g1}
     worst = max(maxdiff, key=maxdiff.get)
     return {"loss_cached": l1, "loss_fresh": l2, "loss_diff": l1 - l2,
@@ -366,6 +379,77 @@ def cached_vs_fresh(model, tokens, labels) -> dict:
 # ------------------------------------------------------------------------ main
 def _fmt(v, spec=".3g"):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def probe_point(model, opt, batches, step: int, variants: list[str], device) -> dict:
+    """Everything measured on batch ``step`` at the model's current weights."""
+    tok, lab = batches(step)
+    losses, grads, routes = {}, {}, {"ref": []}
+    losses["ref"], grads["ref"] = reference_grads(model, tok, lab, device, routes["ref"])
+    for v in variants:
+        t0 = time.perf_counter()
+        routes[v] = []
+        losses[v], grads[v] = run_variant(model, tok, lab, v, routes[v])
+        print(f"  {v}: loss {losses[v]:.5f} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    # fraction of tokens whose expert set differs from the reference's, per layer
+    flips = {v: [float((r != q).any(dim=1).float().mean())
+                 for r, q in zip(routes[v], routes["ref"])] for v in variants}
+    noise_var = "bf16" if "bf16" in variants else variants[0]
+    losses["bf16_next"], grads["bf16_next"] = run_variant(model, *batches(step + 1), noise_var)
+    params = dict(model.named_parameters())
+    names = [n for n in params if n in grads["ref"]]
+    by_kind = {k: [n for n in names if kind_of(n) == k] for k in KINDS}
+    by_kind = {k: v for k, v in by_kind.items() if v}
+    upd = {v: adam_updates(grads[v], params, opt) for v in grads}
+    cols = [v for v in grads if v != "ref"]
+
+    def stats(ns, g=grads, u=upd):
+        return {v: {**compare(g[v], g["ref"], ns), "upd": compare(u[v], u["ref"], ns)}
+                for v in cols}
+
+    per_param = {n: stats([n]) for n in names}
+    per_kind = {k: stats(ns) for k, ns in by_kind.items()}
+    per_kind["all"] = stats(names)
+    return {"step": step, "losses": losses, "routing_flips": flips,
+            "per_param": per_param, "per_kind": per_kind,
+            "moe_layers": check_moe_layers(model, tok, lab)}
+
+
+def print_point(pt: dict, per_param: bool) -> None:
+    cols = list(pt["per_kind"]["all"])
+    if per_param:
+        print(f"\nper parameter at step {pt['step']} (rel err vs the float32 torch reference; "
+              "fp8 cos, gain):")
+        for n, r in pt["per_param"].items():
+            print(f"  {n:40s} " + " ".join(f"{v} {_fmt(r[v]['rel'])}" for v in cols) +
+                  (f" | fp8 cos {_fmt(r['fp8']['cos'], '.4f')} gain "
+                   f"{_fmt(r['fp8']['gain'], '.3f')}" if "fp8" in r else ""))
+    print(f"\nMoE layers alone at step {pt['step']} (per-token rel err vs the float32 torch "
+          "layer: p50 / p99 / max, tokens off by > 0.5; parameter gradients rel / gain):")
+    for r in pt["moe_layers"]:
+        print(f"  layer {r['layer']} {r['variant']:5s} " + "  ".join(
+            f"{k} {r[k]['rel']:.4f} ({r[k]['p50']:.3f} / {r[k]['p99']:.3f} / {r[k]['max']:.3f},"
+            f" {r[k]['rows_over_half']}/{r[k]['rows']})" for k in ("out", "dx")))
+        print("      " + ", ".join(
+            f"{n.replace('shared_experts.', 'se.').replace('.weight', '')} "
+            f"{g['rel']:.4f}/{g['gain']:.3f}" for n, g in r["grads"].items()))
+    print("routing: tokens routed unlike the float32 reference, per layer: " +
+          "; ".join(f"{v} " + "/".join(f"{x:.3f}" for x in fl)
+                    for v, fl in pt["routing_flips"].items()))
+    print(f"losses on batch {pt['step']}: " +
+          ", ".join(f"{v} {x:.5f}" for v, x in pt["losses"].items()))
+    head = (f"{'kind':16s} " + " ".join(f"{v:>9s}" for v in cols) +
+            f" {'fp8 cos':>8s} {'fp8 gain':>8s} | update rel: " +
+            " ".join(f"{v:>9s}" for v in cols))
+    print(f"\nstep {pt['step']}: gradient rel err ||g - g_ref|| / ||g_ref|| (ref: torch mode "
+          "in float32; bf16_next: bf16 on the next batch = batch noise); AdamW update rel err")
+    print(head)
+    print("-" * len(head))
+    for k, r in pt["per_kind"].items():
+        f8 = r.get("fp8", {})
+        print(f"{k:16s} " + " ".join(f"{_fmt(r[v]['rel']):>9s}" for v in cols) +
+              f" {_fmt(f8.get('cos'), '.4f'):>8s} {_fmt(f8.get('gain'), '.3f'):>8s} | " +
+              " ".join(f"{_fmt(r[v]['upd']['rel']):>9s}" for v in cols))
 
 
 def main(argv=None) -> int:
@@ -380,67 +464,35 @@ def main(argv=None) -> int:
         if getattr(args, k) is not None:
             over[k] = getattr(args, k)
     cfg = replace(em.preset(width), **over)
-    pretrain = args.pretrain_steps if args.pretrain_steps is not None else (2 if cpu else 100)
+    points = args.pretrain_steps if args.pretrain_steps is not None else ([2] if cpu else [100])
     t_start = time.perf_counter()
     dev_name = torch.cuda.get_device_name() if not cpu else platform.processor() or "cpu"
     print(f"[probe_fp8_grads] {dev_name}; torch {torch.__version__}; width {width} "
           f"{cfg.as_dict()}", flush=True)
-    steps_needed = pretrain + args.opt_steps + 3
-    data = em.stdlib_corpus(em.corpus_bytes_needed(cfg, steps_needed))
+    last = points[-1]
+    data = em.stdlib_corpus(em.corpus_bytes_needed(cfg, last + args.opt_steps + 4))
     batches = em.ByteBatches(data, cfg.batch, cfg.seq, device)
     result = {"config": cfg.as_dict(), "width": width, "device": dev_name,
-              "pretrain_steps": pretrain, "opt_steps": args.opt_steps,
-              "variants": args.variants}
+              "pretrain_steps": points, "opt_steps": args.opt_steps,
+              "variants": args.variants, "points": []}
     with deterministic_kernels():
         model = em.build_model(cfg, device=device, seed=args.seed)
         opt = em.make_optimizer(model, em.lr_at(0, args.schedule_steps, args.lr),
                                 mode="bf16")
         pre_losses = []
-        for i in range(pretrain):
-            em.set_lr(opt, em.lr_at(i, args.schedule_steps, args.lr))
-            pre_losses.append(em.train_step(model, opt, *batches(i), "bf16"))
+        for point in points:
+            # bf16 training up to the point (the loss curve's schedule), then the probe on
+            # the next batch
+            for i in range(len(pre_losses), point):
+                em.set_lr(opt, em.lr_at(i, args.schedule_steps, args.lr))
+                pre_losses.append(em.train_step(model, opt, *batches(i), "bf16"))
+            if pre_losses:
+                print(f"pretrained {point} bf16 steps: loss {float(pre_losses[0]):.4f} -> "
+                      f"{float(pre_losses[-1]):.4f} ({time.perf_counter() - t_start:.1f} s)",
+                      flush=True)
+            result["points"].append(probe_point(model, opt, batches, point, args.variants,
+                                                device))
         result["pretrain_losses"] = [float(v) for v in pre_losses]
-        if pretrain:
-            print(f"pretrained {pretrain} bf16 steps: loss {float(pre_losses[0]):.4f} -> "
-                  f"{float(pre_losses[-1]):.4f} ({time.perf_counter() - t_start:.1f} s)",
-                  flush=True)
-
-        # --------------------------------------------------------- gradients per variant
-        tok, lab = batches(pretrain)
-        losses, grads, routes = {}, {}, {"ref": []}
-        losses["ref"], grads["ref"] = reference_grads(model, tok, lab, device, routes["ref"])
-        for v in args.variants:
-            t0 = time.perf_counter()
-            routes[v] = []
-            losses[v], grads[v] = run_variant(model, tok, lab, v, routes[v])
-            print(f"  {v}: loss {losses[v]:.5f} ({time.perf_counter() - t0:.1f} s)",
-                  flush=True)
-        # fraction of tokens whose expert set differs from the reference's, per layer
-        flips = {v: [float((r != q).any(dim=1).float().mean())
-                     for r, q in zip(routes[v], routes["ref"])] for v in args.variants}
-        result["routing_flips"] = flips
-        del routes
-        noise_var = "bf16" if "bf16" in args.variants else args.variants[0]
-        losses["bf16_next"], grads["bf16_next"] = run_variant(
-            model, *batches(pretrain + 1), noise_var)
-        params = dict(model.named_parameters())
-        names = [n for n in params if n in grads["ref"]]
-        by_kind = {k: [n for n in names if kind_of(n) == k] for k in KINDS}
-        by_kind = {k: v for k, v in by_kind.items() if v}
-        upd = {v: adam_updates(grads[v], params, opt) for v in grads}
-        cols = [v for v in grads if v != "ref"]
-        per_param = {n: {v: {**compare(grads[v], grads["ref"], [n]),
-                             "upd": compare(upd[v], upd["ref"], [n])} for v in cols}
-                     for n in names}
-        per_kind = {k: {v: {**compare(grads[v], grads["ref"], ns),
-                            "upd": compare(upd[v], upd["ref"], ns)} for v in cols}
-                    for k, ns in by_kind.items()}
-        per_kind["all"] = {v: {**compare(grads[v], grads["ref"], names),
-                               "upd": compare(upd[v], upd["ref"], names)} for v in cols}
-        result.update(losses=losses, per_param=per_param, per_kind=per_kind)
-        del grads, upd
-        moe_rows = check_moe_layers(model, tok, lab)
-        result["moe_layers"] = moe_rows
 
         # --------------------------------------------------------- stale-copy check
         t0 = time.perf_counter()
@@ -448,25 +500,19 @@ def main(argv=None) -> int:
         for i in range(args.opt_steps):
             if i == args.opt_steps - 1:
                 prev = {n: p.detach().clone() for n, p in model.named_parameters()}
-            step = pretrain + 2 + i
+            step = last + 2 + i
             em.set_lr(opt, em.lr_at(step, args.schedule_steps, args.lr))
             em.train_step(model, opt, *batches(step), "fp8")
         copies = check_weight_copies(model, prev)
-        e2e_check = cached_vs_fresh(model, *batches(pretrain + 2 + args.opt_steps))
+        e2e_check = cached_vs_fresh(model, *batches(last + 2 + args.opt_steps))
         result.update(weight_copies=copies, cached_vs_fresh=e2e_check)
         print(f"  stale-copy check ({args.opt_steps} fp8 steps): "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
     result["seconds"] = time.perf_counter() - t_start
 
     # ------------------------------------------------------------------ report
-    print("\nper parameter (rel err vs the float32 torch reference; fp8 cos, gain):")
-    for n in names:
-        r = per_param[n]
-        print(f"  {n:40s} " + " ".join(f"{v} {_fmt(r[v]['rel'])}" for v in cols) +
-              (f" | fp8 cos {_fmt(r['fp8']['cos'], '.4f')} gain {_fmt(r['fp8']['gain'], '.3f')}"
-               if "fp8" in r else ""))
     print("\nFP8 weight copies after the fp8 steps (hit = the layer would use the cached "
-          "copy; differing = fraction of bytes unlike a fresh quantization):")
+          "copy; ok = bit for bit a fresh quantization of the current weight):")
     for c in copies:
         print(f"  {c['param']:40s} hit {c['hit']!s:5s} from_opt {c['from_optimizer']!s:5s} "
               f"ok {c['ok']!s:5s} rel to current {c['rel_to_current']:.4f}, to previous "
@@ -474,38 +520,14 @@ def main(argv=None) -> int:
     print(f"  cached vs fresh fp8 step: loss {e2e_check['loss_cached']:.6f} vs "
           f"{e2e_check['loss_fresh']:.6f}, max grad diff {e2e_check['grad_max_abs_diff']:.3g}"
           f" ({e2e_check['grad_worst_param']})")
-
-    print("\nMoE layers alone (per-token rel err vs the float32 torch layer: p50 / p99 / max, "
-          "tokens off by > 0.5):")
-    for r in moe_rows:
-        print(f"  layer {r['layer']} {r['variant']:5s} " + "  ".join(
-            f"{k} {r[k]['rel']:.4f} ({r[k]['p50']:.3f} / {r[k]['p99']:.3f} / {r[k]['max']:.3f},"
-            f" {r[k]['rows_over_half']}/{r[k]['rows']})" for k in ("out", "dx")))
-        print("      grads (rel/gain): " + ", ".join(
-            f"{n.replace('shared_experts.', 'se.').replace('.weight', '')} "
-            f"{g['rel']:.4f}/{g['gain']:.3f}" for n, g in r["grads"].items()))
-    print("routing: fraction of tokens routed unlike the float32 reference, per layer: " +
-          "; ".join(f"{v} " + "/".join(f"{x:.3f}" for x in fl) for v, fl in flips.items()))
-    print(f"\nlosses on batch {pretrain}: " +
-          ", ".join(f"{v} {losses[v]:.5f}" for v in losses))
-    head = (f"{'kind':16s} " + " ".join(f"{v:>9s}" for v in cols) +
-            f" {'fp8 cos':>8s} {'fp8 gain':>8s} | update rel: " +
-            " ".join(f"{v:>9s}" for v in cols))
-    print("\ngradient rel err ||g - g_ref|| / ||g_ref|| (ref: torch mode in float32; "
-          "bf16_next: bf16 on the next batch = batch noise); AdamW update rel err")
-    print(head)
-    print("-" * len(head))
-    for k, r in per_kind.items():
-        f8 = r.get("fp8", {})
-        print(f"{k:16s} " + " ".join(f"{_fmt(r[v]['rel']):>9s}" for v in cols) +
-              f" {_fmt(f8.get('cos'), '.4f'):>8s} {_fmt(f8.get('gain'), '.3f'):>8s} | " +
-              " ".join(f"{_fmt(r[v]['upd']['rel']):>9s}" for v in cols))
+    for j, pt in enumerate(result["points"]):
+        print_point(pt, per_param=j == len(result["points"]) - 1)
     stale_ok = all(c["ok"] and c["hit"] for c in copies)
+    result["stale_check_pass"] = bool(stale_ok and e2e_check["ok"])
     print(f"weight copies: {sum(c['ok'] for c in copies)}/{len(copies)} equal to a fresh "
           f"quantization, {sum(c['hit'] for c in copies)}/{len(copies)} cache hits; cached "
           f"vs fresh step identical: {e2e_check['ok']}  => stale-copy check "
-          f"{'PASS' if stale_ok and e2e_check['ok'] else 'FAIL'}  ({result['seconds']:.1f} s)")
-    result["stale_check_pass"] = bool(stale_ok and e2e_check["ok"])
+          f"{'PASS' if result['stale_check_pass'] else 'FAIL'}  ({result['seconds']:.1f} s)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
