@@ -26,7 +26,10 @@ initialisation on the Python installation's standard-library sources (byte token
 same batches in every mode and run), with a warmup + cosine learning rate and PyTorch's
 deterministic kernels, writes ``e2e_loss_<width>.csv`` (step, loss per mode) and
 ``e2e_loss_<width>.png`` under ``--out-dir``, and reports the final-loss gap of FP8
-against bf16 (mean of the last 20 steps; target within 1%).
+against bf16 (mean of the last 20 steps; target within 1%), with ``--seeds N`` over
+``N`` seeds, next to the bf16-vs-torch gap (the noise floor: the same math, another
+rounding) and a held-out evaluation (``--eval-batches``, ``--eval-every``:
+``e2e_eval_<width>.csv``; see :func:`loss_curve_job`).
 
 Model, modes and data: :mod:`benchmark.e2e_model`. On a machine without a GPU everything
 runs through the Triton interpreter at the ``tiny`` width (interpreter timings).
@@ -541,12 +544,47 @@ def deterministic_kernels():
         torch.utils.deterministic.fill_uninitialized_memory = prev[2]
 
 
+def copy_batch(cfg: E2EConfig, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """An in-context copying (induction) probe: ``batch`` sequences of random printable
+    bytes ``r`` (``seq // 2`` of them, fixed by ``seed``) written twice, ``[r, r]``, with
+    labels only where the next byte is a repeat (the second copy's bytes after its first):
+    a model that has learned to copy from its context (induction heads: two attention
+    layers) predicts them almost exactly, one that has not pays about ln(95) = 4.6 nats.
+    Its loss moves by several nats when the copying circuit forms, so it shows whether
+    two runs differ in that (a phase change whose timing is sensitive to any
+    perturbation) or in the rest of the model."""
+    g = torch.Generator().manual_seed(seed)
+    L = cfg.seq // 2
+    r = torch.randint(32, 127, (cfg.batch, L), generator=g)
+    tokens = torch.full((cfg.batch, cfg.seq), 32, dtype=torch.long)
+    tokens[:, :L] = r
+    tokens[:, L:2 * L] = r
+    labels = torch.full_like(tokens, -100)
+    labels[:, L:2 * L - 1] = tokens[:, L + 1:2 * L]
+    return tokens.to(device), labels.to(device)
+
+
+@torch.no_grad()
+def evaluate(model, mode: str, batches: list) -> float:
+    """Mean loss of ``model`` over ``batches`` (``[(tokens, labels), ...]``) in ``mode``'s
+    forward (under its TrainingContext), without gradients. A host sync."""
+    with e2e_model.fp8_context(mode):
+        losses = [model(tok, lab, mode)[0].float() for tok, lab in batches]
+    return float(torch.stack(losses).mean())
+
+
 def train_curve(cfg: E2EConfig, mode: str, data: bytes, *, steps: int, lr: float, seed: int,
-                device, graph: bool = False,
-                optimizer: str = "auto") -> tuple[list[float], dict]:
+                device, graph: bool = False, optimizer: str = "auto",
+                eval_batches: list | None = None, eval_every: int = 0,
+                copy: tuple | None = None) -> tuple[list[float], dict]:
     """The losses of ``steps`` training steps of ``mode`` from the seeded initialisation
     (warmup + cosine learning rate), and ``{"first_step_s", "rest_s"}`` (the first step
-    includes Triton's compiles)."""
+    includes Triton's compiles; evaluation time left out) plus, with ``eval_batches``
+    (held-out ``(tokens, labels)``, the same for every mode), ``"eval"``: the steps
+    evaluated (every ``eval_every`` steps, 0: only after the last), the held-out loss in
+    the mode's own forward (``heldout``) and in the bf16 forward (``heldout_bf16_fwd``,
+    for the fp8 mode: its weights without the FP8 forward's noise) and, with ``copy``
+    (:func:`copy_batch`), the copying probe's loss."""
     model = build_model(cfg, device=device, seed=seed)
     opt = make_optimizer(model, lr_at(0, steps, lr), mode=mode, capturable=graph,
                          lr_tensor=graph, optimizer=optimizer)
@@ -565,6 +603,26 @@ def train_curve(cfg: E2EConfig, mode: str, data: bytes, *, steps: int, lr: float
         del init
     else:
         step = make_stepper(model, opt, batches, mode, graph=False, warmup=0)
+    ev = None
+    if eval_batches:
+        ev = {"steps": [], "heldout": []}
+        if mode == "fp8":
+            ev["heldout_bf16_fwd"] = []
+        if copy is not None:
+            ev["copy"] = []
+    eval_s = 0.0
+
+    def run_eval(m, done: int) -> None:
+        nonlocal eval_s
+        t = time.perf_counter()
+        ev["steps"].append(done)
+        ev["heldout"].append(evaluate(m, mode, eval_batches))
+        if "heldout_bf16_fwd" in ev:
+            ev["heldout_bf16_fwd"].append(evaluate(m, "bf16", eval_batches))
+        if "copy" in ev:
+            ev["copy"].append(evaluate(m, mode, [copy]))
+        eval_s += time.perf_counter() - t
+
     losses = []
     t0 = time.perf_counter()
     first = None
@@ -576,14 +634,19 @@ def train_curve(cfg: E2EConfig, mode: str, data: bytes, *, steps: int, lr: float
             first = time.perf_counter() - t0
         if (i + 1) % max(1, steps // 5) == 0:
             print(f"  step {i + 1}: loss {losses[-1].item():.4f}", flush=True)
+        if ev is not None and (i + 1 == steps or (eval_every and (i + 1) % eval_every == 0)):
+            run_eval(model, i + 1)
     curve = torch.stack(losses).float().cpu().tolist()
     _sync(device)
-    rest = time.perf_counter() - t0 - first
+    rest = time.perf_counter() - t0 - first - eval_s
     del model, opt, step
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-    return curve, {"first_step_s": first, "rest_s": rest}
+    info = {"first_step_s": first, "rest_s": rest}
+    if ev is not None:
+        info["eval"] = ev
+    return curve, info
 
 
 def _write_curves_csv(path: str, curves: dict, steps: int) -> None:
@@ -595,15 +658,36 @@ def _write_curves_csv(path: str, curves: dict, steps: int) -> None:
     print(f"wrote {path}")
 
 
+def heldout_batches(cfg: E2EConfig, data: bytes, steps: int, n: int, device) -> list:
+    """``n`` batches of the windows after the ``steps`` training batches (never trained
+    on; ``data`` must hold ``corpus_bytes_needed(cfg, steps + n)`` bytes)."""
+    bb = ByteBatches(data, cfg.batch, cfg.seq, device)
+    return [bb(steps + j) for j in range(n)]
+
+
+def _rel(a, b):
+    return None if a is None or b is None else (a - b) / b
+
+
 def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
     """Loss curves of every mode for ``args.seeds`` seeds (``args.seed``, ``+1``, ...):
     one CSV per seed (the first seed's is ``e2e_loss_<width>.csv`` and is plotted), the
     FP8-vs-bf16 final-loss gap per seed and its mean (the target is read on the mean: one
-    run's gap moves by several percent with the seed, see :func:`gap_over_seeds`)."""
+    run's gap moves by several percent with the seed, see :func:`gap_over_seeds`).
+
+    Beside it, to read that gap against the noise: the bf16-vs-torch gap (two runs of
+    the same math that differ only in rounding: the spread a perturbation alone gives
+    after ``N`` steps), and with ``--eval-batches`` the held-out loss (batches after the
+    training windows, the same for every mode and seed) every ``--eval-every`` steps and
+    at the end, the fp8 mode's also in the bf16 forward, and an in-context copying
+    probe (:func:`copy_batch`); their gaps over seeds; ``e2e_eval_<width>.csv``."""
     steps = args.train_steps
-    data = stdlib_corpus(corpus_bytes_needed(cfg, steps))
+    n_eval = args.eval_batches
+    data = stdlib_corpus(corpus_bytes_needed(cfg, steps + n_eval))
+    held = heldout_batches(cfg, data, steps, n_eval, device) if n_eval else None
+    copy = copy_batch(cfg, device) if n_eval else None
     seeds = [args.seed + k for k in range(args.seeds)]
-    runs, times = {}, {}
+    runs, times, evals = {}, {}, {}
     with deterministic_kernels():
         for seed in seeds:
             curves = runs[seed] = {}
@@ -611,7 +695,16 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
                 print(f"[e2e] loss curve {mode}, seed {seed}: {steps} steps ...", flush=True)
                 curves[mode], tm = train_curve(
                     cfg, mode, data, steps=steps, lr=args.lr, seed=seed, device=device,
-                    graph=args.cuda_graph and mode != "torch", optimizer=args.optimizer)
+                    graph=args.cuda_graph and mode != "torch", optimizer=args.optimizer,
+                    eval_batches=held, eval_every=args.eval_every, copy=copy)
+                ev = tm.pop("eval", None)
+                if ev is not None:
+                    evals.setdefault(seed, {})[mode] = ev
+                    print(f"  {mode}: held-out loss {ev['heldout'][-1]:.4f}" +
+                          (f" (bf16 forward {ev['heldout_bf16_fwd'][-1]:.4f})"
+                           if "heldout_bf16_fwd" in ev else "") +
+                          (f", copy probe {ev['copy'][-1]:.4f}" if "copy" in ev else ""),
+                          flush=True)
                 times.setdefault(mode, tm)
                 print(f"  {mode}: first step {tm['first_step_s']:.1f} s (compiles), then "
                       f"{1e3 * tm['rest_s'] / max(1, steps - 1):.1f} ms per step", flush=True)
@@ -625,18 +718,77 @@ def loss_curve_job(args, cfg: E2EConfig, device) -> dict:
     summaries = {seed: summarize_curves(runs[seed]) for seed in seeds}
     summary = summaries[seeds[0]]
     over = gap_over_seeds([summaries[s]["fp8_vs_bf16_rel_gap"] for s in seeds])
+    floor = gap_over_seeds([summaries[s]["bf16_vs_torch_rel_gap"] for s in seeds])
     if len(seeds) > 1 and over["mean"] is not None:
         print(f"FP8 vs bf16 over seeds {seeds}: mean {100 * over['mean']:+.2f}% (standard "
               f"error {100 * over['stderr']:.2f}%), per seed " +
               ", ".join(f"{100 * g:+.2f}%" for g in over["per_seed"]))
+    if len(seeds) > 1 and floor["mean"] is not None:
+        print(f"noise floor, bf16 vs torch over seeds: mean {100 * floor['mean']:+.2f}% "
+              f"(standard error {100 * floor['stderr']:.2f}%, rms {100 * floor['rms']:.2f}%)"
+              ", per seed " + ", ".join(f"{100 * g:+.2f}%" for g in floor["per_seed"]))
+    eval_summary = summarize_evals(evals, seeds) if evals else None
+    if evals:
+        _write_eval_csv(os.path.join(args.out_dir, f"e2e_eval_{args.width}.csv"), evals)
     t = targets([], over["mean"])
     print_targets(t)
-    return {"job": "loss_curve", "config": cfg.as_dict(), "steps": steps, "lr": args.lr,
-            "seeds": seeds, "curves": curves, **summary,
-            "fp8_vs_bf16_rel_gap_first_seed": summary["fp8_vs_bf16_rel_gap"],
-            "fp8_vs_bf16_rel_gap": over["mean"], "fp8_vs_bf16_gap_over_seeds": over,
-            "curves_per_seed": {str(s): runs[s] for s in seeds[1:]}, "targets": t,
-            "seconds": times, "csv": stem + ".csv", "png": plot, "corpus_bytes": len(data)}
+    out = {"job": "loss_curve", "config": cfg.as_dict(), "steps": steps, "lr": args.lr,
+           "seeds": seeds, "curves": curves, **summary,
+           "fp8_vs_bf16_rel_gap_first_seed": summary["fp8_vs_bf16_rel_gap"],
+           "fp8_vs_bf16_rel_gap": over["mean"], "fp8_vs_bf16_gap_over_seeds": over,
+           "bf16_vs_torch_gap_over_seeds": floor,
+           "curves_per_seed": {str(s): runs[s] for s in seeds[1:]}, "targets": t,
+           "seconds": times, "csv": stem + ".csv", "png": plot, "corpus_bytes": len(data)}
+    if evals:
+        out.update(eval_batches=n_eval, eval_every=args.eval_every,
+                   eval={str(s): evals[s] for s in seeds}, eval_summary=eval_summary)
+    return out
+
+
+def summarize_evals(evals: dict, seeds: list) -> dict:
+    """Final held-out (and copy-probe) losses: per seed and mode, and the gaps fp8 vs
+    bf16 and bf16 vs torch over seeds; printed."""
+    final = {s: {m: {k: v[-1] for k, v in ev.items() if k != "steps"}
+                 for m, ev in evals[s].items()} for s in seeds}
+    out = {"final": {str(s): final[s] for s in seeds}}
+    lines = []
+    for key in ("heldout", "copy"):
+        for name, a, b, ka in (("fp8_vs_bf16", "fp8", "bf16", key),
+                               ("fp8_bf16fwd_vs_bf16", "fp8", "bf16", "heldout_bf16_fwd"),
+                               ("bf16_vs_torch", "bf16", "torch", key)):
+            if key == "copy" and ka != key:
+                continue
+            gaps = [_rel(final[s].get(a, {}).get(ka), final[s].get(b, {}).get(key))
+                    for s in seeds]
+            if all(g is None for g in gaps):
+                continue
+            g = out[f"{key}_{name}"] = gap_over_seeds(gaps)
+            lines.append(f"  {key} {name}: mean {100 * g['mean']:+.2f}% (s.e. "
+                         f"{100 * g['stderr']:.2f}%), per seed " +
+                         ", ".join("-" if x is None else f"{100 * x:+.2f}%"
+                                   for x in g["per_seed"]))
+    print("held-out evaluation after the last step (mean over seeds):")
+    for m in final[seeds[0]]:
+        vals = [final[s][m]["heldout"] for s in seeds if m in final[s]]
+        cp = [final[s][m]["copy"] for s in seeds if m in final[s] and "copy" in final[s][m]]
+        print(f"  {m}: held-out {sum(vals) / len(vals):.4f}" +
+              (f", copy probe {sum(cp) / len(cp):.4f}" if cp else ""))
+    for ln in lines:
+        print(ln)
+    return out
+
+
+def _write_eval_csv(path: str, evals: dict) -> None:
+    keys = ("heldout", "heldout_bf16_fwd", "copy")
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["seed", "mode", "step", *keys])
+        for seed, by_mode in evals.items():
+            for mode, ev in by_mode.items():
+                for j, st in enumerate(ev["steps"]):
+                    w.writerow([seed, mode, st] + [f"{ev[k][j]:.6f}" if k in ev else ""
+                                                   for k in keys])
+    print(f"wrote {path}")
 
 
 def gap_over_seeds(gaps: list) -> dict:
@@ -647,10 +799,11 @@ def gap_over_seeds(gaps: list) -> dict:
     implementations), while bf16 against bf16 with another optimizer moved 0.2%."""
     g = [x for x in gaps if x is not None]
     if not g:
-        return {"per_seed": gaps, "mean": None, "stderr": None}
+        return {"per_seed": gaps, "mean": None, "stderr": None, "rms": None}
     mean = sum(g) / len(g)
     var = sum((x - mean) ** 2 for x in g) / (len(g) - 1) if len(g) > 1 else 0.0
-    return {"per_seed": gaps, "mean": mean, "stderr": math.sqrt(var / len(g))}
+    return {"per_seed": gaps, "mean": mean, "stderr": math.sqrt(var / len(g)),
+            "rms": math.sqrt(sum(x * x for x in g) / len(g))}
 
 
 def summarize_curves(curves: dict, window: int = 20) -> dict:
@@ -658,13 +811,14 @@ def summarize_curves(curves: dict, window: int = 20) -> dict:
     against bf16; printed."""
     n = min(window, min(len(c) for c in curves.values()))
     final = {m: sum(c[-n:]) / n for m, c in curves.items()}
-    gap = None
-    if "fp8" in final and "bf16" in final:
-        gap = (final["fp8"] - final["bf16"]) / final["bf16"]
+    gap = _rel(final.get("fp8"), final.get("bf16"))
+    floor = _rel(final.get("bf16"), final.get("torch"))
     print(f"\nfinal loss (mean of the last {n} steps): " +
           ", ".join(f"{m} {v:.4f}" for m, v in final.items()) +
-          ("" if gap is None else f"; FP8 vs bf16 {100 * gap:+.2f}% (target within 1%)"))
-    return {"final_mean_last": final, "final_window": n, "fp8_vs_bf16_rel_gap": gap}
+          ("" if gap is None else f"; FP8 vs bf16 {100 * gap:+.2f}% (target within 1%)") +
+          ("" if floor is None else f"; bf16 vs torch {100 * floor:+.2f}% (noise floor)"))
+    return {"final_mean_last": final, "final_window": n, "fp8_vs_bf16_rel_gap": gap,
+            "bf16_vs_torch_rel_gap": floor}
 
 
 def read_curves(path: str) -> dict:
@@ -738,6 +892,12 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, default=1,
                    help="loss-curve job: train every mode from this many seeds (--seed, "
                         "+1, ...) and read the FP8 loss gap on their mean")
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="loss-curve job: held-out batches (after the training windows) "
+                        "evaluated in every mode, plus the copying probe (0: none)")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="loss-curve job: evaluate every this many steps too (0: only after "
+                        "the last)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot-csv", default=None,
                    help="only plot an existing loss-curve CSV (e.g. from a GPU machine "
@@ -773,6 +933,8 @@ def parse_args(argv=None):
         p.error("--steps must be >= 1 and --warmup >= 0")
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
+    if args.eval_batches < 0 or args.eval_every < 0:
+        p.error("--eval-batches and --eval-every must be >= 0")
     return args
 
 

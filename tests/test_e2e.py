@@ -265,10 +265,28 @@ def test_loss_curves_over_seeds(tmp_path):
     out = tmp_path / "loss.json"
     rc = e2e.main(["--mode", "bf16,fp8", "--width", "tiny", "--layers", "1",
                    "--train-steps", "2", "--seeds", "2", "--seed", "5",
+                   "--eval-batches", "2", "--eval-every", "1",
                    "--out-dir", str(tmp_path), "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["seeds"] == [5, 6]
+    # held-out evaluation after steps 1 and 2, per seed and mode; the fp8 mode's weights
+    # also in the bf16 forward; the copying probe
+    for s in ("5", "6"):
+        ev = res["eval"][s]
+        assert set(ev) == {"bf16", "fp8"}
+        assert ev["bf16"]["steps"] == [1, 2] and ev["fp8"]["steps"] == [1, 2]
+        assert set(ev["fp8"]) == {"steps", "heldout", "heldout_bf16_fwd", "copy"}
+        assert "heldout_bf16_fwd" not in ev["bf16"]
+        assert all(math.isfinite(v) for m in ev.values() for k, vs in m.items()
+                   if k != "steps" for v in vs)
+    g = res["eval_summary"]["heldout_fp8_vs_bf16"]
+    assert len(g["per_seed"]) == 2 and g["mean"] == pytest.approx(sum(g["per_seed"]) / 2)
+    assert res["bf16_vs_torch_gap_over_seeds"]["mean"] is None  # no torch mode here
+    with open(tmp_path / "e2e_eval_tiny.csv", newline="") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["seed", "mode", "step", "heldout", "heldout_bf16_fwd", "copy"]
+    assert len(rows) == 1 + 2 * 2 * 2
     assert (tmp_path / "e2e_loss_tiny.csv").exists()
     assert (tmp_path / "e2e_loss_tiny_seed6.csv").exists()
     over = res["fp8_vs_bf16_gap_over_seeds"]
@@ -279,7 +297,32 @@ def test_loss_curves_over_seeds(tmp_path):
         res["fp8_vs_bf16_rel_gap"])
     g = e2e.gap_over_seeds([0.02, -0.02, None])
     assert g["mean"] == 0.0 and g["stderr"] == pytest.approx(0.02)
+    assert g["rms"] == pytest.approx(0.02)
     assert e2e.gap_over_seeds([None])["mean"] is None
+
+
+def test_copy_batch_and_heldout_batches():
+    """The copying probe repeats a random printable half-sequence and labels only the
+    bytes a copy predicts; the held-out batches are the windows after the training ones."""
+    cfg = preset("tiny", seq=9, batch=3)
+    tok, lab = e2e.copy_batch(cfg, DEVICE, seed=2)
+    L = cfg.seq // 2
+    assert tok.shape == lab.shape == (3, 9)
+    assert torch.equal(tok[:, :L], tok[:, L:2 * L])
+    assert bool(((tok[:, :L] >= 32) & (tok[:, :L] < 127)).all())
+    m = lab != -100
+    assert int(m.sum()) == 3 * (L - 1)
+    assert bool(m[:, L:2 * L - 1].all())
+    assert torch.equal(lab[:, L:2 * L - 1], tok[:, L + 1:2 * L])
+    assert torch.equal(e2e.copy_batch(cfg, DEVICE, seed=2)[0], tok)
+    steps = 4
+    data = stdlib_corpus(corpus_bytes_needed(cfg, steps + 2))
+    held = e2e.heldout_batches(cfg, data, steps, 2, DEVICE)
+    bb = ByteBatches(data, cfg.batch, cfg.seq, DEVICE)
+    trained = {bytes(t.tolist()) for i in range(steps) for t in bb(i)[0]}
+    assert len(held) == 2 and all(bytes(t.tolist()) not in trained for h in held
+                                  for t in h[0])
+    assert torch.equal(held[1][0], bb(steps + 1)[0])
 
 
 def test_table_and_targets(capsys):
