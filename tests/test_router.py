@@ -85,59 +85,6 @@ def test_router_logits_configs_and_split_k(device, monkeypatch, cfg, T, K, E, wd
     _check_logits_and_grads(device, x, w)
 
 
-# TMA forward kernel configs: (BM, BN, BK, SPLIT, NACC, FIXUP, LO_FIRST); tiles smaller
-# than the shapes, K split in 2-3 chunks (a ragged last chunk), partials summed by the
-# tile's last program (FIXUP) or by the second kernel, small parts first (LO_FIRST)
-_TMA_CONFIGS = [(16, 16, 16, 1, 3, True, False), (32, 16, 16, 2, 1, True, True),
-                (16, 32, 32, 3, 2, True, False), (16, 16, 16, 2, 2, False, True),
-                (16, 16, 16, 1, 1, True, False)]
-
-
-@pytest.mark.gpu_subset(**{"T,K,E": [(37, 104, 33)]})
-@pytest.mark.parametrize("cfg", _TMA_CONFIGS)
-@pytest.mark.parametrize("T,K,E", [(37, 104, 33), (1, 8, 3), (50, 72, 16)])
-@pytest.mark.parametrize("wd", [torch.float32, torch.bfloat16, torch.float16])
-def test_router_logits_tma_kernel(device, monkeypatch, cfg, T, K, E, wd):
-    """The TMA forward kernel (bf16 x, K a multiple of 8) at pinned configs: fp32-exact
-    for every number of weight parts (fp32: 3, fp16: 2, bf16: 1) and accumulators, with
-    and without a K split; every output element written (outputs are NaN-poisoned)."""
-    from linghe.fwd import router as fwd_router
-
-    BM, BN, BK, split, nacc, fixup, lo_first = cfg
-    c = dict(BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=1, SPLIT=split, NACC=nacc,
-             FIXUP=fixup, LO_FIRST=lo_first, AREG=nacc == 1)
-    if device == "cuda":  # wgmma tiles
-        c.update(BM=64, BN=max(16, BN), BK=max(16, BK), num_stages=2)
-    x = torch.randn(T, K, device=device).to(torch.bfloat16)
-    w = (torch.randn(E, K, device=device) * 0.05).to(wd)
-    y = fwd_router.logits_tma(x, fwd_router.weight_parts(w), config=c)
-    assert y is not None and y.shape == (T, E) and y.dtype == torch.float32
-    exact = x.double() @ w.double().t()
-    assert rel_err(y, exact) < _exact_tol(device, K), rel_err(y, exact)
-    # the same config through the public op (and its backward)
-    monkeypatch.setattr(fwd_router, "FWD_TMA_CONFIG", c)
-    _check_logits_and_grads(device, x, w)
-
-
-def test_router_logits_tma_fallback(device, monkeypatch):
-    """Operands TMA cannot address (rows of K * 2 bytes not a multiple of 16, a float32
-    x, a misaligned x) go to the pointer kernel; FWD_TMA=False forces it."""
-    from linghe.fwd import router as fwd_router
-
-    w = torch.randn(8, 100, device=device) * 0.05
-    x = torch.randn(9, 100, device=device).to(torch.bfloat16)
-    wp = fwd_router.weight_parts(w)
-    assert fwd_router.logits_tma(x, wp) is None  # 200-byte rows
-    assert fwd_router.logits_tma(x.float(), wp) is None
-    x2 = torch.randn(9 * 64 + 1, device=device).to(torch.bfloat16)[1:].view(9, 64)
-    assert x2.data_ptr() % 16 == 2  # 128-byte rows from a misaligned base
-    assert fwd_router.logits_tma(x2, fwd_router.weight_parts(w[:, :64])) is None
-    _check_logits_and_grads(device, x, w)
-    monkeypatch.setattr(fwd_router, "FWD_TMA", False)
-    _check_logits_and_grads(device, torch.randn(21, 64, device=device).to(torch.bfloat16),
-                            w[:, :64].contiguous())
-
-
 @pytest.mark.parametrize("xd", [torch.bfloat16, torch.float32])
 def test_router_logits_heuristic_split_k(device, monkeypatch, xd):
     # lower the split-K threshold: the heuristic splits dW's token reduction (and the

@@ -9,29 +9,12 @@ is exact in fp32 and the tensor cores accumulate in fp32, so ``_mm_kernel``, whi
 only bf16 parts and sums the part products ``a_i * b_j`` with ``i + j <= ORDER`` into one
 accumulator, is float32-accurate (``ORDER=2`` drops only terms below ``2^-24`` relative;
 ``ORDER=1`` is enough for a bf16/fp16 output). bf16 ``x`` with an fp32 weight costs 3
-bf16 tensor-core passes (2 parts would leave the weight 16 significand bits: a relative
-error ~2.4e-6 from the representation alone, so the forward keeps 3).
+bf16 tensor-core passes. The forward writes ``[T, E]`` directly from ``128 x 128`` tiles
+(``T/128 * E/128`` programs: about one wave at the standard shape); when there are too few
+output tiles for the SMs (``dW = dlogits^T @ x``: ``[E, K]``) K is split over programs
+and the fp32 partials are summed by a second kernel in a fixed order (deterministic).
 On Hopper the tensor cores' fp32 accumulation is not IEEE round-to-nearest, so "exact"
-means relative error ~1e-6 at K ~ 2048 (still ~100x under TF32). That error grows with
-the number of MMA accumulations into one large accumulator: part products of different
-sizes go into separate accumulators, or the small ones first.
-
-**Forward (bf16 x): :func:`_logits_kernel`.** Both operands come by TMA (x as ``[BM,
-BK]`` boxes, the weight's parts stacked as one ``[P*E, K]`` matrix); no address
-registers or masks in the K loop. At the router's shape (``[8192, 2048] @ [2048, 256]``)
-the heuristic (:func:`_logits_config`) takes ``256 x 128`` tiles with K split in two (128
-programs: one wave): per program the same MMA work as a ``128 x 128`` tile over all of K,
-with fewer operand bytes per MMA (the x tile feeds 3 part products of 128 columns, each
-part tile 256 rows). Their fp32 accumulator takes 128 registers a thread, so the part
-products share it, the small ones first over the K chunk and then the hi part (second
-loop): as accurate as one accumulator per part, and one wait between chained dots per K
-step instead of two. Each K chunk stores its partial; the tile's last program to arrive
-(an atomic count) sums them in chunk order (deterministic) and stores the tile. Other
-bf16 operands that TMA cannot address (rows not 16-byte multiples), fp16/fp32 ``x`` and
-the backward use ``_mm_kernel`` (pointer loads, bf16 parts of both operands), which
-writes ``[T, E]`` from ``128 x 128`` tiles; when there are too few output tiles for the
-SMs (``dW = dlogits^T @ x``: ``[E, K]``) K is split over programs and the fp32 partials
-are summed by a second kernel in a fixed order (deterministic).
+means relative error ~1e-6 at K ~ 2048 (still ~100x under TF32).
 
 **Top-k routing.** Ungrouped routing (``num_groups == 1``) runs ``_topk_fwd_rows_kernel``
 on ``[BT, E]`` tiles (reductions over many rows at once). Grouped routing runs
@@ -46,7 +29,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..utils import (
     INTERPRET,
@@ -336,227 +318,6 @@ def matmul_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
     return matmul_parts(ap, bp, out_dtype, order, config=cfg)
 
 
-# ------------------------------------------------------------------------ forward GEMM
-_INTERP = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def _in_registers(a):
-    """``a`` (a bf16 tile) unchanged, but through an opaque register move, so that a
-    ``tl.dot`` takes it as a register operand (wgmma reads A from registers: one
-    shared-memory read of the tile per K step instead of one per dot). The interpreter
-    cannot run PTX: there it is ``a`` itself."""
-    if _INTERP:
-        return a
-    else:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=tl.bfloat16,
-                                         is_pure=True, pack=2)
-
-
-@triton.jit
-def _logits_kernel(x_desc, w_desc, out_ptr, ws_ptr, flag_ptr, M, N, K, k_per_split,
-                   P: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr, NACC: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   GROUP_M: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr,
-                   CH: tl.constexpr, AREG: tl.constexpr, LO_FIRST: tl.constexpr):
-    """``out = x @ (w_0 + .. + w_{P-1})^T`` (fp32) for a bf16 ``x [M, K]`` and the
-    weight's ``P`` bf16 parts, both loaded by TMA: ``x_desc`` over ``x`` with ``[BM, BK]``
-    boxes, ``w_desc`` over the parts stacked along the rows (``[P * N, K]``: part ``p``'s
-    box of column tile ``n`` starts at row ``p * N + n * BN``; rows of a box past the
-    part's ``N`` rows are the next part's and only feed columns that are not stored).
-    The copy engine zero-fills past ``K`` and ``M``: no masks in the K loop.
-
-    Part ``p``'s products go to accumulator ``0`` (``p = 0``), ``I1`` or ``I2`` (of
-    ``NACC``), smallest part first; the accumulators are summed at the end, smallest
-    first. ``AREG``: the x tile goes through registers (:func:`_in_registers`). Program
-    ``pid`` computes tile ``pid % tiles`` over the K chunk ``rank = pid //
-    tiles`` (``k_per_split`` wide, ``SPLIT`` chunks); with ``SPLIT > 1`` each chunk
-    stores its fp32 partial to ``ws[rank]``. Without ``FIXUP`` ``_sum_splits_kernel``
-    sums them; with ``FIXUP`` each program then counts itself in ``flag[tile]``
-    (acq_rel, after a barrier: the whole partial is visible first), and the tile's last
-    program to arrive sums the ``SPLIT`` partials in rank order (deterministic: the same
-    fp32 adds in the same order whichever program is last), ``CH`` rows at a time, and
-    stores the tile. Nobody waits for another program (no co-residency assumption)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    tiles = num_m * num_n
-    rank = pid // tiles
-    tile = pid % tiles
-    pid_m, pid_n = grouped_tile_order(tile, num_m, num_n, GROUP_M)
-    off_m = pid_m * BM
-    off_n = pid_n * BN
-    k_lo = rank * k_per_split
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    if LO_FIRST and P > 1:
-        # the small parts over the whole K chunk, then the hi part (two pipelined loops)
-        for k0 in range(k_lo, k_hi, BK):
-            a = x_desc.load([off_m, k0])
-            if AREG:
-                a = _in_registers(a)
-            if P > 2:
-                b2 = w_desc.load([N + N + off_n, k0])
-                acc, acc1, acc2 = _acc_dot(a, tl.trans(b2), acc, acc1, acc2, I2)
-            b1 = w_desc.load([N + off_n, k0])
-            acc, acc1, acc2 = _acc_dot(a, tl.trans(b1), acc, acc1, acc2, I1)
-        for k0 in range(k_lo, k_hi, BK):
-            a = x_desc.load([off_m, k0])
-            b0 = w_desc.load([off_n, k0])
-            acc = dot_f32acc(a, tl.trans(b0), acc)
-    else:
-        for k0 in range(k_lo, k_hi, BK):
-            a = x_desc.load([off_m, k0])
-            if AREG:
-                a = _in_registers(a)
-            if P > 2:
-                b2 = w_desc.load([N + N + off_n, k0])
-                acc, acc1, acc2 = _acc_dot(a, tl.trans(b2), acc, acc1, acc2, I2)
-            if P > 1:
-                b1 = w_desc.load([N + off_n, k0])
-                acc, acc1, acc2 = _acc_dot(a, tl.trans(b1), acc, acc1, acc2, I1)
-            b0 = w_desc.load([off_n, k0])
-            acc = dot_f32acc(a, tl.trans(b0), acc)
-    if NACC == 3:
-        acc = acc2 + acc1 + acc
-    elif NACC == 2:
-        acc = acc1 + acc
-    rm = off_m + tl.arange(0, BM)
-    rn = off_n + tl.arange(0, BN)
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    if SPLIT == 1:
-        tl.store(out_ptr + offs, acc, mask=mask)
-    else:
-        mn = M.to(tl.int64) * N
-        tl.store(ws_ptr + rank * mn + offs, acc, mask=mask)
-        if FIXUP:
-            tl.debug_barrier()  # every thread's partial is written before the release
-            if tl.atomic_add(flag_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-                # the tile's last chunk to finish: sum the partials in rank order, CH rows
-                # at a time (the accumulator is dead: few registers)
-                for i in range(0, BM, CH):
-                    r2 = off_m + i + tl.arange(0, CH)
-                    m2 = (r2 < M)[:, None] & (rn < N)[None, :]
-                    o2 = r2.to(tl.int64)[:, None] * N + rn[None, :]
-                    s = tl.load(ws_ptr + o2, mask=m2, other=0.0, cache_modifier=".cg")
-                    for r in range(1, SPLIT):
-                        s += tl.load(ws_ptr + r * mn + o2, mask=m2, other=0.0,
-                                     cache_modifier=".cg")
-                    tl.store(out_ptr + o2, s, mask=m2)
-
-
-#: The TMA forward kernel (:func:`_logits_kernel`) for a bf16 ``x`` whose operands TMA can
-#: address (False: the pointer kernel :func:`matmul_parts` everywhere).
-FWD_TMA = True
-#: Launch config of the TMA forward kernel: ``None`` for :func:`_logits_config`, or a dict
-#: with keys ``BM, BN, BK, num_warps, num_stages, SPLIT, NACC, FIXUP, AREG`` (missing keys:
-#: the heuristic's values).
-FWD_TMA_CONFIG: dict | None = None
-_LOGITS_CFG: dict = {}
-
-
-def _logits_config(M: int, N: int, K: int, P: int, dev) -> dict:
-    """Tiles of the TMA forward kernel (cached per shape).
-
-    One wave of large tiles: ``256 x 128`` (8 warps) with K split in 2 or 4 while that
-    still makes about one wave (the router's 8192 x 256 output: 64 tiles, 128 programs),
-    else one K chunk per tile (``128 x 128`` tiles where K is too short to split). The
-    accumulators fit ~192 registers a thread: one at ``256 x 128`` (``NACC=1``, the small
-    parts first: ``LO_FIRST``), one per part at ``128 x 128``. Shared memory:
-    ``num_stages`` stages of the ``[BM, BK]`` x tile and the ``[BN, BK]`` part tiles of
-    one loop, within ~200 KB. The alternatives measured against it are in
-    ``benchmark/probe_router.py``."""
-    key = (M, N, K, P, dev)
-    cfg = _LOGITS_CFG.get(key)
-    if cfg is not None:
-        return cfg
-    if INTERPRET:
-        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT=1, NACC=P,
-                   FIXUP=True, AREG=False, LO_FIRST=False)
-    else:
-        sms = num_sms(dev)
-        BN = 128 if N > 64 else max(16, next_power_of_2(N))
-        BM = 256 if M > 128 else (128 if M > 64 else 64)
-        nw = 8 if BM >= 128 else 4
-        tiles = cdiv(M, BM) * cdiv(N, BN)
-        fill = sms + sms // 4  # programs that still count as about one wave
-        split = 1
-        while split < 4 and 2 * split * tiles <= fill and K >= 1024 * split:
-            split *= 2  # K chunks of at least 512
-        if split == 1 and BM == 256 and 2 * tiles <= fill:
-            BM = 128  # short K: more, smaller tiles instead of a K split
-        # accumulators: at most ~192 fp32 registers a thread
-        nacc = max(1, min(P, (192 * 32 * nw) // (BM * BN)))
-        lo_first = nacc < P  # parts sharing an accumulator: the small ones first
-        BK = 64
-        stage = (BM + (max(P - 1, 1) if lo_first else P) * BN) * BK * 2
-        ns = max(2, min(4, (200 * 1024) // stage))
-        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split,
-                   NACC=nacc, FIXUP=True, AREG=False, LO_FIRST=lo_first)
-    _LOGITS_CFG[key] = cfg
-    return cfg
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    """A bf16 matrix (or stack of matrices) TMA can address: unit last stride, 16-byte
-    aligned base and row stride."""
-    return (t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and (t.stride(-2) * 2) % 16 == 0)
-
-
-def logits_tma(x2: torch.Tensor, wp: torch.Tensor, *, config: dict | None = None
-               ) -> torch.Tensor | None:
-    """``x2 [T, K] @ (wp[0] + .. + wp[P-1])^T`` -> fp32 ``[T, E]`` through
-    :func:`_logits_kernel`, or ``None`` where TMA cannot address the operands (bf16
-    ``x2`` and ``wp [P, E, K]`` with a unit K stride, 16-byte aligned rows, parts
-    stacked as one ``[P * E, K]`` matrix). ``config``: overrides of
-    :func:`_logits_config`'s keys."""
-    P, E, K = wp.shape
-    T = x2.shape[0]
-    if not (x2.dtype == torch.bfloat16 and _tma_ok(x2) and _tma_ok(wp)
-            and (P == 1 or wp.stride(0) == E * wp.stride(1))):
-        return None
-    dev = x2.device
-    out = empty(T, E, dtype=torch.float32, device=dev)
-    if T == 0 or E == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    cfg = dict(_logits_config(T, E, K, P, dev))
-    if config:
-        cfg.update(config)
-    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
-    nacc = min(cfg["NACC"], P)
-    k_per = cdiv(cdiv(K, cfg["SPLIT"]), BK) * BK
-    split = cdiv(K, k_per)
-    tiles = cdiv(T, BM) * cdiv(E, BN)
-    fixup = bool(cfg["FIXUP"])
-    ws = flags = out
-    if split > 1:
-        ws = empty(split, T, E, dtype=torch.float32, device=dev)
-        if fixup:
-            flags = torch.zeros(tiles, dtype=torch.int32, device=dev)
-    x_desc = TensorDescriptor(x2, [T, K], [x2.stride(0), 1], [BM, BK])
-    w2 = wp.as_strided((P * E, K), (wp.stride(1), 1))  # the parts stacked along the rows
-    w_desc = TensorDescriptor(w2, [P * E, K], [wp.stride(1), 1], [BN, BK])
-    with device_guard(x2):
-        launch(_logits_kernel, (tiles * split,), x_desc, w_desc, out, ws, flags, T, E, K, k_per,
-               P=P, I1=min(1, nacc - 1), I2=min(2, nacc - 1), NACC=nacc, BM=BM, BN=BN,
-               BK=BK, GROUP_M=8, SPLIT=split, FIXUP=fixup,
-               CH=max(1, min(BM, 512 * cfg["num_warps"] // BN)),
-               AREG=bool(cfg.get("AREG", False)), LO_FIRST=bool(cfg.get("LO_FIRST", False)),
-               num_warps=cfg["num_warps"],
-               num_stages=cfg["num_stages"])
-        if split > 1 and not fixup:
-            BLOCK = 1024
-            launch(_sum_splits_kernel, (cdiv(T * E, BLOCK),), ws, out, T * E, split,
-                   BLOCK=BLOCK, num_warps=4)
-    return out
-
-
 def weight_parts(weight: torch.Tensor) -> torch.Tensor:
     """The router weight ``[E, K]`` as its bf16 parts ``[P, E, K]`` (:func:`split_parts`):
     made once per forward and saved for the backward's ``dx``."""
@@ -568,10 +329,6 @@ def router_logits_fwd(x2: torch.Tensor, weight: torch.Tensor,
     """``x2 [T, K] @ weight[E, K]^T`` -> fp32 ``[T, E]`` (fp32-exact). ``w_parts``:
     :func:`weight_parts` of ``weight`` if the caller has it (else split here)."""
     wp = weight_parts(weight) if w_parts is None else w_parts
-    if FWD_TMA:
-        out = logits_tma(x2, wp, config=FWD_TMA_CONFIG)
-        if out is not None:
-            return out
     return matmul_parts(split_parts(x2), wp.transpose(1, 2), torch.float32, 2,
                         config=CONFIG["fwd"])
 
