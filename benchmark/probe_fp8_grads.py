@@ -243,7 +243,8 @@ def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> dict:
     rn = ref.norm(dim=1)
     rel = (out - ref).norm(dim=1) / rn.clamp_min(1e-30)
     rel = rel[rn > 0]
-    q = torch.quantile(rel.float(), torch.tensor([0.5, 0.99], dtype=torch.float32))
+    q = torch.quantile(rel.float(), torch.tensor([0.5, 0.99], dtype=torch.float32,
+                                              device=rel.device))
     return {"rel": float((out - ref).norm() / ref.norm()), "p50": float(q[0]),
             "p99": float(q[1]), "max": float(rel.max()), "rows_over_half": int((rel > 0.5).sum()),
             "rows": int(rel.numel())}
