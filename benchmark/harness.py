@@ -197,25 +197,30 @@ def _spin(us: float) -> None:
     torch.cuda._sleep(int(us * _SPIN_CYCLES_PER_US[0]))
 
 
-def host_us(fn: Callable[[], Any], calls: int = 20, spin_us: float = 200_000.0
-            ) -> tuple[float, bool]:
+def host_us(fn: Callable[[], Any], calls: int = 20, spin_us: float = 200_000.0,
+            repeats: int = 5) -> tuple[float, bool]:
     """Host µs per call of ``fn`` (ANCHORS.md's method): ``calls`` back-to-back calls after
     warm-up, no sync inside the loop, behind a GPU spin of ``spin_us`` so that the host
-    never waits for the GPU. Returns ``(µs, waited)``: ``waited`` is True when the loop
-    outlasted the spin, i.e. some call waited for the GPU (a host sync, or a launch queue
-    of about a thousand entries filled up), so the number is not host time alone. Keep
-    ``calls`` x kernels per call well under a thousand."""
+    never waits for the GPU; the median over ``repeats`` such loops (a lent machine's host
+    has one-off stalls of milliseconds, which one short loop averages in). Returns
+    ``(µs, waited)``: ``waited`` is True when a loop outlasted its spin, i.e. some call
+    waited for the GPU (a host sync, or a launch queue of about a thousand entries filled
+    up), so the number is not host time alone. Keep ``calls`` x kernels per call well
+    under a thousand."""
     fn()
     fn()
-    torch.cuda.synchronize()
-    _spin(spin_us)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    us = (t1 - t0) / calls * 1e6
-    return us, us * calls >= 0.9 * spin_us
+    per_call, waited = [], False
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        _spin(spin_us)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        per_call.append((t1 - t0) / calls * 1e6)
+        waited |= per_call[-1] * calls >= 0.9 * spin_us
+    return statistics.median(per_call), waited
 
 
 def copy_bandwidth_gbps(cfg: Config) -> float:

@@ -250,7 +250,7 @@ _GRADS: dict = {}
 def host_us(c: HostCase, calls: int, device: str) -> tuple[float, bool]:
     """``(host µs per call, waited)``: see :func:`benchmark.harness.host_us`."""
     if device == "cuda":
-        return harness_host_us(lambda: _call(c), calls, spin_us=1_000_000.0)
+        return harness_host_us(lambda: _call(c), calls, spin_us=300_000.0)
     for _ in range(2):
         _call(c)
     t0 = time.perf_counter()
