@@ -102,6 +102,24 @@ def test_qk_norm_rope_many_tokens(device, monkeypatch, tokens, programs):
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("approx,stages", [(False, 1), (True, 3), (False, 2)])
+def test_qk_norm_rope_kernel_knobs(device, monkeypatch, approx, stages):
+    # The kernels' knobs: the polynomial or the MUFU cos/sin (the interpreter evaluates
+    # the MUFU path with tl.cos/tl.sin), the backward's token loop unpipelined or
+    # pipelined, and a weight-gradient reduction over several row blocks (4 SMs x 8
+    # programs = 32 partial rows on the CPU, 16 rows per block, 4 columns per program).
+    from linghe.bwd import rope as bwd_rope
+    from linghe.fwd import rope as fwd_rope
+
+    monkeypatch.setattr(fwd_rope, "COS_SIN_APPROX", approx)
+    monkeypatch.setattr(fwd_rope, "BWD_STAGES", stages)
+    monkeypatch.setattr(bwd_rope, "PROGRAMS_PER_SM", 8)
+    monkeypatch.setattr(bwd_rope, "DW_BLOCK_P", 16)
+    monkeypatch.setattr(bwd_rope, "DW_BLOCK_N", 4)
+    _check_qk_norm_rope(device, B=3, S=29, H=2, Hkv=1, D=12, R=8, layout="bsh",
+                        interleaved=True, norm="both", packed=True, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("norm", ["both", "k"])
 def test_qk_norm_rope_several_head_blocks(device, monkeypatch, interleaved, norm):

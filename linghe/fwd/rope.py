@@ -357,7 +357,7 @@ BWD_NUM_WARPS = 4
 #: blocks' loads with ``cp.async`` into shared memory while a block is computed, so a
 #: program no longer waits for each block's loads in turn (the unpipelined loop was:
 #: load, wait, compute, store, at 3 programs per SM).
-BWD_STAGES = 3
+BWD_STAGES = 2
 #: cos/sin of the angles: ``True`` the MUFU ``cos.approx``/``sin.approx`` after the angle
 #: reduction, ``False`` the polynomial (:func:`cos_sin`).
 COS_SIN_APPROX = True
