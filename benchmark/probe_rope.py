@@ -354,11 +354,13 @@ def _print_table(rows, dev_name, copy):
 
 
 # ------------------------------------------------------------------------ offline sm_90
-def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
+def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int = 3,
+                 **options):
     """Compile ``kernel`` for sm_90 without a GPU. ``args``: every non-constexpr parameter
     by name, as a Triton pointer dtype string (``"bf16"``: a 16-byte aligned pointer) or
     an example int / float (ints divisible by 16 get the divisibility hint, 1 becomes a
-    constant, as a launch would specialize them)."""
+    constant, as a launch would specialize them); ``options``: more compile options
+    (e.g. ``maxnreg``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -387,7 +389,8 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
             sig[n] = "fp32"
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages,
+                                   **options})
 
 
 def sass_stats(compiled) -> dict:
