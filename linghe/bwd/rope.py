@@ -51,7 +51,8 @@ def rope_norm_bwd(g12, g3, x12, x3, w12, w3, a12, a3, cos, sin_s, D, eps,
     if NORM:
         x12 = x12.to(tl.float32)
         x3 = x3.to(tl.float32)
-        rstd = tl.math.rsqrt(head_sum(x12 * x12, x3 * x3, HAS_REST, BLOCK_NR) / D
+        inv_d = 1.0 / D  # a scalar: no division per head
+        rstd = tl.math.rsqrt(head_sum(x12 * x12, x3 * x3, HAS_REST, BLOCK_NR) * inv_d
                              + eps)[:, :, None]
         x12 = x12 * rstd
         a12 += d12 * x12
@@ -60,7 +61,7 @@ def rope_norm_bwd(g12, g3, x12, x3, w12, w3, a12, a3, cos, sin_s, D, eps,
             x3 = x3 * rstd
             a3 += d3 * x3
             d3 = d3 * w3
-        c = (head_sum(d12 * x12, d3 * x3, HAS_REST, BLOCK_NR) / D)[:, :, None]
+        c = (head_sum(d12 * x12, d3 * x3, HAS_REST, BLOCK_NR) * inv_d)[:, :, None]
         d12 = (d12 - x12 * c) * rstd
         d3 = (d3 - x3 * c) * rstd
     return d12, d3, a12, a3

@@ -263,8 +263,9 @@ def rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM: tl.constexpr,
     a = x12.to(tl.float32)
     c = x3.to(tl.float32)
     if NORM:
+        # (a scalar reciprocal: one division per program instead of one per head)
         ss = head_sum(a * a, c * c, HAS_REST, BLOCK_NR)
-        rstd = tl.math.rsqrt(ss / D + eps)[:, :, None]
+        rstd = tl.math.rsqrt(ss * (1.0 / D) + eps)[:, :, None]
         a = a * rstd * w12
         c = c * rstd * w3
     return a * cos + swap_halves(a, BLOCK_HALF) * sin_s, c
