@@ -72,8 +72,8 @@ OLD_REV = "4c2dfc3c541cb7c1ff4ac7861a41892e2bf4c104"
 
 # (num_warps, maxnreg, order, cols, local32), varied from the defaults one or two at a
 # time. ptxas (triton 3.6): 4 warps 168 registers (3 programs per SM), 8 warps 128 (2).
-_KNOBS = [dict(order="cols"), dict(order=32), dict(order=64), dict(warps=8, order="cols"),
-          dict(warps=8), dict(local32=False)]
+_KNOBS = [dict(order="cols"), dict(order=32), dict(warps=8, order="cols"),
+          dict(local32=False)]
 _CPU_KNOBS = [dict(order="cols", cols=2), dict(order=2), dict(local32=False)]
 _KNOB_NAMES = ("BATCH_QUANT_NUM_WARPS", "BATCH_QUANT_MAXNREG", "BATCH_QUANT_ORDER",
                "BATCH_QUANT_COLS", "BATCH_QUANT_LOCAL32")
