@@ -454,13 +454,17 @@ def sass_table(args) -> int:
             ("bwd", None, oldB._qk_norm_rope_bwd_kernel,
              oldF.rope_config(H, HKV, D, R, oldF.BWD_TOKENS, oldF.BWD_NUM_WARPS,
                               oldF.TILE_CAP), bargs, {})]
-    for kn in [{}] + _FWD_KNOBS:
+    for i, kn in enumerate([{}] + _FWD_KNOBS):
         kn = dict(dflt_f, **kn)
+        if i and kn == dflt_f:
+            continue
         jobs.append(("fwd", kn, F._qk_norm_rope_fwd_kernel,
                      F.rope_config(H, HKV, D, R, kn["tokens"], kn["warps"], F.TILE_CAP,
                                    kn["approx"]), fargs, {}))
-    for kn in [{}] + [k for k in _BWD_KNOBS if "dw" not in k]:
+    for i, kn in enumerate([{}] + [k for k in _BWD_KNOBS if "dw" not in k]):
         kn = dict(dflt_b, **kn)
+        if i and kn == dflt_b:
+            continue
         jobs.append(("bwd", kn, B._qk_norm_rope_bwd_kernel,
                      F.rope_config(H, HKV, D, R, kn["tokens"], kn["warps"], F.TILE_CAP,
                                    kn["approx"]), bargs, dict(STAGES=kn["stages"])))
