@@ -102,6 +102,24 @@ def test_qk_norm_rope_many_tokens(device, monkeypatch, tokens, programs):
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("approx,stages", [(False, 1), (True, 3), (False, 2)])
+def test_qk_norm_rope_kernel_knobs(device, monkeypatch, approx, stages):
+    # The kernels' knobs: the polynomial or the MUFU cos/sin (the interpreter evaluates
+    # the MUFU path with tl.cos/tl.sin), the backward's token loop unpipelined or
+    # pipelined, and a weight-gradient reduction over several row blocks (4 SMs x 8
+    # programs = 32 partial rows on the CPU, 16 rows per block, 4 columns per program).
+    from linghe.bwd import rope as bwd_rope
+    from linghe.fwd import rope as fwd_rope
+
+    monkeypatch.setattr(fwd_rope, "COS_SIN_APPROX", approx)
+    monkeypatch.setattr(fwd_rope, "BWD_STAGES", stages)
+    monkeypatch.setattr(bwd_rope, "PROGRAMS_PER_SM", 8)
+    monkeypatch.setattr(bwd_rope, "DW_BLOCK_P", 16)
+    monkeypatch.setattr(bwd_rope, "DW_BLOCK_N", 4)
+    _check_qk_norm_rope(device, B=3, S=29, H=2, Hkv=1, D=12, R=8, layout="bsh",
+                        interleaved=True, norm="both", packed=True, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("norm", ["both", "k"])
 def test_qk_norm_rope_several_head_blocks(device, monkeypatch, interleaved, norm):
@@ -385,3 +403,63 @@ def test_apply_rope_bad_inputs(device):
         linghe.apply_rope(q, k, cos.requires_grad_(), sin)
     with pytest.raises(ValueError, match="q must be 4-D"):
         linghe.apply_rope(q[0], k[0], cos, sin)
+
+
+# --------------------------------------------------------------------------------------
+# Offline sm_90 compile (no GPU) and the probe's CPU smoke run
+# --------------------------------------------------------------------------------------
+
+_ROPE_COMPILE_SCRIPT = r'''
+from benchmark.probe_rope import compile_sm90
+from linghe.bwd import rope as B
+from linghe.fwd import rope as F
+
+T, S, H, HKV, D, R = 8192, 4096, 16, 4, 128, 64
+W = (H + 2 * HKV) * D
+common = dict(freqs_ptr="fp32", pos_ptr="fp32", qw_ptr="bf16", kw_ptr="bf16", T=T, S=S, H=H,
+              HKV=HKV, D=D, HALF=R // 2, R=R, NPOS=S, stride_b=W, stride_s=2 * W, eps=1e-6)
+fargs = dict(common, qkv_ptr="bf16", q_ptr="bf16", k_ptr="bf16", v_ptr="bf16")
+bargs = dict(common, qkv_ptr="bf16", dq_ptr="bf16", dk_ptr="bf16", dv_ptr="bf16",
+             dqkv_ptr="bf16", dw_ptr="fp32", dstride_b=W, dstride_s=2 * W)
+base = dict(INTERLEAVED=True, HAS_POS=False, NORM_Q=True, NORM_K=True)
+cfg = dict(F.rope_config(H, HKV, D, R, 1, 4, F.TILE_CAP, True))
+nw = cfg.pop("num_warps")
+ptx = compile_sm90(F._qk_norm_rope_fwd_kernel, fargs, dict(base, **cfg), nw).asm["ptx"]
+# The rotation partner and the per-head sums stay in a warp (no shared memory, no
+# barrier), cos/sin are MUFU ops, q's pieces move in 16-byte vectors.
+assert "bar.sync" not in ptx and "cos.approx" in ptx and "sin.approx" in ptx
+assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+for stages in (1, 2):
+    ptx = compile_sm90(B._qk_norm_rope_bwd_kernel, bargs, dict(base, STAGES=stages, **cfg),
+                       nw).asm["ptx"]
+    assert ("cp.async" in ptx) == (stages > 1), stages
+print("COMPILED")
+'''
+
+
+def test_qk_norm_rope_compiles_for_sm90(compile_sm90):
+    """The qk_norm_rope kernels compile for an H100/H200 (sm_90) without a GPU, with the
+    properties the tile layout is for (see linghe/fwd/rope.py): no shared-memory
+    exchange in the forward, MUFU cos/sin, 16-byte accesses, a cp.async-pipelined
+    backward loop when BWD_STAGES > 1."""
+    compile_sm90(_ROPE_COMPILE_SCRIPT)
+
+
+def test_probe_rope_cpu_smoke(device, tmp_path):
+    """``python -m benchmark.probe_rope --cpu`` (tiny shapes, interpreter): every row
+    (main's kernels from git and the new ones at each knob value) matches the
+    reference."""
+    if device != "cpu":
+        pytest.skip("the GPU runs the probe itself (python -m benchmark.probe_rope)")
+    import json
+    import subprocess
+
+    from benchmark import probe_rope
+
+    if subprocess.run(["git", "cat-file", "-e", probe_rope.OLD_REV],
+                      capture_output=True).returncode != 0:
+        pytest.skip("main's revision is not in this checkout (no git history)")
+    assert probe_rope.main(["--cpu", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "probe_rope.json").read_text())["rows"]
+    assert rows and all(r["ok"] for r in rows)
+    assert {r["impl"] for r in rows} == {"main", "new"}

@@ -1,8 +1,8 @@
 """Forward kernels: split + qk-norm + rotate-half RoPE + transpose, and HF-layout RoPE.
 
-The qk_norm_rope helpers (``token_block``, ``rope_cos_sin``, ``heads_at``, ``load_pieces``,
-``store_pieces``, ``load_weight_pieces``, ``rope_config``) are shared with
-:mod:`linghe.bwd.rope`.
+The qk_norm_rope helpers (``token_block``, ``rope_cos_sin``, ``head_block``, ``copy_heads``,
+``load_pieces``, ``store_pieces``, ``load_weight_pieces``, ``head_sum``, ``rope_config``)
+are shared with :mod:`linghe.bwd.rope`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import device_guard, empty, launch, next_power_of_2
+from ..utils import _INTERPRET_C, device_guard, empty, launch, next_power_of_2
 
 
 @triton.jit
@@ -60,14 +60,19 @@ def head_columns(h, H, HKV, G, KIND: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------------
-# qk_norm_rope: tiles are 4-D [chunks, tokens, heads, BLOCK_HALF]. A head's rotary part is
-# one tile of two chunks ``x12[j, ..., i] = x[j*R/2 + i]`` (the rotation pairs chunk 0 with
-# chunk 1: its partner tile is ``tl.flip`` along the chunk axis, a register/lane swap, no
-# re-load and no gather); the rest ``x3[c, ..., i] = x[R + c*R/2 + i]`` is a tile of the
-# same shape when ``D - R == R`` (the standard half RoPE), so every tile of a kind shares
-# one register layout (no layout conversions through shared memory). The chunk axis comes
-# first so that Triton's layouts put it on lanes of a warp (flip = one shuffle; per-head
-# sums stay within a warp), warps going to tokens and heads.
+# qk_norm_rope: tiles are 3-D [heads, tokens, pieces]. The last axis holds a head's
+# elements in chunks of ``R/2`` (padded to ``BLOCK_HALF``): ``x12[h, t, k] = x[j*R/2 + i]``
+# with ``j, i = divmod(k, BLOCK_HALF)`` (the rotary part, two chunks: the rotation pairs
+# chunk 0 with chunk 1) and ``x3[h, t, k] = x[R + j*R/2 + i]`` (the rest, ``BLOCK_NR``
+# chunks), the same shape as ``x12`` when ``D - R == R`` (the standard half RoPE), so
+# every tile of a kind shares one register layout (no layout conversions through shared
+# memory). Only the last axis is contiguous in memory, so Triton's layouts always give it
+# the lanes first (16-byte vectors, then 8 lanes at R = 64): the rotation partner, a
+# ``tl.flip`` of the chunk axis of a ``[.., 2, BLOCK_HALF]`` view (:func:`swap_halves`),
+# is a lane exchange, and per-head sums stay inside a warp. (A separate chunk axis, as
+# before, went to lanes or to warps depending on the Triton version: triton 3.6 orders
+# equally contiguous axes first to last, 3.9 last to first; on warps the flip and the
+# sums went through shared memory with barriers.)
 # --------------------------------------------------------------------------------------
 
 
@@ -82,14 +87,10 @@ def token_block(t0, T, S, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def cos_sin(a):
-    """``(cos(a), sin(a))`` in fp32: Cody-Waite reduction to ``[-pi, pi]`` (exact while
-    ``|a| < ~4e5`` rad, i.e. positions below ~4e5 at RoPE's highest frequency 1; as the
-    libdevice functions after the same reduction),
-    then Taylor polynomials of the half angle (``|a/2| <= pi/2``: truncation under 6e-8)
-    and the double-angle formulas. About 20 FMA-class instructions for both, a fraction of
-    two libdevice calls; absolute error about 3e-7 (reduction + libdevice: about 2e-7)."""
-    h = reduce_angle(a) * 0.5
+def cos_sin_poly(h):
+    """``(cos(2h), sin(2h))`` for ``|h| <= pi/2``: Taylor polynomials of the half angle
+    (truncation under 6e-8) and the double-angle formulas; about 20 FMA-class
+    instructions for both, absolute error about 3e-7."""
     x2 = h * h
     s = 1.0 / 39916800.0
     s = s * x2 - 1.0 / 362880.0
@@ -108,44 +109,103 @@ def cos_sin(a):
 
 
 @triton.jit
-def rope_cos_sin(freqs_ptr, pos_ptr, t0, T, S, NPOS, HALF, HAS_POS: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """``(cos [1,BT,1,BLOCK_HALF], sin_s [2,BT,1,BLOCK_HALF])`` fp32 of the angles
-    ``freqs[pos]`` of tokens ``t0 ..``, ``sin_s`` signed for the chunk (``-sin`` for chunk
-    0, ``+sin`` for chunk 1) so that ``y12 = x12*cos + flip(x12)*sin_s``. A position
-    outside ``[0, NPOS)`` reads nothing and gets angle 0 (no rotation). Computed once per
-    (token, i) in a compact 1-D layout (one value per thread), then broadcast: the tiles'
-    layouts hold up to 8 columns per thread, and evaluating sin/cos there would repeat
-    them per thread (several times the kernel's other arithmetic)."""
-    k = tl.arange(0, BLOCK_T * BLOCK_HALF)
+def cos_sin(a, APPROX: tl.constexpr):
+    """``(cos(a), sin(a))`` in fp32 after a Cody-Waite reduction to ``[-pi, pi]`` (exact
+    while ``|a| < ~4e5`` rad, i.e. positions below ~4e5 at RoPE's highest frequency 1).
+
+    ``APPROX``: the hardware's ``cos.approx``/``sin.approx`` (one MUFU instruction each,
+    absolute error about 5e-7 on ``[-pi, pi]``); else :func:`cos_sin_poly` (about 20
+    FMA-class instructions, 3e-7). Both are far below a bf16 ulp of the outputs. They are
+    evaluated per element of the tiles' layouts (8 values per thread at R = 64), where the
+    polynomial was a third of the backward's instructions. The interpreter evaluates
+    ``APPROX`` with ``tl.cos``/``tl.sin``."""
+    r = reduce_angle(a)
+    if APPROX:
+        if _INTERPRET_C:
+            c = tl.cos(r)
+            s = tl.sin(r)
+        else:
+            c = tl.inline_asm_elementwise("cos.approx.ftz.f32 $0, $1;", "=f,f", [r],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+            s = tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=f,f", [r],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        c, s = cos_sin_poly(r * 0.5)
+    return c, s
+
+
+@triton.jit
+def rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS: tl.constexpr,
+                 APPROX: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """``(cos, sin_s)``, fp32 ``[1, BT, 2*BLOCK_HALF]`` in the rotary tiles' piece order,
+    of the angles ``freqs[pos]`` of tokens ``t`` (``live`` their mask, ``s`` their
+    sequence positions); ``sin_s`` is signed for the chunk (``-sin`` for chunk 0, ``+sin``
+    for chunk 1) so that ``y12 = x12*cos + swap_halves(x12)*sin_s``. A position outside
+    ``[0, NPOS)`` reads nothing and gets angle 0 (no rotation)."""
+    k = tl.arange(0, 2 * BLOCK_HALF)[None, :]
     i = k % BLOCK_HALF
-    t = t0 + k // BLOCK_HALF
-    live = t < T
     if HAS_POS:
         p = tl.load(pos_ptr + t, mask=live, other=0).to(tl.int64)
     else:
-        p = t - (t // S) * S
-    ok = live & (p >= 0) & (p < NPOS) & (i < HALF)
-    cos, sin = cos_sin(tl.load(freqs_ptr + p * HALF + i, mask=ok, other=0.0))
-    cos = tl.reshape(cos, [BLOCK_T, BLOCK_HALF])[None, :, None, :]
-    sin = tl.reshape(sin, [BLOCK_T, BLOCK_HALF])[None, :, None, :]
-    j = tl.arange(0, 2)[:, None, None, None]
-    return cos, tl.where(j == 0, -sin, sin)
+        p = s
+    ok = (live & (p >= 0) & (p < NPOS))[:, None] & (i < HALF)
+    cos, sin = cos_sin(tl.load(freqs_ptr + p[:, None] * HALF + i, mask=ok, other=0.0),
+                       APPROX)
+    return cos[None, :, :], tl.where(k < BLOCK_HALF, -sin, sin)[None, :, :]
+
+
+@triton.jit
+def swap_halves(x, BLOCK_HALF: tl.constexpr):
+    """The rotation partner of a rotary tile ``[BH, BT, 2*BLOCK_HALF]``: its two chunks
+    swapped (a lane exchange: the chunk bit of the last axis is a lane bit)."""
+    BH: tl.constexpr = x.shape[0]
+    BT: tl.constexpr = x.shape[1]
+    y = tl.flip(tl.reshape(x, [BH, BT, 2, BLOCK_HALF]), 2)
+    return tl.reshape(y, [BH, BT, 2 * BLOCK_HALF])
+
+
+@triton.jit
+def head_block(h0, live, NH, H, HKV, G, D, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """The set-up of one head block of kind ``KIND`` (0 q, 1 k, 2 v), shared by every
+    head-block path of both kernels: ``(h [BH,1,1] head ids h0 .., m [BH,BT,1] mask
+    (heads < NH and live tokens), col [BH,1,1] int64: their first element's column in
+    the fused projection)``."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    col = head_columns(h, H, HKV, G, KIND, INTERLEAVED).to(tl.int64) * D
+    m = (h < NH)[:, None, None] & live[None, :, None]
+    return h[:, None, None], m, col[:, None, None]
+
+
+@triton.jit
+def copy_heads(src, dst, m, D, BLOCK_D: tl.constexpr):
+    """Copy whole heads (the v part): ``src``/``dst`` ``[BH,BT,1]`` element pointers of
+    their first elements, ``m`` their mask."""
+    dd = tl.arange(0, BLOCK_D)[None, None, :]
+    md = m & (dd < D)
+    tl.store(dst + dd, tl.load(src + dd, mask=md, other=0.0), mask=md)
+
+
+@triton.jit
+def piece_offsets(HALF, NC: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """``(offsets, in_chunk)`` ``[1,1,NC*BLOCK_HALF]`` of ``NC`` chunks of ``HALF``
+    elements laid out in ``BLOCK_HALF`` slots (``in_chunk``: the slot holds an element)."""
+    k = tl.arange(0, NC * BLOCK_HALF)[None, None, :]
+    i = k % BLOCK_HALF
+    return (k // BLOCK_HALF) * HALF + i, i < HALF
 
 
 @triton.jit
 def load_pieces(src, m, HALF, R, D, HAS_REST: tl.constexpr, BLOCK_HALF: tl.constexpr,
                 BLOCK_NR: tl.constexpr):
-    """``(x12 [2,BT,BH,BLOCK_HALF], x3 [BLOCK_NR,BT,BH,BLOCK_HALF])`` of the heads starting
-    at the element pointers ``src [1,BT,BH,1]`` (``m`` their mask), in the pointer's dtype;
+    """``(x12 [BH,BT,2*BLOCK_HALF], x3 [BH,BT,BLOCK_NR*BLOCK_HALF])`` of the heads starting
+    at the element pointers ``src [BH,BT,1]`` (``m`` their mask), in the pointer's dtype;
     ``x3`` is ``x12`` when there is no non-rotary part."""
-    i = tl.arange(0, BLOCK_HALF)[None, None, None, :]
-    j = tl.arange(0, 2)[:, None, None, None]
-    mi = m & (i < HALF)
-    x12 = tl.load(src + (j * HALF + i), mask=mi, other=0.0)
+    o12, in12 = piece_offsets(HALF, 2, BLOCK_HALF)
+    x12 = tl.load(src + o12, mask=m & in12, other=0.0)
     if HAS_REST:
-        c = tl.arange(0, BLOCK_NR)[:, None, None, None] * HALF + i
-        x3 = tl.load(src + R + c, mask=mi & (c < D - R), other=0.0)
+        o3, in3 = piece_offsets(HALF, BLOCK_NR, BLOCK_HALF)
+        x3 = tl.load(src + R + o3, mask=m & in3 & (o3 < D - R), other=0.0)
     else:
         x3 = x12
     return x12, x3
@@ -154,68 +214,76 @@ def load_pieces(src, m, HALF, R, D, HAS_REST: tl.constexpr, BLOCK_HALF: tl.const
 @triton.jit
 def store_pieces(dst, m, y12, y3, HALF, R, D, HAS_REST: tl.constexpr,
                  BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
-    """Store the pieces of heads starting at ``dst [1,BT,BH,1]`` (``m`` their mask)."""
-    i = tl.arange(0, BLOCK_HALF)[None, None, None, :]
-    j = tl.arange(0, 2)[:, None, None, None]
-    mi = m & (i < HALF)
+    """Store the pieces of heads starting at ``dst [BH,BT,1]`` (``m`` their mask)."""
     ty = dst.dtype.element_ty
-    tl.store(dst + (j * HALF + i), y12.to(ty), mask=mi)
+    o12, in12 = piece_offsets(HALF, 2, BLOCK_HALF)
+    tl.store(dst + o12, y12.to(ty), mask=m & in12)
     if HAS_REST:
-        c = tl.arange(0, BLOCK_NR)[:, None, None, None] * HALF + i
-        tl.store(dst + R + c, y3.to(ty), mask=mi & (c < D - R))
+        o3, in3 = piece_offsets(HALF, BLOCK_NR, BLOCK_HALF)
+        tl.store(dst + R + o3, y3.to(ty), mask=m & in3 & (o3 < D - R))
 
 
 @triton.jit
 def load_weight_pieces(w_ptr, HALF, R, D, NORM: tl.constexpr, HAS_REST: tl.constexpr,
                        BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
-    """The norm weight's pieces ``(w12 [2,1,1,BLOCK_HALF], w3 [BLOCK_NR,1,1,BLOCK_HALF])``
+    """The norm weight's pieces ``(w12 [1,1,2*BLOCK_HALF], w3 [1,1,BLOCK_NR*BLOCK_HALF])``
     in fp32 (ones without norm)."""
-    i = tl.arange(0, BLOCK_HALF)[None, None, None, :]
-    j = tl.arange(0, 2)[:, None, None, None]
-    c = tl.arange(0, BLOCK_NR)[:, None, None, None] * HALF + i
     if NORM:
-        w12 = tl.load(w_ptr + (j * HALF + i), mask=i < HALF, other=0.0).to(tl.float32)
+        o12, in12 = piece_offsets(HALF, 2, BLOCK_HALF)
+        w12 = tl.load(w_ptr + o12, mask=in12, other=0.0).to(tl.float32)
         if HAS_REST:
-            w3 = tl.load(w_ptr + R + c, mask=(i < HALF) & (c < D - R),
-                         other=0.0).to(tl.float32)
+            o3, in3 = piece_offsets(HALF, BLOCK_NR, BLOCK_HALF)
+            w3 = tl.load(w_ptr + R + o3, mask=in3 & (o3 < D - R), other=0.0).to(tl.float32)
         else:
             w3 = w12
     else:
-        w12 = tl.full([2, 1, 1, BLOCK_HALF], 1.0, tl.float32)
-        w3 = tl.full([BLOCK_NR, 1, 1, BLOCK_HALF], 1.0, tl.float32)
+        w12 = tl.full([1, 1, 2 * BLOCK_HALF], 1.0, tl.float32)
+        w3 = tl.full([1, 1, BLOCK_NR * BLOCK_HALF], 1.0, tl.float32)
     return w12, w3
 
 
 @triton.jit
-def heads_at(h0, NH, H, HKV, G, D, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
-             BLOCK_H: tl.constexpr):
-    """``(h, hmask, col)`` as ``[1,1,BH,1]``: head ids ``h0 .. h0+BLOCK_H`` of one kind,
-    their mask and their first element's column in the fused projection (int64)."""
-    h = h0 + tl.arange(0, BLOCK_H)
-    col = head_columns(h, H, HKV, G, KIND, INTERLEAVED).to(tl.int64) * D
-    return h[None, None, :, None], (h < NH)[None, None, :, None], col[None, None, :, None]
-
-
-@triton.jit
-def sum_sq(x12, x3, HAS_REST: tl.constexpr):
-    """Per-head sum of squares ``[BT, BH]`` (fp32 tiles)."""
-    ss = tl.sum(tl.sum(x12 * x12, axis=3), axis=0)
+def head_sum(a12, a3, HAS_REST: tl.constexpr, BLOCK_NR: tl.constexpr):
+    """Per-head sums ``[BH, BT]`` of the fp32 tiles ``a12`` (+ ``a3``): one reduction when
+    both have the same shape."""
     if HAS_REST:
-        ss += tl.sum(tl.sum(x3 * x3, axis=3), axis=0)
+        if BLOCK_NR == 2:
+            ss = tl.sum(a12 + a3, axis=2)
+        else:
+            ss = tl.sum(a12, axis=2) + tl.sum(a3, axis=2)
+    else:
+        ss = tl.sum(a12, axis=2)
     return ss
 
 
 @triton.jit
 def rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM: tl.constexpr,
-                  HAS_REST: tl.constexpr):
+                  HAS_REST: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
     """(RMSNorm), then rotate-half RoPE: fp32 ``(y12, y3)``."""
     a = x12.to(tl.float32)
     c = x3.to(tl.float32)
     if NORM:
-        rstd = tl.math.rsqrt(sum_sq(a, c, HAS_REST) / D + eps)[None, :, :, None]
+        # (a scalar reciprocal: one division per program instead of one per head)
+        ss = head_sum(a * a, c * c, HAS_REST, BLOCK_NR)
+        rstd = tl.math.rsqrt(ss * (1.0 / D) + eps)[:, :, None]
         a = a * rstd * w12
         c = c * rstd * w3
-    return a * cos + tl.flip(a, 0) * sin_s, c
+    return a * cos + swap_halves(a, BLOCK_HALF) * sin_s, c
+
+
+@triton.jit
+def fwd_heads(row, out_ptr, t3, live, h0, NH, H, HKV, G, D, HALF, R, eps, w12, w3, cos,
+              sin_s, KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+              HAS_REST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+              BLOCK_NR: tl.constexpr):
+    """One head block of q (``KIND`` 0) or k (1): load from the fused projection rows
+    ``row [1,BT,1]``, normalize and rotate, store into ``out [T, NH, D]``."""
+    h, m, col = head_block(h0, live, NH, H, HKV, G, D, KIND, INTERLEAVED, BLOCK_H)
+    x12, x3 = load_pieces(row + col, m, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
+    y12, y3 = rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM, HAS_REST,
+                            BLOCK_HALF, BLOCK_NR)
+    store_pieces(out_ptr + (t3 * NH + h) * D, m, y12, y3, HALF, R, D, HAS_REST, BLOCK_HALF,
+                 BLOCK_NR)
 
 
 @triton.jit
@@ -224,89 +292,93 @@ def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
                              INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
                              NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
                              HAS_REST: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                             BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             BLOCK_NR: tl.constexpr, BLOCK_D: tl.constexpr):
+                             APPROX: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                             BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
     """``BLOCK_T`` tokens per program, all heads of each kind in one tile (``ONE_BLOCK``:
     every load is issued before any math) or in head blocks."""
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     G = H // HKV
     t, live, b, s = token_block(t0, T, S, BLOCK_T)
-    row = qkv_ptr + (b * stride_b + s * stride_s)[None, :, None, None]
-    live4 = live[None, :, None, None]
-    t4 = t[None, :, None, None]
-    dd = tl.arange(0, BLOCK_D)[None, None, None, :]
+    row = qkv_ptr + (b * stride_b + s * stride_s)[None, :, None]
+    t3 = t[None, :, None]
     if ONE_BLOCK:
-        hq, mq, cq = heads_at(0, H, H, HKV, G, D, 0, INTERLEAVED, BLOCK_HQ)
-        hk, mk, ck = heads_at(0, HKV, H, HKV, G, D, 1, INTERLEAVED, BLOCK_HK)
-        hv, mv, cv = heads_at(0, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
-        mq = mq & live4
-        mk = mk & live4
-        mv = mv & live4 & (dd < D)
+        hq, mq, cq = head_block(0, live, H, H, HKV, G, D, 0, INTERLEAVED, BLOCK_HQ)
+        hk, mk, ck = head_block(0, live, HKV, H, HKV, G, D, 1, INTERLEAVED, BLOCK_HK)
+        hv, mv, cv = head_block(0, live, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
         xq12, xq3 = load_pieces(row + cq, mq, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
         xk12, xk3 = load_pieces(row + ck, mk, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
-        xv = tl.load(row + cv + dd, mask=mv, other=0.0)
-        tl.store(v_ptr + (t4 * HKV + hv) * D + dd, xv, mask=mv)
-        cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t0, T, S, NPOS, HALF, HAS_POS, BLOCK_T,
-                                  BLOCK_HALF)
+        copy_heads(row + cv, v_ptr + (t3 * HKV + hv) * D, mv, D, BLOCK_D)
+        cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                  APPROX, BLOCK_HALF)
         w12, w3 = load_weight_pieces(qw_ptr, HALF, R, D, NORM_Q, HAS_REST, BLOCK_HALF,
                                      BLOCK_NR)
-        y12, y3 = rope_norm_fwd(xq12, xq3, w12, w3, cos, sin_s, D, eps, NORM_Q, HAS_REST)
-        store_pieces(q_ptr + (t4 * H + hq) * D, mq, y12, y3, HALF, R, D, HAS_REST,
+        y12, y3 = rope_norm_fwd(xq12, xq3, w12, w3, cos, sin_s, D, eps, NORM_Q, HAS_REST,
+                                BLOCK_HALF, BLOCK_NR)
+        store_pieces(q_ptr + (t3 * H + hq) * D, mq, y12, y3, HALF, R, D, HAS_REST,
                      BLOCK_HALF, BLOCK_NR)
         w12, w3 = load_weight_pieces(kw_ptr, HALF, R, D, NORM_K, HAS_REST, BLOCK_HALF,
                                      BLOCK_NR)
-        y12, y3 = rope_norm_fwd(xk12, xk3, w12, w3, cos, sin_s, D, eps, NORM_K, HAS_REST)
-        store_pieces(k_ptr + (t4 * HKV + hk) * D, mk, y12, y3, HALF, R, D, HAS_REST,
+        y12, y3 = rope_norm_fwd(xk12, xk3, w12, w3, cos, sin_s, D, eps, NORM_K, HAS_REST,
+                                BLOCK_HALF, BLOCK_NR)
+        store_pieces(k_ptr + (t3 * HKV + hk) * D, mk, y12, y3, HALF, R, D, HAS_REST,
                      BLOCK_HALF, BLOCK_NR)
     else:
-        cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t0, T, S, NPOS, HALF, HAS_POS, BLOCK_T,
-                                  BLOCK_HALF)
+        cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                  APPROX, BLOCK_HALF)
         w12, w3 = load_weight_pieces(qw_ptr, HALF, R, D, NORM_Q, HAS_REST, BLOCK_HALF,
                                      BLOCK_NR)
         for h0 in range(0, H, BLOCK_HQ):
-            hq, mq, cq = heads_at(h0, H, H, HKV, G, D, 0, INTERLEAVED, BLOCK_HQ)
-            mq = mq & live4
-            x12, x3 = load_pieces(row + cq, mq, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
-            y12, y3 = rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM_Q, HAS_REST)
-            store_pieces(q_ptr + (t4 * H + hq) * D, mq, y12, y3, HALF, R, D, HAS_REST,
-                         BLOCK_HALF, BLOCK_NR)
+            fwd_heads(row, q_ptr, t3, live, h0, H, H, HKV, G, D, HALF, R, eps, w12, w3, cos,
+                      sin_s, 0, INTERLEAVED, NORM_Q, HAS_REST, BLOCK_HQ, BLOCK_HALF,
+                      BLOCK_NR)
         w12, w3 = load_weight_pieces(kw_ptr, HALF, R, D, NORM_K, HAS_REST, BLOCK_HALF,
                                      BLOCK_NR)
         for h0 in range(0, HKV, BLOCK_HK):
-            hk, mk, ck = heads_at(h0, HKV, H, HKV, G, D, 1, INTERLEAVED, BLOCK_HK)
-            mk = mk & live4
-            x12, x3 = load_pieces(row + ck, mk, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
-            y12, y3 = rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM_K, HAS_REST)
-            store_pieces(k_ptr + (t4 * HKV + hk) * D, mk, y12, y3, HALF, R, D, HAS_REST,
-                         BLOCK_HALF, BLOCK_NR)
-            hv, mv, cv = heads_at(h0, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
-            mv = mv & live4 & (dd < D)
-            xv = tl.load(row + cv + dd, mask=mv, other=0.0)
-            tl.store(v_ptr + (t4 * HKV + hv) * D + dd, xv, mask=mv)
+            fwd_heads(row, k_ptr, t3, live, h0, HKV, H, HKV, G, D, HALF, R, eps, w12, w3,
+                      cos, sin_s, 1, INTERLEAVED, NORM_K, HAS_REST, BLOCK_HK, BLOCK_HALF,
+                      BLOCK_NR)
+            hv, mv, cv = head_block(h0, live, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
+            copy_heads(row + cv, v_ptr + (t3 * HKV + hv) * D, mv, D, BLOCK_D)
 
 
 #: Tokens per program and warps of the forward (and the backward's tokens per loop step
 #: and warps); see :func:`rope_config`. Measured on an H100 at the standard shape (seq 4096
-#: x 2, 16q/4kv heads of 128, rotary 64, bf16; ``benchmark/probe_rope.py``, kernel µs):
-#: forward t1 w4 38.5, t2 w4 38.9, t2 w8 38.6, t4 w8 39.4, t1 w8 46.6 (HEAD's kernel 42.6);
-#: backward t1 w4 61.4, t2 w4 62.6, t2 w8 74.8, t1 w8 98.3 (HEAD's kernel 113.3).
+#: x 2, 16q/4kv heads of 128, rotary 64, bf16; ``benchmark/probe_rope.py``, kernel µs),
+#: with the chunk-first tiles, the polynomial cos/sin and the unpipelined backward loop of
+#: 42e0718: forward t1 w4 38.5, t2 w4 38.9, t2 w8 38.6, t4 w8 39.4, t1 w8 46.6 (the kernel
+#: before it 42.6); backward t1 w4 61.4, t2 w4 62.6, t2 w8 74.8, t1 w8 98.3 (before: 113.3).
 FWD_TOKENS = 1
 FWD_NUM_WARPS = 4
 BWD_TOKENS = 1
 BWD_NUM_WARPS = 4
+#: Software-pipelining stages of the backward's persistent token loop (``tl.range``
+#: ``num_stages``; 1: a plain loop). With 2-3 stages Triton prefetches the next token
+#: blocks' loads with ``cp.async`` into shared memory while a block is computed, so a
+#: program no longer waits for each block's loads in turn (the unpipelined loop was:
+#: load, wait, compute, store). Offline sm_90 compile with triton 3.6 at the standard
+#: shape (``python -m benchmark.probe_rope --sass``), t1 w4: 1 stage 128 registers, 557
+#: SASS instructions per token and warp; 2 stages 128 registers (4 programs per SM),
+#: 11.5 KiB shared memory, 625; 3 stages 151 registers (3 per SM), 669. main's kernel:
+#: 128 registers, 759. Not yet timed on a GPU.
+BWD_STAGES = 2
+#: cos/sin of the angles: ``True`` the MUFU ``cos.approx``/``sin.approx`` after the angle
+#: reduction, ``False`` the polynomial (:func:`cos_sin`).
+COS_SIN_APPROX = True
 #: Elements of one kind's head tile (all its tokens and heads, full head width) at most.
 TILE_CAP = 8192
 
 
 @functools.cache  # per-shape decision, cached (host time)
 def rope_config(H: int, Hkv: int, D: int, R: int, tokens: int, num_warps: int,
-                tile_cap: int):
+                tile_cap: int, approx: bool = True):
     """``dict`` of the qk_norm_rope kernels' block sizes: ``BLOCK_T`` (tokens per program or
     loop step, ``tokens`` or fewer so that a q tile stays within ``tile_cap`` elements),
     ``BLOCK_HQ``/``BLOCK_HK`` (head tiles), ``BLOCK_HALF`` (rotary half), ``BLOCK_NR``
     (chunks of ``R/2`` dims covering the non-rotary part), ``BLOCK_D`` (v copy width),
-    ``HAS_REST``, ``ONE_BLOCK`` (all heads of a kind in one tile) and ``num_warps``."""
+    ``HAS_REST``, ``ONE_BLOCK`` (all heads of a kind in one tile), ``APPROX`` (cos/sin)
+    and ``num_warps``."""
     BLOCK_D = next_power_of_2(max(D, 2))
     BLOCK_HQ = min(next_power_of_2(H), max(1, tile_cap // BLOCK_D))
     BLOCK_HK = min(next_power_of_2(Hkv), max(1, tile_cap // BLOCK_D))
@@ -317,7 +389,7 @@ def rope_config(H: int, Hkv: int, D: int, R: int, tokens: int, num_warps: int,
                 BLOCK_HALF=next_power_of_2(max(half, 1)),
                 BLOCK_NR=next_power_of_2(max(-(-(D - R) // half), 1)), BLOCK_D=BLOCK_D,
                 HAS_REST=D > R, ONE_BLOCK=H <= BLOCK_HQ and Hkv <= BLOCK_HK,
-                num_warps=num_warps)
+                APPROX=bool(approx), num_warps=num_warps)
 
 
 @functools.cache  # per-shape decision, cached (host time)
@@ -353,7 +425,8 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
     T = B * S
     if T == 0:
         return q, k, v
-    cfg = rope_config(H, Hkv, D, rotary_dim, FWD_TOKENS, FWD_NUM_WARPS, TILE_CAP)
+    cfg = rope_config(H, Hkv, D, rotary_dim, FWD_TOKENS, FWD_NUM_WARPS, TILE_CAP,
+                      COS_SIN_APPROX)
     grid = (-(-T // cfg["BLOCK_T"]),)
     with device_guard(qkv):
         launch(_qk_norm_rope_fwd_kernel, grid,
