@@ -444,28 +444,32 @@ from triton.compiler import ASTSource
 from linghe.optim import multi_tensor as K
 
 
-def comp(fn, sig, consts):
+def comp(fn, sig, consts, vec=r"ld\.global\.[\w:.]*v4"):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": K.NUM_WARPS})
-    assert re.search(r"ld\.global\.[\w:.]*v4", k.asm["ptx"]), fn.__name__
+    assert re.search(vec, k.asm["ptx"]), fn.__name__
     return k
 
 
 B = K._block(4, "float")
-for last in (False, True):
-    k = comp(K._norm_partials_kernel,
-             dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", partial_ptr="*fp32",
-                  p="fp32", counter_ptr="*i32", norm_out_ptr="*fp32", coef_out_ptr="*fp32",
-                  max_norm="fp32", DTYPE="constexpr", ES="constexpr", ACC="constexpr",
-                  MODE="constexpr",
-                  IDENT="constexpr", BLOCK="constexpr", ALIGNED="constexpr", LAST="constexpr",
-                  COEF="constexpr", RBLOCK="constexpr"),
-             dict(DTYPE=tl.float32, ES=4, ACC=tl.float32, MODE=2, IDENT=0.0, BLOCK=B, ALIGNED=True,
-                  LAST=last, COEF=last, RBLOCK=K.REDUCE_BLOCK))
+nsig = dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", partial_ptr="*fp32",
+            p="fp32", counter_ptr="*i32", norm_out_ptr="*fp32", coef_out_ptr="*fp32",
+            max_norm="fp32", DTYPE="constexpr", ES="constexpr", ACC="constexpr",
+            MODE="constexpr", IDENT="constexpr", BLOCK="constexpr", ALIGNED="constexpr",
+            LAST="constexpr", COEF="constexpr", RBLOCK="constexpr", SEGMENTS="constexpr",
+            SPAN="constexpr", STAGES="constexpr")
+for last, seg, mode in ((False, False, 2), (True, False, 2), (True, True, 2), (False, True, 5)):
+    opts = {**K._norm_launch_opts(4, True), "SEGMENTS": seg}
+    del opts["num_warps"]
+    k = comp(K._norm_partials_kernel, nsig,
+             dict(DTYPE=tl.float32, ES=4, ACC=tl.float32, MODE=mode, IDENT=0.0, ALIGNED=True,
+                  LAST=last, COEF=last, RBLOCK=K.REDUCE_BLOCK, **opts), "ld.global|cp.async")
+    ptx = k.asm["ptx"]
     if last:
-        ptx = k.asm["ptx"]
         assert "atom" in ptx and "acq_rel" in ptx and "ld.global.cg" in ptx, "LAST"
+    if seg:  # the segment loop is pipelined: 16-byte asynchronous copies
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "seg"
 comp(K._scale_kernel,
      dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", coef_ptr="*fp32",
           DTYPE="constexpr", ES="constexpr", CT="constexpr", BLOCK="constexpr",
