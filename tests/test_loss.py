@@ -75,8 +75,8 @@ def test_inplace_backward(device, reduction):
 
 
 @pytest.mark.parametrize("knobs", [dict(fixup=False), dict(row_fastest=True),
-                                   dict(prefetch=False, fixup=False),
-                                   dict(evict="evict_first", row_fastest=True)])
+                                   dict(stages=1, prefetch=True, fixup=False),
+                                   dict(stages=1, evict="evict_first", row_fastest=True)])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_backward_knobs(device, knobs, inplace):
     """Every launch knob of the backward (linghe.bwd.loss.BWD_CONFIG) gives the same

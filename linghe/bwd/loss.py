@@ -8,10 +8,10 @@ For a valid row ``i`` with weight ``g_i`` (``grad_output / n_valid`` for "mean",
 
 Ignored rows (``ignore_index`` or a label outside ``[0, V_total)``) get exactly 0 (the
 row is written, not read). A program streams a range of columns of one row once (read
-logits, write dlogits; the write may alias the logits buffer: each element is read before
-the same thread writes it); long rows are split over several programs
-(``fwd.loss.split_v``). The per-row scalars (label, ``lse``, the row weight) are read once
-per program; nothing else but the logits is read.
+logits, write dlogits; the write may alias the logits buffer: a program reads only its own
+columns, each before it writes it, the pipelined loop reading ahead of the writes); long
+rows are split over several programs (``fwd.loss.split_v``). The per-row scalars (label,
+``lse``, the row weight) are read once per program; nothing else but the logits is read.
 
 Per element the loop does ``exp2(x log2e - lse log2e)``, one FMA and one select (ignored
 rows) before the bf16/fp16 store: the target column is not looked for in the loop
@@ -29,30 +29,32 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fwd.loss import LOG2E, PREFETCH_DEFAULT, _row_label, block_v, split_v
+from ..fwd.loss import LOG2E, _row_label, block_v, split_v
 from ..utils import device_guard, empty, launch
 
 #: Launch configuration of :func:`ce_backward` for large rows on the GPU (the probe,
 #: ``benchmark.probe_cenorm``, varies it; ``None`` = the heuristics of ``fwd.loss``):
 #: ``block_v``/``warps``: columns per loop step and warps (``LINGHE_CE_BWD`` also sets
 #: them); ``chunk``: columns per program (``LINGHE_CE_CHUNK``; 0 = one program per row);
-#: ``prefetch``: the next block's load is issued before this block's math;
+#: ``stages``: the loop is software-pipelined by Triton (``tl.range(num_stages=)``: the
+#: logits are copied asynchronously into shared memory ``stages - 1`` blocks ahead; 1 =
+#: plain loads); ``prefetch``: round 2's register prefetch of the next block (ptxas moves
+#: the load after this block's math, so it hides little; use with ``stages=1``);
 #: ``evict``: eviction hint of the logits load and dlogits store ("" none, the default;
 #: "evict_first": round 2's, ``LINGHE_CE_EVICT=1``: 1369 µs vs 1333 µs without on H200);
 #: ``row_fastest``: program ``p`` takes row ``p % N`` (consecutive programs on different
 #: rows, the round-2 order) instead of row ``p // S`` (consecutive programs cover
 #: consecutive columns of a row, then the next row); ``fixup``: see the module doc.
-BWD_CONFIG = dict(block_v=None, warps=None, chunk=None, prefetch=PREFETCH_DEFAULT,
+BWD_CONFIG = dict(block_v=None, warps=None, chunk=None, stages=3, prefetch=False,
                   evict="evict_first" if os.environ.get("LINGHE_CE_EVICT") == "1" else "",
-                  row_fastest=False,
-                  fixup=True)
+                  row_fastest=False, fixup=True)
 
 
 @triton.jit
 def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr, go_stride,
                    inv_n_ptr, N, S, V, vocab_start, V_total, ignore_index, eps, z_loss,
                    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW: tl.constexpr,
-                   PREFETCH: tl.constexpr = PREFETCH_DEFAULT, EVICT: tl.constexpr = "",
+                   PREFETCH: tl.constexpr = False, EVICT: tl.constexpr = "",
                    ROW_FASTEST: tl.constexpr = False, FIXUP: tl.constexpr = True,
                    STAGES: tl.constexpr = 1):
     # a 1-D grid of N * S programs: (row, column range k)
@@ -152,7 +154,7 @@ def ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
             inv_n if inv_n is not None else lse, N, S, V, vocab_start, Vt, ignore_index,
             float(label_smoothing), float(z_loss), CHUNK=chunk, BLOCK_V=BV, PER_ROW=per_row,
             PREFETCH=cfg["prefetch"], EVICT=cfg["evict"], ROW_FASTEST=cfg["row_fastest"],
-            FIXUP=cfg["fixup"], num_warps=warps)
+            FIXUP=cfg["fixup"], STAGES=cfg["stages"], num_warps=warps)
     return dx
 
 
