@@ -14,6 +14,13 @@ How a list of tensors becomes a fixed number of launches:
   persistent-ish kernel whose programs stride over the group's chunks (program ``p`` takes
   chunks ``p, p + G, ...``) and write one partial each. Buckets are the distributed groups
   of :func:`linghe.optim.clip_grad_norm_` (one bucket when not distributed).
+* The norm reads the same tensors through a second, coarser table (built with the plan,
+  :func:`_segments`): the ``G`` programs of a launch each take one contiguous share of the
+  group's elements (equal to 16 elements), i.e. one or a few pieces of tensors, and stream
+  each piece with a loop that Triton software-pipelines (asynchronous copies into shared
+  memory, ``NORM_CONFIG["stages"] - 1`` tiles in flight per program). The chunk loop
+  (``NORM_CONFIG["segments"] = False``) looked every 16K-element chunk up in the table
+  with a dependent load the warps waited for, and kept only two blocks per thread in flight.
 * A one-program kernel reduces a bucket's partials (and, when not distributed, finishes the
   norm and the clip coefficient in the same launch). When the whole list is one launch and
   not distributed (the common case), there is no reduce launch: the partial-norm program
