@@ -16,7 +16,7 @@ How a list of tensors becomes a fixed number of launches:
   of :func:`linghe.optim.clip_grad_norm_` (one bucket when not distributed).
 * The norm reads the same tensors through a second, coarser table (built with the plan,
   :func:`_segments`): the ``G`` programs of a launch each take one contiguous share of the
-  group's elements (equal to 16 elements), i.e. one or a few pieces of tensors, and stream
+  group's elements (equal within 16 elements): one or a few pieces of tensors, and stream
   each piece with a loop that Triton software-pipelines (asynchronous copies into shared
   memory, ``NORM_CONFIG["stages"] - 1`` tiles in flight per program). The chunk loop
   (``NORM_CONFIG["segments"] = False``) looked every 16K-element chunk up in the table
@@ -203,15 +203,6 @@ def _table_row(table_ptr, addrs_ptr, c, n_chunks, ES: tl.constexpr):
     flag = tl.load(row + 3, mask=ok, other=0)
     base = tl.load(addrs_ptr + slot, mask=ok, other=0)
     return base + start * ES, n, flag
-
-
-@triton.jit
-def _chunk_entry(table_ptr, c, n_chunks):
-    """``(slot, start element, length)`` of chunk ``c`` (zeros past the table)."""
-    ok = c < n_chunks
-    row = table_ptr + c.to(tl.int64) * 4
-    return (tl.load(row, mask=ok, other=0), tl.load(row + 1, mask=ok, other=0),
-            tl.load(row + 2, mask=ok, other=0).to(tl.int32))
 
 
 @triton.jit
