@@ -410,10 +410,12 @@ bsig = dict(x_ptr=ptr, stride_x="i32", dx_ptr=ptr, stride_dx="i32", lab_ptr="*i6
             S="i32", V="i32", vocab_start="i32", V_total="i32", ignore_index="i32",
             eps="fp32", z_loss="fp32", CHUNK="constexpr", BLOCK_V="constexpr",
             PER_ROW="constexpr", PREFETCH="constexpr", EVICT="constexpr",
-            ROW_FASTEST="constexpr", FIXUP="constexpr", STAGES="constexpr")
-for ev, fix, pf, st in (("evict_first", False, True, 1), ("", True, False, 3)):
+            ROW_FASTEST="constexpr", FIXUP="constexpr", STAGES="constexpr",
+            INPLACE="constexpr")
+for ev, fix, pf, st, inpl in (("evict_first", False, True, 1, False), ("", True, False, 3, True)):
     k = comp(B._ce_bwd_kernel, bsig, dict(CHUNK=32768, BLOCK_V=4096, PER_ROW=True, PREFETCH=pf,
-                                          EVICT=ev, ROW_FASTEST=False, FIXUP=fix, STAGES=st), 8)
+                                          EVICT=ev, ROW_FASTEST=False, FIXUP=fix, STAGES=st,
+                                          INPLACE=inpl), 8)
     if st > 1:  # the streaming loop pipelined: 16-byte asynchronous copies
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10",
                          k.asm["ptx"]), "stages"

@@ -16,7 +16,8 @@ rows are split over several programs (``fwd.loss.split_v``). The per-row scalars
 Per element the loop does ``exp2(x log2e - lse log2e)``, one FMA and one select (ignored
 rows) before the bf16/fp16 store: the target column is not looked for in the loop
 (``FIXUP``, the default): the program whose column range holds the label reads that logit
-before its loop and, after a barrier, overwrites the one element with its target term.
+before its loop (in place, a barrier follows: no thread's store overtakes that read) and,
+after a barrier behind the loop, overwrites the one element with its target term.
 (``FIXUP=False`` compares every column with the label, an int32 compare and a select per
 element; the round-2 kernel did that in int64, ~6 more instructions per element.)
 """
@@ -56,7 +57,7 @@ def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr,
                    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW: tl.constexpr,
                    PREFETCH: tl.constexpr = False, EVICT: tl.constexpr = "",
                    ROW_FASTEST: tl.constexpr = False, FIXUP: tl.constexpr = True,
-                   STAGES: tl.constexpr = 1):
+                   STAGES: tl.constexpr = 1, INPLACE: tl.constexpr = False):
     # a 1-D grid of N * S programs: (row, column range k)
     pid = tl.program_id(0)
     if ROW_FASTEST:
@@ -95,6 +96,8 @@ def _ce_bwd_kernel(x_ptr, stride_x, dx_ptr, stride_dx, lab_ptr, lse_ptr, go_ptr,
     if FIXUP:
         # the target logit, read before the loop (the in-place variant overwrites it)
         x_t = tl.load(xb + t_off, mask=mine, other=0.0).to(tl.float32)
+        if INPLACE:  # ... and that read happens before any thread's store (CTA barrier)
+            tl.debug_barrier()
     local32 = local.to(tl.int32)  # -1 when the label is not in this slice
     n_read = tl.where(valid, hi, lo)  # an ignored row is written (zeros), not read
     for off in tl.range(lo, hi, BLOCK_V, num_stages=STAGES):
@@ -154,7 +157,7 @@ def ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
             inv_n if inv_n is not None else lse, N, S, V, vocab_start, Vt, ignore_index,
             float(label_smoothing), float(z_loss), CHUNK=chunk, BLOCK_V=BV, PER_ROW=per_row,
             PREFETCH=cfg["prefetch"], EVICT=cfg["evict"], ROW_FASTEST=cfg["row_fastest"],
-            FIXUP=cfg["fixup"], STAGES=cfg["stages"], num_warps=warps)
+            FIXUP=cfg["fixup"], STAGES=cfg["stages"], INPLACE=inplace, num_warps=warps)
     return dx
 
 
