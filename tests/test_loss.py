@@ -74,6 +74,44 @@ def test_inplace_backward(device, reduction):
     _check_ce(device, 9, 7, torch.float32, reduction, inplace=True)
 
 
+@pytest.mark.parametrize("knobs", [dict(fixup=False), dict(row_fastest=True),
+                                   dict(stages=1, prefetch=True, fixup=False),
+                                   dict(stages=1, evict="evict_first", row_fastest=True)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_backward_knobs(device, knobs, inplace):
+    """Every launch knob of the backward (linghe.bwd.loss.BWD_CONFIG) gives the same
+    gradient: the target column found in the loop or fixed up after it, both program
+    orders, with and without prefetch; rows split over 3 programs (V = 1300), the label in
+    the first, middle and last column range and on the last column."""
+    from linghe.bwd import loss as B
+
+    saved = dict(B.BWD_CONFIG)
+    B.BWD_CONFIG.update(knobs)
+    try:
+        lab = torch.tensor([0, 600, 1299, 1100, -100, 511, 512], device=device)
+        _check_ce(device, 7, 1300, torch.bfloat16, "mean", eps=0.1, z=1e-3, inplace=inplace,
+                  labels=lab)
+        _check_ce(device, 4, 7, torch.float32, "none", inplace=inplace)
+    finally:
+        B.BWD_CONFIG.clear()
+        B.BWD_CONFIG.update(saved)
+
+
+def test_backward_ignored_rows_with_nonfinite_logits_are_zero(device):
+    """An ignored row's gradient is exactly 0 even when its logits are inf/NaN (it is
+    written, not read; the prefetched first block must not leak into it)."""
+    x = torch.randn(3, 1300, device=device)
+    x[1, :700] = float("inf")
+    x[1, 800:] = float("nan")
+    lab = torch.tensor([5, -100, 1299], device=device)
+    xk = x.clone().requires_grad_()
+    linghe.cross_entropy(xk, lab).backward()
+    assert torch.all(xk.grad[1] == 0)
+    x64 = x[[0, 2]].double().requires_grad_()
+    ref.cross_entropy(x64, lab[[0, 2]], reduction="sum").backward()
+    assert_close(xk.grad[[0, 2]], x64.grad / 2)
+
+
 def test_inplace_backward_overwrites_logits(device):
     x = torch.randn(4, 300, device=device, requires_grad=True)
     lab = torch.randint(0, 300, (4,), device=device)
@@ -335,6 +373,7 @@ def test_linear_cross_entropy_standard_shape(device):
 
 # ------------------------------------------------------------------ offline GPU compile
 _COMPILE_SCRIPT = r'''
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -347,11 +386,13 @@ def comp(fn, sig, consts, warps):
              if sig[n].startswith("*") or n in ("stride_x", "stride_dx", "N", "V", "V_total")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    import re  # 16-byte loads, also with a cache hint (ld.global.L1::evict_first...v4)
-    assert re.search(r"ld\.global\.[\w:.]*v4", k.asm["ptx"]) or "BLOCK" in consts, fn.__name__
-    if consts.get("EVICT"):
+    # 16-byte loads, also with a cache hint (ld.global.L1::evict_first...v4), or copies
+    assert re.search(r"ld\.global\.[\w:.]*v4|cp\.async", k.asm["ptx"]) or "BLOCK" in consts, \
+        fn.__name__
+    if "EVICT" in consts:  # 16-byte dlogits stores
         assert re.search(r"st\.global\.[\w:.]*v4", k.asm["ptx"]), fn.__name__
         print(sorted(set(re.findall(r"(?:ld|st)\.global[\w:.]*", k.asm["ptx"]))))
+    return k
 
 ptr = "*bf16"
 fsig = dict(x_ptr=ptr, stride_x="i32", lab_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32",
@@ -365,13 +406,19 @@ for split, fuse in [(False, False), (True, False), (False, True)]:
                                       SMOOTH=True, SPLIT=split, FUSE_BWD=fuse,
                                       PREFETCH=True), 4)
 bsig = dict(x_ptr=ptr, stride_x="i32", dx_ptr=ptr, stride_dx="i32", lab_ptr="*i64",
-            lse_ptr="*fp32", go_ptr="*fp32", go_stride="i32", inv_n_ptr="*fp32", V="i32",
-            vocab_start="i32", V_total="i32", ignore_index="i32", eps="fp32", z_loss="fp32",
-            CHUNK="constexpr", BLOCK_V="constexpr", PER_ROW="constexpr", PREFETCH="constexpr",
-            EVICT="constexpr")
-for ev in ("evict_first", ""):
-    comp(B._ce_bwd_kernel, bsig, dict(CHUNK=32768, BLOCK_V=4096, PER_ROW=True, PREFETCH=True,
-                                      EVICT=ev), 8)
+            lse_ptr="*fp32", go_ptr="*fp32", go_stride="i32", inv_n_ptr="*fp32", N="i32",
+            S="i32", V="i32", vocab_start="i32", V_total="i32", ignore_index="i32",
+            eps="fp32", z_loss="fp32", CHUNK="constexpr", BLOCK_V="constexpr",
+            PER_ROW="constexpr", PREFETCH="constexpr", EVICT="constexpr",
+            ROW_FASTEST="constexpr", FIXUP="constexpr", STAGES="constexpr",
+            INPLACE="constexpr")
+for ev, fix, pf, st, inpl in (("evict_first", False, True, 1, False), ("", True, False, 3, True)):
+    k = comp(B._ce_bwd_kernel, bsig, dict(CHUNK=32768, BLOCK_V=4096, PER_ROW=True, PREFETCH=pf,
+                                          EVICT=ev, ROW_FASTEST=False, FIXUP=fix, STAGES=st,
+                                          INPLACE=inpl), 8)
+    if st > 1:  # the streaming loop pipelined: 16-byte asynchronous copies
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10",
+                         k.asm["ptx"]), "stages"
 csig = dict(part_ptr="*fp32", lab_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32", N="i32",
             S="i32", V_total="i32", ignore_index="i32", eps="fp32", z_loss="fp32",
             SMOOTH="constexpr", S_P2="constexpr", BLOCK="constexpr")

@@ -160,6 +160,71 @@ def test_nan_inf_propagate(device):
         assert not math.isfinite(norm.item())
 
 
+def test_norm_segments_table():
+    """The norm's segment table covers every element once, in order; each program's share
+    is contiguous and within 16 elements of the others; segments start 16-element aligned
+    inside their tensor (or at its start) and are at most _MAX_SEGMENT long."""
+    import numpy as np
+
+    from linghe.optim import multi_tensor as K
+
+    rng = np.random.default_rng(0)
+    cases = [(np.array([5, 65_537, 300, 1, 70_001, 4096]), 7),
+             (rng.integers(1, 5000, size=300), 64), (np.array([3]), 1),
+             (np.array([10, 20]), 16), (np.array([3 * K._MAX_SEGMENT + 5, 7]), 5)]
+    for sizes, G in cases:
+        slots = np.arange(len(sizes)) * 3 + 1  # slots need not be 0..n-1
+        t = K._segments(slots, sizes, G)
+        ptr, rows = t[:G + 1], t[G + 1:].reshape(-1, 3)
+        assert ptr[0] == 0 and ptr[-1] == len(rows) and np.all(np.diff(ptr) >= 0)
+        cum = np.concatenate([[0], np.cumsum(sizes)])
+        tid = (rows[:, 0] - 1) // 3
+        glob = cum[tid] + rows[:, 1]
+        assert np.all(rows[:, 2] > 0) and np.all(rows[:, 2] <= K._MAX_SEGMENT)
+        assert glob[0] == 0 and np.all(glob[1:] == glob[:-1] + rows[:-1, 2])  # in order
+        assert glob[-1] + rows[-1, 2] == cum[-1]
+        assert np.all(rows[:, 1] + rows[:, 2] <= sizes[tid])
+        assert np.all(rows[:, 1] % 16 == 0)
+        share = np.array([rows[ptr[p]:ptr[p + 1], 2].sum() for p in range(G)])
+        assert share.sum() == cum[-1] and share.max() < -(-cum[-1] // G) + 16
+
+
+@pytest.mark.parametrize("knobs", [dict(segments=False), dict(stages=1),
+                                   dict(warps=4, elems=8), dict(elems=32, stages=2)])
+def test_grad_norm_kernel_knobs(device, knobs):
+    """Every knob of the norm kernel (linghe.optim.multi_tensor.NORM_CONFIG, the plan's
+    PROGRAMS_PER_SM) gives the reference norm: every mode, four dtypes, many tensors whose
+    sizes end mid-vector, shares that split tensors, NaN propagation, unaligned views."""
+    from linghe.optim import multi_tensor as K
+
+    saved, pps = dict(K.NORM_CONFIG), K.PROGRAMS_PER_SM
+    K.NORM_CONFIG.update(knobs)
+    K.PROGRAMS_PER_SM = 1 if knobs.get("stages") == 1 else pps
+    optim.clear_plan_cache()
+    try:
+        sizes = [33_537, 3, 9_000, 1, 17, 20_003, 4_096, 6]
+        modes = {torch.float32: (1.0, 2.0, 3.0, INF, -INF), torch.bfloat16: (2.0, -INF),
+                 torch.float16: (INF,), torch.float64: (2.0,)}
+        for dtype, ps in modes.items():
+            ts = [(torch.randn(n, device=device) * 3).to(dtype) for n in sizes]
+            for p in ps:
+                assert_close(optim.grad_norm(ts, p), ref.total_norm(ts, p),
+                             tol=1e-5 if p != 3.0 else 1e-4)
+        ts = [torch.randn(n, device=device) for n in sizes]
+        ts[1][2] = float("nan")  # in a tensor's last partial vector
+        ts[0][33_000] = float("inf")
+        for p in (2.0, -INF):
+            assert math.isnan(optim.grad_norm(ts, p).item())
+        buf = torch.randn(30_003, device=device)
+        views = [buf[1:20_001], buf[20_001:30_003]]  # not 16-byte aligned
+        assert_close(optim.grad_norm(views), ref.total_norm(views), tol=1e-5)
+    finally:
+        K.NORM_CONFIG.clear()
+        K.NORM_CONFIG.update(saved)
+        K.PROGRAMS_PER_SM = pps
+        optim.clear_plan_cache()
+
+
 def test_zero_grads_and_empty_tensors(device):
     ps = _params([0, 0, 10], torch.float32, device)
     ps[2].grad.zero_()
@@ -444,28 +509,32 @@ from triton.compiler import ASTSource
 from linghe.optim import multi_tensor as K
 
 
-def comp(fn, sig, consts):
+def comp(fn, sig, consts, vec=r"ld\.global\.[\w:.]*v4"):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": K.NUM_WARPS})
-    assert re.search(r"ld\.global\.[\w:.]*v4", k.asm["ptx"]), fn.__name__
+    assert re.search(vec, k.asm["ptx"]), fn.__name__
     return k
 
 
 B = K._block(4, "float")
-for last in (False, True):
-    k = comp(K._norm_partials_kernel,
-             dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", partial_ptr="*fp32",
-                  p="fp32", counter_ptr="*i32", norm_out_ptr="*fp32", coef_out_ptr="*fp32",
-                  max_norm="fp32", DTYPE="constexpr", ES="constexpr", ACC="constexpr",
-                  MODE="constexpr",
-                  IDENT="constexpr", BLOCK="constexpr", ALIGNED="constexpr", LAST="constexpr",
-                  COEF="constexpr", RBLOCK="constexpr"),
-             dict(DTYPE=tl.float32, ES=4, ACC=tl.float32, MODE=2, IDENT=0.0, BLOCK=B, ALIGNED=True,
-                  LAST=last, COEF=last, RBLOCK=K.REDUCE_BLOCK))
+nsig = dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", partial_ptr="*fp32",
+            p="fp32", counter_ptr="*i32", norm_out_ptr="*fp32", coef_out_ptr="*fp32",
+            max_norm="fp32", DTYPE="constexpr", ES="constexpr", ACC="constexpr",
+            MODE="constexpr", IDENT="constexpr", BLOCK="constexpr", ALIGNED="constexpr",
+            LAST="constexpr", COEF="constexpr", RBLOCK="constexpr", SEGMENTS="constexpr",
+            SPAN="constexpr", STAGES="constexpr")
+for last, seg, mode in ((False, False, 2), (True, False, 2), (True, True, 2), (False, True, 5)):
+    opts = {**K._norm_launch_opts(4, True), "SEGMENTS": seg}
+    del opts["num_warps"]
+    k = comp(K._norm_partials_kernel, nsig,
+             dict(DTYPE=tl.float32, ES=4, ACC=tl.float32, MODE=mode, IDENT=0.0, ALIGNED=True,
+                  LAST=last, COEF=last, RBLOCK=K.REDUCE_BLOCK, **opts), "ld.global|cp.async")
+    ptx = k.asm["ptx"]
     if last:
-        ptx = k.asm["ptx"]
         assert "atom" in ptx and "acq_rel" in ptx and "ld.global.cg" in ptx, "LAST"
+    if seg:  # the segment loop is pipelined: 16-byte asynchronous copies
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), "seg"
 comp(K._scale_kernel,
      dict(table_ptr="*i64", addrs_ptr="*i64", n_chunks="i32", coef_ptr="*fp32",
           DTYPE="constexpr", ES="constexpr", CT="constexpr", BLOCK="constexpr",

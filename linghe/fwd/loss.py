@@ -50,27 +50,23 @@ _FWD_KNOB = _knob("LINGHE_CE_FWD")
 #: Software prefetch of the next block in the streaming loops (LINGHE_CE_PREFETCH=0: off).
 PREFETCH_DEFAULT = os.environ.get("LINGHE_CE_PREFETCH", "1") != "0"
 _BWD_KNOB = _knob("LINGHE_CE_BWD")
-#: Eviction hints in the backward's streaming loop (logits read and dlogits store with
-#: ``evict_first``: both are touched once, so they should not displace other L2 lines).
-#: ``LINGHE_CE_EVICT=0`` restores the round-1 kernel (no hints; measured 1333 µs on H200).
-EVICT_POLICY = "evict_first" if os.environ.get("LINGHE_CE_EVICT", "1") != "0" else ""
 
 
-def block_v(V: int, kind: str = "fwd") -> tuple[int, int]:
+def block_v(V: int, kind: str = "fwd", big: tuple[int, int] | None = None) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` for a row of ``V`` columns.
 
     On the GPU, large rows use 4096-column blocks: forward 4 warps (32 fp32 per thread, four
     16-byte bf16 loads; reductions over 4 warps are cheap), backward 8 warps (16 per
     thread). Many small programs per SM hide the memory latency. Override with the
-    ``LINGHE_CE_FWD`` / ``LINGHE_CE_BWD`` environment variables (``"BLOCK_V,WARPS"``). On
-    the interpreter the cap is 256 so small test vocabularies still exercise the
-    multi-block online softmax.
+    ``LINGHE_CE_FWD`` / ``LINGHE_CE_BWD`` environment variables (``"BLOCK_V,WARPS"``) or
+    ``big`` (the pair for large rows). On the interpreter the cap is 256 so small test
+    vocabularies still exercise the multi-block online softmax.
     """
     if INTERPRET:
         return min(next_power_of_2(max(V, 1)), 256), 2
     knob = _FWD_KNOB if kind == "fwd" else _BWD_KNOB
     # round 1 (H200): bwd (4096, 8) -> 1333 µs at 91% of copy BW; kept as the default
-    big = knob or ((4096, 4) if kind == "fwd" else (4096, 8))
+    big = big or knob or ((4096, 4) if kind == "fwd" else (4096, 8))
     b = min(next_power_of_2(max(V, 1)), big[0])
     if b == big[0]:
         return big
@@ -158,12 +154,13 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, w_ptr,
             smooth = g * eps / V_total
             hit = g * (1.0 - eps)
             lse2 = lse * LOG2E
+            local32 = local.to(tl.int32)  # int32 compares in the loop (-1: not in slice)
             for off in range(0, V, BLOCK_V):
                 c = off + cols
                 mask = c < V
                 x = tl.load(base + c, mask=c < n_cols, other=0.0).to(tl.float32)
                 p = tl.exp2(x * LOG2E - lse2)
-                d = coef * p - smooth - tl.where(c == local, hit, 0.0)
+                d = coef * p - smooth - tl.where(cols == local32 - off, hit, 0.0)
                 d = tl.where(valid, d, 0.0)
                 tl.store(base + c, d.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -223,15 +220,18 @@ def _ce_reduce_kernel(loss_ptr, lab_ptr, out_ptr, inv_n_ptr, N, V_total, ignore_
     tl.store(inv_n_ptr, inv)
 
 
-def split_v(V: int, BV: int, kind: str = "fwd") -> tuple[int, int]:
+def split_v(V: int, BV: int, kind: str = "fwd", target: int | None = None) -> tuple[int, int]:
     """``(CHUNK, S)``: columns per program (a multiple of ``BV``) and programs per row.
 
     Splitting a long row over several programs keeps each program short, so the last wave
     of a launch drains quickly (a whole 157K-column row per program leaves SMs idle at the
-    end). About 32K columns per program on the GPU (``LINGHE_CE_CHUNK`` overrides; 0 = no
-    split), 512 on the interpreter so tests exercise it.
+    end). About 32K columns per program on the GPU (``LINGHE_CE_CHUNK`` or ``target``
+    overrides; 0 = no split), 512 on the interpreter so tests exercise it.
     """
-    target = 512 if INTERPRET else int(os.environ.get("LINGHE_CE_CHUNK", "32768"))
+    if INTERPRET:
+        target = 512
+    elif target is None:
+        target = int(os.environ.get("LINGHE_CE_CHUNK", "32768"))
     if target <= 0 or V <= target:
         return max(BV, cdiv(V, BV) * BV), 1
     S = cdiv(V, target)

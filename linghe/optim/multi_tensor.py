@@ -14,6 +14,13 @@ How a list of tensors becomes a fixed number of launches:
   persistent-ish kernel whose programs stride over the group's chunks (program ``p`` takes
   chunks ``p, p + G, ...``) and write one partial each. Buckets are the distributed groups
   of :func:`linghe.optim.clip_grad_norm_` (one bucket when not distributed).
+* The norm reads the same tensors through a second, coarser table (built with the plan,
+  :func:`_segments`): the ``G`` programs of a launch each take one contiguous share of the
+  group's elements (equal within 16 elements): one or a few pieces of tensors, and stream
+  each piece with a loop that Triton software-pipelines (asynchronous copies into shared
+  memory, ``NORM_CONFIG["stages"] - 1`` tiles in flight per program). The chunk loop
+  (``NORM_CONFIG["segments"] = False``) looked every 16K-element chunk up in the table
+  with a dependent load the warps waited for, and kept only two blocks per thread in flight.
 * A one-program kernel reduces a bucket's partials (and, when not distributed, finishes the
   norm and the clip coefficient in the same launch). When the whole list is one launch and
   not distributed (the common case), there is no reduce launch: the partial-norm program
@@ -101,6 +108,30 @@ ADAMW_BLOCK = NUM_WARPS * 32 * 8
 ADAMW_PROGRAMS_PER_SM = int(os.environ.get("LINGHE_ADAMW_PROGRAMS_PER_SM", "2"))
 
 
+#: The norm kernel's launch knobs (``benchmark.probe_cenorm`` varies them): ``segments``:
+#: each program streams one contiguous share of the elements (:func:`_segments`,
+#: :func:`_norm_segments`) through a loop pipelined ``stages`` deep (asynchronous copies
+#: into shared memory); False: round 2's strided chunk loop (each chunk's table lookup a
+#: dependent load the warp waits for, two blocks in flight per thread). ``warps`` and
+#: ``elems`` (per thread per block; a block is ``warps * 32 * elems`` elements, ``CHUNK``
+#: must be a multiple of twice it). The grid (``PROGRAMS_PER_SM``) and ``CHUNK`` are the
+#: plan's, shared with the scaling kernel.
+NORM_CONFIG = dict(segments=True, stages=3, warps=NUM_WARPS, elems=ELEMS_PER_THREAD)
+
+
+def _norm_launch_opts(es: int, aligned: bool) -> dict:
+    """``BLOCK``, ``SEGMENTS``, ``SPAN``, ``STAGES`` and ``num_warps`` of a norm launch over
+    elements of ``es`` bytes (:data:`NORM_CONFIG`)."""
+    cfg = NORM_CONFIG
+    block = cfg["warps"] * 32 * cfg["elems"]
+    if CHUNK % (2 * block):
+        raise ValueError(f"CHUNK ({CHUNK}) must be a multiple of twice the norm block "
+                         f"({block} elements)")
+    vec = min(16 // es if aligned else 1, cfg["elems"])  # elements of a 16-byte access
+    return dict(BLOCK=block, SEGMENTS=bool(cfg["segments"]), SPAN=cfg["warps"] * 32 * vec,
+                STAGES=cfg["stages"], num_warps=cfg["warps"])
+
+
 def _block(elem_size: int, kind: str) -> int:
     if kind == "bits" and elem_size < 4:
         return NUM_WARPS * 32 * ELEMS_PER_THREAD * 2  # narrow ints: 32 elements per thread
@@ -175,19 +206,87 @@ def _table_row(table_ptr, addrs_ptr, c, n_chunks, ES: tl.constexpr):
 
 
 @triton.jit
-def _norm_partials_kernel(table_ptr, addrs_ptr, n_chunks, partial_ptr, p, counter_ptr,
-                          norm_out_ptr, coef_out_ptr, max_norm,
-                          DTYPE: tl.constexpr, ES: tl.constexpr, ACC: tl.constexpr,
-                          MODE: tl.constexpr,
-                          IDENT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-                          LAST: tl.constexpr = False, COEF: tl.constexpr = False,
-                          RBLOCK: tl.constexpr = 1024):
-    """Program ``pid`` folds chunks ``pid, pid + G, ...`` of the table into one partial.
+def _as_ptr(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The int64 byte address ``addr`` as a pointer to ``DTYPE`` (16-byte aligned hint when
+    ``ALIGNED``: the hint must sit on the cast pointer itself to give 16-byte accesses)."""
+    ptr = addr.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
-    ``LAST`` (single launch, not distributed): the program that finishes last (an atomic
-    ticket on ``counter[0]``, which it resets to 0) reduces all ``G`` partials in a fixed
-    order (deterministic) and writes the norm (and with ``COEF`` the clip coefficient):
-    no separate reduce launch."""
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _fold_rows(v, MODE: tl.constexpr):
+    """``[R, SPAN] -> [SPAN]`` with the mode's combine (NaN propagates): a thread holds
+    all ``R`` rows of its columns, so this is register arithmetic, no shuffles."""
+    if MODE == 4:
+        return tl.reduce(v, 0, _max_nan)
+    elif MODE == 5:
+        return tl.reduce(v, 0, _min_nan)
+    else:
+        return tl.sum(v, axis=0)
+
+
+@triton.jit
+def _norm_segments(seg_ptr, addrs_ptr, p, DTYPE: tl.constexpr, ES: tl.constexpr,
+                   ACC: tl.constexpr, MODE: tl.constexpr, IDENT: tl.constexpr,
+                   BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SPAN: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """This program's accumulator ``[SPAN]`` over its contiguous share of the elements
+    (:func:`_segments`): ``seg[pid]:seg[pid + 1]`` index its segment rows ``(slot, start,
+    length)`` stored after the ``G + 1`` offsets; a segment is a piece of one tensor, a
+    program has one or a few.
+
+    A segment is streamed in ``[BLOCK / SPAN, SPAN]`` tiles (``SPAN`` = threads x 16
+    bytes) by a loop that Triton pipelines (``STAGES``: asynchronous 16-byte copies into
+    shared memory, ``STAGES - 1`` tiles in flight per program while one is summed); each
+    thread folds the rows of its columns into its ``SPAN``-wide accumulator (no shuffles).
+    The loads are masked on whole 16-byte vectors (``offs < vectors``) so the last tile
+    keeps vector accesses; the < 4 (fp32) elements past a tensor's last whole vector are
+    read by a small separate load."""
+    VEC: tl.constexpr = 16 // ES if ALIGNED else 1
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK // SPAN)[:, None] * SPAN + tl.arange(0, SPAN)[None, :]
+    cl = tl.arange(0, SPAN)
+    rl = tl.arange(0, VEC)
+    acc = tl.full([SPAN], IDENT, ACC)
+    s_lo = tl.load(seg_ptr + pid)
+    s_hi = tl.load(seg_ptr + pid + 1)
+    rows = seg_ptr + G + 1
+    for s in range(s_lo, s_hi):
+        row = rows + s * 3
+        slot = tl.load(row)
+        n = tl.load(row + 2).to(tl.int32)  # < 2^30 (the host splits longer segments)
+        ptr = _as_ptr(tl.load(addrs_ptr + slot) + tl.load(row + 1) * ES, DTYPE, ALIGNED)
+        nv = (n // VEC) * VEC  # elements in whole 16-byte vectors
+        for off in tl.range(0, nv, BLOCK, num_stages=STAGES):
+            o = off + offs
+            x = tl.load(ptr + o, mask=o < nv, other=IDENT)
+            acc = _combine(acc, _fold_rows(_elem(x.to(ACC), p, MODE), MODE), MODE)
+        if n > nv:  # a tensor's last < VEC elements
+            xr = tl.load(ptr + nv + rl, mask=rl < n - nv, other=IDENT).to(ACC)
+            t = _reduce_all(_elem(xr, p, MODE), MODE)
+            acc = _combine(acc, tl.where(cl == 0, t, IDENT), MODE)
+    return acc
+
+
+@triton.jit
+def _norm_chunks(table_ptr, addrs_ptr, n_chunks, p, DTYPE: tl.constexpr, ES: tl.constexpr,
+                 ACC: tl.constexpr, MODE: tl.constexpr, IDENT: tl.constexpr,
+                 BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """This program's accumulator ``[BLOCK]``, chunk by chunk (round 2): unmasked double
+    blocks (two loads per step), then the masked tail of a tensor's last chunk."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
@@ -197,9 +296,7 @@ def _norm_partials_kernel(table_ptr, addrs_ptr, n_chunks, partial_ptr, p, counte
         addr = addr_nxt  # byte address of the chunk's first element
         n = n_nxt
         addr_nxt, n_nxt, _f = _table_row(table_ptr, addrs_ptr, c + G, n_chunks, ES)
-        ptr = addr.to(tl.pointer_type(DTYPE))
-        if ALIGNED:  # 16-byte aligned chunk start: 16-byte vector loads
-            ptr = tl.multiple_of(ptr, 16)
+        ptr = _as_ptr(addr, DTYPE, ALIGNED)
         # full double blocks: unmasked (vectorizable) loads, two in flight per thread
         n_full = (n // (2 * BLOCK)) * (2 * BLOCK)
         for i in range(0, n // (2 * BLOCK)):
@@ -212,6 +309,36 @@ def _norm_partials_kernel(table_ptr, addrs_ptr, n_chunks, partial_ptr, p, counte
             x = tl.load(ptr + off + lanes, mask=m, other=0.0).to(ACC)
             v = tl.where(m, _elem(x, p, MODE), IDENT)
             acc = _combine(acc, v, MODE)
+    return acc
+
+
+@triton.jit
+def _norm_partials_kernel(table_ptr, addrs_ptr, n_chunks, partial_ptr, p, counter_ptr,
+                          norm_out_ptr, coef_out_ptr, max_norm,
+                          DTYPE: tl.constexpr, ES: tl.constexpr, ACC: tl.constexpr,
+                          MODE: tl.constexpr,
+                          IDENT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                          LAST: tl.constexpr = False, COEF: tl.constexpr = False,
+                          RBLOCK: tl.constexpr = 1024, SEGMENTS: tl.constexpr = False,
+                          SPAN: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+    """Program ``pid`` folds chunks ``pid, pid + G, ...`` of the table into one partial.
+
+    ``SEGMENTS``: ``table_ptr`` is the launch's segment table instead (each program one
+    contiguous share, streamed by a pipelined loop: :func:`_norm_segments`); otherwise the
+    chunk table, chunk by chunk, two blocks loaded per step (:func:`_norm_chunks`, round 2).
+
+    ``LAST`` (single launch, not distributed): the program that finishes last (an atomic
+    ticket on ``counter[0]``, which it resets to 0) reduces all ``G`` partials in a fixed
+    order (deterministic) and writes the norm (and with ``COEF`` the clip coefficient):
+    no separate reduce launch."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    if SEGMENTS:
+        acc = _norm_segments(table_ptr, addrs_ptr, p, DTYPE, ES, ACC, MODE, IDENT, BLOCK,
+                             ALIGNED, SPAN, STAGES)
+    else:
+        acc = _norm_chunks(table_ptr, addrs_ptr, n_chunks, p, DTYPE, ES, ACC, MODE, IDENT,
+                           BLOCK, ALIGNED)
     tl.store(partial_ptr + pid, _reduce_all(acc, MODE))
     if LAST:
         tl.debug_barrier()  # this program's partial is stored before its ticket (release)
@@ -524,6 +651,7 @@ class Launch:
     block: int
     es: int = 4  # element size in bytes
     table: torch.Tensor | None = None  # the plan's table from this launch's first chunk
+    segs: torch.Tensor | None = None  # its norm segment table (:func:`_segments`; "float")
 
 
 def evict_oldest(d: OrderedDict, size: int, keep) -> None:
@@ -584,6 +712,7 @@ class Plan:
     n_partials: int
     scratch: dict = field(default_factory=dict)
     addr_sets: AddressSets | None = None
+    seg_host: torch.Tensor | None = None  # pinned source of the segment tables' upload
 
     def buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A scratch device buffer reused across calls with this plan (partials, per-bucket
@@ -696,6 +825,41 @@ def _chunks(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tid, start, np.minimum(CHUNK, sizes[tid] - start)
 
 
+#: Longest segment of a norm segment table, elements (the kernel counts in int32).
+_MAX_SEGMENT = 1 << 30
+#: Program shares start on multiples of this many elements within a tensor (>= 16 bytes,
+#: so every segment of an aligned tensor starts 16-byte aligned).
+_SEG_ALIGN = 16
+
+
+def _segments(slots: np.ndarray, sizes: np.ndarray, G: int) -> np.ndarray:
+    """The norm's segment table of one launch: tensors ``slots`` of ``sizes`` elements
+    (all > 0), viewed as one concatenated vector, cut into ``G`` contiguous shares of
+    (nearly) equal size, each share's start moved back to a multiple of
+    :data:`_SEG_ALIGN` within its tensor; a share is one or more segments (pieces of one
+    tensor, at most :data:`_MAX_SEGMENT` long). Returns int64 ``[G + 1 + 3 * n_seg]``:
+    program ``p``'s segments are rows ``ptr[p]:ptr[p + 1]`` of the ``(slot, start
+    element, length)`` rows after the ``G + 1`` offsets ``ptr``."""
+    cum = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    total = int(cum[-1])
+    share = -(-total // G)
+    bounds = np.minimum(np.arange(G + 1, dtype=np.int64) * share, total)
+    t = np.clip(np.searchsorted(cum, bounds, side="right") - 1, 0, len(sizes) - 1)
+    bounds = cum[t] + (bounds - cum[t]) // _SEG_ALIGN * _SEG_ALIGN
+    bounds[0], bounds[-1] = 0, total
+    bounds = np.maximum.accumulate(bounds)
+    cuts = [bounds, cum]
+    for i in np.nonzero(sizes > _MAX_SEGMENT)[0]:  # split very long tensors
+        cuts.append(np.arange(cum[i], cum[i + 1], _MAX_SEGMENT, dtype=np.int64))
+    cuts = np.unique(np.concatenate(cuts))
+    lo, hi = cuts[:-1], cuts[1:]
+    tid = np.searchsorted(cum, lo, side="right") - 1
+    prog = np.searchsorted(bounds, lo, side="right") - 1
+    ptr = np.searchsorted(prog, np.arange(G + 1), side="left").astype(np.int64)
+    rows = np.stack([slots[tid], lo - cum[tid], hi - lo], axis=1)
+    return np.concatenate([ptr, rows.ravel()])
+
+
 def _upload(table_np: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(host, device)`` copies of an int64 table: uploaded from pinned memory with a
     non-blocking copy (no host sync); the pinned source must live as long as the plan."""
@@ -712,6 +876,7 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
     order). ``kind`` = "float" (group by dtype, for norm/scale) or "bits" (group by element
     size, for count_zeros). ``aligned``: every tensor starts 16-byte aligned."""
     groups: OrderedDict = OrderedDict()  # (bucket, key) -> list[(slot, numel, flag)]
+    segs: list[np.ndarray] = []
     slot = 0
     for b, ts in enumerate(buckets):
         for t in ts:
@@ -753,6 +918,8 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
             grid = min(total, max_prog)
             launches.append(Launch(tl_key, chunk_off, total, partial_off, grid, aligned,
                                    _block(es, kind), es))
+            if kind == "float":
+                segs.append(_segments(slots, sizes, grid))
             chunk_off += total
             partial_off += grid
         bucket_ranges[b][1] = partial_off - bucket_ranges[b][0]
@@ -760,8 +927,15 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
     host, table = _upload(table_np, device)
     for ln in launches:
         ln.table = table[ln.chunk_off:]
+    seg_host = None
+    if segs:  # one upload for all launches' segment tables
+        seg_host, seg_table = _upload(np.concatenate(segs), device)
+        off = 0
+        for ln, sg in zip(launches, segs):
+            ln.segs = seg_table[off:]
+            off += len(sg)
     return Plan(device, table, host, launches, [tuple(r) for r in bucket_ranges], partial_off,
-                addr_sets=AddressSets(device))
+                addr_sets=AddressSets(device), seg_host=seg_host)
 
 
 @dataclass
@@ -844,10 +1018,11 @@ def norm_partials(plan: Bound, p: float, acc_dtype: torch.dtype) -> torch.Tensor
     with device_guard(plan.table):
         for ln in plan.launches:
             part = partials[ln.partial_off:]
+            opts = _norm_launch_opts(ln.es, ln.aligned)
             launch(_norm_partials_kernel, (ln.grid,),
-                ln.table, plan.addrs, ln.n_chunks, part, float(p), part, part, part, 0.0,
-                DTYPE=ln.key, ES=ln.es, ACC=acc_tl, MODE=mode, IDENT=_ident(mode), BLOCK=ln.block,
-                ALIGNED=ln.aligned, num_warps=NUM_WARPS)
+                ln.segs if opts["SEGMENTS"] else ln.table, plan.addrs, ln.n_chunks, part,
+                float(p), part, part, part, 0.0, DTYPE=ln.key, ES=ln.es, ACC=acc_tl,
+                MODE=mode, IDENT=_ident(mode), ALIGNED=ln.aligned, **opts)
     return partials
 
 
@@ -863,12 +1038,13 @@ def norm_single_launch(plan: Bound, p: float, acc_dtype: torch.dtype, *, norm_ou
         counter = plan.scratch["counter"] = torch.zeros(1, dtype=torch.int32,
                                                         device=plan.device)
     coef = coef_out if coef_out is not None else norm_out
+    opts = _norm_launch_opts(ln.es, ln.aligned)
     with device_guard(plan.table):
         launch(_norm_partials_kernel, (ln.grid,),
-            ln.table, plan.addrs, ln.n_chunks, partials, float(p), counter, norm_out, coef,
-            float(max_norm), DTYPE=ln.key, ES=ln.es, ACC=_TL_DTYPE[acc_dtype], MODE=mode,
-            IDENT=_ident(mode), BLOCK=ln.block, ALIGNED=ln.aligned, LAST=True,
-            COEF=coef_out is not None, RBLOCK=REDUCE_BLOCK, num_warps=NUM_WARPS)
+            ln.segs if opts["SEGMENTS"] else ln.table, plan.addrs, ln.n_chunks, partials,
+            float(p), counter, norm_out, coef, float(max_norm), DTYPE=ln.key, ES=ln.es,
+            ACC=_TL_DTYPE[acc_dtype], MODE=mode, IDENT=_ident(mode), ALIGNED=ln.aligned, LAST=True,
+            COEF=coef_out is not None, RBLOCK=REDUCE_BLOCK, **opts)
 
 
 def reduce_partials(partials: torch.Tensor, off: int, n: int, p: float, *, acc_out: torch.Tensor,
