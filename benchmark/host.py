@@ -129,6 +129,8 @@ def _cases(device: str, small: bool) -> list[HostCase]:
             HostCase("nn.Linear fp8 fwd+bwd", fp8_linear, backward=True),
             HostCase("  autograd Function floor fwd+bwd", lambda: _Noop.apply(xg),
                      backward=True),
+            HostCase("  Python-Function bf16 linear fwd+bwd",
+                     lambda: _PyLinear.apply(xg, lin.weight), backward=True),
             HostCase("  nn.Linear fp8 fwd (no grad)", fp8_linear_fwd_nograd),
             HostCase("  nn.Linear fp8 fwd (grad)", fp8_linear),
             HostCase("  nn.Linear fp8 backward body (no engine)",
@@ -193,6 +195,21 @@ def _with_env(name: str, value: str, fn):
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+class _PyLinear(torch.autograd.Function):
+    """``x @ w.T`` as a Python autograd Function (bf16 GEMMs): what the engine costs a
+    Python backward that launches GEMMs, next to the FP8 Linear's."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
 
 
 class _ScaledMmInBackward(torch.autograd.Function):

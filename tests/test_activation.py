@@ -407,8 +407,6 @@ def test_batch_quant_fwd_knobs_same_bits(device, monkeypatch, case):
     assert_fp8_close(want[2], qt, "columnwise data")
     for knobs in (dict(BATCH_QUANT_ORDER="cols"), dict(BATCH_QUANT_COLS=2),
                   dict(BATCH_QUANT_COLS=3, BATCH_QUANT_ORDER="cols"),
-                  dict(BATCH_QUANT_ORDER=3), dict(BATCH_QUANT_ORDER=2, BATCH_QUANT_COLS=2),
-                  dict(BATCH_QUANT_LOCAL32=False),
                   dict(BATCH_QUANT_NUM_WARPS=8, BATCH_QUANT_MAXNREG=80),
                   dict(BATCH_QUANT_NUM_WARPS=16)):
         with monkeypatch.context() as m:
@@ -817,15 +815,12 @@ ptx = comp(F._silu_mul_quant_fwd_kernel, fs, dict(BM=128, COLWISE=True, POW2=Tru
 assert "st.global.b8" not in ptx and "st.global.v4" in ptx
 bq = dict(x_ptr="*bf16", p_ptr="*fp32", map_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32",
           qt_ptr="*fp8e4nv", st_ptr="*fp32", M="i32", N="i32", stride_x="i32", NG="i32",
-          NPC="i32", GROUP_M="i32", COLWISE="constexpr", POW2="constexpr",
-          HAS_P="constexpr", ALIGN16="constexpr", NCOL="constexpr", ROWS_FIRST="constexpr",
-          LOCAL32="constexpr")
-for warps, ncol, rows_first, local32 in ((4, 1, True, True), (4, 2, False, True),
-                                         (8, 1, False, True), (16, 1, True, True),
-                                         (4, 1, True, False)):
+          NPC="i32", COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr",
+          ALIGN16="constexpr", NCOL="constexpr", ROWS_FIRST="constexpr")
+for warps, ncol, rows_first in ((4, 1, True), (4, 2, False), (8, 1, False), (16, 1, True)):
     ptx = comp(F._batch_silu_mul_quant_fwd_kernel, bq,
                dict(COLWISE=True, POW2=True, HAS_P=True, ALIGN16=True, NCOL=ncol,
-                    ROWS_FIRST=rows_first, LOCAL32=local32), warps, ("M", "N", "stride_x"))
+                    ROWS_FIRST=rows_first), warps, ("M", "N", "stride_x"))
     # 16-byte loads and stores (the batch form needs ALIGN16 for the transposed ones),
     # one MUFU op each for silu's exp2 and reciprocal (silu_ftz).
     assert "st.global.b8" not in ptx and "st.global.v4" in ptx, (warps, ncol)

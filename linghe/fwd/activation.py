@@ -52,16 +52,9 @@ QUANT_BWD_NUM_WARPS = 16
 #: loop; the program's row tile is looked up once). 1: one block per program.
 BATCH_QUANT_COLS = 1
 #: the batch forward's program order: ``"rows"`` (consecutive programs take consecutive
-#: row tiles of one column block: each qt row is written in long runs), ``"cols"``
-#: (consecutive programs take the column blocks of one row tile: h is read in order) or
-#: an int ``g`` (groups of ``g`` row tiles take all their column blocks, row tile fastest:
-#: h rows read whole by programs running together, qt rows written in runs of ``g`` x 128
-#: bytes; ``"cols"`` is ``g = 1``).
+#: row tiles of one column block: each qt row is written in long runs) or ``"cols"``
+#: (consecutive programs take the column blocks of one row tile: h is read in order).
 BATCH_QUANT_ORDER = "rows"
-#: the batch forward's in-block offsets in int32 from int64 scalar bases (when 128 times
-#: every stride fits in int32; ``False``: int64 offsets throughout, as before): 80 fewer
-#: instructions per program of ~3400 (triton 3.6, sm_90), mostly before the loads issue.
-BATCH_QUANT_LOCAL32 = True
 #: the same for the quantized-dx backward kernel (both forms; 16 blocks at ``N = 1024``).
 QUANT_BWD_COLS = 1
 #: the batch (per-expert) quantized-dx backward: ``"two_kernel"`` (``silu_mul_bwd``
@@ -285,71 +278,21 @@ def _batch_tile_map_kernel(cnt_ptr, map_ptr, off_ptr, E, R, G, ALIGN, EP2: tl.co
 
 
 @triton.jit
-def _batch_quant_block(pid_m, pid_n, tile_start, read_end, write_end, p, x_ptr, q_ptr,
-                       s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG, COLWISE: tl.constexpr,
-                       POW2: tl.constexpr, HAS_P: tl.constexpr, LOCAL32: tl.constexpr):
-    """One [128, 128] output block (rows ``tile_start ..``, columns ``pid_n * 128 ..``) of
-    the batch forward: rows ``< read_end`` of the tile are read (real rows), rows
-    ``< write_end`` written (``read_end``/``write_end`` relative to ``tile_start``).
-
-    Addresses are an int64 scalar base per tensor plus int32 offsets within the block
-    (``LOCAL32``: the launcher checked that 128 rows/columns of every stride fit in
-    int32), so the per-element pointer arithmetic and the row masks are 32-bit: the
-    int64 row vectors of :func:`_quant_fwd_block` cost 64-bit multiplies, adds and
-    compares for every row a thread touches, before the loads could issue."""
-    r = tl.arange(0, 128)
-    c = tl.arange(0, 128)
-    if not LOCAL32:
-        r = r.to(tl.int64)
-        c = c.to(tl.int64)
-    col0 = pid_n * 128
-    t64 = tile_start.to(tl.int64)
-    cmask = c < N - col0
-    lmask = r < read_end
-    smask = r < write_end
-    xp = x_ptr + (t64 * stride_x + col0) + (r[:, None] * stride_x + c[None, :])
-    mask = lmask[:, None] & cmask[None, :]
-    g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
-    y = silu_ftz(g) * u
-    if HAS_P:
-        y = y * p[:, None]
-    q, s = quant_rows(y, POW2)
-    wmask = smask[:, None] & cmask[None, :]
-    tl.store(q_ptr + (t64 * N + col0) + (r[:, None] * N + c[None, :]), q, mask=wmask)
-    nb = tl.cdiv(N, 128)
-    tl.store(s_ptr + (t64 * nb + pid_n) + r * nb, s, mask=smask)
-    if COLWISE:
-        qt, st = quant_cols(y, POW2)
-        # qt[c, m] = quant(y)[m, c]: stored through transposed addresses.
-        tl.store(qt_ptr + (col0.to(tl.int64) * M + t64) + (c[None, :] * M + r[:, None]), qt,
-                 mask=wmask)
-        tl.store(st_ptr + (col0.to(tl.int64) * NG + pid_m) + c * NG, st, mask=cmask)
-
-
-@triton.jit
 def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
-                                     M, N, stride_x, NG, NPC, GROUP_M,
-                                     COLWISE: tl.constexpr, POW2: tl.constexpr,
-                                     HAS_P: tl.constexpr, ALIGN16: tl.constexpr,
-                                     NCOL: tl.constexpr, ROWS_FIRST: tl.constexpr,
-                                     LOCAL32: tl.constexpr):
+                                     M, N, stride_x, NG, NPC, COLWISE: tl.constexpr,
+                                     POW2: tl.constexpr, HAS_P: tl.constexpr,
+                                     ALIGN16: tl.constexpr, NCOL: tl.constexpr,
+                                     ROWS_FIRST: tl.constexpr):
     # Program pid takes row tile pid_m (from the tile map: it starts at its segment's
     # start, so columnwise groups never cross segments) and the 128-column blocks
     # [pid_c * NCOL, pid_c * NCOL + NCOL), in turn; NPC column programs per row tile.
-    # Order: ROWS_FIRST, consecutive programs take consecutive row tiles of one column
-    # program; else groups of GROUP_M row tiles take all their column programs, row tile
-    # fastest (GROUP_M = 1: the column programs of one row tile in turn).
     pid = tl.program_id(0)
     if ROWS_FIRST:
         pid_m = pid % NG
         pid_c = pid // NG
     else:
-        width = GROUP_M * NPC
-        first_m = (pid // width) * GROUP_M
-        size_m = tl.minimum(NG - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_c = (pid % width) // size_m
+        pid_m = pid // NPC
+        pid_c = pid % NPC
     tile_start = tl.load(map_ptr + pid_m * 4)
     real_end = tl.load(map_ptr + pid_m * 4 + 1)
     seg_stop = tl.load(map_ptr + pid_m * 4 + 2)
@@ -368,22 +311,21 @@ def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr
             # Segment starts are multiples of ALIGN (a multiple of 16): show the compiler,
             # so that the transposed (row-contiguous) fp8 stores are 16-byte vectors.
             tile_start, seg_stop = aligned16(tile_start, seg_stop)
-        write_end = tl.minimum(seg_stop, M) - tile_start  # rows this program writes
-        read_end = tl.minimum(real_end, write_end + tile_start) - tile_start  # real rows
+        rows = tile_start.to(tl.int64) + tl.arange(0, 128)
+        smask = (rows < seg_stop) & (rows < M)   # rows this program writes
+        lmask = (rows < real_end) & smask        # rows it reads (real rows)
         p = tl.zeros([128], tl.float32)
         if HAS_P:
-            rr = tl.arange(0, 128)
-            p = tl.load(p_ptr + tile_start.to(tl.int64) + rr, mask=rr < read_end,
-                        other=0.0).to(tl.float32)
+            p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
         if NCOL == 1:
-            _batch_quant_block(pid_m, pid_c, tile_start, read_end, write_end, p, x_ptr,
-                               q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG, COLWISE,
-                               POW2, HAS_P, LOCAL32)
+            _quant_fwd_block(pid_m, pid_c, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
+                             qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P,
+                             True)
         else:
             for pid_n in tl.range(n0, n1, num_stages=1):
-                _batch_quant_block(pid_m, pid_n, tile_start, read_end, write_end, p, x_ptr,
-                                   q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG,
-                                   COLWISE, POW2, HAS_P, LOCAL32)
+                _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
+                                 qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2,
+                                 HAS_P, True)
 
 
 _TILE_CONFIGS: dict = {}
@@ -495,14 +437,10 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     npc = cdiv(cdiv(N, BLOCK), ncol)
     if G > 0 and npc > 0:
         opts = {} if BATCH_QUANT_MAXNREG is None else {"maxnreg": BATCH_QUANT_MAXNREG}
-        rows_first = BATCH_QUANT_ORDER == "rows"
-        group_m = 1 if BATCH_QUANT_ORDER in ("rows", "cols") else int(BATCH_QUANT_ORDER)
-        # int32 offsets within a 128 x 128 block: 128 of any stride must fit
-        local32 = BATCH_QUANT_LOCAL32 and 128 * max(x.stride(0), N, R, G, 1) < 2**31
         with device_guard(x):
             launch(_batch_silu_mul_quant_fwd_kernel, (G * npc,),
-                   x, probs, tmap, q, s, qt, st, R, N, x.stride(0), G, npc, group_m,
+                   x, probs, tmap, q, s, qt, st, R, N, x.stride(0), G, npc,
                    COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-                   ALIGN16=align % 16 == 0, NCOL=ncol, ROWS_FIRST=rows_first,
-                   LOCAL32=local32, num_warps=BATCH_QUANT_NUM_WARPS, **opts)
+                   ALIGN16=align % 16 == 0, NCOL=ncol, ROWS_FIRST=BATCH_QUANT_ORDER == "rows",
+                   num_warps=BATCH_QUANT_NUM_WARPS, **opts)
     return q, s, qt, st, g_off, seg_off
