@@ -141,6 +141,12 @@ def _cases(device: str, small: bool) -> list[HostCase]:
             HostCase("  _scaled_mm in an autograd backward", lambda: _ScaledMmInBackward.apply(
                 xg, xq.rowwise_data, wq.rowwise_data, sx_cublas, sw_cublas),
                 backward=True) if device == "cuda" else None,
+            HostCase("  triton launch in an autograd backward", lambda: _InBackward.apply(
+                xg, lambda: launch(_copy_kernel, (1,), probs_t, probs_t, 64, BLOCK=64)),
+                backward=True),
+            HostCase("  quantize row+col in an autograd backward", lambda: _InBackward.apply(
+                xg, lambda: linghe.quantize_1x128(x, rowwise=True, columnwise=True)),
+                backward=True),
             HostCase("  quantize_1x128 row+col (dy)", lambda: linghe.quantize_1x128(
                 x, rowwise=True, columnwise=True, pow2_scale=True)),
             HostCase("  x.grad-like add_ (AccumulateGrad)", lambda: x.add_(0)),
@@ -195,6 +201,20 @@ def _with_env(name: str, value: str, fn):
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+class _InBackward(torch.autograd.Function):
+    """Identity whose backward calls ``fn()`` (on the autograd engine's thread)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fn()
+        return g, None
 
 
 class _PyLinear(torch.autograd.Function):
