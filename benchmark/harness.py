@@ -223,6 +223,16 @@ def host_us(fn: Callable[[], Any], calls: int = 20, spin_us: float = 200_000.0,
     return statistics.median(per_call), waited
 
 
+def print_columns(head: Sequence[str], lines: Sequence[Sequence[Any]]) -> None:
+    """Print ``lines`` under ``head`` as a ``|``-separated table with padded columns (the
+    probes' last output)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for line in lines:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths)))
+
+
 def copy_bandwidth_gbps(cfg: Config) -> float:
     """Device-to-device copy bandwidth (bytes read + written) on a buffer far over L2."""
     n = (1 << 30) if cfg.device == "cuda" else (1 << 22)

@@ -57,6 +57,7 @@ from .harness import (  # noqa: E402
     device_time_us,
     graph_time_us,
     load_module_at,
+    print_columns,
 )
 
 #: The commit whose batch forward the rewrite replaced (in-kernel expert lookup per
@@ -295,12 +296,8 @@ def _print_table(rows, dev_name, copy):
                       _f(r.get("kernel_us"), ".1f"), _f(r.get("graph_us"), ".1f"),
                       _f(r.get("bench_us"), ".1f"), _f(r.get("gbps"), ".0f"),
                       _f(r.get("pct_copy"), ".0f"), vo, vr])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     print(f"{dev_name}; copy {copy or 0:.0f} GB/s; GB/s and % copy from kernel µs")
-    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for line in lines:
-        print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths)))
+    print_columns(head, lines)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,13 @@ from linghe.optim import multi_tensor as K  # noqa: E402
 from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
-from .harness import Config, copy_bandwidth_gbps, device_time_us, load_module_at  # noqa: E402
+from .harness import (  # noqa: E402
+    Config,
+    copy_bandwidth_gbps,
+    device_time_us,
+    load_module_at,
+    print_columns,
+)
 
 #: main before this change (the kernels the probe compares against).
 OLD_REV = "4c2dfc3"
@@ -455,13 +461,9 @@ def _print_table(rows, dev_name, copy, wall):
                       _f(r.get("regs"), "d"), _f(r.get("smem_kb"), ".0f"),
                       _f(r.get("fit_per_sm"), "d"),
                       _f(r.get("rel_err"), ".1e"), chk])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     print(f"{dev_name}; copy {copy or 0:.0f} GB/s (1 GiB); % matched = of a copy moving the "
           f"same bytes; * = default; probe wall {wall:.0f} s")
-    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for line in lines:
-        print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths)))
+    print_columns(head, lines)
 
 
 if __name__ == "__main__":

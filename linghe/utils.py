@@ -358,20 +358,22 @@ def _sum_partials_kernel(p_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: t
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def sum_partials(partial: torch.Tensor, dtype: torch.dtype, *, block_p: int = 64,
+                 block_n: int = 32) -> torch.Tensor:
     """Column sums of contiguous float32 ``partial [P, N]`` as ``[N]`` in ``dtype``, in one
     launch (float32 accumulation, then one cast). Used for weight gradients that
-    persistent kernels leave as one float32 row per program."""
+    persistent kernels leave as one float32 row per program. Each program sums
+    ``block_n`` columns, ``block_p`` rows at a time (``block_p >= P``: all rows' loads
+    issued at once, for a latency-bound reduction that sits in L2)."""
     P, N = partial.shape
     out = empty(N, dtype=dtype, device=partial.device)
     if N == 0:
         return out
     if P == 0:
         return out.zero_()
-    BLOCK_N = 32
     with device_guard(partial):
-        launch(_sum_partials_kernel, (cdiv(N, BLOCK_N),), partial, out, P, N, BLOCK_P=64,
-               BLOCK_N=BLOCK_N, num_warps=4)
+        launch(_sum_partials_kernel, (cdiv(N, block_n),), partial, out, P, N,
+               BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
     return out
 
 

@@ -26,13 +26,12 @@ from ..fwd.rope import (
     token_strides,
 )
 from ..utils import (
-    _sum_partials_kernel,
-    cdiv,
     device_guard,
     empty,
     launch,
     next_power_of_2,
     num_sms,
+    sum_partials,
 )
 from .resident import learn_resident, resident_programs
 
@@ -192,21 +191,12 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
 
 def sum_dw_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Column sums of the contiguous float32 partial rows ``[P, N]`` as ``[N]`` in
-    ``dtype``: :func:`linghe.utils.sum_partials`' kernel with all rows in one block (up to
+    ``dtype``: :func:`linghe.utils.sum_partials` with all rows in one block (up to
     ``DW_BLOCK_P``) and ``DW_BLOCK_N`` columns per program, so each program issues its
     loads at once instead of walking the rows (the reduction is latency-bound: a few
     hundred KB, all in L2)."""
-    P, N = partial.shape
-    out = empty(N, dtype=dtype, device=partial.device)
-    if N == 0:
-        return out
-    if P == 0:
-        return out.zero_()
-    block_p = min(max(next_power_of_2(P), 16), DW_BLOCK_P)
-    with device_guard(partial):
-        launch(_sum_partials_kernel, (cdiv(N, DW_BLOCK_N),), partial, out, P, N,
-               BLOCK_P=block_p, BLOCK_N=DW_BLOCK_N, num_warps=4)
-    return out
+    block_p = min(max(next_power_of_2(partial.shape[0]), 16), DW_BLOCK_P)
+    return sum_partials(partial, dtype, block_p=block_p, block_n=DW_BLOCK_N)
 
 
 #: Persistent backward programs per SM (each loops over token blocks and writes one
