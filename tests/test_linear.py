@@ -8,7 +8,6 @@ import torch
 
 import linghe
 from linghe import reference as ref
-from linghe.functional import linear as linear_mod
 from linghe.functional.linear import fp8_linear
 from linghe.testing import assert_close, rel_err
 
@@ -121,7 +120,7 @@ def test_fp8_tensor_input_not_requantized(device, monkeypatch):
     xq = linghe.quantize_1x128(x, columnwise=True, pow2_scale=True).requires_grad_()
     calls = []
     real = linghe.fp8.recipe.quantize_1x128
-    real_launch = linear_mod.quantize_1x128_launch
+    real_launch = linghe.fp8.recipe.quantize_1x128_launch
 
     def spy(t, **kw):
         calls.append(tuple(t.shape))
@@ -132,7 +131,7 @@ def test_fp8_tensor_input_not_requantized(device, monkeypatch):
         return real_launch(t, *args)
 
     monkeypatch.setattr(linghe.fp8.recipe, "quantize_1x128", spy)
-    monkeypatch.setattr(linear_mod, "quantize_1x128_launch", spy_launch)
+    monkeypatch.setattr(linghe.fp8.recipe, "quantize_1x128_launch", spy_launch)
     with linghe.TrainingContext(fp8="blockwise"):
         y = lin(xq)
         y.float().sum().backward()

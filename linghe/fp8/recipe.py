@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .delayed import DelayedScalingState
-from .quantize import quantize_1x128, quantize_128x128
+from .quantize import quantize_1x128, quantize_1x128_launch, quantize_128x128
 from .tensor import Fp8Tensor
 from .tensorwise import quantize_tensorwise
 
@@ -98,6 +98,21 @@ class Fp8Recipe:
                                        pow2_scale=self.pow2_scale)
         return self.state.quantize(x, key, fp8_dtype=dt, rowwise=rowwise,
                                    columnwise=columnwise)
+
+    def quantize_input_parts(self, x2: torch.Tensor, *, rowwise: bool = True,
+                             columnwise: bool = False, key=None, grad: bool = False):
+        """:meth:`quantize_input` of ``x2 [M, K]`` (last dim contiguous) as raw components
+        ``(q, s, qt, st, scaling)`` (``None`` for copies not asked for), for linghe's own
+        layers: no :class:`Fp8Tensor` wrapper, and blockwise scales stored group-major
+        (the layout cuBLAS reads: no re-layout copy per GEMM; see
+        :func:`~linghe.fp8.quantize.empty_1x128`)."""
+        if self.name == "blockwise":
+            return (*quantize_1x128_launch(x2, rowwise, columnwise, self.pow2_scale, True),
+                    "1x128")
+        t = self.quantize_input(x2, rowwise=rowwise, columnwise=columnwise, key=key,
+                                grad=grad)
+        return (t.rowwise_data, t.rowwise_scale, t.columnwise_data, t.columnwise_scale,
+                t.scaling)
 
     def quantize_weight(self, w: torch.Tensor, *, key=None) -> Fp8Tensor:
         """Quantize a weight ``[N, K]`` with both copies (rowwise for fprop, columnwise

@@ -10,7 +10,6 @@ import torch
 from .. import library
 from ..fp8 import gemm
 from ..fp8.cache import WeightCache
-from ..fp8.quantize import quantize_1x128_launch
 from ..fp8.recipe import Fp8Recipe
 from ..fp8.tensor import Fp8Tensor
 from ..utils import FLOAT_DTYPES, apply_function, check_tensor
@@ -26,8 +25,9 @@ def _as_2d(t: Fp8Tensor) -> Fp8Tensor:
 
 
 def _prepare_input(x, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
-    """``x`` (tensor or Fp8Tensor ``[..., K]``) as a 2-D Fp8Tensor in the recipe's format with
-    the rowwise copy and, when ``need_col``, the columnwise copy."""
+    """An Fp8Tensor input ``x [..., K]`` as a 2-D Fp8Tensor in the recipe's format with the
+    rowwise copy and, when ``need_col``, the columnwise copy (plain tensors take
+    :meth:`Fp8Recipe.quantize_input_parts` instead)."""
     if isinstance(x, Fp8Tensor):
         x2 = _as_2d(x)
         if recipe.accepts(x2):
@@ -75,13 +75,11 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             with torch.no_grad():
                 wq = recipe.quantize_weight(weight.detach().contiguous(), key=wslot)
-        if recipe.name == "blockwise" and not isinstance(x, Fp8Tensor):
-            # The hot path: raw components, scales quantized group-major (what cuBLAS
-            # reads), no Fp8Tensor wrapper; the fewest torch ops per call.
-            q, s, qt, st = quantize_1x128_launch(_rows(x, K), True, need_col,
-                                                 recipe.pow2_scale, True)
-            xcol = (qt, st, "1x128")
-            y = gemm._gemm(q, s, "1x128", wq.rowwise_data, wq.rowwise_scale, wq.scaling,
+        if not isinstance(x, Fp8Tensor):  # the hot path: raw components, fewest torch ops
+            q, s, qt, st, scaling = recipe.quantize_input_parts(
+                _rows(x, K), rowwise=True, columnwise=need_col, key=(owner, "x"))
+            xcol = (qt, st, scaling)
+            y = gemm._gemm(q, s, scaling, wq.rowwise_data, wq.rowwise_scale, wq.scaling,
                            out_dtype, bias)
         else:
             xq = _prepare_input(x, recipe, need_col, (owner, "x"))
@@ -114,16 +112,8 @@ class _Fp8Linear(torch.autograd.Function):
         fp8_dw = need_dw and ctx.xq is not None
         dx = dw = db = None
         if need_dx or fp8_dw:
-            if recipe.name == "blockwise":  # (raw components, group-major scales)
-                dq, ds, dqt, dst = quantize_1x128_launch(dy2, need_dx, fp8_dw,
-                                                         recipe.pow2_scale, True)
-                dscaling = "1x128"
-            else:
-                dyq = recipe.quantize_input(dy2, rowwise=need_dx, columnwise=fp8_dw,
-                                            key=(ctx.owner, "dy"), grad=True)
-                dq, ds, dqt, dst = (dyq.rowwise_data, dyq.rowwise_scale,
-                                    dyq.columnwise_data, dyq.columnwise_scale)
-                dscaling = dyq.scaling
+            dq, ds, dqt, dst, dscaling = recipe.quantize_input_parts(
+                dy2, rowwise=need_dx, columnwise=fp8_dw, key=(ctx.owner, "dy"), grad=True)
         if need_dx:
             gdt = ctx.x_dtype if ctx.x_dtype in gemm.OUT_DTYPES else torch.bfloat16
             dx = gemm._gemm(dq, ds, dscaling, *ctx.wq, gdt, None)
