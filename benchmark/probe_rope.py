@@ -285,18 +285,15 @@ def main(argv=None) -> int:
     dflt_f, dflt_b = _defaults(F, B)
     fk = [] if args.quick else (_CPU_FWD_KNOBS if cpu else _FWD_KNOBS)
     bk = [] if args.quick else (_CPU_BWD_KNOBS if cpu else _BWD_KNOBS)
-    for i, kn in enumerate([{}] + fk):
-        kn = dict(dflt_f, **kn)
-        if i and kn == dflt_f:
-            continue
-        with _knobs(F, B, "fwd", kn):
-            row("fwd", kn, fwd_of(F), fwd_bytes, ref_fwd, fnames, default=i == 0)
-    for i, kn in enumerate([{}] + bk):
-        kn = dict(dflt_b, **kn)
-        if i and kn == dflt_b:
-            continue
-        with _knobs(F, B, "bwd", kn):
-            row("bwd", kn, bwd_of(B), bwd_bytes, ref_bwd, bnames, default=i == 0)
+    for kind, dflt, sweep, make, mod, nbytes, want, names in (
+            ("fwd", dflt_f, fk, fwd_of, F, fwd_bytes, ref_fwd, fnames),
+            ("bwd", dflt_b, bk, bwd_of, B, bwd_bytes, ref_bwd, bnames)):
+        for i, kn in enumerate([{}] + sweep):
+            kn = dict(dflt, **kn)
+            if i and kn == dflt:
+                continue
+            with _knobs(F, B, kind, kn):
+                row(kind, kn, make(mod), nbytes, want, names, default=i == 0)
     autograd_host = None
     if not cpu:  # the benchmark's host path: autograd backward of linghe.qk_norm_rope
         from benchmark.harness import backward_of
