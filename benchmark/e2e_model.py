@@ -9,7 +9,8 @@ that runs in three modes on the same parameters.
   eager baseline, never captured in a CUDA graph.
 - ``"bf16"``: linghe's fused ops (``rms_norm``, ``qk_norm_rope``, ``group_rms_norm_gate``,
   ``nn.MoE``: router GEMM, ``topk_route``, ``permute``, ``grouped_mm``, ``silu_mul``,
-  ``unpermute``; ``linear_cross_entropy``; ``optim.clip_grad_norm_``), bf16 GEMMs.
+  ``unpermute``; ``linear_cross_entropy``; ``optim.clip_grad_norm_``), bf16 GEMMs, under
+  ``linghe.TrainingContext(fp8=None)`` (which runs the backward on the calling thread).
 - ``"fp8"``: the same under ``linghe.TrainingContext(fp8="blockwise")``: the attention
   projections, the shared expert and the expert GEMMs run FP8 blockwise; the LM head
   (inside ``linear_cross_entropy``) stays bf16.
@@ -363,10 +364,14 @@ EXPERT_FP8_WGRAD = False
 
 
 def fp8_context(mode: str):
-    """The context a step of ``mode`` runs in."""
+    """The context a step of ``mode`` runs in: linghe's modes run in a
+    ``TrainingContext`` (its backward on the calling thread), the plain PyTorch mode as a
+    PyTorch user runs it (the backward on the autograd engine's device thread)."""
     if mode == "fp8":
         return linghe.TrainingContext(fp8="blockwise", fp8_wgrad=FP8_WGRAD,
                                       expert_fp8_wgrad=EXPERT_FP8_WGRAD)
+    if mode == "bf16":
+        return linghe.TrainingContext(fp8=None)
     return contextlib.nullcontext()
 
 

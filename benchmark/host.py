@@ -65,6 +65,9 @@ class HostCase:
     name: str
     run: Callable[[], object]
     backward: bool = False
+    #: run the backward on the calling thread (``torch.autograd.set_multithreading_enabled
+    #: (False)``) instead of the autograd engine's device thread
+    caller_thread: bool = False
 
 
 def _cases(device: str, small: bool) -> list[HostCase]:
@@ -129,6 +132,19 @@ def _cases(device: str, small: bool) -> list[HostCase]:
             HostCase("nn.Linear fp8 fwd+bwd", fp8_linear, backward=True),
             HostCase("  autograd Function floor fwd+bwd", lambda: _Noop.apply(xg),
                      backward=True),
+            # The same calls with the backward on the calling thread: what the hand-off to
+            # the autograd engine's device thread costs.
+            HostCase("nn.Linear bf16 fwd+bwd, caller-thread bwd", lambda: lin(xg),
+                     backward=True, caller_thread=True),
+            HostCase("nn.Linear fp8 fwd+bwd, caller-thread bwd", fp8_linear, backward=True,
+                     caller_thread=True),
+            HostCase("  autograd Function floor, caller-thread bwd", lambda: _Noop.apply(xg),
+                     backward=True, caller_thread=True),
+            HostCase("rms_norm fwd+bwd, caller-thread bwd", lambda: linghe.rms_norm(xg, wg),
+                     backward=True, caller_thread=True),
+            HostCase("torch F.rms_norm fwd+bwd, caller-thread bwd",
+                     lambda: F.rms_norm(xg, (H,), wg, 1e-6), backward=True,
+                     caller_thread=True),
             HostCase("  Python-Function bf16 linear fwd+bwd",
                      lambda: _PyLinear.apply(xg, lin.weight), backward=True),
             HostCase("  nn.Linear fp8 fwd (no grad)", fp8_linear_fwd_nograd),
@@ -277,7 +293,11 @@ def _call(c: HostCase):
         key = (y.shape, y.dtype, y.device)
         if key not in _GRADS:  # (one gradient per shape: no randn on the timed path)
             _GRADS[key] = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
-        y.backward(_GRADS[key])
+        if c.caller_thread:
+            with torch.autograd.set_multithreading_enabled(False):
+                y.backward(_GRADS[key])
+        else:
+            y.backward(_GRADS[key])
     return out
 
 

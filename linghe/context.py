@@ -65,6 +65,16 @@ class TrainingContext:
         history_len, amax_compute (``"max"``/``"most_recent"``), margin: delayed scaling.
         fp8_wgrad: compute the weight gradients of ``linghe.nn.Linear`` (and the other
             dense FP8 layers) in FP8 (else in the input's precision).
+        caller_thread_backward: run a ``backward()`` called inside the context on the
+            calling thread (``torch.autograd.set_multithreading_enabled(False)`` while
+            the context is active; thread-local, restored on exit) instead of handing it
+            to the autograd engine's device thread. linghe's ops are Python autograd
+            Functions, and every backward call's round trip to that thread is paid per
+            op: on the H200 host, ``linghe.nn.Linear`` FP8 forward+backward costs 879 µs
+            of host time with the hand-off and 332 µs without (bf16 ``torch.nn.Linear``
+            184 vs 120 µs; ``benchmark.host``'s "caller-thread bwd" rows). Turn it off
+            for a process that drives several GPUs from one thread and wants their
+            backwards to run in parallel.
         expert_fp8_wgrad: compute the routed experts' weight gradients
             (:class:`linghe.nn.MoE`) in FP8; by default they are computed in the input's
             precision from the gradients as they arrive and the dequantized FP8
@@ -91,7 +101,8 @@ class TrainingContext:
 
     def __init__(self, fp8: str | None = None, *, pow2_scale: bool = True, amax_group=None,
                  history_len: int = 16, amax_compute: str = "max", margin: float = 0,
-                 fp8_wgrad: bool = True, expert_fp8_wgrad: bool = False):
+                 fp8_wgrad: bool = True, expert_fp8_wgrad: bool = False,
+                 caller_thread_backward: bool = True):
         if fp8 is not None and not isinstance(fp8, str):
             raise ValueError(f"fp8 must be None or one of {RECIPES}, got {fp8!r}")
         self.recipe: Fp8Recipe | None = None
@@ -100,8 +111,10 @@ class TrainingContext:
                                     expert_fp8_wgrad=expert_fp8_wgrad,
                                     history_len=history_len, amax_compute=amax_compute,
                                     margin=margin, amax_group=amax_group)
+        self.caller_thread_backward = bool(caller_thread_backward)
         self._token: contextvars.Token | None = None
         self._outer_mirror: Fp8Recipe | None = None
+        self._outer_multithreading: bool | None = None
 
     @property
     def active(self) -> bool:
@@ -116,6 +129,9 @@ class TrainingContext:
         global _compiled_recipe
         self._token = _RECIPE.set(self.recipe)
         self._outer_mirror, _compiled_recipe = _compiled_recipe, self.recipe
+        if self.caller_thread_backward:
+            self._outer_multithreading = torch._C._is_multithreading_enabled()
+            torch._C._set_multithreading_enabled(False)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -123,8 +139,12 @@ class TrainingContext:
         token, self._token = self._token, None
         _RECIPE.reset(token)
         _compiled_recipe, self._outer_mirror = self._outer_mirror, None
+        if self._outer_multithreading is not None:
+            torch._C._set_multithreading_enabled(self._outer_multithreading)
+            self._outer_multithreading = None
         if exc_type is None and self.recipe is not None and self.recipe.state is not None:
             self.recipe.state.update()
 
     def __repr__(self) -> str:
-        return f"TrainingContext(recipe={self.recipe!r}, active={self.active})"
+        return (f"TrainingContext(recipe={self.recipe!r}, caller_thread_backward="
+                f"{self.caller_thread_backward}, active={self.active})")

@@ -65,6 +65,43 @@ def test_threads_do_not_share_state():
     assert seen["thread"] is None
 
 
+def test_backward_runs_on_the_calling_thread_inside(device):
+    # Inside a context the backward runs on the thread that calls it (no hand-off to the
+    # autograd engine's device thread); the setting is restored on exit, also after an
+    # exception and through nesting; caller_thread_backward=False leaves it alone.
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(threading.get_ident())
+            return g
+
+    x = torch.randn(3, device=device, requires_grad=True)
+    enabled = torch._C._is_multithreading_enabled
+    assert enabled()
+    with linghe.TrainingContext() as ctx:
+        assert not enabled() and ctx.caller_thread_backward
+        Probe.apply(x).sum().backward()
+        with linghe.TrainingContext(fp8=None, caller_thread_backward=False):
+            assert not enabled()  # an inner context that does not ask keeps the outer's
+        assert not enabled()
+    assert enabled() and seen == [threading.get_ident()]
+    with pytest.raises(KeyError), linghe.TrainingContext():
+        raise KeyError("boom")
+    assert enabled()
+    with linghe.TrainingContext(caller_thread_backward=False):
+        assert enabled()
+        Probe.apply(x).sum().backward()
+    if device == "cuda":  # CPU backwards always run on the caller; CUDA ones on a worker
+        assert seen[-1] != threading.get_ident()
+    assert "caller_thread_backward=True" in repr(linghe.TrainingContext())
+
+
 def test_no_module_global_state_but_the_compile_mirror():
     # The state is a ContextVar; the one module global that changes on entry is the
     # mirror that code under torch.compile reads, and exit restores it.
