@@ -7,8 +7,12 @@ moments (what ``benchmark.e2e`` trains). Rows (kernel µs from ``torch.profiler`
 step, the L2 flushed before each; GB/s from the fewest bytes; % of the 1 GiB copy and of
 a size-matched copy):
 
-- ``linghe AdamW`` (``max_grad_norm=1.0``: the norm kernel plus the update kernel) and
-  the update alone (``max_grad_norm=None``);
+- ``linghe AdamW`` update (``max_grad_norm=None``): main's kernel (``--old DIR``, a
+  folder holding main's ``multi_tensor.py``, ``adamw.py`` and ``fp8_weights.py``) and the
+  new one at the knobs of ``multi_tensor.ADAMW_CONFIG``; with ``max_grad_norm=1.0`` (the
+  norm kernel plus the update);
+- ``adamw_quant_128`` (the update that also writes a weight's two FP8 copies) of one
+  expert weight, main's and the new at each pipeline depth (16 B per parameter);
 - ``torch fused AdamW`` (``fused=True``) for comparison;
 - ``copy`` of the same bytes (a uint8 buffer, read + written).
 
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -31,8 +36,33 @@ if __name__ == "__main__" and ("--cpu" in sys.argv or not torch.cuda.is_availabl
     os.environ["TRITON_INTERPRET"] = "1"
 
 import linghe  # noqa: E402
+from linghe.optim import fp8_weights as W  # noqa: E402
+from linghe.optim import multi_tensor as K  # noqa: E402
 
-from .harness import Config, copy_bandwidth_gbps, device_time_us, print_columns  # noqa: E402
+from .harness import (  # noqa: E402
+    Config,
+    copy_bandwidth_gbps,
+    device_time_us,
+    load_module_at,
+    print_columns,
+)
+
+
+def _load_old(old_dir: str):
+    """main's AdamW modules (``--old``) beside the new ones."""
+    class Old:
+        pass
+    old = Old()
+    load = lambda path, name, rep=(): load_module_at("", path, name, src_dir=old_dir,
+                                                      replace=rep)
+    load("linghe/optim/multi_tensor.py", "linghe.optim._multi_tensor_old")
+    old.fp8_weights = load("linghe/optim/fp8_weights.py", "linghe.optim._fp8_weights_old",
+                           [("from .multi_tensor import", "from ._multi_tensor_old import")])
+    mod = load("linghe/optim/adamw.py", "linghe.optim._adamw_old",
+               [("from . import multi_tensor as K", "from . import _multi_tensor_old as K"),
+                ("from .fp8_weights import", "from ._fp8_weights_old import")])
+    old.AdamW = mod.AdamW
+    return old
 
 
 def _params(layers: int, small: bool, device: str) -> list[torch.Tensor]:
@@ -49,11 +79,29 @@ def _params(layers: int, small: bool, device: str) -> list[torch.Tensor]:
     return out
 
 
+def _wall_us(fn, reps: int = 5) -> float:
+    """Wall µs per call (the CPU smoke run: no kernel times there)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def _copy_us(nbytes: int, device: str, timer) -> float:
+    """µs of a copy that reads and writes ``nbytes`` in all."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return timer(lambda: dst.copy_(src), reps=5)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmark.probe_adamw")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--old", default=None, help="a folder holding main's multi_tensor.py, "
+                    "adamw.py and fp8_weights.py (rows 'main')")
     args = ap.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     params = _params(args.layers, device == "cpu", device)
@@ -81,33 +129,79 @@ def main(argv=None) -> int:
         errs.append(((m.float() - r).norm() / r.norm()).item())
     print(f"one step vs torch.optim.AdamW (float32): max rel err {max(errs):.2e}")
 
-    if device == "cpu":
-        linghe.optim.AdamW(params, **hyper, max_grad_norm=1.0).step()
-        print("cpu smoke run done (no timings)")
-        return 0
-
-    copy_gbps = copy_bandwidth_gbps(Config(device="cuda"))
-    buf = torch.empty(upd_bytes // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(buf)
-    opt_clip = linghe.optim.AdamW(params, **hyper, max_grad_norm=1.0)
-    opt = linghe.optim.AdamW(params, **hyper)
-    topt = torch.optim.AdamW(params, **hyper, fused=True)
+    timer = device_time_us if device == "cuda" else _wall_us
+    copy_gbps = copy_bandwidth_gbps(Config(device=device, quick=False))
+    size_copy = _copy_us(upd_bytes, device, timer)
     rows = []
-    size_copy = device_time_us(lambda: dst.copy_(buf), reps=5)
-    for name, fn, nbytes in (
-            ("copy (same bytes)", lambda: dst.copy_(buf), upd_bytes),
-            ("linghe AdamW, clip (norm + update)", opt_clip.step, upd_bytes + 2 * n),
-            ("linghe AdamW update", opt.step, upd_bytes),
-            ("torch fused AdamW", topt.step, upd_bytes)):
-        us = device_time_us(fn, reps=5)
+
+    size_gbps = upd_bytes / size_copy / 1e3
+
+    def row(name, fn, nbytes):
+        us = timer(fn, reps=5)
         gbps = nbytes / us / 1e3
         rows.append({"row": name, "kernel_us": us, "gbps": gbps,
-                     "pct_copy": 100 * gbps / copy_gbps,
-                     "pct_size_copy": 100 * (nbytes / us) / (upd_bytes / size_copy)})
+                     "pct_copy": 100 * gbps / copy_gbps, "pct_size_copy": 100 * gbps / size_gbps})
+
+    rows.append({"row": "copy (same bytes)", "kernel_us": size_copy, "gbps": size_gbps,
+                 "pct_copy": 100 * size_gbps / copy_gbps, "pct_size_copy": 100.0})
+    old = _load_old(args.old) if args.old else None
+    if old is not None:
+        # The old and new kernels do the same math: their results must be bit-identical.
+        a = [p.detach().clone() for p in params[:2]]
+        b = [p.detach().clone() for p in params[:2]]
+        for x, y, p in zip(a, b, params):
+            x.grad, y.grad = p.grad, p.grad
+        old.AdamW(a, **hyper).step()
+        linghe.optim.AdamW(b, **hyper).step()
+        same = all(torch.equal(x, y) for x, y in zip(a, b))
+        print(f"old vs new AdamW step bit-identical: {same}")
+        del a, b
+        opt_old = old.AdamW(params, **hyper)
+        row("linghe AdamW update, main", opt_old.step, upd_bytes)
+        del opt_old
+    opt = linghe.optim.AdamW(params, **hyper)
+    base = dict(K.ADAMW_CONFIG)
+    for knobs in ({}, {"stages": 2}, {"stages": 4}, {"vectors": 2}, {"programs_per_sm": 3},
+                  {"programs_per_sm": 1, "stages": 4}):
+        K.ADAMW_CONFIG.update(base, **knobs)
+        opt._groups = {}  # rebuild the plans (programs per SM)
+        label = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+        row(f"linghe AdamW update, {label}", opt.step, upd_bytes)
+    K.ADAMW_CONFIG.update(base)
+    opt._groups = {}
+    opt_clip = linghe.optim.AdamW(params, **hyper, max_grad_norm=1.0)
+    opt_clip.load_state_dict(opt.state_dict())
+    del opt
+    row("linghe AdamW, clip (norm + update)", opt_clip.step, upd_bytes + 2 * n)
+    del opt_clip
+    topt = torch.optim.AdamW(params, **hyper, fused=True)
+    row("torch fused AdamW", topt.step, upd_bytes)
+    del topt
+
+    # The update that also writes the FP8 copies: one expert weight [256 * 2048, 2048].
+    w = params[0].view(-1, params[0].shape[-1])
+    N, Kd = w.shape
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    bias = torch.tensor([[0.1, 0.001]], device=device)
+    qbytes = 14 * w.numel() + 2 * w.numel()
+
+    def quant(mod):
+        return lambda: mod.adamw_quant_128_(w, w.grad if w.grad is not None else
+                                            params[0].grad.view_as(w), m, v, bias, 0,
+                                            lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                                            weight_decay=0.01, maximize=False, coef=None,
+                                            pow2_scale=True, shape2d=(N, Kd))
+    if old is not None:
+        row("adamw_quant_128 (one expert weight), main", quant(old.fp8_weights), qbytes)
+    for st in (1, 2, 3, 4):
+        W.STAGES = st
+        row(f"adamw_quant_128 (one expert weight), stages={st}", quant(W), qbytes)
+    W.STAGES = 3
     print(f"1 GiB copy {copy_gbps:.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "params": n,
+            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "params": n,
                        "copy_gbps": copy_gbps, "rel_err": max(errs), "rows": rows}, f,
                       indent=1)
     print_columns(["row", "kernel µs", "GB/s", "% copy", "% size-matched copy"],

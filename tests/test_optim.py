@@ -545,18 +545,21 @@ comp(K._count_zeros_kernel,
           ITYPE="constexpr", ES="constexpr", BLOCK="constexpr", ALIGNED="constexpr"),
      dict(ITYPE=tl.int32, ES=4, BLOCK=B, ALIGNED=True))
 for dt in (tl.bfloat16, tl.float32):
+    es = dt.primitive_bitwidth // 8
     k = comp(K._adamw_kernel,
-             dict(table_ptr="*i64", addrs_ptr="*i64", nt="i32", n_chunks="i32",
-                  bias_ptr="*fp32",
+             dict(seg_ptr="*i64", addrs_ptr="*i64", nt="i32", bias_ptr="*fp32",
                   coef_ptr="*fp32", lr_ptr="*fp32", lr="fp32", beta1="fp32", beta2="fp32",
                   eps="fp32", weight_decay="fp32", P="constexpr", G="constexpr",
                   M="constexpr", ESP="constexpr", ESG="constexpr", ESM="constexpr",
-                  BLOCK="constexpr", ALIGNED="constexpr", CLIP="constexpr",
-                  LR_TENSOR="constexpr", MAXIMIZE="constexpr"),
-             dict(P=dt, G=dt, M=dt, ESP=dt.primitive_bitwidth // 8,
-                  ESG=dt.primitive_bitwidth // 8, ESM=dt.primitive_bitwidth // 8,
-                  BLOCK=K.ADAMW_BLOCK, ALIGNED=True, CLIP=True, LR_TENSOR=True,
-                  MAXIMIZE=False))
+                  BLOCK="constexpr", STAGES="constexpr", ALIGNED="constexpr",
+                  CLIP="constexpr", LR_TENSOR="constexpr", MAXIMIZE="constexpr"),
+             dict(P=dt, G=dt, M=dt, ESP=es, ESG=es, ESM=es,
+                  BLOCK=K.adamw_block((es,) * 3, True), STAGES=K.ADAMW_CONFIG["stages"],
+                  ALIGNED=True, CLIP=True, LR_TENSOR=True, MAXIMIZE=False),
+             vec="cp.async")
+    # the segment loop is pipelined (16-byte asynchronous copies)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10",
+                     k.asm["ptx"]), "adamw pipelined loads"
     assert re.search(r"st\.global\.[\w:.]*v4", k.asm["ptx"]), "adamw stores"
 from linghe.optim import fp8_weights as W  # noqa: E402
 sig = {p.name: "constexpr" if p.is_constexpr else "i32" for p in W._adamw_quant_128_kernel.params}
@@ -565,7 +568,8 @@ sig.update({n: "*bf16" for n in ("p_ptr", "g_ptr", "m_ptr", "v_ptr")},
            **{n: "*fp32" for n in ("s_ptr", "st_ptr", "bias_ptr", "coef_ptr", "lr_ptr")},
            **{n: "fp32" for n in ("lr", "beta1", "beta2", "eps", "weight_decay")})
 k = triton.compile(ASTSource(fn=W._adamw_quant_128_kernel, signature=sig, constexprs=dict(
-    CLIP=True, LR_TENSOR=False, MAXIMIZE=False, POW2=True, ROWS=W.ROWS), attrs={
+    CLIP=True, LR_TENSOR=False, MAXIMIZE=False, POW2=True, ROWS=W.ROWS, STAGES=W.STAGES),
+    attrs={
     (i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
     if sig[n].startswith("*") or n in ("N", "K")}),  # (the MoE shapes: multiples of 16)
     target=GPUTarget("cuda", 90, 32), options={"num_warps": W.NUM_WARPS})

@@ -101,11 +101,20 @@ def norm_mode(p: float) -> int:
 ELEMS_PER_THREAD = 16
 
 
-#: AdamW elements per block: 8 per thread (16-byte loads of bf16; two of fp32), and
-#: programs per SM: sm_90 ptxas gives the kernel 88 (bf16) to 116 (fp32) registers, so
-#: two 8-warp programs fit an SM (32-64 KB of loads in flight per SM).
-ADAMW_BLOCK = NUM_WARPS * 32 * 8
-ADAMW_PROGRAMS_PER_SM = int(os.environ.get("LINGHE_ADAMW_PROGRAMS_PER_SM", "2"))
+#: AdamW launch knobs (``benchmark.probe_adamw`` varies them): ``stages`` of the
+#: pipelined segment loop (``stages - 1`` blocks of the four inputs in flight per program
+#: while one is updated), ``warps``, ``vectors`` per thread per block (16-byte vectors of
+#: the narrowest dtype: 8 bf16 or 4 fp32 elements each), ``programs_per_sm``.
+#: Round 2's strided loop over 16K-element chunks had no loads in flight across blocks
+#: but the other program's: 63% of the copy bandwidth on an H200 (e2e step, 38 ms).
+ADAMW_CONFIG = dict(stages=3, warps=NUM_WARPS, vectors=1,
+                    programs_per_sm=int(os.environ.get("LINGHE_ADAMW_PROGRAMS_PER_SM", "2")))
+
+
+def adamw_block(es: tuple[int, int, int], aligned: bool) -> int:
+    """Elements per block of an AdamW launch over elements of ``es`` bytes."""
+    vec = 16 // min(es) if aligned else 1
+    return ADAMW_CONFIG["warps"] * 32 * ADAMW_CONFIG["vectors"] * vec
 
 
 #: The norm kernel's launch knobs (``benchmark.probe_cenorm`` varies them): ``segments``:
@@ -481,27 +490,6 @@ def _count_zeros_kernel(table_ptr, addrs_ptr, n_chunks, partial_ptr, ITYPE: tl.c
     tl.store(partial_ptr + pid, tl.sum(cnt.to(tl.int64), axis=0))
 
 
-# AdamW table rows: (slot, start element, length, row of the bias corrections); the
-# addresses are ``addrs [4, nt]``: parameters, gradients, exp_avg, exp_avg_sq by slot.
-ADAMW_ROW = 4
-
-
-@triton.jit
-def _adamw_row(table_ptr, addrs_ptr, nt, c, n_chunks, ESP: tl.constexpr,
-               ESG: tl.constexpr, ESM: tl.constexpr):
-    """Chunk ``c``'s four byte addresses, length and bias row (zeros past the table)."""
-    ok = c < n_chunks
-    row = table_ptr + c.to(tl.int64) * 4
-    slot = tl.load(row, mask=ok, other=0)
-    start = tl.load(row + 1, mask=ok, other=0)
-    a = addrs_ptr + slot
-    return (tl.load(a, mask=ok, other=0) + start * ESP,
-            tl.load(a + nt, mask=ok, other=0) + start * ESG,
-            tl.load(a + 2 * nt, mask=ok, other=0) + start * ESM,
-            tl.load(a + 3 * nt, mask=ok, other=0) + start * ESM,
-            tl.load(row + 2, mask=ok, other=0), tl.load(row + 3, mask=ok, other=0))
-
-
 @triton.jit
 def adamw_scalars(coef_ptr, lr_ptr, lr, weight_decay, CLIP: tl.constexpr,
                   LR_TENSOR: tl.constexpr):
@@ -589,48 +577,51 @@ def _adamw_advance_kernel(steps_ptr, inc_ptr, betas_ptr, bias_ptr, n,
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, addrs_ptr, nt, n_chunks, bias_ptr, coef_ptr, lr_ptr, lr, beta1,
-                  beta2, eps, weight_decay, P: tl.constexpr, G: tl.constexpr,
-                  M: tl.constexpr, ESP: tl.constexpr, ESG: tl.constexpr, ESM: tl.constexpr,
-                  BLOCK: tl.constexpr, ALIGNED: tl.constexpr, CLIP: tl.constexpr,
-                  LR_TENSOR: tl.constexpr, MAXIMIZE: tl.constexpr):
-    """AdamW (decoupled weight decay) over the chunks of an :data:`ADAMW_ROW` table (``nt``
-    tensors, their addresses in ``addrs [4, nt]``; elements of ``ESP``/``ESG``/``ESM``
-    bytes for parameters, gradients, moments); program
-    ``pid`` takes chunks ``pid, pid + NP, ...`` (each chunk's row is loaded one chunk
-    ahead).
+def _adamw_kernel(seg_ptr, addrs_ptr, nt, bias_ptr, coef_ptr, lr_ptr, lr, beta1, beta2, eps,
+                  weight_decay, P: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+                  ESP: tl.constexpr, ESG: tl.constexpr, ESM: tl.constexpr,
+                  BLOCK: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr,
+                  CLIP: tl.constexpr, LR_TENSOR: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """AdamW (decoupled weight decay) over ``nt`` tensors (their addresses in ``addrs [4,
+    nt]``: parameters, gradients, exp_avg, exp_avg_sq; elements of ``ESP``/``ESG``/``ESM``
+    bytes): program ``pid`` streams its contiguous share of the elements, the segment rows
+    ``(slot, start, length, bias row)`` ``seg[pid]:seg[pid + 1]`` after the ``G + 1``
+    offsets (:func:`_segments`), through a loop that Triton pipelines ``STAGES`` deep
+    (asynchronous 16-byte copies of the four inputs into shared memory, so that
+    ``STAGES - 1`` blocks per program are in flight while one is updated).
 
     Per element, in float32: ``g *= coef`` (the clip coefficient, ``CLIP``), ``p *= 1 - lr
     * wd``, ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``, ``p -= lr / bc1 * m /
     (sqrt(v) / sqrt(bc2) + eps)``, with the bias corrections ``bias[t] = (bc1, bc2)`` of
-    the chunk's tensor ``t`` (from :func:`_adamw_advance_kernel`, for this step)."""
+    the segment's tensor ``t`` (from :func:`_adamw_advance_kernel`, for this step). The
+    loop's loads are masked on whole 16-byte vectors of the narrowest dtype; the < 8
+    elements after a tensor's last whole vector take one small masked block."""
+    VEC: tl.constexpr = 16 // min(ESP, ESG, ESM) if ALIGNED else 1
     pid = tl.program_id(0)
     NP = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
+    tail = tl.arange(0, VEC)
     lr_f, coef, decay = adamw_scalars(coef_ptr, lr_ptr, lr, weight_decay, CLIP, LR_TENSOR)
-    pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, addrs_ptr, nt, pid, n_chunks,
-                                                  ESP, ESG, ESM)
-    for c in range(pid, n_chunks, NP):
-        pa, ga, ma, va, n, t = pa_n, ga_n, ma_n, va_n, n_n, t_n
-        pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_row(table_ptr, addrs_ptr, nt, c + NP,
-                                                      n_chunks, ESP, ESG, ESM)
-        step_size, bc2_sqrt = adamw_bias(bias_ptr, t, lr_f)
-        pp = pa.to(tl.pointer_type(P))
-        gp = ga.to(tl.pointer_type(G))
-        mp = ma.to(tl.pointer_type(M))
-        vp = va.to(tl.pointer_type(M))
-        if ALIGNED:  # every chunk start 16-byte aligned: 16-byte vector accesses
-            pp = tl.multiple_of(pp, 16)
-            gp = tl.multiple_of(gp, 16)
-            mp = tl.multiple_of(mp, 16)
-            vp = tl.multiple_of(vp, 16)
-        n_full = (n // BLOCK) * BLOCK
-        for off in range(0, n_full, BLOCK):  # full blocks: unmasked (vectorizable)
+    s_lo = tl.load(seg_ptr + pid)
+    s_hi = tl.load(seg_ptr + pid + 1)
+    rows = seg_ptr + NP + 1
+    for s in range(s_lo, s_hi):
+        row = rows + s * 4
+        a = addrs_ptr + tl.load(row)
+        start = tl.load(row + 1)
+        n = tl.load(row + 2).to(tl.int32)  # < 2^30 (the host splits longer segments)
+        step_size, bc2_sqrt = adamw_bias(bias_ptr, tl.load(row + 3), lr_f)
+        pp = _as_ptr(tl.load(a) + start * ESP, P, ALIGNED)
+        gp = _as_ptr(tl.load(a + nt) + start * ESG, G, ALIGNED)
+        mp = _as_ptr(tl.load(a + 2 * nt) + start * ESM, M, ALIGNED)
+        vp = _as_ptr(tl.load(a + 3 * nt) + start * ESM, M, ALIGNED)
+        nv = (n // VEC) * VEC  # elements in whole vectors
+        for off in tl.range(0, nv, BLOCK, num_stages=STAGES):
             o = off + lanes
-            _adamw_block(pp + o, gp + o, mp + o, vp + o, None, coef, decay, step_size,
+            _adamw_block(pp + o, gp + o, mp + o, vp + o, o < nv, coef, decay, step_size,
                          bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
-        for off in range(n_full, n, BLOCK):  # the tail of a tensor's last chunk
-            o = off + lanes
+        if n > nv:
+            o = nv + tail
             _adamw_block(pp + o, gp + o, mp + o, vp + o, o < n, coef, decay, step_size,
                          bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
 
@@ -832,14 +823,16 @@ _MAX_SEGMENT = 1 << 30
 _SEG_ALIGN = 16
 
 
-def _segments(slots: np.ndarray, sizes: np.ndarray, G: int) -> np.ndarray:
-    """The norm's segment table of one launch: tensors ``slots`` of ``sizes`` elements
+def _segments(slots: np.ndarray, sizes: np.ndarray, G: int,
+              extra: np.ndarray | None = None) -> np.ndarray:
+    """The segment table of one launch (norm, AdamW): tensors ``slots`` of ``sizes`` elements
     (all > 0), viewed as one concatenated vector, cut into ``G`` contiguous shares of
     (nearly) equal size, each share's start moved back to a multiple of
     :data:`_SEG_ALIGN` within its tensor; a share is one or more segments (pieces of one
     tensor, at most :data:`_MAX_SEGMENT` long). Returns int64 ``[G + 1 + 3 * n_seg]``:
     program ``p``'s segments are rows ``ptr[p]:ptr[p + 1]`` of the ``(slot, start
-    element, length)`` rows after the ``G + 1`` offsets ``ptr``."""
+    element, length)`` rows after the ``G + 1`` offsets ``ptr``; with ``extra`` (one value
+    per tensor) the rows are ``(slot, start, length, extra)``."""
     cum = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     total = int(cum[-1])
     share = -(-total // G)
@@ -856,8 +849,8 @@ def _segments(slots: np.ndarray, sizes: np.ndarray, G: int) -> np.ndarray:
     tid = np.searchsorted(cum, lo, side="right") - 1
     prog = np.searchsorted(bounds, lo, side="right") - 1
     ptr = np.searchsorted(prog, np.arange(G + 1), side="left").astype(np.int64)
-    rows = np.stack([slots[tid], lo - cum[tid], hi - lo], axis=1)
-    return np.concatenate([ptr, rows.ravel()])
+    cols = [slots[tid], lo - cum[tid], hi - lo] + ([] if extra is None else [extra[tid]])
+    return np.concatenate([ptr, np.stack(cols, axis=1).ravel()])
 
 
 def _upload(table_np: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -942,16 +935,14 @@ def _build_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.devi
 class AdamWLaunch:
     key: tuple  # (param, grad, moment) tl dtypes
     es: tuple  # their element sizes
-    n_chunks: int
     grid: int
     aligned: bool
-    table: torch.Tensor  # the plan's table from this launch's first chunk
+    segs: torch.Tensor  # this launch's segment table (:func:`_segments`, bias row column)
 
 
 @dataclass
 class AdamWPlan:
-    table: torch.Tensor
-    host_table: torch.Tensor  # pinned source of the upload (kept alive with the plan)
+    seg_host: torch.Tensor  # pinned source of the upload (kept alive with the plan)
     launches: list[AdamWLaunch]
     nt: int  # tensors (slots)
     addr_sets: AddressSets
@@ -960,33 +951,32 @@ class AdamWPlan:
 def build_adamw_plan(params: list[torch.Tensor], grads: list[torch.Tensor],
                      exp_avgs: list[torch.Tensor], index: list[int], device: torch.device,
                      aligned: bool) -> AdamWPlan:
-    """The AdamW chunk table of contiguous, same-size ``params[i], grads[i], exp_avgs[i]``
-    (and the exp_avg_sqs, of the moments' dtype) in slots ``i``; ``index[i]``: the tensor's
-    row in the bias corrections; one launch per dtype combination. The addresses are bound
-    per call (:meth:`AddressSets.get` of ``params + grads + exp_avgs + exp_avg_sqs``
-    pointers); ``aligned``: all of them 16-byte aligned."""
+    """The AdamW segment tables of contiguous, same-size ``params[i], grads[i],
+    exp_avgs[i]`` (and the exp_avg_sqs, of the moments' dtype) in slots ``i``;
+    ``index[i]``: the tensor's row in the bias corrections; one launch per dtype
+    combination, whose programs each take one contiguous share of its elements. The
+    addresses are bound per call (:meth:`AddressSets.get` of ``params + grads + exp_avgs +
+    exp_avg_sqs`` pointers); ``aligned``: all of them 16-byte aligned."""
     groups: OrderedDict = OrderedDict()
     for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs)):
         if p.numel():
             key = (p.dtype, g.dtype, m.dtype)
             groups.setdefault(key, []).append((i, p.numel(), index[i]))
-    max_prog = num_sms(device) * ADAMW_PROGRAMS_PER_SM
-    rows, specs = [], []
+    max_prog = num_sms(device) * ADAMW_CONFIG["programs_per_sm"]
+    segs, specs = [], []
     for (pd, gd, md), items in groups.items():
         arr = np.asarray(items, dtype=np.int64)
-        tid, start, length = _chunks(arr[:, 1])
-        rows.append(np.stack([arr[tid, 0], start, length, arr[tid, 2]], axis=1))
+        grid = min(int(((arr[:, 1] + CHUNK - 1) // CHUNK).sum()), max_prog)
+        segs.append(_segments(arr[:, 0], arr[:, 1], grid, extra=arr[:, 2]))
         es = tuple(torch.empty((), dtype=d).element_size() for d in (pd, gd, md))
-        specs.append(((_TL_DTYPE[pd], _TL_DTYPE[gd], _TL_DTYPE[md]), es, len(tid)))
-    table_np = (np.concatenate(rows, axis=0) if rows
-                else np.zeros((0, ADAMW_ROW), dtype=np.int64))
-    host, table = _upload(table_np, device)
+        specs.append(((_TL_DTYPE[pd], _TL_DTYPE[gd], _TL_DTYPE[md]), es, grid))
+    host, table = _upload(np.concatenate(segs) if segs else np.zeros(0, dtype=np.int64),
+                          device)
     launches, off = [], 0
-    for key, es, n_chunks in specs:
-        launches.append(AdamWLaunch(key, es, n_chunks, min(n_chunks, max_prog), aligned,
-                                    table[off:]))
-        off += n_chunks
-    return AdamWPlan(table, host, launches, len(params), AddressSets(device))
+    for (key, es, grid), sg in zip(specs, segs):
+        launches.append(AdamWLaunch(key, es, grid, aligned, table[off:]))
+        off += len(sg)
+    return AdamWPlan(host, launches, len(params), AddressSets(device))
 
 
 def get_plan(kind: str, buckets: list[list[torch.Tensor]], device: torch.device) -> Bound:
@@ -1103,17 +1093,18 @@ def adamw_(plan: AdamWPlan, addrs: torch.Tensor, bias: torch.Tensor, *, lr, beta
     table (:func:`adamw_advance`); ``lr`` a float or a 1-element float tensor on the device;
     ``coef`` the clip coefficient ``[1]`` fp32 or None."""
     lr_tensor = isinstance(lr, torch.Tensor)
+    cfg = ADAMW_CONFIG
     with device_guard(bias):
         for ln in plan.launches:
             P, G, M = ln.key
             ESP, ESG, ESM = ln.es
-            launch(_adamw_kernel, (ln.grid,), ln.table, addrs, plan.nt, ln.n_chunks, bias,
+            launch(_adamw_kernel, (ln.grid,), ln.segs, addrs, plan.nt, bias,
                    coef if coef is not None else bias, lr if lr_tensor else bias,
                    0.0 if lr_tensor else float(lr), float(beta1), float(beta2), float(eps),
                    float(weight_decay), P=P, G=G, M=M, ESP=ESP, ESG=ESG, ESM=ESM,
-                   BLOCK=ADAMW_BLOCK,
+                   BLOCK=adamw_block(ln.es, ln.aligned), STAGES=cfg["stages"],
                    ALIGNED=ln.aligned, CLIP=coef is not None, LR_TENSOR=lr_tensor,
-                   MAXIMIZE=bool(maximize), num_warps=NUM_WARPS)
+                   MAXIMIZE=bool(maximize), num_warps=cfg["warps"])
 
 
 def count_zeros_partials(plan: Bound) -> torch.Tensor:
