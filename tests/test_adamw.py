@@ -4,6 +4,7 @@ CUDA-graph capture without host syncs."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,6 +64,33 @@ def test_matches_reference(device, dtype, maximize):
             assert_close(p.detach(), e, tol=TOL[dtype], name="param")
             assert_close(st["exp_avg"], m, tol=TOL[dtype], name="exp_avg")
             assert_close(st["exp_avg_sq"], v, tol=TOL[dtype], name="exp_avg_sq")
+
+
+@pytest.mark.parametrize("piece", [48, 0])
+def test_pieces_and_shares_match_reference(device, monkeypatch, piece):
+    # Program p takes pieces p, p + G, ... (piece=48: several per tensor, tails shorter),
+    # or one contiguous share per program (piece=0); both update every element once.
+    from linghe.optim import multi_tensor as K
+
+    monkeypatch.setitem(K.ADAMW_CONFIG, "piece", piece)
+    ps = _params([1000, 77, 1, 4101, 96], torch.float32, device)
+    exp = [p.detach().clone() for p in ps]
+    _set_grads([ps], seed=3)
+    ms = [torch.zeros_like(p) for p in ps]
+    vs = [torch.zeros_like(p) for p in ps]
+    ref.adamw_step(exp, [p.grad for p in ps], ms, vs, [1] * len(ps), lr=1e-2, beta1=0.9,
+                   beta2=0.95, eps=1e-8, weight_decay=0.1, maximize=False)
+    opt = optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt.step()
+    for p, e, v in zip(ps, exp, vs):
+        assert_close(p.detach(), e, tol=TOL[torch.float32], name="param")
+        assert_close(opt.state[p]["exp_avg_sq"], v, tol=TOL[torch.float32], name="v")
+    if piece:  # the table: round-robin pieces of at most `piece` elements
+        seg = K._interleaved_segments(np.arange(5), np.array([1000, 77, 1, 4101, 96]), 4,
+                                      piece, np.zeros(5, dtype=np.int64))
+        ptr, rows = seg[:5], seg[5:].reshape(-1, 4)
+        assert ptr[0] == 0 and ptr[-1] == len(rows) and rows[:, 2].max() == piece
+        assert rows[:, 2].sum() == 1000 + 77 + 1 + 4101 + 96
 
 
 def test_matches_torch_param_groups_and_lr_tensor(device):

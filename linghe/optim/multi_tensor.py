@@ -104,17 +104,19 @@ ELEMS_PER_THREAD = 16
 #: AdamW launch knobs (``benchmark.probe_adamw`` varies them): ``stages`` of the
 #: pipelined segment loop (``stages - 1`` blocks of the four inputs in flight per program
 #: while one is updated), ``warps``, ``vectors`` per thread per block (16-byte vectors of
-#: the narrowest dtype: 8 bf16 or 4 fp32 elements each), ``programs_per_sm``.
+#: the narrowest dtype: 8 bf16 or 4 fp32 elements each), ``programs_per_sm``, and
+#: ``piece``: program ``p`` takes pieces ``p, p + G, ...`` of this many elements
+#: (:func:`_interleaved_segments`; 0: one contiguous share per program, :func:`_segments`).
 #: Round 2's strided loop over 16K-element chunks had no loads in flight across blocks
 #: but the other program's: 63% of the copy bandwidth on an H200 (e2e step, 38 ms).
-ADAMW_CONFIG = dict(stages=3, warps=NUM_WARPS, vectors=1,
+ADAMW_CONFIG = dict(stages=3, warps=NUM_WARPS, vectors=1, piece=65536,
                     programs_per_sm=int(os.environ.get("LINGHE_ADAMW_PROGRAMS_PER_SM", "2")))
 
 
 def adamw_block(es: tuple[int, int, int], aligned: bool) -> int:
     """Elements per block of an AdamW launch over elements of ``es`` bytes."""
-    vec = 16 // min(es) if aligned else 1
-    return ADAMW_CONFIG["warps"] * 32 * ADAMW_CONFIG["vectors"] * vec
+    # (as many elements when not aligned: the loads are then scalar, not fewer)
+    return ADAMW_CONFIG["warps"] * 32 * ADAMW_CONFIG["vectors"] * (16 // min(es))
 
 
 #: The norm kernel's launch knobs (``benchmark.probe_cenorm`` varies them): ``segments``:
@@ -577,6 +579,23 @@ def _adamw_advance_kernel(steps_ptr, inc_ptr, betas_ptr, bias_ptr, n,
 
 
 @triton.jit
+def _adamw_seg(rows, addrs_ptr, nt, s, s_hi, ESP: tl.constexpr, ESG: tl.constexpr,
+               ESM: tl.constexpr):
+    """Segment ``s``'s byte addresses of the parameter, gradient and both moments, its
+    length (int32, < 2^30) and bias row; zeros when ``s >= s_hi``."""
+    ok = s < s_hi
+    row = rows + s * 4  # (rows of the table: < 2^29)
+    a = addrs_ptr + tl.load(row, mask=ok, other=0)
+    start = tl.load(row + 1, mask=ok, other=0)
+    return (tl.load(a, mask=ok, other=0) + start * ESP,
+            tl.load(a + nt, mask=ok, other=0) + start * ESG,
+            tl.load(a + 2 * nt, mask=ok, other=0) + start * ESM,
+            tl.load(a + 3 * nt, mask=ok, other=0) + start * ESM,
+            tl.load(row + 2, mask=ok, other=0).to(tl.int32),
+            tl.load(row + 3, mask=ok, other=0))
+
+
+@triton.jit
 def _adamw_kernel(seg_ptr, addrs_ptr, nt, bias_ptr, coef_ptr, lr_ptr, lr, beta1, beta2, eps,
                   weight_decay, P: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                   ESP: tl.constexpr, ESG: tl.constexpr, ESM: tl.constexpr,
@@ -584,11 +603,11 @@ def _adamw_kernel(seg_ptr, addrs_ptr, nt, bias_ptr, coef_ptr, lr_ptr, lr, beta1,
                   CLIP: tl.constexpr, LR_TENSOR: tl.constexpr, MAXIMIZE: tl.constexpr):
     """AdamW (decoupled weight decay) over ``nt`` tensors (their addresses in ``addrs [4,
     nt]``: parameters, gradients, exp_avg, exp_avg_sq; elements of ``ESP``/``ESG``/``ESM``
-    bytes): program ``pid`` streams its contiguous share of the elements, the segment rows
-    ``(slot, start, length, bias row)`` ``seg[pid]:seg[pid + 1]`` after the ``G + 1``
-    offsets (:func:`_segments`), through a loop that Triton pipelines ``STAGES`` deep
-    (asynchronous 16-byte copies of the four inputs into shared memory, so that
-    ``STAGES - 1`` blocks per program are in flight while one is updated).
+    bytes): program ``pid`` streams its segments, rows ``(slot, start, length, bias row)``
+    ``seg[pid]:seg[pid + 1]`` after the ``G + 1`` offsets (:func:`_interleaved_segments`),
+    each through a loop that Triton pipelines ``STAGES`` deep (asynchronous 16-byte copies
+    of the four inputs into shared memory, so that ``STAGES - 1`` blocks per program are
+    in flight while one is updated); the next segment's row is loaded one segment ahead.
 
     Per element, in float32: ``g *= coef`` (the clip coefficient, ``CLIP``), ``p *= 1 - lr
     * wd``, ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``, ``p -= lr / bc1 * m /
@@ -598,23 +617,24 @@ def _adamw_kernel(seg_ptr, addrs_ptr, nt, bias_ptr, coef_ptr, lr_ptr, lr, beta1,
     elements after a tensor's last whole vector take one small masked block."""
     VEC: tl.constexpr = 16 // min(ESP, ESG, ESM) if ALIGNED else 1
     pid = tl.program_id(0)
-    NP = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
     tail = tl.arange(0, VEC)
     lr_f, coef, decay = adamw_scalars(coef_ptr, lr_ptr, lr, weight_decay, CLIP, LR_TENSOR)
     s_lo = tl.load(seg_ptr + pid)
     s_hi = tl.load(seg_ptr + pid + 1)
-    rows = seg_ptr + NP + 1
+    rows = seg_ptr + tl.num_programs(0) + 1
+    pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_seg(rows, addrs_ptr, nt, s_lo, s_hi, ESP, ESG,
+                                                  ESM)
     for s in range(s_lo, s_hi):
-        row = rows + s * 4
-        a = addrs_ptr + tl.load(row)
-        start = tl.load(row + 1)
-        n = tl.load(row + 2).to(tl.int32)  # < 2^30 (the host splits longer segments)
-        step_size, bc2_sqrt = adamw_bias(bias_ptr, tl.load(row + 3), lr_f)
-        pp = _as_ptr(tl.load(a) + start * ESP, P, ALIGNED)
-        gp = _as_ptr(tl.load(a + nt) + start * ESG, G, ALIGNED)
-        mp = _as_ptr(tl.load(a + 2 * nt) + start * ESM, M, ALIGNED)
-        vp = _as_ptr(tl.load(a + 3 * nt) + start * ESM, M, ALIGNED)
+        pa, ga, ma, va, n, t = pa_n, ga_n, ma_n, va_n, n_n, t_n
+        # the next segment's row and addresses, loaded while this one streams
+        pa_n, ga_n, ma_n, va_n, n_n, t_n = _adamw_seg(rows, addrs_ptr, nt, s + 1, s_hi, ESP,
+                                                      ESG, ESM)
+        step_size, bc2_sqrt = adamw_bias(bias_ptr, t, lr_f)
+        pp = _as_ptr(pa, P, ALIGNED)
+        gp = _as_ptr(ga, G, ALIGNED)
+        mp = _as_ptr(ma, M, ALIGNED)
+        vp = _as_ptr(va, M, ALIGNED)
         nv = (n // VEC) * VEC  # elements in whole vectors
         for off in tl.range(0, nv, BLOCK, num_stages=STAGES):
             o = off + lanes
@@ -805,15 +825,32 @@ def _max_programs(device: torch.device) -> int:
     return num_sms(device) * PROGRAMS_PER_SM
 
 
-def _chunks(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(tensor index, start element, length)`` of every ``CHUNK``-element chunk of
+def _chunks(sizes: np.ndarray, chunk: int = CHUNK
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tensor index, start element, length)`` of every ``chunk``-element chunk of
     tensors of ``sizes`` elements, tensor after tensor (empty tensors have none)."""
-    nch = (sizes + CHUNK - 1) // CHUNK
+    nch = (sizes + chunk - 1) // chunk
     total = int(nch.sum())
     tid = np.repeat(np.arange(len(sizes)), nch)
     first = np.cumsum(nch) - nch
-    start = (np.arange(total, dtype=np.int64) - np.repeat(first, nch)) * CHUNK
-    return tid, start, np.minimum(CHUNK, sizes[tid] - start)
+    start = (np.arange(total, dtype=np.int64) - np.repeat(first, nch)) * chunk
+    return tid, start, np.minimum(chunk, sizes[tid] - start)
+
+
+def _interleaved_segments(slots: np.ndarray, sizes: np.ndarray, G: int, piece: int,
+                          extra: np.ndarray) -> np.ndarray:
+    """A segment table in :func:`_segments`' format (rows ``(slot, start, length,
+    extra)``) whose program ``p`` takes pieces ``p, p + G, p + 2G, ...`` of the tensors cut
+    into ``piece``-element pieces: the ``G`` programs sweep the tensors side by side, each
+    working within a window of ``G`` pieces, instead of ``G`` shares far apart (which on
+    a step's ~100 GB of optimizer state ran at half the bandwidth: address translation
+    and DRAM locality of ~1000 distant streams)."""
+    tid, start, length = _chunks(sizes, piece)
+    prog = np.arange(len(tid)) % G
+    order = np.argsort(prog, kind="stable")
+    ptr = np.searchsorted(prog[order], np.arange(G + 1), side="left").astype(np.int64)
+    rows = np.stack([slots[tid], start, length, extra[tid]], axis=1)[order]
+    return np.concatenate([ptr, rows.ravel()])
 
 
 #: Longest segment of a norm segment table, elements (the kernel counts in int32).
@@ -954,7 +991,7 @@ def build_adamw_plan(params: list[torch.Tensor], grads: list[torch.Tensor],
     """The AdamW segment tables of contiguous, same-size ``params[i], grads[i],
     exp_avgs[i]`` (and the exp_avg_sqs, of the moments' dtype) in slots ``i``;
     ``index[i]``: the tensor's row in the bias corrections; one launch per dtype
-    combination, whose programs each take one contiguous share of its elements. The
+    combination, whose programs take interleaved pieces of its elements. The
     addresses are bound per call (:meth:`AddressSets.get` of ``params + grads + exp_avgs +
     exp_avg_sqs`` pointers); ``aligned``: all of them 16-byte aligned."""
     groups: OrderedDict = OrderedDict()
@@ -967,7 +1004,9 @@ def build_adamw_plan(params: list[torch.Tensor], grads: list[torch.Tensor],
     for (pd, gd, md), items in groups.items():
         arr = np.asarray(items, dtype=np.int64)
         grid = min(int(((arr[:, 1] + CHUNK - 1) // CHUNK).sum()), max_prog)
-        segs.append(_segments(arr[:, 0], arr[:, 1], grid, extra=arr[:, 2]))
+        piece = ADAMW_CONFIG["piece"]
+        segs.append(_interleaved_segments(arr[:, 0], arr[:, 1], grid, piece, arr[:, 2])
+                    if piece else _segments(arr[:, 0], arr[:, 1], grid, extra=arr[:, 2]))
         es = tuple(torch.empty((), dtype=d).element_size() for d in (pd, gd, md))
         specs.append(((_TL_DTYPE[pd], _TL_DTYPE[gd], _TL_DTYPE[md]), es, grid))
     host, table = _upload(np.concatenate(segs) if segs else np.zeros(0, dtype=np.int64),
