@@ -107,9 +107,12 @@ ELEMS_PER_THREAD = 16
 #: the narrowest dtype: 8 bf16 or 4 fp32 elements each), ``programs_per_sm``, and
 #: ``piece``: program ``p`` takes pieces ``p, p + G, ...`` of this many elements
 #: (:func:`_interleaved_segments`; 0: one contiguous share per program, :func:`_segments`).
-#: Round 2's strided loop over 16K-element chunks had no loads in flight across blocks
-#: but the other program's: 63% of the copy bandwidth on an H200 (e2e step, 38 ms).
-ADAMW_CONFIG = dict(stages=3, warps=NUM_WARPS, vectors=1, piece=65536,
+#: ``benchmark.probe_adamw`` (the e2e's 6.4 B bf16 parameters, H200): round 2's strided
+#: loop over 16K-element chunks (no loads in flight across blocks but the other
+#: program's) 83% of the copy bandwidth; this kernel 94-96% at stages 3-4 and pieces of
+#: 64K-256K (16K: 92%); one contiguous share per program 90%, and inside the e2e step
+#: half as fast as the interleaved pieces.
+ADAMW_CONFIG = dict(stages=4, warps=NUM_WARPS, vectors=1, piece=65536,
                     programs_per_sm=int(os.environ.get("LINGHE_ADAMW_PROGRAMS_PER_SM", "2")))
 
 
