@@ -82,6 +82,7 @@ from .e2e_model import (  # noqa: E402
     train_step,
     update,
 )
+from .harness import GpuClockLog  # noqa: E402
 
 #: Dense tensor-core peaks (TFLOP/s, without sparsity) of SXM parts: (bf16, fp8).
 PEAK_TFLOPS = {"H200": (989.4, 1978.9), "H100": (989.4, 1978.9)}
@@ -240,8 +241,9 @@ def peak_tflops(device) -> tuple[float | None, float | None]:
 
 def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmup: int,
             prof_steps: int, data: bytes, seed: int, lr: float,
-            optimizer: str = "auto") -> dict:
-    """Train ``mode`` for ``warmup + steps (+ prof_steps)`` steps and measure them."""
+            optimizer: str = "auto", clocks: GpuClockLog | None = None) -> dict:
+    """Train ``mode`` for ``warmup + steps (+ prof_steps)`` steps and measure them
+    (``clocks``: the GPU's clocks and power over the timed steps, ``row["clocks"]``)."""
     row = {"mode": mode, "cuda_graph": graph, "optimizer": optimizer, "error": None}
     model = opt = step = None
     try:
@@ -256,11 +258,12 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
         _sync(device)
         row["warmup_s"] = time.perf_counter() - t0
         losses = []
-        t0 = time.perf_counter()
+        t0, e0 = time.perf_counter(), time.time()
         for i in range(steps):
             losses.append(step(warmup + i))
         _sync(device)
         wall = (time.perf_counter() - t0) / steps
+        row["clocks"] = clocks.summary(e0, time.time()) if clocks is not None else None
         row["step_ms"] = wall * 1e3
         row["losses"] = torch.stack(losses).float().cpu().tolist()
         row["tokens_per_s"] = cfg.tokens / wall
@@ -352,6 +355,12 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
           f"gradients to None before backward.",
           file=file)
     _print_rows(head, lines, file)
+    clk = [(r, r.get("clocks")) for r in rows if not r["error"] and r.get("clocks")]
+    if clk:
+        print("GPU during the timed steps (nvidia-smi every 100 ms): " + "; ".join(
+            f"{_label(r)} SM {c['sm_mhz']:.0f} MHz (min {c['sm_mhz_min']:.0f}), memory "
+            f"{c['mem_mhz']:.0f} MHz, {c['power_w']:.0f} W (max {c['power_w_max']:.0f}), "
+            f"max {c['temp_c_max']:.0f} C" for r, c in clk), file=file)
     print_targets(targets(rows, loss_gap), file)
     print_gemm_bound(gemm_bound(rows, cfg), file)
 
@@ -496,11 +505,13 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
     steps_total = args.warmup + args.steps + args.profile_steps + 1
     data = stdlib_corpus(corpus_bytes_needed(cfg, steps_total))
     rows = []
+    clocks = GpuClockLog() if torch.device(device).type == "cuda" else None
     for mode in modes:
         print(f"[e2e] {mode}: {cfg.layers} layers ...", flush=True)
         rows.append(measure(cfg, mode, device=device, graph=False, steps=args.steps,
                             warmup=args.warmup, prof_steps=args.profile_steps, data=data,
-                            seed=args.seed, lr=args.lr, optimizer=args.optimizer))
+                            seed=args.seed, lr=args.lr, optimizer=args.optimizer,
+                            clocks=clocks))
     if args.cuda_graph:
         for mode in modes:
             if mode == "torch":
@@ -509,7 +520,9 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
             rows.append(measure(cfg, mode, device=device, graph=True, steps=args.steps,
                                 warmup=args.warmup, prof_steps=args.profile_steps,
                                 data=data, seed=args.seed, lr=args.lr,
-                                optimizer=args.optimizer))
+                                optimizer=args.optimizer, clocks=clocks))
+    if clocks is not None:
+        clocks.close()
     loss_gap = None
     if args.loss_json:
         with open(args.loss_json) as fh:

@@ -233,6 +233,58 @@ def print_columns(head: Sequence[str], lines: Sequence[Sequence[Any]]) -> None:
         print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths)))
 
 
+class GpuClockLog:
+    """Samples the GPU's SM and memory clocks, power and temperature every ``period_ms``
+    (``nvidia-smi -lms`` in a child process, each line stamped on arrival) while open;
+    :meth:`summary` averages the samples between two ``time.time()`` stamps. Why: the same
+    memory-bound kernel measured ~30% slower inside the e2e step than alone; clocks and
+    power during each part tell whether the GPU was throttled there. Does nothing
+    without ``nvidia-smi``."""
+
+    FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+
+    def __init__(self, period_ms: int = 100):
+        import shutil
+        import subprocess
+        import threading
+
+        self.samples: list[tuple[float, list[float]]] = []
+        self._proc = None
+        if shutil.which("nvidia-smi") is None:
+            return
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,"
+             "nounits", "-i", str(torch.cuda.current_device()), "-lms", str(period_ms)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                vals = [float(v) for v in line.split(",")]
+            except ValueError:
+                continue
+            if len(vals) == len(self.FIELDS):
+                self.samples.append((time.time(), vals))
+
+    def summary(self, t0: float, t1: float) -> dict | None:
+        """Mean SM / memory MHz and power (W), max temperature (C) over ``[t0, t1]``."""
+        got = [v for t, v in list(self.samples) if t0 <= t <= t1]
+        if not got:
+            return None
+        col = lambda i: [v[i] for v in got]
+        return {"sm_mhz": statistics.mean(col(0)), "sm_mhz_min": min(col(0)),
+                "mem_mhz": statistics.mean(col(1)), "power_w": statistics.mean(col(2)),
+                "power_w_max": max(col(2)), "temp_c_max": max(col(3)), "samples": len(got)}
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._proc = None
+
+
 def copy_bandwidth_gbps(cfg: Config) -> float:
     """Device-to-device copy bandwidth (bytes read + written) on a buffer far over L2."""
     n = (1 << 30) if cfg.device == "cuda" else (1 << 22)

@@ -41,6 +41,7 @@ from linghe.optim import multi_tensor as K  # noqa: E402
 
 from .harness import (  # noqa: E402
     Config,
+    GpuClockLog,
     copy_bandwidth_gbps,
     device_time_us,
     load_module_at,
@@ -135,11 +136,15 @@ def main(argv=None) -> int:
     size_gbps = big / _copy_us(big, device, timer) / 1e3
     rows = []
 
+    clocks = GpuClockLog() if device == "cuda" else None
+
     def row(name, fn, nbytes):
+        t0 = time.time()
         us = timer(fn, reps=5)
         gbps = nbytes / us / 1e3
         rows.append({"row": name, "kernel_us": us, "gbps": gbps,
-                     "pct_copy": 100 * gbps / copy_gbps, "pct_size_copy": 100 * gbps / size_gbps})
+                     "pct_copy": 100 * gbps / copy_gbps, "pct_size_copy": 100 * gbps / size_gbps,
+                     "clocks": clocks.summary(t0, time.time()) if clocks else None})
 
     rows.append({"row": f"copy ({big / 1e9:.0f} GB moved)", "kernel_us": big / size_gbps / 1e3,
                  "gbps": size_gbps,
@@ -205,6 +210,8 @@ def main(argv=None) -> int:
         W.STAGES = st
         row(f"adamw_quant_128 (experts), stages={st}", quant(W), qbytes)
     W.STAGES = 3
+    if clocks is not None:
+        clocks.close()
     print(f"1 GiB copy {copy_gbps:.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
@@ -212,9 +219,12 @@ def main(argv=None) -> int:
                        "params": n,
                        "copy_gbps": copy_gbps, "rel_err": max(errs), "rows": rows}, f,
                       indent=1)
-    print_columns(["row", "kernel µs", "GB/s", "% copy", "% size-matched copy"],
+    clk = lambda r, k: f"{r['clocks'][k]:.0f}" if r.get("clocks") else "-"
+    print_columns(["row", "kernel µs", "GB/s", "% copy", "% size-matched copy", "SM MHz",
+                   "W"],
                   [[r["row"], f"{r['kernel_us']:.0f}", f"{r['gbps']:.0f}",
-                    f"{r['pct_copy']:.0f}", f"{r['pct_size_copy']:.0f}"] for r in rows])
+                    f"{r['pct_copy']:.0f}", f"{r['pct_size_copy']:.0f}", clk(r, "sm_mhz"),
+                    clk(r, "power_w")] for r in rows])
     return 0
 
 
