@@ -31,6 +31,7 @@ from ..utils import (
     device_guard,
     empty,
     launch,
+    num_sms,
     rows_view,
 )
 from .tensor import Fp8Tensor
@@ -88,28 +89,150 @@ def quant_cols(x, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
-                           stride_sm, stride_sg, stride_stk, stride_stg,
-                           BM: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                           POW2: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg,
+                     BK: tl.constexpr, POW2: tl.constexpr):
+    """Quantize fp32 ``y [R, BK]`` (``BK`` a multiple of 128): rows ``rows`` (int64),
+    columns ``k0 + [0, BK)`` of an ``[M, K]`` tensor (``k0`` a multiple of 128), in 1x128
+    groups along its columns, and store the data ``[M, K]`` (contiguous) and the scales
+    (``s[row, group]`` at ``row * stride_sm + group * stride_sg``). Out-of-range columns
+    must be 0 in ``y``."""
+    G: tl.constexpr = BK // 128
+    R: tl.constexpr = y.shape[0]
+    y3 = tl.reshape(y, [R, G, 128])
+    scale = fp8_block_scale(tl.max(tl.abs(y3), axis=2), POW2)
+    q = tl.reshape(to_e4m3(y3 * (1.0 / scale)[:, :, None]), [R, BK])
+    rmask = rows < M
+    cols = k0 + tl.arange(0, BK)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q,
+             mask=rmask[:, None] & (cols < K)[None, :])
+    g = k0 // 128 + tl.arange(0, G)
+    tl.store(s_ptr + rows[:, None] * stride_sm + g[None, :] * stride_sg, scale,
+             mask=rmask[:, None] & (g < tl.cdiv(K, 128))[None, :])
+
+
+@triton.jit
+def _tile_coords(t, ntiles, nm, nk, BM: tl.constexpr, BN: tl.constexpr,
+                 K_FAST: tl.constexpr, REVERSE: tl.constexpr):
+    """Tile ``t`` of the ``[nm, nk]`` grid of ``[BM, BN]`` tiles: ``(pid_m, pid_k, rows
+    int64, cols)``. ``K_FAST``: consecutive ``t`` walk a row block's column blocks (else a
+    column block's row blocks); ``REVERSE``: from the last tile. ``t >= ntiles`` gives
+    rows past ``M`` (an empty, fully masked tile)."""
+    if REVERSE:
+        t = ntiles - 1 - t
+    if K_FAST:
+        pid_m = t // nk
+        pid_k = t - pid_m * nk
+    else:
+        pid_k = t // nm
+        pid_m = t - pid_k * nm
+    valid = (t >= 0) & (t < ntiles)
+    pid_m = tl.where(valid, pid_m, nm)
+    pid_k = tl.where(valid, pid_k, nk)
     rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    cols = pid_k * 128 + tl.arange(0, 128)
+    cols = pid_k * BN + tl.arange(0, BN)
+    return pid_m, pid_k, rows, cols
+
+
+@triton.jit
+def _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM: tl.constexpr):
+    """The raw ``x`` tile (zeros out of range) and, with ``NORM``, its rows' ``rstd``
+    (fp32) and its columns' weight (raw); without ``NORM`` those two are ``x`` again."""
+    rmask = rows < M
+    cmask = cols < K
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
+                mask=rmask[:, None] & cmask[None, :], other=0.0)
+    if NORM:
+        r = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
+        return x, r, w
+    else:
+        return x, x, x
+
+
+@triton.jit
+def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE: tl.constexpr,
+               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
+               COL_FIRST: tl.constexpr = False):
+    """Quantize the tile ``x [BM, BN]`` (rows ``rows`` int64 of row block ``pid_m``,
+    columns ``cols`` of column block ``pid_k`` of an ``[M, K]`` tensor; zeros out of
+    range), with ``NORM`` first ``y = x * rstd[:, None] * w[None, :]`` in fp32, and store
+    it in the 1x128 layout: with ``ROWWISE`` (``BN == 128``) data ``[M, K]`` and scales
+    ``s[m, k // 128]``; with ``COLWISE`` (``BM == 128``) the transposed data ``[K, M]``
+    (``q_t[k, m]``: each column's 128 tokens are one 128-byte row of ``q_t``) and scales
+    ``s_t[k, m // 128]`` (scale strides as given). ``COL_FIRST`` only orders the code
+    (the columnwise copy first: its column maxima need the whole tile, so ptxas issues
+    all of the tile's loads before any math; rowwise first it may interleave them)."""
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    if ROWWISE:
-        q, s = quant_rows(x, POW2)
+    y = x.to(tl.float32)
+    if NORM:
+        y = y * rstd[:, None] * w.to(tl.float32)[None, :]
+    if ROWWISE and not COL_FIRST:
+        q, s = quant_rows(y, POW2)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
     if COLWISE:
-        qt, st = quant_cols(x, POW2)
-        # q_t[k, m] = quant(x)[m, k]: store the tile transposed.
+        qt, st = quant_cols(y, POW2)
         tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stg, st, mask=cmask)
+    if ROWWISE and COL_FIRST:
+        q, s = quant_rows(y, POW2)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
+
+
+@triton.jit
+def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                           stride_xm, stride_sm, stride_sg, stride_stk, stride_stg,
+                           BM: tl.constexpr, BN: tl.constexpr, ROWWISE: tl.constexpr,
+                           COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
+                           LOOP: tl.constexpr, STAGES: tl.constexpr, K_FAST: tl.constexpr,
+                           REVERSE: tl.constexpr, COL_FIRST: tl.constexpr):
+    """1x128 quantization of ``x [M, K]`` (optionally RMS-normalized: ``NORM``) in
+    ``[BM, BN]`` tiles (see :func:`quant_tile`). ``LOOP`` 0: one tile per program; 1: a
+    persistent grid-stride loop over the tiles, software-pipelined by Triton with
+    ``STAGES`` stages (its loads go through shared memory); 2: a persistent loop that
+    loads the next tile into registers before quantizing the current one. Tile order:
+    :func:`_tile_coords`."""
+    pid = tl.program_id(0)
+    nm = tl.cdiv(M, BM)
+    nk = tl.cdiv(K, BN)
+    ntiles = nm * nk
+    if LOOP == 0:
+        pid_m, pid_k, rows, cols = _tile_coords(pid, ntiles, nm, nk, BM, BN, K_FAST, REVERSE)
+        x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
+        quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                   stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2,
+                   COL_FIRST)
+    elif LOOP == 1:
+        for t in tl.range(pid, ntiles, tl.num_programs(0), num_stages=STAGES):
+            pid_m, pid_k, rows, cols = _tile_coords(t, ntiles, nm, nk, BM, BN, K_FAST,
+                                                    REVERSE)
+            x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
+            quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M,
+                       K, stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE,
+                       NORM, POW2, COL_FIRST)
+    else:
+        nprog = tl.num_programs(0)
+        pid_m, pid_k, rows, cols = _tile_coords(pid, ntiles, nm, nk, BM, BN, K_FAST, REVERSE)
+        x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
+        for t in range(pid, ntiles, nprog):
+            pm_n, pk_n, rows_n, cols_n = _tile_coords(t + nprog, ntiles, nm, nk, BM, BN,
+                                                      K_FAST, REVERSE)
+            x_n, r_n, w_n = _load_tile(x_ptr, w_ptr, rstd_ptr, rows_n, cols_n, M, K,
+                                       stride_xm, NORM)
+            quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M,
+                       K, stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE,
+                       NORM, POW2, COL_FIRST)
+            x = x_n
+            r = r_n
+            w = w_n
+            rows = rows_n
+            cols = cols_n
+            pid_m = pm_n
+            pid_k = pk_n
 
 
 @triton.jit
@@ -143,9 +266,52 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
         tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 
 
-#: Warps of the 1x128 quantize kernel with / without the columnwise copy (tuning knobs).
-WARPS_COLWISE = 4
-WARPS_ROWWISE = 8
+#: Launch configurations of :func:`_quantize_1x128_kernel` for ``quantize_1x128`` (tuning
+#: knobs; ``benchmark/probe_tilequant.py`` sweeps them), by the copies asked for: "rc"
+#: rowwise + columnwise, "r" rowwise, "c" columnwise. Keys: ``bm``/``bn`` the tile (``bn``
+#: 128 with the rowwise copy, ``bm`` 128 with the columnwise one); ``warps``; ``loop`` the
+#: kernel's ``LOOP`` (0 one tile per program; 1 persistent, pipelined by Triton in
+#: ``stages`` stages; 2 persistent, the next tile prefetched into registers) and
+#: ``per_sm`` its programs per SM; ``k_fast`` the tile order; ``col_first`` the code order
+#: (see :func:`quant_tile`); ``maxnreg`` (optional) a register cap.
+TILE_CONFIGS = {
+    "rc": dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
+               col_first=False),
+    "r": dict(bm=32, bn=128, warps=8, loop=0, stages=1, per_sm=0, k_fast=False,
+              col_first=False),
+    "c": dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
+              col_first=False),
+}
+
+
+def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_scale: bool,
+                       weight: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                       reverse: bool = False) -> None:
+    """Launch :func:`_quantize_1x128_kernel` on ``x2 [M, K]`` (last dim contiguous, ``M``
+    and ``K`` > 0) into the components ``q, s`` (rowwise) and ``qt, st`` (columnwise) of
+    :func:`empty_1x128` (``None`` for a copy not asked for; scales in any strides).
+    With ``weight [K]`` and ``rstd [M]`` float32 the tile quantized is RMSNorm's output
+    ``x * rstd * weight`` (fp32 math). ``config``: a :data:`TILE_CONFIGS` entry;
+    ``reverse``: tiles from the last one (to find the rows a previous kernel read last
+    still in L2)."""
+    M, K = x2.shape
+    bm, bn = config["bm"], config["bn"]
+    if q is not None and bn != BLOCK or qt is not None and bm != BLOCK:
+        raise ValueError(f"tile {bm}x{bn} does not hold whole 1x128 groups")
+    ssm, ssg = s.stride() if s is not None else (0, 0)
+    sstk, sstg = st.stride() if st is not None else (0, 0)
+    ntiles = cdiv(M, bm) * cdiv(K, bn)
+    loop = config.get("loop", 0)
+    grid = ntiles if loop == 0 else min(ntiles, config["per_sm"] * num_sms(x2.device))
+    opts = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
+    with device_guard(x2):
+        launch(_quantize_1x128_kernel, (grid,),
+               x2, weight, rstd, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg,
+               BM=bm, BN=bn, ROWWISE=q is not None, COLWISE=qt is not None,
+               NORM=weight is not None, POW2=pow2_scale, LOOP=loop,
+               STAGES=config.get("stages", 1), K_FAST=config.get("k_fast", False),
+               REVERSE=reverse, COL_FIRST=config.get("col_first", False),
+               num_warps=config["warps"], **opts)
 
 
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,
@@ -209,18 +375,8 @@ def quantize_1x128_launch(x2: torch.Tensor, rowwise: bool, columnwise: bool,
     q, s, qt, st = empty_1x128(M, K, x2.device, rowwise=rowwise, columnwise=columnwise,
                                group_major=group_major_scales)
     if M > 0 and K > 0:
-        ssm, ssg = s.stride() if s is not None else (0, 0)
-        sstk, sstg = st.stride() if st is not None else (0, 0)
-        # Columnwise groups span 128 rows, so a program takes 128 rows; rowwise alone
-        # takes fewer rows per program for more parallelism.
-        BM = 128 if columnwise else 32
-        grid = (cdiv(M, BM), cdiv(K, BLOCK))
-        with device_guard(x2):
-            launch(_quantize_1x128_kernel, grid,
-                x2, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg, BM=BM,
-                ROWWISE=rowwise,
-                COLWISE=columnwise, POW2=pow2_scale,
-                num_warps=WARPS_COLWISE if columnwise else WARPS_ROWWISE)
+        key = "rc" if rowwise and columnwise else "r" if rowwise else "c"
+        launch_1x128_tiles(x2, q, s, qt, st, TILE_CONFIGS[key], pow2_scale=pow2_scale)
     return q, s, qt, st
 
 
