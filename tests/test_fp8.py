@@ -141,6 +141,29 @@ def test_quantize_1x128_tile_configs(device, monkeypatch, shape, knobs, copies):
         assert t.columnwise_data[0, 0].float().isnan()
 
 
+@pytest.mark.gpu_subset(shape=[(300, 1000), (2, 3, 257)])
+@pytest.mark.parametrize("shape", TILE_SHAPES + [(3, 700)])
+@pytest.mark.parametrize("knobs", [
+    dict(ROW_MODE="rows"), dict(ROWCOL_MODE="rows_cols"),
+    dict(ROW_MODE="rows", ROWS_CONFIG=dict(rows=2, elems=512, warps=4, max_bk=256)),
+    dict(ROWCOL_MODE="rows_cols", ROWS_CONFIG=dict(rows=8, elems=8192, warps=4, max_bk=256)),
+], ids=["rows", "rows_cols", "rows-blocks", "rows_cols-blocks"])
+def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
+    """The rows kernel (whole rows, or column blocks of wide rows) for the rowwise copy,
+    alone or beside the columnwise tiles, gives the tile kernel's bits."""
+    from linghe.fp8 import quantize as Q
+
+    x = (torch.randn(shape, device=device) * 4).to(torch.bfloat16)
+    x.view(-1, shape[-1])[0, 0] = float("nan")
+    columnwise = "ROWCOL_MODE" in knobs
+    want = linghe.quantize_1x128(x, columnwise=columnwise, pow2_scale=True)
+    for k, v in knobs.items():
+        monkeypatch.setattr(Q, k, v)
+    t = linghe.quantize_1x128(x, columnwise=columnwise, pow2_scale=True)
+    for a, b in zip(_components(t), _components(want)):
+        assert _same_bits(a, b)
+
+
 def test_quantize_1x128_group_major_scales(device):
     """Group-major scales (the FP8 Linear's layout) hold the same values."""
     from linghe.fp8.quantize import quantize_1x128_launch

@@ -251,7 +251,7 @@ def test_rms_norm_quant_columnwise_is_not_transpose(device):
 
 # The two kernels of rms_norm_quant (rows: rstd + rowwise copy; tiles: columnwise copy) and
 # their knobs: the alternative split (rstd only, then the tiles write both copies), tile
-# order and loops, the multi-pass rows path (rows wider than QUANT_MAX_SINGLE_BK), odd
+# order and loops, the multi-pass rows path (rows wider than the rows config's max_bk), odd
 # shapes (M and K not multiples of 128, M = 1), NaN in the input.
 NQ_KNOBS = [
     dict(),
@@ -260,8 +260,9 @@ NQ_KNOBS = [
                                                          per_sm=1, k_fast=True)),
     dict(QUANT_MODE="rstd_tiles", QUANT_TILE_ROWCOL=dict(bm=128, bn=128, warps=8, loop=1,
                                                          stages=2, per_sm=1)),
-    dict(QUANT_MAX_SINGLE_BK=256, QUANT_ROWS=2),
-    dict(QUANT_MAX_SINGLE_BK=256, QUANT_MODE="rstd_tiles"),
+    dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256)),
+    dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256),
+         QUANT_MODE="rstd_tiles"),
 ]
 
 
@@ -280,9 +281,9 @@ def test_rms_norm_quant_kernels(device, monkeypatch, M, K, knobs, columnwise):
     for k, v in knobs.items():
         monkeypatch.setattr(fwd_norm, k, v)
     t = linghe.rms_norm_quant(x, w, columnwise=columnwise)
-    # Every knob gives the defaults' bits: the same rstd (the rows kernel's, unless
-    # QUANT_MAX_SINGLE_BK changes its summation order) and the same fp32 y.
-    if "QUANT_MAX_SINGLE_BK" not in knobs or K <= knobs["QUANT_MAX_SINGLE_BK"]:
+    # Every knob gives the defaults' bits: the same rstd (the rows kernel's, unless its
+    # config changes the summation order) and the same fp32 y.
+    if "QUANT_ROWS_CONFIG" not in knobs:
         for a, b in zip([t.rowwise_data, t.rowwise_scale, t.columnwise_data,
                          t.columnwise_scale],
                         [want.rowwise_data, want.rowwise_scale, want.columnwise_data,

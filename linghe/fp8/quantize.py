@@ -111,6 +111,56 @@ def quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg,
 
 
 @triton.jit
+def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, M, K, stride_x, stride_sm,
+                          stride_sg, eps, RB: tl.constexpr, BK: tl.constexpr,
+                          SINGLE: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr,
+                          POW2: tl.constexpr):
+    """Rows ``[pid * RB, pid * RB + RB)`` of ``x [M, K]`` quantized rowwise in 1x128 groups
+    (:func:`quant_row_groups`). With ``NORM`` the rows are RMS-normalized first: ``rstd =
+    1 / sqrt(mean(x^2) + eps)`` is stored and ``y = x * rstd * w`` (fp32) quantized;
+    ``QUANT=False`` (with ``NORM``) only stores ``rstd``. ``SINGLE``: the whole row in one
+    ``BK >= K`` piece; else ``BK``-column blocks (with ``NORM`` two passes: the sum of
+    squares, then the rows again, from L1/L2)."""
+    rows = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
+    rmask = rows < M
+    cols0 = tl.arange(0, BK)
+    if SINGLE:
+        cmask = cols0 < K
+        y = tl.load(x_ptr + rows[:, None] * stride_x + cols0[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / K + eps)
+            tl.store(rstd_ptr + rows, rstd, mask=rmask)
+            w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
+            y = y * rstd[:, None] * w[None, :]
+        if QUANT:
+            quant_row_groups(y, rows, 0, q_ptr, s_ptr, M, K, stride_sm, stride_sg, BK, POW2)
+    else:
+        rstd = tl.zeros([RB], tl.float32)
+        if NORM:
+            acc = tl.zeros([RB, BK], tl.float32)
+            for k0 in range(0, K, BK):
+                cols = k0 + cols0
+                x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                            mask=rmask[:, None] & (cols < K)[None, :],
+                            other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / K + eps)
+            tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        if QUANT:
+            for k0 in range(0, K, BK):
+                cols = k0 + cols0
+                cmask = cols < K
+                y = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                if NORM:
+                    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+                    y = y * rstd[:, None] * w[None, :]
+                quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg, BK,
+                                 POW2)
+
+
+@triton.jit
 def _tile_coords(t, ntiles, nm, nk, BM: tl.constexpr, BN: tl.constexpr,
                  K_FAST: tl.constexpr, REVERSE: tl.constexpr):
     """Tile ``t`` of the ``[nm, nk]`` grid of ``[BM, BN]`` tiles: ``(pid_m, pid_k, rows
@@ -282,6 +332,43 @@ TILE_CONFIGS = {
     "c": dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
               col_first=False),
 }
+#: Launch configuration of :func:`_quantize_rows_kernel` for ``quantize_1x128``: at most
+#: ``rows`` rows and ``elems`` elements per program, ``warps``, widest row held in one
+#: piece (``max_bk``; wider rows go in ``max_bk`` blocks).
+ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
+#: Kernels of ``quantize_1x128``: the rowwise copy alone from the "tiles" kernel or the
+#: "rows" kernel; both copies from the tiles in one pass ("tiles"), or "rows_cols": the
+#: rows kernel, then the columnwise tiles in reverse order (re-reading x, partly from L2).
+ROW_MODE = "tiles"
+ROWCOL_MODE = "tiles"
+
+
+def rows_tile(K: int, config: dict) -> tuple[int, int, bool]:
+    """``(RB rows, BK columns, SINGLE)`` of a :func:`_quantize_rows_kernel` program for
+    ``K`` columns: whole rows up to ``config["max_bk"]`` columns (at most
+    ``config["rows"]`` rows and ``config["elems"]`` elements), else one row in blocks of
+    ``max_bk`` columns."""
+    bk = max(BLOCK, 1 << (K - 1).bit_length())
+    if bk > config["max_bk"]:
+        return 1, config["max_bk"], False
+    return max(1, min(config["rows"], config["elems"] // bk)), bk, True
+
+
+def launch_1x128_rows(x2: torch.Tensor, q, s, config: dict, *, pow2_scale: bool,
+                      weight: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                      eps: float = 0.0) -> None:
+    """Launch :func:`_quantize_rows_kernel` on ``x2 [M, K]`` (last dim contiguous, ``M``
+    and ``K`` > 0): the rowwise copy ``q, s`` (:func:`empty_1x128`; ``None``: only
+    ``rstd``, which needs ``weight``) and, with ``weight [K]``, RMSNorm first (``rstd
+    [M]`` float32 written). ``config``: like :data:`ROWS_CONFIG`."""
+    M, K = x2.shape
+    rb, bk, single = rows_tile(K, config)
+    ssm, ssg = s.stride() if s is not None else (0, 0)
+    with device_guard(x2):
+        launch(_quantize_rows_kernel, (cdiv(M, rb),), x2, weight, q, s, rstd, M, K,
+               x2.stride(0), ssm, ssg, float(eps), RB=rb, BK=bk, SINGLE=single,
+               NORM=weight is not None, QUANT=q is not None, POW2=pow2_scale,
+               num_warps=config["warps"])
 
 
 def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_scale: bool,
@@ -375,8 +462,17 @@ def quantize_1x128_launch(x2: torch.Tensor, rowwise: bool, columnwise: bool,
     q, s, qt, st = empty_1x128(M, K, x2.device, rowwise=rowwise, columnwise=columnwise,
                                group_major=group_major_scales)
     if M > 0 and K > 0:
-        key = "rc" if rowwise and columnwise else "r" if rowwise else "c"
-        launch_1x128_tiles(x2, q, s, qt, st, TILE_CONFIGS[key], pow2_scale=pow2_scale)
+        if rowwise and columnwise and ROWCOL_MODE == "tiles":
+            launch_1x128_tiles(x2, q, s, qt, st, TILE_CONFIGS["rc"], pow2_scale=pow2_scale)
+        else:
+            if rowwise and (columnwise or ROW_MODE == "rows"):
+                launch_1x128_rows(x2, q, s, ROWS_CONFIG, pow2_scale=pow2_scale)
+            elif rowwise:
+                launch_1x128_tiles(x2, q, s, None, None, TILE_CONFIGS["r"],
+                                   pow2_scale=pow2_scale)
+            if columnwise:
+                launch_1x128_tiles(x2, None, None, qt, st, TILE_CONFIGS["c"],
+                                   pow2_scale=pow2_scale, reverse=rowwise)
     return q, s, qt, st
 
 

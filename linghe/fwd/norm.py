@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.quantize import BLOCK, empty_1x128, launch_1x128_tiles, quant_row_groups
+from ..fp8.quantize import empty_1x128, launch_1x128_rows, launch_1x128_tiles
 from ..utils import cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
 #: Largest power-of-two hidden tile held in registers in one piece; wider rows are
@@ -190,88 +190,29 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # RMSNorm + 1x128 FP8 quantization
 # --------------------------------------------------------------------------------------
 #
-# Rowwise copy: one kernel, one pass. A program takes RB whole rows (up to
-# QUANT_MAX_SINGLE_BK columns held in registers), computes rstd (stored for the backward),
-# y = x * rstd * w in fp32 and quantizes y in 1x128 groups along the row. Wider rows take
-# two passes over column blocks (sum of squares, then normalize + quantize; the second
-# reads the rows back from L1/L2).
+# Two kernels of linghe.fp8.quantize, each with an RMSNorm prologue (one implementation of
+# the rowwise and of the columnwise quantization for quantize_1x128 and this op):
 #
-# Columnwise copy (groups of 128 tokens): a second kernel, the 1x128 tile kernel of
-# linghe.fp8.quantize (one implementation of the tile loop and the transposed store) in
-# its NORM mode: [128 tokens, BN columns] tiles of x, scaled by the rstd the first kernel
-# stored and by w, quantized columnwise. It re-reads x; by default in reverse tile order,
-# so that it starts on the rows the first kernel read last (the likeliest to be in L2).
-# QUANT_MODE "rstd_tiles" is the alternative split: the first kernel computes rstd only
-# and the tile kernel writes both copies. Both give identical results.
+# 1. the rows kernel (rowwise copy, one pass): a program takes whole rows (up to
+#    QUANT_ROWS_CONFIG["max_bk"] columns in registers), computes rstd (stored for the
+#    backward), y = x * rstd * w in fp32 and quantizes y in 1x128 groups along the row;
+# 2. with the columnwise copy, the tile kernel: [128 tokens, BN columns] tiles of x,
+#    scaled by that rstd and w (the same fp32 y), quantized columnwise. It re-reads x, by
+#    default in reverse tile order so that it starts on the rows kernel 1 read last (the
+#    likeliest to be in L2).
+#
+# QUANT_MODE "rstd_tiles" splits the work the other way: kernel 1 stores rstd only and the
+# tile kernel writes both copies. Both modes give identical bits.
 
-
-@triton.jit
-def _rms_norm_quant_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, M, K, stride_x,
-                                stride_sm, stride_sg, eps, RB: tl.constexpr,
-                                BK: tl.constexpr, SINGLE: tl.constexpr,
-                                QUANT: tl.constexpr, POW2: tl.constexpr):
-    """Rows ``[pid * RB, pid * RB + RB)`` of ``x [M, K]``: ``rstd`` stored, and with
-    ``QUANT`` ``y = x * rstd * w`` (fp32) quantized rowwise (``quant_row_groups``).
-    ``SINGLE``: ``BK >= K`` columns in one piece; else ``BK``-column blocks, two passes."""
-    rows = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
-    rmask = rows < M
-    cols0 = tl.arange(0, BK)
-    if SINGLE:
-        cmask = cols0 < K
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols0[None, :],
-                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
-        if QUANT:
-            w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
-            y = x * rstd[:, None] * w[None, :]
-            quant_row_groups(y, rows, 0, q_ptr, s_ptr, M, K, stride_sm, stride_sg, BK, POW2)
-    else:
-        acc = tl.zeros([RB, BK], tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + cols0
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
-                        mask=rmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-            acc += x * x
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / K + eps)
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
-        if QUANT:
-            for k0 in range(0, K, BK):
-                cols = k0 + cols0
-                cmask = cols < K
-                x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
-                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-                y = x * rstd[:, None] * w[None, :]
-                quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg, BK,
-                                 POW2)
-
-
-#: Tuning knobs of rms_norm_quant (benchmark/probe_tilequant.py sweeps them). QUANT_MODE:
-#: "rows_cols" (rows kernel with rstd + rowwise copy, then the columnwise tile kernel) or
-#: "rstd_tiles" (rows kernel with rstd only, then the tile kernel writes both copies).
-#: Rows kernel: at most QUANT_ROWS rows and QUANT_ROW_ELEMS elements per program, warps,
-#: widest row held in one piece. Tile kernel: QUANT_TILE_COLS / QUANT_TILE_ROWCOL
-#: (TILE_CONFIGS entries of linghe.fp8.quantize for the columnwise / both copies),
-#: QUANT_TILE_REVERSE.
+#: Tuning knobs of rms_norm_quant (benchmark/probe_tilequant.py sweeps them):
+#: QUANT_MODE "rows_cols" or "rstd_tiles" (above); the rows kernel's config
+#: (linghe.fp8.quantize.ROWS_CONFIG keys); the tile kernel's configs (TILE_CONFIGS
+#: entries) for the columnwise copy / both copies; its tile order.
 QUANT_MODE = "rows_cols"
-QUANT_ROWS = 4
-QUANT_ROW_ELEMS = 8192
-QUANT_ROW_WARPS = 8
-QUANT_MAX_SINGLE_BK = 8192
+QUANT_ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
 QUANT_TILE_COLS = dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False)
 QUANT_TILE_ROWCOL = dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False)
 QUANT_TILE_REVERSE = True
-
-
-def quant_row_tile(K: int) -> tuple[int, int, bool]:
-    """``(RB rows, BK columns, SINGLE)`` of a rows-kernel program for hidden size ``K``:
-    whole rows up to QUANT_MAX_SINGLE_BK columns (at most QUANT_ROWS rows and
-    QUANT_ROW_ELEMS elements), else one row in blocks of QUANT_MAX_SINGLE_BK columns."""
-    bk = max(BLOCK, next_power_of_2(K))
-    if bk > QUANT_MAX_SINGLE_BK:
-        return 1, QUANT_MAX_SINGLE_BK, False
-    return max(1, min(QUANT_ROWS, QUANT_ROW_ELEMS // bk)), bk, True
 
 
 def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -286,18 +227,14 @@ def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     rstd = empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return q, s, qt, st, rstd
-    tiles_both = columnwise and QUANT_MODE == "rstd_tiles"
-    rb, bk, single = quant_row_tile(K)
-    with device_guard(x):
-        launch(_rms_norm_quant_rows_kernel, (cdiv(M, rb),), x, weight, q, s, rstd, M, K,
-               x.stride(0), s.stride(0), s.stride(1), float(eps), RB=rb, BK=bk,
-               SINGLE=single, QUANT=not tiles_both, POW2=pow2_scale,
-               num_warps=QUANT_ROW_WARPS)
-        if columnwise:
-            launch_1x128_tiles(x, q if tiles_both else None, s if tiles_both else None, qt, st,
-                               QUANT_TILE_ROWCOL if tiles_both else QUANT_TILE_COLS,
-                               pow2_scale=pow2_scale, weight=weight, rstd=rstd,
-                               reverse=QUANT_TILE_REVERSE)
+    both = columnwise and QUANT_MODE == "rstd_tiles"
+    launch_1x128_rows(x, None if both else q, None if both else s, QUANT_ROWS_CONFIG,
+                      pow2_scale=pow2_scale, weight=weight, rstd=rstd, eps=eps)
+    if columnwise:
+        launch_1x128_tiles(x, q if both else None, s if both else None, qt, st,
+                           QUANT_TILE_ROWCOL if both else QUANT_TILE_COLS,
+                           pow2_scale=pow2_scale, weight=weight, rstd=rstd,
+                           reverse=QUANT_TILE_REVERSE)
     return q, s, qt, st, rstd
 
 
