@@ -13,7 +13,8 @@ and the new launchers at several values of their module knobs (``*`` = the defau
   the columnwise copy. Knobs: ``TILE_CONFIGS`` entries (tile, warps, ``loop`` 0 one tile
   per program / 1 Triton-pipelined persistent / 2 register-prefetch persistent,
   programs per SM, tile order ``k_fast``, ``col_first``, ``maxnreg``), ``ROW_MODE`` /
-  ``ROWCOL_MODE`` (the rows kernel), ``ROWS_CONFIG``;
+  ``ROWCOL_MODE`` (the rows kernel; "rows_cols": rows then columnwise tiles, two
+  launches; "split": both kinds of programs in one launch), ``ROWS_CONFIG``;
 - ``norm_quant rc`` / ``rc pow2`` / ``r``: :func:`linghe.fwd.norm.rms_norm_quant_fwd`.
   Knobs: ``QUANT_MODE`` ("rows_cols": rows kernel with rstd + rowwise copy, then the
   columnwise tiles; "rstd_tiles": rows kernel with rstd only, then tiles writing both
@@ -94,12 +95,16 @@ QUANT_RC = [
     {"ROWCOL_MODE": "rows_cols"},
     {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64)},
     {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64, k_fast=True)},
+    {"ROWCOL_MODE": "split", "c": dict(bn=64)},
+    {"ROWCOL_MODE": "split", "c": dict(bn=128)},
+    {"ROWCOL_MODE": "split", "c": dict(bn=64, warps=8), "rows": R8},
 ]
 QUANT_RC_POW2 = [
     {"rc": dict(k_fast=True)},
     {"rc": dict(warps=8, col_first=True, k_fast=True)},
     {"rc": dict(P2, warps=16)},
     {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64)},
+    {"ROWCOL_MODE": "split", "c": dict(bn=64)},
 ]
 QUANT_R = [
     {"r": dict(bm=64)},

@@ -144,19 +144,24 @@ def test_quantize_1x128_tile_configs(device, monkeypatch, shape, knobs, copies):
 @pytest.mark.gpu_subset(shape=[(300, 1000), (2, 3, 257)])
 @pytest.mark.parametrize("shape", TILE_SHAPES + [(3, 700)])
 @pytest.mark.parametrize("knobs", [
-    dict(ROW_MODE="rows"), dict(ROWCOL_MODE="rows_cols"),
+    dict(ROW_MODE="rows"), dict(ROWCOL_MODE="rows_cols"), dict(ROWCOL_MODE="split"),
     dict(ROW_MODE="rows", ROWS_CONFIG=dict(rows=2, elems=512, warps=4, max_bk=256)),
     dict(ROWCOL_MODE="rows_cols", ROWS_CONFIG=dict(rows=8, elems=8192, warps=4, max_bk=256)),
-], ids=["rows", "rows_cols", "rows-blocks", "rows_cols-blocks"])
+    dict(ROWCOL_MODE="split", ROWS_CONFIG=dict(rows=3, elems=8192, warps=4, max_bk=256),
+         TILE_CONFIGS=dict(c=dict(bm=128, bn=64, warps=4))),
+], ids=["rows", "rows_cols", "split", "rows-blocks", "rows_cols-blocks", "split-blocks"])
 def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
     """The rows kernel (whole rows, or column blocks of wide rows) for the rowwise copy,
-    alone or beside the columnwise tiles, gives the tile kernel's bits."""
+    alone, beside the columnwise tiles, or in one launch with them ("split"), gives the
+    tile kernel's bits."""
     from linghe.fp8 import quantize as Q
 
     x = (torch.randn(shape, device=device) * 4).to(torch.bfloat16)
     x.view(-1, shape[-1])[0, 0] = float("nan")
     columnwise = "ROWCOL_MODE" in knobs
     want = linghe.quantize_1x128(x, columnwise=columnwise, pow2_scale=True)
+    if "TILE_CONFIGS" in knobs:
+        knobs = dict(knobs, TILE_CONFIGS=dict(Q.TILE_CONFIGS, **knobs["TILE_CONFIGS"]))
     for k, v in knobs.items():
         monkeypatch.setattr(Q, k, v)
     t = linghe.quantize_1x128(x, columnwise=columnwise, pow2_scale=True)

@@ -111,17 +111,16 @@ def quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg,
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, M, K, stride_x, stride_sm,
-                          stride_sg, eps, RB: tl.constexpr, BK: tl.constexpr,
-                          SINGLE: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr,
-                          POW2: tl.constexpr):
-    """Rows ``[pid * RB, pid * RB + RB)`` of ``x [M, K]`` quantized rowwise in 1x128 groups
+def rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, r0, M, K, stride_x, stride_sm,
+                 stride_sg, eps, RB: tl.constexpr, BK: tl.constexpr, SINGLE: tl.constexpr,
+                 NORM: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr):
+    """Rows ``[r0, r0 + RB)`` of ``x [M, K]`` quantized rowwise in 1x128 groups
     (:func:`quant_row_groups`). With ``NORM`` the rows are RMS-normalized first: ``rstd =
     1 / sqrt(mean(x^2) + eps)`` is stored and ``y = x * rstd * w`` (fp32) quantized;
     ``QUANT=False`` (with ``NORM``) only stores ``rstd``. ``SINGLE``: the whole row in one
     ``BK >= K`` piece; else ``BK``-column blocks (with ``NORM`` two passes: the sum of
     squares, then the rows again, from L1/L2)."""
-    rows = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
+    rows = r0.to(tl.int64) + tl.arange(0, RB)
     rmask = rows < M
     cols0 = tl.arange(0, BK)
     if SINGLE:
@@ -158,6 +157,16 @@ def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, M, K, stride_x, 
                     y = y * rstd[:, None] * w[None, :]
                 quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg, BK,
                                  POW2)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, M, K, stride_x, stride_sm,
+                          stride_sg, eps, RB: tl.constexpr, BK: tl.constexpr,
+                          SINGLE: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr,
+                          POW2: tl.constexpr):
+    """Program ``pid``: :func:`rows_program` on rows ``[pid * RB, pid * RB + RB)``."""
+    rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, tl.program_id(0) * RB, M, K,
+                 stride_x, stride_sm, stride_sg, eps, RB, BK, SINGLE, NORM, QUANT, POW2)
 
 
 @triton.jit
@@ -286,6 +295,32 @@ def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
 
 
 @triton.jit
+def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_sm,
+                           stride_sg, stride_stk, stride_stg, RB: tl.constexpr,
+                           BK: tl.constexpr, SINGLE: tl.constexpr, BN: tl.constexpr,
+                           POW2: tl.constexpr):
+    """Both 1x128 copies of ``x [M, K]`` in one launch of two kinds of independent
+    programs, per 128-row chunk in program-id order: ``128 // RB`` row programs
+    (:func:`rows_program`: the rowwise copy of ``RB`` whole rows), then ``cdiv(K, BN)``
+    column tiles (:func:`quant_tile`, columnwise only), which re-read the chunk the row
+    programs just read, from L2."""
+    NR: tl.constexpr = 128 // RB
+    nk = tl.cdiv(K, BN)
+    pid = tl.program_id(0)
+    c = pid // (NR + nk)
+    i = pid - c * (NR + nk)
+    if i < NR:
+        rows_program(x_ptr, x_ptr, q_ptr, s_ptr, s_ptr, c * 128 + i * RB, M, K, stride_xm,
+                     stride_sm, stride_sg, 0.0, RB, BK, SINGLE, False, True, POW2)
+    else:
+        rows = c.to(tl.int64) * 128 + tl.arange(0, 128)
+        cols = (i - NR) * BN + tl.arange(0, BN)
+        x, r, w = _load_tile(x_ptr, x_ptr, x_ptr, rows, cols, M, K, stride_xm, False)
+        quant_tile(x, r, w, rows, cols, c, i - NR, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2)
+
+
+@triton.jit
 def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_wn,
                              COLWISE: tl.constexpr, POW2: tl.constexpr,
                              RELOAD_T: tl.constexpr):
@@ -337,8 +372,10 @@ TILE_CONFIGS = {
 #: piece (``max_bk``; wider rows go in ``max_bk`` blocks).
 ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
 #: Kernels of ``quantize_1x128``: the rowwise copy alone from the "tiles" kernel or the
-#: "rows" kernel; both copies from the tiles in one pass ("tiles"), or "rows_cols": the
-#: rows kernel, then the columnwise tiles in reverse order (re-reading x, partly from L2).
+#: "rows" kernel; both copies from the tiles in one pass ("tiles"); "rows_cols": the rows
+#: kernel, then the columnwise tiles in reverse order (re-reading x, partly from L2);
+#: "split": :func:`_quantize_split_kernel` (rows and columnwise tiles in one launch, chunk
+#: by chunk, ROWS_CONFIG and the "c" tile's ``bn`` and ``warps``).
 ROW_MODE = "tiles"
 ROWCOL_MODE = "tiles"
 
@@ -346,12 +383,13 @@ ROWCOL_MODE = "tiles"
 def rows_tile(K: int, config: dict) -> tuple[int, int, bool]:
     """``(RB rows, BK columns, SINGLE)`` of a :func:`_quantize_rows_kernel` program for
     ``K`` columns: whole rows up to ``config["max_bk"]`` columns (at most
-    ``config["rows"]`` rows and ``config["elems"]`` elements), else one row in blocks of
-    ``max_bk`` columns."""
+    ``config["rows"]`` rows and ``config["elems"]`` elements, a power of two), else one
+    row in blocks of ``max_bk`` columns."""
     bk = max(BLOCK, 1 << (K - 1).bit_length())
     if bk > config["max_bk"]:
         return 1, config["max_bk"], False
-    return max(1, min(config["rows"], config["elems"] // bk)), bk, True
+    rb = max(1, min(config["rows"], config["elems"] // bk))
+    return 1 << (rb.bit_length() - 1), bk, True
 
 
 def launch_1x128_rows(x2: torch.Tensor, q, s, config: dict, *, pow2_scale: bool,
@@ -399,6 +437,23 @@ def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_sca
                STAGES=config.get("stages", 1), K_FAST=config.get("k_fast", False),
                REVERSE=reverse, COL_FIRST=config.get("col_first", False),
                num_warps=config["warps"], **opts)
+
+
+def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
+                       tile_config: dict, *, pow2_scale: bool) -> None:
+    """Launch :func:`_quantize_split_kernel` on ``x2 [M, K]`` (``M``, ``K`` > 0) into all
+    four components of :func:`empty_1x128`: row programs as ``rows_config``
+    (:func:`rows_tile`, at most 128 rows), column tiles of
+    ``tile_config["bn"]`` columns, ``tile_config["warps"]`` warps for both."""
+    M, K = x2.shape
+    rb, bk, single = rows_tile(K, rows_config)
+    rb = min(rb, BLOCK)
+    bn = tile_config["bn"]
+    grid = cdiv(M, BLOCK) * (BLOCK // rb + cdiv(K, bn))
+    with device_guard(x2):
+        launch(_quantize_split_kernel, (grid,), x2, q, s, qt, st, M, K, x2.stride(0),
+               s.stride(0), s.stride(1), st.stride(0), st.stride(1), RB=rb, BK=bk,
+               SINGLE=single, BN=bn, POW2=pow2_scale, num_warps=tile_config["warps"])
 
 
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,
@@ -464,6 +519,9 @@ def quantize_1x128_launch(x2: torch.Tensor, rowwise: bool, columnwise: bool,
     if M > 0 and K > 0:
         if rowwise and columnwise and ROWCOL_MODE == "tiles":
             launch_1x128_tiles(x2, q, s, qt, st, TILE_CONFIGS["rc"], pow2_scale=pow2_scale)
+        elif rowwise and columnwise and ROWCOL_MODE == "split":
+            launch_1x128_split(x2, q, s, qt, st, ROWS_CONFIG, TILE_CONFIGS["c"],
+                               pow2_scale=pow2_scale)
         else:
             if rowwise and (columnwise or ROW_MODE == "rows"):
                 launch_1x128_rows(x2, q, s, ROWS_CONFIG, pow2_scale=pow2_scale)
