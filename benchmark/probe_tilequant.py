@@ -84,27 +84,27 @@ P1 = dict(loop=1, per_sm=2, k_fast=True, warps=8)  # Triton-pipelined persistent
 P2 = dict(loop=2, per_sm=1, k_fast=True)  # register-prefetch persistent
 R8 = dict(rows=8, elems=16384)  # 8 rows of 2048 per rows-kernel program
 QUANT_RC = [
-    {"rc": dict(k_fast=True)},
-    {"rc": dict(warps=8)},
-    {"rc": dict(warps=8, col_first=True, k_fast=True)},
-    {"rc": dict(col_first=True, k_fast=True)},
-    {"rc": dict(P1, stages=3)},
-    {"rc": dict(P2, warps=8)},
-    {"rc": dict(P2, warps=16)},
-    {"rc": dict(P2, warps=8, per_sm=2, maxnreg=128)},
+    {"ROWCOL_MODE": "tiles"},
+    {"ROWCOL_MODE": "tiles", "rc": dict(k_fast=True)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(warps=8)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(warps=8, col_first=True, k_fast=True)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(col_first=True, k_fast=True)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(P1, stages=3)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=8)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=16)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=8, per_sm=2, maxnreg=128)},
     {"ROWCOL_MODE": "rows_cols"},
-    {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64)},
     {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64, k_fast=True)},
-    {"ROWCOL_MODE": "split", "c": dict(bn=64)},
-    {"ROWCOL_MODE": "split", "c": dict(bn=128)},
-    {"ROWCOL_MODE": "split", "c": dict(bn=64, warps=8), "rows": R8},
+    {"split": dict(bn=128)},
+    {"split": dict(bn=32)},
+    {"split": dict(warps=8), "rows": R8},
+    {"rows": dict(rows=2)},
 ]
 QUANT_RC_POW2 = [
-    {"rc": dict(k_fast=True)},
-    {"rc": dict(warps=8, col_first=True, k_fast=True)},
-    {"rc": dict(P2, warps=16)},
-    {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64)},
-    {"ROWCOL_MODE": "split", "c": dict(bn=64)},
+    {"ROWCOL_MODE": "tiles"},
+    {"ROWCOL_MODE": "tiles", "rc": dict(k_fast=True)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(warps=8, col_first=True, k_fast=True)},
+    {"split": dict(bn=128)},
 ]
 QUANT_R = [
     {"r": dict(bm=64)},
@@ -189,7 +189,7 @@ def _knobs(Q, N, op, kn):
     try:
         for k, v in kn.items():
             if op.startswith("quantize"):
-                if k in ("rc", "r", "c"):
+                if k in ("rc", "r", "c", "split"):
                     put(Q, "TILE_CONFIGS", dict(Q.TILE_CONFIGS, **{k: dict(
                         Q.TILE_CONFIGS[k], **v)}))
                 elif k == "rows":

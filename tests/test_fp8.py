@@ -124,6 +124,8 @@ def test_quantize_1x128_tile_configs(device, monkeypatch, shape, knobs, copies):
     if not columnwise:
         cfg["bm"] = 16 if knobs.get("loop") == 2 else 64
     monkeypatch.setitem(Q.TILE_CONFIGS, copies, cfg)
+    monkeypatch.setattr(Q, "ROWCOL_MODE", "tiles")  # (the default "split" has no rc tiles)
+    monkeypatch.setattr(Q, "ROW_MODE", "tiles")
     t = linghe.quantize_1x128(x, rowwise=rowwise, columnwise=columnwise)
     for a, b in zip(_components(t), _components(want)):
         assert _same_bits(a, b)
@@ -148,12 +150,14 @@ def test_quantize_1x128_tile_configs(device, monkeypatch, shape, knobs, copies):
     dict(ROW_MODE="rows", ROWS_CONFIG=dict(rows=2, elems=512, warps=4, max_bk=256)),
     dict(ROWCOL_MODE="rows_cols", ROWS_CONFIG=dict(rows=8, elems=8192, warps=4, max_bk=256)),
     dict(ROWCOL_MODE="split", ROWS_CONFIG=dict(rows=3, elems=8192, warps=4, max_bk=256),
-         TILE_CONFIGS=dict(c=dict(bm=128, bn=64, warps=4))),
-], ids=["rows", "rows_cols", "split", "rows-blocks", "rows_cols-blocks", "split-blocks"])
+         TILE_CONFIGS=dict(split=dict(bm=128, bn=32, warps=8))),
+    dict(ROWCOL_MODE="tiles"),
+], ids=["rows", "rows_cols", "split", "rows-blocks", "rows_cols-blocks", "split-blocks",
+        "tiles"])
 def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
-    """The rows kernel (whole rows, or column blocks of wide rows) for the rowwise copy,
-    alone, beside the columnwise tiles, or in one launch with them ("split"), gives the
-    tile kernel's bits."""
+    """Every kernel choice gives the same bits: the rowwise copy from the rows kernel
+    (whole rows, or column blocks of wide rows) or the tiles; both copies from the rows
+    kernel and the columnwise tiles (two launches, or one: "split") or from the tiles."""
     from linghe.fp8 import quantize as Q
 
     x = (torch.randn(shape, device=device) * 4).to(torch.bfloat16)
