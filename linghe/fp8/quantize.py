@@ -73,10 +73,26 @@ def fp8_block_scale(amax, POW2: tl.constexpr):
 
 
 @triton.jit
+def inv_scale(s, POW2: tl.constexpr):
+    """``1.0 / s`` for a scale of :func:`fp8_block_scale`, bit for bit. ``1.0 / s`` is
+    PTX ``div.full.f32``: one MUFU.RCP plus range fix-ups for subnormal or huge ``s``
+    (~8 instructions). A power-of-two scale is never subnormal nor above 2^126 (it is 0,
+    inf or NaN only for inf/NaN input, where MUFU.RCP gives div.full's inf, 0, NaN), so
+    with ``POW2`` the GPU takes the bare ``rcp.approx.ftz.f32`` (one MUFU.RCP): the same
+    bits. Every thread computes the scales of all groups it holds elements of (16
+    columns per thread in the columnwise tiles), so this is a few % of the kernel."""
+    if POW2 and not _INTERPRET_C:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / s
+
+
+@triton.jit
 def quant_rows(x, POW2: tl.constexpr):
     """Quantize fp32 ``x [R, 128]``: one group per row. Returns ``(q e4m3, scale [R])``."""
     scale = fp8_block_scale(tl.max(tl.abs(x), axis=1), POW2)
-    q = to_e4m3(x * (1.0 / scale)[:, None])
+    q = to_e4m3(x * inv_scale(scale, POW2)[:, None])
     return q, scale
 
 
@@ -84,7 +100,7 @@ def quant_rows(x, POW2: tl.constexpr):
 def quant_cols(x, POW2: tl.constexpr):
     """Quantize fp32 ``x [128, C]``: one group per column. Returns ``(q e4m3, scale [C])``."""
     scale = fp8_block_scale(tl.max(tl.abs(x), axis=0), POW2)
-    q = to_e4m3(x * (1.0 / scale)[None, :])
+    q = to_e4m3(x * inv_scale(scale, POW2)[None, :])
     return q, scale
 
 
@@ -100,7 +116,7 @@ def quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg,
     R: tl.constexpr = y.shape[0]
     y3 = tl.reshape(y, [R, G, 128])
     scale = fp8_block_scale(tl.max(tl.abs(y3), axis=2), POW2)
-    q = tl.reshape(to_e4m3(y3 * (1.0 / scale)[:, :, None]), [R, BK])
+    q = tl.reshape(to_e4m3(y3 * inv_scale(scale, POW2)[:, :, None]), [R, BK])
     rmask = rows < M
     cols = k0 + tl.arange(0, BK)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q,
