@@ -73,19 +73,29 @@ def fp8_block_scale(amax, POW2: tl.constexpr):
 
 
 @triton.jit
+def _rcp_approx(s):
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def inv_scale(s, POW2: tl.constexpr):
-    """``1.0 / s`` for a scale of :func:`fp8_block_scale`, bit for bit. ``1.0 / s`` is
-    PTX ``div.full.f32``: one MUFU.RCP plus range fix-ups for subnormal or huge ``s``
-    (~8 instructions). A power-of-two scale is never subnormal nor above 2^126 (it is 0,
-    inf or NaN only for inf/NaN input, where MUFU.RCP gives div.full's inf, 0, NaN), so
-    with ``POW2`` the GPU takes the bare ``rcp.approx.ftz.f32`` (one MUFU.RCP): the same
-    bits. Every thread computes the scales of all groups it holds elements of (16
-    columns per thread in the columnwise tiles), so this is a few % of the kernel."""
-    if POW2 and not _INTERPRET_C:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
+    """``1.0 / s`` for a scale ``s`` of :func:`fp8_block_scale`, bit for bit, in fewer
+    instructions. On the GPU ``1.0 / s`` is PTX ``div.full.f32``: MUFU.RCP of ``s``, with
+    ``s`` and the result scaled by 2^24 when ``s`` is subnormal and by 1/4 when it is above
+    2^126 (~8 instructions; every thread computes the scales of all groups it holds
+    elements of, 16 per thread in the columnwise tiles). A scale is never above 2^126
+    unless inf (``amax / 448 <= FLT_MAX / 448``), where MUFU.RCP gives div.full's 0 too,
+    so only the subnormal fix-up is kept; a power-of-two scale is never subnormal (nor is
+    one of 0, inf, NaN a problem: MUFU.RCP gives div.full's inf, 0, NaN): one MUFU.RCP."""
+    if _INTERPRET_C:
         return 1.0 / s
+    elif POW2:
+        return _rcp_approx(s)
+    else:
+        tiny = s < 1.1754943508222875e-38
+        r = _rcp_approx(tl.where(tiny, s * 16777216.0, s))
+        return tl.where(tiny, r * 16777216.0, r)
 
 
 @triton.jit
