@@ -129,6 +129,7 @@ NORM_RC = [
     {"cols": dict(bn=64, k_fast=True)},
     {"cols": dict(P2, bn=64, warps=8, per_sm=2)},
     {"rows": R8},
+    {"rows": dict(per_sm=3)},
     {"mode": "rstd_tiles"},
     {"mode": "rstd_tiles", "rowcol": dict(warps=8, col_first=True, k_fast=True)},
 ]
@@ -137,7 +138,9 @@ NORM_R = [
     {"rows": R8},
     {"rows": dict(rows=2, warps=4)},
     {"rows": dict(warps=4)},
-    {"rows": dict(R8, warps=16)},
+    {"rows": dict(per_sm=3)},
+    {"rows": dict(per_sm=2)},
+    {"rows": dict(rows=2, warps=4, per_sm=6)},
 ]
 #: Variant rows (not old / default rows) are skipped once the probe has run this long.
 MAX_SECONDS = 80.0

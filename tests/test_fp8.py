@@ -148,12 +148,14 @@ def test_quantize_1x128_tile_configs(device, monkeypatch, shape, knobs, copies):
 @pytest.mark.parametrize("knobs", [
     dict(ROW_MODE="rows"), dict(ROWCOL_MODE="rows_cols"), dict(ROWCOL_MODE="split"),
     dict(ROW_MODE="rows", ROWS_CONFIG=dict(rows=2, elems=512, warps=4, max_bk=256)),
+    dict(ROW_MODE="rows", ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=8192,
+                                           per_sm=1)),
     dict(ROWCOL_MODE="rows_cols", ROWS_CONFIG=dict(rows=8, elems=8192, warps=4, max_bk=256)),
     dict(ROWCOL_MODE="split", ROWS_CONFIG=dict(rows=3, elems=8192, warps=4, max_bk=256),
          TILE_CONFIGS=dict(split=dict(bm=128, bn=32, warps=8))),
     dict(ROWCOL_MODE="tiles"),
-], ids=["rows", "rows_cols", "split", "rows-blocks", "rows_cols-blocks", "split-blocks",
-        "tiles"])
+], ids=["rows", "rows_cols", "split", "rows-blocks", "rows-persistent", "rows_cols-blocks",
+        "split-blocks", "tiles"])
 def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
     """Every kernel choice gives the same bits: the rowwise copy from the rows kernel
     (whole rows, or column blocks of wide rows) or the tiles; both copies from the rows

@@ -261,6 +261,9 @@ NQ_KNOBS = [
     dict(QUANT_MODE="rstd_tiles", QUANT_TILE_ROWCOL=dict(bm=128, bn=128, warps=8, loop=1,
                                                          stages=2, per_sm=1)),
     dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256)),
+    dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=8192, per_sm=1)),
+    dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256, per_sm=1),
+         QUANT_MODE="rstd_tiles"),
     dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256),
          QUANT_MODE="rstd_tiles"),
 ]
@@ -277,13 +280,19 @@ def test_rms_norm_quant_kernels(device, monkeypatch, M, K, knobs, columnwise):
     if nan:
         with torch.no_grad():
             x[0, 0] = float("nan")  # row 0 is all NaN (its rstd is NaN)
+    rows_cfg = knobs.get("QUANT_ROWS_CONFIG")
+    if rows_cfg is not None and rows_cfg.get("per_sm"):
+        # the persistent rows kernel against the same tiles one block per program
+        monkeypatch.setattr(fwd_norm, "QUANT_ROWS_CONFIG", dict(rows_cfg, per_sm=0))
     want = linghe.rms_norm_quant(x.detach(), w, columnwise=columnwise)
     for k, v in knobs.items():
         monkeypatch.setattr(fwd_norm, k, v)
     t = linghe.rms_norm_quant(x, w, columnwise=columnwise)
-    # Every knob gives the defaults' bits: the same rstd (the rows kernel's, unless its
-    # config changes the summation order) and the same fp32 y.
-    if "QUANT_ROWS_CONFIG" not in knobs:
+    # The tile kernel's knobs and the persistent rows kernel give the same bits as the
+    # defaults (as the same rows tiles): the same rstd and fp32 y. (Another rows tile, or
+    # the rstd-only rows kernel of "rstd_tiles", may lay the row out otherwise on the GPU
+    # and sum it in another order: rstd may differ in its last bits.)
+    if "QUANT_MODE" not in knobs and (rows_cfg is None or rows_cfg.get("per_sm")):
         for a, b in zip([t.rowwise_data, t.rowwise_scale, t.columnwise_data,
                          t.columnwise_scale],
                         [want.rowwise_data, want.rowwise_scale, want.columnwise_data,

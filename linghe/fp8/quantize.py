@@ -139,14 +139,16 @@ def quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg,
 @triton.jit
 def rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, r0, M, K, stride_x, stride_sm,
                  stride_sg, eps, RB: tl.constexpr, BK: tl.constexpr, SINGLE: tl.constexpr,
-                 NORM: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr):
+                 NORM: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, w_pre=None,
+                 W_PRE: tl.constexpr = False):
     """Rows ``[r0, r0 + RB)`` of ``x [M, K]`` quantized rowwise in 1x128 groups
     (:func:`quant_row_groups`). With ``NORM`` the rows are RMS-normalized first: ``rstd =
     1 / sqrt(mean(x^2) + eps)`` is stored and ``y = x * rstd * w`` (fp32) quantized;
     ``QUANT=False`` (with ``NORM``) only stores ``rstd``. ``SINGLE``: the whole row in one
     ``BK >= K`` piece; else ``BK``-column blocks (with ``NORM`` two passes: the sum of
-    squares, then the rows again, from L1/L2)."""
-    rows = r0.to(tl.int64) + tl.arange(0, RB)
+    squares, then the rows again, from L1/L2). ``W_PRE`` (``SINGLE``): ``w_pre`` is the
+    weight, already loaded (fp32 ``[BK]``)."""
+    rows = tl.arange(0, RB).to(tl.int64) + r0
     rmask = rows < M
     cols0 = tl.arange(0, BK)
     if SINGLE:
@@ -156,7 +158,10 @@ def rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, r0, M, K, stride_x, strid
         if NORM:
             rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / K + eps)
             tl.store(rstd_ptr + rows, rstd, mask=rmask)
-            w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
+            if W_PRE:
+                w = w_pre
+            else:
+                w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
             y = y * rstd[:, None] * w[None, :]
         if QUANT:
             quant_row_groups(y, rows, 0, q_ptr, s_ptr, M, K, stride_sm, stride_sg, BK, POW2)
@@ -189,10 +194,23 @@ def rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, r0, M, K, stride_x, strid
 def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, M, K, stride_x, stride_sm,
                           stride_sg, eps, RB: tl.constexpr, BK: tl.constexpr,
                           SINGLE: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr,
-                          POW2: tl.constexpr):
-    """Program ``pid``: :func:`rows_program` on rows ``[pid * RB, pid * RB + RB)``."""
-    rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, tl.program_id(0) * RB, M, K,
-                 stride_x, stride_sm, stride_sg, eps, RB, BK, SINGLE, NORM, QUANT, POW2)
+                          POW2: tl.constexpr, PERSIST: tl.constexpr = False):
+    """Program ``pid``: :func:`rows_program` on rows ``[pid * RB, pid * RB + RB)``; with
+    ``PERSIST`` on every ``nprog``-th block of ``RB`` rows from ``pid`` on, the weight
+    loaded once (``NORM``, ``SINGLE``)."""
+    if PERSIST:
+        W_PRE: tl.constexpr = NORM and SINGLE
+        w = tl.zeros([BK], tl.float32)
+        if W_PRE:
+            cols0 = tl.arange(0, BK)
+            w = tl.load(w_ptr + cols0, mask=cols0 < K, other=0.0).to(tl.float32)
+        for blk in range(tl.program_id(0), tl.cdiv(M, RB), tl.num_programs(0)):
+            rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, blk * RB, M, K, stride_x,
+                         stride_sm, stride_sg, eps, RB, BK, SINGLE, NORM, QUANT, POW2, w,
+                         W_PRE)
+    else:
+        rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, tl.program_id(0) * RB, M, K,
+                     stride_x, stride_sm, stride_sg, eps, RB, BK, SINGLE, NORM, QUANT, POW2)
 
 
 @triton.jit
@@ -397,7 +415,8 @@ TILE_CONFIGS = {
 }
 #: Launch configuration of :func:`_quantize_rows_kernel` for ``quantize_1x128``: at most
 #: ``rows`` rows and ``elems`` elements per program, ``warps``, widest row held in one
-#: piece (``max_bk``; wider rows go in ``max_bk`` blocks).
+#: piece (``max_bk``; wider rows go in ``max_bk`` blocks); ``per_sm`` (optional): a
+#: persistent grid of that many programs per SM (the weight of RMSNorm loaded once).
 ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
 #: Kernels of ``quantize_1x128``: the rowwise copy alone from the "tiles" kernel or the
 #: "rows" kernel; both copies from the tiles in one pass ("tiles"); "rows_cols": the rows
@@ -431,11 +450,15 @@ def launch_1x128_rows(x2: torch.Tensor, q, s, config: dict, *, pow2_scale: bool,
     M, K = x2.shape
     rb, bk, single = rows_tile(K, config)
     ssm, ssg = s.stride() if s is not None else (0, 0)
+    grid = cdiv(M, rb)
+    per_sm = config.get("per_sm", 0)
+    if per_sm:
+        grid = min(grid, per_sm * num_sms(x2.device))
     with device_guard(x2):
-        launch(_quantize_rows_kernel, (cdiv(M, rb),), x2, weight, q, s, rstd, M, K,
+        launch(_quantize_rows_kernel, (grid,), x2, weight, q, s, rstd, M, K,
                x2.stride(0), ssm, ssg, float(eps), RB=rb, BK=bk, SINGLE=single,
                NORM=weight is not None, QUANT=q is not None, POW2=pow2_scale,
-               num_warps=config["warps"])
+               PERSIST=per_sm > 0, num_warps=config["warps"])
 
 
 def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_scale: bool,
