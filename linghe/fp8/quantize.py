@@ -5,7 +5,18 @@ In-kernel helpers (``@triton.jit``, import them into fused kernels):
 - :func:`fp8_block_scale` — dequantization scale from an amax (``amax/448``, optional
   power-of-two round-up, amax 0 → 1), bit-exact with ``reference.fp8_scale``;
 - :func:`quant_rows` / :func:`quant_cols` — quantize an fp32 tile in 1x128 groups along
-  its columns (rowwise) or along its rows (columnwise).
+  its columns (rowwise) or along its rows (columnwise); :func:`inv_scale` — the
+  reciprocal of a scale as ``1.0 / s`` gives it, in fewer instructions.
+
+Kernels of the 1x128 format (``quantize_1x128`` and, with an RMSNorm prologue,
+``linghe.fwd.norm.rms_norm_quant_fwd``; launch knobs ``TILE_CONFIGS``, ``ROWS_CONFIG``,
+``ROW_MODE``, ``ROWCOL_MODE``):
+
+- :func:`_quantize_rows_kernel` (:func:`rows_program`): whole rows, rowwise copy;
+- :func:`_quantize_1x128_kernel` (:func:`quant_tile`): ``[BM, BN]`` tiles, either copy or
+  both; one tile per program or persistent loops;
+- :func:`_quantize_split_kernel`: both copies in one launch of row programs and
+  columnwise tiles, chunk by chunk (the default for both copies).
 
 Elements are multiplied by the reciprocal of their group's scale (one division per group,
 not per element: per-element IEEE division ran 2.5x slower on an H200, and even a precise
@@ -540,8 +551,9 @@ def quantize_1x128(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = 
         rowwise: produce ``rowwise_data [M, K]`` and ``rowwise_scale [M, ceil(K/128)]``
             (groups of 128 consecutive elements of a row).
         columnwise: produce ``columnwise_data [K, M]`` and ``columnwise_scale
-            [K, ceil(M/128)]`` (the transpose quantized in groups of 128 tokens), from
-            the same read of ``x``.
+            [K, ceil(M/128)]`` (the transpose quantized in groups of 128 tokens; in
+            one launch with the rowwise copy, which reads ``x`` from memory once: see
+            ``ROWCOL_MODE``).
         pow2_scale: round each scale up to a power of two.
 
     Returns an :class:`Fp8Tensor` with ``x``'s shape and dtype. ``scale = amax/448`` per
