@@ -93,7 +93,7 @@ QUANT_RC = [
     {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=8)},
     {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=16)},
     {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=8, per_sm=2, maxnreg=128)},
-    {"ROWCOL_MODE": "rows_cols"},
+    {"ROWCOL_MODE": "rows_cols", "c": dict(k_fast=True)},
     {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64, k_fast=True)},
     {"split": dict(bn=128)},
     {"split": dict(bn=32)},
@@ -123,10 +123,10 @@ QUANT_C = [
 ]
 NORM_RC = [
     {"reverse": False},
-    {"cols": dict(k_fast=True)},
+    {"cols": dict(k_fast=False)},
     {"cols": dict(warps=8)},
     {"cols": dict(bn=64)},
-    {"cols": dict(bn=64, k_fast=True)},
+    {"cols": dict(bn=64, warps=2)},
     {"cols": dict(P2, bn=64, warps=8, per_sm=2)},
     {"rows": R8},
     {"rows": dict(per_sm=3)},

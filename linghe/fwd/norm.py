@@ -198,8 +198,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 #    backward), y = x * rstd * w in fp32 and quantizes y in 1x128 groups along the row;
 # 2. with the columnwise copy, the tile kernel: [128 tokens, BN columns] tiles of x,
 #    scaled by that rstd and w (the same fp32 y), quantized columnwise. It re-reads x, by
-#    default in reverse tile order so that it starts on the rows kernel 1 read last (the
-#    likeliest to be in L2).
+#    default in reverse tile order, row block by row block (k_fast), so that it starts on
+#    the rows kernel 1 read last (the likeliest to be still in L2).
 #
 # QUANT_MODE "rstd_tiles" splits the work the other way: kernel 1 stores rstd only and the
 # tile kernel writes both copies. Both modes give identical bits.
@@ -210,7 +210,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 #: entries) for the columnwise copy / both copies; its tile order.
 QUANT_MODE = "rows_cols"
 QUANT_ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
-QUANT_TILE_COLS = dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False)
+QUANT_TILE_COLS = dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=True)
 QUANT_TILE_ROWCOL = dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False)
 QUANT_TILE_REVERSE = True
 
