@@ -72,7 +72,7 @@ from .harness import (  # noqa: E402
 
 #: main when this probe was written (quantize_1x128: one [128, 128] tile per program;
 #: rms_norm_quant: rstd kernel, then [128, 128] tiles quantized both ways).
-OLD_REV = "7ee1acf"
+OLD_REV = "5f8e0f4"
 EPS = 1e-6
 
 # --------------------------------------------------------------------------- variants
