@@ -78,6 +78,125 @@ def test_empty_inputs(device):
         assert t.columnwise_data.shape == shape[::-1]
 
 
+# Launch configurations of the 1x128 tile kernel (linghe.fp8.quantize.TILE_CONFIGS): one
+# tile per program, persistent loops (Triton-pipelined, register prefetch) with few
+# programs (several tiles each), both tile orders, the columnwise quantization first.
+TILE_KNOBS = [
+    dict(loop=0, k_fast=True, warps=8),
+    dict(loop=0, col_first=True, warps=8),
+    dict(loop=1, stages=2, per_sm=1, k_fast=True, warps=8),
+    dict(loop=2, per_sm=1, warps=8),
+    dict(loop=2, per_sm=1, k_fast=True, col_first=True, warps=16),
+]
+TILE_SHAPES = [(1, 1), (300, 1000), (129, 128), (257, 384), (2, 3, 257)]
+
+
+def _components(t):
+    return [t.rowwise_data, t.rowwise_scale, t.columnwise_data, t.columnwise_scale]
+
+
+def _same_bits(a, b):
+    return a is b or (a is not None and b is not None and torch.equal(
+        a.view(torch.uint8) if a.element_size() == 1 else a,
+        b.view(torch.uint8) if b.element_size() == 1 else b))
+
+
+@pytest.mark.gpu_subset(shape=[(300, 1000), (2, 3, 257)])
+@pytest.mark.parametrize("shape", TILE_SHAPES)
+@pytest.mark.parametrize("knobs", TILE_KNOBS, ids=lambda k: "-".join(f"{a}{v}" for a, v in
+                                                                     k.items()))
+@pytest.mark.parametrize("copies", ["rc", "r", "c"])
+def test_quantize_1x128_tile_configs(device, monkeypatch, shape, knobs, copies):
+    """Every launch configuration gives the default's bits (and the reference's values),
+    for each set of copies; with a NaN and an all-zero group in the input."""
+    from linghe.fp8 import quantize as Q
+
+    x = (torch.randn(shape, device=device) * 4).to(torch.bfloat16)
+    x2 = x.view(-1, shape[-1])
+    x2[0, 0] = float("nan")
+    if x2.shape[1] >= 256:
+        x2[:, 128:256] = 0
+    rowwise, columnwise = "r" in copies, "c" in copies
+    want = linghe.quantize_1x128(x, rowwise=rowwise, columnwise=columnwise)
+    cfg = dict(Q.TILE_CONFIGS[copies], **knobs)
+    if not rowwise:
+        cfg["bn"] = 64 if knobs.get("loop") == 2 else 128
+    if not columnwise:
+        cfg["bm"] = 16 if knobs.get("loop") == 2 else 64
+    monkeypatch.setitem(Q.TILE_CONFIGS, copies, cfg)
+    monkeypatch.setattr(Q, "ROWCOL_MODE", "tiles")  # (the default "split" has no rc tiles)
+    monkeypatch.setattr(Q, "ROW_MODE", "tiles")
+    t = linghe.quantize_1x128(x, rowwise=rowwise, columnwise=columnwise)
+    for a, b in zip(_components(t), _components(want)):
+        assert _same_bits(a, b)
+    if rowwise:
+        q, s = ref.quantize_1x128(x2)
+        assert_fp8_close(t.rowwise_data, q)
+        ok = ~s.isnan()  # (a NaN group's scale: NaN in torch, the other elements' here)
+        assert torch.equal(t.rowwise_scale[ok], s[ok])
+        assert t.rowwise_data[0, 0].float().isnan()
+    if columnwise:
+        qt, st = ref.quantize_1x128_columnwise(x2)
+        assert_fp8_close(t.columnwise_data, qt)
+        ok = ~st.isnan()
+        assert torch.equal(t.columnwise_scale[ok], st[ok])
+        assert t.columnwise_data[0, 0].float().isnan()
+
+
+@pytest.mark.gpu_subset(shape=[(300, 1000), (2, 3, 257)])
+@pytest.mark.parametrize("shape", TILE_SHAPES + [(3, 700)])
+@pytest.mark.parametrize("knobs", [
+    dict(ROW_MODE="rows"), dict(ROWCOL_MODE="rows_cols"), dict(ROWCOL_MODE="split"),
+    dict(ROW_MODE="rows", ROWS_CONFIG=dict(rows=2, elems=512, warps=4, max_bk=256)),
+    dict(ROW_MODE="rows", ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=8192,
+                                           per_sm=1)),
+    dict(ROWCOL_MODE="rows_cols", ROWS_CONFIG=dict(rows=8, elems=8192, warps=4, max_bk=256)),
+    dict(ROWCOL_MODE="split", ROWS_CONFIG=dict(rows=3, elems=8192, warps=4, max_bk=256),
+         TILE_CONFIGS=dict(split=dict(bm=128, bn=32, warps=8))),
+    dict(ROWCOL_MODE="tiles"),
+], ids=["rows", "rows_cols", "split", "rows-blocks", "rows-persistent", "rows_cols-blocks",
+        "split-blocks", "tiles"])
+def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
+    """Every kernel choice gives the same bits: the rowwise copy from the rows kernel
+    (whole rows, or column blocks of wide rows) or the tiles; both copies from the rows
+    kernel and the columnwise tiles (two launches, or one: "split") or from the tiles."""
+    from linghe.fp8 import quantize as Q
+
+    x = (torch.randn(shape, device=device) * 4).to(torch.bfloat16)
+    x.view(-1, shape[-1])[0, 0] = float("nan")
+    columnwise = "ROWCOL_MODE" in knobs
+    want = linghe.quantize_1x128(x, columnwise=columnwise, pow2_scale=True)
+    if "TILE_CONFIGS" in knobs:
+        knobs = dict(knobs, TILE_CONFIGS=dict(Q.TILE_CONFIGS, **knobs["TILE_CONFIGS"]))
+    for k, v in knobs.items():
+        monkeypatch.setattr(Q, k, v)
+    t = linghe.quantize_1x128(x, columnwise=columnwise, pow2_scale=True)
+    for a, b in zip(_components(t), _components(want)):
+        assert _same_bits(a, b)
+
+
+def test_quantize_1x128_group_major_scales(device):
+    """Group-major scales (the FP8 Linear's layout) hold the same values."""
+    from linghe.fp8.quantize import quantize_1x128_launch
+
+    x = torch.randn(257, 300, device=device)
+    row = quantize_1x128_launch(x, True, True, False)
+    grp = quantize_1x128_launch(x, True, True, False, True)
+    assert grp[1].stride() == (1, 257) and grp[3].stride() == (1, 300)
+    for a, b in zip(row, grp):
+        assert torch.equal(a.float(), b.float())
+
+
+def test_quantize_1x128_tile_rejects_partial_groups(device):
+    from linghe.fp8 import quantize as Q
+
+    x = torch.randn(4, 128, device=device)
+    q, s, qt, st = Q.empty_1x128(4, 128, x.device, rowwise=True, columnwise=False)
+    with pytest.raises(ValueError, match="whole 1x128 groups"):
+        Q.launch_1x128_tiles(x, q, s, None, None, dict(Q.TILE_CONFIGS["r"], bn=64),
+                             pow2_scale=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1), (0, 128), (5, 0), (45, 300), (33, 256)])
 def test_dequantize_1x128_rows(device, dtype, shape):

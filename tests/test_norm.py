@@ -249,29 +249,76 @@ def test_rms_norm_quant_columnwise_is_not_transpose(device):
     assert not torch.equal(t.columnwise_data.t().float(), t.rowwise_data.float())
 
 
-@pytest.mark.parametrize("mode,split,M,K,columnwise", [
-    ("slab", 1, 130, 700, True), ("slab", 3, 130, 700, True), ("slab", 3, 130, 700, False),
-    ("two_kernel", 1, 130, 700, True), ("two_kernel", 1, 130, 700, False),
-    ("two_kernel", 1, 5, 9000, True)])
-def test_rms_norm_quant_modes(device, monkeypatch, mode, split, M, K, columnwise):
-    # Both launch modes, and several programs per 128-row slab.
-    monkeypatch.setattr(fwd_norm, "QUANT_MODE", mode)
-    monkeypatch.setattr(fwd_norm, "quant_split", lambda M, K, bm, dev: split)
+# The two kernels of rms_norm_quant (rows: rstd + rowwise copy; tiles: columnwise copy) and
+# their knobs: the alternative split (rstd only, then the tiles write both copies), tile
+# order and loops, the multi-pass rows path (rows wider than the rows config's max_bk), odd
+# shapes (M and K not multiples of 128, M = 1), NaN in the input.
+NQ_KNOBS = [
+    dict(),
+    dict(QUANT_MODE="rstd_tiles"),
+    dict(QUANT_TILE_REVERSE=False, QUANT_TILE_COLS=dict(bm=128, bn=64, warps=4, loop=2,
+                                                         per_sm=1, k_fast=True)),
+    dict(QUANT_MODE="rstd_tiles", QUANT_TILE_ROWCOL=dict(bm=128, bn=128, warps=8, loop=1,
+                                                         stages=2, per_sm=1)),
+    dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256)),
+    dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=8192, per_sm=1)),
+    dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256, per_sm=1),
+         QUANT_MODE="rstd_tiles"),
+    dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256),
+         QUANT_MODE="rstd_tiles"),
+]
+
+
+@pytest.mark.gpu_subset(**{"M,K": [(130, 700), (5, 9000)]})
+@pytest.mark.parametrize("M,K", [(130, 700), (1, 1000), (257, 128), (5, 9000)])
+@pytest.mark.parametrize("knobs", NQ_KNOBS, ids=[str(i) for i in range(len(NQ_KNOBS))])
+@pytest.mark.parametrize("columnwise", [True, False])
+def test_rms_norm_quant_kernels(device, monkeypatch, M, K, knobs, columnwise):
     x = torch.randn(M, K, device=device, requires_grad=True)
     w = torch.randn(K, device=device)
+    nan = M > 1
+    if nan:
+        with torch.no_grad():
+            x[0, 0] = float("nan")  # row 0 is all NaN (its rstd is NaN)
+    rows_cfg = knobs.get("QUANT_ROWS_CONFIG")
+    if rows_cfg is not None and rows_cfg.get("per_sm"):
+        # the persistent rows kernel against the same tiles one block per program
+        monkeypatch.setattr(fwd_norm, "QUANT_ROWS_CONFIG", dict(rows_cfg, per_sm=0))
+    want = linghe.rms_norm_quant(x.detach(), w, columnwise=columnwise)
+    for k, v in knobs.items():
+        monkeypatch.setattr(fwd_norm, k, v)
     t = linghe.rms_norm_quant(x, w, columnwise=columnwise)
+    # The tile kernel's knobs and the persistent rows kernel give the same bits as the
+    # defaults (as the same rows tiles): the same rstd and fp32 y. (Another rows tile, or
+    # the rstd-only rows kernel of "rstd_tiles", may lay the row out otherwise on the GPU
+    # and sum it in another order: rstd may differ in its last bits.)
+    if "QUANT_MODE" not in knobs and (rows_cfg is None or rows_cfg.get("per_sm")):
+        for a, b in zip([t.rowwise_data, t.rowwise_scale, t.columnwise_data,
+                         t.columnwise_scale],
+                        [want.rowwise_data, want.rowwise_scale, want.columnwise_data,
+                         want.columnwise_scale]):
+            assert (a is None and b is None) or torch.equal(
+                a.float().nan_to_num(7.0), b.float().nan_to_num(7.0))
     expect = ref.rms_norm_quant(x.detach(), w, columnwise=columnwise)
-    assert_fp8_close(t.rowwise_data, expect[0])
-    assert_close(t.rowwise_scale, expect[1])
+    r0 = 1 if nan else 0
+    assert t.rowwise_data[:r0].float().isnan().all()
+    assert_fp8_close(t.rowwise_data[r0:], expect[0][r0:])
+    assert_close(t.rowwise_scale[r0:], expect[1][r0:])
     if columnwise:
-        assert_fp8_close(t.columnwise_data, expect[2])
-        assert_close(t.columnwise_scale, expect[3])
+        # Token 0's NaN: NaN data in its column, and the reference's NaN group amax makes
+        # its whole column group NaN, so the groups of tokens 128... are compared.
+        assert t.columnwise_data[:, :r0].float().isnan().all()
+        assert_fp8_close(t.columnwise_data[:, 128:], expect[2][:, 128:])
+        assert_close(t.columnwise_scale[:, 1:], expect[3][:, 1:])
+    else:
+        assert t.columnwise_data is None
+    # The backward gets what the forward saved (rstd): rms_norm's gradient.
     dy = torch.randn(M, K, device=device)
     t.backward(dy)
-    gq = x.grad.clone()
+    gq = x.grad[r0:].clone()
     x.grad = None
     linghe.rms_norm(x, w).backward(dy)
-    assert_close(gq, x.grad, tol=1e-6)
+    assert_close(gq, x.grad[r0:], tol=1e-6)
 
 
 # ---------------------------------------------------------------------------- module

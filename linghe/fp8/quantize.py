@@ -5,7 +5,18 @@ In-kernel helpers (``@triton.jit``, import them into fused kernels):
 - :func:`fp8_block_scale` — dequantization scale from an amax (``amax/448``, optional
   power-of-two round-up, amax 0 → 1), bit-exact with ``reference.fp8_scale``;
 - :func:`quant_rows` / :func:`quant_cols` — quantize an fp32 tile in 1x128 groups along
-  its columns (rowwise) or along its rows (columnwise).
+  its columns (rowwise) or along its rows (columnwise); :func:`inv_scale` — the
+  reciprocal of a scale as ``1.0 / s`` gives it, in fewer instructions.
+
+Kernels of the 1x128 format (``quantize_1x128`` and, with an RMSNorm prologue,
+``linghe.fwd.norm.rms_norm_quant_fwd``; launch knobs ``TILE_CONFIGS``, ``ROWS_CONFIG``,
+``ROW_MODE``, ``ROWCOL_MODE``):
+
+- :func:`_quantize_rows_kernel` (:func:`rows_program`): whole rows, rowwise copy;
+- :func:`_quantize_1x128_kernel` (:func:`quant_tile`): ``[BM, BN]`` tiles, either copy or
+  both; one tile per program or persistent loops;
+- :func:`_quantize_split_kernel`: both copies in one launch of row programs and
+  columnwise tiles, chunk by chunk (the default for both copies).
 
 Elements are multiplied by the reciprocal of their group's scale (one division per group,
 not per element: per-element IEEE division ran 2.5x slower on an H200, and even a precise
@@ -31,6 +42,7 @@ from ..utils import (
     device_guard,
     empty,
     launch,
+    num_sms,
     rows_view,
 )
 from .tensor import Fp8Tensor
@@ -72,10 +84,36 @@ def fp8_block_scale(amax, POW2: tl.constexpr):
 
 
 @triton.jit
+def _rcp_approx(s):
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [s],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def inv_scale(s, POW2: tl.constexpr):
+    """``1.0 / s`` for a scale ``s`` of :func:`fp8_block_scale`, bit for bit, in fewer
+    instructions. On the GPU ``1.0 / s`` is PTX ``div.full.f32``: MUFU.RCP of ``s``, with
+    ``s`` and the result scaled by 2^24 when ``s`` is subnormal and by 1/4 when it is above
+    2^126 (~8 instructions; every thread computes the scales of all groups it holds
+    elements of, 16 per thread in the columnwise tiles). A scale is never above 2^126
+    unless inf (``amax / 448 <= FLT_MAX / 448``), where MUFU.RCP gives div.full's 0 too,
+    so only the subnormal fix-up is kept; a power-of-two scale is never subnormal (nor is
+    one of 0, inf, NaN a problem: MUFU.RCP gives div.full's inf, 0, NaN): one MUFU.RCP."""
+    if _INTERPRET_C:
+        return 1.0 / s
+    elif POW2:
+        return _rcp_approx(s)
+    else:
+        tiny = s < 1.1754943508222875e-38
+        r = _rcp_approx(tl.where(tiny, s * 16777216.0, s))
+        return tl.where(tiny, r * 16777216.0, r)
+
+
+@triton.jit
 def quant_rows(x, POW2: tl.constexpr):
     """Quantize fp32 ``x [R, 128]``: one group per row. Returns ``(q e4m3, scale [R])``."""
     scale = fp8_block_scale(tl.max(tl.abs(x), axis=1), POW2)
-    q = to_e4m3(x * (1.0 / scale)[:, None])
+    q = to_e4m3(x * inv_scale(scale, POW2)[:, None])
     return q, scale
 
 
@@ -83,33 +121,258 @@ def quant_rows(x, POW2: tl.constexpr):
 def quant_cols(x, POW2: tl.constexpr):
     """Quantize fp32 ``x [128, C]``: one group per column. Returns ``(q e4m3, scale [C])``."""
     scale = fp8_block_scale(tl.max(tl.abs(x), axis=0), POW2)
-    q = to_e4m3(x * (1.0 / scale)[None, :])
+    q = to_e4m3(x * inv_scale(scale, POW2)[None, :])
     return q, scale
 
 
 @triton.jit
-def _quantize_1x128_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
-                           stride_sm, stride_sg, stride_stk, stride_stg,
-                           BM: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                           POW2: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg,
+                     BK: tl.constexpr, POW2: tl.constexpr):
+    """Quantize fp32 ``y [R, BK]`` (``BK`` a multiple of 128): rows ``rows`` (int64),
+    columns ``k0 + [0, BK)`` of an ``[M, K]`` tensor (``k0`` a multiple of 128), in 1x128
+    groups along its columns, and store the data ``[M, K]`` (contiguous) and the scales
+    (``s[row, group]`` at ``row * stride_sm + group * stride_sg``). Out-of-range columns
+    must be 0 in ``y``."""
+    G: tl.constexpr = BK // 128
+    R: tl.constexpr = y.shape[0]
+    y3 = tl.reshape(y, [R, G, 128])
+    scale = fp8_block_scale(tl.max(tl.abs(y3), axis=2), POW2)
+    q = tl.reshape(to_e4m3(y3 * inv_scale(scale, POW2)[:, :, None]), [R, BK])
+    rmask = rows < M
+    cols = k0 + tl.arange(0, BK)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q,
+             mask=rmask[:, None] & (cols < K)[None, :])
+    g = k0 // 128 + tl.arange(0, G)
+    tl.store(s_ptr + rows[:, None] * stride_sm + g[None, :] * stride_sg, scale,
+             mask=rmask[:, None] & (g < tl.cdiv(K, 128))[None, :])
+
+
+@triton.jit
+def rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, r0, M, K, stride_x, stride_sm,
+                 stride_sg, eps, RB: tl.constexpr, BK: tl.constexpr, SINGLE: tl.constexpr,
+                 NORM: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, w_pre=None,
+                 W_PRE: tl.constexpr = False):
+    """Rows ``[r0, r0 + RB)`` of ``x [M, K]`` quantized rowwise in 1x128 groups
+    (:func:`quant_row_groups`). With ``NORM`` the rows are RMS-normalized first: ``rstd =
+    1 / sqrt(mean(x^2) + eps)`` is stored and ``y = x * rstd * w`` (fp32) quantized;
+    ``QUANT=False`` (with ``NORM``) only stores ``rstd``. ``SINGLE``: the whole row in one
+    ``BK >= K`` piece; else ``BK``-column blocks (with ``NORM`` two passes: the sum of
+    squares, then the rows again, from L1/L2). ``W_PRE`` (``SINGLE``): ``w_pre`` is the
+    weight, already loaded (fp32 ``[BK]``)."""
+    rows = tl.arange(0, RB).to(tl.int64) + r0
+    rmask = rows < M
+    cols0 = tl.arange(0, BK)
+    if SINGLE:
+        cmask = cols0 < K
+        y = tl.load(x_ptr + rows[:, None] * stride_x + cols0[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / K + eps)
+            tl.store(rstd_ptr + rows, rstd, mask=rmask)
+            if W_PRE:
+                w = w_pre
+            else:
+                w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
+            y = y * rstd[:, None] * w[None, :]
+        if QUANT:
+            quant_row_groups(y, rows, 0, q_ptr, s_ptr, M, K, stride_sm, stride_sg, BK, POW2)
+    else:
+        rstd = tl.zeros([RB], tl.float32)
+        if NORM:
+            acc = tl.zeros([RB, BK], tl.float32)
+            for k0 in range(0, K, BK):
+                cols = k0 + cols0
+                x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                            mask=rmask[:, None] & (cols < K)[None, :],
+                            other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / K + eps)
+            tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        if QUANT:
+            for k0 in range(0, K, BK):
+                cols = k0 + cols0
+                cmask = cols < K
+                y = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                if NORM:
+                    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+                    y = y * rstd[:, None] * w[None, :]
+                quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg, BK,
+                                 POW2)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, M, K, stride_x, stride_sm,
+                          stride_sg, eps, RB: tl.constexpr, BK: tl.constexpr,
+                          SINGLE: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr,
+                          POW2: tl.constexpr, PERSIST: tl.constexpr = False):
+    """Program ``pid``: :func:`rows_program` on rows ``[pid * RB, pid * RB + RB)``; with
+    ``PERSIST`` on every ``nprog``-th block of ``RB`` rows from ``pid`` on, the weight
+    loaded once (``NORM``, ``SINGLE``)."""
+    if PERSIST:
+        W_PRE: tl.constexpr = NORM and SINGLE
+        w = tl.zeros([BK], tl.float32)
+        if W_PRE:
+            cols0 = tl.arange(0, BK)
+            w = tl.load(w_ptr + cols0, mask=cols0 < K, other=0.0).to(tl.float32)
+        for blk in range(tl.program_id(0), tl.cdiv(M, RB), tl.num_programs(0)):
+            rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, blk * RB, M, K, stride_x,
+                         stride_sm, stride_sg, eps, RB, BK, SINGLE, NORM, QUANT, POW2, w,
+                         W_PRE)
+    else:
+        rows_program(x_ptr, w_ptr, q_ptr, s_ptr, rstd_ptr, tl.program_id(0) * RB, M, K,
+                     stride_x, stride_sm, stride_sg, eps, RB, BK, SINGLE, NORM, QUANT, POW2)
+
+
+@triton.jit
+def _tile_coords(t, ntiles, nm, nk, BM: tl.constexpr, BN: tl.constexpr,
+                 K_FAST: tl.constexpr, REVERSE: tl.constexpr):
+    """Tile ``t`` of the ``[nm, nk]`` grid of ``[BM, BN]`` tiles: ``(pid_m, pid_k, rows
+    int64, cols)``. ``K_FAST``: consecutive ``t`` walk a row block's column blocks (else a
+    column block's row blocks); ``REVERSE``: from the last tile. ``t >= ntiles`` gives
+    rows past ``M`` (an empty, fully masked tile)."""
+    if REVERSE:
+        t = ntiles - 1 - t
+    if K_FAST:
+        pid_m = t // nk
+        pid_k = t - pid_m * nk
+    else:
+        pid_k = t // nm
+        pid_m = t - pid_k * nm
+    valid = (t >= 0) & (t < ntiles)
+    pid_m = tl.where(valid, pid_m, nm)
+    pid_k = tl.where(valid, pid_k, nk)
     rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    cols = pid_k * 128 + tl.arange(0, 128)
+    cols = pid_k * BN + tl.arange(0, BN)
+    return pid_m, pid_k, rows, cols
+
+
+@triton.jit
+def _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM: tl.constexpr):
+    """The raw ``x`` tile (zeros out of range) and, with ``NORM``, its rows' ``rstd``
+    (fp32) and its columns' weight (raw); without ``NORM`` those two are ``x`` again."""
+    rmask = rows < M
+    cmask = cols < K
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
+                mask=rmask[:, None] & cmask[None, :], other=0.0)
+    if NORM:
+        r = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
+        return x, r, w
+    else:
+        return x, x, x
+
+
+@triton.jit
+def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE: tl.constexpr,
+               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
+               COL_FIRST: tl.constexpr = False):
+    """Quantize the tile ``x [BM, BN]`` (rows ``rows`` int64 of row block ``pid_m``,
+    columns ``cols`` of column block ``pid_k`` of an ``[M, K]`` tensor; zeros out of
+    range), with ``NORM`` first ``y = x * rstd[:, None] * w[None, :]`` in fp32, and store
+    it in the 1x128 layout: with ``ROWWISE`` (``BN == 128``) data ``[M, K]`` and scales
+    ``s[m, k // 128]``; with ``COLWISE`` (``BM == 128``) the transposed data ``[K, M]``
+    (``q_t[k, m]``: each column's 128 tokens are one 128-byte row of ``q_t``) and scales
+    ``s_t[k, m // 128]`` (scale strides as given). ``COL_FIRST`` only orders the code
+    (the columnwise copy first: its column maxima need the whole tile, so ptxas issues
+    all of the tile's loads before any math; rowwise first it may interleave them)."""
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    if ROWWISE:
-        q, s = quant_rows(x, POW2)
+    y = x.to(tl.float32)
+    if NORM:
+        y = y * rstd[:, None] * w.to(tl.float32)[None, :]
+    if ROWWISE and not COL_FIRST:
+        q, s = quant_rows(y, POW2)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
     if COLWISE:
-        qt, st = quant_cols(x, POW2)
-        # q_t[k, m] = quant(x)[m, k]: store the tile transposed.
+        qt, st = quant_cols(y, POW2)
         tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stg, st, mask=cmask)
+    if ROWWISE and COL_FIRST:
+        q, s = quant_rows(y, POW2)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
+
+
+@triton.jit
+def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                           stride_xm, stride_sm, stride_sg, stride_stk, stride_stg,
+                           BM: tl.constexpr, BN: tl.constexpr, ROWWISE: tl.constexpr,
+                           COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
+                           LOOP: tl.constexpr, STAGES: tl.constexpr, K_FAST: tl.constexpr,
+                           REVERSE: tl.constexpr, COL_FIRST: tl.constexpr):
+    """1x128 quantization of ``x [M, K]`` (optionally RMS-normalized: ``NORM``) in
+    ``[BM, BN]`` tiles (see :func:`quant_tile`). ``LOOP`` 0: one tile per program; 1: a
+    persistent grid-stride loop over the tiles, software-pipelined by Triton with
+    ``STAGES`` stages (its loads go through shared memory); 2: a persistent loop that
+    loads the next tile into registers before quantizing the current one. Tile order:
+    :func:`_tile_coords`."""
+    pid = tl.program_id(0)
+    nm = tl.cdiv(M, BM)
+    nk = tl.cdiv(K, BN)
+    ntiles = nm * nk
+    if LOOP == 0:
+        pid_m, pid_k, rows, cols = _tile_coords(pid, ntiles, nm, nk, BM, BN, K_FAST, REVERSE)
+        x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
+        quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                   stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2,
+                   COL_FIRST)
+    elif LOOP == 1:
+        for t in tl.range(pid, ntiles, tl.num_programs(0), num_stages=STAGES):
+            pid_m, pid_k, rows, cols = _tile_coords(t, ntiles, nm, nk, BM, BN, K_FAST,
+                                                    REVERSE)
+            x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
+            quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M,
+                       K, stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE,
+                       NORM, POW2, COL_FIRST)
+    else:
+        nprog = tl.num_programs(0)
+        pid_m, pid_k, rows, cols = _tile_coords(pid, ntiles, nm, nk, BM, BN, K_FAST, REVERSE)
+        x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
+        for t in range(pid, ntiles, nprog):
+            pm_n, pk_n, rows_n, cols_n = _tile_coords(t + nprog, ntiles, nm, nk, BM, BN,
+                                                      K_FAST, REVERSE)
+            x_n, r_n, w_n = _load_tile(x_ptr, w_ptr, rstd_ptr, rows_n, cols_n, M, K,
+                                       stride_xm, NORM)
+            quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M,
+                       K, stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE,
+                       NORM, POW2, COL_FIRST)
+            x = x_n
+            r = r_n
+            w = w_n
+            rows = rows_n
+            cols = cols_n
+            pid_m = pm_n
+            pid_k = pk_n
+
+
+@triton.jit
+def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_sm,
+                           stride_sg, stride_stk, stride_stg, RB: tl.constexpr,
+                           BK: tl.constexpr, SINGLE: tl.constexpr, BN: tl.constexpr,
+                           POW2: tl.constexpr):
+    """Both 1x128 copies of ``x [M, K]`` in one launch of two kinds of independent
+    programs, per 128-row chunk in program-id order: ``128 // RB`` row programs
+    (:func:`rows_program`: the rowwise copy of ``RB`` whole rows), then ``cdiv(K, BN)``
+    column tiles (:func:`quant_tile`, columnwise only), which re-read the chunk the row
+    programs just read, from L2."""
+    NR: tl.constexpr = 128 // RB
+    nk = tl.cdiv(K, BN)
+    pid = tl.program_id(0)
+    c = pid // (NR + nk)
+    i = pid - c * (NR + nk)
+    if i < NR:
+        rows_program(x_ptr, x_ptr, q_ptr, s_ptr, s_ptr, c * 128 + i * RB, M, K, stride_xm,
+                     stride_sm, stride_sg, 0.0, RB, BK, SINGLE, False, True, POW2)
+    else:
+        rows = c.to(tl.int64) * 128 + tl.arange(0, 128)
+        cols = (i - NR) * BN + tl.arange(0, BN)
+        x, r, w = _load_tile(x_ptr, x_ptr, x_ptr, rows, cols, M, K, stride_xm, False)
+        quant_tile(x, r, w, rows, cols, c, i - NR, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2)
 
 
 @triton.jit
@@ -143,9 +406,117 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
         tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 
 
-#: Warps of the 1x128 quantize kernel with / without the columnwise copy (tuning knobs).
-WARPS_COLWISE = 4
-WARPS_ROWWISE = 8
+#: Launch configurations of :func:`_quantize_1x128_kernel` for ``quantize_1x128`` (tuning
+#: knobs; ``benchmark/probe_tilequant.py`` sweeps them), by the copies asked for: "rc"
+#: rowwise + columnwise, "r" rowwise, "c" columnwise. Keys: ``bm``/``bn`` the tile (``bn``
+#: 128 with the rowwise copy, ``bm`` 128 with the columnwise one); ``warps``; ``loop`` the
+#: kernel's ``LOOP`` (0 one tile per program; 1 persistent, pipelined by Triton in
+#: ``stages`` stages; 2 persistent, the next tile prefetched into registers) and
+#: ``per_sm`` its programs per SM; ``k_fast`` the tile order; ``col_first`` the code order
+#: (see :func:`quant_tile`); ``maxnreg`` (optional) a register cap.
+TILE_CONFIGS = {
+    "rc": dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
+               col_first=False),
+    "r": dict(bm=32, bn=128, warps=8, loop=0, stages=1, per_sm=0, k_fast=False,
+              col_first=False),
+    "c": dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
+              col_first=False),
+    # the columnwise tiles (``bn``) and the warps of ROWCOL_MODE "split"
+    "split": dict(bm=128, bn=64, warps=4),
+}
+#: Launch configuration of :func:`_quantize_rows_kernel` for ``quantize_1x128``: at most
+#: ``rows`` rows and ``elems`` elements per program, ``warps``, widest row held in one
+#: piece (``max_bk``; wider rows go in ``max_bk`` blocks); ``per_sm`` (optional): a
+#: persistent grid of that many programs per SM (the weight of RMSNorm loaded once).
+ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
+#: Kernels of ``quantize_1x128``: the rowwise copy alone from the "tiles" kernel or the
+#: "rows" kernel; both copies from the tiles in one pass ("tiles"); "rows_cols": the rows
+#: kernel, then the columnwise tiles in reverse order (re-reading x, partly from L2);
+#: "split": :func:`_quantize_split_kernel` (rows and columnwise tiles in one launch, chunk
+#: by chunk; ROWS_CONFIG and TILE_CONFIGS["split"]). "split" is the default: the same
+#: design measured 24.7 against 27.8 µs for "tiles" on an H200 (NOTES.md, 2026-11-26).
+ROW_MODE = "tiles"
+ROWCOL_MODE = "split"
+
+
+def rows_tile(K: int, config: dict) -> tuple[int, int, bool]:
+    """``(RB rows, BK columns, SINGLE)`` of a :func:`_quantize_rows_kernel` program for
+    ``K`` columns: whole rows up to ``config["max_bk"]`` columns (at most
+    ``config["rows"]`` rows and ``config["elems"]`` elements, a power of two), else one
+    row in blocks of ``max_bk`` columns."""
+    bk = max(BLOCK, 1 << (K - 1).bit_length())
+    if bk > config["max_bk"]:
+        return 1, config["max_bk"], False
+    rb = max(1, min(config["rows"], config["elems"] // bk))
+    return 1 << (rb.bit_length() - 1), bk, True
+
+
+def launch_1x128_rows(x2: torch.Tensor, q, s, config: dict, *, pow2_scale: bool,
+                      weight: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                      eps: float = 0.0) -> None:
+    """Launch :func:`_quantize_rows_kernel` on ``x2 [M, K]`` (last dim contiguous, ``M``
+    and ``K`` > 0): the rowwise copy ``q, s`` (:func:`empty_1x128`; ``None``: only
+    ``rstd``, which needs ``weight``) and, with ``weight [K]``, RMSNorm first (``rstd
+    [M]`` float32 written). ``config``: like :data:`ROWS_CONFIG`."""
+    M, K = x2.shape
+    rb, bk, single = rows_tile(K, config)
+    ssm, ssg = s.stride() if s is not None else (0, 0)
+    grid = cdiv(M, rb)
+    per_sm = config.get("per_sm", 0)
+    if per_sm:
+        grid = min(grid, per_sm * num_sms(x2.device))
+    with device_guard(x2):
+        launch(_quantize_rows_kernel, (grid,), x2, weight, q, s, rstd, M, K,
+               x2.stride(0), ssm, ssg, float(eps), RB=rb, BK=bk, SINGLE=single,
+               NORM=weight is not None, QUANT=q is not None, POW2=pow2_scale,
+               PERSIST=per_sm > 0, num_warps=config["warps"])
+
+
+def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_scale: bool,
+                       weight: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                       reverse: bool = False) -> None:
+    """Launch :func:`_quantize_1x128_kernel` on ``x2 [M, K]`` (last dim contiguous, ``M``
+    and ``K`` > 0) into the components ``q, s`` (rowwise) and ``qt, st`` (columnwise) of
+    :func:`empty_1x128` (``None`` for a copy not asked for; scales in any strides).
+    With ``weight [K]`` and ``rstd [M]`` float32 the tile quantized is RMSNorm's output
+    ``x * rstd * weight`` (fp32 math). ``config``: a :data:`TILE_CONFIGS` entry;
+    ``reverse``: tiles from the last one (to find the rows a previous kernel read last
+    still in L2)."""
+    M, K = x2.shape
+    bm, bn = config["bm"], config["bn"]
+    if q is not None and bn != BLOCK or qt is not None and bm != BLOCK:
+        raise ValueError(f"tile {bm}x{bn} does not hold whole 1x128 groups")
+    ssm, ssg = s.stride() if s is not None else (0, 0)
+    sstk, sstg = st.stride() if st is not None else (0, 0)
+    ntiles = cdiv(M, bm) * cdiv(K, bn)
+    loop = config.get("loop", 0)
+    grid = ntiles if loop == 0 else min(ntiles, config["per_sm"] * num_sms(x2.device))
+    opts = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
+    with device_guard(x2):
+        launch(_quantize_1x128_kernel, (grid,),
+               x2, weight, rstd, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg,
+               BM=bm, BN=bn, ROWWISE=q is not None, COLWISE=qt is not None,
+               NORM=weight is not None, POW2=pow2_scale, LOOP=loop,
+               STAGES=config.get("stages", 1), K_FAST=config.get("k_fast", False),
+               REVERSE=reverse, COL_FIRST=config.get("col_first", False),
+               num_warps=config["warps"], **opts)
+
+
+def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
+                       tile_config: dict, *, pow2_scale: bool) -> None:
+    """Launch :func:`_quantize_split_kernel` on ``x2 [M, K]`` (``M``, ``K`` > 0) into all
+    four components of :func:`empty_1x128`: row programs as ``rows_config``
+    (:func:`rows_tile`, at most 128 rows), column tiles of
+    ``tile_config["bn"]`` columns, ``tile_config["warps"]`` warps for both."""
+    M, K = x2.shape
+    rb, bk, single = rows_tile(K, rows_config)
+    rb = min(rb, BLOCK)
+    bn = tile_config["bn"]
+    grid = cdiv(M, BLOCK) * (BLOCK // rb + cdiv(K, bn))
+    with device_guard(x2):
+        launch(_quantize_split_kernel, (grid,), x2, q, s, qt, st, M, K, x2.stride(0),
+               s.stride(0), s.stride(1), st.stride(0), st.stride(1), RB=rb, BK=bk,
+               SINGLE=single, BN=bn, POW2=pow2_scale, num_warps=tile_config["warps"])
 
 
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,
@@ -180,8 +551,9 @@ def quantize_1x128(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = 
         rowwise: produce ``rowwise_data [M, K]`` and ``rowwise_scale [M, ceil(K/128)]``
             (groups of 128 consecutive elements of a row).
         columnwise: produce ``columnwise_data [K, M]`` and ``columnwise_scale
-            [K, ceil(M/128)]`` (the transpose quantized in groups of 128 tokens), from
-            the same read of ``x``.
+            [K, ceil(M/128)]`` (the transpose quantized in groups of 128 tokens; in
+            one launch with the rowwise copy, which reads ``x`` from memory once: see
+            ``ROWCOL_MODE``).
         pow2_scale: round each scale up to a power of two.
 
     Returns an :class:`Fp8Tensor` with ``x``'s shape and dtype. ``scale = amax/448`` per
@@ -209,18 +581,20 @@ def quantize_1x128_launch(x2: torch.Tensor, rowwise: bool, columnwise: bool,
     q, s, qt, st = empty_1x128(M, K, x2.device, rowwise=rowwise, columnwise=columnwise,
                                group_major=group_major_scales)
     if M > 0 and K > 0:
-        ssm, ssg = s.stride() if s is not None else (0, 0)
-        sstk, sstg = st.stride() if st is not None else (0, 0)
-        # Columnwise groups span 128 rows, so a program takes 128 rows; rowwise alone
-        # takes fewer rows per program for more parallelism.
-        BM = 128 if columnwise else 32
-        grid = (cdiv(M, BM), cdiv(K, BLOCK))
-        with device_guard(x2):
-            launch(_quantize_1x128_kernel, grid,
-                x2, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg, BM=BM,
-                ROWWISE=rowwise,
-                COLWISE=columnwise, POW2=pow2_scale,
-                num_warps=WARPS_COLWISE if columnwise else WARPS_ROWWISE)
+        if rowwise and columnwise and ROWCOL_MODE == "tiles":
+            launch_1x128_tiles(x2, q, s, qt, st, TILE_CONFIGS["rc"], pow2_scale=pow2_scale)
+        elif rowwise and columnwise and ROWCOL_MODE == "split":
+            launch_1x128_split(x2, q, s, qt, st, ROWS_CONFIG, TILE_CONFIGS["split"],
+                               pow2_scale=pow2_scale)
+        else:
+            if rowwise and (columnwise or ROW_MODE == "rows"):
+                launch_1x128_rows(x2, q, s, ROWS_CONFIG, pow2_scale=pow2_scale)
+            elif rowwise:
+                launch_1x128_tiles(x2, q, s, None, None, TILE_CONFIGS["r"],
+                                   pow2_scale=pow2_scale)
+            if columnwise:
+                launch_1x128_tiles(x2, None, None, qt, st, TILE_CONFIGS["c"],
+                                   pow2_scale=pow2_scale, reverse=rowwise)
     return q, s, qt, st
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.quantize import BLOCK, empty_1x128, quant_cols, quant_rows
+from ..fp8.quantize import empty_1x128, launch_1x128_rows, launch_1x128_tiles
 from ..utils import cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
 #: Largest power-of-two hidden tile held in registers in one piece; wider rows are
@@ -40,10 +40,8 @@ def fwd_config(K: int):
 @triton.jit
 def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K, stride_x,
                          stride_r, eps, BM: tl.constexpr, BK: tl.constexpr,
-                         SINGLE: tl.constexpr, HAS_RES: tl.constexpr,
-                         STORE_Y: tl.constexpr = True):
-    """Persistent over row blocks of ``BM`` rows; ``y``/``h`` are contiguous ``[M, K]``.
-    ``STORE_Y=False`` only computes ``rstd`` (first kernel of the two-kernel quant)."""
+                         SINGLE: tl.constexpr, HAS_RES: tl.constexpr):
+    """Persistent over row blocks of ``BM`` rows; ``y``/``h`` are contiguous ``[M, K]``."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblk = tl.cdiv(M, BM)
@@ -66,10 +64,9 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K, stri
                 x = h.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
             tl.store(rstd_ptr + rows, rstd, mask=rmask)
-            if STORE_Y:
-                y = x * rstd[:, None] * w[None, :]
-                tl.store(y_ptr + rows[:, None] * K + cols0[None, :],
-                         y.to(y_ptr.dtype.element_ty), mask=mask)
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(y_ptr + rows[:, None] * K + cols0[None, :],
+                     y.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             # Pass 1: sum of squares over column blocks (and h = x + r written once).
             acc = tl.zeros([BM, BK], tl.float32)
@@ -90,28 +87,26 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K, stri
             if HAS_RES:
                 tl.debug_barrier()  # pass 2 re-reads h, possibly from other threads
             # Pass 2: normalize (the row block was just read: L2-hot).
-            if STORE_Y:
-                for k0 in range(0, K, BK):
-                    cols = k0 + cols0
-                    cm = cols < K
-                    mask = rmask[:, None] & cm[None, :]
-                    if HAS_RES:
-                        x = tl.load(h_ptr + rows[:, None] * K + cols[None, :], mask=mask,
-                                    other=0.0).to(tl.float32)
-                    else:
-                        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                                    other=0.0).to(tl.float32)
-                    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-                    y = x * rstd[:, None] * w[None, :]
-                    tl.store(y_ptr + rows[:, None] * K + cols[None, :],
-                             y.to(y_ptr.dtype.element_ty), mask=mask)
+            for k0 in range(0, K, BK):
+                cols = k0 + cols0
+                cm = cols < K
+                mask = rmask[:, None] & cm[None, :]
+                if HAS_RES:
+                    x = tl.load(h_ptr + rows[:, None] * K + cols[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
+                else:
+                    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                y = x * rstd[:, None] * w[None, :]
+                tl.store(y_ptr + rows[:, None] * K + cols[None, :],
+                         y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rms_norm_fwd_prefetch_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, K,
                                   stride_x, stride_r, eps, BM: tl.constexpr,
-                                  BK: tl.constexpr, HAS_RES: tl.constexpr,
-                                  STORE_Y: tl.constexpr):
+                                  BK: tl.constexpr, HAS_RES: tl.constexpr):
     """Single-tile path of :func:`_rms_norm_fwd_kernel` with the next row block's loads
     issued before the current block is reduced (twice the bytes in flight)."""
     pid = tl.program_id(0)
@@ -143,10 +138,9 @@ def _rms_norm_fwd_prefetch_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M
             x = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
-        if STORE_Y:
-            y = x * rstd[:, None] * w[None, :]
-            tl.store(y_ptr + rows[:, None] * K + cols[None, :],
-                     y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(y_ptr + rows[:, None] * K + cols[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)
         rows = rows_n
         x_raw = x_next
         if HAS_RES:
@@ -159,17 +153,17 @@ FWD_PREFETCH = True
 FWD_PREFETCH_MIN_K = 4096
 
 
-def _launch_fwd(x, r, weight, y, h, rstd, M, K, eps, *, has_res, store_y):
+def _launch_fwd(x, r, weight, y, h, rstd, M, K, eps, *, has_res):
     bm, bk, single, warps = fwd_config(K)
     per_sm = FWD_PROGRAMS_PER_SM if single else FWD_PROGRAMS_PER_SM_MULTI
     grid = (min(cdiv(M, bm), num_sms(x.device) * per_sm),)
     args = (x, r, weight, y, h, rstd, M, K, x.stride(0), r.stride(0), float(eps))
     if single and FWD_PREFETCH and K >= FWD_PREFETCH_MIN_K:
         launch(_rms_norm_fwd_prefetch_kernel, grid, *args, BM=bm, BK=bk, HAS_RES=has_res,
-               STORE_Y=store_y, num_warps=warps)
+               num_warps=warps)
     else:
         launch(_rms_norm_fwd_kernel, grid, *args, BM=bm, BK=bk, SINGLE=single, HAS_RES=has_res,
-               STORE_Y=store_y, num_warps=warps)
+               num_warps=warps)
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -188,7 +182,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r = residual if residual is not None else x
     with device_guard(x):
         _launch_fwd(x, r, weight, y, h if h is not None else y, rstd, M, K, eps,
-                    has_res=residual is not None, store_y=True)
+                    has_res=residual is not None)
     return y, h, rstd
 
 
@@ -196,123 +190,51 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # RMSNorm + 1x128 FP8 quantization
 # --------------------------------------------------------------------------------------
 #
-# Design: the columnwise copy needs groups of 128 *tokens*, so a program owns a slab of
-# BM = 128 rows (32 without the columnwise copy). Pass 1 walks the slab's columns in
-# [BM, P1_BK] tiles accumulating the sum of squares -> rstd per row (one HBM read of x).
-# Pass 2 walks the column blocks again (the slab was just read, so these loads hit L2),
-# normalizes in fp32 and quantizes each [BM, 128] tile rowwise (quant_rows) and
-# columnwise (quant_cols) from the same fp32 values; the bf16 normalized output is never
-# written. With few slabs (M/128 < #SMs) the grid's second axis splits pass 2's column
-# blocks over SPLIT programs per slab; each of them repeats pass 1 (adjacent programs read
-# the same slab at the same time, so the repeats mostly hit L2).
+# Two kernels of linghe.fp8.quantize, each with an RMSNorm prologue (one implementation of
+# the rowwise and of the columnwise quantization for quantize_1x128 and this op):
 #
-# A slab kernel has only M/128 programs (64 at M = 8192), which may leave an H200
-# latency-bound, so there is a second mode, "two_kernel": the rms_norm kernel computes
-# rstd [M] alone (full parallelism, one read of x), then the same quant kernel with
-# RSTD_IN runs one program per [128 rows, 128 cols] tile (like quantize_1x128), re-reading
-# x (L2-hot when x fits in L2: 32 MB at [8192, 2048] bf16). QUANT_MODE picks: "slab",
-# "two_kernel", or "auto" (two_kernel when slabs * QUANT_MAX_SPLIT < #SMs). Both modes
-# give identical results up to rstd's summation order. Measured on an H200 (M = 8192,
-# K = 2048 / 4096 / 8192): two_kernel with 4 warps per tile 40.7 / 75.0 / 140.8 µs, the
-# best slab configuration 54.5 / 105.5 / 203.2 µs, so two_kernel is the default.
+# 1. the rows kernel (rowwise copy, one pass): a program takes whole rows (up to
+#    QUANT_ROWS_CONFIG["max_bk"] columns in registers), computes rstd (stored for the
+#    backward), y = x * rstd * w in fp32 and quantizes y in 1x128 groups along the row;
+# 2. with the columnwise copy, the tile kernel: [128 tokens, BN columns] tiles of x,
+#    scaled by that rstd and w (the same fp32 y), quantized columnwise. It re-reads x, by
+#    default in reverse tile order, row block by row block (k_fast), so that it starts on
+#    the rows kernel 1 read last (the likeliest to be still in L2).
+#
+# QUANT_MODE "rstd_tiles" splits the work the other way: kernel 1 stores rstd only and the
+# tile kernel writes both copies. Both modes give identical bits.
 
-
-@triton.jit
-def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rstd_ptr, M, K,
-                           stride_x, eps, BM: tl.constexpr, P1_BK: tl.constexpr,
-                           COLWISE: tl.constexpr, POW2: tl.constexpr,
-                           RSTD_IN: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    nsplit = tl.num_programs(1)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rmask = rows < M
-    cols0 = tl.arange(0, 128)
-    if RSTD_IN:
-        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
-    else:
-        colsp = tl.arange(0, P1_BK)
-        acc = tl.zeros([BM], tl.float32)
-        for k0 in range(0, K, P1_BK):
-            cols = k0 + colsp
-            mask = rmask[:, None] & (cols < K)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(x * x, axis=1)
-        rstd = 1.0 / tl.sqrt(acc / K + eps)
-        if pid_s == 0:
-            tl.store(rstd_ptr + rows, rstd, mask=rmask)
-    nkb = tl.cdiv(K, 128)
-    nmb = tl.cdiv(M, 128)
-    for kb in range(pid_s, nkb, nsplit):
-        cols = kb * 128 + cols0
-        cmask = cols < K
-        mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = x * rstd[:, None] * w[None, :]
-        q, s = quant_rows(y, POW2)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + rows * nkb + kb, s, mask=rmask)
-        if COLWISE:
-            qt, st = quant_cols(y, POW2)
-            tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(qt),
-                     mask=cmask[:, None] & rmask[None, :])
-            tl.store(st_ptr + cols * nmb + pid_m, st, mask=cmask)
-
-
-#: Tuning knobs of rms_norm_quant: mode ("auto", "slab", "two_kernel"), most programs
-#: per slab (each repeats pass 1, so more than 2 costs L2 bandwidth), pass-1 column
-#: chunk, warps.
-QUANT_MODE = "two_kernel"
-QUANT_MAX_SPLIT = 2
-QUANT_WARPS_TILE = 4
-QUANT_P1_BK = 256
-QUANT_WARPS_COLWISE = 16
-QUANT_WARPS_ROWWISE = 4
-
-
-def quant_split(M: int, K: int, bm: int, device: torch.device) -> int:
-    """Programs per slab: split pass 2's column blocks when there are fewer slabs than
-    SMs (M = 8192 gives 64 slabs of 128 rows)."""
-    slabs = cdiv(M, bm)
-    nkb = cdiv(K, BLOCK)
-    want = cdiv(num_sms(device), max(slabs, 1))
-    return max(1, min(nkb, want, QUANT_MAX_SPLIT))
-
-
-def quant_mode(M: int, bm: int, device: torch.device) -> str:
-    """``"slab"`` or ``"two_kernel"`` (see the design note above; knob ``QUANT_MODE``)."""
-    if QUANT_MODE != "auto":
-        return QUANT_MODE
-    return "two_kernel" if cdiv(M, bm) * QUANT_MAX_SPLIT < num_sms(device) else "slab"
+#: Tuning knobs of rms_norm_quant (benchmark/probe_tilequant.py sweeps them):
+#: QUANT_MODE "rows_cols" or "rstd_tiles" (above); the rows kernel's config
+#: (linghe.fp8.quantize.ROWS_CONFIG keys); the tile kernel's configs (TILE_CONFIGS
+#: entries) for the columnwise copy / both copies; its tile order.
+QUANT_MODE = "rows_cols"
+QUANT_ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
+QUANT_TILE_COLS = dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=True)
+QUANT_TILE_ROWCOL = dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False)
+QUANT_TILE_REVERSE = True
 
 
 def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
                        columnwise: bool, pow2_scale: bool):
-    """``x [M, K]``, ``weight [K]`` -> ``(q, s, q_t, s_t, rstd)`` (1x128 layout of
-    ``linghe.fp8``; ``q_t``/``s_t`` are ``None`` without ``columnwise``)."""
+    """``x [M, K]`` (last dim contiguous), ``weight [K]`` -> ``(q, s, q_t, s_t, rstd)``:
+    the 1x128 layout of ``linghe.fp8`` (``q [M, K]``, ``s [M, ceil(K/128)]``, ``q_t
+    [K, M]``, ``s_t [K, ceil(M/128)]``; ``q_t``/``s_t`` are ``None`` without
+    ``columnwise``) of ``y = x * rstd * weight`` (fp32, never written), and ``rstd [M]``
+    float32 (saved for the backward)."""
     M, K = x.shape
     q, s, qt, st = empty_1x128(M, K, x.device, rowwise=True, columnwise=columnwise)
     rstd = empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return q, s, qt, st, rstd
-    bm = 128 if columnwise else 32
-    mode = quant_mode(M, bm, x.device)
-    with device_guard(x):
-        if mode == "two_kernel":
-            _launch_fwd(x, x, weight, x, x, rstd, M, K, eps, has_res=False, store_y=False)
-            grid = (cdiv(M, bm), cdiv(K, BLOCK))
-            warps = QUANT_WARPS_TILE if columnwise else QUANT_WARPS_ROWWISE
-        else:
-            grid = (cdiv(M, bm), quant_split(M, K, bm, x.device))
-            warps = QUANT_WARPS_COLWISE if columnwise else QUANT_WARPS_ROWWISE
-        launch(_rms_norm_quant_kernel, grid,
-            x, weight, q, s, qt if qt is not None else q, st if st is not None else s, rstd,
-            M, K, x.stride(0), float(eps), BM=bm, P1_BK=QUANT_P1_BK if columnwise else 128,
-            COLWISE=columnwise, POW2=pow2_scale, RSTD_IN=mode == "two_kernel",
-            num_warps=warps)
+    both = columnwise and QUANT_MODE == "rstd_tiles"
+    launch_1x128_rows(x, None if both else q, None if both else s, QUANT_ROWS_CONFIG,
+                      pow2_scale=pow2_scale, weight=weight, rstd=rstd, eps=eps)
+    if columnwise:
+        launch_1x128_tiles(x, q if both else None, s if both else None, qt, st,
+                           QUANT_TILE_ROWCOL if both else QUANT_TILE_COLS,
+                           pow2_scale=pow2_scale, weight=weight, rstd=rstd,
+                           reverse=QUANT_TILE_REVERSE)
     return q, s, qt, st, rstd
 
 
