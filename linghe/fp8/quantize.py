@@ -419,7 +419,7 @@ TILE_CONFIGS = {
                col_first=False),
     "r": dict(bm=32, bn=128, warps=8, loop=0, stages=1, per_sm=0, k_fast=False,
               col_first=False),
-    "c": dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
+    "c": dict(bm=128, bn=64, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
               col_first=False),
     # the columnwise tiles (``bn``) and the warps of ROWCOL_MODE "split"
     "split": dict(bm=128, bn=64, warps=4),
@@ -433,9 +433,10 @@ ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
 #: "rows" kernel; both copies from the tiles in one pass ("tiles"); "rows_cols": the rows
 #: kernel, then the columnwise tiles in reverse order (re-reading x, partly from L2);
 #: "split": :func:`_quantize_split_kernel` (rows and columnwise tiles in one launch, chunk
-#: by chunk; ROWS_CONFIG and TILE_CONFIGS["split"]). "split" is the default: the same
-#: design measured 24.7 against 27.8 µs for "tiles" on an H200 (NOTES.md, 2026-11-26).
-ROW_MODE = "tiles"
+#: by chunk; ROWS_CONFIG and TILE_CONFIGS["split"]). "split" is the default: 24.5 against
+#: 27.6 µs for "tiles" on an H200 at [8192, 2048]; rowwise only, "rows" 15.8 against 16.4
+#: µs for "tiles" (``h200_probe_tilequant_2026-11-26.*``).
+ROW_MODE = "rows"
 ROWCOL_MODE = "split"
 
 
