@@ -252,9 +252,13 @@ class GpuClockLog:
         self._proc = None
         if shutil.which("nvidia-smi") is None:
             return
+        # nvidia-smi numbers GPUs its own way (not CUDA_VISIBLE_DEVICES'): name it by UUID
+        uuid = str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()),
+                           "uuid", ""))
+        gpu = (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}") if uuid else "0"
         self._proc = subprocess.Popen(
             ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,"
-             "nounits", "-i", str(torch.cuda.current_device()), "-lms", str(period_ms)],
+             "nounits", "-i", gpu, "-lms", str(period_ms)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

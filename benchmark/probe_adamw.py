@@ -18,8 +18,9 @@ a size-matched copy):
 
 Fewest bytes of the update: parameter, gradient and both moments read, parameter and
 moments written (14 B per bf16 parameter); the norm reads the gradients once more.
-Checks: one linghe step against ``torch.optim.AdamW`` (float32 math) on the first 1M
-elements of each tensor (relative error). ``--cpu``: tiny shapes on the interpreter.
+Checks: one linghe step against ``torch.optim.AdamW`` (float32 math) on a slice of 8
+elements along the last dim of each tensor (relative error), and main's and the new
+kernel's step bit for bit (``--old``). ``--cpu``: tiny shapes on the interpreter.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
     opt = linghe.optim.AdamW(params, **hyper)
     base = dict(K.ADAMW_CONFIG)
     for knobs in ({}, {"piece": 16384}, {"piece": 262144}, {"piece": 0}, {"stages": 2},
-                  {"stages": 4}, {"vectors": 2}, {"programs_per_sm": 3}):
+                  {"stages": 3}, {"vectors": 2}, {"programs_per_sm": 3}):
         K.ADAMW_CONFIG.update(base, **knobs)
         opt._groups = {}  # rebuild the plans (programs per SM)
         label = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
@@ -206,10 +207,11 @@ def main(argv=None) -> int:
         return run
     if old is not None:
         row("adamw_quant_128 (experts), main", quant(old.fp8_weights), qbytes)
+    default_stages = W.STAGES
     for st in (1, 2, 3, 4):
         W.STAGES = st
         row(f"adamw_quant_128 (experts), stages={st}", quant(W), qbytes)
-    W.STAGES = 3
+    W.STAGES = default_stages
     if clocks is not None:
         clocks.close()
     print(f"1 GiB copy {copy_gbps:.0f} GB/s")

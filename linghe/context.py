@@ -74,7 +74,8 @@ class TrainingContext:
             of host time with the hand-off and 332 µs without (bf16 ``torch.nn.Linear``
             184 vs 120 µs; ``benchmark.host``'s "caller-thread bwd" rows). Turn it off
             for a process that drives several GPUs from one thread and wants their
-            backwards to run in parallel.
+            backwards to run in parallel. (The setting is per thread, the recipe per
+            thread or asyncio task: tasks sharing a thread share the setting.)
         expert_fp8_wgrad: compute the routed experts' weight gradients
             (:class:`linghe.nn.MoE`) in FP8; by default they are computed in the input's
             precision from the gradients as they arrive and the dequantized FP8
@@ -137,11 +138,13 @@ class TrainingContext:
     def __exit__(self, exc_type, exc, tb) -> None:
         global _compiled_recipe
         token, self._token = self._token, None
-        _RECIPE.reset(token)
-        _compiled_recipe, self._outer_mirror = self._outer_mirror, None
-        if self._outer_multithreading is not None:
-            torch._C._set_multithreading_enabled(self._outer_multithreading)
-            self._outer_multithreading = None
+        try:
+            _RECIPE.reset(token)  # raises if exited in another contextvars.Context
+        finally:
+            _compiled_recipe, self._outer_mirror = self._outer_mirror, None
+            if self._outer_multithreading is not None:
+                torch._C._set_multithreading_enabled(self._outer_multithreading)
+                self._outer_multithreading = None
         if exc_type is None and self.recipe is not None and self.recipe.state is not None:
             self.recipe.state.update()
 

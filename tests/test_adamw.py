@@ -93,6 +93,48 @@ def test_pieces_and_shares_match_reference(device, monkeypatch, piece):
         assert rows[:, 2].sum() == 1000 + 77 + 1 + 4101 + 96
 
 
+def test_unaligned_views_and_mixed_dtypes(device):
+    # Parameters that are views at odd offsets take the unaligned (scalar-load) launch;
+    # a bf16 parameter is a second dtype group of the same step; both match torch.
+    buf = torch.randn(4000, device=device)
+    ps = [torch.nn.Parameter(buf[1:1001]), torch.nn.Parameter(buf[1003:1500])]
+    ps_t = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    bf = torch.nn.Parameter(torch.randn(777, device=device).bfloat16())
+    bf_t = torch.nn.Parameter(bf.detach().clone())
+    for p, q in zip(ps + [bf], ps_t + [bf_t]):
+        g = torch.randn(p.shape, device=device)
+        p.grad, q.grad = g.to(p.dtype), g.to(q.dtype)
+    assert ps[0].data_ptr() % 16 and ps[1].data_ptr() % 16
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    optim.AdamW(ps + [bf], **hyper).step()
+    torch.optim.AdamW(ps_t + [bf_t], foreach=False, **hyper).step()
+    for p, q in zip(ps, ps_t):
+        assert_close(p.detach(), q.detach(), tol=TOL[torch.float32], name="param")
+    assert_close(bf.detach().float(), bf_t.detach().float(), tol=TOL[torch.bfloat16],
+                 name="bf16 param")
+
+
+def test_segment_tables_cover_every_element_once():
+    # Table-only (no allocation): a tensor over 2^30 elements is cut into segments of at
+    # most 2^30; pieces and shares cover every element once, starts 16-aligned.
+    from linghe.optim import multi_tensor as K
+
+    sizes = np.array([3 * 2**30 + 5, 17, 1, 70_000], dtype=np.int64)
+    slots = np.arange(len(sizes))
+    extra = np.array([7, 8, 9, 10], dtype=np.int64)
+    for seg in (K._segments(slots, sizes, 5, extra=extra),
+                K._interleaved_segments(slots, sizes, 5, 2**20, extra)):
+        ptr, rows = seg[:6], seg[6:].reshape(-1, 4)
+        assert ptr[0] == 0 and ptr[-1] == len(rows) and (np.diff(ptr) >= 0).all()
+        assert rows[:, 2].max() <= 2**30 and (rows[:, 1] % 16 == 0).all()
+        assert (rows[:, 3] == extra[rows[:, 0]]).all()
+        for t, n in enumerate(sizes):
+            mine = rows[rows[:, 0] == t]
+            mine = mine[np.argsort(mine[:, 1])]
+            assert mine[0, 1] == 0 and mine[:, 2].sum() == n
+            assert (mine[1:, 1] == mine[:-1, 1] + mine[:-1, 2]).all()
+
+
 def test_matches_torch_param_groups_and_lr_tensor(device):
     a, b = _params([300, 17], torch.float32, device), _params([1000], torch.float32, device, 1)
     a_t, b_t = _clone(a), _clone(b)

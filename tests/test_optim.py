@@ -554,7 +554,7 @@ for dt in (tl.bfloat16, tl.float32):
                   BLOCK="constexpr", STAGES="constexpr", ALIGNED="constexpr",
                   CLIP="constexpr", LR_TENSOR="constexpr", MAXIMIZE="constexpr"),
              dict(P=dt, G=dt, M=dt, ESP=es, ESG=es, ESM=es,
-                  BLOCK=K.adamw_block((es,) * 3, True), STAGES=K.ADAMW_CONFIG["stages"],
+                  BLOCK=K.adamw_block((es,) * 3), STAGES=K.ADAMW_CONFIG["stages"],
                   ALIGNED=True, CLIP=True, LR_TENSOR=True, MAXIMIZE=False),
              vec="cp.async")
     # the segment loop is pipelined (16-byte asynchronous copies)

@@ -138,11 +138,11 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
 
     Normalizes ``x [..., K]`` (fp32 math) and quantizes the result in fp32: rowwise
     (``rowwise_data [M, K]``, ``rowwise_scale [M, ceil(K/128)]``; one pass that also
-    computes rstd) and, with ``columnwise``, the transpose in groups of 128 tokens
-    (``columnwise_data [K, M]``, ``columnwise_scale [K, ceil(M/128)]``; a second kernel
-    of ``[128, BN]`` tiles that re-reads ``x`` and applies the same rstd and weight, so
-    both copies quantize the same fp32 values). The high-precision normalized output is
-    never written. Arguments as :func:`rms_norm` (no residual);
+    computes rstd, two passes over rows wider than 8192) and, with ``columnwise``, the
+    transpose in groups of 128 tokens (``columnwise_data [K, M]``, ``columnwise_scale [K,
+    ceil(M/128)]``; a second kernel of ``[128, BN]`` tiles that re-reads ``x`` and applies
+    the same rstd and weight, so both copies quantize the same fp32 values). The
+    high-precision normalized output is never written. Arguments as :func:`rms_norm` (no residual);
     ``pow2_scale`` rounds scales up to powers of two.
 
     Returns an :class:`~linghe.fp8.Fp8Tensor` with ``x``'s shape and dtype that carries

@@ -323,8 +323,8 @@ class AdamW(torch.optim.Optimizer):
 
     def _plan(self, bufs: _GroupBuffers, params, idx: list[int], flat: list[int],
               aligned: bool):
-        """Validate, create missing state (every parameter of ``idx``), build the chunk
-        table of those in ``flat``. Returns ``(plan (None without any), step increment
+        """Validate, create missing state (every parameter of ``idx``), build the segment
+        tables of those in ``flat``. Returns ``(plan (None without any), step increment
         (None: every parameter), the moments' addresses)``."""
         device = bufs.steps.device
         ms, vs = [], []

@@ -116,9 +116,9 @@ ADAMW_CONFIG = dict(stages=4, warps=NUM_WARPS, vectors=1, piece=65536,
                     programs_per_sm=int(os.environ.get("LINGHE_ADAMW_PROGRAMS_PER_SM", "2")))
 
 
-def adamw_block(es: tuple[int, int, int], aligned: bool) -> int:
-    """Elements per block of an AdamW launch over elements of ``es`` bytes."""
-    # (as many elements when not aligned: the loads are then scalar, not fewer)
+def adamw_block(es: tuple[int, int, int]) -> int:
+    """Elements per block of an AdamW launch over elements of ``es`` bytes (as many when
+    the tensors are not 16-byte aligned: the loads are then scalar, not fewer)."""
     return ADAMW_CONFIG["warps"] * 32 * ADAMW_CONFIG["vectors"] * (16 // min(es))
 
 
@@ -606,8 +606,9 @@ def _adamw_kernel(seg_ptr, addrs_ptr, nt, bias_ptr, coef_ptr, lr_ptr, lr, beta1,
                   CLIP: tl.constexpr, LR_TENSOR: tl.constexpr, MAXIMIZE: tl.constexpr):
     """AdamW (decoupled weight decay) over ``nt`` tensors (their addresses in ``addrs [4,
     nt]``: parameters, gradients, exp_avg, exp_avg_sq; elements of ``ESP``/``ESG``/``ESM``
-    bytes): program ``pid`` streams its segments, rows ``(slot, start, length, bias row)``
-    ``seg[pid]:seg[pid + 1]`` after the ``G + 1`` offsets (:func:`_interleaved_segments`),
+    bytes): program ``pid`` of ``NP`` streams its segments, rows ``(slot, start, length,
+    bias row)`` ``seg[pid]:seg[pid + 1]`` after the ``NP + 1`` offsets
+    (:func:`_interleaved_segments`),
     each through a loop that Triton pipelines ``STAGES`` deep (asynchronous 16-byte copies
     of the four inputs into shared memory, so that ``STAGES - 1`` blocks per program are
     in flight while one is updated); the next segment's row is loaded one segment ahead.
@@ -856,7 +857,7 @@ def _interleaved_segments(slots: np.ndarray, sizes: np.ndarray, G: int, piece: i
     return np.concatenate([ptr, rows.ravel()])
 
 
-#: Longest segment of a norm segment table, elements (the kernel counts in int32).
+#: Longest segment of a segment table (norm, AdamW), elements (the kernels count in int32).
 _MAX_SEGMENT = 1 << 30
 #: Program shares start on multiples of this many elements within a tensor (>= 16 bytes,
 #: so every segment of an aligned tensor starts 16-byte aligned).
@@ -869,7 +870,8 @@ def _segments(slots: np.ndarray, sizes: np.ndarray, G: int,
     (all > 0), viewed as one concatenated vector, cut into ``G`` contiguous shares of
     (nearly) equal size, each share's start moved back to a multiple of
     :data:`_SEG_ALIGN` within its tensor; a share is one or more segments (pieces of one
-    tensor, at most :data:`_MAX_SEGMENT` long). Returns int64 ``[G + 1 + 3 * n_seg]``:
+    tensor, at most :data:`_MAX_SEGMENT` long). Returns int64 ``[G + 1 + 3 * n_seg]``
+    (``4 * n_seg`` with ``extra``):
     program ``p``'s segments are rows ``ptr[p]:ptr[p + 1]`` of the ``(slot, start
     element, length)`` rows after the ``G + 1`` offsets ``ptr``; with ``extra`` (one value
     per tensor) the rows are ``(slot, start, length, extra)``."""
@@ -977,7 +979,7 @@ class AdamWLaunch:
     es: tuple  # their element sizes
     grid: int
     aligned: bool
-    segs: torch.Tensor  # this launch's segment table (:func:`_segments`, bias row column)
+    segs: torch.Tensor  # this launch's segment table (:func:`_interleaved_segments`)
 
 
 @dataclass
@@ -1003,12 +1005,20 @@ def build_adamw_plan(params: list[torch.Tensor], grads: list[torch.Tensor],
             key = (p.dtype, g.dtype, m.dtype)
             groups.setdefault(key, []).append((i, p.numel(), index[i]))
     max_prog = num_sms(device) * ADAMW_CONFIG["programs_per_sm"]
+    piece = ADAMW_CONFIG["piece"]
+    if piece % _SEG_ALIGN or not 0 <= piece <= _MAX_SEGMENT:
+        # (segment starts must stay 16-byte aligned for ALIGNED; lengths fit int32)
+        raise ValueError(f"ADAMW_CONFIG['piece'] must be 0 or a multiple of {_SEG_ALIGN} "
+                         f"up to {_MAX_SEGMENT}, got {piece}")
     segs, specs = [], []
     for (pd, gd, md), items in groups.items():
         arr = np.asarray(items, dtype=np.int64)
-        grid = min(int(((arr[:, 1] + CHUNK - 1) // CHUNK).sum()), max_prog)
-        piece = ADAMW_CONFIG["piece"]
-        segs.append(_interleaved_segments(arr[:, 0], arr[:, 1], grid, piece, arr[:, 2])
+        # A group smaller than the resident grid's pieces takes smaller pieces (a
+        # multiple of 16 elements), so that every program gets work.
+        share = cdiv(cdiv(int(arr[:, 1].sum()), max_prog), _SEG_ALIGN) * _SEG_ALIGN
+        unit = min(piece, share) if piece else CHUNK
+        grid = min(int(((arr[:, 1] + unit - 1) // unit).sum()), max_prog)
+        segs.append(_interleaved_segments(arr[:, 0], arr[:, 1], grid, unit, arr[:, 2])
                     if piece else _segments(arr[:, 0], arr[:, 1], grid, extra=arr[:, 2]))
         es = tuple(torch.empty((), dtype=d).element_size() for d in (pd, gd, md))
         specs.append(((_TL_DTYPE[pd], _TL_DTYPE[gd], _TL_DTYPE[md]), es, grid))
@@ -1144,7 +1154,7 @@ def adamw_(plan: AdamWPlan, addrs: torch.Tensor, bias: torch.Tensor, *, lr, beta
                    coef if coef is not None else bias, lr if lr_tensor else bias,
                    0.0 if lr_tensor else float(lr), float(beta1), float(beta2), float(eps),
                    float(weight_decay), P=P, G=G, M=M, ESP=ESP, ESG=ESG, ESM=ESM,
-                   BLOCK=adamw_block(ln.es, ln.aligned), STAGES=cfg["stages"],
+                   BLOCK=adamw_block(ln.es), STAGES=cfg["stages"],
                    ALIGNED=ln.aligned, CLIP=coef is not None, LR_TENSOR=lr_tensor,
                    MAXIMIZE=bool(maximize), num_warps=cfg["warps"])
 
