@@ -142,8 +142,8 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     transpose in groups of 128 tokens (``columnwise_data [K, M]``, ``columnwise_scale [K,
     ceil(M/128)]``; a second kernel of ``[128, BN]`` tiles that re-reads ``x`` and applies
     the same rstd and weight, so both copies quantize the same fp32 values). The
-    high-precision normalized output is never written. Arguments as :func:`rms_norm` (no residual);
-    ``pow2_scale`` rounds scales up to powers of two.
+    high-precision normalized output is never written. Arguments as :func:`rms_norm` (no
+    residual); ``pow2_scale`` rounds scales up to powers of two.
 
     Returns an :class:`~linghe.fp8.Fp8Tensor` with ``x``'s shape and dtype that carries
     autograd: its backward treats the quantization as identity (straight-through) and
