@@ -10,9 +10,9 @@ and the new launchers at several values of their module knobs (``*`` = the defau
 
 - ``quantize rc`` / ``rc pow2`` / ``r`` / ``c``:
   :func:`linghe.fp8.quantize.quantize_1x128_launch` with both copies, the rowwise copy,
-  the columnwise copy. Knobs: ``TILE_CONFIGS`` entries (tile, warps, ``loop`` 0 one tile
-  per program / 1 Triton-pipelined persistent / 2 register-prefetch persistent,
-  programs per SM, tile order ``k_fast``, ``col_first``, ``maxnreg``), ``ROW_MODE`` /
+  the columnwise copy. Knobs: ``TILE_CONFIGS`` entries (tile, warps, tile order
+  ``k_fast``; the persistent tile loops of the first H200 run lost and were removed),
+  ``ROW_MODE`` /
   ``ROWCOL_MODE`` (the rows kernel; "rows_cols": rows then columnwise tiles, two
   launches; "split": both kinds of programs in one launch), ``ROWS_CONFIG``;
 - ``norm_quant rc`` / ``rc pow2`` / ``r``: :func:`linghe.fwd.norm.rms_norm_quant_fwd`.
@@ -80,19 +80,11 @@ EPS = 1e-6
 # TILE_CONFIGS entry), "rows" (merged into ROWS_CONFIG), "ROW_MODE", "ROWCOL_MODE".
 # rms_norm_quant: "rows" (QUANT_ROWS_CONFIG), "cols" (QUANT_TILE_COLS), "rowcol"
 # (QUANT_TILE_ROWCOL), "mode" (QUANT_MODE), "reverse" (QUANT_TILE_REVERSE).
-P1 = dict(loop=1, per_sm=2, k_fast=True, warps=8)  # Triton-pipelined persistent
-P2 = dict(loop=2, per_sm=1, k_fast=True)  # register-prefetch persistent
 R8 = dict(rows=8, elems=16384)  # 8 rows of 2048 per rows-kernel program
 QUANT_RC = [
     {"ROWCOL_MODE": "tiles"},
     {"ROWCOL_MODE": "tiles", "rc": dict(k_fast=True)},
     {"ROWCOL_MODE": "tiles", "rc": dict(warps=8)},
-    {"ROWCOL_MODE": "tiles", "rc": dict(warps=8, col_first=True, k_fast=True)},
-    {"ROWCOL_MODE": "tiles", "rc": dict(col_first=True, k_fast=True)},
-    {"ROWCOL_MODE": "tiles", "rc": dict(P1, stages=3)},
-    {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=8)},
-    {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=16)},
-    {"ROWCOL_MODE": "tiles", "rc": dict(P2, warps=8, per_sm=2, maxnreg=128)},
     {"ROWCOL_MODE": "rows_cols", "c": dict(k_fast=True)},
     {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64, k_fast=True)},
     {"split": dict(bn=128)},
@@ -103,7 +95,6 @@ QUANT_RC = [
 QUANT_RC_POW2 = [
     {"ROWCOL_MODE": "tiles"},
     {"ROWCOL_MODE": "tiles", "rc": dict(k_fast=True)},
-    {"ROWCOL_MODE": "tiles", "rc": dict(warps=8, col_first=True, k_fast=True)},
     {"split": dict(bn=128)},
 ]
 QUANT_R = [
@@ -119,7 +110,6 @@ QUANT_C = [
     {"c": dict(bn=64)},
     {"c": dict(bn=64, k_fast=True)},
     {"c": dict(bn=64, warps=2)},
-    {"c": dict(P2, bn=64, warps=8, per_sm=2)},
 ]
 NORM_RC = [
     {"reverse": False},
@@ -127,11 +117,9 @@ NORM_RC = [
     {"cols": dict(warps=8)},
     {"cols": dict(bn=64)},
     {"cols": dict(bn=64, warps=2)},
-    {"cols": dict(P2, bn=64, warps=8, per_sm=2)},
     {"rows": R8},
     {"rows": dict(per_sm=3)},
     {"mode": "rstd_tiles"},
-    {"mode": "rstd_tiles", "rowcol": dict(warps=8, col_first=True, k_fast=True)},
 ]
 NORM_RC_POW2 = [{"cols": dict(bn=64)}, {"mode": "rstd_tiles"}]
 NORM_R = [
@@ -482,18 +470,17 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 def _record_launches(mods, fn):
     """The kernel launches ``fn`` makes through ``linghe.utils.launch`` in ``mods``
-    (``[(kernel, args by name, constexprs, num_warps, options)]``), without running them."""
+    (``[(kernel, args by name, num_warps, num_stages)]``), without running them."""
     calls = []
 
     def fake(kernel, grid, *a, **kw):
         kw = dict(kw)
         warps = kw.pop("num_warps", 4)
         stages = kw.pop("num_stages", 3)
-        opts = {k: kw.pop(k) for k in ("maxnreg",) if k in kw}
         names = [p.name for p in kernel.params]
         args = dict(zip(names, a))
         args.update({k: v for k, v in kw.items()})
-        calls.append((kernel, args, warps, stages, opts))
+        calls.append((kernel, args, warps, stages))
 
     saved = [(m, m.launch) for m in mods]
     try:
@@ -528,7 +515,7 @@ def sass_table(args) -> int:
             with _knobs(Q, N, op, kn):
                 calls = _record_launches([Q, oldQ, N, oldN], fn)
             parts = []
-            for kernel, kargs, warps, stages, opts in calls:
+            for kernel, kargs, warps, stages in calls:
                 sig, const = {}, {}
                 for p in kernel.params:
                     v = kargs.get(p.name, p.default if hasattr(p, "default") else None)
@@ -539,12 +526,10 @@ def sass_table(args) -> int:
                     else:
                         sig[p.name] = v
                 key = (kernel.fn.__name__, id(kernel), tuple(sorted(const.items())),
-                       tuple(sorted((k, str(v)) for k, v in sig.items())), warps,
-                       tuple(opts.items()))
+                       tuple(sorted((k, str(v)) for k, v in sig.items())), warps)
                 if key not in seen:
                     try:
-                        st = sass_stats(compile_sm90(kernel, sig, const, warps, stages,
-                                                     **opts))
+                        st = sass_stats(compile_sm90(kernel, sig, const, warps, stages))
                         seen[key] = (f"{kernel.fn.__name__}/{warps}w regs {st['regs']} "
                                      f"stack {st['stack']} smem {st['smem']} "
                                      f"sass {st['sass']}")

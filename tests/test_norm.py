@@ -251,15 +251,15 @@ def test_rms_norm_quant_columnwise_is_not_transpose(device):
 
 # The two kernels of rms_norm_quant (rows: rstd + rowwise copy; tiles: columnwise copy) and
 # their knobs: the alternative split (rstd only, then the tiles write both copies), tile
-# order and loops, the multi-pass rows path (rows wider than the rows config's max_bk), odd
+# order and size, the multi-pass rows path (rows wider than the rows config's max_bk), odd
 # shapes (M and K not multiples of 128, M = 1), NaN in the input.
 NQ_KNOBS = [
     dict(),
     dict(QUANT_MODE="rstd_tiles"),
-    dict(QUANT_TILE_REVERSE=False, QUANT_TILE_COLS=dict(bm=128, bn=64, warps=4, loop=2,
-                                                         per_sm=1, k_fast=True)),
-    dict(QUANT_MODE="rstd_tiles", QUANT_TILE_ROWCOL=dict(bm=128, bn=128, warps=8, loop=1,
-                                                         stages=2, per_sm=1)),
+    dict(QUANT_TILE_REVERSE=False, QUANT_TILE_COLS=dict(bm=128, bn=32, warps=2,
+                                                         k_fast=False)),
+    dict(QUANT_MODE="rstd_tiles", QUANT_TILE_ROWCOL=dict(bm=128, bn=128, warps=8,
+                                                         k_fast=True)),
     dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256)),
     dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=8192, per_sm=1)),
     dict(QUANT_ROWS_CONFIG=dict(rows=2, elems=8192, warps=4, max_bk=256, per_sm=1),

@@ -14,7 +14,8 @@ Kernels of the 1x128 format (``quantize_1x128`` and, with an RMSNorm prologue,
 
 - :func:`_quantize_rows_kernel` (:func:`rows_program`): whole rows, rowwise copy;
 - :func:`_quantize_1x128_kernel` (:func:`quant_tile`): ``[BM, BN]`` tiles, either copy or
-  both; one tile per program or persistent loops;
+  both, one tile per program (persistent loops over the tiles, Triton-pipelined or with a
+  register prefetch, ran at 32-47 µs against 27.6 on an H200: benchmark/NOTES.md);
 - :func:`_quantize_split_kernel`: both copies in one launch of row programs and
   columnwise tiles, chunk by chunk (the default for both copies).
 
@@ -266,24 +267,21 @@ def _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM: tl.con
 @triton.jit
 def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
                stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE: tl.constexpr,
-               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
-               COL_FIRST: tl.constexpr = False):
+               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr):
     """Quantize the tile ``x [BM, BN]`` (rows ``rows`` int64 of row block ``pid_m``,
     columns ``cols`` of column block ``pid_k`` of an ``[M, K]`` tensor; zeros out of
     range), with ``NORM`` first ``y = x * rstd[:, None] * w[None, :]`` in fp32, and store
     it in the 1x128 layout: with ``ROWWISE`` (``BN == 128``) data ``[M, K]`` and scales
     ``s[m, k // 128]``; with ``COLWISE`` (``BM == 128``) the transposed data ``[K, M]``
     (``q_t[k, m]``: each column's 128 tokens are one 128-byte row of ``q_t``) and scales
-    ``s_t[k, m // 128]`` (scale strides as given). ``COL_FIRST`` only orders the code
-    (the columnwise copy first: its column maxima need the whole tile, so ptxas issues
-    all of the tile's loads before any math; rowwise first it may interleave them)."""
+    ``s_t[k, m // 128]`` (scale strides as given)."""
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
     y = x.to(tl.float32)
     if NORM:
         y = y * rstd[:, None] * w.to(tl.float32)[None, :]
-    if ROWWISE and not COL_FIRST:
+    if ROWWISE:
         q, s = quant_rows(y, POW2)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
@@ -291,10 +289,6 @@ def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_pt
         qt, st = quant_cols(y, POW2)
         tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stg, st, mask=cmask)
-    if ROWWISE and COL_FIRST:
-        q, s = quant_rows(y, POW2)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
 
 
 @triton.jit
@@ -302,51 +296,17 @@ def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                            stride_xm, stride_sm, stride_sg, stride_stk, stride_stg,
                            BM: tl.constexpr, BN: tl.constexpr, ROWWISE: tl.constexpr,
                            COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
-                           LOOP: tl.constexpr, STAGES: tl.constexpr, K_FAST: tl.constexpr,
-                           REVERSE: tl.constexpr, COL_FIRST: tl.constexpr):
+                           K_FAST: tl.constexpr, REVERSE: tl.constexpr):
     """1x128 quantization of ``x [M, K]`` (optionally RMS-normalized: ``NORM``) in
-    ``[BM, BN]`` tiles (see :func:`quant_tile`). ``LOOP`` 0: one tile per program; 1: a
-    persistent grid-stride loop over the tiles, software-pipelined by Triton with
-    ``STAGES`` stages (its loads go through shared memory); 2: a persistent loop that
-    loads the next tile into registers before quantizing the current one. Tile order:
+    ``[BM, BN]`` tiles (see :func:`quant_tile`), one tile per program in the order of
     :func:`_tile_coords`."""
-    pid = tl.program_id(0)
     nm = tl.cdiv(M, BM)
     nk = tl.cdiv(K, BN)
-    ntiles = nm * nk
-    if LOOP == 0:
-        pid_m, pid_k, rows, cols = _tile_coords(pid, ntiles, nm, nk, BM, BN, K_FAST, REVERSE)
-        x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
-        quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-                   stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2,
-                   COL_FIRST)
-    elif LOOP == 1:
-        for t in tl.range(pid, ntiles, tl.num_programs(0), num_stages=STAGES):
-            pid_m, pid_k, rows, cols = _tile_coords(t, ntiles, nm, nk, BM, BN, K_FAST,
-                                                    REVERSE)
-            x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
-            quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M,
-                       K, stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE,
-                       NORM, POW2, COL_FIRST)
-    else:
-        nprog = tl.num_programs(0)
-        pid_m, pid_k, rows, cols = _tile_coords(pid, ntiles, nm, nk, BM, BN, K_FAST, REVERSE)
-        x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
-        for t in range(pid, ntiles, nprog):
-            pm_n, pk_n, rows_n, cols_n = _tile_coords(t + nprog, ntiles, nm, nk, BM, BN,
-                                                      K_FAST, REVERSE)
-            x_n, r_n, w_n = _load_tile(x_ptr, w_ptr, rstd_ptr, rows_n, cols_n, M, K,
-                                       stride_xm, NORM)
-            quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M,
-                       K, stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE,
-                       NORM, POW2, COL_FIRST)
-            x = x_n
-            r = r_n
-            w = w_n
-            rows = rows_n
-            cols = cols_n
-            pid_m = pm_n
-            pid_k = pk_n
+    pid_m, pid_k, rows, cols = _tile_coords(tl.program_id(0), nm * nk, nm, nk, BM, BN,
+                                            K_FAST, REVERSE)
+    x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
+    quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2)
 
 
 @triton.jit
@@ -409,18 +369,12 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
 #: Launch configurations of :func:`_quantize_1x128_kernel` for ``quantize_1x128`` (tuning
 #: knobs; ``benchmark/probe_tilequant.py`` sweeps them), by the copies asked for: "rc"
 #: rowwise + columnwise, "r" rowwise, "c" columnwise. Keys: ``bm``/``bn`` the tile (``bn``
-#: 128 with the rowwise copy, ``bm`` 128 with the columnwise one); ``warps``; ``loop`` the
-#: kernel's ``LOOP`` (0 one tile per program; 1 persistent, pipelined by Triton in
-#: ``stages`` stages; 2 persistent, the next tile prefetched into registers) and
-#: ``per_sm`` its programs per SM; ``k_fast`` the tile order; ``col_first`` the code order
-#: (see :func:`quant_tile`); ``maxnreg`` (optional) a register cap.
+#: 128 with the rowwise copy, ``bm`` 128 with the columnwise one); ``warps``; ``k_fast``
+#: the tile order (:func:`_tile_coords`).
 TILE_CONFIGS = {
-    "rc": dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
-               col_first=False),
-    "r": dict(bm=32, bn=128, warps=8, loop=0, stages=1, per_sm=0, k_fast=False,
-              col_first=False),
-    "c": dict(bm=128, bn=64, warps=4, loop=0, stages=1, per_sm=0, k_fast=False,
-              col_first=False),
+    "rc": dict(bm=128, bn=128, warps=4, k_fast=False),
+    "r": dict(bm=32, bn=128, warps=8, k_fast=False),
+    "c": dict(bm=128, bn=64, warps=4, k_fast=False),
     # the columnwise tiles (``bn``) and the warps of ROWCOL_MODE "split"
     "split": dict(bm=128, bn=64, warps=4),
 }
@@ -489,18 +443,12 @@ def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_sca
         raise ValueError(f"tile {bm}x{bn} does not hold whole 1x128 groups")
     ssm, ssg = s.stride() if s is not None else (0, 0)
     sstk, sstg = st.stride() if st is not None else (0, 0)
-    ntiles = cdiv(M, bm) * cdiv(K, bn)
-    loop = config.get("loop", 0)
-    grid = ntiles if loop == 0 else min(ntiles, config["per_sm"] * num_sms(x2.device))
-    opts = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
     with device_guard(x2):
-        launch(_quantize_1x128_kernel, (grid,),
+        launch(_quantize_1x128_kernel, (cdiv(M, bm) * cdiv(K, bn),),
                x2, weight, rstd, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg,
                BM=bm, BN=bn, ROWWISE=q is not None, COLWISE=qt is not None,
-               NORM=weight is not None, POW2=pow2_scale, LOOP=loop,
-               STAGES=config.get("stages", 1), K_FAST=config.get("k_fast", False),
-               REVERSE=reverse, COL_FIRST=config.get("col_first", False),
-               num_warps=config["warps"], **opts)
+               NORM=weight is not None, POW2=pow2_scale, K_FAST=config.get("k_fast", False),
+               REVERSE=reverse, num_warps=config["warps"])
 
 
 def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,

@@ -212,8 +212,8 @@ QUANT_MODE = "rows_cols"
 #: (H200, probe_tilequant at [8192, 2048]: 4 warps for the rows kernel, rowwise only 17.8
 #: -> 16.9 µs; 64-column tiles for the columnwise copy, row+col 35.8 -> 34.4 µs.)
 QUANT_ROWS_CONFIG = dict(rows=4, elems=8192, warps=4, max_bk=8192)
-QUANT_TILE_COLS = dict(bm=128, bn=64, warps=4, loop=0, stages=1, per_sm=0, k_fast=True)
-QUANT_TILE_ROWCOL = dict(bm=128, bn=128, warps=4, loop=0, stages=1, per_sm=0, k_fast=False)
+QUANT_TILE_COLS = dict(bm=128, bn=64, warps=4, k_fast=True)
+QUANT_TILE_ROWCOL = dict(bm=128, bn=128, warps=4, k_fast=False)
 QUANT_TILE_REVERSE = True
 
 
