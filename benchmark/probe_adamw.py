@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache() if device == "cuda" else None
     opt = linghe.optim.AdamW(params, **hyper)
     base = dict(K.ADAMW_CONFIG)
-    for knobs in ({}, {"piece": 16384}, {"piece": 262144}, {"piece": 0}, {"stages": 2},
+    for knobs in ({}, {"piece": 16384}, {"piece": 262144}, {"stages": 2},
                   {"stages": 3}, {"vectors": 2}, {"programs_per_sm": 3}):
         K.ADAMW_CONFIG.update(base, **knobs)
         opt._groups = {}  # rebuild the plans (programs per SM)

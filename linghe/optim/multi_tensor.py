@@ -106,12 +106,12 @@ ELEMS_PER_THREAD = 16
 #: while one is updated), ``warps``, ``vectors`` per thread per block (16-byte vectors of
 #: the narrowest dtype: 8 bf16 or 4 fp32 elements each), ``programs_per_sm``, and
 #: ``piece``: program ``p`` takes pieces ``p, p + G, ...`` of this many elements
-#: (:func:`_interleaved_segments`; 0: one contiguous share per program, :func:`_segments`).
+#: (:func:`_interleaved_segments`).
 #: ``benchmark.probe_adamw`` (the e2e's 6.4 B bf16 parameters, H200): round 2's strided
 #: loop over 16K-element chunks (no loads in flight across blocks but the other
 #: program's) 83% of the copy bandwidth; this kernel 94-96% at stages 3-4 and pieces of
-#: 64K-256K (16K: 92%); one contiguous share per program 90%, and inside the e2e step
-#: half as fast as the interleaved pieces.
+#: 64K-256K (16K: 92%); one contiguous share per program (as the norm's segments) 90%,
+#: and inside the e2e step half as fast as the interleaved pieces.
 ADAMW_CONFIG = dict(stages=4, warps=NUM_WARPS, vectors=1, piece=65536,
                     programs_per_sm=int(os.environ.get("LINGHE_ADAMW_PROGRAMS_PER_SM", "2")))
 
@@ -843,8 +843,9 @@ def _chunks(sizes: np.ndarray, chunk: int = CHUNK
 
 def _interleaved_segments(slots: np.ndarray, sizes: np.ndarray, G: int, piece: int,
                           extra: np.ndarray) -> np.ndarray:
-    """A segment table in :func:`_segments`' format (rows ``(slot, start, length,
-    extra)``) whose program ``p`` takes pieces ``p, p + G, p + 2G, ...`` of the tensors cut
+    """A segment table in :func:`_segments`' format with a fourth column (rows ``(slot,
+    start, length, extra)``; ``piece`` <= :data:`_MAX_SEGMENT`) whose program ``p`` takes
+    pieces ``p, p + G, p + 2G, ...`` of the tensors cut
     into ``piece``-element pieces: the ``G`` programs sweep the tensors side by side, each
     working within a window of ``G`` pieces, instead of ``G`` shares far apart (which on
     a step's ~100 GB of optimizer state ran at half the bandwidth: address translation
@@ -864,17 +865,14 @@ _MAX_SEGMENT = 1 << 30
 _SEG_ALIGN = 16
 
 
-def _segments(slots: np.ndarray, sizes: np.ndarray, G: int,
-              extra: np.ndarray | None = None) -> np.ndarray:
-    """The segment table of one launch (norm, AdamW): tensors ``slots`` of ``sizes`` elements
+def _segments(slots: np.ndarray, sizes: np.ndarray, G: int) -> np.ndarray:
+    """The norm's segment table of one launch: tensors ``slots`` of ``sizes`` elements
     (all > 0), viewed as one concatenated vector, cut into ``G`` contiguous shares of
     (nearly) equal size, each share's start moved back to a multiple of
     :data:`_SEG_ALIGN` within its tensor; a share is one or more segments (pieces of one
-    tensor, at most :data:`_MAX_SEGMENT` long). Returns int64 ``[G + 1 + 3 * n_seg]``
-    (``4 * n_seg`` with ``extra``):
+    tensor, at most :data:`_MAX_SEGMENT` long). Returns int64 ``[G + 1 + 3 * n_seg]``:
     program ``p``'s segments are rows ``ptr[p]:ptr[p + 1]`` of the ``(slot, start
-    element, length)`` rows after the ``G + 1`` offsets ``ptr``; with ``extra`` (one value
-    per tensor) the rows are ``(slot, start, length, extra)``."""
+    element, length)`` rows after the ``G + 1`` offsets ``ptr``."""
     cum = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     total = int(cum[-1])
     share = -(-total // G)
@@ -891,8 +889,8 @@ def _segments(slots: np.ndarray, sizes: np.ndarray, G: int,
     tid = np.searchsorted(cum, lo, side="right") - 1
     prog = np.searchsorted(bounds, lo, side="right") - 1
     ptr = np.searchsorted(prog, np.arange(G + 1), side="left").astype(np.int64)
-    cols = [slots[tid], lo - cum[tid], hi - lo] + ([] if extra is None else [extra[tid]])
-    return np.concatenate([ptr, np.stack(cols, axis=1).ravel()])
+    rows = np.stack([slots[tid], lo - cum[tid], hi - lo], axis=1)
+    return np.concatenate([ptr, rows.ravel()])
 
 
 def _upload(table_np: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1006,20 +1004,19 @@ def build_adamw_plan(params: list[torch.Tensor], grads: list[torch.Tensor],
             groups.setdefault(key, []).append((i, p.numel(), index[i]))
     max_prog = num_sms(device) * ADAMW_CONFIG["programs_per_sm"]
     piece = ADAMW_CONFIG["piece"]
-    if piece % _SEG_ALIGN or not 0 <= piece <= _MAX_SEGMENT:
+    if piece % _SEG_ALIGN or not 0 < piece <= _MAX_SEGMENT:
         # (segment starts must stay 16-byte aligned for ALIGNED; lengths fit int32)
-        raise ValueError(f"ADAMW_CONFIG['piece'] must be 0 or a multiple of {_SEG_ALIGN} "
-                         f"up to {_MAX_SEGMENT}, got {piece}")
+        raise ValueError(f"ADAMW_CONFIG['piece'] must be a positive multiple of "
+                         f"{_SEG_ALIGN} up to {_MAX_SEGMENT}, got {piece}")
     segs, specs = [], []
     for (pd, gd, md), items in groups.items():
         arr = np.asarray(items, dtype=np.int64)
         # A group smaller than the resident grid's pieces takes smaller pieces (a
         # multiple of 16 elements), so that every program gets work.
         share = cdiv(cdiv(int(arr[:, 1].sum()), max_prog), _SEG_ALIGN) * _SEG_ALIGN
-        unit = min(piece, share) if piece else CHUNK
+        unit = min(piece, share)
         grid = min(int(((arr[:, 1] + unit - 1) // unit).sum()), max_prog)
-        segs.append(_interleaved_segments(arr[:, 0], arr[:, 1], grid, unit, arr[:, 2])
-                    if piece else _segments(arr[:, 0], arr[:, 1], grid, extra=arr[:, 2]))
+        segs.append(_interleaved_segments(arr[:, 0], arr[:, 1], grid, unit, arr[:, 2]))
         es = tuple(torch.empty((), dtype=d).element_size() for d in (pd, gd, md))
         specs.append(((_TL_DTYPE[pd], _TL_DTYPE[gd], _TL_DTYPE[md]), es, grid))
     host, table = _upload(np.concatenate(segs) if segs else np.zeros(0, dtype=np.int64),
