@@ -233,6 +233,14 @@ def print_columns(head: Sequence[str], lines: Sequence[Sequence[Any]]) -> None:
         print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths)))
 
 
+def _float_or_nan(v: str) -> float:
+    """nvidia-smi's number, or NaN for what it does not report (``[N/A]``)."""
+    try:
+        return float(v)
+    except ValueError:
+        return float("nan")
+
+
 class GpuClockLog:
     """Samples the GPU's SM and memory clocks, power and temperature every ``period_ms``
     (``nvidia-smi -lms`` in a child process, each line stamped on arrival) while open;
@@ -243,12 +251,13 @@ class GpuClockLog:
 
     FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
 
-    def __init__(self, period_ms: int = 100):
+    def __init__(self, period_ms: int = 100, fields: tuple[str, ...] = FIELDS):
         import shutil
         import subprocess
         import threading
 
         self.samples: list[tuple[float, list[float]]] = []
+        self.fields = tuple(fields)
         self._proc = None
         if shutil.which("nvidia-smi") is None:
             return
@@ -257,7 +266,7 @@ class GpuClockLog:
                            "uuid", ""))
         gpu = (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}") if uuid else "0"
         self._proc = subprocess.Popen(
-            ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,"
+            ["nvidia-smi", f"--query-gpu={','.join(self.fields)}", "--format=csv,noheader,"
              "nounits", "-i", gpu, "-lms", str(period_ms)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -265,22 +274,23 @@ class GpuClockLog:
 
     def _read(self) -> None:
         for line in self._proc.stdout:
-            try:
-                vals = [float(v) for v in line.split(",")]
-            except ValueError:
-                continue
-            if len(vals) == len(self.FIELDS):
+            vals = [_float_or_nan(v) for v in line.split(",")]
+            if len(vals) == len(self.fields):
                 self.samples.append((time.time(), vals))
 
     def summary(self, t0: float, t1: float) -> dict | None:
-        """Mean SM / memory MHz and power (W), max temperature (C) over ``[t0, t1]``."""
+        """Mean SM / memory MHz and power (W), max temperature (C) over ``[t0, t1]``
+        (and the HBM's, ``mem_temp_c_max``, where ``temperature.memory`` is a field)."""
         got = [v for t, v in list(self.samples) if t0 <= t <= t1]
         if not got:
             return None
         col = lambda i: [v[i] for v in got]
-        return {"sm_mhz": statistics.mean(col(0)), "sm_mhz_min": min(col(0)),
-                "mem_mhz": statistics.mean(col(1)), "power_w": statistics.mean(col(2)),
-                "power_w_max": max(col(2)), "temp_c_max": max(col(3)), "samples": len(got)}
+        out = {"sm_mhz": statistics.mean(col(0)), "sm_mhz_min": min(col(0)),
+               "mem_mhz": statistics.mean(col(1)), "power_w": statistics.mean(col(2)),
+               "power_w_max": max(col(2)), "temp_c_max": max(col(3)), "samples": len(got)}
+        if "temperature.memory" in self.fields:
+            out["mem_temp_c_max"] = max(col(self.fields.index("temperature.memory")))
+        return out
 
     def close(self) -> None:
         if self._proc is not None:
