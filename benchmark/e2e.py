@@ -67,6 +67,7 @@ from .e2e_model import (  # noqa: E402
     MODES,
     ByteBatches,
     E2EConfig,
+    accumulate_grads,
     build_model,
     corpus_bytes_needed,
     estimate_layers,
@@ -133,9 +134,11 @@ def classify_kernel(name: str) -> str:
 
 
 def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
-                 warmup: int) -> Callable[[int], torch.Tensor]:
+                 warmup: int, micro_batches: int = 1) -> Callable[[int], torch.Tensor]:
     """``step(i) -> loss`` (a device scalar) training on batch ``i``. Runs ``warmup``
     steps first (Triton compiles, autotuning, optimizer state, cached pointer tables).
+    ``micro_batches > 1`` (eager only): step ``i`` accumulates the gradients of batches
+    ``i * micro_batches ..`` before one update (:func:`~benchmark.e2e_model.accumulate_grads`).
 
     With ``graph`` the whole step is captured in two CUDA graphs that share one memory
     pool and are replayed back to back: forward + backward, then clipping + AdamW +
@@ -147,6 +150,19 @@ def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
     not allow in every torch version. Between the captures the first graph is replayed
     once and the clipping run eagerly, which builds the table for the graph's gradient
     addresses (the same on every replay); the second capture then reuses it."""
+    if micro_batches > 1:
+        if graph:
+            raise ValueError("--micro-batches > 1 is timed in eager mode only")
+
+        def step(i):
+            micro = [batches(i * micro_batches + j) for j in range(micro_batches)]
+            loss, tpes = accumulate_grads(model, opt, micro, mode)
+            update(model, opt, tpes, mode)
+            return loss
+
+        for i in range(warmup):
+            step(i)
+        return step
     if not graph:
         def step(i):
             tok, lab = batches(i)
@@ -254,7 +270,8 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
             # from here: warm-up steps (optimizer state) and the capture are included
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        step = make_stepper(model, opt, batches, mode, graph=graph, warmup=warmup)
+        step = make_stepper(model, opt, batches, mode, graph=graph, warmup=warmup,
+                            micro_batches=cfg.micro_batches)
         _sync(device)
         row["warmup_s"] = time.perf_counter() - t0
         losses = []
@@ -266,7 +283,7 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
         row["clocks"] = clocks.summary(e0, time.time()) if clocks is not None else None
         row["step_ms"] = wall * 1e3
         row["losses"] = torch.stack(losses).float().cpu().tolist()
-        row["tokens_per_s"] = cfg.tokens / wall
+        row["tokens_per_s"] = cfg.step_tokens / wall
         flops = step_flops(cfg)["total"]
         row["tflops"] = flops / wall / 1e12
         pb, pf = peak_tflops(device)
@@ -346,7 +363,10 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
     f = step_flops(cfg)
     print(f"\nLing-mini-2.0-shaped MoE decoder: {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.experts} experts top-{cfg.topk}, vocab {cfg.vocab}, batch {cfg.batch} x seq "
-          f"{cfg.seq}; {total_params(cfg) / 1e9:.2f} B parameters; "
+          f"{cfg.seq}"
+          + (f" x {cfg.micro_batches} micro-batches per optimizer step"
+             if cfg.micro_batches > 1 else "")
+          + f"; {total_params(cfg) / 1e9:.2f} B parameters; "
           f"{f['total'] / 1e12:.1f} model TFLOP per step (6 N_active tokens + causal "
           f"attention). MFU against the dense bf16 peak (989 TFLOP/s on H100/H200) for every "
           f"mode; the FP8 mode also against the FP8 peak (1979). Every mode uses the "
@@ -503,7 +523,7 @@ def environment() -> dict:
 def throughput_job(args, cfg: E2EConfig, device) -> dict:
     modes = args.mode
     steps_total = args.warmup + args.steps + args.profile_steps + 1
-    data = stdlib_corpus(corpus_bytes_needed(cfg, steps_total))
+    data = stdlib_corpus(corpus_bytes_needed(cfg, steps_total * cfg.micro_batches))
     rows = []
     clocks = GpuClockLog() if torch.device(device).type == "cuda" else None
     for mode in modes:
@@ -899,6 +919,9 @@ def parse_args(argv=None):
                         "default), tiny (CPU default)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="forward+backward passes per optimizer step, gradients accumulated "
+                        "(eager throughput runs; default 1, the issue's configuration)")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default 1e-3; 2e-3 for the loss curves)")
     p.add_argument("--seed", type=int, default=0)
@@ -966,6 +989,13 @@ def config_from_args(args, device) -> E2EConfig:
         cfg = replace(cfg, layers=int(args.layers))
     elif args.width == "ling-mini":
         cfg = replace(cfg, layers=4)
+    if args.micro_batches < 1:
+        raise SystemExit("--micro-batches must be >= 1")
+    if args.micro_batches > 1:
+        if args.train_steps or args.cuda_graph:
+            raise SystemExit("--micro-batches > 1 is for eager throughput runs (no "
+                             "--train-steps, no --cuda-graph)")
+        cfg = replace(cfg, micro_batches=args.micro_batches)
     if args.lr is None:
         args.lr = 2e-3 if args.train_steps else 1e-3
     return cfg

@@ -74,10 +74,17 @@ class E2EConfig:
     align: int = 16               # expert segment alignment (torch._grouped_mm needs 8)
     eps: float = 1e-6
     rope_base: float = 10000.0
+    micro_batches: int = 1        # forward+backward passes per optimizer step
 
     @property
     def tokens(self) -> int:
+        """Tokens of one forward pass (one micro-batch)."""
         return self.batch * self.seq
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens of one optimizer step (every micro-batch)."""
+        return self.tokens * self.micro_batches
 
     @property
     def qkv_width(self) -> int:
@@ -141,10 +148,11 @@ def step_flops(cfg: E2EConfig) -> dict:
     ``6 * N_active * tokens`` for the matmuls (the LM head included, the embedding lookup
     not) plus causal attention ``3 * (2 * 2 * B * S^2 * heads * head_dim) / 2``: the two
     attention matmuls, forward and twice that backward, half of the score matrix (causal);
-    no recomputation, no padding rows of the expert GEMMs."""
-    T = cfg.tokens
+    no recomputation, no padding rows of the expert GEMMs. Every micro-batch counts."""
+    T = cfg.step_tokens
     dense = 6 * (cfg.layers * active_params_per_layer(cfg) + cfg.vocab * cfg.hidden) * T
-    attn = cfg.layers * 3 * 2 * cfg.batch * cfg.seq * cfg.seq * cfg.heads * cfg.head_dim
+    attn = (cfg.micro_batches * cfg.layers * 3 * 2 * cfg.batch * cfg.seq * cfg.seq
+            * cfg.heads * cfg.head_dim)
     return {"dense": dense, "attention": attn, "total": dense + attn}
 
 
@@ -428,9 +436,12 @@ def grad_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def forward_backward(model: E2EModel, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-                     labels: torch.Tensor, mode: str) -> tuple[torch.Tensor, list]:
+                     labels: torch.Tensor, mode: str, *, accumulate: bool = False,
+                     loss_scale: float = 1.0) -> tuple[torch.Tensor, list]:
     """Gradients set to None, then forward and backward under the mode's TrainingContext:
-    ``(loss, tokens_per_expert per layer)``.
+    ``(loss, tokens_per_expert per layer)``. ``accumulate``: keep the gradients and add
+    this backward's to them (a later micro-batch); ``loss_scale`` multiplies the loss
+    that is differentiated (``1 / micro-batches``: the gradient of the mean loss).
 
     Why None and not zeros: backward then hands each parameter the gradient tensor it has
     just computed (AccumulateGrad's steal, in the parameter's layout: contiguous), instead
@@ -438,11 +449,27 @@ def forward_backward(model: E2EModel, opt: torch.optim.Optimizer, tokens: torch.
     every gradient (~14 GB written and ~43 GB moved at the Ling-mini shapes, ~14 ms on an
     H200), and frees the gradients' memory during the forward. A captured step allocates
     the gradients from the graph's pool, at the same addresses on every replay."""
-    opt.zero_grad(set_to_none=True)
+    if not accumulate:
+        opt.zero_grad(set_to_none=True)
     with fp8_context(mode):
         loss, tpes = model(tokens, labels, mode)
-        loss.backward()
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
     return loss.detach(), tpes
+
+
+def accumulate_grads(model: E2EModel, opt: torch.optim.Optimizer, micro: list,
+                     mode: str) -> tuple[torch.Tensor, list]:
+    """Forward and backward over each ``(tokens, labels)`` of ``micro`` (the micro-batches
+    of one optimizer step), the gradients summed into one set, each loss scaled by
+    ``1 / len(micro)``: ``(mean loss, tokens per expert per layer summed)``. The FP8
+    weight copies the optimizer wrote are reused by every micro-batch."""
+    losses, tpes = [], None
+    for j, (tok, lab) in enumerate(micro):
+        loss, t = forward_backward(model, opt, tok, lab, mode, accumulate=j > 0,
+                                   loss_scale=1.0 / len(micro))
+        losses.append(loss)
+        tpes = t if tpes is None else [a + b for a, b in zip(tpes, t)]
+    return torch.stack(losses).mean(), tpes
 
 
 def update(model: E2EModel, opt: torch.optim.Optimizer, tpes: list, mode: str,

@@ -571,3 +571,45 @@ def test_loss_curve_is_deterministic(mode):
     assert not torch.are_deterministic_algorithms_enabled()
     assert all(math.isfinite(v) for v in a)
     assert a == b
+
+
+def test_accumulated_micro_batches_match_one_batch():
+    """Two micro-batches of one sequence each, accumulated, give the gradients of the mean
+    loss over one batch of both sequences (the torch mode: the reference math), and the
+    tokens per expert of both."""
+    from benchmark.e2e_model import accumulate_grads, forward_backward
+
+    cfg = preset("tiny", layers=1, batch=2)
+    data = stdlib_corpus(corpus_bytes_needed(cfg, 1))
+    tok, lab = ByteBatches(data, cfg.batch, cfg.seq, DEVICE)(0)
+    grads = []
+    for micro in ([(tok, lab)], [(tok[:1], lab[:1]), (tok[1:], lab[1:])]):
+        model = build_model(cfg, device=DEVICE, seed=3)
+        opt = make_optimizer(model, 1e-3)
+        if len(micro) == 1:
+            loss, tpes = forward_backward(model, opt, *micro[0], "torch")
+        else:
+            loss, tpes = accumulate_grads(model, opt, micro, "torch")
+        grads.append(({n: p.grad.float() for n, p in model.named_parameters()
+                       if p.grad is not None}, float(loss), [t.sum() for t in tpes]))
+    (g1, l1, t1), (g2, l2, t2) = grads
+    assert g1.keys() == g2.keys()
+    assert abs(l1 - l2) <= 1e-2 * abs(l1)
+    assert [int(t) for t in t1] == [int(t) for t in t2]
+    worst = max(rel_err(g2[n], g1[n]) for n in g1)
+    assert worst < 1e-2, worst
+
+
+def test_cli_micro_batches(tmp_path):
+    out = tmp_path / "m.json"
+    rc = e2e.main(["--mode", "torch", "--width", "tiny", "--layers", "1", "--steps", "1",
+                   "--warmup", "0", "--profile-steps", "0", "--micro-batches", "2",
+                   "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["micro_batches"] == 2
+    one = step_flops(preset("tiny", layers=1))["total"]
+    assert res["flops_per_step"]["total"] == 2 * one
+    with pytest.raises(SystemExit):
+        e2e.main(["--mode", "torch", "--width", "tiny", "--micro-batches", "2",
+                  "--cuda-graph"])
