@@ -68,14 +68,17 @@ from .e2e_model import (  # noqa: E402
     ByteBatches,
     E2EConfig,
     accumulate_grads,
+    balance_routing,
     build_model,
     corpus_bytes_needed,
     estimate_layers,
     forward_backward,
     grad_params,
+    load_stats,
     lr_at,
     make_optimizer,
     preset,
+    routing_load,
     set_lr,
     stdlib_corpus,
     step_flops,
@@ -257,15 +260,20 @@ def peak_tflops(device) -> tuple[float | None, float | None]:
 
 def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmup: int,
             prof_steps: int, data: bytes, seed: int, lr: float,
-            optimizer: str = "auto", clocks: GpuClockLog | None = None) -> dict:
+            optimizer: str = "auto", clocks: GpuClockLog | None = None,
+            balance: bool = False) -> dict:
     """Train ``mode`` for ``warmup + steps (+ prof_steps)`` steps and measure them
-    (``clocks``: the GPU's clocks and power over the timed steps, ``row["clocks"]``)."""
+    (``clocks``: the GPU's clocks and power over the timed steps, ``row["clocks"]``;
+    ``balance``: :func:`~benchmark.e2e_model.balance_routing` first). The row records
+    how even the experts' loads were after the timed steps (``routing_load``)."""
     row = {"mode": mode, "cuda_graph": graph, "optimizer": optimizer, "error": None}
     model = opt = step = None
     try:
         model = build_model(cfg, device=device, seed=seed)
         opt = make_optimizer(model, lr, mode=mode, capturable=graph, optimizer=optimizer)
         batches = ByteBatches(data, cfg.batch, cfg.seq, device)
+        if balance:
+            row["balance_routing"] = balance_routing(model, *batches(0), mode)
         if torch.device(device).type == "cuda":
             # from here: warm-up steps (optimizer state) and the capture are included
             torch.cuda.reset_peak_memory_stats(device)
@@ -296,6 +304,8 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
                 p = profile_steps(step, warmup + steps, prof_steps)
                 row.update(p)
                 row["host_bound_frac"] = 1 - p["busy_ms"] / row["step_ms"]
+        # after the memory peak is read: a forward of its own
+        row["routing_load"] = load_stats(routing_load(model, *batches(warmup + steps), mode))
     except Exception as e:  # one failing mode must not stop the others
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         traceback.print_exc()
@@ -381,6 +391,15 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
             f"{_label(r)} SM {c['sm_mhz']:.0f} MHz (min {c['sm_mhz_min']:.0f}), memory "
             f"{c['mem_mhz']:.0f} MHz, {c['power_w']:.0f} W (max {c['power_w_max']:.0f}), "
             f"max {c['temp_c_max']:.0f} C" for r, c in clk), file=file)
+    loads = [r for r in rows if not r["error"] and r.get("routing_load")]
+    if loads:
+        print("Expert loads after the timed steps (busiest expert / mean, worst layer; "
+              "empty experts per layer): " + "; ".join(
+                  f"{_label(r)} {r['routing_load']['max_over_mean']:.1f}x "
+                  f"({r['routing_load']['max_over_mean_worst']:.1f}x), "
+                  f"{r['routing_load']['empty_experts']:.0f} empty"
+                  + (" (balanced first)" if r.get("balance_routing") else "")
+                  for r in loads), file=file)
     print_targets(targets(rows, loss_gap), file)
     print_gemm_bound(gemm_bound(rows, cfg), file)
 
@@ -531,7 +550,7 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
         rows.append(measure(cfg, mode, device=device, graph=False, steps=args.steps,
                             warmup=args.warmup, prof_steps=args.profile_steps, data=data,
                             seed=args.seed, lr=args.lr, optimizer=args.optimizer,
-                            clocks=clocks))
+                            clocks=clocks, balance=args.balance_routing))
     if args.cuda_graph:
         for mode in modes:
             if mode == "torch":
@@ -540,7 +559,8 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
             rows.append(measure(cfg, mode, device=device, graph=True, steps=args.steps,
                                 warmup=args.warmup, prof_steps=args.profile_steps,
                                 data=data, seed=args.seed, lr=args.lr,
-                                optimizer=args.optimizer, clocks=clocks))
+                                optimizer=args.optimizer, clocks=clocks,
+                                balance=args.balance_routing))
     if clocks is not None:
         clocks.close()
     loss_gap = None
@@ -919,6 +939,10 @@ def parse_args(argv=None):
                         "default), tiny (CPU default)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--balance-routing", action="store_true",
+                   help="before a throughput run, bring the experts' loads near even with "
+                        "the model's expert-bias update (as a trained model's balancing "
+                        "keeps them; benchmark.e2e_model.balance_routing)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="forward+backward passes per optimizer step, gradients accumulated "
                         "(eager throughput runs; default 1, the issue's configuration)")

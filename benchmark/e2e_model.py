@@ -472,6 +472,51 @@ def accumulate_grads(model: E2EModel, opt: torch.optim.Optimizer, micro: list,
     return torch.stack(losses).mean(), tpes
 
 
+@torch.no_grad()
+def routing_load(model: E2EModel, tokens: torch.Tensor, labels: torch.Tensor,
+                 mode: str) -> list[torch.Tensor]:
+    """Tokens per expert of each layer for one batch (a forward without gradients)."""
+    with fp8_context(mode):
+        _, tpes = model(tokens, labels, mode)
+    return [t.float() for t in tpes]
+
+
+def load_stats(tpes: list[torch.Tensor]) -> dict:
+    """How even the experts' loads are, over the layers: the busiest expert's tokens over
+    the mean (``max_over_mean``, the mean over layers and the worst layer), the experts
+    with no token (mean per layer) and the coefficient of variation (mean). One host
+    sync (a statistic for the report, not the step)."""
+    t = torch.stack([x.float() for x in tpes]).cpu()     # [layers, E]
+    mean = t.mean(dim=1)
+    ratio = t.max(dim=1).values / mean.clamp_min(1e-9)
+    return {"max_over_mean": float(ratio.mean()), "max_over_mean_worst": float(ratio.max()),
+            "empty_experts": float((t == 0).float().sum(dim=1).mean()),
+            "cv": float((t.std(dim=1) / mean.clamp_min(1e-9)).mean())}
+
+
+def balance_routing(model: E2EModel, tokens: torch.Tensor, labels: torch.Tensor,
+                    mode: str, iters: int = 60, rate: tuple[float, float] = (2e-2, 1e-3)
+                    ) -> dict:
+    """Bring the experts' loads near even before a throughput run, as a trained model's
+    auxiliary-loss-free balancing keeps them: ``iters`` forwards without gradients on one
+    batch, each followed by the model's own expert-bias update
+    (:meth:`linghe.nn.MoE.update_expert_bias`) at a rate falling geometrically from
+    ``rate[0]`` to ``rate[1]``. Only the expert biases change (the weights do not), and
+    routing stays a function of the tokens. Why: a freshly initialised model on byte-level
+    text sends most tokens to a few experts, which makes its grouped GEMMs few and large,
+    unlike the ~``T * topk / E`` rows per expert of real training. Returns
+    :func:`load_stats` before and after."""
+    before = after = None
+    for i in range(iters):
+        tpes = routing_load(model, tokens, labels, mode)
+        if i == 0:
+            before = load_stats(tpes)
+        r = rate[0] * (rate[1] / rate[0]) ** (i / max(1, iters - 1))
+        model.update_expert_bias(tpes, r)
+    after = load_stats(routing_load(model, tokens, labels, mode))
+    return {"before": before, "after": after, "iters": iters}
+
+
 def update(model: E2EModel, opt: torch.optim.Optimizer, tpes: list, mode: str,
            max_norm: float = 1.0) -> None:
     """Clip, AdamW, expert-bias update. ``linghe.optim.AdamW`` clips inside its step (to

@@ -613,3 +613,26 @@ def test_cli_micro_batches(tmp_path):
     with pytest.raises(SystemExit):
         e2e.main(["--mode", "torch", "--width", "tiny", "--micro-batches", "2",
                   "--cuda-graph"])
+
+
+def test_balance_routing_changes_only_the_expert_biases():
+    from benchmark.e2e_model import balance_routing, load_stats, routing_load
+
+    cfg = preset("tiny", layers=2)
+    model = build_model(cfg, device=DEVICE, seed=4)
+    tok, lab = ByteBatches(stdlib_corpus(corpus_bytes_needed(cfg, 1)), cfg.batch, cfg.seq,
+                           DEVICE)(0)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bias0 = [layer.moe.expert_bias.clone() for layer in model.layers]
+    res = balance_routing(model, tok, lab, "torch", iters=8)
+    assert res["iters"] == 8 and set(res["before"]) == set(res["after"])
+    assert all(torch.equal(p.detach(), init[n]) for n, p in model.named_parameters())
+    assert any(not torch.equal(layer.moe.expert_bias, b)
+               for layer, b in zip(model.layers, bias0))
+    tpes = routing_load(model, tok, lab, "torch")
+    assert [int(t.sum()) for t in tpes] == [cfg.tokens * cfg.topk] * cfg.layers
+    even = load_stats([torch.full((8,), 3.0), torch.full((8,), 3.0)])
+    assert even == {"max_over_mean": 1.0, "max_over_mean_worst": 1.0, "empty_experts": 0.0,
+                    "cv": 0.0}
+    skew = load_stats([torch.tensor([8.0, 0.0, 0.0, 0.0])])
+    assert skew["max_over_mean"] == 4.0 and skew["empty_experts"] == 3.0
