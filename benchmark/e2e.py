@@ -574,7 +574,8 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
             "params": total_params(cfg), "peak_tflops": dict(zip(
                 ("bf16", "fp8"), peak_tflops(device))), "rows": rows,
             "targets": targets(rows, loss_gap), "gemm_bound": gemm_bound(rows, cfg),
-            "loss_json": args.loss_json, "corpus_bytes": len(data)}
+            "loss_json": args.loss_json, "corpus_bytes": len(data), "lr": args.lr,
+            "balance_routing": args.balance_routing}
 
 
 @contextlib.contextmanager
@@ -939,15 +940,21 @@ def parse_args(argv=None):
                         "default), tiny (CPU default)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--balance-routing", action="store_true",
-                   help="before a throughput run, bring the experts' loads near even with "
-                        "the model's expert-bias update (as a trained model's balancing "
-                        "keeps them; benchmark.e2e_model.balance_routing)")
+    p.add_argument("--balance-routing", action=argparse.BooleanOptionalAction, default=True,
+                   help="throughput runs: first bring the experts' loads near even with the "
+                        "model's expert-bias update, as a trained model's balancing keeps "
+                        "them (benchmark.e2e_model.balance_routing), and train the timed "
+                        "steps at learning rate 1e-5 unless --lr is given, so that they "
+                        "stay near even (a fresh model at 1e-3 sends every token to the "
+                        "same few experts within steps; the step's cost does not depend on "
+                        "the rate). --no-balance-routing: the fresh model's routing as it "
+                        "comes (the runs before 2026-11-26's third session)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="forward+backward passes per optimizer step, gradients accumulated "
                         "(eager throughput runs; default 1, the issue's configuration)")
     p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default 1e-3; 2e-3 for the loss curves)")
+                   help="peak learning rate (default 1e-3, 1e-5 with --balance-routing; "
+                        "2e-3 for the loss curves)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1,
                    help="loss-curve job: train every mode from this many seeds (--seed, "
@@ -1021,7 +1028,7 @@ def config_from_args(args, device) -> E2EConfig:
                              "--train-steps, no --cuda-graph)")
         cfg = replace(cfg, micro_batches=args.micro_batches)
     if args.lr is None:
-        args.lr = 2e-3 if args.train_steps else 1e-3
+        args.lr = (2e-3 if args.train_steps else 1e-5 if args.balance_routing else 1e-3)
     return cfg
 
 
