@@ -943,17 +943,18 @@ def parse_args(argv=None):
     p.add_argument("--balance-routing", action=argparse.BooleanOptionalAction, default=True,
                    help="throughput runs: first bring the experts' loads near even with the "
                         "model's expert-bias update, as a trained model's balancing keeps "
-                        "them (benchmark.e2e_model.balance_routing), and train the timed "
-                        "steps at learning rate 1e-5 unless --lr is given, so that they "
-                        "stay near even (a fresh model at 1e-3 sends every token to the "
-                        "same few experts within steps; the step's cost does not depend on "
-                        "the rate). --no-balance-routing: the fresh model's routing as it "
-                        "comes (the runs before 2026-11-26's third session)")
+                        "them (benchmark.e2e_model.balance_routing), and run the timed "
+                        "steps at learning rate 0 unless --lr is given: every kernel of the "
+                        "step runs as in training, but the weights stay, so the loads stay "
+                        "even (measured on an H100: from 1.2x the mean after balancing, the "
+                        "busiest expert drifted to 17x within 16 steps at lr 1e-5 and to "
+                        "32x, all tokens, at 1e-3). --no-balance-routing: the fresh model's "
+                        "routing as it comes (every run before 2026-11-26's third session)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="forward+backward passes per optimizer step, gradients accumulated "
                         "(eager throughput runs; default 1, the issue's configuration)")
     p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default 1e-3, 1e-5 with --balance-routing; "
+                   help="peak learning rate (default 1e-3, 0 with --balance-routing; "
                         "2e-3 for the loss curves)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1,
@@ -1028,7 +1029,7 @@ def config_from_args(args, device) -> E2EConfig:
                              "--train-steps, no --cuda-graph)")
         cfg = replace(cfg, micro_batches=args.micro_batches)
     if args.lr is None:
-        args.lr = (2e-3 if args.train_steps else 1e-5 if args.balance_routing else 1e-3)
+        args.lr = (2e-3 if args.train_steps else 0.0 if args.balance_routing else 1e-3)
     return cfg
 
 
