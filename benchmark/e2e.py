@@ -68,10 +68,10 @@ from .e2e_model import (  # noqa: E402
     ByteBatches,
     E2EConfig,
     accumulate_grads,
-    balance_routing,
     build_model,
     corpus_bytes_needed,
     estimate_layers,
+    force_balanced_routing,
     forward_backward,
     grad_params,
     load_stats,
@@ -264,7 +264,7 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
             balance: bool = False) -> dict:
     """Train ``mode`` for ``warmup + steps (+ prof_steps)`` steps and measure them
     (``clocks``: the GPU's clocks and power over the timed steps, ``row["clocks"]``;
-    ``balance``: :func:`~benchmark.e2e_model.balance_routing` first). The row records
+    ``balance``: :func:`~benchmark.e2e_model.force_balanced_routing`). The row records
     how even the experts' loads were after the timed steps (``routing_load``)."""
     row = {"mode": mode, "cuda_graph": graph, "optimizer": optimizer, "error": None}
     model = opt = step = None
@@ -273,7 +273,8 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
         opt = make_optimizer(model, lr, mode=mode, capturable=graph, optimizer=optimizer)
         batches = ByteBatches(data, cfg.batch, cfg.seq, device)
         if balance:
-            row["balance_routing"] = balance_routing(model, *batches(0), mode)
+            force_balanced_routing(model)
+            row["balanced_routing"] = True
         if torch.device(device).type == "cuda":
             # from here: warm-up steps (optimizer state) and the capture are included
             torch.cuda.reset_peak_memory_stats(device)
@@ -398,7 +399,7 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
                   f"{_label(r)} {r['routing_load']['max_over_mean']:.1f}x "
                   f"({r['routing_load']['max_over_mean_worst']:.1f}x), "
                   f"{r['routing_load']['empty_experts']:.0f} empty"
-                  + (" (balanced first)" if r.get("balance_routing") else "")
+                  + (" (random routing)" if r.get("balanced_routing") else "")
                   for r in loads), file=file)
     print_targets(targets(rows, loss_gap), file)
     print_gemm_bound(gemm_bound(rows, cfg), file)
@@ -941,21 +942,17 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--balance-routing", action=argparse.BooleanOptionalAction, default=True,
-                   help="throughput runs: first bring the experts' loads near even with the "
-                        "model's expert-bias update, as a trained model's balancing keeps "
-                        "them (benchmark.e2e_model.balance_routing), and run the timed "
-                        "steps at learning rate 0 unless --lr is given: every kernel of the "
-                        "step runs as in training, but the weights stay, so the loads stay "
-                        "even (measured on an H100: from 1.2x the mean after balancing, the "
-                        "busiest expert drifted to 17x within 16 steps at lr 1e-5 and to "
-                        "32x, all tokens, at 1e-3). --no-balance-routing: the fresh model's "
-                        "routing as it comes (every run before 2026-11-26's third session)")
+                   help="throughput runs: route by random logits (linghe.nn.MoE."
+                        "force_balanced_routing, as Megatron-LM's benchmark option), so "
+                        "every expert gets ~T*topk/E rows as in balanced real training; "
+                        "--no-balance-routing: the fresh model's own routing, which sends "
+                        "most tokens to a few experts (every run before 2026-11-26's third "
+                        "session)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="forward+backward passes per optimizer step, gradients accumulated "
                         "(eager throughput runs; default 1, the issue's configuration)")
     p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default 1e-3, 0 with --balance-routing; "
-                        "2e-3 for the loss curves)")
+                   help="peak learning rate (default 1e-3; 2e-3 for the loss curves)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1,
                    help="loss-curve job: train every mode from this many seeds (--seed, "
@@ -1029,7 +1026,7 @@ def config_from_args(args, device) -> E2EConfig:
                              "--train-steps, no --cuda-graph)")
         cfg = replace(cfg, micro_batches=args.micro_batches)
     if args.lr is None:
-        args.lr = (2e-3 if args.train_steps else 0.0 if args.balance_routing else 1e-3)
+        args.lr = 2e-3 if args.train_steps else 1e-3
     return cfg
 
 

@@ -615,22 +615,23 @@ def test_cli_micro_batches(tmp_path):
                   "--cuda-graph"])
 
 
-def test_balance_routing_changes_only_the_expert_biases():
-    from benchmark.e2e_model import balance_routing, load_stats, routing_load
+def test_forced_balanced_routing_is_even_and_trains_the_router():
+    from benchmark.e2e_model import force_balanced_routing, load_stats, routing_load
 
-    cfg = preset("tiny", layers=2)
-    model = build_model(cfg, device=DEVICE, seed=4)
+    torch.manual_seed(0)   # the random routing logits
+    cfg = preset("tiny", layers=1, batch=2, seq=40)
     tok, lab = ByteBatches(stdlib_corpus(corpus_bytes_needed(cfg, 1)), cfg.batch, cfg.seq,
                            DEVICE)(0)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    bias0 = [layer.moe.expert_bias.clone() for layer in model.layers]
-    res = balance_routing(model, tok, lab, "torch", iters=8)
-    assert res["iters"] == 8 and set(res["before"]) == set(res["after"])
-    assert all(torch.equal(p.detach(), init[n]) for n, p in model.named_parameters())
-    assert any(not torch.equal(layer.moe.expert_bias, b)
-               for layer, b in zip(model.layers, bias0))
-    tpes = routing_load(model, tok, lab, "torch")
-    assert [int(t.sum()) for t in tpes] == [cfg.tokens * cfg.topk] * cfg.layers
+    for mode in ("torch", "bf16"):
+        model = build_model(cfg, device=DEVICE, seed=4)
+        force_balanced_routing(model)
+        tpes = routing_load(model, tok, lab, mode)
+        assert [int(t.sum()) for t in tpes] == [cfg.tokens * cfg.topk] * cfg.layers
+        stats = load_stats(tpes)
+        assert stats["empty_experts"] == 0 and stats["max_over_mean"] < 1.6, stats
+        opt = make_optimizer(model, 1e-3)
+        train_step(model, opt, tok, lab, mode)
+        assert all(layer.moe.router_weight.grad is not None for layer in model.layers)
     even = load_stats([torch.full((8,), 3.0), torch.full((8,), 3.0)])
     assert even == {"max_over_mean": 1.0, "max_over_mean_worst": 1.0, "empty_experts": 0.0,
                     "cv": 0.0}

@@ -46,6 +46,12 @@ class MoEAux:
     num_dropped: torch.Tensor
 
 
+def balanced_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Standard-normal random routing logits of ``logits``' shape whose gradient goes
+    straight through to ``logits`` (benchmarks: :attr:`MoE.force_balanced_routing`)."""
+    return torch.randn_like(logits) + (logits - logits.detach())
+
+
 class MoE(nn.Module):
     """Routed MoE with SwiGLU experts, DeepSeek-V3-style routing and expert parallelism.
 
@@ -79,7 +85,8 @@ class MoE(nn.Module):
     - ``shared_experts.*`` (a :class:`SwiGLU`) when ``num_shared_experts > 0``.
 
     With ``ep_group`` the shared experts run while the routed tokens are in flight
-    (``overlap_shared_experts``, default on).
+    (``overlap_shared_experts``, default on). ``force_balanced_routing`` (default off,
+    benchmarks only) routes by random logits, so that every expert gets an even share.
 
     ``forward(x [..., H])`` returns ``(out [..., H], aux: MoEAux)``. ``x`` must have the
     experts' dtype. The router probabilities weight each expert's SwiGLU output
@@ -142,6 +149,13 @@ class MoE(nn.Module):
         #: flight (``dispatch(async_op=True)``); ``False`` runs them after the combine
         #: (same result; for measuring the overlap).
         self.overlap_shared_experts = True
+        #: For benchmarks only (as Megatron-LM's ``moe_router_force_load_balancing``):
+        #: route by standard-normal random logits, drawn per token from the default
+        #: generator, instead of the router's, so that every expert gets ~``T * top_k /
+        #: E`` rows whatever the model has learnt. The router's logits still pass their
+        #: gradient straight through (``random + (logits - logits.detach())``), so every
+        #: kernel of a training step runs; the output is not a trained model's.
+        self.force_balanced_routing = False
         fk = {"device": device, "dtype": dtype}
         El, H, In = self.num_local_experts, hidden_size, intermediate_size
         self.router_weight = nn.Parameter(torch.empty(num_experts, H, device=device,
@@ -202,6 +216,8 @@ class MoE(nn.Module):
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         logits = router_logits(x2, self.router_weight)
+        if self.force_balanced_routing:
+            logits = balanced_logits(logits)
         probs, ids, tpe = topk_route(logits, self.top_k, score=self.score,
                                      expert_bias=self.expert_bias, num_groups=self.num_groups,
                                      topk_groups=self.topk_groups)
