@@ -63,8 +63,11 @@ from linghe.utils import INTERPRET, set_poison_outputs  # noqa: E402
 # --------------------------------------------------------------------------------------
 
 
-def _rows(form, bm, bn, warps, stages):
-    return dict(form=form, BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+def _rows(form, bm, bn, warps, stages, group_m=None):
+    c = dict(form=form, BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+    if group_m is not None:
+        c["GROUP_M"] = group_m
+    return c
 
 
 def _wg(form, bn, bk, warps, stages, vm=False):
@@ -82,6 +85,8 @@ ROWS_CANDIDATES = [
     _rows("rescale", 256, 128, 8, 3),
     _rows("tma", 64, 128, 4, 4), _rows("tma", 64, 128, 4, 3), _rows("tma", 128, 128, 8, 3),
     _rows("tma", 128, 128, 8, 4), _rows("tma", 128, 64, 4, 4), _rows("tma", 64, 64, 4, 4),
+    _rows("tma", 64, 128, 4, 2), _rows("tma", 64, 256, 8, 3), _rows("tma", 128, 256, 8, 3),
+    _rows("tma", 64, 128, 4, 3, 4), _rows("tma", 64, 128, 4, 3, 16),
 ]
 #: wgrad ([BN, BK] tiles of dW): promote at 128x128 (the autotuner's non-spilling
 #: members), with vectorized boundary masks, and rescale tiles (all +vm: without it the
@@ -93,6 +98,12 @@ WGRAD_CANDIDATES = [
     _wg("rescale", 64, 256, 8, 3, True), _wg("rescale", 256, 64, 8, 3, True),
     _wg("rescale", 128, 256, 8, 3, True),
 ]
+#: ``LINGHE_SWEEP_FORMS=tma,promote`` in the environment: sweep only these forms (the
+#: compile workers inherit it).
+_FORMS = os.environ.get("LINGHE_SWEEP_FORMS")
+if _FORMS:
+    ROWS_CANDIDATES = [c for c in ROWS_CANDIDATES if c["form"] in _FORMS.split(",")]
+    WGRAD_CANDIDATES = [c for c in WGRAD_CANDIDATES if c["form"] in _FORMS.split(",")]
 #: Interpreter smoke run: small tiles, every form, the BN > 128 path of the rows kernel.
 CPU_ROWS = [_rows("promote", 32, 64, 4, 1), _rows("rescale", 32, 64, 4, 1),
             _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1)]
@@ -117,7 +128,8 @@ def cfg_name(c: dict | None) -> str:
         return "default"
     tiles = f"{c['BM']}x{c['BN']}" if "BM" in c else f"{c['BN']}x{c['BK']}"
     vm = "+vm" if c.get("VEC_MASK") else ""
-    return f"{c['form']}{vm} {tiles}/{c['num_warps']}w/{c['num_stages']}s"
+    g = f"/g{c['GROUP_M']}" if "GROUP_M" in c else ""
+    return f"{c['form']}{vm} {tiles}/{c['num_warps']}w/{c['num_stages']}s{g}"
 
 
 def launch_config(c: dict) -> dict:
