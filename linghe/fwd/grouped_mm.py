@@ -288,7 +288,9 @@ def _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb, nkb):
     bs_si]`` (``[BM]``, as :func:`fp8_promote` forms them); ones for ``kb >= nkb`` (a
     look-ahead past the last block: loads nothing)."""
     live = kb < nkb
-    sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask & live, other=1.0)
+    # (where, not rmask & live: triton 3.9's interpreter makes a block & scalar int32)
+    sa = tl.load(as_ptr + kb * stride_ask + rows, mask=tl.where(live, rmask, False),
+                 other=1.0)
     return sa * tl.load(bs_n + kb * bs_si, mask=live, other=1.0)
 
 
