@@ -20,15 +20,18 @@ outputs: <= 1e-2 like the tests) and timed with ``triton.testing.do_bench`` (med
 beside ``torch._grouped_mm`` bf16 on the same segments (through linghe's ``backend=
 "torch"``, as the benchmark) and the launchers' current default (no ``config``: the
 autotuner over ``_FP8_CONFIGS`` / ``_WGRAD_FP8_CONFIGS``). The wgrad takes its operands
-as the MoE layer does (columnwise groups per segment, ``quantize_grouped_1x128``). Forms:
-``promote`` (``acc += dot * scale``, two accumulator tiles) and ``rescale`` (one tile,
-``acc = dot(a, b, acc * s_prev / s)``), both loading through pointers, and ``tma`` (the
-rows kernel's promoting form with TMA loads, the FP8 default); ``+vm``: the wgrad's
-vectorized boundary-group masks (``VEC_MASK``). A precision probe runs the 128x128
-tiles of both forms with fp32 outputs (the MMA's reduced-precision accumulation, which
-``rescale`` carries over the whole K loop, is below bf16 rounding otherwise). The
-summary table is printed last; every row goes to ``--out`` as JSON (with the compiled
-kernels' ``n_regs`` / ``n_spills``).
+as the MoE layer does (columnwise groups per segment, ``quantize_grouped_1x128``).
+Forms: ``promote`` (``acc += dot * scale``, two accumulator tiles) and ``rescale`` (one
+tile, ``acc = dot(a, b, acc * s_prev / s)``), both loading through pointers, ``tma``
+(the rows kernel's promoting form with TMA loads, the FP8 default) and ``tmav`` (its
+variants, named by suffix: ``/a1``, ``/a2`` scales loaded 1-2 K blocks ahead, ``/k2`` K
+blocks in pairs, ``/n2`` column halves, the last two with one MMA left in flight across
+the K loop's back-edge); ``+vm``: the wgrad's vectorized boundary-group masks
+(``VEC_MASK``). ``LINGHE_SWEEP_FORMS=tma,tmav`` sweeps only those forms (also with
+``--ptxas``). A precision probe runs the 128x128 tiles of both forms with fp32 outputs
+(the MMA's reduced-precision accumulation, which ``rescale`` carries over the whole K
+loop, is below bf16 rounding otherwise). The summary table is printed last; every row
+goes to ``--out`` as JSON (with the compiled kernels' ``n_regs`` / ``n_spills``).
 
 ``--budget-s`` (default 220) stops starting new candidates once that many seconds have
 passed (skipped rows say so), so a run stays under ~4 minutes with cold Triton caches.
@@ -70,6 +73,15 @@ def _rows(form, bm, bn, warps, stages, group_m=None):
     return c
 
 
+def _tmav(bm, bn, warps, stages, ahead=0, unroll=1, split=1):
+    """A variant of the TMA rows kernel (form ``tmav``; see
+    ``linghe.fwd.grouped_mm._grouped_rows_fp8_tma_kernel``): scales loaded ``ahead`` K
+    blocks ahead, K blocks in pairs (``unroll=2``) or column halves (``split=2``) with
+    one MMA left in flight across the loop's back-edge."""
+    return dict(form="tmav", BM=bm, BN=bn, num_warps=warps, num_stages=stages,
+                SCALE_AHEAD=ahead, K_UNROLL=unroll, N_SPLIT=split)
+
+
 def _wg(form, bn, bk, warps, stages, vm=False):
     return dict(form=form, BN=bn, BK=bk, num_warps=warps, num_stages=stages, VEC_MASK=vm)
 
@@ -87,6 +99,15 @@ ROWS_CANDIDATES = [
     _rows("tma", 128, 128, 8, 4), _rows("tma", 128, 64, 4, 4), _rows("tma", 64, 64, 4, 4),
     _rows("tma", 64, 128, 4, 2), _rows("tma", 64, 256, 8, 3), _rows("tma", 128, 256, 8, 3),
     _rows("tma", 64, 128, 4, 3, 4), _rows("tma", 64, 128, 4, 3, 16),
+    # TMA kernel variants (sm_90 ptxas, triton 3.6/3.9 registers: programs per SM)
+    _tmav(64, 128, 4, 3, ahead=1),  # 155/155 regs: 3 per SM
+    _tmav(64, 128, 4, 3, ahead=2),  # 157/157: 3
+    _tmav(64, 128, 4, 3, split=2),  # 148/155: 3
+    _tmav(64, 128, 4, 3, ahead=2, split=2),  # 155/159: 3
+    _tmav(64, 128, 4, 2, unroll=2),  # 236/232 (a third fp32 tile): 2
+    _tmav(64, 128, 4, 2, ahead=2, unroll=2),  # 232/229: 2
+    _tmav(64, 64, 4, 2, ahead=2, unroll=2),  # ~126: 3 (smem 64 KiB)
+    _tmav(128, 128, 8, 3, ahead=2, split=2),  # 164/159: 1
 ]
 #: wgrad ([BN, BK] tiles of dW): promote at 128x128 (the autotuner's non-spilling
 #: members), with vectorized boundary masks, and rescale tiles (all +vm: without it the
@@ -106,7 +127,9 @@ if _FORMS:
     WGRAD_CANDIDATES = [c for c in WGRAD_CANDIDATES if c["form"] in _FORMS.split(",")]
 #: Interpreter smoke run: small tiles, every form, the BN > 128 path of the rows kernel.
 CPU_ROWS = [_rows("promote", 32, 64, 4, 1), _rows("rescale", 32, 64, 4, 1),
-            _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1)]
+            _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1),
+            _tmav(32, 64, 4, 1, ahead=2), _tmav(32, 64, 4, 1, ahead=2, unroll=2),
+            _tmav(32, 64, 4, 1, ahead=2, split=2)]
 CPU_WGRAD = [_wg("promote", 64, 64, 4, 1), _wg("rescale", 64, 64, 4, 1, True),
              _wg("rescale", 64, 128, 4, 1)]
 
@@ -129,15 +152,22 @@ def cfg_name(c: dict | None) -> str:
     tiles = f"{c['BM']}x{c['BN']}" if "BM" in c else f"{c['BN']}x{c['BK']}"
     vm = "+vm" if c.get("VEC_MASK") else ""
     g = f"/g{c['GROUP_M']}" if "GROUP_M" in c else ""
-    return f"{c['form']}{vm} {tiles}/{c['num_warps']}w/{c['num_stages']}s{g}"
+    v = ""
+    if c["form"] == "tmav":  # e.g. /a2 (scales 2 blocks ahead), /k2a2, /n2
+        v = "/" + "".join(f"{t}{c[k]}" for t, k, d in (("k", "K_UNROLL", 1),
+                                                         ("n", "N_SPLIT", 1),
+                                                         ("a", "SCALE_AHEAD", 0))
+                          if c[k] != d)
+    return f"{c['form']}{vm} {tiles}/{c['num_warps']}w/{c['num_stages']}s{g}{v}"
 
 
 def launch_config(c: dict) -> dict:
     """A candidate as the launchers' ``config`` argument (form ``tma``: the rows kernel
-    with its operands loaded by TMA; ``promote``/``rescale`` load through pointers)."""
+    with its operands loaded by TMA, ``tmav`` its variants; ``promote``/``rescale`` load
+    through pointers)."""
     out = {k: v for k, v in c.items() if k != "form"}
     out["RESCALE"] = c["form"] == "rescale"
-    out["TMA"] = c["form"] == "tma"
+    out["TMA"] = c["form"] in ("tma", "tmav")
     return out
 
 
@@ -303,8 +333,13 @@ def bf16_call(op: str, d: dict):
     return lambda: bwd_gm.grouped_mm_wgrad(d["g"], d["x"], off, backend="torch")
 
 
-def _kernel(op: str):
-    return bwd_gm._wgrad_fp8_kernel if op == "wgrad" else fwd_gm._grouped_rows_kernel
+def _kernel(op: str, cfg: dict | None = None):
+    """The kernel a candidate launches (its new binary gives ``n_regs``/``n_spills``)."""
+    if op == "wgrad":
+        return bwd_gm._wgrad_fp8_kernel
+    tma = fwd_gm.FP8_TMA and not fwd_gm.FP8_RESCALE if cfg is None else (
+        cfg["form"] in ("tma", "tmav"))
+    return fwd_gm._grouped_rows_fp8_tma_kernel if tma else fwd_gm._grouped_rows_kernel
 
 
 def _tuned_config(op: str) -> str:
@@ -348,7 +383,7 @@ def sweep_op(op, lname, gname, d, cands, device, clock, rows):
         fn = fp8_call(op, d, cfg)
         key = (op == "wgrad", lname, name)
         try:
-            out, secs, regs, spills = _run_first(fn, _kernel(op), key, device)
+            out, secs, regs, spills = _run_first(fn, _kernel(op, cfg), key, device)
             err = rel_err(out, expect)
             del out
             us = time_us(fn, device)
@@ -487,7 +522,7 @@ _PTRS = {
                               gs_ptr="*fp32", xs_ptr="*fp32", offsets_ptr="*i32"),
     # descriptors: their block shapes are filled in per candidate
     "_grouped_rows_fp8_tma_kernel": dict(a_desc="tensordesc<fp8e4nv[{BM}, 128]>",
-                                         b_desc="tensordesc<fp8e4nv[{BN}, 128]>",
+                                         b_desc="tensordesc<fp8e4nv[{BNB}, 128]>",
                                          c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32",
                                          offsets_ptr="*i32"),
 }
@@ -533,11 +568,13 @@ def ptxas_table(args) -> int:
     def compile_one(kernel, consts, warps, stages):
         name = kernel.fn.__name__
         sig = {}
+        # the weight box: [BN / N_SPLIT, 128]
+        box = dict(BNB=consts.get("BN", 0) // consts.get("N_SPLIT", 1))
         for p in kernel.params:
             if p.is_constexpr:
                 sig[p.name] = "constexpr"
             else:
-                sig[p.name] = _PTRS[name].get(p.name, "i32").format(**consts)
+                sig[p.name] = _PTRS[name].get(p.name, "i32").format(**consts, **box)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or n in _DIV16[name]}
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -549,7 +586,8 @@ def ptxas_table(args) -> int:
     for cands, kernel in ((ROWS_CANDIDATES, fwd_gm._grouped_rows_kernel),
                           (WGRAD_CANDIDATES, bwd_gm._wgrad_fp8_kernel)):
         for c in cands:
-            for form in ("tma",) if c["form"] == "tma" else ("promote", "rescale"):
+            tma = c["form"] in ("tma", "tmav")
+            for form in (c["form"],) if tma else ("promote", "rescale"):
                 cc = dict(c, form=form)
                 if (kernel, cfg_name(cc)) in seen:
                     continue
@@ -561,14 +599,17 @@ def ptxas_table(args) -> int:
                         consts = dict(BN=c["BN"], BK=c["BK"], BR=128, SEG=True, EP2=ep2,
                                       ALIGN16=True, RESCALE=form == "rescale",
                                       VEC_MASK=c["VEC_MASK"])
-                    elif form == "tma":
-                        consts = dict(BM=c["BM"], BN=c["BN"], BK=128, GROUP_M=8, EP2=ep2)
+                    elif tma:
+                        consts = dict(BM=c["BM"], BN=c["BN"], BK=128,
+                                      GROUP_M=c.get("GROUP_M", 8), EP2=ep2,
+                                      **{k: c.get(k, d)
+                                         for k, d in fwd_gm._TMA_VARIANTS.items()})
                     else:
                         consts = dict(BM=c["BM"], BN=c["BN"], BK=128, GROUP_M=8, FP8=True,
                                       IEEE=False, B_KMAJOR=True, EP2=ep2,
                                       RESCALE=form == "rescale")
                     t = time.perf_counter()
-                    k = compile_one(fwd_gm._grouped_rows_fp8_tma_kernel if form == "tma"
+                    k = compile_one(fwd_gm._grouped_rows_fp8_tma_kernel if tma
                                     else kernel, consts, c["num_warps"], c["num_stages"])
                     regs, spill = _ptxas_usage(k.asm["ptx"])
                     line = (f"{'wgrad' if 'BK' in c else 'rows '} {lname} "
@@ -592,7 +633,10 @@ WARM_TOKENS = 512
 
 def _autotune_extras(op: str) -> list[dict]:
     """The autotuner's configs (the ``default`` row tunes over them) that are not
-    candidates already: compiled by the warm-up too."""
+    candidates already: compiled by the warm-up too. None for the rows kernel when its
+    default launch takes the TMA kernel (fixed tiles, no autotuning)."""
+    if op != "wgrad" and fwd_gm.FP8_TMA and not fwd_gm.FP8_RESCALE:
+        return []
     if op == "wgrad":
         have, tuned = WGRAD_CANDIDATES, [_wg("promote", c.kwargs["BN"], c.kwargs["BK"],
                                              c.num_warps, c.num_stages)
@@ -624,8 +668,10 @@ def _warm_tasks(layouts, gemms, ops, precision) -> list[str]:
 
 
 def warm_worker(task: str) -> int:
-    """Compile (and run once, unchecked) every candidate of one task."""
-    lname, gname, op = task.split(":")
+    """Compile (and run once, unchecked) every candidate of one task
+    (``layout:gemm:op``, or ``layout:gemm:op:i/n``: every n-th candidate from the i-th)."""
+    lname, gname, op, *part = task.split(":")
+    i, n = map(int, part[0].split("/")) if part else (0, 1)
     N, K = GEMMS[gname]
     d = build_inputs(LAYOUTS[lname], N, K, "cuda", tokens=WARM_TOKENS)
     if op == "probe":
@@ -633,7 +679,7 @@ def warm_worker(task: str) -> int:
     else:
         cands = WGRAD_CANDIDATES if op == "wgrad" else ROWS_CANDIDATES
         jobs = [(op, c, torch.bfloat16) for c in cands + _autotune_extras(op)]
-    for o, c, dt in jobs:
+    for o, c, dt in jobs[i::n]:
         try:
             fp8_call(o, d, c, out_dtype=dt)()
         except Exception as exc:  # the sweep itself reports it
@@ -649,6 +695,10 @@ def warm_up(tasks: list[str], jobs: int, timeout_s: float) -> float:
     t0 = time.perf_counter()
     if jobs <= 0 or not tasks:
         return 0.0
+    # fewer tasks than processes: split each task's candidates among the spare ones
+    n = max(1, jobs // len(tasks))
+    tasks = [t if n == 1 or t.endswith(":probe") else f"{t}:{i}/{n}"
+             for t in tasks for i in range(1 if t.endswith(":probe") else n)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
