@@ -44,8 +44,12 @@ QUANT_NUM_WARPS = 8
 #: order were 1-2% faster with pow2 scales (163.8 / 174.7) but 229 µs without them.
 BATCH_QUANT_NUM_WARPS = 4
 BATCH_QUANT_MAXNREG = None
-#: the same register cap for the rowwise-only launch (what the FP8 MoE step calls).
+#: warps, register cap and program order (:data:`BATCH_QUANT_ORDER`) of the rowwise-only
+#: launch (what the FP8 MoE step calls; the knobs above are the row+columnwise launch's).
+#: ptxas (sm_90, triton 3.6): 4 warps 168 registers (3 programs per SM), 8 warps 80 (3).
+BATCH_QUANT_ROW_NUM_WARPS = 4
 BATCH_QUANT_ROW_MAXNREG = None
+BATCH_QUANT_ROW_ORDER = "rows"
 #: the batch forward's columnwise copy leaves as packed 32-bit words
 #: (:func:`store_cols_packed`; needs ``align`` and ``R`` multiples of 16, else the plain
 #: fp8 store): Triton's layout conversion for the transposed fp8 store writes shared memory
@@ -521,8 +525,11 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     ncol = max(BATCH_QUANT_COLS, 1)
     npc = cdiv(cdiv(N, BLOCK), ncol)
     if G > 0 and npc > 0:
-        warps = BATCH_QUANT_NUM_WARPS
-        maxnreg = BATCH_QUANT_MAXNREG if columnwise else BATCH_QUANT_ROW_MAXNREG
+        if columnwise:
+            warps, maxnreg, order = BATCH_QUANT_NUM_WARPS, BATCH_QUANT_MAXNREG, BATCH_QUANT_ORDER
+        else:
+            warps, maxnreg, order = (BATCH_QUANT_ROW_NUM_WARPS, BATCH_QUANT_ROW_MAXNREG,
+                                     BATCH_QUANT_ROW_ORDER)
         opts = {} if maxnreg is None else {"maxnreg": maxnreg}
         # The packed columnwise store needs 16-byte aligned 16-token pieces: segment starts
         # (align) and rows of q_t (R) multiples of 16.
@@ -532,6 +539,6 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
                    x, probs, tmap, q, s, qt.view(torch.int32) if pack else qt, st, R, N,
                    x.stride(0), G, npc, COLWISE=columnwise, POW2=pow2_scale,
                    HAS_P=probs is not None, ALIGN16=align % 16 == 0, NCOL=ncol,
-                   ROWS_FIRST=BATCH_QUANT_ORDER == "rows", PACK=pack,
+                   ROWS_FIRST=order == "rows", PACK=pack,
                    RPT=max(4, 32 // warps), num_warps=warps, **opts)
     return q, s, qt, st, g_off, seg_off
