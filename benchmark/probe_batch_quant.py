@@ -320,8 +320,8 @@ def main(argv=None) -> int:
             inputs.clear()
             if case == "bench":
                 inputs[case] = _bench_case(cpu, dev)
-            else:  # (on the CPU: 8 and 3 experts)
-                E = int(case[1:]) if not cpu else 8 if case == "E32" else 3
+            else:  # (on the CPU: 16 and 32 experts; R = 496, 736: multiples of 16)
+                E = int(case[1:]) if not cpu else 16 if case == "E32" else 32
                 inputs[case] = _moe(E, cpu, dev, seed=0 if case == "E32" else 1)
         inp = inputs[case]
         colwise = mode == "rc"

@@ -10,7 +10,9 @@
   (:mod:`linghe.layout`): columnwise groups start at each expert segment's start and never
   cross segments. Counts are read on the device (no host sync): a one-wave launch turns
   them into a row-tile map, then the grid (sized by a static bound) quantizes; programs
-  past the rows in use write zeros / scale 1.
+  past the rows in use write zeros / scale 1. The columnwise copy leaves as packed 32-bit
+  words of 4 tokens (:func:`store_cols_packed`) where ``align`` and the rows are multiples
+  of 16.
 """
 
 from __future__ import annotations
@@ -32,16 +34,19 @@ TILE_ELEMS = 4096
 #: on an SM; 8 warps give those two tiles twice the warps. (quantize_1x128 prefers 4 warps
 #: because its single-input tile needs only 168 registers there: 3 programs per SM.)
 QUANT_NUM_WARPS = 8
-#: warps of the per-expert (batch) forward, :func:`batch_silu_mul_quant_fwd` (one 128x128
-#: tile per program), and its register cap per thread (``maxnreg``; None: ptxas chooses).
-#: A program holds its tile in registers, so these set how many programs share an SM:
-#: ptxas (triton 3.6, sm_90, columnwise + probs) gives 4 warps 168 registers (3 programs
-#: per SM), 8 warps 127 (2), 16 warps 64 (2); a cap of 80 at 8 warps gives 3 programs
-#: with 80 bytes of spills. ``python -m benchmark.probe_batch_quant`` times them: on an
-#: H100, 4 warps in ``"rows"`` order: 166.6 / 176.7 µs at 32 / 256 experts with pow2
-#: scales (the kernel before the tile map: 200.7 / 277.0;
-#: ``h100_probe_batch_quant_2026-11-25c.json``), 167.8 without. 8 warps in ``"cols"``
-#: order were 1-2% faster with pow2 scales (163.8 / 174.7) but 229 µs without them.
+#: warps of the per-expert (batch) forward with both copies, :func:`batch_silu_mul_quant_fwd`
+#: (one 128x128 tile per program), and its register cap per thread (``maxnreg``; None:
+#: ptxas chooses). A program holds its tile in registers, so these set how many programs
+#: share an SM. ptxas (sm_90, probs, pow2 / exact scales; ``python -m
+#: benchmark.probe_batch_quant --sass``): the packed store (:data:`BATCH_QUANT_PACK`) at 4
+#: warps 177 / 168 registers under triton 3.6 (2 / 3 programs per SM), 231 / 238 under 3.9;
+#: capped at 168: 8 bytes of spills (3.6, pow2), none under 3.9; 8 warps 124-128 (2). The
+#: unpacked store: 4 warps 180-187 (2). The probe times them against main. H100, before
+#: the packed store: 4 warps in ``"rows"`` order 166.6 / 176.7 µs at 32 / 256 experts
+#: with pow2 scales (``h100_probe_batch_quant_2026-11-25c.json``), 167.8 without; 8 warps
+#: in ``"cols"`` order 1-2% faster with pow2 scales but 229 µs without them. H200: 4 warps
+#: 133.3 µs at 32 experts (72.6% of copy), rowwise only 95.0
+#: (``h200_probe_batch_quant_2026-11-26.*``).
 BATCH_QUANT_NUM_WARPS = 4
 BATCH_QUANT_MAXNREG = None
 #: warps, register cap and program order (:data:`BATCH_QUANT_ORDER`) of the rowwise-only
@@ -509,7 +514,11 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     then unused groups, all with scale 1.
 
     Two launches: :func:`batch_tile_map`, then one program per 128-row tile x
-    ``BATCH_QUANT_COLS`` 128-column blocks.
+    ``BATCH_QUANT_COLS`` 128-column blocks. With ``columnwise``, ``align % 16 == 0`` and
+    ``R % 16 == 0`` (``linghe.layout.max_grouped_rows`` with ``align=16`` is a multiple
+    of 16 where the expert count and tokens x top-k are) the columnwise copy is stored as
+    packed 32-bit words (``BATCH_QUANT_PACK``); else byte by byte through Triton's layout
+    conversion (the same bits, slower).
     """
     R, N = x.shape[0], x.shape[1] // 2
     E = counts.numel()
