@@ -69,7 +69,7 @@ from .harness import (  # noqa: E402
 #: main when this probe was last changed (its activation.py is the "old" kernel).
 OLD_REV = "8ff0efd"
 #: Variant rows are skipped once the probe has run this long (seconds).
-BUDGET_S = 70.0
+BUDGET_S = 60.0
 
 # A variant: knob overrides of linghe.fwd.activation. ptxas (sm_90, triton 3.6 / 3.9):
 # main's row+col tile 180 / 187 registers (2 programs per SM, 128 STS.U8 per thread);
@@ -336,6 +336,9 @@ def main(argv=None) -> int:
                 continue
             r = {"case": case, "E": inp["E"], "R": inp["R"], "copies": mode, "pow2": pow2,
                  "impl": impl, "knobs": kn, "ok": False, "error": None, "bytes": nbytes}
+            with _knobs(A, kn or {}):  # whether the packed columnwise store ran
+                r["packed"] = (impl == "new" and colwise and A.BATCH_QUANT_PACK
+                               and inp["R"] % 16 == 0 and inp["align"] % 16 == 0)
             try:
                 mod = old if impl == "old" else A
                 with _knobs(A, kn or {}):
@@ -391,8 +394,8 @@ def _f(v, spec):
 
 
 def _print_table(rows, dev_name, copy, failures, seconds):
-    head = ["case", "copies", "scales", "impl", "knobs", "kernel µs", "graph µs", "GB/s",
-            "% copy", "vs main", "vs ref"]
+    head = ["case", "copies", "scales", "impl", "knobs", "packed", "kernel µs", "x main",
+            "graph µs", "GB/s", "% copy", "vs main", "vs ref"]
     lines = []
     base = {}
     for r in rows:
@@ -407,9 +410,11 @@ def _print_table(rows, dev_name, copy, failures, seconds):
             f"{n}:{v}" for n, v in vr.items() if v))
         if r["error"]:
             vr = "ERROR " + r["error"][:60]
+        t, t0 = r.get("kernel_us"), base.get(key)
         lines.append([r["case"], "col+row" if r["copies"] == "rc" else "row",
                       "pow2" if r["pow2"] else "exact", r["impl"], _kn_str(r["knobs"]),
-                      _f(r.get("kernel_us"), ".1f"), _f(r.get("graph_us"), ".1f"),
+                      "yes" if r.get("packed") else "", _f(t, ".1f"),
+                      _f(t0 / t if t and t0 else None, ".3f"), _f(r.get("graph_us"), ".1f"),
                       _f(r.get("gbps"), ".0f"), _f(r.get("pct_copy"), ".1f"), vo, vr])
     print(f"{dev_name}; copy {copy or 0:.0f} GB/s; GB/s and % copy from kernel µs (fewest "
           f"bytes); edge-input checks {'ok' if not failures else 'FAILED: ' + str(len(failures))}; "
