@@ -106,8 +106,9 @@ def _parse(argv):
                    "probe_batch_quant.json")
     p.add_argument("--cpu", action="store_true", help="tiny shapes, Triton interpreter")
     p.add_argument("--quick", action="store_true", help="old and default rows only")
-    p.add_argument("--old", default=None, help="folder holding main's activation.py (or "
-                   "that file itself), for a copy of the tree without .git")
+    p.add_argument("--old", default=None, help="folder holding main's activation.py (in it, "
+                   "in fwd/ or in linghe/fwd/; or the file itself), for a copy of the tree "
+                   "without .git")
     p.add_argument("--old-rev", default=OLD_REV, help="git revision of the old kernel")
     p.add_argument("--budget", type=float, default=BUDGET_S,
                    help="seconds after which variant rows are skipped")
@@ -117,6 +118,14 @@ def _parse(argv):
 
 
 def _load_old(old: str | None, rev: str):
+    if old and os.path.isdir(old):
+        # main's linghe/fwd/activation.py as DIR/linghe/fwd/, DIR/fwd/ or DIR/activation.py
+        for sub in (os.path.join("linghe", "fwd"), "fwd", ""):
+            if os.path.isfile(os.path.join(old, sub, "activation.py")):
+                old = os.path.join(old, sub, "activation.py")
+                break
+        else:
+            raise FileNotFoundError(f"no activation.py in {old}")
     src_dir = old
     if old and os.path.isfile(old):
         src_dir = os.path.dirname(os.path.abspath(old)) or "."
@@ -267,7 +276,12 @@ def main(argv=None) -> int:
     from linghe import reference as ref
     from linghe.fwd import activation as A
 
-    old = _load_old(args.old, args.old_rev)
+    try:
+        old = _load_old(args.old, args.old_rev)
+    except Exception as e:  # e.g. no .git in a copy of the tree
+        print(f"main's kernel not loaded ({type(e).__name__}: {e}); pass --old DIR",
+              file=sys.stderr)
+        return 2
     set_poison_outputs(True)
     copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))
     dev_name = (torch.cuda.get_device_name() if not cpu
