@@ -542,7 +542,8 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
         opts = {} if maxnreg is None else {"maxnreg": maxnreg}
         # The packed columnwise store needs 16-byte aligned 16-token pieces: segment starts
         # (align) and rows of q_t (R) multiples of 16.
-        pack = columnwise and BATCH_QUANT_PACK and align % 16 == 0 and R % 16 == 0
+        pack = (columnwise and BATCH_QUANT_PACK and align % 16 == 0 and R % 16 == 0
+                and R > 0)
         with device_guard(x):
             launch(_batch_silu_mul_quant_fwd_kernel, (G * npc,),
                    x, probs, tmap, q, s, qt.view(torch.int32) if pack else qt, st, R, N,
