@@ -25,7 +25,8 @@ quantizer, each call after an L2 flush: :func:`benchmark.harness.device_time_us`
 fewest bytes (real rows of h and probs read once; q, s and, with the columnwise copy, qt,
 st written once); ``% copy`` is against a 1 GiB device-to-device copy measured in the run.
 
-Checks, every row, in the same run, outputs NaN-poisoned before the kernel: against
+Checks, every row, in the same run, outputs NaN-poisoned before the checked call (not
+the timed ones): against
 :func:`linghe.reference.batch_silu_mul_quant` in float32 (fp8 data within one e4m3 step,
 NaN never passes; scales within 1e-5 relative; group offsets equal) and bit for bit
 against the old kernel. Before timing, every variant is also checked on a small input
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
         print(f"main's kernel not loaded ({type(e).__name__}: {e}); pass --old DIR",
               file=sys.stderr)
         return 2
-    set_poison_outputs(True)
+    set_poison_outputs(True)  # the edge-input pass; the timed cases poison checked calls
     copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))
     dev_name = (torch.cuda.get_device_name() if not cpu
                 else (platform.processor() or "cpu") + " (Triton interpreter)")
@@ -323,6 +324,7 @@ def main(argv=None) -> int:
                         failures.append(dict(input=inp["name"], pow2=pow2, colwise=colwise,
                                              knobs=kn, vs_ref=vr, vs_old=vo))
             del want, base
+    set_poison_outputs(False)
     print(f"edge-input checks: {'ok' if not failures else failures}", file=sys.stderr,
           flush=True)
 
@@ -360,7 +362,11 @@ def main(argv=None) -> int:
                 with _knobs(A, kn or {}):
                     def fn(mod=mod, inp=inp, colwise=colwise, pow2=pow2):
                         return call(mod, inp, colwise, pow2)
-                    out = fn()
+                    set_poison_outputs(True)  # (checked call only: the fills are kernels)
+                    try:
+                        out = fn()
+                    finally:
+                        set_poison_outputs(False)
                     if not cpu:
                         torch.cuda.synchronize()
                     r["vs_ref"] = _vs_reference(out, want)
