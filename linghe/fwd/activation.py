@@ -374,7 +374,7 @@ def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr
     # Program pid takes row tile pid_m (from the tile map: it starts at its segment's
     # start, so columnwise groups never cross segments) and the 128-column blocks
     # [pid_c * NCOL, pid_c * NCOL + NCOL), in turn; NPC column programs per row tile.
-    # PACK (COLWISE, ALIGN16, M % 4 == 0; qt_ptr int32): the columnwise copy leaves as
+    # PACK (COLWISE, ALIGN16, M % 16 == 0; qt_ptr int32): the columnwise copy leaves as
     # packed 32-bit words (store_cols_packed).
     pid = tl.program_id(0)
     if ROWS_FIRST:
