@@ -10,7 +10,9 @@
   (:mod:`linghe.layout`): columnwise groups start at each expert segment's start and never
   cross segments. Counts are read on the device (no host sync): a one-wave launch turns
   them into a row-tile map, then the grid (sized by a static bound) quantizes; programs
-  past the rows in use write zeros / scale 1.
+  past the rows in use write zeros / scale 1. The columnwise copy leaves as packed 32-bit
+  words of 4 tokens (:func:`store_cols_packed`) where ``align`` and the rows are multiples
+  of 16.
 """
 
 from __future__ import annotations
@@ -32,18 +34,33 @@ TILE_ELEMS = 4096
 #: on an SM; 8 warps give those two tiles twice the warps. (quantize_1x128 prefers 4 warps
 #: because its single-input tile needs only 168 registers there: 3 programs per SM.)
 QUANT_NUM_WARPS = 8
-#: warps of the per-expert (batch) forward, :func:`batch_silu_mul_quant_fwd` (one 128x128
-#: tile per program), and its register cap per thread (``maxnreg``; None: ptxas chooses).
-#: A program holds its tile in registers, so these set how many programs share an SM:
-#: ptxas (triton 3.6, sm_90, columnwise + probs) gives 4 warps 168 registers (3 programs
-#: per SM), 8 warps 127 (2), 16 warps 64 (2); a cap of 80 at 8 warps gives 3 programs
-#: with 80 bytes of spills. ``python -m benchmark.probe_batch_quant`` times them: on an
-#: H100, 4 warps in ``"rows"`` order: 166.6 / 176.7 µs at 32 / 256 experts with pow2
-#: scales (the kernel before the tile map: 200.7 / 277.0;
-#: ``h100_probe_batch_quant_2026-11-25c.json``), 167.8 without. 8 warps in ``"cols"``
-#: order were 1-2% faster with pow2 scales (163.8 / 174.7) but 229 µs without them.
+#: warps of the per-expert (batch) forward with both copies, :func:`batch_silu_mul_quant_fwd`
+#: (one 128x128 tile per program), and its register cap per thread (``maxnreg``; None:
+#: ptxas chooses). A program holds its tile in registers, so these set how many programs
+#: share an SM. ptxas (sm_90, probs, pow2 / exact scales; ``python -m
+#: benchmark.probe_batch_quant --sass``): the packed store (:data:`BATCH_QUANT_PACK`) at 4
+#: warps 177 / 168 registers under triton 3.6 (2 / 3 programs per SM), 231 / 238 under 3.9;
+#: capped at 168: 8 bytes of spills (3.6, pow2), none under 3.9; 8 warps 124-128 (2). The
+#: unpacked store: 4 warps 180-187 (2). The probe times them against main. H100, before
+#: the packed store: 4 warps in ``"rows"`` order 166.6 / 176.7 µs at 32 / 256 experts
+#: with pow2 scales (``h100_probe_batch_quant_2026-11-25c.json``), 167.8 without; 8 warps
+#: in ``"cols"`` order 1-2% faster with pow2 scales but 229 µs without them. H200: 4 warps
+#: 133.3 µs at 32 experts (72.6% of copy), rowwise only 95.0
+#: (``h200_probe_batch_quant_2026-11-26.*``).
 BATCH_QUANT_NUM_WARPS = 4
 BATCH_QUANT_MAXNREG = None
+#: warps, register cap and program order (:data:`BATCH_QUANT_ORDER`) of the rowwise-only
+#: launch (what the FP8 MoE step calls; the knobs above are the row+columnwise launch's).
+#: ptxas (sm_90, triton 3.6): 4 warps 168 registers (3 programs per SM), 8 warps 80 (3).
+BATCH_QUANT_ROW_NUM_WARPS = 4
+BATCH_QUANT_ROW_MAXNREG = None
+BATCH_QUANT_ROW_ORDER = "rows"
+#: the batch forward's columnwise copy leaves as packed 32-bit words
+#: (:func:`store_cols_packed`; needs ``align`` and ``R`` multiples of 16, else the plain
+#: fp8 store): Triton's layout conversion for the transposed fp8 store writes shared memory
+#: a byte at a time (128 8-way bank-conflicted ``STS.U8`` per thread and tile, sm_90,
+#: triton 3.6 and 3.9); packed, it is 8 ``stmatrix`` + 8 ``LDS.128``.
+BATCH_QUANT_PACK = True
 #: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy):
 #: 16 for its non-batch form, 530 against 623 µs with 8 at [69376, 2048] on an H100 (the
 #: batch form, when ``QUANT_BWD_MODE = "fused"``, preferred 8: 766 against 848).
@@ -278,14 +295,87 @@ def _batch_tile_map_kernel(cnt_ptr, map_ptr, off_ptr, E, R, G, ALIGN, EP2: tl.co
 
 
 @triton.jit
+def packed_row_order(RPT: tl.constexpr):
+    """``[128]`` int32: the tile row (0..127) that logical row ``i`` of a packed-store tile
+    loads, ``(i % L) * RPT + i // L`` with ``L = 128 // RPT``. Triton holds a ``[128, 128]``
+    tile of the quantizing kernels in row repetitions ``i = l + L * k`` (``l`` over lanes
+    and warps, ``k`` over a thread's registers: ``L = 16`` at 4 warps, sm_90, triton 3.6 and
+    3.9), so with this order the ``RPT`` rows a thread holds are consecutive tokens and its
+    columnwise fp8 values pack into whole 32-bit words without leaving the thread
+    (:func:`store_cols_packed`). Any order gives the same results; this one is fast."""
+    L: tl.constexpr = 128 // RPT
+    i = tl.arange(0, 128)
+    return (i % L) * RPT + i // L
+
+
+@triton.jit
+def store_cols_packed(qt, qt32_ptr, tile_start, cols, cmask, stop, M,
+                      RPT: tl.constexpr):
+    """Store the columnwise fp8 tile ``qt [128, C]`` (logical rows in
+    :func:`packed_row_order`, tile rows from ``tile_start``) transposed into ``q_t [N, M]``,
+    given as int32 words (``qt32_ptr``; ``M`` and ``tile_start`` multiples of 16). The 4
+    tokens of a word are packed in registers (byte ``k`` = token ``4 j + k``) and the tile
+    leaves as ``[C, 32]`` words, a 128-byte row of ``q_t`` per column, through a 32-bit
+    layout conversion instead of an 8-bit one (which Triton writes to shared memory a byte
+    at a time, 8-way bank conflicted). Tokens ``>= stop`` (a multiple of 16) are not
+    written."""
+    C: tl.constexpr = qt.shape[1]
+    L: tl.constexpr = 128 // RPT
+    b = tl.reshape(qt.to(tl.uint8, bitcast=True).to(tl.int32), [RPT // 4, 4, L, C])
+    sh = tl.arange(0, 4) * 8
+    w = tl.sum(b << sh[None, :, None, None], axis=1)  # disjoint bytes: the sum is an OR
+    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 32])  # word j = l * RPT // 4 + k // 4
+    j = tl.arange(0, 32)
+    # (M // 16 * 4 == M // 4 and tile_start // 16 * 4 == tile_start // 4 for multiples of
+    # 16, written so that the compiler sees 16-byte aligned rows of 4 words.)
+    ptr = (qt32_ptr + cols.to(tl.int64)[:, None] * (M // 16 * 4)
+           + (tile_start // 16 * 4 + j)[None, :])
+    nw = (stop - tile_start) // 16 * 4  # words in range, in whole 16-byte vectors
+    tl.store(ptr, w, mask=cmask[:, None] & (j < nw)[None, :])
+
+
+@triton.jit
+def _batch_quant_block(pid_m, pid_n, tile_start, rows, lmask, smask, stop, p, x_ptr, q_ptr,
+                       s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG, COLWISE: tl.constexpr,
+                       POW2: tl.constexpr, HAS_P: tl.constexpr, PACK: tl.constexpr,
+                       RPT: tl.constexpr):
+    """One [128, 128] block of the batch forward: :func:`_quant_fwd_block`, or with
+    ``PACK`` (rows in :func:`packed_row_order`) its columnwise copy through
+    :func:`store_cols_packed`."""
+    if PACK:
+        cols = pid_n * 128 + tl.arange(0, 128)
+        cmask = cols < N
+        mask = lmask[:, None] & cmask[None, :]
+        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
+        y = silu_ftz(g) * u
+        if HAS_P:
+            y = y * p[:, None]
+        q, s = quant_rows(y, POW2)
+        tl.store(q_ptr + rows[:, None] * N + cols[None, :], q,
+                 mask=smask[:, None] & cmask[None, :])
+        tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask)
+        qt, st = quant_cols(y, POW2)
+        store_cols_packed(qt, qt_ptr, tile_start, cols, cmask, stop, M, RPT)
+        tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
+    else:
+        _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
+                         st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P, True)
+
+
+@triton.jit
 def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                                      M, N, stride_x, NG, NPC, COLWISE: tl.constexpr,
                                      POW2: tl.constexpr, HAS_P: tl.constexpr,
                                      ALIGN16: tl.constexpr, NCOL: tl.constexpr,
-                                     ROWS_FIRST: tl.constexpr):
+                                     ROWS_FIRST: tl.constexpr, PACK: tl.constexpr = False,
+                                     RPT: tl.constexpr = 8):
     # Program pid takes row tile pid_m (from the tile map: it starts at its segment's
     # start, so columnwise groups never cross segments) and the 128-column blocks
     # [pid_c * NCOL, pid_c * NCOL + NCOL), in turn; NPC column programs per row tile.
+    # PACK (COLWISE, ALIGN16, M % 16 == 0; qt_ptr int32): the columnwise copy leaves as
+    # packed 32-bit words (store_cols_packed).
     pid = tl.program_id(0)
     if ROWS_FIRST:
         pid_m = pid % NG
@@ -311,21 +401,25 @@ def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr
             # Segment starts are multiples of ALIGN (a multiple of 16): show the compiler,
             # so that the transposed (row-contiguous) fp8 stores are 16-byte vectors.
             tile_start, seg_stop = aligned16(tile_start, seg_stop)
-        rows = tile_start.to(tl.int64) + tl.arange(0, 128)
+        if PACK:
+            rows = tile_start.to(tl.int64) + packed_row_order(RPT)
+        else:
+            rows = tile_start.to(tl.int64) + tl.arange(0, 128)
+        stop = tl.minimum(seg_stop, M)
         smask = (rows < seg_stop) & (rows < M)   # rows this program writes
         lmask = (rows < real_end) & smask        # rows it reads (real rows)
         p = tl.zeros([128], tl.float32)
         if HAS_P:
             p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
         if NCOL == 1:
-            _quant_fwd_block(pid_m, pid_c, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
-                             qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P,
-                             True)
+            _batch_quant_block(pid_m, pid_c, tile_start, rows, lmask, smask, stop, p, x_ptr,
+                               q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG, COLWISE,
+                               POW2, HAS_P, PACK, RPT)
         else:
             for pid_n in tl.range(n0, n1, num_stages=1):
-                _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
-                                 qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2,
-                                 HAS_P, True)
+                _batch_quant_block(pid_m, pid_n, tile_start, rows, lmask, smask, stop, p,
+                                   x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG,
+                                   COLWISE, POW2, HAS_P, PACK, RPT)
 
 
 _TILE_CONFIGS: dict = {}
@@ -420,7 +514,11 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     then unused groups, all with scale 1.
 
     Two launches: :func:`batch_tile_map`, then one program per 128-row tile x
-    ``BATCH_QUANT_COLS`` 128-column blocks.
+    ``BATCH_QUANT_COLS`` 128-column blocks. With ``columnwise``, ``align % 16 == 0`` and
+    ``R % 16 == 0`` (``linghe.layout.max_grouped_rows`` with ``align=16`` is a multiple
+    of 16 where the expert count and tokens x top-k are) the columnwise copy is stored as
+    packed 32-bit words (``BATCH_QUANT_PACK``); else byte by byte through Triton's layout
+    conversion (the same bits, slower).
     """
     R, N = x.shape[0], x.shape[1] // 2
     E = counts.numel()
@@ -436,11 +534,21 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
     ncol = max(BATCH_QUANT_COLS, 1)
     npc = cdiv(cdiv(N, BLOCK), ncol)
     if G > 0 and npc > 0:
-        opts = {} if BATCH_QUANT_MAXNREG is None else {"maxnreg": BATCH_QUANT_MAXNREG}
+        if columnwise:
+            warps, maxnreg, order = BATCH_QUANT_NUM_WARPS, BATCH_QUANT_MAXNREG, BATCH_QUANT_ORDER
+        else:
+            warps, maxnreg, order = (BATCH_QUANT_ROW_NUM_WARPS, BATCH_QUANT_ROW_MAXNREG,
+                                     BATCH_QUANT_ROW_ORDER)
+        opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+        # The packed columnwise store needs 16-byte aligned 16-token pieces: segment starts
+        # (align) and rows of q_t (R) multiples of 16.
+        pack = (columnwise and BATCH_QUANT_PACK and align % 16 == 0 and R % 16 == 0
+                and R > 0)
         with device_guard(x):
             launch(_batch_silu_mul_quant_fwd_kernel, (G * npc,),
-                   x, probs, tmap, q, s, qt, st, R, N, x.stride(0), G, npc,
-                   COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
-                   ALIGN16=align % 16 == 0, NCOL=ncol, ROWS_FIRST=BATCH_QUANT_ORDER == "rows",
-                   num_warps=BATCH_QUANT_NUM_WARPS, **opts)
+                   x, probs, tmap, q, s, qt.view(torch.int32) if pack else qt, st, R, N,
+                   x.stride(0), G, npc, COLWISE=columnwise, POW2=pow2_scale,
+                   HAS_P=probs is not None, ALIGN16=align % 16 == 0, NCOL=ncol,
+                   ROWS_FIRST=order == "rows", PACK=pack,
+                   RPT=max(4, 32 // warps), num_warps=warps, **opts)
     return q, s, qt, st, g_off, seg_off
