@@ -90,5 +90,7 @@ def assert_fp8_close(q: torch.Tensor, ref_q: torch.Tensor, name: str = "fp8 data
     a, b = q.float(), ref_q.float()
     assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
     both_nan = a.isnan() & b.isnan()
-    bad = ~both_nan & ((a - b).abs() > e4m3_step(b))
+    # a NaN on one side only is a mismatch (an unwritten, NaN-poisoned output element
+    # would otherwise pass: NaN > step is False)
+    bad = ~both_nan & ((a - b).abs() > e4m3_step(b)) | (a.isnan() != b.isnan())
     assert not bool(bad.any()), f"{name}: {int(bad.sum())} elements off by more than one step"

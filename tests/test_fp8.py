@@ -345,3 +345,17 @@ def test_fp8_tensor_refused_by_kernel_ops(device):
         linghe.quantize_1x128(t)
     with pytest.raises(TypeError, match="Fp8Tensor"):
         linghe.silu_mul(t)
+
+
+def test_assert_fp8_close_catches_a_one_sided_nan():
+    """A NaN-poisoned output element that a kernel never wrote must fail the comparison
+    (NaN > step is False), and NaN on both sides passes."""
+    from linghe.testing import assert_fp8_close
+
+    ref_q = torch.tensor([1.0, 2.0, float("nan")]).to(torch.float8_e4m3fn)
+    assert_fp8_close(ref_q.clone(), ref_q)
+    unwritten = torch.tensor([1.0, float("nan"), float("nan")]).to(torch.float8_e4m3fn)
+    with pytest.raises(AssertionError):
+        assert_fp8_close(unwritten, ref_q)
+    with pytest.raises(AssertionError):
+        assert_fp8_close(ref_q, unwritten)
