@@ -28,6 +28,14 @@ def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
     return torch.where(bits == 0, bits, up).view(torch.float32)
 
 
+def group_amax(x: torch.Tensor, dim) -> torch.Tensor:
+    """``max |x|`` over ``dim``, NaN elements ignored (as CUDA's ``fmaxf``, which the
+    kernels' reductions compile to): a NaN element quantizes to NaN, the rest of its group
+    as if it were absent."""
+    a = x.abs()
+    return torch.where(a.isnan(), torch.zeros_like(a), a).amax(dim=dim)
+
+
 def fp8_scale(amax: torch.Tensor, pow2_scale: bool = False) -> torch.Tensor:
     """Dequantization scale of a block: ``amax / 448`` (rounded up to a power of two when
     ``pow2_scale``); a block whose amax is 0 gets scale 1."""
@@ -48,7 +56,7 @@ def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False):
     M, K = x.shape
     G = math.ceil(K / BLOCK)
     xf = torch.nn.functional.pad(x.float(), (0, G * BLOCK - K)).view(M, G, BLOCK)
-    scale = fp8_scale(xf.abs().amax(dim=-1), pow2_scale)
+    scale = fp8_scale(group_amax(xf, -1), pow2_scale)
     q = (xf * (1.0 / scale)[..., None]).to(FP8_DTYPE).view(M, G * BLOCK)[:, :K]
     return q.contiguous(), scale
 
@@ -71,7 +79,7 @@ def quantize_128x128(w: torch.Tensor, pow2_scale: bool = False):
     GN, GK = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
     wf = torch.nn.functional.pad(w.float(), (0, GK * BLOCK - K, 0, GN * BLOCK - N))
     blocks = wf.view(GN, BLOCK, GK, BLOCK)
-    scale = fp8_scale(blocks.abs().amax(dim=(1, 3)), pow2_scale)
+    scale = fp8_scale(group_amax(blocks, (1, 3)), pow2_scale)
     q = (blocks * (1.0 / scale)[:, None, :, None]).to(FP8_DTYPE).view(GN * BLOCK, GK * BLOCK)
     return q[:N, :K].contiguous(), scale
 

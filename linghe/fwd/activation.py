@@ -46,15 +46,20 @@ QUANT_NUM_WARPS = 8
 #: with pow2 scales (``h100_probe_batch_quant_2026-11-25c.json``), 167.8 without; 8 warps
 #: in ``"cols"`` order 1-2% faster with pow2 scales but 229 µs without them. H200: 4 warps
 #: 133.3 µs at 32 experts (72.6% of copy), rowwise only 95.0
-#: (``h200_probe_batch_quant_2026-11-26.*``).
+#: (``h200_probe_batch_quant_2026-11-26.*``). H100 with the packed store
+#: (``h100_probe_batch_quant_2026-11-26c.*``; main = before it): capped at 168 registers
+#: in ``"cols"`` order (:data:`BATCH_QUANT_ORDER`) is the best or within 3% of it in every
+#: case: 32 experts pow2 176.0 (main) -> 161.5 µs, exact 178.8 -> 161.7, 256 experts pow2
+#: 200.7 -> 167.5 (83% of copy); uncapped in "rows" order 179.1 / 170.7 / 203.6.
 BATCH_QUANT_NUM_WARPS = 4
-BATCH_QUANT_MAXNREG = None
+BATCH_QUANT_MAXNREG = 168
 #: warps, register cap and program order (:data:`BATCH_QUANT_ORDER`) of the rowwise-only
 #: launch (what the FP8 MoE step calls; the knobs above are the row+columnwise launch's).
 #: ptxas (sm_90, triton 3.6): 4 warps 168 registers (3 programs per SM), 8 warps 80 (3).
+#: H100: ``"cols"`` order 131.1 -> 119.2 µs at 32 experts (95% of copy; 8 warps 118.8).
 BATCH_QUANT_ROW_NUM_WARPS = 4
 BATCH_QUANT_ROW_MAXNREG = None
-BATCH_QUANT_ROW_ORDER = "rows"
+BATCH_QUANT_ROW_ORDER = "cols"
 #: the batch forward's columnwise copy leaves as packed 32-bit words
 #: (:func:`store_cols_packed`; needs ``align`` and ``R`` multiples of 16, else the plain
 #: fp8 store): Triton's layout conversion for the transposed fp8 store writes shared memory
@@ -71,7 +76,7 @@ BATCH_QUANT_COLS = 1
 #: the batch forward's program order: ``"rows"`` (consecutive programs take consecutive
 #: row tiles of one column block: each qt row is written in long runs) or ``"cols"``
 #: (consecutive programs take the column blocks of one row tile: h is read in order).
-BATCH_QUANT_ORDER = "rows"
+BATCH_QUANT_ORDER = "cols"
 #: the same for the quantized-dx backward kernel (both forms; 16 blocks at ``N = 1024``).
 QUANT_BWD_COLS = 1
 #: the batch (per-expert) quantized-dx backward: ``"two_kernel"`` (``silu_mul_bwd``
