@@ -77,14 +77,16 @@ OLD_REV = "8ff0efd"
 
 # Knob sets, each applied over the defaults. Forward: tokens, warps, approx, pps
 # (FWD_PROGRAMS_PER_SM, 0: one program per token block), stages (FWD_STAGES), row
-# (ROW_ORDER). Backward: tokens, warps, stages, approx, row, dw (DW_BLOCK_P, DW_BLOCK_N).
+# (ROW_ORDER), tile ("row": FWD_ROW_TILE, "kind": a tile per kind). Backward: tokens,
+# warps, stages, approx, row, dw (DW_BLOCK_P, DW_BLOCK_N).
 # In order of interest: the budget may cut the tail.
-_FWD_KNOBS = [dict(pps=8, stages=3), dict(row=True), dict(pps=8, stages=2),
-              dict(pps=8, stages=3, row=True), dict(warps=2), dict(tokens=2),
-              dict(pps=8, stages=1)]
+_FWD_KNOBS = [dict(pps=8, stages=3), dict(tile="row"), dict(tile="row", warps=8),
+              dict(row=True), dict(pps=8, stages=2), dict(pps=8, stages=3, row=True),
+              dict(warps=2), dict(tile="row", pps=8, stages=3), dict(tokens=2)]
 _BWD_KNOBS = [dict(stages=2), dict(row=True), dict(warps=8, stages=2), dict(stages=1),
               dict(warps=8, stages=3), dict(tokens=2, warps=8, stages=2)]
-_CPU_FWD_KNOBS = [dict(pps=8, stages=3), dict(row=True), dict(tokens=2, approx=False)]
+_CPU_FWD_KNOBS = [dict(pps=8, stages=3), dict(row=True), dict(tokens=2, approx=False),
+                  dict(tile="row"), dict(tile="row", pps=8, stages=2, row=True)]
 _CPU_BWD_KNOBS = [dict(stages=1), dict(row=True), dict(tokens=2, stages=2, approx=False)]
 _TOL = 1e-2  # bf16 vs the float32 reference (relative error)
 #: Variant rows (not main / default rows) are skipped once the probe has run this long.
@@ -135,13 +137,15 @@ def _load_old(old_dir: str | None, rev: str):
 # ------------------------------------------------------------------------ knobs
 def _defaults(F, B):
     return (dict(tokens=F.FWD_TOKENS, warps=F.FWD_NUM_WARPS, approx=F.COS_SIN_APPROX,
-                 pps=F.FWD_PROGRAMS_PER_SM, stages=F.FWD_STAGES, row=F.ROW_ORDER),
+                 pps=F.FWD_PROGRAMS_PER_SM, stages=F.FWD_STAGES, row=F.ROW_ORDER,
+                 tile="row" if F.FWD_ROW_TILE else "kind"),
             dict(tokens=F.BWD_TOKENS, warps=F.BWD_NUM_WARPS, stages=F.BWD_STAGES,
                  approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
 
 
 _NAMES = {"fwd": dict(tokens="FWD_TOKENS", warps="FWD_NUM_WARPS", approx="COS_SIN_APPROX",
-                      pps="FWD_PROGRAMS_PER_SM", stages="FWD_STAGES", row="ROW_ORDER"),
+                      pps="FWD_PROGRAMS_PER_SM", stages="FWD_STAGES", row="ROW_ORDER",
+                      tile="FWD_ROW_TILE"),
           "bwd": dict(tokens="BWD_TOKENS", warps="BWD_NUM_WARPS", stages="BWD_STAGES",
                       approx="COS_SIN_APPROX", row="ROW_ORDER")}
 
@@ -156,6 +160,8 @@ def _knobs(F, B, op, kn):
         for k, v in kn.items():
             if k == "dw":
                 B.DW_BLOCK_P, B.DW_BLOCK_N = v
+            elif k == "tile":
+                F.FWD_ROW_TILE = v == "row"
             else:
                 setattr(F, names[k], v)
         yield
@@ -168,6 +174,8 @@ def _knob_str(kn):
     if kn is None:
         return "main"
     s = f"t{kn['tokens']} w{kn['warps']}"
+    if kn.get("tile") == "row":
+        s += " rowtile"
     if kn.get("pps"):
         s += f" persist{kn['pps']}"
     if "stages" in kn and (kn.get("pps", 1) or "dw" in kn):
@@ -227,6 +235,28 @@ def _vs_old(outs, olds, names):
         res[n] = {"differ": int((d > 0).sum()), "max_abs": float(d.max()) if d.numel() else 0.0,
                   "rel_err": rel_err(o, r)}
     return res
+
+
+def _kernel_breakdown(fn, reps: int = 10) -> dict | None:
+    """µs per call of each CUDA kernel ``fn`` launches (profiler, each call after an L2
+    flush, the flush's own kernel left out): e.g. the backward's weight-gradient
+    reduction beside its main kernel. ``None`` if profiling fails."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush.zero_()
+                fn()
+            torch.cuda.synchronize()
+        # (the flush is a fill kernel; none of the rope launchers fills)
+        return {e.key[:60]: e.self_device_time_total / reps for e in prof.key_averages()
+                if e.self_device_time_total > 0 and "fill" not in e.key.lower()}
+    except Exception:
+        return None
 
 
 def _copy_us(nbytes, dev):
@@ -314,6 +344,7 @@ def main(argv=None) -> int:
             else:
                 r["kernel_us"] = device_time_us(fn)
                 if main_or_default:
+                    r["kernels_us"] = _kernel_breakdown(fn)
                     r["graph_us"] = graph_time_us(fn, rep=100)
                     r["host_us"], r["host_waited"] = host_us(fn)
                 t = r["kernel_us"] or r.get("graph_us")
@@ -399,6 +430,10 @@ def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes):
           f"{bwd_bytes / 1e6:.1f} MB {_f(size_us.get('bwd'), '.1f')} µs; GB/s from the "
           "fewest bytes over kernel µs")
     print_columns(head, lines)
+    for r in rows:
+        if r.get("kernels_us"):
+            ks = "; ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items())
+            print(f"kernels of {r['op']} {_knob_str(r['knobs'])}: {ks}")
 
 
 # ------------------------------------------------------------------------ offline sm_90
@@ -515,6 +550,11 @@ def sass_table(args) -> int:
         cfg["STAGES"] = kn["stages"]
         if op == "fwd":
             cfg["PERSISTENT"] = kn["pps"] > 0
+            width = 1 << (H + 2 * HKV - 1).bit_length()
+            cfg["ROW_TILE"] = kn["tile"] == "row"
+            cfg["BLOCK_W"] = width if cfg["ROW_TILE"] else 1
+            if cfg["ROW_TILE"]:
+                cfg["EVEN"] = cfg["EVEN"] and width == H + 2 * HKV
         return cfg
 
     jobs = [("fwd", None, oldF._qk_norm_rope_fwd_kernel,

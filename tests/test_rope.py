@@ -130,6 +130,23 @@ def test_qk_norm_rope_kernel_knobs(device, monkeypatch, approx, stages, fwd_per_
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("norm", ["both", "q", "k", "none"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_qk_norm_rope_row_tile(device, monkeypatch, interleaved, norm, persistent):
+    # The forward's whole-row tiles (FWD_ROW_TILE): each column's kind picks its weight,
+    # output and math (5 head columns in an 8-column tile: masked), one program per token
+    # or a persistent pipelined loop.
+    from linghe.fwd import rope as fwd_rope
+
+    monkeypatch.setattr(fwd_rope, "FWD_ROW_TILE", True)
+    monkeypatch.setattr(fwd_rope, "FWD_PROGRAMS_PER_SM", 1 if persistent else 0)
+    monkeypatch.setattr(fwd_rope, "FWD_STAGES", 2 if persistent else 1)
+    _check_qk_norm_rope(device, B=2, S=7, H=3, Hkv=1, D=10, R=4, layout="sbh",
+                        interleaved=interleaved, norm=norm, packed=persistent,
+                        dtype=torch.float32)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("norm", ["both", "k"])
 def test_qk_norm_rope_several_head_blocks(device, monkeypatch, interleaved, norm):
     # A tile cap of 4096 elements at head_dim 256 caps a head tile at 16 heads: 17 q heads

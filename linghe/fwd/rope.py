@@ -61,6 +61,21 @@ def head_columns(h, H, HKV, G: tl.constexpr, KIND: tl.constexpr, INTERLEAVED: tl
     return col
 
 
+@triton.jit
+def column_heads(j, H, HKV, G: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The inverse of :func:`head_columns`: ``(kind, head)`` (kind 0=q, 1=k, 2=v) of the
+    fused projection's head column ``j``."""
+    if INTERLEAVED:
+        r = j % (G + 2)
+        g = j // (G + 2)
+        kind = tl.where(r < G, 0, tl.where(r == G, 1, 2))
+        head = tl.where(r < G, g * G + r, g)
+    else:
+        kind = tl.where(j < H, 0, tl.where(j < H + HKV, 1, 2))
+        head = tl.where(j < H, j, tl.where(j < H + HKV, j - H, j - H - HKV))
+    return kind, head
+
+
 # --------------------------------------------------------------------------------------
 # qk_norm_rope: a head of D elements is held as four tiles [heads, tokens, pieces]:
 # ``x1 = x[:R/2]`` and ``x2 = x[R/2:R]`` (the rotary halves: the rotation pairs ``x1[i]``
@@ -207,6 +222,17 @@ def copy_heads(src, dst, m, D, EVEN: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def piece_mask(m, i, N, BLOCK: tl.constexpr):
+    """``m`` and ``i < N`` (``i`` the piece offsets), or just ``m`` when the piece is
+    full (``N == BLOCK``, both compile-time: no per-element compare)."""
+    if N == BLOCK:
+        mi = m
+    else:
+        mi = m & (i < N)
+    return mi
+
+
+@triton.jit
 def load_head(row, col, m, HALF, R, RH, HAS_REST: tl.constexpr, EVEN: tl.constexpr,
               BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
     """The pieces ``(x1, x2, x3, x4)`` (``[BH,BT,BLOCK_HALF]`` twice, ``[BH,BT,BLOCK_RH]``
@@ -214,12 +240,12 @@ def load_head(row, col, m, HALF, R, RH, HAS_REST: tl.constexpr, EVEN: tl.constex
     pointers; ``m [BH,BT,1]`` their mask), in the pointer's dtype. Without a rest part
     ``x3, x4`` are ``x1, x2``."""
     i = tl.arange(0, BLOCK_HALF)[None, None, :]
-    mi = m & (i < HALF)
+    mi = piece_mask(m, i, HALF, BLOCK_HALF)
     x1 = load_if(row + (col + i), mi, EVEN)
     x2 = load_if(row + (col + HALF + i), mi, EVEN)
     if HAS_REST:
         j = tl.arange(0, BLOCK_RH)[None, None, :]
-        mj = m & (j < RH)
+        mj = piece_mask(m, j, RH, BLOCK_RH)
         x3 = load_if(row + (col + R + j), mj, EVEN)
         x4 = load_if(row + (col + R + RH + j), mj, EVEN)
     else:
@@ -235,12 +261,12 @@ def store_head(row, col, m, y1, y2, y3, y4, HALF, R, RH, HAS_REST: tl.constexpr,
     :func:`load_head`), cast to the pointer's dtype."""
     ty = row.dtype.element_ty
     i = tl.arange(0, BLOCK_HALF)[None, None, :]
-    mi = m & (i < HALF)
+    mi = piece_mask(m, i, HALF, BLOCK_HALF)
     store_if(row + (col + i), y1.to(ty), mi, EVEN)
     store_if(row + (col + HALF + i), y2.to(ty), mi, EVEN)
     if HAS_REST:
         j = tl.arange(0, BLOCK_RH)[None, None, :]
-        mj = m & (j < RH)
+        mj = piece_mask(m, j, RH, BLOCK_RH)
         store_if(row + (col + R + j), y3.to(ty), mj, EVEN)
         store_if(row + (col + R + RH + j), y4.to(ty), mj, EVEN)
 
@@ -329,6 +355,74 @@ def fwd_heads(row, out_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, w1, w2, w
 
 
 @triton.jit
+def fwd_row_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, T,
+                  S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps,
+                  G: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+                  NORM_Q: tl.constexpr, NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
+                  SAME: tl.constexpr, EVEN: tl.constexpr, APPROX: tl.constexpr,
+                  ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+    """Token block ``blk`` of the forward with each token's whole projection row in one
+    tile of ``BLOCK_W`` head columns (q, k and v heads in memory order): one wave of
+    loads (the separate q and k tiles get their loads issued in two rounds by ptxas), and
+    each column's kind selects its norm weight, its output row and whether it is
+    normalized and rotated (v columns pass unchanged)."""
+    t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
+    row = qkv_ptr + token_offsets(b, s, stride_b, stride_s)
+    t3 = t.to(tl.int64)[None, :, None]
+    j = tl.arange(0, BLOCK_W)
+    kind, head = column_heads(j, H, HKV, G, INTERLEAVED)
+    kind = kind[:, None, None]
+    head = head[:, None, None]
+    m = (j < H + 2 * HKV)[:, None, None] & live[None, :, None]
+    x1, x2, x3, x4 = load_head(row, (j * D)[:, None, None], m, HALF, R, RH, HAS_REST, EVEN,
+                               BLOCK_HALF, BLOCK_RH)
+    cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS, EVEN,
+                            APPROX, BLOCK_HALF)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    a3 = x3.to(tl.float32)
+    a4 = x4.to(tl.float32)
+    c1 = a1
+    c2 = a2
+    c3 = a3
+    c4 = a4
+    if NORM_Q or NORM_K:
+        if NORM_Q and NORM_K:
+            normed = kind < 2
+        elif NORM_Q:
+            normed = kind == 0
+        else:
+            normed = kind == 1
+        # each column's weight (1 where it is not normalized): loads that hit L1/L2
+        wp = tl.where(kind == 0, qw_ptr, kw_ptr)
+        i = tl.arange(0, BLOCK_HALF)[None, None, :]
+        rstd = tl.where(normed, head_rstd(a1, a2, a3, a4, D, eps, HAS_REST, SAME), 1.0)
+        a1 = a1 * rstd * tl.load(wp + i, mask=normed & (i < HALF), other=1.0).to(tl.float32)
+        a2 = a2 * rstd * tl.load(wp + HALF + i, mask=normed & (i < HALF),
+                                 other=1.0).to(tl.float32)
+        if HAS_REST:
+            jr = tl.arange(0, BLOCK_RH)[None, None, :]
+            a3 = a3 * rstd * tl.load(wp + R + jr, mask=normed & (jr < RH),
+                                     other=1.0).to(tl.float32)
+            a4 = a4 * rstd * tl.load(wp + R + RH + jr, mask=normed & (jr < RH),
+                                     other=1.0).to(tl.float32)
+    is_v = kind == 2
+    y1 = tl.where(is_v, c1, a1 * cos - a2 * sin)
+    y2 = tl.where(is_v, c2, a2 * cos + a1 * sin)
+    y3 = tl.where(is_v, c3, a3)
+    y4 = tl.where(is_v, c4, a4)
+    # one store per kind, each masked to its columns (a select of the three output
+    # pointers loses their alignment in triton 3.9's analysis: unvectorized stores)
+    store_head(q_ptr + t3 * (H * D), head * D, m & (kind == 0), y1, y2, y3, y4, HALF, R, RH,
+               HAS_REST, False, BLOCK_HALF, BLOCK_RH)
+    store_head(k_ptr + t3 * (HKV * D), head * D, m & (kind == 1), y1, y2, y3, y4, HALF, R,
+               RH, HAS_REST, False, BLOCK_HALF, BLOCK_RH)
+    store_head(v_ptr + t3 * (HKV * D), head * D, m & is_v, y1, y2, y3, y4, HALF, R, RH,
+               HAS_REST, False, BLOCK_HALF, BLOCK_RH)
+
+
+@triton.jit
 def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H, HKV,
               D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2,
               wk3, wk4, G: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
@@ -381,6 +475,30 @@ def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATC
 
 
 @triton.jit
+def fwd_any_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, T,
+                  S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1,
+                  wq2, wq3, wq4, wk1, wk2, wk3, wk4, G: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
+                  NORM_K: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr,
+                  ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr, APPROX: tl.constexpr,
+                  ROW_ORDER: tl.constexpr, ROW_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token block ``blk``: :func:`fwd_row_block` (``ROW_TILE``) or :func:`fwd_block`."""
+    if ROW_TILE:
+        fwd_row_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
+                      T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, G,
+                      INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME, EVEN, APPROX,
+                      ROW_ORDER, BLOCK_T, BLOCK_W, BLOCK_HALF, BLOCK_RH)
+    else:
+        fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H,
+                  HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4,
+                  wk1, wk2, wk3, wk4, G, INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST,
+                  SAME, ONE_BLOCK, EVEN, APPROX, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK,
+                  BLOCK_HALF, BLOCK_RH, BLOCK_D)
+
+
+@triton.jit
 def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
                              v_ptr, T, S, NBATCH, NPOS, stride_b, stride_s, eps,
                              H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -390,14 +508,16 @@ def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
                              NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
                              SAME: tl.constexpr, ONE_BLOCK: tl.constexpr,
                              EVEN: tl.constexpr, APPROX: tl.constexpr,
-                             ROW_ORDER: tl.constexpr, PERSISTENT: tl.constexpr,
-                             STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                             ROW_ORDER: tl.constexpr, ROW_TILE: tl.constexpr,
+                             PERSISTENT: tl.constexpr, STAGES: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                             BLOCK_HK: tl.constexpr, BLOCK_W: tl.constexpr,
                              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
                              BLOCK_D: tl.constexpr):
     """One token block of ``BLOCK_T`` tokens per program, or (``PERSISTENT``) token blocks
     ``pid, pid + P, ...`` in a loop software-pipelined over ``STAGES`` stages, the norm
-    weights read once per program."""
+    weights read once per program. ``ROW_TILE``: whole projection rows per tile
+    (:func:`fwd_row_block`), else a tile per kind (:func:`fwd_block`)."""
     pid = tl.program_id(0)
     wq1, wq2, wq3, wq4 = load_weight(qw_ptr, HALF, R, RH, NORM_Q, HAS_REST, BLOCK_HALF,
                                      BLOCK_RH)
@@ -406,17 +526,19 @@ def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
     if PERSISTENT:
         for blk in tl.range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0),
                             num_stages=STAGES):
-            fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH,
-                      H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3,
-                      wq4, wk1, wk2, wk3, wk4, G, INTERLEAVED, HAS_POS, NORM_Q, NORM_K,
-                      HAS_REST, SAME, ONE_BLOCK, EVEN, APPROX, ROW_ORDER, BLOCK_T,
-                      BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH, BLOCK_D)
+            fwd_any_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
+                          v_ptr, T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b,
+                          stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, G,
+                          INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME, ONE_BLOCK,
+                          EVEN, APPROX, ROW_ORDER, ROW_TILE, BLOCK_T, BLOCK_HQ, BLOCK_HK,
+                          BLOCK_W, BLOCK_HALF, BLOCK_RH, BLOCK_D)
     else:
-        fwd_block(pid, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H,
-                  HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4,
-                  wk1, wk2, wk3, wk4, G, INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST,
-                  SAME, ONE_BLOCK, EVEN, APPROX, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK,
-                  BLOCK_HALF, BLOCK_RH, BLOCK_D)
+        fwd_any_block(pid, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
+                      T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps,
+                      wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, G, INTERLEAVED, HAS_POS,
+                      NORM_Q, NORM_K, HAS_REST, SAME, ONE_BLOCK, EVEN, APPROX, ROW_ORDER,
+                      ROW_TILE, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_W, BLOCK_HALF, BLOCK_RH,
+                      BLOCK_D)
 
 
 #: Tokens per program (or per loop step) and warps of the forward, and the backward's
@@ -430,6 +552,9 @@ BWD_NUM_WARPS = 4
 #: token blocks, software-pipelined over ``FWD_STAGES`` stages.
 FWD_PROGRAMS_PER_SM = 0
 FWD_STAGES = 1
+#: Forward tiles: ``True`` each token's whole projection row (q, k and v heads) in one
+#: tile (:func:`fwd_row_block`, when it fits ``TILE_CAP``), ``False`` a tile per kind.
+FWD_ROW_TILE = False
 #: Software-pipelining stages of the backward's persistent token loop (``tl.range``
 #: ``num_stages``; 1: a plain loop). With 2-3 stages Triton prefetches the next token
 #: blocks' loads with ``cp.async`` into shared memory while a block is computed. H200
@@ -524,6 +649,11 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
                         layout, B)
     stages = max(1, int(FWD_STAGES))
     blocks = -(-T // cfg["BLOCK_T"])
+    width = next_power_of_2(H + 2 * Hkv)
+    cfg["ROW_TILE"] = bool(FWD_ROW_TILE) and width * cfg["BLOCK_D"] * cfg["BLOCK_T"] <= TILE_CAP
+    cfg["BLOCK_W"] = width if cfg["ROW_TILE"] else 1
+    if cfg["ROW_TILE"]:
+        cfg["EVEN"] = cfg["EVEN"] and width == H + 2 * Hkv
     key = None
     P = blocks
     if FWD_PROGRAMS_PER_SM > 0:
