@@ -78,16 +78,17 @@ OLD_REV = "8ff0efd"
 # Knob sets, each applied over the defaults. Forward: tokens, warps, approx, pps
 # (FWD_PROGRAMS_PER_SM, 0: one program per token block), stages (FWD_STAGES), row
 # (ROW_ORDER), tile ("row": FWD_ROW_TILE, "kind": a tile per kind). Backward: tokens,
-# warps, stages, approx, row, dw (DW_BLOCK_P, DW_BLOCK_N).
+# warps, stages, approx, row, pk (PREFETCH_K), dw (DW_BLOCK_P, DW_BLOCK_N).
 # In order of interest: the budget may cut the tail.
 _FWD_KNOBS = [dict(pps=8, stages=3), dict(tile="row"), dict(tile="row", warps=8),
               dict(row=True), dict(pps=8, stages=2), dict(pps=8, stages=3, row=True),
               dict(warps=2), dict(tile="row", pps=8, stages=3), dict(tokens=2)]
-_BWD_KNOBS = [dict(stages=2), dict(row=True), dict(warps=8, stages=2), dict(stages=1),
-              dict(warps=8, stages=3), dict(tokens=2, warps=8, stages=2)]
+_BWD_KNOBS = [dict(pk=False), dict(stages=2), dict(row=True), dict(warps=8, stages=2),
+              dict(stages=4), dict(stages=1), dict(dw=(1024, 4))]
 _CPU_FWD_KNOBS = [dict(pps=8, stages=3), dict(row=True), dict(tokens=2, approx=False),
                   dict(tile="row"), dict(tile="row", pps=8, stages=2, row=True)]
-_CPU_BWD_KNOBS = [dict(stages=1), dict(row=True), dict(tokens=2, stages=2, approx=False)]
+_CPU_BWD_KNOBS = [dict(stages=1), dict(row=True, pk=False),
+                  dict(tokens=2, stages=2, approx=False)]
 _TOL = 1e-2  # bf16 vs the float32 reference (relative error)
 #: Variant rows (not main / default rows) are skipped once the probe has run this long.
 MAX_SECONDS = 75.0
@@ -140,7 +141,8 @@ def _defaults(F, B):
                  pps=F.FWD_PROGRAMS_PER_SM, stages=F.FWD_STAGES, row=F.ROW_ORDER,
                  tile="row" if F.FWD_ROW_TILE else "kind"),
             dict(tokens=F.BWD_TOKENS, warps=F.BWD_NUM_WARPS, stages=F.BWD_STAGES,
-                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
+                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, pk=B.PREFETCH_K,
+                 dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
 
 
 _NAMES = {"fwd": dict(tokens="FWD_TOKENS", warps="FWD_NUM_WARPS", approx="COS_SIN_APPROX",
@@ -155,11 +157,14 @@ def _knobs(F, B, op, kn):
     """Set the module knobs of ``op`` ("fwd"/"bwd") to ``kn`` for the block."""
     names = _NAMES[op]
     saved = [(F, a, getattr(F, a)) for a in names.values()]
-    saved += [(B, "DW_BLOCK_P", B.DW_BLOCK_P), (B, "DW_BLOCK_N", B.DW_BLOCK_N)]
+    saved += [(B, "DW_BLOCK_P", B.DW_BLOCK_P), (B, "DW_BLOCK_N", B.DW_BLOCK_N),
+              (B, "PREFETCH_K", B.PREFETCH_K)]
     try:
         for k, v in kn.items():
             if k == "dw":
                 B.DW_BLOCK_P, B.DW_BLOCK_N = v
+            elif k == "pk":
+                B.PREFETCH_K = v
             elif k == "tile":
                 F.FWD_ROW_TILE = v == "row"
             else:
@@ -183,6 +188,8 @@ def _knob_str(kn):
     s += " mufu" if kn["approx"] else " poly"
     if kn.get("row"):
         s += " row"
+    if kn.get("pk") is False:
+        s += " no-prefetch-k"
     if "dw" in kn:
         s += f" dw{kn['dw'][0]}x{kn['dw'][1]}"
     return s
@@ -548,6 +555,8 @@ def sass_table(args) -> int:
                               "sbh", p["B"])
         cfg["ROW_ORDER"] = bool(kn.get("row"))
         cfg["STAGES"] = kn["stages"]
+        if op == "bwd":
+            cfg["PREFETCH_K"] = kn["pk"] and cfg["ONE_BLOCK"]
         if op == "fwd":
             cfg["PERSISTENT"] = kn["pps"] > 0
             width = 1 << (H + 2 * HKV - 1).bit_length()
