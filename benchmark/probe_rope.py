@@ -15,8 +15,9 @@ the defaults): ``FWD_PROGRAMS_PER_SM`` / ``FWD_STAGES`` (a persistent, pipelined
 instead of one program per token block), ``FWD_TOKENS`` / ``FWD_NUM_WARPS``,
 ``BWD_STAGES`` / ``BWD_TOKENS`` / ``BWD_NUM_WARPS``, ``ROW_ORDER`` (token blocks in the
 "sbh" projection's row order), ``COS_SIN_APPROX`` and the weight-gradient reduction's
-``DW_BLOCK_P`` / ``DW_BLOCK_N``. Variant rows are skipped once the run passes
-``--max-seconds`` (default 75).
+``DW_BLOCK_P`` / ``DW_BLOCK_N``, ``FWD_ROW_TILE`` (whole projection rows per tile) and
+``PREFETCH_K``. Variant rows are skipped once the run passes ``--max-seconds`` (default
+70).
 
 Times per call: ``kernel µs`` is the profiler's kernel time (sum of the kernels one call
 launches, each call after an L2 flush: the number the benchmark reports), ``graph µs``
@@ -79,19 +80,20 @@ OLD_REV = "8ff0efd"
 # (FWD_PROGRAMS_PER_SM, 0: one program per token block), stages (FWD_STAGES), row
 # (ROW_ORDER), tile ("row": FWD_ROW_TILE, "kind": a tile per kind). Backward: tokens,
 # warps, stages, approx, row, pk (PREFETCH_K), dw (DW_BLOCK_P, DW_BLOCK_N).
-# In order of interest: the budget may cut the tail.
-_FWD_KNOBS = [dict(pps=8, stages=3), dict(tile="row"), dict(tile="row", warps=8),
-              dict(row=True), dict(pps=8, stages=2), dict(pps=8, stages=3, row=True),
-              dict(warps=2), dict(tile="row", pps=8, stages=3), dict(tokens=2)]
-_BWD_KNOBS = [dict(pk=False), dict(stages=2), dict(row=True), dict(warps=8, stages=2),
-              dict(stages=4), dict(stages=1), dict(dw=(1024, 4))]
+# In order of interest (the probe alternates forward and backward rows): the time
+# budget may cut the tail.
+_FWD_KNOBS = [dict(tile="row"), dict(pps=8, stages=3), dict(tile="row", warps=8),
+              dict(row=True), dict(pps=8, stages=2), dict(tile="row", pps=8, stages=3),
+              dict(warps=2), dict(pps=8, stages=3, row=True), dict(tokens=2)]
+_BWD_KNOBS = [dict(pk=False), dict(stages=2), dict(row=True), dict(stages=4),
+              dict(warps=8, stages=2), dict(stages=1), dict(dw=(1024, 4))]
 _CPU_FWD_KNOBS = [dict(pps=8, stages=3), dict(row=True), dict(tokens=2, approx=False),
                   dict(tile="row"), dict(tile="row", pps=8, stages=2, row=True)]
 _CPU_BWD_KNOBS = [dict(stages=1), dict(row=True, pk=False),
                   dict(tokens=2, stages=2, approx=False)]
 _TOL = 1e-2  # bf16 vs the float32 reference (relative error)
 #: Variant rows (not main / default rows) are skipped once the probe has run this long.
-MAX_SECONDS = 75.0
+MAX_SECONDS = 70.0
 
 
 def _parse(argv):
@@ -375,19 +377,19 @@ def main(argv=None) -> int:
             ("bwd", dflt_b, bwd_of, B, bwd_bytes, ref_bwd, bnames)):
         with _knobs(F, B, kind, dflt):
             row(kind, dflt, make(mod), nbytes, want, names, default=True)
-    sweeps = [] if args.quick else list(zip(
-        ["fwd", "bwd"], [_CPU_FWD_KNOBS if cpu else _FWD_KNOBS,
-                         _CPU_BWD_KNOBS if cpu else _BWD_KNOBS]))
-    for kind, sweep in sweeps:  # all forward variants first, then the backward's
+    fk, bk = (_CPU_FWD_KNOBS, _CPU_BWD_KNOBS) if cpu else (_FWD_KNOBS, _BWD_KNOBS)
+    sweep = [] if args.quick else [  # forward and backward variants alternate
+        (kind, kn) for i in range(max(len(fk), len(bk)))
+        for kind, ks in (("fwd", fk), ("bwd", bk)) if i < len(ks) for kn in [ks[i]]]
+    for kind, kn in sweep:
         dflt, make, mod, nbytes, want, names = (
             (dflt_f, fwd_of, F, fwd_bytes, ref_fwd, fnames) if kind == "fwd" else
             (dflt_b, bwd_of, B, bwd_bytes, ref_bwd, bnames))
-        for kn in sweep:
-            kn = dict(dflt, **kn)
-            if kn == dflt:
-                continue
-            with _knobs(F, B, kind, kn):
-                row(kind, kn, make(mod), nbytes, want, names)
+        kn = dict(dflt, **kn)
+        if kn == dflt:
+            continue
+        with _knobs(F, B, kind, kn):
+            row(kind, kn, make(mod), nbytes, want, names)
 
     report = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
               "interpreter": cpu, "copy_gbps": copy, "size_matched_copy_us": size_us,

@@ -303,6 +303,7 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
     if T == 0:
         return (dqkv, torch.zeros_like(q_norm_weight) if nq else None,
                 torch.zeros_like(k_norm_weight) if nk else None)
+    fwd.check_tokens(T)
     cfg = launch_config(H, Hkv, D, rotary_dim, T, fwd.BWD_TOKENS, fwd.BWD_NUM_WARPS,
                         fwd.COS_SIN_APPROX, layout, B)
     cfg["PREFETCH_K"] = bool(PREFETCH_K) and cfg["ONE_BLOCK"]

@@ -602,6 +602,12 @@ def rope_config(H: int, Hkv: int, D: int, R: int, tokens: int, num_warps: int,
                 EVEN=even, APPROX=bool(approx), num_warps=num_warps)
 
 
+def check_tokens(T: int) -> None:
+    """The kernels index tokens in int32 (addresses in int64)."""
+    if T >= 2**31:
+        raise ValueError(f"qk_norm_rope supports fewer than 2^31 tokens, got {T}")
+
+
 def launch_config(H: int, Hkv: int, D: int, R: int, T: int, tokens: int, num_warps: int,
                   approx: bool, layout: str, B: int) -> dict:
     """:func:`rope_config` for ``T`` tokens of a ``layout`` projection with ``B``
@@ -645,6 +651,7 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
     T = B * S
     if T == 0:
         return q, k, v
+    check_tokens(T)
     cfg = launch_config(H, Hkv, D, rotary_dim, T, FWD_TOKENS, FWD_NUM_WARPS, COS_SIN_APPROX,
                         layout, B)
     stages = max(1, int(FWD_STAGES))
