@@ -554,12 +554,19 @@ FWD_PROGRAMS_PER_SM = 0
 FWD_STAGES = 1
 #: Forward tiles: ``True`` each token's whole projection row (q, k and v heads) in one
 #: tile (:func:`fwd_row_block`, when it fits ``TILE_CAP``), ``False`` a tile per kind.
+#: Offline sm_90 compile, triton 3.6, standard shape, one token and 4 warps per program
+#: (``python -m benchmark.probe_rope --sass``): per kind 50 registers, 352 SASS
+#: instructions (8-byte q accesses, 2-byte k accesses, the k loads issued after the q
+#: data arrived); whole rows 80 registers, 536 instructions (16-byte accesses, one wave
+#: of loads); main's kernel 48 registers, 536 instructions.
 FWD_ROW_TILE = False
 #: Software-pipelining stages of the backward's persistent token loop (``tl.range``
 #: ``num_stages``; 1: a plain loop). With 2-3 stages Triton prefetches the next token
 #: blocks' loads with ``cp.async`` into shared memory while a block is computed. H200
 #: (probe_rope, 2026-11-26, the previous tile layout): 1 stage 47.4 µs, 2 stages 50.5,
-#: 3 stages 44.2.
+#: 3 stages 44.2. Offline sm_90 compile, triton 3.6, 3 stages: 128 registers (4
+#: programs per SM), 543 SASS instructions per token and warp in the loop (main's: 151
+#: registers, 3 per SM, 669); triton 3.9 compiles it to 163 registers.
 BWD_STAGES = 3
 #: cos/sin of the angles: ``True`` the MUFU ``cos.approx``/``sin.approx`` after the angle
 #: reduction, ``False`` the polynomial (:func:`cos_sin`).
