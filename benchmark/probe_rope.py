@@ -1,36 +1,41 @@
 """Probe of the ``qk_norm_rope`` kernels (split + qk-norm + half RoPE + transpose):
-``python -m benchmark.probe_rope --out DIR [--cpu] [--quick] [--old-rev REV | --old DIR]``
-(GPU, or ``--cpu``: the interpreter), or ``python -m benchmark.probe_rope --sass`` (no GPU:
-an offline sm_90 compile of every variant, registers / spills / shared memory / SASS
-instructions per token).
+``python -m benchmark.probe_rope [--json PATH | --out DIR] [--cpu] [--quick]
+[--old-rev REV | --old DIR]`` (GPU, or ``--cpu``: the interpreter), or ``python -m
+benchmark.probe_rope --sass`` (no GPU: an offline sm_90 compile of every variant,
+registers / spills / shared memory / SASS instructions per token).
 
 At the standard shape (seq 4096 x batch 2, 16 q / 4 kv heads, head_dim 128, rotary_dim
 64, bf16 qk-norm weights, layout "sbh", Megatron-interleaved qkv, bf16) it times the
 forward and backward launchers of :mod:`linghe.fwd.rope` / :mod:`linghe.bwd.rope` against
-main's (the "main" rows: git ``--old-rev``, default :data:`OLD_REV`, loaded into temporary
-modules, or from ``--old DIR`` holding ``rope.py`` files under ``fwd/`` and ``bwd/``) and,
-for the new kernels, the launch knobs worth trying (rows marked ``*`` are the defaults):
-``FWD_TOKENS`` / ``FWD_NUM_WARPS``, ``BWD_TOKENS`` / ``BWD_NUM_WARPS`` / ``BWD_STAGES``
-(the backward's software-pipelined token loop), ``COS_SIN_APPROX`` (MUFU cos/sin or the
-polynomial) and the weight-gradient reduction's ``DW_BLOCK_P`` / ``DW_BLOCK_N`` (128 / 16
-is main's ``sum_partials_tall``).
+main's (the "main" rows: ``--old DIR``, a folder holding main's ``linghe/fwd/rope.py`` and
+``linghe/bwd/rope.py`` as ``DIR/fwd/rope.py`` and ``DIR/bwd/rope.py`` (or under
+``DIR/linghe/``), for a copy of the tree without git; else git ``--old-rev``, default
+:data:`OLD_REV`) and, for the new kernels, the knobs worth trying (rows marked ``*`` are
+the defaults): ``FWD_PROGRAMS_PER_SM`` / ``FWD_STAGES`` (a persistent, pipelined forward
+instead of one program per token block), ``FWD_TOKENS`` / ``FWD_NUM_WARPS``,
+``BWD_STAGES`` / ``BWD_TOKENS`` / ``BWD_NUM_WARPS``, ``ROW_ORDER`` (token blocks in the
+"sbh" projection's row order), ``COS_SIN_APPROX`` and the weight-gradient reduction's
+``DW_BLOCK_P`` / ``DW_BLOCK_N``, ``FWD_ROW_TILE`` (whole projection rows per tile) and
+``PREFETCH_K``. Variant rows are skipped once the run passes ``--max-seconds`` (default
+70).
 
 Times per call: ``kernel µs`` is the profiler's kernel time (sum of the kernels one call
 launches, each call after an L2 flush: the number the benchmark reports), ``graph µs``
-the median of ``triton.testing.do_bench_cudagraph`` (host time hidden), ``host µs`` (the
-default rows) the launcher's host time per call behind a GPU spin (and, for the backward,
-the autograd backward of ``linghe.qk_norm_rope`` as the benchmark calls it). GB/s count
+(main and default rows) the median of ``triton.testing.do_bench_cudagraph``, ``host µs``
+(main and default rows) the launcher's host time per call behind a GPU spin. GB/s count
 the fewest bytes (forward: read qkv, write q/k/v; backward: read dq/dk/dv and the q/k part
-of qkv, write dqkv), % copy is against a measured device-to-device copy.
+of qkv, write dqkv; plus the angle table), ``% copy`` is against a 1 GiB device-to-device
+copy, ``% size`` against a copy of the same number of bytes (a uint8 ``copy_`` of half
+of them: what moving that many bytes costs at this size).
 
 Checks, in the same run: every output of every row against main's kernels (elements that
 differ, max abs difference) and against :func:`linghe.reference.qk_norm_rope` in float32
 (forward outputs, and dqkv/dweights by autograd through the reference); outputs are
-NaN-poisoned before each launch (``linghe.utils.set_poison_outputs``), so an unwritten
-element fails.
+NaN-poisoned before each checked launch (``linghe.utils.set_poison_outputs``), so an
+unwritten element fails.
 
 ``--cpu`` runs tiny shapes through the Triton interpreter (a smoke test of this script,
-not a measurement). The table is printed last; ``DIR/probe_rope.json`` gets the rows.
+not a measurement). The table is printed last.
 """
 
 from __future__ import annotations
@@ -64,45 +69,67 @@ from .harness import (  # noqa: E402
     graph_time_us,
     host_us,
     load_module_at,
+    print_columns,
 )
 
-#: main when this probe was extended (the kernels the 3-D tile / pipelined rewrite
-#: replaced: 42e0718's chunk-first 4-D tiles, polynomial cos/sin, unpipelined backward).
-OLD_REV = "4c2dfc3c541cb7c1ff4ac7861a41892e2bf4c104"
+#: main when this probe was extended (the 3-D [heads, tokens, pieces] tiles with the chunk
+#: bit on lanes, MUFU cos/sin, the 3-stage backward loop: H200 fwd 29.4 µs, bwd 44.2).
+OLD_REV = "8ff0efd"
 
-# Knob sets: forward (tokens, warps, approx); backward (tokens, warps, stages, approx,
-# (DW_BLOCK_P, DW_BLOCK_N)). None: the module's default.
-_FWD_KNOBS = [dict(approx=False), dict(tokens=2, warps=4), dict(tokens=2, warps=8)]
-_BWD_KNOBS = [dict(stages=1), dict(stages=2), dict(stages=3), dict(approx=False),
-              dict(warps=8, stages=2), dict(tokens=2, warps=8, stages=1),
-              dict(dw=(128, 16))]
-_CPU_FWD_KNOBS = [dict(approx=False), dict(tokens=2, warps=4)]
-_CPU_BWD_KNOBS = [dict(stages=1), dict(approx=False), dict(tokens=2, stages=1)]
+# Knob sets, each applied over the defaults. Forward: tokens, warps, approx, pps
+# (FWD_PROGRAMS_PER_SM, 0: one program per token block), stages (FWD_STAGES), row
+# (ROW_ORDER), tile ("row": FWD_ROW_TILE, "kind": a tile per kind). Backward: tokens,
+# warps, stages, approx, row, pk (PREFETCH_K), dw (DW_BLOCK_P, DW_BLOCK_N).
+# In order of interest (the probe alternates forward and backward rows): the time
+# budget may cut the tail.
+_FWD_KNOBS = [dict(tile="row"), dict(pps=8, stages=3), dict(tile="row", warps=8),
+              dict(row=True), dict(pps=8, stages=2), dict(tile="row", pps=8, stages=3),
+              dict(warps=2), dict(pps=8, stages=3, row=True), dict(tokens=2)]
+_BWD_KNOBS = [dict(pk=False), dict(stages=2), dict(row=True), dict(stages=4),
+              dict(warps=8, stages=2), dict(stages=1), dict(dw=(1024, 4))]
+_CPU_FWD_KNOBS = [dict(pps=8, stages=3), dict(row=True), dict(tokens=2, approx=False),
+                  dict(tile="row"), dict(tile="row", pps=8, stages=2, row=True)]
+_CPU_BWD_KNOBS = [dict(stages=1), dict(row=True, pk=False),
+                  dict(tokens=2, stages=2, approx=False)]
 _TOL = 1e-2  # bf16 vs the float32 reference (relative error)
+#: Variant rows (not main / default rows) are skipped once the probe has run this long.
+MAX_SECONDS = 70.0
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m benchmark.probe_rope",
                                 description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=None, help="write the report to this JSON file")
     p.add_argument("--out", default=None, help="directory for probe_rope.json")
     p.add_argument("--cpu", action="store_true", help="tiny shapes, Triton interpreter")
-    p.add_argument("--quick", action="store_true", help="default knobs only")
+    p.add_argument("--quick", action="store_true", help="main and default rows only")
+    p.add_argument("--max-seconds", type=float, default=MAX_SECONDS,
+                   help="skip variant rows once the run has taken this long")
     p.add_argument("--sass", action="store_true",
                    help="no GPU: compile main's and the new kernels for sm_90 and print "
                         "registers, spills, shared memory, SASS instructions")
     p.add_argument("--old-rev", default=OLD_REV, help="git revision of main's kernels")
-    p.add_argument("--old", default=None, help="directory with main's kernels (fwd's and "
-                   "bwd's rope.py under fwd/ and bwd/) instead of git (a copy without .git)")
+    p.add_argument("--old", default=None, metavar="DIR",
+                   help="directory with main's kernels instead of git (a copy without "
+                        ".git): fwd/rope.py and bwd/rope.py, under DIR or DIR/linghe")
     return p.parse_args(argv)
 
 
 # ------------------------------------------------------------------------ old kernels
+def _old_dir(old_dir: str, part: str) -> str:
+    """The folder holding main's ``part``/rope.py under ``old_dir``."""
+    for d in (os.path.join(old_dir, part), os.path.join(old_dir, "linghe", part)):
+        if os.path.isfile(os.path.join(d, "rope.py")):
+            return d
+    raise FileNotFoundError(f"no {part}/rope.py under {old_dir} (nor {old_dir}/linghe)")
+
+
 def _load_old(old_dir: str | None, rev: str):
     """main's linghe/fwd/rope.py and linghe/bwd/rope.py (at git ``rev``, or from
-    ``old_dir``/fwd and ``old_dir``/bwd) as modules ``linghe.fwd._rope_old`` /
-    ``linghe.bwd._rope_old`` (the old backward imports the old forward's helpers)."""
+    ``old_dir``) as modules ``linghe.fwd._rope_old`` / ``linghe.bwd._rope_old`` (the old
+    backward imports the old forward's helpers)."""
     def src(part):
-        return os.path.join(old_dir, part) if old_dir else None
+        return _old_dir(old_dir, part) if old_dir else None
 
     fwd = load_module_at(rev, "linghe/fwd/rope.py", "linghe.fwd._rope_old", src_dir=src("fwd"))
     bwd = load_module_at(rev, "linghe/bwd/rope.py", "linghe.bwd._rope_old", src_dir=src("bwd"),
@@ -112,27 +139,38 @@ def _load_old(old_dir: str | None, rev: str):
 
 # ------------------------------------------------------------------------ knobs
 def _defaults(F, B):
-    return dict(tokens=F.FWD_TOKENS, warps=F.FWD_NUM_WARPS, approx=F.COS_SIN_APPROX), dict(
-        tokens=F.BWD_TOKENS, warps=F.BWD_NUM_WARPS, stages=F.BWD_STAGES,
-        approx=F.COS_SIN_APPROX, dw=(B.DW_BLOCK_P, B.DW_BLOCK_N))
+    return (dict(tokens=F.FWD_TOKENS, warps=F.FWD_NUM_WARPS, approx=F.COS_SIN_APPROX,
+                 pps=F.FWD_PROGRAMS_PER_SM, stages=F.FWD_STAGES, row=F.ROW_ORDER,
+                 tile="row" if F.FWD_ROW_TILE else "kind"),
+            dict(tokens=F.BWD_TOKENS, warps=F.BWD_NUM_WARPS, stages=F.BWD_STAGES,
+                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, pk=B.PREFETCH_K,
+                 dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
+
+
+_NAMES = {"fwd": dict(tokens="FWD_TOKENS", warps="FWD_NUM_WARPS", approx="COS_SIN_APPROX",
+                      pps="FWD_PROGRAMS_PER_SM", stages="FWD_STAGES", row="ROW_ORDER",
+                      tile="FWD_ROW_TILE"),
+          "bwd": dict(tokens="BWD_TOKENS", warps="BWD_NUM_WARPS", stages="BWD_STAGES",
+                      approx="COS_SIN_APPROX", row="ROW_ORDER")}
 
 
 @contextlib.contextmanager
 def _knobs(F, B, op, kn):
     """Set the module knobs of ``op`` ("fwd"/"bwd") to ``kn`` for the block."""
-    names = {"fwd": dict(tokens=(F, "FWD_TOKENS"), warps=(F, "FWD_NUM_WARPS"),
-                         approx=(F, "COS_SIN_APPROX")),
-             "bwd": dict(tokens=(F, "BWD_TOKENS"), warps=(F, "BWD_NUM_WARPS"),
-                         stages=(F, "BWD_STAGES"), approx=(F, "COS_SIN_APPROX"))}[op]
-    saved = [(m, a, getattr(m, a)) for m, a in names.values()]
-    saved += [(B, "DW_BLOCK_P", B.DW_BLOCK_P), (B, "DW_BLOCK_N", B.DW_BLOCK_N)]
+    names = _NAMES[op]
+    saved = [(F, a, getattr(F, a)) for a in names.values()]
+    saved += [(B, "DW_BLOCK_P", B.DW_BLOCK_P), (B, "DW_BLOCK_N", B.DW_BLOCK_N),
+              (B, "PREFETCH_K", B.PREFETCH_K)]
     try:
         for k, v in kn.items():
             if k == "dw":
                 B.DW_BLOCK_P, B.DW_BLOCK_N = v
+            elif k == "pk":
+                B.PREFETCH_K = v
+            elif k == "tile":
+                F.FWD_ROW_TILE = v == "row"
             else:
-                m, a = names[k]
-                setattr(m, a, v)
+                setattr(F, names[k], v)
         yield
     finally:
         for m, a, v in saved:
@@ -143,9 +181,17 @@ def _knob_str(kn):
     if kn is None:
         return "main"
     s = f"t{kn['tokens']} w{kn['warps']}"
-    if "stages" in kn:
+    if kn.get("tile") == "row":
+        s += " rowtile"
+    if kn.get("pps"):
+        s += f" persist{kn['pps']}"
+    if "stages" in kn and (kn.get("pps", 1) or "dw" in kn):
         s += f" s{kn['stages']}"
     s += " mufu" if kn["approx"] else " poly"
+    if kn.get("row"):
+        s += " row"
+    if kn.get("pk") is False:
+        s += " no-prefetch-k"
     if "dw" in kn:
         s += f" dw{kn['dw'][0]}x{kn['dw'][1]}"
     return s
@@ -200,6 +246,36 @@ def _vs_old(outs, olds, names):
     return res
 
 
+def _kernel_breakdown(fn, reps: int = 10) -> dict | None:
+    """µs per call of each CUDA kernel ``fn`` launches (profiler, each call after an L2
+    flush, the flush's own kernel left out): e.g. the backward's weight-gradient
+    reduction beside its main kernel. ``None`` if profiling fails."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush.zero_()
+                fn()
+            torch.cuda.synchronize()
+        # (the flush is a fill kernel; none of the rope launchers fills)
+        return {e.key[:60]: e.self_device_time_total / reps for e in prof.key_averages()
+                if e.self_device_time_total > 0 and "fill" not in e.key.lower()}
+    except Exception:
+        return None
+
+
+def _copy_us(nbytes, dev):
+    """Kernel µs of a size-matched copy: a uint8 ``copy_`` of ``nbytes / 2`` (read +
+    written = ``nbytes``)."""
+    src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return device_time_us(lambda: dst.copy_(src))
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.sass:
@@ -209,6 +285,7 @@ def main(argv=None) -> int:
         print("--cpu needs TRITON_INTERPRET=1 before triton is imported: run it as its own "
               "process (python -m benchmark.probe_rope --cpu)", file=sys.stderr)
         return 2
+    t_start = time.perf_counter()
     dev = "cpu" if cpu else "cuda"
     from linghe.bwd import rope as B
     from linghe.fwd import rope as F
@@ -224,13 +301,17 @@ def main(argv=None) -> int:
     opts = dict(num_heads=p["H"], num_kv_heads=p["Hkv"], head_dim=p["D"], rotary_dim=p["R"],
                 layout="sbh", interleaved=True, eps=1e-6)
     qkv, freqs, qw, kw, grads = _inputs(p, dev)
-    fwd_bytes = 2 * T * W * 2 + p["S"] * p["R"] // 2 * 4
-    bwd_bytes = 2 * T * W * 2 + T * (p["H"] + p["Hkv"]) * p["D"] * 2 + p["S"] * p["R"] // 2 * 4
+    table = p["S"] * p["R"] // 2 * 4
+    fwd_bytes = 2 * T * W * 2 + table
+    bwd_bytes = 2 * T * W * 2 + T * (p["H"] + p["Hkv"]) * p["D"] * 2 + table
     copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))
+    size_us = {} if cpu else {op: _copy_us(n, dev) for op, n in
+                              (("fwd", fwd_bytes), ("bwd", bwd_bytes))}
     dev_name = (torch.cuda.get_device_name() if not cpu
                 else (platform.processor() or "cpu") + " (Triton interpreter)")
-    print(f"device: {dev_name}; copy {copy or 0:.0f} GB/s; torch {torch.__version__}, "
-          f"triton {triton.__version__}", file=sys.stderr, flush=True)
+    print(f"device: {dev_name}; copy {copy or 0:.0f} GB/s; size-matched copies "
+          f"{size_us}; torch {torch.__version__}, triton {triton.__version__}",
+          file=sys.stderr, flush=True)
     ref_fwd, ref_bwd = _reference(qkv, freqs, qw, kw, grads, opts)
 
     def fwd_of(mod):
@@ -245,6 +326,12 @@ def main(argv=None) -> int:
     def row(op, kn, fn, nbytes, refs, names, default=False):
         r = {"op": op, "impl": "main" if kn is None else "new", "knobs": kn,
              "default": default, "ok": False, "error": None}
+        main_or_default = default or kn is None
+        if not main_or_default and not cpu and time.perf_counter() - t_start > args.max_seconds:
+            r.update(ok=True, skipped=True)  # over the time budget: not run
+            print(f"  {op} {_knob_str(kn):<32} skipped (time budget)", file=sys.stderr)
+            rows.append(r)
+            return
         try:
             set_poison_outputs(True)  # for the checked call only (fills are kernels)
             t0 = time.perf_counter()
@@ -265,17 +352,19 @@ def main(argv=None) -> int:
                 r["interp_us"] = first
             else:
                 r["kernel_us"] = device_time_us(fn)
-                r["graph_us"] = graph_time_us(fn, rep=100)
-                if default or kn is None:
+                if main_or_default:
+                    r["kernels_us"] = _kernel_breakdown(fn)
+                    r["graph_us"] = graph_time_us(fn, rep=100)
                     r["host_us"], r["host_waited"] = host_us(fn)
-                t = r["kernel_us"] or r["graph_us"]
+                t = r["kernel_us"] or r.get("graph_us")
                 r["gbps"] = nbytes / t / 1e3 if t else None
                 r["pct_copy"] = 100 * r["gbps"] / copy if r["gbps"] and copy else None
+                r["pct_size"] = 100 * size_us[op] / t if t and size_us.get(op) else None
         except Exception as e:  # one failing row must not stop the probe
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        print(f"  {op} {_knob_str(kn):<26} kernel {_f(r.get('kernel_us'), '.1f')} µs "
-              f"{'ok' if r['ok'] else 'FAIL ' + str(r['error'] or r.get('ref_errs'))}",
-              file=sys.stderr, flush=True)
+        print(f"  {op} {_knob_str(kn):<32} kernel {_f(r.get('kernel_us'), '.1f')} µs "
+              f"{'ok' if r['ok'] else 'FAIL ' + str(r['error'] or r.get('ref_errs'))} "
+              f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
         rows.append(r)
 
     fnames, bnames = ["q", "k", "v"], ["dqkv", "dq_norm_weight", "dk_norm_weight"]
@@ -283,37 +372,38 @@ def main(argv=None) -> int:
         row("fwd", None, fwd_of(oldF), fwd_bytes, ref_fwd, fnames)
         row("bwd", None, bwd_of(oldB), bwd_bytes, ref_bwd, bnames)
     dflt_f, dflt_b = _defaults(F, B)
-    fk = [] if args.quick else (_CPU_FWD_KNOBS if cpu else _FWD_KNOBS)
-    bk = [] if args.quick else (_CPU_BWD_KNOBS if cpu else _BWD_KNOBS)
-    for kind, dflt, sweep, make, mod, nbytes, want, names in (
-            ("fwd", dflt_f, fk, fwd_of, F, fwd_bytes, ref_fwd, fnames),
-            ("bwd", dflt_b, bk, bwd_of, B, bwd_bytes, ref_bwd, bnames)):
-        for i, kn in enumerate([{}] + sweep):
-            kn = dict(dflt, **kn)
-            if i and kn == dflt:
-                continue
-            with _knobs(F, B, kind, kn):
-                row(kind, kn, make(mod), nbytes, want, names, default=i == 0)
-    autograd_host = None
-    if not cpu:  # the benchmark's host path: autograd backward of linghe.qk_norm_rope
-        from benchmark.harness import backward_of
-
-        x, w1, w2 = (qkv.clone().requires_grad_(), qw.clone().requires_grad_(),
-                     kw.clone().requires_grad_())
-        bw = backward_of(lambda: linghe.qk_norm_rope(
-            x, freqs, q_norm_weight=w1, k_norm_weight=w2, num_heads=p["H"],
-            num_kv_heads=p["Hkv"], rotary_dim=p["R"], layout="sbh"), [x, w1, w2], grads)
-        autograd_host = host_us(bw)
-        print(f"  autograd backward host {autograd_host[0]:.1f} µs/call", file=sys.stderr)
+    for kind, dflt, make, mod, nbytes, want, names in (
+            ("fwd", dflt_f, fwd_of, F, fwd_bytes, ref_fwd, fnames),
+            ("bwd", dflt_b, bwd_of, B, bwd_bytes, ref_bwd, bnames)):
+        with _knobs(F, B, kind, dflt):
+            row(kind, dflt, make(mod), nbytes, want, names, default=True)
+    fk, bk = (_CPU_FWD_KNOBS, _CPU_BWD_KNOBS) if cpu else (_FWD_KNOBS, _BWD_KNOBS)
+    sweep = [] if args.quick else [  # forward and backward variants alternate
+        (kind, kn) for i in range(max(len(fk), len(bk)))
+        for kind, ks in (("fwd", fk), ("bwd", bk)) if i < len(ks) for kn in [ks[i]]]
+    for kind, kn in sweep:
+        dflt, make, mod, nbytes, want, names = (
+            (dflt_f, fwd_of, F, fwd_bytes, ref_fwd, fnames) if kind == "fwd" else
+            (dflt_b, bwd_of, B, bwd_bytes, ref_bwd, bnames))
+        kn = dict(dflt, **kn)
+        if kn == dflt:
+            continue
+        with _knobs(F, B, kind, kn):
+            row(kind, kn, make(mod), nbytes, want, names)
 
     report = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
-              "interpreter": cpu, "copy_gbps": copy, "old_rev": None if args.old else
-              args.old_rev, "shape": p, "fwd_bytes": fwd_bytes, "bwd_bytes": bwd_bytes,
-              "autograd_bwd_host_us": autograd_host, "rows": rows}
-    _print_table(rows, dev_name, copy)
+              "interpreter": cpu, "copy_gbps": copy, "size_matched_copy_us": size_us,
+              "old": args.old or args.old_rev, "shape": p, "fwd_bytes": fwd_bytes,
+              "bwd_bytes": bwd_bytes, "seconds": time.perf_counter() - t_start,
+              "rows": rows}
+    _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes)
+    paths = [args.json] if args.json else []
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "probe_rope.json")
+        paths.append(os.path.join(args.out, "probe_rope.json"))
+    for path in paths:
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {path}", file=sys.stderr)
@@ -327,8 +417,8 @@ def _f(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def _print_table(rows, dev_name, copy):
-    head = ["op", "knobs", "kernel µs", "graph µs", "host µs", "GB/s", "% copy",
+def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes):
+    head = ["op", "knobs", "kernel µs", "graph µs", "host µs", "GB/s", "% copy", "% size",
             "vs main (elems differ / max abs)", "ref rel err"]
     lines = []
     for r in rows:
@@ -336,35 +426,43 @@ def _print_table(rows, dev_name, copy):
         vo = r.get("vs_old")
         vs = ("; ".join(f"{n} {d['differ']}/{d['max_abs']:.2g}" for n, d in vo.items())
               if vo else "")
-        chk = (f"{r['ref_rel_err']:.1e}" if r.get("ref_rel_err") is not None else "") + (
-            "" if r["ok"] else " FAIL " + (r["error"] or "")[:60])
+        if r.get("skipped"):
+            chk = "skipped (time budget)"
+        else:
+            chk = (f"{r['ref_rel_err']:.1e}" if r.get("ref_rel_err") is not None else "") + (
+                "" if r["ok"] else " FAIL " + (r["error"] or "")[:60])
         lines.append([r["op"], kn, _f(r.get("kernel_us"), ".1f"), _f(r.get("graph_us"), ".1f"),
                       _f(r.get("host_us"), ".1f"), _f(r.get("gbps"), ".0f"),
-                      _f(r.get("pct_copy"), ".1f"), vs, chk])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
-    print(f"{dev_name}; copy {copy or 0:.0f} GB/s; GB/s and % copy from kernel µs")
-    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for line in lines:
-        print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths)))
+                      _f(r.get("pct_copy"), ".1f"), _f(r.get("pct_size"), ".1f"), vs, chk])
+    print(f"{dev_name}; copy 1 GiB {copy or 0:.0f} GB/s; size-matched copies: fwd "
+          f"{fwd_bytes / 1e6:.1f} MB {_f(size_us.get('fwd'), '.1f')} µs, bwd "
+          f"{bwd_bytes / 1e6:.1f} MB {_f(size_us.get('bwd'), '.1f')} µs; GB/s from the "
+          "fewest bytes over kernel µs")
+    print_columns(head, lines)
+    for r in rows:
+        if r.get("kernels_us"):
+            ks = "; ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items())
+            print(f"kernels of {r['op']} {_knob_str(r['knobs'])}: {ks}")
 
 
 # ------------------------------------------------------------------------ offline sm_90
 def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int = 3,
                  **options):
     """Compile ``kernel`` for sm_90 without a GPU. ``args``: every non-constexpr parameter
-    by name, as a Triton pointer dtype string (``"bf16"``: a 16-byte aligned pointer) or
-    an example int / float (ints divisible by 16 get the divisibility hint, 1 becomes a
-    constant, as a launch would specialize them); ``options``: more compile options
-    (e.g. ``maxnreg``)."""
+    by name (extra names are ignored), as a Triton pointer dtype string (``"bf16"``: a
+    16-byte aligned pointer) or an example int / float (ints divisible by 16 get the
+    divisibility hint, 1 becomes a constant, as a launch would specialize them);
+    ``constexprs``: the constexpr parameters (extra names are ignored); ``options``: more
+    compile options (e.g. ``maxnreg``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, attrs, consts = {}, {}, dict(constexprs)
+    sig, attrs, consts = {}, {}, {}
     for i, prm in enumerate(kernel.params):
         n = prm.name
         if prm.is_constexpr:
             sig[n] = "constexpr"
+            consts[n] = constexprs[n]
             continue
         v = args[n]
         if isinstance(v, str):
@@ -425,6 +523,22 @@ def sass_stats(compiled) -> dict:
             "loop_lds": sum(1 for t in body if re.search(r"\bLDS\b", t))}
 
 
+def kernel_args(new: bool = True) -> tuple[dict, dict, dict]:
+    """``(fwd args, bwd args, constexprs)`` of the kernels at the standard shape for
+    :func:`compile_sm90` (both kernel generations' parameter names)."""
+    p = _shape(False)
+    T, S, H, HKV, D, R = p["B"] * p["S"], p["S"], p["H"], p["Hkv"], p["D"], p["R"]
+    W = (H + 2 * HKV) * D
+    common = dict(freqs_ptr="fp32", pos_ptr="fp32", qw_ptr="bf16", kw_ptr="bf16", T=T, S=S,
+                  NBATCH=p["B"], H=H, HKV=HKV, D=D, HALF=R // 2, R=R, NPOS=S, stride_b=W,
+                  stride_s=2 * W, eps=1e-6)
+    fargs = dict(common, qkv_ptr="bf16", q_ptr="bf16", k_ptr="bf16", v_ptr="bf16")
+    bargs = dict(common, qkv_ptr="bf16", dq_ptr="bf16", dk_ptr="bf16", dv_ptr="bf16",
+                 dqkv_ptr="bf16", dw_ptr="fp32", dstride_b=W, dstride_s=2 * W)
+    base = dict(INTERLEAVED=True, HAS_POS=False, NORM_Q=True, NORM_K=True)
+    return fargs, bargs, base
+
+
 def sass_table(args) -> int:
     """Offline sm_90 compile of main's and the new kernels at the standard shape."""
     if INTERPRET:
@@ -435,46 +549,50 @@ def sass_table(args) -> int:
 
     oldF, oldB = _load_old(args.old, args.old_rev)
     p = _shape(False)
-    T, S, H, HKV, D, R = p["B"] * p["S"], p["S"], p["H"], p["Hkv"], p["D"], p["R"]
-    W = (H + 2 * HKV) * D
-    common = dict(freqs_ptr="fp32", pos_ptr="fp32", qw_ptr="bf16", kw_ptr="bf16", T=T, S=S,
-                  H=H, HKV=HKV, D=D, HALF=R // 2, R=R, NPOS=S, stride_b=W, stride_s=2 * W,
-                  eps=1e-6)
-    fargs = dict(common, qkv_ptr="bf16", q_ptr="bf16", k_ptr="bf16", v_ptr="bf16")
-    bargs = dict(common, qkv_ptr="bf16", dq_ptr="bf16", dk_ptr="bf16", dv_ptr="bf16",
-                 dqkv_ptr="bf16", dw_ptr="fp32", dstride_b=W, dstride_s=2 * W)
-    base = dict(INTERLEAVED=True, HAS_POS=False, NORM_Q=True, NORM_K=True)
-    dflt_f, dflt_b = _defaults(F, B)
+    T, H, HKV, D, R = p["B"] * p["S"], p["H"], p["Hkv"], p["D"], p["R"]
+    fargs, bargs, base = kernel_args()
+
+    def new_cfg(kn, op):
+        cfg = F.launch_config(H, HKV, D, R, T, kn["tokens"], kn["warps"], kn["approx"],
+                              "sbh", p["B"])
+        cfg["ROW_ORDER"] = bool(kn.get("row"))
+        cfg["STAGES"] = kn["stages"]
+        if op == "bwd":
+            cfg["PREFETCH_K"] = kn["pk"] and cfg["ONE_BLOCK"]
+        if op == "fwd":
+            cfg["PERSISTENT"] = kn["pps"] > 0
+            width = 1 << (H + 2 * HKV - 1).bit_length()
+            cfg["ROW_TILE"] = kn["tile"] == "row"
+            cfg["BLOCK_W"] = width if cfg["ROW_TILE"] else 1
+            if cfg["ROW_TILE"]:
+                cfg["EVEN"] = cfg["EVEN"] and width == H + 2 * HKV
+        return cfg
+
     jobs = [("fwd", None, oldF._qk_norm_rope_fwd_kernel,
              oldF.rope_config(H, HKV, D, R, oldF.FWD_TOKENS, oldF.FWD_NUM_WARPS,
-                              oldF.TILE_CAP), fargs, {}),
+                              oldF.TILE_CAP)),
             ("bwd", None, oldB._qk_norm_rope_bwd_kernel,
-             oldF.rope_config(H, HKV, D, R, oldF.BWD_TOKENS, oldF.BWD_NUM_WARPS,
-                              oldF.TILE_CAP), bargs, {})]
-    for i, kn in enumerate([{}] + _FWD_KNOBS):
-        kn = dict(dflt_f, **kn)
-        if i and kn == dflt_f:
-            continue
-        jobs.append(("fwd", kn, F._qk_norm_rope_fwd_kernel,
-                     F.rope_config(H, HKV, D, R, kn["tokens"], kn["warps"], F.TILE_CAP,
-                                   kn["approx"]), fargs, {}))
-    for i, kn in enumerate([{}] + [k for k in _BWD_KNOBS if "dw" not in k]):
-        kn = dict(dflt_b, **kn)
-        if i and kn == dflt_b:
-            continue
-        jobs.append(("bwd", kn, B._qk_norm_rope_bwd_kernel,
-                     F.rope_config(H, HKV, D, R, kn["tokens"], kn["warps"], F.TILE_CAP,
-                                   kn["approx"]), bargs, dict(STAGES=kn["stages"])))
-    print(f"triton {triton.__version__}, sm_90 offline; per token: loop SASS x warps / "
-          "tokens per step")
-    for op, kn, kernel, cfg, kargs, extra in jobs:
+             dict(oldF.rope_config(H, HKV, D, R, oldF.BWD_TOKENS, oldF.BWD_NUM_WARPS,
+                                   oldF.TILE_CAP), STAGES=oldF.BWD_STAGES))]
+    dflt_f, dflt_b = _defaults(F, B)
+    for op, dflt, sweep, kernel in (("fwd", dflt_f, _FWD_KNOBS, F._qk_norm_rope_fwd_kernel),
+                                    ("bwd", dflt_b, _BWD_KNOBS, B._qk_norm_rope_bwd_kernel)):
+        for i, kn in enumerate([{}] + sweep):
+            kn = dict(dflt, **kn)
+            if i and kn == dflt:
+                continue
+            jobs.append((op, kn, kernel, new_cfg(kn, op)))
+    print(f"triton {triton.__version__}, sm_90 offline; per token: (loop or whole kernel) "
+          "SASS x warps / tokens per step")
+    for op, kn, kernel, cfg in jobs:
         cfg = dict(cfg)
         nw = cfg.pop("num_warps")
-        st = sass_stats(compile_sm90(kernel, kargs, dict(base, **cfg, **extra), nw))
-        n = st["loop"] if op == "bwd" else st["sass"]
+        st = sass_stats(compile_sm90(kernel, fargs if op == "fwd" else bargs,
+                                     dict(base, **cfg), nw))
+        n = st["loop"] or st["sass"]
         per_token = n * nw / cfg["BLOCK_T"]
         fit = 65536 // (-(-st["regs"] * 32 // 256) * 256 * nw) if st["regs"] else None
-        print(f"{op} {_knob_str(kn):<26} regs {st['regs']:>3} stack {st['stack']:>3} "
+        print(f"{op} {_knob_str(kn):<32} regs {st['regs']:>3} stack {st['stack']:>3} "
               f"smem {st['smem']:>6}  programs/SM (regs) {fit}  sass {st['sass']:>5} "
               f"loop {st['loop']:>5} (BAR {st['loop_bar']}, LDS {st['loop_lds']})  "
               f"warp-instr/token {per_token:.0f}", flush=True)

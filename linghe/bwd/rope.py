@@ -14,15 +14,15 @@ import triton.language as tl
 from ..fwd.rope import (
     copy_heads,
     head_block,
+    head_rstd,
     head_sum,
-    load_pieces,
-    load_weight_pieces,
-    piece_offsets,
-    rope_config,
+    launch_config,
+    load_head,
+    load_weight,
     rope_cos_sin,
-    store_pieces,
-    swap_halves,
+    store_head,
     token_block,
+    token_offsets,
     token_strides,
 )
 from ..utils import (
@@ -37,156 +37,219 @@ from .resident import learn_resident, resident_programs
 
 
 @triton.jit
-def rope_norm_bwd(g12, g3, x12, x3, w12, w3, a12, a3, cos, sin_s, D, eps,
-                  NORM: tl.constexpr, HAS_REST: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  BLOCK_NR: tl.constexpr):
-    """RoPE backward ``dn = g*cos - g[partner]*sin_s`` (the partner: :func:`swap_halves`),
-    then the RMSNorm backward ``dx = rstd * (dn*w - xhat * mean(dn*w*xhat))`` with
-    ``dw += dn * xhat`` accumulated elementwise in the fp32 tiles ``a12, a3`` (reduced
-    once, after the token loop). Returns ``(dx12, dx3, a12, a3)`` (fp32)."""
-    u = g12.to(tl.float32)
-    d12 = u * cos - swap_halves(u, BLOCK_HALF) * sin_s
+def norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2, w3, w4, a1, a2, a3, a4, cos, sin,
+                  D, eps, NORM: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr):
+    """RoPE backward ``dn = (g1*cos + g2*sin, g2*cos - g1*sin)`` (the rest passes), then
+    the RMSNorm backward ``dx = rstd * (dn*w - xhat * mean(dn*w*xhat))`` with ``dw +=
+    dn * xhat`` accumulated elementwise in the fp32 tiles ``a1..a4`` (reduced once, after
+    the token loop). Returns ``(dx1, dx2, dx3, dx4, a1, a2, a3, a4)`` (fp32)."""
+    u1 = g1.to(tl.float32)
+    u2 = g2.to(tl.float32)
+    d1 = u1 * cos + u2 * sin
+    d2 = u2 * cos - u1 * sin
     d3 = g3.to(tl.float32)
+    d4 = g4.to(tl.float32)
     if NORM:
-        x12 = x12.to(tl.float32)
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
         x3 = x3.to(tl.float32)
-        inv_d = 1.0 / D  # a scalar: no division per head
-        rstd = tl.math.rsqrt(head_sum(x12 * x12, x3 * x3, HAS_REST, BLOCK_NR) * inv_d
-                             + eps)[:, :, None]
-        x12 = x12 * rstd
-        a12 += d12 * x12
-        d12 = d12 * w12
+        x4 = x4.to(tl.float32)
+        rstd = head_rstd(x1, x2, x3, x4, D, eps, HAS_REST, SAME)
+        x1 = x1 * rstd
+        x2 = x2 * rstd
+        a1 += d1 * x1
+        a2 += d2 * x2
+        d1 = d1 * w1
+        d2 = d2 * w2
         if HAS_REST:
             x3 = x3 * rstd
+            x4 = x4 * rstd
             a3 += d3 * x3
+            a4 += d4 * x4
             d3 = d3 * w3
-        c = (head_sum(d12 * x12, d3 * x3, HAS_REST, BLOCK_NR) * inv_d)[:, :, None]
-        d12 = (d12 - x12 * c) * rstd
-        d3 = (d3 - x3 * c) * rstd
-    return d12, d3, a12, a3
+            d4 = d4 * w4
+        c = (head_sum(d1 * x1 + d2 * x2, d3 * x3 + d4 * x4, HAS_REST, SAME)
+             * (1.0 / D))[:, :, None]
+        d1 = (d1 - x1 * c) * rstd
+        d2 = (d2 - x2 * c) * rstd
+        if HAS_REST:
+            d3 = (d3 - x3 * c) * rstd
+            d4 = (d4 - x4 * c) * rstd
+    return d1, d2, d3, d4, a1, a2, a3, a4
 
 
 @triton.jit
-def store_dw(dw_row, a12, a3, HALF, R, D, HAS_REST: tl.constexpr, BLOCK_HALF: tl.constexpr,
-             BLOCK_NR: tl.constexpr):
+def store_dw(dw_row, a1, a2, a3, a4, HALF, R, RH, HAS_REST: tl.constexpr,
+             BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
     """Reduce the fp32 accumulator tiles over heads and tokens; store the ``[D]`` row."""
-    o12, in12 = piece_offsets(HALF, 2, BLOCK_HALF)
-    tl.store(dw_row + o12, tl.sum(tl.sum(a12, axis=1), axis=0)[None, None, :], mask=in12)
+    i = tl.arange(0, BLOCK_HALF)
+    tl.store(dw_row + i, tl.sum(tl.sum(a1, axis=1), axis=0), mask=i < HALF)
+    tl.store(dw_row + HALF + i, tl.sum(tl.sum(a2, axis=1), axis=0), mask=i < HALF)
     if HAS_REST:
-        o3, in3 = piece_offsets(HALF, BLOCK_NR, BLOCK_HALF)
-        tl.store(dw_row + R + o3, tl.sum(tl.sum(a3, axis=1), axis=0)[None, None, :],
-                 mask=in3 & (o3 < D - R))
+        j = tl.arange(0, BLOCK_RH)
+        tl.store(dw_row + R + j, tl.sum(tl.sum(a3, axis=1), axis=0), mask=j < RH)
+        tl.store(dw_row + R + RH + j, tl.sum(tl.sum(a4, axis=1), axis=0), mask=j < RH)
 
 
 @triton.jit
-def bwd_heads(dy_ptr, x_row, dx_row, t3, live, h0, NH, H, HKV, G, D, HALF, R, eps, cos,
-              sin_s, w12, w3, a12, a3, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
-              NORM: tl.constexpr, HAS_REST: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
-    """One head block of q (``KIND`` 0) or k (1) of a token block: load the gradient
-    (``[T, NH, D]`` rows at ``dy_ptr``) and the input, store dx into dqkv, return the
-    updated accumulators."""
-    h, m, col = head_block(h0, live, NH, H, HKV, G, D, KIND, INTERLEAVED, BLOCK_H)
-    g12, g3 = load_pieces(dy_ptr + (t3 * NH + h) * D, m, HALF, R, D, HAS_REST, BLOCK_HALF,
-                          BLOCK_NR)
+def bwd_heads(dy_row, x_row, dx_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, cos, sin,
+              w1, w2, w3, w4, a1, a2, a3, a4, G: tl.constexpr, KIND: tl.constexpr,
+              INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_REST: tl.constexpr,
+              SAME: tl.constexpr, EVEN: tl.constexpr, BLOCK_H: tl.constexpr,
+              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+    """One head block of q (``KIND`` 0) or k (1) of a token block: load the gradient (the
+    ``[T, NH, D]`` rows ``dy_row``) and the input, store dx into dqkv, return the updated
+    accumulators."""
+    h, m, col = head_block(h0, live, NH, H, HKV, D, G, KIND, INTERLEAVED, BLOCK_H)
+    g1, g2, g3, g4 = load_head(dy_row, h * D, m, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
+                               BLOCK_RH)
     if NORM:
-        x12, x3 = load_pieces(x_row + col, m, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
+        x1, x2, x3, x4 = load_head(x_row, col, m, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
+                                   BLOCK_RH)
     else:
-        x12, x3 = g12, g3
-    y12, y3, a12, a3 = rope_norm_bwd(g12, g3, x12, x3, w12, w3, a12, a3, cos, sin_s, D, eps,
-                                     NORM, HAS_REST, BLOCK_HALF, BLOCK_NR)
-    store_pieces(dx_row + col, m, y12, y3, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
-    return a12, a3
+        x1, x2, x3, x4 = g1, g2, g3, g4
+    y1, y2, y3, y4, a1, a2, a3, a4 = norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2,
+                                                   w3, w4, a1, a2, a3, a4, cos, sin, D, eps,
+                                                   NORM, HAS_REST, SAME)
+    store_head(dx_row, col, m, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
+               BLOCK_RH)
+    return a1, a2, a3, a4
+
+
+@triton.jit
+def load_k_block(blk, T, S, NBATCH, qkv_ptr, dk_ptr, stride_b, stride_s, H, HKV, D, HALF,
+                 R, RH, G: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_K: tl.constexpr,
+                 HAS_REST: tl.constexpr, ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 BLOCK_RH: tl.constexpr):
+    """The k pieces of token block ``blk``, gradient and input (zeros past the last
+    block): ``(g1, g2, g3, g4, x1, x2, x3, x4)``, loaded a loop step ahead of their use
+    (``PREFETCH_K``)."""
+    t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
+    hk, mk, ck = head_block(0, live, HKV, H, HKV, D, G, 1, INTERLEAVED, BLOCK_HK)
+    g1, g2, g3, g4 = load_head(dk_ptr + t.to(tl.int64)[None, :, None] * (HKV * D), hk * D,
+                               mk, HALF, R, RH, HAS_REST, False, BLOCK_HALF, BLOCK_RH)
+    if NORM_K:
+        x1, x2, x3, x4 = load_head(qkv_ptr + token_offsets(b, s, stride_b, stride_s), ck, mk,
+                                   HALF, R, RH, HAS_REST, False, BLOCK_HALF, BLOCK_RH)
+    else:
+        x1, x2, x3, x4 = g1, g2, g3, g4
+    return g1, g2, g3, g4, x1, x2, x3, x4
 
 
 @triton.jit
 def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_ptr, pos_ptr,
-                             qw_ptr, kw_ptr, dw_ptr, T, S, H, HKV, D, HALF, R, NPOS,
-                             stride_b, stride_s, dstride_b, dstride_s, eps,
-                             INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
-                             NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
-                             HAS_REST: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                             APPROX: tl.constexpr, STAGES: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                             qw_ptr, kw_ptr, dw_ptr, T, S, NBATCH, NPOS, stride_b, stride_s,
+                             dstride_b, dstride_s, eps, H: tl.constexpr, HKV: tl.constexpr,
+                             D: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
+                             RH: tl.constexpr, G: tl.constexpr, INTERLEAVED: tl.constexpr,
+                             HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
+                             NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
+                             SAME: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                             EVEN: tl.constexpr, APPROX: tl.constexpr,
+                             ROW_ORDER: tl.constexpr, PREFETCH_K: tl.constexpr,
+                             STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_HQ: tl.constexpr,
                              BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             BLOCK_NR: tl.constexpr, BLOCK_D: tl.constexpr):
+                             BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
     """Persistent: program ``pid`` handles token blocks ``pid, pid + P, ...`` of
     ``BLOCK_T`` tokens (a loop software-pipelined over ``STAGES`` stages) and writes one
     float32 partial row ``[dq_norm_weight | dk_norm_weight]`` (``2*D``) at ``dw_ptr``.
     The weight-gradient terms stay elementwise in registers until the end (no cross-warp
-    reduction per token)."""
+    reduction per token). ``PREFETCH_K`` (``ONE_BLOCK`` only): the k pieces are loaded a
+    loop step ahead by hand (at 4 kv heads and 4 warps a thread holds one 2-byte element
+    of each: too small for ``cp.async``, so Triton's pipelining leaves them in the step
+    that uses them, a full memory latency per step)."""
     pid = tl.program_id(0)
-    zero64 = pid.to(tl.int64) * 0
     P = tl.num_programs(0)
-    G = H // HKV
     NB = tl.cdiv(T, BLOCK_T)
-    wq12, wq3 = load_weight_pieces(qw_ptr, HALF, R, D, NORM_Q, HAS_REST, BLOCK_HALF, BLOCK_NR)
-    wk12, wk3 = load_weight_pieces(kw_ptr, HALF, R, D, NORM_K, HAS_REST, BLOCK_HALF, BLOCK_NR)
-    aq12 = tl.zeros([BLOCK_HQ, BLOCK_T, 2 * BLOCK_HALF], dtype=tl.float32)
-    aq3 = tl.zeros([BLOCK_HQ, BLOCK_T, BLOCK_NR * BLOCK_HALF], dtype=tl.float32)
-    ak12 = tl.zeros([BLOCK_HK, BLOCK_T, 2 * BLOCK_HALF], dtype=tl.float32)
-    ak3 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_NR * BLOCK_HALF], dtype=tl.float32)
+    wq1, wq2, wq3, wq4 = load_weight(qw_ptr, HALF, R, RH, NORM_Q, HAS_REST, BLOCK_HALF,
+                                     BLOCK_RH)
+    wk1, wk2, wk3, wk4 = load_weight(kw_ptr, HALF, R, RH, NORM_K, HAS_REST, BLOCK_HALF,
+                                     BLOCK_RH)
+    aq1 = tl.zeros([BLOCK_HQ, BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    aq2 = tl.zeros([BLOCK_HQ, BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    aq3 = tl.zeros([BLOCK_HQ, BLOCK_T, BLOCK_RH], dtype=tl.float32)
+    aq4 = tl.zeros([BLOCK_HQ, BLOCK_T, BLOCK_RH], dtype=tl.float32)
+    ak1 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    ak2 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    ak3 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_RH], dtype=tl.float32)
+    ak4 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_RH], dtype=tl.float32)
+    if PREFETCH_K:
+        gkn1, gkn2, gkn3, gkn4, xkn1, xkn2, xkn3, xkn4 = load_k_block(
+            pid, T, S, NBATCH, qkv_ptr, dk_ptr, stride_b, stride_s, H, HKV, D, HALF, R, RH,
+            G, INTERLEAVED, NORM_K, HAS_REST, ROW_ORDER, BLOCK_T, BLOCK_HK, BLOCK_HALF,
+            BLOCK_RH)
     for blk in tl.range(pid, NB, P, num_stages=STAGES):
-        # (zero64: int64 offsets; blk is a plain int in the interpreter)
-        t0 = zero64 + blk * BLOCK_T
-        t, live, b, s = token_block(t0, T, S, BLOCK_T)
-        t3 = t[None, :, None]
-        x_row = qkv_ptr + (b * stride_b + s * stride_s)[None, :, None]
-        dx_row = dqkv_ptr + (b * dstride_b + s * dstride_s)[None, :, None]
+        t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
+        t3 = t.to(tl.int64)[None, :, None]
+        x_row = qkv_ptr + token_offsets(b, s, stride_b, stride_s)
+        dx_row = dqkv_ptr + token_offsets(b, s, dstride_b, dstride_s)
+        dq_row = dq_ptr + t3 * (H * D)
+        dk_row = dk_ptr + t3 * (HKV * D)
+        dv_row = dv_ptr + t3 * (HKV * D)
         if ONE_BLOCK:
             # every load of the token block is issued before any math
-            hq, mq, cq = head_block(0, live, H, H, HKV, G, D, 0, INTERLEAVED, BLOCK_HQ)
-            hk, mk, ck = head_block(0, live, HKV, H, HKV, G, D, 1, INTERLEAVED, BLOCK_HK)
-            hv, mv, cv = head_block(0, live, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
-            gq12, gq3 = load_pieces(dq_ptr + (t3 * H + hq) * D, mq, HALF, R, D, HAS_REST,
-                                    BLOCK_HALF, BLOCK_NR)
-            gk12, gk3 = load_pieces(dk_ptr + (t3 * HKV + hk) * D, mk, HALF, R, D, HAS_REST,
-                                    BLOCK_HALF, BLOCK_NR)
+            hq, mq, cq = head_block(0, live, H, H, HKV, D, G, 0, INTERLEAVED, BLOCK_HQ)
+            hk, mk, ck = head_block(0, live, HKV, H, HKV, D, G, 1, INTERLEAVED, BLOCK_HK)
+            hv, mv, cv = head_block(0, live, HKV, H, HKV, D, G, 2, INTERLEAVED, BLOCK_HK)
+            gq1, gq2, gq3, gq4 = load_head(dq_row, hq * D, mq, HALF, R, RH, HAS_REST, EVEN,
+                                           BLOCK_HALF, BLOCK_RH)
             if NORM_Q:
-                xq12, xq3 = load_pieces(x_row + cq, mq, HALF, R, D, HAS_REST, BLOCK_HALF,
-                                        BLOCK_NR)
+                xq1, xq2, xq3, xq4 = load_head(x_row, cq, mq, HALF, R, RH, HAS_REST, EVEN,
+                                               BLOCK_HALF, BLOCK_RH)
             else:
-                xq12, xq3 = gq12, gq3
-            if NORM_K:
-                xk12, xk3 = load_pieces(x_row + ck, mk, HALF, R, D, HAS_REST, BLOCK_HALF,
-                                        BLOCK_NR)
+                xq1, xq2, xq3, xq4 = gq1, gq2, gq3, gq4
+            if PREFETCH_K:
+                gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4 = (gkn1, gkn2, gkn3, gkn4, xkn1, xkn2,
+                                                          xkn3, xkn4)
+                gkn1, gkn2, gkn3, gkn4, xkn1, xkn2, xkn3, xkn4 = load_k_block(
+                    blk + P, T, S, NBATCH, qkv_ptr, dk_ptr, stride_b, stride_s, H, HKV, D,
+                    HALF, R, RH, G, INTERLEAVED, NORM_K, HAS_REST, ROW_ORDER, BLOCK_T,
+                    BLOCK_HK, BLOCK_HALF, BLOCK_RH)
             else:
-                xk12, xk3 = gk12, gk3
-            copy_heads(dv_ptr + (t3 * HKV + hv) * D, dx_row + cv, mv, D, BLOCK_D)
-            cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
-                                      APPROX, BLOCK_HALF)
-            y12, y3, aq12, aq3 = rope_norm_bwd(gq12, gq3, xq12, xq3, wq12, wq3, aq12, aq3,
-                                               cos, sin_s, D, eps, NORM_Q, HAS_REST,
-                                               BLOCK_HALF, BLOCK_NR)
-            store_pieces(dx_row + cq, mq, y12, y3, HALF, R, D, HAS_REST, BLOCK_HALF,
-                         BLOCK_NR)
-            y12, y3, ak12, ak3 = rope_norm_bwd(gk12, gk3, xk12, xk3, wk12, wk3, ak12, ak3,
-                                               cos, sin_s, D, eps, NORM_K, HAS_REST,
-                                               BLOCK_HALF, BLOCK_NR)
-            store_pieces(dx_row + ck, mk, y12, y3, HALF, R, D, HAS_REST, BLOCK_HALF,
-                         BLOCK_NR)
+                gk1, gk2, gk3, gk4 = load_head(dk_row, hk * D, mk, HALF, R, RH, HAS_REST,
+                                               EVEN, BLOCK_HALF, BLOCK_RH)
+                if NORM_K:
+                    xk1, xk2, xk3, xk4 = load_head(x_row, ck, mk, HALF, R, RH, HAS_REST,
+                                                   EVEN, BLOCK_HALF, BLOCK_RH)
+                else:
+                    xk1, xk2, xk3, xk4 = gk1, gk2, gk3, gk4
+            copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
+            cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                    EVEN, APPROX, BLOCK_HALF)
+            y1, y2, y3, y4, aq1, aq2, aq3, aq4 = norm_rope_bwd(
+                gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, wq1, wq2, wq3, wq4, aq1, aq2, aq3,
+                aq4, cos, sin, D, eps, NORM_Q, HAS_REST, SAME)
+            store_head(dx_row, cq, mq, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
+                       BLOCK_HALF, BLOCK_RH)
+            y1, y2, y3, y4, ak1, ak2, ak3, ak4 = norm_rope_bwd(
+                gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4, wk1, wk2, wk3, wk4, ak1, ak2, ak3,
+                ak4, cos, sin, D, eps, NORM_K, HAS_REST, SAME)
+            store_head(dx_row, ck, mk, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
+                       BLOCK_HALF, BLOCK_RH)
         else:
-            cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
-                                      APPROX, BLOCK_HALF)
+            cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                    EVEN, APPROX, BLOCK_HALF)
             for h0 in range(0, H, BLOCK_HQ):
-                aq12, aq3 = bwd_heads(dq_ptr, x_row, dx_row, t3, live, h0, H, H, HKV, G, D,
-                                      HALF, R, eps, cos, sin_s, wq12, wq3, aq12, aq3, 0,
-                                      INTERLEAVED, NORM_Q, HAS_REST, BLOCK_HQ, BLOCK_HALF,
-                                      BLOCK_NR)
+                aq1, aq2, aq3, aq4 = bwd_heads(
+                    dq_row, x_row, dx_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, cos,
+                    sin, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, G, 0, INTERLEAVED, NORM_Q,
+                    HAS_REST, SAME, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
             for h0 in range(0, HKV, BLOCK_HK):
-                ak12, ak3 = bwd_heads(dk_ptr, x_row, dx_row, t3, live, h0, HKV, H, HKV, G,
-                                      D, HALF, R, eps, cos, sin_s, wk12, wk3, ak12, ak3, 1,
-                                      INTERLEAVED, NORM_K, HAS_REST, BLOCK_HK, BLOCK_HALF,
-                                      BLOCK_NR)
-                hv, mv, cv = head_block(h0, live, HKV, H, HKV, G, D, 2, INTERLEAVED,
+                ak1, ak2, ak3, ak4 = bwd_heads(
+                    dk_row, x_row, dx_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, cos,
+                    sin, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, G, 1, INTERLEAVED, NORM_K,
+                    HAS_REST, SAME, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
+                hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
                                         BLOCK_HK)
-                copy_heads(dv_ptr + (t3 * HKV + hv) * D, dx_row + cv, mv, D, BLOCK_D)
+                copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
     if NORM_Q:
-        store_dw(dw_ptr + pid * (2 * D), aq12, aq3, HALF, R, D, HAS_REST, BLOCK_HALF,
-                 BLOCK_NR)
+        store_dw(dw_ptr + pid * (2 * D), aq1, aq2, aq3, aq4, HALF, R, RH, HAS_REST,
+                 BLOCK_HALF, BLOCK_RH)
     if NORM_K:
-        store_dw(dw_ptr + pid * (2 * D) + D, ak12, ak3, HALF, R, D, HAS_REST, BLOCK_HALF,
-                 BLOCK_NR)
+        store_dw(dw_ptr + pid * (2 * D) + D, ak1, ak2, ak3, ak4, HALF, R, RH, HAS_REST,
+                 BLOCK_HALF, BLOCK_RH)
 
 
 def sum_dw_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -205,6 +268,9 @@ def sum_dw_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 #: MAX.
 PROGRAMS_PER_SM = 4
 MAX_PROGRAMS_PER_SM = 8
+#: Load the k pieces of the next token block by hand, a loop step ahead (see the
+#: kernel); only with all heads in one tile.
+PREFETCH_K = True
 #: The weight-gradient reduction (:func:`sum_dw_partials`): rows in one block at most,
 #: columns per program.
 DW_BLOCK_P = 1024
@@ -237,8 +303,10 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
     if T == 0:
         return (dqkv, torch.zeros_like(q_norm_weight) if nq else None,
                 torch.zeros_like(k_norm_weight) if nk else None)
-    cfg = rope_config(H, Hkv, D, rotary_dim, fwd.BWD_TOKENS, fwd.BWD_NUM_WARPS,
-                      fwd.TILE_CAP, fwd.COS_SIN_APPROX)
+    fwd.check_tokens(T)
+    cfg = launch_config(H, Hkv, D, rotary_dim, T, fwd.BWD_TOKENS, fwd.BWD_NUM_WARPS,
+                        fwd.COS_SIN_APPROX, layout, B)
+    cfg["PREFETCH_K"] = bool(PREFETCH_K) and cfg["ONE_BLOCK"]
     stages = max(1, int(fwd.BWD_STAGES))
     dev = qkv.device
     key = ("qk_norm_rope_bwd", dev.index, qkv.dtype, nq, nk, interleaved,
@@ -251,8 +319,8 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
         ck = launch(_qk_norm_rope_bwd_kernel, (P,),
             qkv, dq, dk, dv, dqkv, freqs, position_ids if position_ids is not None else freqs,
             q_norm_weight if nq else freqs, k_norm_weight if nk else freqs, partial,
-            T, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0], stride_b,
-            stride_s, dstride_b, dstride_s, eps, INTERLEAVED=interleaved,
+            T, S, B, freqs.shape[0], stride_b, stride_s, dstride_b, dstride_s, eps,
+            INTERLEAVED=interleaved,
             HAS_POS=position_ids is not None, NORM_Q=nq, NORM_K=nk, STAGES=stages, **cfg)
     learn_resident(key, ck, cfg["num_warps"], MAX_PROGRAMS_PER_SM)
     gq = gk = None

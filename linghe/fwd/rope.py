@@ -1,8 +1,8 @@
 """Forward kernels: split + qk-norm + rotate-half RoPE + transpose, and HF-layout RoPE.
 
 The qk_norm_rope helpers (``token_block``, ``rope_cos_sin``, ``head_block``, ``copy_heads``,
-``load_pieces``, ``store_pieces``, ``load_weight_pieces``, ``head_sum``, ``rope_config``)
-are shared with :mod:`linghe.bwd.rope`.
+``load_head``, ``store_head``, ``load_weight``, ``head_sum``, ``head_rstd``,
+``launch_config``) are shared with :mod:`linghe.bwd.rope`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import _INTERPRET_C, device_guard, empty, launch, next_power_of_2
+from ..bwd.resident import learn_resident, resident_programs
+from ..utils import _INTERPRET_C, device_guard, empty, launch, next_power_of_2, num_sms
 
 
 @triton.jit
@@ -39,9 +40,10 @@ def load_partner(ptr, d, HALF, R, mask):
 
 
 @triton.jit
-def head_columns(h, H, HKV, G, KIND: tl.constexpr, INTERLEAVED: tl.constexpr):
+def head_columns(h, H, HKV, G: tl.constexpr, KIND: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Column (in head units) of head ``h`` of kind 0=q, 1=k, 2=v in the fused projection
-    (``G = H / Hkv`` query heads per kv group)."""
+    (``G = H / Hkv`` query heads per kv group: a compile-time constant, so the interleaved
+    layout's ``h // G`` is no run-time division)."""
     if INTERLEAVED:
         if KIND == 0:
             col = (h // G) * (G + 2) + h % G
@@ -59,31 +61,77 @@ def head_columns(h, H, HKV, G, KIND: tl.constexpr, INTERLEAVED: tl.constexpr):
     return col
 
 
+@triton.jit
+def column_heads(j, H, HKV, G: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The inverse of :func:`head_columns`: ``(kind, head)`` (kind 0=q, 1=k, 2=v) of the
+    fused projection's head column ``j``."""
+    if INTERLEAVED:
+        r = j % (G + 2)
+        g = j // (G + 2)
+        kind = tl.where(r < G, 0, tl.where(r == G, 1, 2))
+        head = tl.where(r < G, g * G + r, g)
+    else:
+        kind = tl.where(j < H, 0, tl.where(j < H + HKV, 1, 2))
+        head = tl.where(j < H, j, tl.where(j < H + HKV, j - H, j - H - HKV))
+    return kind, head
+
+
 # --------------------------------------------------------------------------------------
-# qk_norm_rope: tiles are 3-D [heads, tokens, pieces]. The last axis holds a head's
-# elements in chunks of ``R/2`` (padded to ``BLOCK_HALF``): ``x12[h, t, k] = x[j*R/2 + i]``
-# with ``j, i = divmod(k, BLOCK_HALF)`` (the rotary part, two chunks: the rotation pairs
-# chunk 0 with chunk 1) and ``x3[h, t, k] = x[R + j*R/2 + i]`` (the rest, ``BLOCK_NR``
-# chunks), the same shape as ``x12`` when ``D - R == R`` (the standard half RoPE), so
-# every tile of a kind shares one register layout (no layout conversions through shared
-# memory). Only the last axis is contiguous in memory, so Triton's layouts always give it
-# the lanes first (16-byte vectors, then 8 lanes at R = 64): the rotation partner, a
-# ``tl.flip`` of the chunk axis of a ``[.., 2, BLOCK_HALF]`` view (:func:`swap_halves`),
-# is a lane exchange, and per-head sums stay inside a warp. (A separate chunk axis, as
-# before, went to lanes or to warps depending on the Triton version: triton 3.6 orders
-# equally contiguous axes first to last, 3.9 last to first; on warps the flip and the
-# sums went through shared memory with barriers.)
+# qk_norm_rope: a head of D elements is held as four tiles [heads, tokens, pieces]:
+# ``x1 = x[:R/2]`` and ``x2 = x[R/2:R]`` (the rotary halves: the rotation pairs ``x1[i]``
+# with ``x2[i]``), ``x3 = x[R:R+RH]`` and ``x4 = x[R+RH:D]`` (the rest in two halves,
+# ``RH = (D-R)/2``; absent when ``R == D``). The tiles' shapes depend only on the padded
+# widths, so at the standard half RoPE (``D - R == R``) all four (and cos/sin) share one
+# register layout: an element's rotation partner sits in the same thread at the same
+# register position (no shuffles, no shared memory, on any Triton version), cos/sin are
+# evaluated once per position for both halves, and a per-head sum is one reduction inside
+# a warp. Other shapes are correct and slower (Triton moves the rest's sums between
+# layouts). ``EVEN``: every head, piece and token of the tiles is real (no masks).
 # --------------------------------------------------------------------------------------
 
 
 @triton.jit
-def token_block(t0, T, S, BLOCK_T: tl.constexpr):
-    """Tokens ``t0 .. t0+BLOCK_T`` (int64, output order ``t = b*S + s``): ``(t, live, b,
-    s)`` as ``[BLOCK_T]`` vectors."""
-    t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-    live = t < T
-    b = t // S
-    return t, live, b, t - b * S
+def token_block(blk, T, S, NBATCH, BLOCK_T: tl.constexpr, ROW_ORDER: tl.constexpr):
+    """Token block ``blk``: ``(t, live, b, s)`` as int32 ``[BLOCK_T]`` vectors (token
+    counts are below 2^31; addresses are formed in int64 from them), ``t = b*S + s`` the
+    output order. ``ROW_ORDER``: the block holds consecutive rows ``s*NBATCH + b`` of an
+    ``"sbh"`` projection (memory order), else consecutive output tokens."""
+    r = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = r < T
+    if ROW_ORDER:
+        s = r // NBATCH
+        b = r - s * NBATCH
+        t = b * S + s
+    else:
+        b = r // S
+        s = r - b * S
+        t = r
+    return t, live, b, s
+
+
+@triton.jit
+def token_offsets(b, s, stride_b, stride_s):
+    """int64 ``[1, BT, 1]`` element offsets of the rows of tokens ``(b, s)``."""
+    return (b.to(tl.int64) * stride_b + s.to(tl.int64) * stride_s)[None, :, None]
+
+
+@triton.jit
+def load_if(ptr, m, EVEN: tl.constexpr):
+    """``tl.load(ptr)`` masked by ``m`` (0 elsewhere) unless ``EVEN`` (every lane real)."""
+    if EVEN:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=m, other=0.0)
+    return x
+
+
+@triton.jit
+def store_if(ptr, x, m, EVEN: tl.constexpr):
+    """``tl.store(ptr, x)`` masked by ``m`` unless ``EVEN``."""
+    if EVEN:
+        tl.store(ptr, x)
+    else:
+        tl.store(ptr, x, mask=m)
 
 
 @triton.jit
@@ -116,9 +164,8 @@ def cos_sin(a, APPROX: tl.constexpr):
     ``APPROX``: the hardware's ``cos.approx``/``sin.approx`` (one MUFU instruction each,
     absolute error about 5e-7 on ``[-pi, pi]``); else :func:`cos_sin_poly` (about 20
     FMA-class instructions, 3e-7). Both are far below a bf16 ulp of the outputs. They are
-    evaluated per element of the tiles' layouts (8 values per thread at R = 64), where the
-    polynomial was a third of the backward's instructions. The interpreter evaluates
-    ``APPROX`` with ``tl.cos``/``tl.sin``."""
+    evaluated per element of the tiles' layouts (4 values per thread at R = 64 and 4
+    warps). The interpreter evaluates ``APPROX`` with ``tl.cos``/``tl.sin``."""
     r = reduce_angle(a)
     if APPROX:
         if _INTERPRET_C:
@@ -136,237 +183,398 @@ def cos_sin(a, APPROX: tl.constexpr):
 
 @triton.jit
 def rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS: tl.constexpr,
-                 APPROX: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """``(cos, sin_s)``, fp32 ``[1, BT, 2*BLOCK_HALF]`` in the rotary tiles' piece order,
-    of the angles ``freqs[pos]`` of tokens ``t`` (``live`` their mask, ``s`` their
-    sequence positions); ``sin_s`` is signed for the chunk (``-sin`` for chunk 0, ``+sin``
-    for chunk 1) so that ``y12 = x12*cos + swap_halves(x12)*sin_s``. A position outside
+                 EVEN: tl.constexpr, APPROX: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """``(cos, sin)``, fp32 ``[1, BT, BLOCK_HALF]``, of the angles ``freqs[pos, i]`` of
+    tokens ``t`` (``live`` their mask, ``s`` their sequence positions). A position outside
     ``[0, NPOS)`` reads nothing and gets angle 0 (no rotation)."""
-    k = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-    i = k % BLOCK_HALF
+    i = tl.arange(0, BLOCK_HALF)[None, :]
     if HAS_POS:
-        p = tl.load(pos_ptr + t, mask=live, other=0).to(tl.int64)
-    else:
-        p = s
-    ok = (live & (p >= 0) & (p < NPOS))[:, None] & (i < HALF)
-    cos, sin = cos_sin(tl.load(freqs_ptr + p[:, None] * HALF + i, mask=ok, other=0.0),
-                       APPROX)
-    return cos[None, :, :], tl.where(k < BLOCK_HALF, -sin, sin)[None, :, :]
+        p = load_if(pos_ptr + t, live, EVEN).to(tl.int64)
+        ok = (live & (p >= 0) & (p < NPOS))[:, None] & (i < HALF)
+        a = tl.load(freqs_ptr + p[:, None] * HALF + i, mask=ok, other=0.0)
+    else:  # s < S <= NPOS (checked by the caller)
+        a = load_if(freqs_ptr + s.to(tl.int64)[:, None] * HALF + i, live[:, None] & (i < HALF),
+                    EVEN)
+    cos, sin = cos_sin(a, APPROX)
+    return cos[None, :, :], sin[None, :, :]
 
 
 @triton.jit
-def swap_halves(x, BLOCK_HALF: tl.constexpr):
-    """The rotation partner of a rotary tile ``[BH, BT, 2*BLOCK_HALF]``: its two chunks
-    swapped (a lane exchange: the chunk bit of the last axis is a lane bit)."""
-    BH: tl.constexpr = x.shape[0]
-    BT: tl.constexpr = x.shape[1]
-    y = tl.flip(tl.reshape(x, [BH, BT, 2, BLOCK_HALF]), 2)
-    return tl.reshape(y, [BH, BT, 2 * BLOCK_HALF])
-
-
-@triton.jit
-def head_block(h0, live, NH, H, HKV, G, D, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
-               BLOCK_H: tl.constexpr):
+def head_block(h0, live, NH, H, HKV, D, G: tl.constexpr, KIND: tl.constexpr,
+               INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
     """The set-up of one head block of kind ``KIND`` (0 q, 1 k, 2 v), shared by every
     head-block path of both kernels: ``(h [BH,1,1] head ids h0 .., m [BH,BT,1] mask
-    (heads < NH and live tokens), col [BH,1,1] int64: their first element's column in
-    the fused projection)``."""
+    (heads < NH and live tokens), col [BH,1,1]: their first element's offset in a row of
+    the fused projection)`` (int32: offsets inside one row)."""
     h = h0 + tl.arange(0, BLOCK_H)
-    col = head_columns(h, H, HKV, G, KIND, INTERLEAVED).to(tl.int64) * D
+    col = head_columns(h, H, HKV, G, KIND, INTERLEAVED) * D
     m = (h < NH)[:, None, None] & live[None, :, None]
     return h[:, None, None], m, col[:, None, None]
 
 
 @triton.jit
-def copy_heads(src, dst, m, D, BLOCK_D: tl.constexpr):
+def copy_heads(src, dst, m, D, EVEN: tl.constexpr, BLOCK_D: tl.constexpr):
     """Copy whole heads (the v part): ``src``/``dst`` ``[BH,BT,1]`` element pointers of
     their first elements, ``m`` their mask."""
     dd = tl.arange(0, BLOCK_D)[None, None, :]
     md = m & (dd < D)
-    tl.store(dst + dd, tl.load(src + dd, mask=md, other=0.0), mask=md)
+    store_if(dst + dd, load_if(src + dd, md, EVEN), md, EVEN)
 
 
 @triton.jit
-def piece_offsets(HALF, NC: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """``(offsets, in_chunk)`` ``[1,1,NC*BLOCK_HALF]`` of ``NC`` chunks of ``HALF``
-    elements laid out in ``BLOCK_HALF`` slots (``in_chunk``: the slot holds an element)."""
-    k = tl.arange(0, NC * BLOCK_HALF)[None, None, :]
-    i = k % BLOCK_HALF
-    return (k // BLOCK_HALF) * HALF + i, i < HALF
-
-
-@triton.jit
-def load_pieces(src, m, HALF, R, D, HAS_REST: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                BLOCK_NR: tl.constexpr):
-    """``(x12 [BH,BT,2*BLOCK_HALF], x3 [BH,BT,BLOCK_NR*BLOCK_HALF])`` of the heads starting
-    at the element pointers ``src [BH,BT,1]`` (``m`` their mask), in the pointer's dtype;
-    ``x3`` is ``x12`` when there is no non-rotary part."""
-    o12, in12 = piece_offsets(HALF, 2, BLOCK_HALF)
-    x12 = tl.load(src + o12, mask=m & in12, other=0.0)
-    if HAS_REST:
-        o3, in3 = piece_offsets(HALF, BLOCK_NR, BLOCK_HALF)
-        x3 = tl.load(src + R + o3, mask=m & in3 & (o3 < D - R), other=0.0)
+def piece_mask(m, i, N, BLOCK: tl.constexpr):
+    """``m`` and ``i < N`` (``i`` the piece offsets), or just ``m`` when the piece is
+    full (``N == BLOCK``, both compile-time: no per-element compare)."""
+    if N == BLOCK:
+        mi = m
     else:
-        x3 = x12
-    return x12, x3
+        mi = m & (i < N)
+    return mi
 
 
 @triton.jit
-def store_pieces(dst, m, y12, y3, HALF, R, D, HAS_REST: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
-    """Store the pieces of heads starting at ``dst [BH,BT,1]`` (``m`` their mask)."""
-    ty = dst.dtype.element_ty
-    o12, in12 = piece_offsets(HALF, 2, BLOCK_HALF)
-    tl.store(dst + o12, y12.to(ty), mask=m & in12)
+def load_head(row, col, m, HALF, R, RH, HAS_REST: tl.constexpr, EVEN: tl.constexpr,
+              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+    """The pieces ``(x1, x2, x3, x4)`` (``[BH,BT,BLOCK_HALF]`` twice, ``[BH,BT,BLOCK_RH]``
+    twice) of the heads at offsets ``col [BH,1,1]`` of the rows ``row [1,BT,1]`` (element
+    pointers; ``m [BH,BT,1]`` their mask), in the pointer's dtype. Without a rest part
+    ``x3, x4`` are ``x1, x2``."""
+    i = tl.arange(0, BLOCK_HALF)[None, None, :]
+    mi = piece_mask(m, i, HALF, BLOCK_HALF)
+    x1 = load_if(row + (col + i), mi, EVEN)
+    x2 = load_if(row + (col + HALF + i), mi, EVEN)
     if HAS_REST:
-        o3, in3 = piece_offsets(HALF, BLOCK_NR, BLOCK_HALF)
-        tl.store(dst + R + o3, y3.to(ty), mask=m & in3 & (o3 < D - R))
+        j = tl.arange(0, BLOCK_RH)[None, None, :]
+        mj = piece_mask(m, j, RH, BLOCK_RH)
+        x3 = load_if(row + (col + R + j), mj, EVEN)
+        x4 = load_if(row + (col + R + RH + j), mj, EVEN)
+    else:
+        x3 = x1
+        x4 = x2
+    return x1, x2, x3, x4
 
 
 @triton.jit
-def load_weight_pieces(w_ptr, HALF, R, D, NORM: tl.constexpr, HAS_REST: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
-    """The norm weight's pieces ``(w12 [1,1,2*BLOCK_HALF], w3 [1,1,BLOCK_NR*BLOCK_HALF])``
-    in fp32 (ones without norm)."""
+def store_head(row, col, m, y1, y2, y3, y4, HALF, R, RH, HAS_REST: tl.constexpr,
+               EVEN: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+    """Store the pieces of heads at offsets ``col`` of the rows ``row`` (as
+    :func:`load_head`), cast to the pointer's dtype."""
+    ty = row.dtype.element_ty
+    i = tl.arange(0, BLOCK_HALF)[None, None, :]
+    mi = piece_mask(m, i, HALF, BLOCK_HALF)
+    store_if(row + (col + i), y1.to(ty), mi, EVEN)
+    store_if(row + (col + HALF + i), y2.to(ty), mi, EVEN)
+    if HAS_REST:
+        j = tl.arange(0, BLOCK_RH)[None, None, :]
+        mj = piece_mask(m, j, RH, BLOCK_RH)
+        store_if(row + (col + R + j), y3.to(ty), mj, EVEN)
+        store_if(row + (col + R + RH + j), y4.to(ty), mj, EVEN)
+
+
+@triton.jit
+def load_weight(w_ptr, HALF, R, RH, NORM: tl.constexpr, HAS_REST: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+    """The norm weight's pieces ``(w1, w2, w3, w4)`` ``[1,1,*]`` in fp32 (ones without
+    norm)."""
+    i = tl.arange(0, BLOCK_HALF)[None, None, :]
+    j = tl.arange(0, BLOCK_RH)[None, None, :]
     if NORM:
-        o12, in12 = piece_offsets(HALF, 2, BLOCK_HALF)
-        w12 = tl.load(w_ptr + o12, mask=in12, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
         if HAS_REST:
-            o3, in3 = piece_offsets(HALF, BLOCK_NR, BLOCK_HALF)
-            w3 = tl.load(w_ptr + R + o3, mask=in3 & (o3 < D - R), other=0.0).to(tl.float32)
+            w3 = tl.load(w_ptr + R + j, mask=j < RH, other=0.0).to(tl.float32)
+            w4 = tl.load(w_ptr + R + RH + j, mask=j < RH, other=0.0).to(tl.float32)
         else:
-            w3 = w12
+            w3 = w1
+            w4 = w2
     else:
-        w12 = tl.full([1, 1, 2 * BLOCK_HALF], 1.0, tl.float32)
-        w3 = tl.full([1, 1, BLOCK_NR * BLOCK_HALF], 1.0, tl.float32)
-    return w12, w3
+        w1 = tl.full([1, 1, BLOCK_HALF], 1.0, tl.float32)
+        w2 = w1
+        w3 = tl.full([1, 1, BLOCK_RH], 1.0, tl.float32)
+        w4 = w3
+    return w1, w2, w3, w4
 
 
 @triton.jit
-def head_sum(a12, a3, HAS_REST: tl.constexpr, BLOCK_NR: tl.constexpr):
-    """Per-head sums ``[BH, BT]`` of the fp32 tiles ``a12`` (+ ``a3``): one reduction when
-    both have the same shape."""
+def head_sum(a12, a34, HAS_REST: tl.constexpr, SAME: tl.constexpr):
+    """Per-head sums ``[BH, BT]`` of the fp32 rotary tile ``a12`` plus the rest tile
+    ``a34``: one reduction when both have the same shape (``SAME``)."""
     if HAS_REST:
-        if BLOCK_NR == 2:
-            ss = tl.sum(a12 + a3, axis=2)
+        if SAME:
+            ss = tl.sum(a12 + a34, axis=2)
         else:
-            ss = tl.sum(a12, axis=2) + tl.sum(a3, axis=2)
+            ss = tl.sum(a12, axis=2) + tl.sum(a34, axis=2)
     else:
         ss = tl.sum(a12, axis=2)
     return ss
 
 
 @triton.jit
-def rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM: tl.constexpr,
-                  HAS_REST: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr):
-    """(RMSNorm), then rotate-half RoPE: fp32 ``(y12, y3)``."""
-    a = x12.to(tl.float32)
-    c = x3.to(tl.float32)
-    if NORM:
-        # (a scalar reciprocal: one division per program instead of one per head)
-        ss = head_sum(a * a, c * c, HAS_REST, BLOCK_NR)
-        rstd = tl.math.rsqrt(ss * (1.0 / D) + eps)[:, :, None]
-        a = a * rstd * w12
-        c = c * rstd * w3
-    return a * cos + swap_halves(a, BLOCK_HALF) * sin_s, c
+def head_rstd(a1, a2, a3, a4, D, eps, HAS_REST: tl.constexpr, SAME: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` per head, ``[BH, BT, 1]``, of fp32 pieces (a scalar
+    reciprocal of ``D``: no division per head)."""
+    ss = head_sum(a1 * a1 + a2 * a2, a3 * a3 + a4 * a4, HAS_REST, SAME)
+    return tl.math.rsqrt(ss * (1.0 / D) + eps)[:, :, None]
 
 
 @triton.jit
-def fwd_heads(row, out_ptr, t3, live, h0, NH, H, HKV, G, D, HALF, R, eps, w12, w3, cos,
-              sin_s, KIND: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-              HAS_REST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-              BLOCK_NR: tl.constexpr):
+def norm_rope_fwd(x1, x2, x3, x4, w1, w2, w3, w4, cos, sin, D, eps, NORM: tl.constexpr,
+                  HAS_REST: tl.constexpr, SAME: tl.constexpr):
+    """(RMSNorm), then rotate-half RoPE ``(x1*cos - x2*sin, x2*cos + x1*sin)``: fp32
+    ``(y1, y2, y3, y4)``."""
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    a3 = x3.to(tl.float32)
+    a4 = x4.to(tl.float32)
+    if NORM:
+        rstd = head_rstd(a1, a2, a3, a4, D, eps, HAS_REST, SAME)
+        a1 = a1 * rstd * w1
+        a2 = a2 * rstd * w2
+        if HAS_REST:
+            a3 = a3 * rstd * w3
+            a4 = a4 * rstd * w4
+    return a1 * cos - a2 * sin, a2 * cos + a1 * sin, a3, a4
+
+
+@triton.jit
+def fwd_heads(row, out_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, w1, w2, w3, w4,
+              cos, sin, G: tl.constexpr, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
+              NORM: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr,
+              EVEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+              BLOCK_RH: tl.constexpr):
     """One head block of q (``KIND`` 0) or k (1): load from the fused projection rows
-    ``row [1,BT,1]``, normalize and rotate, store into ``out [T, NH, D]``."""
-    h, m, col = head_block(h0, live, NH, H, HKV, G, D, KIND, INTERLEAVED, BLOCK_H)
-    x12, x3 = load_pieces(row + col, m, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
-    y12, y3 = rope_norm_fwd(x12, x3, w12, w3, cos, sin_s, D, eps, NORM, HAS_REST,
-                            BLOCK_HALF, BLOCK_NR)
-    store_pieces(out_ptr + (t3 * NH + h) * D, m, y12, y3, HALF, R, D, HAS_REST, BLOCK_HALF,
-                 BLOCK_NR)
+    ``row [1,BT,1]``, normalize and rotate, store into the output rows ``out_row``
+    (``[T, NH, D]``)."""
+    h, m, col = head_block(h0, live, NH, H, HKV, D, G, KIND, INTERLEAVED, BLOCK_H)
+    x1, x2, x3, x4 = load_head(row, col, m, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
+                               BLOCK_RH)
+    y1, y2, y3, y4 = norm_rope_fwd(x1, x2, x3, x4, w1, w2, w3, w4, cos, sin, D, eps, NORM,
+                                   HAS_REST, SAME)
+    store_head(out_row, h * D, m, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
+               BLOCK_RH)
+
+
+@triton.jit
+def fwd_row_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, T,
+                  S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps,
+                  G: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+                  NORM_Q: tl.constexpr, NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
+                  SAME: tl.constexpr, EVEN: tl.constexpr, APPROX: tl.constexpr,
+                  ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+    """Token block ``blk`` of the forward with each token's whole projection row in one
+    tile of ``BLOCK_W`` head columns (q, k and v heads in memory order): one wave of
+    loads (the separate q and k tiles get their loads issued in two rounds by ptxas), and
+    each column's kind selects its norm weight, its output row and whether it is
+    normalized and rotated (v columns pass unchanged)."""
+    t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
+    row = qkv_ptr + token_offsets(b, s, stride_b, stride_s)
+    t3 = t.to(tl.int64)[None, :, None]
+    j = tl.arange(0, BLOCK_W)
+    kind, head = column_heads(j, H, HKV, G, INTERLEAVED)
+    kind = kind[:, None, None]
+    head = head[:, None, None]
+    m = (j < H + 2 * HKV)[:, None, None] & live[None, :, None]
+    x1, x2, x3, x4 = load_head(row, (j * D)[:, None, None], m, HALF, R, RH, HAS_REST, EVEN,
+                               BLOCK_HALF, BLOCK_RH)
+    cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS, EVEN,
+                            APPROX, BLOCK_HALF)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    a3 = x3.to(tl.float32)
+    a4 = x4.to(tl.float32)
+    c1 = a1
+    c2 = a2
+    c3 = a3
+    c4 = a4
+    if NORM_Q or NORM_K:
+        if NORM_Q and NORM_K:
+            normed = kind < 2
+        elif NORM_Q:
+            normed = kind == 0
+        else:
+            normed = kind == 1
+        # each column's weight (1 where it is not normalized): loads that hit L1/L2
+        wp = tl.where(kind == 0, qw_ptr, kw_ptr)
+        i = tl.arange(0, BLOCK_HALF)[None, None, :]
+        rstd = tl.where(normed, head_rstd(a1, a2, a3, a4, D, eps, HAS_REST, SAME), 1.0)
+        a1 = a1 * rstd * tl.load(wp + i, mask=normed & (i < HALF), other=1.0).to(tl.float32)
+        a2 = a2 * rstd * tl.load(wp + HALF + i, mask=normed & (i < HALF),
+                                 other=1.0).to(tl.float32)
+        if HAS_REST:
+            jr = tl.arange(0, BLOCK_RH)[None, None, :]
+            a3 = a3 * rstd * tl.load(wp + R + jr, mask=normed & (jr < RH),
+                                     other=1.0).to(tl.float32)
+            a4 = a4 * rstd * tl.load(wp + R + RH + jr, mask=normed & (jr < RH),
+                                     other=1.0).to(tl.float32)
+    is_v = kind == 2
+    y1 = tl.where(is_v, c1, a1 * cos - a2 * sin)
+    y2 = tl.where(is_v, c2, a2 * cos + a1 * sin)
+    y3 = tl.where(is_v, c3, a3)
+    y4 = tl.where(is_v, c4, a4)
+    # one store per kind, each masked to its columns (a select of the three output
+    # pointers loses their alignment in triton 3.9's analysis: unvectorized stores)
+    store_head(q_ptr + t3 * (H * D), head * D, m & (kind == 0), y1, y2, y3, y4, HALF, R, RH,
+               HAS_REST, False, BLOCK_HALF, BLOCK_RH)
+    store_head(k_ptr + t3 * (HKV * D), head * D, m & (kind == 1), y1, y2, y3, y4, HALF, R,
+               RH, HAS_REST, False, BLOCK_HALF, BLOCK_RH)
+    store_head(v_ptr + t3 * (HKV * D), head * D, m & is_v, y1, y2, y3, y4, HALF, R, RH,
+               HAS_REST, False, BLOCK_HALF, BLOCK_RH)
+
+
+@triton.jit
+def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H, HKV,
+              D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2,
+              wk3, wk4, G: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+              NORM_Q: tl.constexpr, NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
+              SAME: tl.constexpr, ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr,
+              APPROX: tl.constexpr, ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+              BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token block ``blk`` of the forward: all heads of each kind in one tile
+    (``ONE_BLOCK``: every load is issued before any math) or in head blocks."""
+    t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
+    row = qkv_ptr + token_offsets(b, s, stride_b, stride_s)
+    t3 = t.to(tl.int64)[None, :, None]
+    q_row = q_ptr + t3 * (H * D)
+    k_row = k_ptr + t3 * (HKV * D)
+    v_row = v_ptr + t3 * (HKV * D)
+    if ONE_BLOCK:
+        hq, mq, cq = head_block(0, live, H, H, HKV, D, G, 0, INTERLEAVED, BLOCK_HQ)
+        hk, mk, ck = head_block(0, live, HKV, H, HKV, D, G, 1, INTERLEAVED, BLOCK_HK)
+        hv, mv, cv = head_block(0, live, HKV, H, HKV, D, G, 2, INTERLEAVED, BLOCK_HK)
+        xq1, xq2, xq3, xq4 = load_head(row, cq, mq, HALF, R, RH, HAS_REST, EVEN,
+                                       BLOCK_HALF, BLOCK_RH)
+        xk1, xk2, xk3, xk4 = load_head(row, ck, mk, HALF, R, RH, HAS_REST, EVEN,
+                                       BLOCK_HALF, BLOCK_RH)
+        copy_heads(row + cv, v_row + hv * D, mv, D, EVEN, BLOCK_D)
+        cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                EVEN, APPROX, BLOCK_HALF)
+        y1, y2, y3, y4 = norm_rope_fwd(xq1, xq2, xq3, xq4, wq1, wq2, wq3, wq4, cos, sin,
+                                       D, eps, NORM_Q, HAS_REST, SAME)
+        store_head(q_row, hq * D, mq, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
+                   BLOCK_HALF, BLOCK_RH)
+        y1, y2, y3, y4 = norm_rope_fwd(xk1, xk2, xk3, xk4, wk1, wk2, wk3, wk4, cos, sin,
+                                       D, eps, NORM_K, HAS_REST, SAME)
+        store_head(k_row, hk * D, mk, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
+                   BLOCK_HALF, BLOCK_RH)
+    else:
+        cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                EVEN, APPROX, BLOCK_HALF)
+        for h0 in range(0, H, BLOCK_HQ):
+            fwd_heads(row, q_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, wq1, wq2,
+                      wq3, wq4, cos, sin, G, 0, INTERLEAVED, NORM_Q, HAS_REST, SAME,
+                      EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
+        for h0 in range(0, HKV, BLOCK_HK):
+            fwd_heads(row, k_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, wk1, wk2,
+                      wk3, wk4, cos, sin, G, 1, INTERLEAVED, NORM_K, HAS_REST, SAME,
+                      EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
+            hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
+                                    BLOCK_HK)
+            copy_heads(row + cv, v_row + hv * D, mv, D, EVEN, BLOCK_D)
+
+
+@triton.jit
+def fwd_any_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, T,
+                  S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1,
+                  wq2, wq3, wq4, wk1, wk2, wk3, wk4, G: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
+                  NORM_K: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr,
+                  ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr, APPROX: tl.constexpr,
+                  ROW_ORDER: tl.constexpr, ROW_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token block ``blk``: :func:`fwd_row_block` (``ROW_TILE``) or :func:`fwd_block`."""
+    if ROW_TILE:
+        fwd_row_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
+                      T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, G,
+                      INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME, EVEN, APPROX,
+                      ROW_ORDER, BLOCK_T, BLOCK_W, BLOCK_HALF, BLOCK_RH)
+    else:
+        fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H,
+                  HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4,
+                  wk1, wk2, wk3, wk4, G, INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST,
+                  SAME, ONE_BLOCK, EVEN, APPROX, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK,
+                  BLOCK_HALF, BLOCK_RH, BLOCK_D)
 
 
 @triton.jit
 def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
-                             v_ptr, T, S, H, HKV, D, HALF, R, NPOS, stride_b, stride_s, eps,
-                             INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
-                             NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
-                             HAS_REST: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                             APPROX: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                             BLOCK_HALF: tl.constexpr, BLOCK_NR: tl.constexpr,
+                             v_ptr, T, S, NBATCH, NPOS, stride_b, stride_s, eps,
+                             H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                             HALF: tl.constexpr, R: tl.constexpr, RH: tl.constexpr,
+                             G: tl.constexpr, INTERLEAVED: tl.constexpr,
+                             HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
+                             NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
+                             SAME: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                             EVEN: tl.constexpr, APPROX: tl.constexpr,
+                             ROW_ORDER: tl.constexpr, ROW_TILE: tl.constexpr,
+                             PERSISTENT: tl.constexpr, STAGES: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                             BLOCK_HK: tl.constexpr, BLOCK_W: tl.constexpr,
+                             BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
                              BLOCK_D: tl.constexpr):
-    """``BLOCK_T`` tokens per program, all heads of each kind in one tile (``ONE_BLOCK``:
-    every load is issued before any math) or in head blocks."""
-    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
-    G = H // HKV
-    t, live, b, s = token_block(t0, T, S, BLOCK_T)
-    row = qkv_ptr + (b * stride_b + s * stride_s)[None, :, None]
-    t3 = t[None, :, None]
-    if ONE_BLOCK:
-        hq, mq, cq = head_block(0, live, H, H, HKV, G, D, 0, INTERLEAVED, BLOCK_HQ)
-        hk, mk, ck = head_block(0, live, HKV, H, HKV, G, D, 1, INTERLEAVED, BLOCK_HK)
-        hv, mv, cv = head_block(0, live, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
-        xq12, xq3 = load_pieces(row + cq, mq, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
-        xk12, xk3 = load_pieces(row + ck, mk, HALF, R, D, HAS_REST, BLOCK_HALF, BLOCK_NR)
-        copy_heads(row + cv, v_ptr + (t3 * HKV + hv) * D, mv, D, BLOCK_D)
-        cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
-                                  APPROX, BLOCK_HALF)
-        w12, w3 = load_weight_pieces(qw_ptr, HALF, R, D, NORM_Q, HAS_REST, BLOCK_HALF,
-                                     BLOCK_NR)
-        y12, y3 = rope_norm_fwd(xq12, xq3, w12, w3, cos, sin_s, D, eps, NORM_Q, HAS_REST,
-                                BLOCK_HALF, BLOCK_NR)
-        store_pieces(q_ptr + (t3 * H + hq) * D, mq, y12, y3, HALF, R, D, HAS_REST,
-                     BLOCK_HALF, BLOCK_NR)
-        w12, w3 = load_weight_pieces(kw_ptr, HALF, R, D, NORM_K, HAS_REST, BLOCK_HALF,
-                                     BLOCK_NR)
-        y12, y3 = rope_norm_fwd(xk12, xk3, w12, w3, cos, sin_s, D, eps, NORM_K, HAS_REST,
-                                BLOCK_HALF, BLOCK_NR)
-        store_pieces(k_ptr + (t3 * HKV + hk) * D, mk, y12, y3, HALF, R, D, HAS_REST,
-                     BLOCK_HALF, BLOCK_NR)
+    """One token block of ``BLOCK_T`` tokens per program, or (``PERSISTENT``) token blocks
+    ``pid, pid + P, ...`` in a loop software-pipelined over ``STAGES`` stages, the norm
+    weights read once per program. ``ROW_TILE``: whole projection rows per tile
+    (:func:`fwd_row_block`), else a tile per kind (:func:`fwd_block`)."""
+    pid = tl.program_id(0)
+    wq1, wq2, wq3, wq4 = load_weight(qw_ptr, HALF, R, RH, NORM_Q, HAS_REST, BLOCK_HALF,
+                                     BLOCK_RH)
+    wk1, wk2, wk3, wk4 = load_weight(kw_ptr, HALF, R, RH, NORM_K, HAS_REST, BLOCK_HALF,
+                                     BLOCK_RH)
+    if PERSISTENT:
+        for blk in tl.range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0),
+                            num_stages=STAGES):
+            fwd_any_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
+                          v_ptr, T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b,
+                          stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, G,
+                          INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME, ONE_BLOCK,
+                          EVEN, APPROX, ROW_ORDER, ROW_TILE, BLOCK_T, BLOCK_HQ, BLOCK_HK,
+                          BLOCK_W, BLOCK_HALF, BLOCK_RH, BLOCK_D)
     else:
-        cos, sin_s = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
-                                  APPROX, BLOCK_HALF)
-        w12, w3 = load_weight_pieces(qw_ptr, HALF, R, D, NORM_Q, HAS_REST, BLOCK_HALF,
-                                     BLOCK_NR)
-        for h0 in range(0, H, BLOCK_HQ):
-            fwd_heads(row, q_ptr, t3, live, h0, H, H, HKV, G, D, HALF, R, eps, w12, w3, cos,
-                      sin_s, 0, INTERLEAVED, NORM_Q, HAS_REST, BLOCK_HQ, BLOCK_HALF,
-                      BLOCK_NR)
-        w12, w3 = load_weight_pieces(kw_ptr, HALF, R, D, NORM_K, HAS_REST, BLOCK_HALF,
-                                     BLOCK_NR)
-        for h0 in range(0, HKV, BLOCK_HK):
-            fwd_heads(row, k_ptr, t3, live, h0, HKV, H, HKV, G, D, HALF, R, eps, w12, w3,
-                      cos, sin_s, 1, INTERLEAVED, NORM_K, HAS_REST, BLOCK_HK, BLOCK_HALF,
-                      BLOCK_NR)
-            hv, mv, cv = head_block(h0, live, HKV, H, HKV, G, D, 2, INTERLEAVED, BLOCK_HK)
-            copy_heads(row + cv, v_ptr + (t3 * HKV + hv) * D, mv, D, BLOCK_D)
+        fwd_any_block(pid, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
+                      T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps,
+                      wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, G, INTERLEAVED, HAS_POS,
+                      NORM_Q, NORM_K, HAS_REST, SAME, ONE_BLOCK, EVEN, APPROX, ROW_ORDER,
+                      ROW_TILE, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_W, BLOCK_HALF, BLOCK_RH,
+                      BLOCK_D)
 
 
-#: Tokens per program and warps of the forward (and the backward's tokens per loop step
-#: and warps); see :func:`rope_config`. Measured on an H100 at the standard shape (seq 4096
-#: x 2, 16q/4kv heads of 128, rotary 64, bf16; ``benchmark/probe_rope.py``, kernel µs),
-#: with the chunk-first tiles, the polynomial cos/sin and the unpipelined backward loop of
-#: 42e0718: forward t1 w4 38.5, t2 w4 38.9, t2 w8 38.6, t4 w8 39.4, t1 w8 46.6 (the kernel
-#: before it 42.6); backward t1 w4 61.4, t2 w4 62.6, t2 w8 74.8, t1 w8 98.3 (before: 113.3).
+#: Tokens per program (or per loop step) and warps of the forward, and the backward's
+#: tokens per loop step and warps; see :func:`rope_config`.
 FWD_TOKENS = 1
 FWD_NUM_WARPS = 4
 BWD_TOKENS = 1
 BWD_NUM_WARPS = 4
+#: Forward grid: ``0`` one program per token block; ``n > 0`` a persistent grid of at most
+#: ``n`` programs per SM (what fits, learned from the first launch), each looping over
+#: token blocks, software-pipelined over ``FWD_STAGES`` stages.
+FWD_PROGRAMS_PER_SM = 0
+FWD_STAGES = 1
+#: Forward tiles: ``True`` each token's whole projection row (q, k and v heads) in one
+#: tile (:func:`fwd_row_block`, when it fits ``TILE_CAP``), ``False`` a tile per kind.
+#: Offline sm_90 compile, triton 3.6, standard shape, one token and 4 warps per program
+#: (``python -m benchmark.probe_rope --sass``): per kind 50 registers, 352 SASS
+#: instructions (8-byte q accesses, 2-byte k accesses, the k loads issued after the q
+#: data arrived); whole rows 80 registers, 536 instructions (16-byte accesses, one wave
+#: of loads); main's kernel 48 registers, 536 instructions.
+FWD_ROW_TILE = False
 #: Software-pipelining stages of the backward's persistent token loop (``tl.range``
 #: ``num_stages``; 1: a plain loop). With 2-3 stages Triton prefetches the next token
-#: blocks' loads with ``cp.async`` into shared memory while a block is computed, so a
-#: program no longer waits for each block's loads in turn (the unpipelined loop was:
-#: load, wait, compute, store). Offline sm_90 compile with triton 3.6 at the standard
-#: shape (``python -m benchmark.probe_rope --sass``), t1 w4: 1 stage 128 registers, 557
-#: SASS instructions per token and warp; 2 stages 128 registers (4 programs per SM),
-#: 11.5 KiB shared memory, 625; 3 stages 151 registers (3 per SM), 669. main's kernel:
-#: 128 registers, 759. H200 (probe_rope, 2026-11-26; main's kernel 52.8 µs): 1 stage
-#: 47.4 µs, 2 stages 50.5, 3 stages 44.2 (77% of copy).
+#: blocks' loads with ``cp.async`` into shared memory while a block is computed. H200
+#: (probe_rope, 2026-11-26, the previous tile layout): 1 stage 47.4 µs, 2 stages 50.5,
+#: 3 stages 44.2. Offline sm_90 compile, triton 3.6, 3 stages: 128 registers (4
+#: programs per SM), 543 SASS instructions per token and warp in the loop (main's: 151
+#: registers, 3 per SM, 669); triton 3.9 compiles it to 163 registers.
 BWD_STAGES = 3
 #: cos/sin of the angles: ``True`` the MUFU ``cos.approx``/``sin.approx`` after the angle
 #: reduction, ``False`` the polynomial (:func:`cos_sin`).
 COS_SIN_APPROX = True
+#: ``"sbh"`` projections with several sequences: token blocks in the projection's row
+#: order (``s*B + b``: both kernels read/write it sequentially, the ``[B, S, ...]``
+#: tensors at B places) instead of the output order (``b*S + s``).
+ROW_ORDER = False
 #: Elements of one kind's head tile (all its tokens and heads, full head width) at most.
 TILE_CAP = 8192
 
@@ -374,23 +582,47 @@ TILE_CAP = 8192
 @functools.cache  # per-shape decision, cached (host time)
 def rope_config(H: int, Hkv: int, D: int, R: int, tokens: int, num_warps: int,
                 tile_cap: int, approx: bool = True):
-    """``dict`` of the qk_norm_rope kernels' block sizes: ``BLOCK_T`` (tokens per program or
-    loop step, ``tokens`` or fewer so that a q tile stays within ``tile_cap`` elements),
-    ``BLOCK_HQ``/``BLOCK_HK`` (head tiles), ``BLOCK_HALF`` (rotary half), ``BLOCK_NR``
-    (chunks of ``R/2`` dims covering the non-rotary part), ``BLOCK_D`` (v copy width),
-    ``HAS_REST``, ``ONE_BLOCK`` (all heads of a kind in one tile), ``APPROX`` (cos/sin)
-    and ``num_warps``."""
+    """``dict`` of the qk_norm_rope kernels' compile-time parameters: the head shape (``H``,
+    ``HKV``, ``D``, ``R``, ``HALF = R/2``, ``RH = (D-R)/2``: model constants, so that
+    every offset inside a head is an immediate), ``BLOCK_T`` (tokens
+    per program or loop step, ``tokens`` or fewer so that a q tile stays within
+    ``tile_cap`` elements), ``BLOCK_HQ``/``BLOCK_HK`` (head tiles), ``BLOCK_HALF`` (rotary
+    half), ``BLOCK_RH`` (half of the rest ``D - R``), ``BLOCK_D`` (v copy width), ``G``
+    (query heads per kv head), ``HAS_REST``, ``SAME`` (the rest's halves are as wide as
+    the rotary ones), ``ONE_BLOCK`` (all heads of a kind in one tile), ``EVEN`` (no
+    padded head, piece or v lane; the launcher adds the token condition), ``APPROX``
+    (cos/sin) and ``num_warps``."""
     BLOCK_D = next_power_of_2(max(D, 2))
     BLOCK_HQ = min(next_power_of_2(H), max(1, tile_cap // BLOCK_D))
     BLOCK_HK = min(next_power_of_2(Hkv), max(1, tile_cap // BLOCK_D))
     BLOCK_T = max(1, min(tokens, tile_cap // (BLOCK_HQ * BLOCK_D)))
     BLOCK_T = 1 << (BLOCK_T.bit_length() - 1)  # a power of two
-    half = R // 2
-    return dict(BLOCK_T=BLOCK_T, BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK,
-                BLOCK_HALF=next_power_of_2(max(half, 1)),
-                BLOCK_NR=next_power_of_2(max(-(-(D - R) // half), 1)), BLOCK_D=BLOCK_D,
-                HAS_REST=D > R, ONE_BLOCK=H <= BLOCK_HQ and Hkv <= BLOCK_HK,
-                APPROX=bool(approx), num_warps=num_warps)
+    half, rh = R // 2, (D - R) // 2
+    BLOCK_HALF = next_power_of_2(max(half, 1))
+    BLOCK_RH = next_power_of_2(max(rh, 1))
+    even = (H % BLOCK_HQ == 0 and Hkv % BLOCK_HK == 0 and half == BLOCK_HALF
+            and rh in (0, BLOCK_RH) and D == BLOCK_D)
+    return dict(H=H, HKV=Hkv, D=D, HALF=half, R=R, RH=rh, G=H // Hkv, BLOCK_T=BLOCK_T,
+                BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK, BLOCK_HALF=BLOCK_HALF,
+                BLOCK_RH=BLOCK_RH, BLOCK_D=BLOCK_D, HAS_REST=D > R,
+                SAME=BLOCK_RH == BLOCK_HALF, ONE_BLOCK=H <= BLOCK_HQ and Hkv <= BLOCK_HK,
+                EVEN=even, APPROX=bool(approx), num_warps=num_warps)
+
+
+def check_tokens(T: int) -> None:
+    """The kernels index tokens in int32 (addresses in int64)."""
+    if T >= 2**31:
+        raise ValueError(f"qk_norm_rope supports fewer than 2^31 tokens, got {T}")
+
+
+def launch_config(H: int, Hkv: int, D: int, R: int, T: int, tokens: int, num_warps: int,
+                  approx: bool, layout: str, B: int) -> dict:
+    """:func:`rope_config` for ``T`` tokens of a ``layout`` projection with ``B``
+    sequences: ``EVEN`` only when the token blocks divide ``T``, and ``ROW_ORDER``."""
+    cfg = dict(rope_config(H, Hkv, D, R, tokens, num_warps, TILE_CAP, approx))
+    cfg["EVEN"] = cfg["EVEN"] and T % cfg["BLOCK_T"] == 0
+    cfg["ROW_ORDER"] = bool(ROW_ORDER) and layout == "sbh" and B > 1
+    return cfg
 
 
 @functools.cache  # per-shape decision, cached (host time)
@@ -426,17 +658,33 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
     T = B * S
     if T == 0:
         return q, k, v
-    cfg = rope_config(H, Hkv, D, rotary_dim, FWD_TOKENS, FWD_NUM_WARPS, TILE_CAP,
-                      COS_SIN_APPROX)
-    grid = (-(-T // cfg["BLOCK_T"]),)
+    check_tokens(T)
+    cfg = launch_config(H, Hkv, D, rotary_dim, T, FWD_TOKENS, FWD_NUM_WARPS, COS_SIN_APPROX,
+                        layout, B)
+    stages = max(1, int(FWD_STAGES))
+    blocks = -(-T // cfg["BLOCK_T"])
+    width = next_power_of_2(H + 2 * Hkv)
+    cfg["ROW_TILE"] = bool(FWD_ROW_TILE) and width * cfg["BLOCK_D"] * cfg["BLOCK_T"] <= TILE_CAP
+    cfg["BLOCK_W"] = width if cfg["ROW_TILE"] else 1
+    if cfg["ROW_TILE"]:
+        cfg["EVEN"] = cfg["EVEN"] and width == H + 2 * Hkv
+    key = None
+    P = blocks
+    if FWD_PROGRAMS_PER_SM > 0:
+        key = ("qk_norm_rope_fwd", dev.index, qkv.dtype, q_norm_weight is not None,
+               k_norm_weight is not None, interleaved, position_ids is not None, H, Hkv, D,
+               rotary_dim, stages, *cfg.values())
+        P = max(1, min(blocks, num_sms(dev) * resident_programs(key, FWD_PROGRAMS_PER_SM)))
     with device_guard(qkv):
-        launch(_qk_norm_rope_fwd_kernel, grid,
+        ck = launch(_qk_norm_rope_fwd_kernel, (P,),
             qkv, freqs, position_ids if position_ids is not None else freqs,
             q_norm_weight if q_norm_weight is not None else freqs,
             k_norm_weight if k_norm_weight is not None else freqs,
-            q, k, v, T, S, H, Hkv, D, rotary_dim // 2, rotary_dim, freqs.shape[0], stride_b,
-            stride_s, eps, INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
-            NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None, **cfg)
+            q, k, v, T, S, B, freqs.shape[0], stride_b, stride_s, eps, INTERLEAVED=interleaved,
+            HAS_POS=position_ids is not None, NORM_Q=q_norm_weight is not None,
+            NORM_K=k_norm_weight is not None, PERSISTENT=P < blocks, STAGES=stages, **cfg)
+    if key is not None:
+        learn_resident(key, ck, cfg["num_warps"], FWD_PROGRAMS_PER_SM)
     return q, k, v
 
 
