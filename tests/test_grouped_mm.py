@@ -273,6 +273,52 @@ def test_bf16_tma_fallback_and_config(device, monkeypatch):
     assert names == ["_grouped_rows_kernel"]
 
 
+def test_auto_rows_on_triton_rule(device, monkeypatch):
+    """``ROWS_TRITON_MAX_ROWS_PER_EXPERT`` (off by default): where ``backend="auto"``
+    would take ``torch._grouped_mm``, layouts with at most that many rows per expert run
+    the forward and dgrad on Triton and the wgrad on torch; more rows per expert, N no
+    multiple of 64, or the knob at 0 keep torch for all three. (torch._grouped_mm is
+    pretended available and every call runs the Triton kernels: only the choice is
+    checked here.)"""
+    import linghe.functional.grouped_mm as F
+
+    seen = []
+
+    def spy(name, real):
+        def f(*args, backend, **kwargs):
+            seen.append((name, backend))
+            return real(*args, backend="triton", **kwargs)
+        return f
+
+    monkeypatch.setattr(F.fwd, "torch_grouped_mm_ok", lambda *t: True)
+    monkeypatch.setattr(F.fwd, "grouped_mm_fwd", spy("fwd", fwd_gm.grouped_mm_fwd))
+    monkeypatch.setattr(F.bwd, "grouped_mm_dgrad", spy("dgrad", bwd_gm.grouped_mm_dgrad))
+    monkeypatch.setattr(F.bwd, "grouped_mm_wgrad", spy("wgrad", bwd_gm.grouped_mm_wgrad))
+    x, layout, real = make_rows([9, 0, 20], 16, 32, device, torch.bfloat16)  # R = 53
+    g = torch.randn(x.shape[0], 64, device=device, dtype=torch.bfloat16)
+
+    def run(limit, N=64, lay=layout):
+        monkeypatch.setattr(F, "ROWS_TRITON_MAX_ROWS_PER_EXPERT", limit)
+        w = (torch.randn(3, N, 32, device=device) / 6).to(torch.bfloat16).requires_grad_()
+        xi = x.clone().requires_grad_()
+        del seen[:]
+        out = linghe.grouped_mm(xi, w, lay)
+        out.backward(g[:, :N])
+        r, dx, dw = ref_grads(x, w, layout.offsets, g[:, :N])
+        assert_close(out, r)
+        assert_close(xi.grad, dx, name="d_rows")
+        assert_close(w.grad, dw, name="d_weight")
+        return dict(seen)
+
+    assert run(0) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+    assert run(18) == dict(fwd="triton", dgrad="triton", wgrad="torch")  # 53 <= 18 * 3
+    assert run(17) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+    assert run(18, N=48) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+    assert run(18, lay=layout.offsets) == dict(fwd="triton", dgrad="triton", wgrad="triton")
+    monkeypatch.setattr(fwd_gm, "BF16_TMA", False)
+    assert run(18) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+
+
 # ------------------------------------------------------------------------------------ FP8
 
 
