@@ -34,8 +34,8 @@ promoting form loads its operands with TMA (:func:`_grouped_rows_fp8_tma_kernel`
 :data:`FP8_TMA`) wherever the tensors allow it (16-byte aligned rows, weights contiguous
 along the contraction): 9-15% faster than the pointer kernel on an H100.
 
-**bf16/fp16 (Triton backend).** The same TMA kernel on bf16/fp16 descriptors (no scales, ``BK =
-64``: 128-byte rows) runs the high-precision forward and dgrad wherever
+**bf16/fp16 (Triton backend).** The same TMA kernel on bf16/fp16 descriptors (no
+scales, ``BK = 64``: 128-byte rows) runs the high-precision forward and dgrad wherever
 :func:`_tma_operands` can describe the operands (:data:`BF16_TMA`; the dgrad's weight
 ``W_e [N, K]`` is read N-major, so it needs ``N`` a multiple of ``BK``); elsewhere, and
 for float32, the pointer kernel. A launcher's ``config`` pins its tiles or asks for the
@@ -474,13 +474,13 @@ def _grouped_rows_fp8_tma_kernel(
     ``bs_ptr`` and their strides unused, the variants at their defaults): the K loop is
     ``acc = dot(a, b, acc)``, which Triton keeps asynchronous (``wgmma.wait_group 1``: one
     K step's MMAs in flight while the next step's are issued), ``BK = 64`` (128-byte
-    rows). ``B_NMAJOR`` (bf16/fp16 only; off, a compile that leaves it out gets the
-    K-major kernel; the dgrad: ``B_e = W_e [I, J]``, contiguous along ``J``): ``b_desc``
-    is the ``[E*I, J]``
-    view with ``[BK, BN]`` boxes, expert ``e``'s at row ``e * b_row_e + k0`` (``b_row_e =
-    I``), column ``pid_n * BN``, fed to the MMA as it is (Hopper's bf16 wgmma reads an
-    N-major B from shared memory); the launcher takes this path only where ``I`` is a
-    multiple of ``BK`` (a K box never reaches the next expert's rows)."""
+    rows). ``B_NMAJOR`` (bf16/fp16 only; off by default, so a compile that leaves it out
+    gets the K-major kernel) is the dgrad's ``B_e = W_e [I, J]``, contiguous along
+    ``J``: ``b_desc`` is the ``[E*I, J]`` view with ``[BK, BN]`` boxes, expert ``e``'s at
+    row ``e * b_row_e + k0`` (``b_row_e = I``), column ``pid_n * BN``, fed to the MMA as
+    it is (Hopper's bf16 wgmma reads an N-major B from shared memory); the launcher
+    takes this path only where ``I`` is a multiple of ``BK`` (a K box never reaches the
+    next expert's rows)."""
     FP8: tl.constexpr = a_desc.dtype == tl.float8e4nv
     tl.static_assert(FP8 or (SCALE_AHEAD == 0 and K_UNROLL == 1 and N_SPLIT == 1),
                      "the TMA kernel's variants are FP8 only")
@@ -672,13 +672,12 @@ def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK=BLO
     """``(a_desc, b_desc, b_row_e, b_col_e)`` for :func:`_grouped_rows_fp8_tma_kernel`, or
     ``None`` where TMA cannot address the operands. ``a [R, I]`` in ``[BM, BK]`` boxes.
     ``b`` is one 2-D matrix, either contiguous along the contraction dim (``stride_bi ==
-    1``, ``[BN, BK]`` boxes) as ``[E*J, I]`` (experts stacked
-    along the rows: the forward's weights) or ``[J, E*I]`` (along the columns, ``I`` a
-    multiple of ``BK`` so that no K box reaches the next expert: the FP8 dgrad's
-    columnwise copy), or, 2-byte operands only, contiguous along the output dim
-    (``stride_bj == 1``, ``[BK, BN]`` boxes, the kernel's ``B_NMAJOR``: the bf16 dgrad's
-    ``W_e [I, J]``) as ``[E*I,
-    J]`` with ``I`` a multiple of ``BK``. Row strides and bases 16-byte aligned (TMA)."""
+    1``, ``[BN, BK]`` boxes) as ``[E*J, I]`` (experts stacked along the rows: the
+    forward's weights) or ``[J, E*I]`` (along the columns, ``I`` a multiple of ``BK`` so
+    that no K box reaches the next expert: the FP8 dgrad's columnwise copy), or, 2-byte
+    operands only, contiguous along the output dim (``stride_bj == 1``, ``[BK, BN]``
+    boxes, the kernel's ``B_NMAJOR``: the bf16 dgrad's ``W_e [I, J]``) as ``[E*I, J]``
+    with ``I`` a multiple of ``BK``. Row strides and bases 16-byte aligned (TMA)."""
     es = a.element_size()
     if a.stride(1) != 1 or (a.stride(0) * es) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16:
         return None
