@@ -152,6 +152,173 @@ def test_auto_backend_is_triton_off_sm90(device):
     assert not fwd_gm.torch_grouped_mm_ok(x.float(), w.float())
 
 
+# --------------------------------------------------------- bf16/fp16 TMA rows kernel
+
+
+def _spy_launches(monkeypatch):
+    """Record the names of the kernels that ``linghe.fwd.grouped_mm`` launches."""
+    names = []
+    real = fwd_gm.launch
+
+    def spy(kernel, *args, **kwargs):
+        names.append(getattr(kernel, "fn", kernel).__name__)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(fwd_gm, "launch", spy)
+    return names
+
+
+TMA_BF16_CASES = [
+    # (counts, align, K, N): the forward contracts K, the dgrad N
+    ([5, 0, 150], 16, 200, 96),         # zero-row expert; K tail (200 = 6 x 32 + 8)
+    ([0, 0, 70, 0], 1, 24, 64),         # all rows in one odd segment; K < BK (zero fill)
+    ([33, 64, 0, 9], 8, 64, 136),       # N tail (136 = 2 x 64 + 8): dgrad falls back
+]
+
+
+@pytest.mark.gpu_subset(dtype=[torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", TMA_BF16_CASES,
+                         ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}-N{c[3]}")
+def test_bf16_tma_kernel(device, monkeypatch, case, dtype):
+    """The TMA rows kernel on bf16/fp16 operands (``FP8=False``): forward (weights
+    K-major, ``[BN, BK]`` boxes) and dgrad (weights N-major, ``[BK, BN]`` boxes) against
+    the float64 reference with fp32 outputs (NaN-filled first), at partial row tiles,
+    zero-row experts, tail rows, K and N tails, and against the pointer kernel at the
+    same tiles. A dgrad whose contraction (N) is no multiple of BK runs the pointer
+    kernel (a K box would reach the next expert's rows)."""
+    counts, align, K, N = case
+    E = len(counts)
+    x, layout, real = make_rows(counts, align, K, device, dtype, tail=7)
+    w = (torch.randn(E, N, K, device=device) / K**0.5).to(dtype)
+    g = torch.randn(x.shape[0], N, device=device, dtype=dtype)
+    off = layout.offsets
+    R = x.shape[0]
+    bm, bn, bk, warps, stages = (64, 128, 64, 4, 3) if device == "cuda" else (16, 64, 32, 4, 1)
+    names = _spy_launches(monkeypatch)
+    r_fwd = ref.grouped_mm(x.double(), w.double(), off)
+    r_dx = ref.grouped_mm(g.double(), w.double().transpose(1, 2), off)
+    outs = {}
+    for tma in (True, False):
+        cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, TMA=tma)
+        out = torch.full((R, N), float("nan"), device=device)
+        fwd_gm.launch_grouped_rows(x, w, out, off, stride_be=N * K, stride_bi=1,
+                                   stride_bj=K, config=cfg)
+        dx = torch.full((R, K), float("nan"), device=device)
+        fwd_gm.launch_grouped_rows(g, w, dx, off, stride_be=N * K, stride_bi=K,
+                                   stride_bj=1, config=cfg)
+        outs[tma] = out, dx
+        assert_close(out, r_fwd, tol=1e-5, name=f"fwd TMA={tma}")
+        assert_close(dx, r_dx, tol=1e-5, name=f"dgrad TMA={tma}")
+        assert torch.all(out[~real] == 0) and torch.all(dx[int(off[-1]):] == 0)
+    tma_dgrad = N % bk == 0
+    assert names == ["_grouped_rows_fp8_tma_kernel",
+                     "_grouped_rows_fp8_tma_kernel" if tma_dgrad else "_grouped_rows_kernel",
+                     "_grouped_rows_kernel", "_grouped_rows_kernel"]
+    assert torch.equal(outs[True][0], outs[False][0])  # the same products, the same order
+    # the public launchers' default (bf16/fp16 outputs): the TMA kernel where it applies
+    del names[:]
+    out16 = fwd_gm.grouped_mm_fwd(x, w, off, backend="triton")
+    dx16 = fwd_gm.launch_grouped_rows(g, w, torch.full_like(x, float("nan")), off,
+                                      stride_be=N * K, stride_bi=K, stride_bj=1)
+    assert names[0] == "_grouped_rows_fp8_tma_kernel"
+    assert out16.dtype == dtype and torch.all(out16[~real] == 0)
+    assert_close(out16, r_fwd, name="fwd default")
+    assert_close(dx16, r_dx, name="dgrad default")
+
+
+def test_bf16_tma_fallback_and_config(device, monkeypatch):
+    """Operands TMA cannot describe (rows of 66 bytes; experts not one 2-D matrix) run
+    the pointer kernel with the same result; float32 never takes TMA; bad configs are
+    refused with a ValueError; ``BF16_TMA = False`` restores the pointer kernel as the
+    default."""
+    names = _spy_launches(monkeypatch)
+    x, layout, real = make_rows([7, 0, 20], 8, 33, device, torch.bfloat16)
+    w = (torch.randn(3, 16, 33, device=device) / 6).to(torch.bfloat16)
+    out = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
+    assert names == ["_grouped_rows_kernel"]
+    assert_close(out, ref.grouped_mm(x.double(), w.double(), layout.offsets))
+    x, layout, real = make_rows([7, 0, 20], 8, 32, device, torch.bfloat16)
+    w = (torch.randn(6, 16, 32, device=device) / 6).to(torch.bfloat16)
+    g = torch.randn(x.shape[0], 16, device=device, dtype=torch.bfloat16)
+    # (a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK): the forward's K-major
+    # and the dgrad's N-major view of contiguous weights [E, N=16, K=32]; the dgrad needs
+    # N % BK == 0; every other expert (expert stride 2 N K) is no 2-D matrix
+    assert fwd_gm._tma_operands(x, w, 32, 16, 3, 512, 1, 32, 16, 64, 32) is not None
+    assert fwd_gm._tma_operands(g, w, 16, 32, 3, 512, 32, 1, 16, 64, 16) is not None
+    assert fwd_gm._tma_operands(g, w, 16, 32, 3, 512, 32, 1, 16, 64, 32) is None
+    assert fwd_gm._tma_operands(x, w[::2], 32, 16, 3, 1024, 1, 32, 16, 64, 32) is None
+    assert fwd_gm._tma_operands(g, w[::2], 16, 32, 3, 1024, 32, 1, 16, 64, 16) is None
+    out = fwd_gm.launch_grouped_rows(x, w[::2], torch.empty(x.shape[0], 16, device=device),
+                                     layout.offsets, stride_be=2 * 16 * 32, stride_bi=1,
+                                     stride_bj=32)
+    assert names[-1] == "_grouped_rows_kernel"
+    assert_close(out, ref.grouped_mm(x.double(), w[::2].double(), layout.offsets))
+    del names[:]
+    xf, wf = x.float(), w[:3].float()
+    fwd_gm.grouped_mm_fwd(xf, wf, layout.offsets, backend="triton")
+    assert names == ["_grouped_rows_kernel"]
+    base = dict(BM=16, BN=64, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="unknown keys"):
+        fwd_gm._check_rows_config(dict(base, SCALE_AHEAD=1), False)
+    with pytest.raises(ValueError, match="power of two"):
+        fwd_gm._check_rows_config(dict(base, BK=48), False)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        fwd_gm._check_rows_config(dict(base, TMA=True), True)
+    assert fwd_gm._check_rows_config(base, True)["TMA"] is False
+    assert fwd_gm._check_rows_config(base, False)["BK"] == 64
+    monkeypatch.setattr(fwd_gm, "BF16_TMA", False)
+    del names[:]
+    fwd_gm.grouped_mm_fwd(x, w[:3].contiguous(), layout.offsets, backend="triton")
+    assert names == ["_grouped_rows_kernel"]
+
+
+def test_auto_rows_on_triton_rule(device, monkeypatch):
+    """``ROWS_TRITON_MAX_ROWS_PER_EXPERT`` (off by default): where ``backend="auto"``
+    would take ``torch._grouped_mm``, layouts with at most that many rows per expert run
+    the forward and dgrad on Triton and the wgrad on torch; more rows per expert, N no
+    multiple of 64, or the knob at 0 keep torch for all three. (torch._grouped_mm is
+    pretended available and every call runs the Triton kernels: only the choice is
+    checked here.)"""
+    import linghe.functional.grouped_mm as F
+
+    seen = []
+
+    def spy(name, real):
+        def f(*args, backend, **kwargs):
+            seen.append((name, backend))
+            return real(*args, backend="triton", **kwargs)
+        return f
+
+    monkeypatch.setattr(F.fwd, "torch_grouped_mm_ok", lambda *t: True)
+    monkeypatch.setattr(F.fwd, "grouped_mm_fwd", spy("fwd", fwd_gm.grouped_mm_fwd))
+    monkeypatch.setattr(F.bwd, "grouped_mm_dgrad", spy("dgrad", bwd_gm.grouped_mm_dgrad))
+    monkeypatch.setattr(F.bwd, "grouped_mm_wgrad", spy("wgrad", bwd_gm.grouped_mm_wgrad))
+    x, layout, real = make_rows([9, 0, 20], 16, 32, device, torch.bfloat16)  # R = 53
+    g = torch.randn(x.shape[0], 64, device=device, dtype=torch.bfloat16)
+
+    def run(limit, N=64, lay=layout):
+        monkeypatch.setattr(F, "ROWS_TRITON_MAX_ROWS_PER_EXPERT", limit)
+        w = (torch.randn(3, N, 32, device=device) / 6).to(torch.bfloat16).requires_grad_()
+        xi = x.clone().requires_grad_()
+        del seen[:]
+        out = linghe.grouped_mm(xi, w, lay)
+        out.backward(g[:, :N])
+        r, dx, dw = ref_grads(x, w, layout.offsets, g[:, :N])
+        assert_close(out, r)
+        assert_close(xi.grad, dx, name="d_rows")
+        assert_close(w.grad, dw, name="d_weight")
+        return dict(seen)
+
+    assert run(0) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+    assert run(18) == dict(fwd="triton", dgrad="triton", wgrad="torch")  # 53 <= 18 * 3
+    assert run(17) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+    assert run(18, N=48) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+    assert run(18, lay=layout.offsets) == dict(fwd="triton", dgrad="triton", wgrad="triton")
+    monkeypatch.setattr(fwd_gm, "BF16_TMA", False)
+    assert run(18) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+
+
 # ------------------------------------------------------------------------------------ FP8
 
 
@@ -714,7 +881,7 @@ sig = dict(a_desc="tensordesc<fp8e4nv[64, 128]>", b_desc="tensordesc<fp8e4nv[128
            stride_cm="i32", stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32",
            BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
            EP2="constexpr", SCALE_AHEAD="constexpr", K_UNROLL="constexpr",
-           N_SPLIT="constexpr")
+           N_SPLIT="constexpr", B_NMAJOR="constexpr")
 # the default, then the variants (tests/test_grouped_mm.py::test_fp8_tma_variants_*)
 for ahead, unroll, split, stages in [(0, 1, 1, 3), (1, 1, 1, 3), (2, 1, 1, 3), (2, 2, 1, 2),
                                      (2, 1, 2, 3)]:
@@ -733,6 +900,23 @@ for ahead, unroll, split, stages in [(0, 1, 1, 3), (1, 1, 1, 3), (2, 1, 1, 3), (
     deferred = unroll == 2 or split == 2
     assert (loop.count("wgmma.commit_group"), loop.count("wgmma.wait_group")) == (
         1 + deferred, 1), (ahead, unroll, split)
+# bf16 descriptors: the forward (weights K-major) and the dgrad (N-major [BK, BN] boxes)
+for bm, bn, warps, stages, nmajor in [(64, 128, 4, 4, False), (64, 128, 4, 4, True),
+                                      (128, 128, 8, 3, False), (128, 256, 8, 3, True)]:
+    box = f"[64, {bn}]" if nmajor else f"[{bn}, 64]"
+    s = dict(sig, a_desc=f"tensordesc<bf16[{bm}, 64]>", b_desc=f"tensordesc<bf16{box}>",
+             as_ptr="*i32", bs_ptr="*i32")
+    k = comp(F._grouped_rows_fp8_tma_kernel, s, dict(BM=bm, BN=bn, BK=64, GROUP_M=8,
+             EP2=256, SCALE_AHEAD=0, K_UNROLL=1, N_SPLIT=1, B_NMAJOR=nmajor), warps, stages,
+             ("I", "J", "R", "stride_cm", "b_row_e"))
+    ptx = k.asm["ptx"]
+    assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"
+    assert k.metadata.shared >= stages * (bm + bn) * 64 * 2, (bm, bn, stages)
+    # asynchronous K loop: each step waits for the one before the last (one group in
+    # flight), no promotion
+    head = re.search(r"(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx)
+    loop = ptx[head.end():ptx.index(f"bra \t{head[1]};", head.end())]
+    assert re.findall(r"wgmma.wait_group.sync.aligned (\d+)", loop) == ["1"], (bm, bn, nmajor)
 sig = dict(g_ptr="*fp8e4nv", x_ptr="*fp8e4nv", w_ptr="*bf16", gs_ptr="*fp32", xs_ptr="*fp32",
            offsets_ptr="*i32", N="i32", K="i32", R="i32", E="i32", stride_g="i32",
            stride_x="i32", stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",

@@ -14,6 +14,8 @@ in later): :func:`quantize_grouped_weight`, :func:`grouped_mm_fp8`,
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .. import library
@@ -32,6 +34,18 @@ from ..utils import (
 )
 
 BACKENDS = ("auto", "triton", "torch")
+
+#: A proposed ``backend="auto"`` rule for bf16/fp16, off by default (0; not yet timed in
+#: a training step): where ``torch._grouped_mm`` would run, the forward and dgrad take
+#: linghe's TMA rows kernel instead when the layout averages at most this many rows per
+#: expert (``num_rows / E``: e.g. ~271 for 256 experts at 8192 tokens top-8, where
+#: CUTLASS's grouped GEMM is weak), and ``N`` is a multiple of 64 (the dgrad's TMA
+#: boxes); the wgrad stays on ``torch._grouped_mm``. ``LINGHE_GROUPED_MM_ROWS_TRITON_MAX``
+#: (e.g. 512). See ``benchmark/probe_grouped_bf16.py``.
+ROWS_TRITON_MAX_ROWS_PER_EXPERT: int = int(os.environ.get("LINGHE_GROUPED_MM_ROWS_TRITON_MAX",
+                                                          "0"))
+#: The resolved backend of that rule (internal): Triton fwd/dgrad, torch wgrad.
+_TRITON_ROWS = "triton_rows"
 
 __all__ = ["grouped_mm", "grouped_mm_fp8", "grouped_mm_fp8_dgrad", "grouped_mm_fp8_wgrad",
            "quantize_grouped_1x128", "quantize_grouped_weight"]
@@ -118,7 +132,7 @@ class GroupedMMFunction(torch.autograd.Function):
         ctx.fp8, ctx.backend, ctx.pow2 = fp8, backend, pow2_scale
         need_dx, need_dw = rows.requires_grad, weight.requires_grad
         if not fp8:
-            out = fwd.grouped_mm_fwd(rows, weight, offsets, backend=backend)
+            out = fwd.grouped_mm_fwd(rows, weight, offsets, backend=_rows_backend(backend))
             ctx.save_for_backward(rows if need_dw else None, weight if need_dx else None,
                                   offsets)
             return out
@@ -143,10 +157,12 @@ class GroupedMMFunction(torch.autograd.Function):
         if not ctx.fp8:
             rows, weight, offsets = ctx.saved_tensors
             if need_dx:
-                d_rows = bwd.grouped_mm_dgrad(d_out, weight, offsets, backend=ctx.backend)
+                d_rows = bwd.grouped_mm_dgrad(d_out, weight, offsets,
+                                              backend=_rows_backend(ctx.backend))
             if need_dw:
                 d_w = bwd.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows.dtype,
-                                           backend=ctx.backend)
+                                           backend="torch" if ctx.backend == _TRITON_ROWS
+                                           else ctx.backend)
             return d_rows, d_w, None, None, None, None, None
         (offsets,) = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
@@ -157,6 +173,28 @@ class GroupedMMFunction(torch.autograd.Function):
             d_w = bwd.grouped_mm_fp8_wgrad(g, ctx.a, offsets, out_dtype=w_dtype)
         ctx.a = ctx.w = None
         return d_rows, d_w, None, None, None, None, None
+
+
+def _rows_backend(backend: str) -> str:
+    """The forward's and dgrad's backend of a resolved ``backend``."""
+    return "triton" if backend == _TRITON_ROWS else backend
+
+
+def _auto_backend(rows: torch.Tensor, weight: torch.Tensor, layout) -> str:
+    """``backend="auto"`` for high-precision operands: ``"torch"`` where
+    ``torch._grouped_mm`` can run them (and the layout promises 8-row aligned segments),
+    then :data:`ROWS_TRITON_MAX_ROWS_PER_EXPERT`'s rule (``"triton_rows"``), else
+    ``"triton"``."""
+    # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
+    # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
+    aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
+    if not (aligned and fwd.torch_grouped_mm_ok(rows, weight)):
+        return "triton"
+    E, N, _ = weight.shape
+    limit = ROWS_TRITON_MAX_ROWS_PER_EXPERT
+    if limit > 0 and fwd.BF16_TMA and rows.shape[0] <= limit * E and N % 64 == 0:
+        return _TRITON_ROWS
+    return "torch"
 
 
 def cached_grouped_weight(cache: WeightCache, weight: torch.Tensor,
@@ -197,9 +235,11 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
         backend: ``"auto"`` uses ``torch._grouped_mm`` for bf16 on CUDA sm90 when ``N``
             and ``K`` are multiples of 8 and ``layout`` is an ExpertLayout whose ``align``
             is a multiple of 8 (its wgrad needs 16-byte aligned segments; raw offsets
-            carry no such promise), else the Triton kernels; ``"triton"`` / ``"torch"``
-            force one (``"torch"``: the caller guarantees those alignments). FP8 always
-            runs the Triton kernels.
+            carry no such promise), else the Triton kernels (with
+            :data:`ROWS_TRITON_MAX_ROWS_PER_EXPERT` set, off by default: the forward and
+            dgrad of layouts with few rows per expert on Triton, the wgrad on torch);
+            ``"triton"`` / ``"torch"`` force one (``"torch"``: the caller guarantees
+            those alignments). FP8 always runs the Triton kernels.
         pow2_scale: power-of-two FP8 scales.
         weight_cache: with ``fp8``, a :class:`~linghe.fp8.WeightCache` that keeps the
             weight's FP8 copies (rowwise and columnwise) until the weight changes
@@ -226,10 +266,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
             backend = "triton"
         return library.grouped_mm(rows, weight, offsets, bool(fp8), backend, bool(pow2_scale))
     if backend == "auto" and not fp8:
-        # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
-        # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
-        aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
-        backend = "torch" if aligned and fwd.torch_grouped_mm_ok(rows, weight) else "triton"
+        backend = _auto_backend(rows, weight, layout)
     return apply_function(GroupedMMFunction, rows, weight, offsets, bool(fp8), backend,
                           bool(pow2_scale), weight_cache if fp8 else None)
 

@@ -33,6 +33,13 @@ launcher's ``config`` argument pins the tiles (benchmark/fp8_gemm_sweep.py). The
 promoting form loads its operands with TMA (:func:`_grouped_rows_fp8_tma_kernel`,
 :data:`FP8_TMA`) wherever the tensors allow it (16-byte aligned rows, weights contiguous
 along the contraction): 9-15% faster than the pointer kernel on an H100.
+
+**bf16/fp16 (Triton backend).** The same TMA kernel on bf16/fp16 descriptors (no
+scales, ``BK = 64``: 128-byte rows) runs the high-precision forward and dgrad wherever
+:func:`_tma_operands` can describe the operands (:data:`BF16_TMA`; the dgrad's weight
+``W_e [N, K]`` is read N-major, so it needs ``N`` a multiple of ``BK``); elsewhere, and
+for float32, the pointer kernel. A launcher's ``config`` pins its tiles or asks for the
+pointer kernel (``TMA=False``; :func:`_check_rows_config`).
 """
 
 from __future__ import annotations
@@ -425,9 +432,10 @@ def _grouped_rows_fp8_tma_kernel(
     R, I, J, E, R_BUCKET, b_row_e, b_col_e, stride_cm, stride_ask, bs_se, bs_si, bs_sj,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EP2: tl.constexpr, SCALE_AHEAD: tl.constexpr = 0, K_UNROLL: tl.constexpr = 1,
-    N_SPLIT: tl.constexpr = 1,
+    N_SPLIT: tl.constexpr = 1, B_NMAJOR: tl.constexpr = False,
 ):
-    """The FP8 rows kernel (promoting form) with both operands loaded by TMA.
+    """The rows kernel with both operands loaded by TMA: FP8 (promoting form), or
+    bf16/fp16.
 
     Same tiles, schedule and promotion as :func:`_grouped_rows_kernel` (``FP8``,
     ``B_KMAJOR``, ``RESCALE=False``), but ``a`` and ``b`` come through tensor
@@ -460,7 +468,23 @@ def _grouped_rows_fp8_tma_kernel(
     - ``N_SPLIT=2`` (:func:`_tma_loop_nsplit`): the same deferral within one K block, by
       column halves: two ``[BN/2, BK]`` weight boxes (``b_desc``'s box is ``[BN/2,
       BK]``), the left half's MMA waited on and promoted, the right half's promoted in
-      the next iteration; no more registers than the default. ``SCALE_AHEAD`` 0 or 2."""
+      the next iteration; no more registers than the default. ``SCALE_AHEAD`` 0 or 2.
+
+    bf16/fp16 descriptors (FP8 is read off ``a_desc``'s dtype; no scales: ``as_ptr``/
+    ``bs_ptr`` and their strides unused, the variants at their defaults): the K loop is
+    ``acc = dot(a, b, acc)``, which Triton keeps asynchronous (``wgmma.wait_group 1``: one
+    K step's MMAs in flight while the next step's are issued), ``BK = 64`` (128-byte
+    rows). ``B_NMAJOR`` (bf16/fp16 only; off by default, so a compile that leaves it out
+    gets the K-major kernel) is the dgrad's ``B_e = W_e [I, J]``, contiguous along
+    ``J``: ``b_desc`` is the ``[E*I, J]`` view with ``[BK, BN]`` boxes, expert ``e``'s at
+    row ``e * b_row_e + k0`` (``b_row_e = I``), column ``pid_n * BN``, fed to the MMA as
+    it is (Hopper's bf16 wgmma reads an N-major B from shared memory); the launcher
+    takes this path only where ``I`` is a multiple of ``BK`` (a K box never reaches the
+    next expert's rows)."""
+    FP8: tl.constexpr = a_desc.dtype == tl.float8e4nv
+    tl.static_assert(FP8 or (SCALE_AHEAD == 0 and K_UNROLL == 1 and N_SPLIT == 1),
+                     "the TMA kernel's variants are FP8 only")
+    tl.static_assert(not (FP8 and B_NMAJOR), "FP8 wgmma needs both operands K-major")
     num_row_tiles = tl.cdiv(R, BM) + E + 1
     t, pid_n = grouped_tile_order(tl.program_id(0), num_row_tiles, tl.cdiv(J, BN), GROUP_M)
     tiles, cum, emask = tile_schedule(offsets_ptr, E, BM, EP2)
@@ -472,10 +496,25 @@ def _grouped_rows_fp8_tma_kernel(
     cols = pid_n * BN + tl.arange(0, BN)
     cmask = cols < J
     k_end = tl.where(valid, I, 0)  # tail tiles: no K loop, store zeros
-    b_row = ec * b_row_e + pid_n * BN
-    b_col = ec * b_col_e
+    if B_NMAJOR:  # [BK, BN] boxes at (expert's rows + k0, column tile)
+        b_row = ec * b_row_e
+        b_col = pid_n * BN
+    else:  # [BN, BK] boxes at (expert's rows + column tile, expert's columns + k0)
+        b_row = ec * b_row_e + pid_n * BN
+        b_col = ec * b_col_e
     bs_e = bs_ptr + ec.to(tl.int64) * bs_se
-    if N_SPLIT == 2:
+    if not FP8:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, k_end, BK):
+            a = a_desc.load([start, k0])
+            if B_NMAJOR:
+                b = b_desc.load([b_row + k0, b_col])
+            else:
+                b = tl.trans(b_desc.load([b_row, b_col + k0]))
+            acc = dot_f32acc(a, b, acc)
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    elif N_SPLIT == 2:
         acc0, acc1 = _tma_loop_nsplit(a_desc, b_desc, as_ptr, stride_ask, rows, rmask, bs_e,
                                       bs_si, bs_sj, pid_n, start, b_row, b_col, k_end, BM,
                                       BN, BK, SCALE_AHEAD)
@@ -528,7 +567,11 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
     ``python -m benchmark.fp8_gemm_sweep --ptxas``). ``tma`` (the FP8 TMA kernel, 152
     registers at 64x128 / 4 warps): 3 stages, which leaves shared memory for three
     programs per SM (the fastest on an H100 at every MoE shape but one, within 1% there,
-    ``benchmark/results/h100_fp8_tma_sweep_2026-11-25.*``)."""
+    ``benchmark/results/h100_fp8_tma_sweep_2026-11-25.*``). bf16/fp16 with ``tma`` (the
+    same kernel on bf16 descriptors; sm_90 ptxas, triton 3.6 and 3.9): 64x128 / 4 warps
+    94-95 registers, 96 KiB at 4 stages (two programs per SM); 128x128 / 8 warps 91-92
+    registers, 96 KiB at 3 stages (two per SM). Not yet timed on a GPU: the tiles are
+    ``benchmark/probe_grouped_bf16.py``'s to choose."""
     if INTERPRET:
         bm = block_m or 32
         return dict(BM=bm, BN=64, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
@@ -541,6 +584,8 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
     bm = block_m or (64 if R < 512 * E else 128)
     if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
         return dict(BM=bm, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
+    if tma and bm == 128:  # 91 registers, 96 KiB: two programs per SM
+        return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
     return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8 if bm == 128 else 4,
                 num_stages=4)
 
@@ -616,27 +661,68 @@ def _check_fp8_config(config: dict) -> dict:
 #: pointer-load kernel everywhere.
 FP8_TMA: bool = os.environ.get("LINGHE_FP8_TMA", "1") == "1"
 
+#: The same for bf16/fp16 operands (the Triton backend of :func:`grouped_mm_fwd` and the
+#: dgrad): :func:`_grouped_rows_fp8_tma_kernel` on bf16/fp16 descriptors where
+#: :func:`_tma_operands` can describe the operands. ``LINGHE_BF16_TMA=0``: the pointer
+#: kernel everywhere (main's bf16 path before the TMA loads).
+BF16_TMA: bool = os.environ.get("LINGHE_BF16_TMA", "1") == "1"
 
-def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN):
+
+def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK=BLOCK):
     """``(a_desc, b_desc, b_row_e, b_col_e)`` for :func:`_grouped_rows_fp8_tma_kernel`, or
-    ``None`` where TMA cannot address the operands: ``b`` must be contiguous along the
-    contraction dim and be one 2-D matrix either as ``[E*J, I]`` (experts stacked along
-    the rows: the forward's weights) or ``[J, E*I]`` (along the columns, ``I`` a
-    multiple of 128 so that no K box reaches the next expert: the dgrad's columnwise
-    copy); row strides and bases 16-byte aligned (TMA)."""
-    if stride_bi != 1 or a.stride(1) != 1 or a.stride(0) % 16 or stride_bj % 16:
+    ``None`` where TMA cannot address the operands. ``a [R, I]`` in ``[BM, BK]`` boxes.
+    ``b`` is one 2-D matrix, either contiguous along the contraction dim (``stride_bi ==
+    1``, ``[BN, BK]`` boxes) as ``[E*J, I]`` (experts stacked along the rows: the
+    forward's weights) or ``[J, E*I]`` (along the columns, ``I`` a multiple of ``BK`` so
+    that no K box reaches the next expert: the FP8 dgrad's columnwise copy), or, 2-byte
+    operands only, contiguous along the output dim (``stride_bj == 1``, ``[BK, BN]``
+    boxes, the kernel's ``B_NMAJOR``: the bf16 dgrad's ``W_e [I, J]``) as ``[E*I, J]``
+    with ``I`` a multiple of ``BK``. Row strides and bases 16-byte aligned (TMA)."""
+    es = a.element_size()
+    if a.stride(1) != 1 or (a.stride(0) * es) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16:
         return None
-    if a.data_ptr() % 16 or b.data_ptr() % 16:
-        return None
-    if stride_be == J * stride_bj:
-        shape, b_row_e, b_col_e = [E * J, I], J, 0
-    elif stride_be == I and stride_bj >= E * I and I % BLOCK == 0:
-        shape, b_row_e, b_col_e = [J, E * I], 0, I
+    if stride_bi == 1:
+        if (stride_bj * es) % 16:
+            return None
+        if stride_be == J * stride_bj:
+            shape, b_row_e, b_col_e = [E * J, I], J, 0
+        elif stride_be == I and stride_bj >= E * I and I % BK == 0:
+            shape, b_row_e, b_col_e = [J, E * I], 0, I
+        else:
+            return None
+        b_desc = TensorDescriptor(b, shape, [stride_bj, 1], [BN, BK])
+    elif stride_bj == 1 and es == 2:
+        if (stride_bi * es) % 16 or stride_be != I * stride_bi or I % BK:
+            return None
+        b_row_e, b_col_e = I, 0
+        b_desc = TensorDescriptor(b, [E * I, J], [stride_bi, 1], [BK, BN])
     else:
         return None
-    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [BM, BLOCK])
-    b_desc = TensorDescriptor(b, shape, [stride_bj, 1], [BN, BLOCK])
+    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [BM, BK])
     return a_desc, b_desc, b_row_e, b_col_e
+
+
+def _check_rows_config(config: dict, f32: bool) -> dict:
+    """The high-precision rows kernel's tiles from a ``config`` override (keys ``BM``,
+    ``BN``, ``num_warps``, ``num_stages``; optional ``BK`` (64; 32 for float32),
+    ``GROUP_M`` (8), ``TMA`` (:data:`BF16_TMA`; bf16/fp16 only)), checked. Where the
+    launcher falls back to the pointer kernel (operands TMA cannot describe) the same
+    tiles load through pointers."""
+    known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "TMA"}
+    if set(config) - known:
+        raise ValueError(f"grouped GEMM config: unknown keys {sorted(set(config) - known)} "
+                         f"(bf16/fp16/fp32 take {sorted(known)})")
+    out = dict(BM=config["BM"], BN=config["BN"], BK=config.get("BK", 32 if f32 else 64),
+               GROUP_M=config.get("GROUP_M", 8), num_warps=config["num_warps"],
+               num_stages=config["num_stages"], TMA=bool(config.get("TMA", BF16_TMA and not f32)))
+    for k in ("BM", "BN", "BK"):
+        v = out[k]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"grouped GEMM config: {k} must be a power of two >= 16, got {v}")
+    if out["TMA"] and f32:
+        raise ValueError("grouped GEMM config: TMA loads are for bf16/fp16 operands (float32 "
+                         "runs the pointer kernel)")
+    return out
 
 
 def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
@@ -646,12 +732,14 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     i*stride_bi + j*stride_bj]``. ``a [R, I]`` and ``out [R, J]`` row-major with a
     contiguous last dim; ``a_scale [R, cdiv(I, 128)]`` (FP8; any strides: it is
     transposed here, one small copy, for contiguous per-step loads). Writes every row of
-    ``out`` (zeros past ``offsets[E]``). ``config`` (FP8 only): pinned tiles, promotion
-    form and operand loads instead of the defaults (:func:`_check_fp8_config`).
+    ``out`` (zeros past ``offsets[E]``). ``config``: pinned tiles (and, FP8, promotion
+    form) and operand loads instead of the defaults (:func:`_check_fp8_config`,
+    :func:`_check_rows_config`).
 
-    FP8 by default (promoting form): the TMA kernel (:data:`FP8_TMA`, fixed tiles from
-    :func:`_mm_config`) where :func:`_tma_operands` can describe the operands, else the
-    pointer kernel (autotuned from ``AUTOTUNE_MIN_ROWS`` rows on)."""
+    By default the TMA kernel (:data:`FP8_TMA` promoting form / :data:`BF16_TMA` bf16 and
+    fp16; fixed tiles from :func:`_mm_config`) where :func:`_tma_operands` can describe
+    the operands, else the pointer kernel (FP8: autotuned from ``AUTOTUNE_MIN_ROWS`` rows
+    on). float32 always runs the pointer kernel (IEEE products)."""
     R, I = a.shape
     J = out.shape[1]
     E = offsets.numel() - 1
@@ -663,23 +751,25 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     as_t = a_scale.t().contiguous() if fp8 else offsets  # [GK, R]
     cfg = None
     if config is not None:
-        if not fp8:
-            raise ValueError("launch_grouped_rows: config is for the FP8 kernel only")
-        cfg = _check_fp8_config(config)
+        cfg = _check_fp8_config(config) if fp8 else _check_rows_config(config, f32)
         tma = cfg.pop("TMA")
+    elif fp8:
+        tma = FP8_TMA and not FP8_RESCALE
     else:
-        tma = fp8 and FP8_TMA and not FP8_RESCALE
+        tma = BF16_TMA and a.element_size() == 2
     if tma:
-        tcfg = cfg or _mm_config(R, E, J, True, block_m, tma=True)
+        tcfg = cfg or _mm_config(R, E, J, fp8, block_m, tma=True)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, tcfg["BM"],
-                            tcfg["BN"] // tcfg.get("N_SPLIT", 1))
+                            tcfg["BN"] // tcfg.get("N_SPLIT", 1), tcfg["BK"])
         if ops is not None:
             tcfg = {k: v for k, v in tcfg.items() if k != "RESCALE"}
             grid = (row_tile_bound(R, E, tcfg["BM"]) * cdiv(J, tcfg["BN"]),)
             with device_guard(a):
-                launch(_grouped_rows_fp8_tma_kernel, grid, *ops[:2], out, as_t, b_scale,
-                       offsets, R, I, J, E, triton.next_power_of_2(R), *ops[2:],
-                       out.stride(0), as_t.stride(0), *bs_strides, EP2=EP2, **tcfg)
+                launch(_grouped_rows_fp8_tma_kernel, grid, *ops[:2], out, as_t,
+                       b_scale if fp8 else offsets, offsets, R, I, J, E,
+                       triton.next_power_of_2(R), *ops[2:], out.stride(0),
+                       as_t.stride(0) if fp8 else 0, *bs_strides, EP2=EP2,
+                       B_NMAJOR=stride_bi != 1, **tcfg)
             return out
     args = (a, b, out, as_t, b_scale if fp8 else offsets, offsets, R, I, J, E,
             triton.next_power_of_2(R), a.stride(0), stride_be, stride_bi, stride_bj,
