@@ -11,12 +11,10 @@ main's (the "main" rows: ``--old DIR``, a folder holding main's ``linghe/fwd/rop
 ``linghe/bwd/rope.py`` as ``DIR/fwd/rope.py`` and ``DIR/bwd/rope.py`` (or under
 ``DIR/linghe/``), for a copy of the tree without git; else git ``--old-rev``, default
 :data:`OLD_REV`) and, for the new kernels, the knobs worth trying (rows marked ``*`` are
-the defaults): ``FWD_PROGRAMS_PER_SM`` / ``FWD_STAGES`` (a persistent, pipelined forward
-instead of one program per token block), ``FWD_TOKENS`` / ``FWD_NUM_WARPS``,
-``BWD_STAGES`` / ``BWD_TOKENS`` / ``BWD_NUM_WARPS``, ``ROW_ORDER`` (token blocks in the
-"sbh" projection's row order), ``COS_SIN_APPROX`` and the weight-gradient reduction's
-``DW_BLOCK_P`` / ``DW_BLOCK_N``, ``FWD_ROW_TILE`` (whole projection rows per tile) and
-``PREFETCH_K``. Variant rows are skipped once the run passes ``--max-seconds`` (default
+the defaults): ``FWD_TOKENS`` / ``FWD_NUM_WARPS``, ``BWD_STAGES`` / ``BWD_TOKENS`` /
+``BWD_NUM_WARPS``, ``ROW_ORDER`` (token blocks in the "sbh" projection's row order, or
+the output order), ``COS_SIN_APPROX`` and the weight-gradient reduction's ``DW_BLOCK_P``
+/ ``DW_BLOCK_N``. Variant rows are skipped once the run passes ``--max-seconds`` (default
 70).
 
 Times per call: ``kernel µs`` is the profiler's kernel time (sum of the kernels one call
@@ -76,21 +74,15 @@ from .harness import (  # noqa: E402
 #: bit on lanes, MUFU cos/sin, the 3-stage backward loop: H200 fwd 29.4 µs, bwd 44.2).
 OLD_REV = "8ff0efd"
 
-# Knob sets, each applied over the defaults. Forward: tokens, warps, approx, pps
-# (FWD_PROGRAMS_PER_SM, 0: one program per token block), stages (FWD_STAGES), row
-# (ROW_ORDER), tile ("row": FWD_ROW_TILE, "kind": a tile per kind). Backward: tokens,
-# warps, stages, approx, row, pk (PREFETCH_K), dw (DW_BLOCK_P, DW_BLOCK_N).
+# Knob sets, each applied over the defaults. Forward: tokens, warps, approx, row
+# (ROW_ORDER). Backward: tokens, warps, stages, approx, row, dw (DW_BLOCK_P, DW_BLOCK_N).
 # In order of interest (the probe alternates forward and backward rows): the time
 # budget may cut the tail.
-_FWD_KNOBS = [dict(tile="row"), dict(pps=8, stages=3), dict(tile="row", warps=8),
-              dict(row=True), dict(pps=8, stages=2), dict(tile="row", pps=8, stages=3),
-              dict(warps=2), dict(pps=8, stages=3, row=True), dict(tokens=2)]
-_BWD_KNOBS = [dict(pk=False), dict(stages=2), dict(row=True), dict(stages=4),
-              dict(warps=8, stages=2), dict(stages=1), dict(dw=(1024, 4))]
-_CPU_FWD_KNOBS = [dict(pps=8, stages=3), dict(row=True), dict(tokens=2, approx=False),
-                  dict(tile="row"), dict(tile="row", pps=8, stages=2, row=True)]
-_CPU_BWD_KNOBS = [dict(stages=1), dict(row=True, pk=False),
-                  dict(tokens=2, stages=2, approx=False)]
+_FWD_KNOBS = [dict(row=False), dict(warps=2), dict(tokens=2)]
+_BWD_KNOBS = [dict(row=False), dict(stages=1), dict(stages=4), dict(stages=2),
+              dict(warps=8, stages=2), dict(dw=(1024, 4))]
+_CPU_FWD_KNOBS = [dict(row=False), dict(tokens=2, approx=False)]
+_CPU_BWD_KNOBS = [dict(stages=1), dict(row=False), dict(tokens=2, stages=2, approx=False)]
 _TOL = 1e-2  # bf16 vs the float32 reference (relative error)
 #: Variant rows (not main / default rows) are skipped once the probe has run this long.
 MAX_SECONDS = 70.0
@@ -140,16 +132,13 @@ def _load_old(old_dir: str | None, rev: str):
 # ------------------------------------------------------------------------ knobs
 def _defaults(F, B):
     return (dict(tokens=F.FWD_TOKENS, warps=F.FWD_NUM_WARPS, approx=F.COS_SIN_APPROX,
-                 pps=F.FWD_PROGRAMS_PER_SM, stages=F.FWD_STAGES, row=F.ROW_ORDER,
-                 tile="row" if F.FWD_ROW_TILE else "kind"),
+                 row=F.ROW_ORDER),
             dict(tokens=F.BWD_TOKENS, warps=F.BWD_NUM_WARPS, stages=F.BWD_STAGES,
-                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, pk=B.PREFETCH_K,
-                 dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
+                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
 
 
 _NAMES = {"fwd": dict(tokens="FWD_TOKENS", warps="FWD_NUM_WARPS", approx="COS_SIN_APPROX",
-                      pps="FWD_PROGRAMS_PER_SM", stages="FWD_STAGES", row="ROW_ORDER",
-                      tile="FWD_ROW_TILE"),
+                      row="ROW_ORDER"),
           "bwd": dict(tokens="BWD_TOKENS", warps="BWD_NUM_WARPS", stages="BWD_STAGES",
                       approx="COS_SIN_APPROX", row="ROW_ORDER")}
 
@@ -159,16 +148,11 @@ def _knobs(F, B, op, kn):
     """Set the module knobs of ``op`` ("fwd"/"bwd") to ``kn`` for the block."""
     names = _NAMES[op]
     saved = [(F, a, getattr(F, a)) for a in names.values()]
-    saved += [(B, "DW_BLOCK_P", B.DW_BLOCK_P), (B, "DW_BLOCK_N", B.DW_BLOCK_N),
-              (B, "PREFETCH_K", B.PREFETCH_K)]
+    saved += [(B, "DW_BLOCK_P", B.DW_BLOCK_P), (B, "DW_BLOCK_N", B.DW_BLOCK_N)]
     try:
         for k, v in kn.items():
             if k == "dw":
                 B.DW_BLOCK_P, B.DW_BLOCK_N = v
-            elif k == "pk":
-                B.PREFETCH_K = v
-            elif k == "tile":
-                F.FWD_ROW_TILE = v == "row"
             else:
                 setattr(F, names[k], v)
         yield
@@ -181,17 +165,11 @@ def _knob_str(kn):
     if kn is None:
         return "main"
     s = f"t{kn['tokens']} w{kn['warps']}"
-    if kn.get("tile") == "row":
-        s += " rowtile"
-    if kn.get("pps"):
-        s += f" persist{kn['pps']}"
-    if "stages" in kn and (kn.get("pps", 1) or "dw" in kn):
+    if "stages" in kn:
         s += f" s{kn['stages']}"
     s += " mufu" if kn["approx"] else " poly"
     if kn.get("row"):
         s += " row"
-    if kn.get("pk") is False:
-        s += " no-prefetch-k"
     if "dw" in kn:
         s += f" dw{kn['dw'][0]}x{kn['dw'][1]}"
     return s
@@ -556,16 +534,8 @@ def sass_table(args) -> int:
         cfg = F.launch_config(H, HKV, D, R, T, kn["tokens"], kn["warps"], kn["approx"],
                               "sbh", p["B"])
         cfg["ROW_ORDER"] = bool(kn.get("row"))
-        cfg["STAGES"] = kn["stages"]
         if op == "bwd":
-            cfg["PREFETCH_K"] = kn["pk"] and cfg["ONE_BLOCK"]
-        if op == "fwd":
-            cfg["PERSISTENT"] = kn["pps"] > 0
-            width = 1 << (H + 2 * HKV - 1).bit_length()
-            cfg["ROW_TILE"] = kn["tile"] == "row"
-            cfg["BLOCK_W"] = width if cfg["ROW_TILE"] else 1
-            if cfg["ROW_TILE"]:
-                cfg["EVEN"] = cfg["EVEN"] and width == H + 2 * HKV
+            cfg["STAGES"] = kn["stages"]
         return cfg
 
     jobs = [("fwd", None, oldF._qk_norm_rope_fwd_kernel,

@@ -102,16 +102,14 @@ def test_qk_norm_rope_many_tokens(device, monkeypatch, tokens, programs):
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("approx,stages,fwd_per_sm,row_order,prefetch,layout,D,R", [
-    (False, 1, 0, False, True, "bsh", 12, 8), (True, 3, 2, True, False, "sbh", 12, 8),
-    (False, 2, 1, True, True, "sbh", 16, 8), (True, 3, 0, False, False, "sbh", 16, 8)])
-def test_qk_norm_rope_kernel_knobs(device, monkeypatch, approx, stages, fwd_per_sm,
-                                   row_order, prefetch, layout, D, R):
+@pytest.mark.parametrize("approx,stages,row_order,layout,D,R", [
+    (False, 1, False, "bsh", 12, 8), (True, 3, True, "sbh", 12, 8),
+    (False, 2, True, "sbh", 16, 8), (True, 3, False, "sbh", 16, 8)])
+def test_qk_norm_rope_kernel_knobs(device, monkeypatch, approx, stages, row_order, layout,
+                                   D, R):
     # The kernels' knobs: the polynomial or the MUFU cos/sin (the interpreter evaluates
-    # the MUFU path with tl.cos/tl.sin), the token loops unpipelined or pipelined (the
-    # backward's always persistent, the forward's when FWD_PROGRAMS_PER_SM > 0: 4 "SMs"
-    # x 1-2 programs for 87 tokens), token blocks in the "sbh" row order, the backward's
-    # k pieces loaded a step ahead by hand or by the pipeliner (PREFETCH_K), and a
+    # the MUFU path with tl.cos/tl.sin), the backward's persistent token loop unpipelined
+    # or pipelined, token blocks in the "sbh" row order or the output order, and a
     # weight-gradient reduction over several row blocks (4 SMs x 8 programs = 32 partial
     # rows on the CPU, 16 rows per block, 4 columns per program). D=16, R=8 has every
     # piece full (unmasked "EVEN" kernels), D=12, R=8 a rest narrower than the halves.
@@ -120,32 +118,12 @@ def test_qk_norm_rope_kernel_knobs(device, monkeypatch, approx, stages, fwd_per_
 
     monkeypatch.setattr(fwd_rope, "COS_SIN_APPROX", approx)
     monkeypatch.setattr(fwd_rope, "BWD_STAGES", stages)
-    monkeypatch.setattr(fwd_rope, "FWD_STAGES", stages)
-    monkeypatch.setattr(fwd_rope, "FWD_PROGRAMS_PER_SM", fwd_per_sm)
     monkeypatch.setattr(fwd_rope, "ROW_ORDER", row_order)
     monkeypatch.setattr(bwd_rope, "PROGRAMS_PER_SM", 8)
-    monkeypatch.setattr(bwd_rope, "PREFETCH_K", prefetch)
     monkeypatch.setattr(bwd_rope, "DW_BLOCK_P", 16)
     monkeypatch.setattr(bwd_rope, "DW_BLOCK_N", 4)
     _check_qk_norm_rope(device, B=3, S=29, H=2, Hkv=1, D=D, R=R, layout=layout,
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
-
-
-@pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("norm", ["both", "q", "k", "none"])
-@pytest.mark.parametrize("persistent", [False, True])
-def test_qk_norm_rope_row_tile(device, monkeypatch, interleaved, norm, persistent):
-    # The forward's whole-row tiles (FWD_ROW_TILE): each column's kind picks its weight,
-    # output and math (5 head columns in an 8-column tile: masked), one program per token
-    # or a persistent pipelined loop.
-    from linghe.fwd import rope as fwd_rope
-
-    monkeypatch.setattr(fwd_rope, "FWD_ROW_TILE", True)
-    monkeypatch.setattr(fwd_rope, "FWD_PROGRAMS_PER_SM", 1 if persistent else 0)
-    monkeypatch.setattr(fwd_rope, "FWD_STAGES", 2 if persistent else 1)
-    _check_qk_norm_rope(device, B=2, S=7, H=3, Hkv=1, D=10, R=4, layout="sbh",
-                        interleaved=interleaved, norm=norm, packed=persistent,
-                        dtype=torch.float32)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -446,25 +424,17 @@ fargs, bargs, base = kernel_args()
 cfg = dict(F.launch_config(16, 4, 128, 64, 8192, 1, 4, True, "sbh", 2))
 nw = cfg.pop("num_warps")
 assert cfg["EVEN"] and cfg["SAME"], cfg
-for persistent in (False, True):
-    ptx = compile_sm90(F._qk_norm_rope_fwd_kernel, fargs,
-                       dict(base, **cfg, PERSISTENT=persistent, STAGES=1, ROW_TILE=False,
-                            BLOCK_W=1), nw).asm["ptx"]
-    # The rotation partner is in-thread, the per-head sums stay in a warp (no shared
-    # memory, no barrier), cos/sin are MUFU ops, the pieces move in 8-byte vectors at
-    # 4 warps, token indices are int32 (no 64-bit division) and no store is masked.
-    assert "bar.sync" not in ptx and "cos.approx" in ptx and "sin.approx" in ptx
-    assert "ld.global.v2" in ptx and "st.global.v2" in ptx
-    assert "div.s64" not in ptx and "div.u64" not in ptx
-    assert not [ln for ln in ptx.splitlines() if "st.global" in ln and "@" in ln]
-# The whole-row tile (24 head columns in 32): 16-byte loads and stores, no shared memory.
-ptx = compile_sm90(F._qk_norm_rope_fwd_kernel, fargs,
-                   dict(base, **dict(cfg, EVEN=False), PERSISTENT=False, STAGES=1,
-                        ROW_TILE=True, BLOCK_W=32), nw).asm["ptx"]
-assert "bar.sync" not in ptx and "ld.global.v4" in ptx and "st.global.v4" in ptx
+ptx = compile_sm90(F._qk_norm_rope_fwd_kernel, fargs, dict(base, **cfg), nw).asm["ptx"]
+# The rotation partner is in-thread, the per-head sums stay in a warp (no shared
+# memory, no barrier), cos/sin are MUFU ops, the pieces move in 8-byte vectors at
+# 4 warps, token indices are int32 (no 64-bit division) and no store is masked.
+assert "bar.sync" not in ptx and "cos.approx" in ptx and "sin.approx" in ptx
+assert "ld.global.v2" in ptx and "st.global.v2" in ptx
+assert "div.s64" not in ptx and "div.u64" not in ptx
+assert not [ln for ln in ptx.splitlines() if "st.global" in ln and "@" in ln]
 for stages in (1, 2):
-    ptx = compile_sm90(B._qk_norm_rope_bwd_kernel, bargs,
-                       dict(base, STAGES=stages, PREFETCH_K=True, **cfg), nw).asm["ptx"]
+    ptx = compile_sm90(B._qk_norm_rope_bwd_kernel, bargs, dict(base, STAGES=stages, **cfg),
+                       nw).asm["ptx"]
     assert ("cp.async" in ptx) == (stages > 1), stages
     assert "div.s64" not in ptx and "div.u64" not in ptx
 print("COMPILED")

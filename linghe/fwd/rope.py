@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..bwd.resident import learn_resident, resident_programs
-from ..utils import _INTERPRET_C, device_guard, empty, launch, next_power_of_2, num_sms
+from ..utils import _INTERPRET_C, device_guard, empty, launch, next_power_of_2
 
 
 @triton.jit
@@ -59,21 +58,6 @@ def head_columns(h, H, HKV, G: tl.constexpr, KIND: tl.constexpr, INTERLEAVED: tl
         else:
             col = H + HKV + h
     return col
-
-
-@triton.jit
-def column_heads(j, H, HKV, G: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The inverse of :func:`head_columns`: ``(kind, head)`` (kind 0=q, 1=k, 2=v) of the
-    fused projection's head column ``j``."""
-    if INTERLEAVED:
-        r = j % (G + 2)
-        g = j // (G + 2)
-        kind = tl.where(r < G, 0, tl.where(r == G, 1, 2))
-        head = tl.where(r < G, g * G + r, g)
-    else:
-        kind = tl.where(j < H, 0, tl.where(j < H + HKV, 1, 2))
-        head = tl.where(j < H, j, tl.where(j < H + HKV, j - H, j - H - HKV))
-    return kind, head
 
 
 # --------------------------------------------------------------------------------------
@@ -355,74 +339,6 @@ def fwd_heads(row, out_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, w1, w2, w
 
 
 @triton.jit
-def fwd_row_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, T,
-                  S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps,
-                  G: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
-                  NORM_Q: tl.constexpr, NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
-                  SAME: tl.constexpr, EVEN: tl.constexpr, APPROX: tl.constexpr,
-                  ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
-    """Token block ``blk`` of the forward with each token's whole projection row in one
-    tile of ``BLOCK_W`` head columns (q, k and v heads in memory order): one wave of
-    loads (the separate q and k tiles get their loads issued in two rounds by ptxas), and
-    each column's kind selects its norm weight, its output row and whether it is
-    normalized and rotated (v columns pass unchanged)."""
-    t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
-    row = qkv_ptr + token_offsets(b, s, stride_b, stride_s)
-    t3 = t.to(tl.int64)[None, :, None]
-    j = tl.arange(0, BLOCK_W)
-    kind, head = column_heads(j, H, HKV, G, INTERLEAVED)
-    kind = kind[:, None, None]
-    head = head[:, None, None]
-    m = (j < H + 2 * HKV)[:, None, None] & live[None, :, None]
-    x1, x2, x3, x4 = load_head(row, (j * D)[:, None, None], m, HALF, R, RH, HAS_REST, EVEN,
-                               BLOCK_HALF, BLOCK_RH)
-    cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS, EVEN,
-                            APPROX, BLOCK_HALF)
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    a3 = x3.to(tl.float32)
-    a4 = x4.to(tl.float32)
-    c1 = a1
-    c2 = a2
-    c3 = a3
-    c4 = a4
-    if NORM_Q or NORM_K:
-        if NORM_Q and NORM_K:
-            normed = kind < 2
-        elif NORM_Q:
-            normed = kind == 0
-        else:
-            normed = kind == 1
-        # each column's weight (1 where it is not normalized): loads that hit L1/L2
-        wp = tl.where(kind == 0, qw_ptr, kw_ptr)
-        i = tl.arange(0, BLOCK_HALF)[None, None, :]
-        rstd = tl.where(normed, head_rstd(a1, a2, a3, a4, D, eps, HAS_REST, SAME), 1.0)
-        a1 = a1 * rstd * tl.load(wp + i, mask=normed & (i < HALF), other=1.0).to(tl.float32)
-        a2 = a2 * rstd * tl.load(wp + HALF + i, mask=normed & (i < HALF),
-                                 other=1.0).to(tl.float32)
-        if HAS_REST:
-            jr = tl.arange(0, BLOCK_RH)[None, None, :]
-            a3 = a3 * rstd * tl.load(wp + R + jr, mask=normed & (jr < RH),
-                                     other=1.0).to(tl.float32)
-            a4 = a4 * rstd * tl.load(wp + R + RH + jr, mask=normed & (jr < RH),
-                                     other=1.0).to(tl.float32)
-    is_v = kind == 2
-    y1 = tl.where(is_v, c1, a1 * cos - a2 * sin)
-    y2 = tl.where(is_v, c2, a2 * cos + a1 * sin)
-    y3 = tl.where(is_v, c3, a3)
-    y4 = tl.where(is_v, c4, a4)
-    # one store per kind, each masked to its columns (a select of the three output
-    # pointers loses their alignment in triton 3.9's analysis: unvectorized stores)
-    store_head(q_ptr + t3 * (H * D), head * D, m & (kind == 0), y1, y2, y3, y4, HALF, R, RH,
-               HAS_REST, False, BLOCK_HALF, BLOCK_RH)
-    store_head(k_ptr + t3 * (HKV * D), head * D, m & (kind == 1), y1, y2, y3, y4, HALF, R,
-               RH, HAS_REST, False, BLOCK_HALF, BLOCK_RH)
-    store_head(v_ptr + t3 * (HKV * D), head * D, m & is_v, y1, y2, y3, y4, HALF, R, RH,
-               HAS_REST, False, BLOCK_HALF, BLOCK_RH)
-
-
-@triton.jit
 def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H, HKV,
               D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2,
               wk3, wk4, G: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
@@ -475,30 +391,6 @@ def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATC
 
 
 @triton.jit
-def fwd_any_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, T,
-                  S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1,
-                  wq2, wq3, wq4, wk1, wk2, wk3, wk4, G: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
-                  NORM_K: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr,
-                  ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr, APPROX: tl.constexpr,
-                  ROW_ORDER: tl.constexpr, ROW_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token block ``blk``: :func:`fwd_row_block` (``ROW_TILE``) or :func:`fwd_block`."""
-    if ROW_TILE:
-        fwd_row_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
-                      T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, G,
-                      INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME, EVEN, APPROX,
-                      ROW_ORDER, BLOCK_T, BLOCK_W, BLOCK_HALF, BLOCK_RH)
-    else:
-        fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H,
-                  HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4,
-                  wk1, wk2, wk3, wk4, G, INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST,
-                  SAME, ONE_BLOCK, EVEN, APPROX, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK,
-                  BLOCK_HALF, BLOCK_RH, BLOCK_D)
-
-
-@triton.jit
 def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
                              v_ptr, T, S, NBATCH, NPOS, stride_b, stride_s, eps,
                              H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -508,58 +400,31 @@ def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr,
                              NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
                              SAME: tl.constexpr, ONE_BLOCK: tl.constexpr,
                              EVEN: tl.constexpr, APPROX: tl.constexpr,
-                             ROW_ORDER: tl.constexpr, ROW_TILE: tl.constexpr,
-                             PERSISTENT: tl.constexpr, STAGES: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                             BLOCK_HK: tl.constexpr, BLOCK_W: tl.constexpr,
+                             ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
                              BLOCK_D: tl.constexpr):
-    """One token block of ``BLOCK_T`` tokens per program, or (``PERSISTENT``) token blocks
-    ``pid, pid + P, ...`` in a loop software-pipelined over ``STAGES`` stages, the norm
-    weights read once per program. ``ROW_TILE``: whole projection rows per tile
-    (:func:`fwd_row_block`), else a tile per kind (:func:`fwd_block`)."""
+    """One token block of ``BLOCK_T`` tokens per program (:func:`fwd_block`)."""
     pid = tl.program_id(0)
     wq1, wq2, wq3, wq4 = load_weight(qw_ptr, HALF, R, RH, NORM_Q, HAS_REST, BLOCK_HALF,
                                      BLOCK_RH)
     wk1, wk2, wk3, wk4 = load_weight(kw_ptr, HALF, R, RH, NORM_K, HAS_REST, BLOCK_HALF,
                                      BLOCK_RH)
-    if PERSISTENT:
-        for blk in tl.range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0),
-                            num_stages=STAGES):
-            fwd_any_block(blk, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
-                          v_ptr, T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b,
-                          stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, G,
-                          INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME, ONE_BLOCK,
-                          EVEN, APPROX, ROW_ORDER, ROW_TILE, BLOCK_T, BLOCK_HQ, BLOCK_HK,
-                          BLOCK_W, BLOCK_HALF, BLOCK_RH, BLOCK_D)
-    else:
-        fwd_any_block(pid, qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
-                      T, S, NBATCH, H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps,
-                      wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, G, INTERLEAVED, HAS_POS,
-                      NORM_Q, NORM_K, HAS_REST, SAME, ONE_BLOCK, EVEN, APPROX, ROW_ORDER,
-                      ROW_TILE, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_W, BLOCK_HALF, BLOCK_RH,
-                      BLOCK_D)
+    fwd_block(pid, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H, HKV,
+              D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2,
+              wk3, wk4, G, INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME, ONE_BLOCK,
+              EVEN, APPROX, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH,
+              BLOCK_D)
 
 
-#: Tokens per program (or per loop step) and warps of the forward, and the backward's
-#: tokens per loop step and warps; see :func:`rope_config`.
+#: Tokens per program and warps of the forward, and the backward's tokens per loop step
+#: and warps; see :func:`rope_config`. H100 (probe_rope, 2026-11-26, standard shape):
+#: this forward 36.8 µs; a whole-row tile (q, k and v heads in one tile, 38.5-41.7) and a
+#: persistent software-pipelined forward (38.3-40.4) lost and were removed.
 FWD_TOKENS = 1
 FWD_NUM_WARPS = 4
 BWD_TOKENS = 1
 BWD_NUM_WARPS = 4
-#: Forward grid: ``0`` one program per token block; ``n > 0`` a persistent grid of at most
-#: ``n`` programs per SM (what fits, learned from the first launch), each looping over
-#: token blocks, software-pipelined over ``FWD_STAGES`` stages.
-FWD_PROGRAMS_PER_SM = 0
-FWD_STAGES = 1
-#: Forward tiles: ``True`` each token's whole projection row (q, k and v heads) in one
-#: tile (:func:`fwd_row_block`, when it fits ``TILE_CAP``), ``False`` a tile per kind.
-#: Offline sm_90 compile, triton 3.6, standard shape, one token and 4 warps per program
-#: (``python -m benchmark.probe_rope --sass``): per kind 50 registers, 352 SASS
-#: instructions (8-byte q accesses, 2-byte k accesses, the k loads issued after the q
-#: data arrived); whole rows 80 registers, 536 instructions (16-byte accesses, one wave
-#: of loads); main's kernel 48 registers, 536 instructions.
-FWD_ROW_TILE = False
 #: Software-pipelining stages of the backward's persistent token loop (``tl.range``
 #: ``num_stages``; 1: a plain loop). With 2-3 stages Triton prefetches the next token
 #: blocks' loads with ``cp.async`` into shared memory while a block is computed. H200
@@ -573,8 +438,9 @@ BWD_STAGES = 3
 COS_SIN_APPROX = True
 #: ``"sbh"`` projections with several sequences: token blocks in the projection's row
 #: order (``s*B + b``: both kernels read/write it sequentially, the ``[B, S, ...]``
-#: tensors at B places) instead of the output order (``b*S + s``).
-ROW_ORDER = False
+#: tensors at B places) instead of the output order (``b*S + s``). H100 (probe_rope,
+#: standard shape, B = 2): backward 59.0 -> 57.4 µs, forward 36.8 either way.
+ROW_ORDER = True
 #: Elements of one kind's head tile (all its tokens and heads, full head width) at most.
 TILE_CAP = 8192
 
@@ -661,30 +527,14 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
     check_tokens(T)
     cfg = launch_config(H, Hkv, D, rotary_dim, T, FWD_TOKENS, FWD_NUM_WARPS, COS_SIN_APPROX,
                         layout, B)
-    stages = max(1, int(FWD_STAGES))
-    blocks = -(-T // cfg["BLOCK_T"])
-    width = next_power_of_2(H + 2 * Hkv)
-    cfg["ROW_TILE"] = bool(FWD_ROW_TILE) and width * cfg["BLOCK_D"] * cfg["BLOCK_T"] <= TILE_CAP
-    cfg["BLOCK_W"] = width if cfg["ROW_TILE"] else 1
-    if cfg["ROW_TILE"]:
-        cfg["EVEN"] = cfg["EVEN"] and width == H + 2 * Hkv
-    key = None
-    P = blocks
-    if FWD_PROGRAMS_PER_SM > 0:
-        key = ("qk_norm_rope_fwd", dev.index, qkv.dtype, q_norm_weight is not None,
-               k_norm_weight is not None, interleaved, position_ids is not None, H, Hkv, D,
-               rotary_dim, stages, *cfg.values())
-        P = max(1, min(blocks, num_sms(dev) * resident_programs(key, FWD_PROGRAMS_PER_SM)))
     with device_guard(qkv):
-        ck = launch(_qk_norm_rope_fwd_kernel, (P,),
+        launch(_qk_norm_rope_fwd_kernel, (-(-T // cfg["BLOCK_T"]),),
             qkv, freqs, position_ids if position_ids is not None else freqs,
             q_norm_weight if q_norm_weight is not None else freqs,
             k_norm_weight if k_norm_weight is not None else freqs,
             q, k, v, T, S, B, freqs.shape[0], stride_b, stride_s, eps, INTERLEAVED=interleaved,
             HAS_POS=position_ids is not None, NORM_Q=q_norm_weight is not None,
-            NORM_K=k_norm_weight is not None, PERSISTENT=P < blocks, STAGES=stages, **cfg)
-    if key is not None:
-        learn_resident(key, ck, cfg["num_warps"], FWD_PROGRAMS_PER_SM)
+            NORM_K=k_norm_weight is not None, **cfg)
     return q, k, v
 
 
