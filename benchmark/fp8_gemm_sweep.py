@@ -22,16 +22,14 @@ beside ``torch._grouped_mm`` bf16 on the same segments (through linghe's ``backe
 autotuner over ``_FP8_CONFIGS`` / ``_WGRAD_FP8_CONFIGS``). The wgrad takes its operands
 as the MoE layer does (columnwise groups per segment, ``quantize_grouped_1x128``).
 Forms: ``promote`` (``acc += dot * scale``, two accumulator tiles) and ``rescale`` (one
-tile, ``acc = dot(a, b, acc * s_prev / s)``), both loading through pointers, ``tma``
-(the rows kernel's promoting form with TMA loads, the FP8 default) and ``tmav`` (its
-variants, named by suffix: ``/a1``, ``/a2`` scales loaded 1-2 K blocks ahead, ``/k2`` K
-blocks in pairs, ``/n2`` column halves, the last two with one MMA left in flight across
-the K loop's back-edge); ``+vm``: the wgrad's vectorized boundary-group masks
-(``VEC_MASK``). ``LINGHE_SWEEP_FORMS=tma,tmav`` sweeps only those forms (also with
-``--ptxas``). A precision probe runs the 128x128 tiles of both forms with fp32 outputs
-(the MMA's reduced-precision accumulation, which ``rescale`` carries over the whole K
-loop, is below bf16 rounding otherwise). The summary table is printed last; every row
-goes to ``--out`` as JSON (with the compiled kernels' ``n_regs`` / ``n_spills``).
+tile, ``acc = dot(a, b, acc * s_prev / s)``), both loading through pointers, and ``tma``
+(the rows kernel's promoting form with TMA loads, the FP8 default); ``+vm``: the wgrad's
+vectorized boundary-group masks (``VEC_MASK``). ``LINGHE_SWEEP_FORMS=tma,promote`` sweeps
+only those forms (also with ``--ptxas``). A precision probe runs the 128x128 tiles of
+both forms with fp32 outputs (the MMA's reduced-precision accumulation, which ``rescale``
+carries over the whole K loop, is below bf16 rounding otherwise). The summary table is
+printed last; every row goes to ``--out`` as JSON (with the compiled kernels' ``n_regs``
+/ ``n_spills``).
 
 ``--budget-s`` (default 220) stops starting new candidates once that many seconds have
 passed (skipped rows say so), so a run stays under ~4 minutes with cold Triton caches.
@@ -73,15 +71,6 @@ def _rows(form, bm, bn, warps, stages, group_m=None):
     return c
 
 
-def _tmav(bm, bn, warps, stages, ahead=0, unroll=1, split=1):
-    """A variant of the TMA rows kernel (form ``tmav``; see
-    ``linghe.fwd.grouped_mm._grouped_rows_fp8_tma_kernel``): scales loaded ``ahead`` K
-    blocks ahead, K blocks in pairs (``unroll=2``) or column halves (``split=2``) with
-    one MMA left in flight across the loop's back-edge."""
-    return dict(form="tmav", BM=bm, BN=bn, num_warps=warps, num_stages=stages,
-                SCALE_AHEAD=ahead, K_UNROLL=unroll, N_SPLIT=split)
-
-
 def _wg(form, bn, bk, warps, stages, vm=False):
     return dict(form=form, BN=bn, BK=bk, num_warps=warps, num_stages=stages, VEC_MASK=vm)
 
@@ -99,15 +88,6 @@ ROWS_CANDIDATES = [
     _rows("tma", 128, 128, 8, 4), _rows("tma", 128, 64, 4, 4), _rows("tma", 64, 64, 4, 4),
     _rows("tma", 64, 128, 4, 2), _rows("tma", 64, 256, 8, 3), _rows("tma", 128, 256, 8, 3),
     _rows("tma", 64, 128, 4, 3, 4), _rows("tma", 64, 128, 4, 3, 16),
-    # TMA kernel variants (sm_90 ptxas, triton 3.6/3.9 registers: programs per SM)
-    _tmav(64, 128, 4, 3, ahead=1),  # 155/155 regs: 3 per SM
-    _tmav(64, 128, 4, 3, ahead=2),  # 157/157: 3
-    _tmav(64, 128, 4, 3, split=2),  # 148/155: 3
-    _tmav(64, 128, 4, 3, ahead=2, split=2),  # 155/159: 3
-    _tmav(64, 128, 4, 2, unroll=2),  # 236/232 (a third fp32 tile): 2
-    _tmav(64, 128, 4, 2, ahead=2, unroll=2),  # 232/229: 2
-    _tmav(64, 64, 4, 2, ahead=2, unroll=2),  # ~126: 3 (smem 64 KiB)
-    _tmav(128, 128, 8, 3, ahead=2, split=2),  # 164/159: 1
 ]
 #: wgrad ([BN, BK] tiles of dW): promote at 128x128 (the autotuner's non-spilling
 #: members), with vectorized boundary masks, and rescale tiles (all +vm: without it the
@@ -127,9 +107,7 @@ if _FORMS:
     WGRAD_CANDIDATES = [c for c in WGRAD_CANDIDATES if c["form"] in _FORMS.split(",")]
 #: Interpreter smoke run: small tiles, every form, the BN > 128 path of the rows kernel.
 CPU_ROWS = [_rows("promote", 32, 64, 4, 1), _rows("rescale", 32, 64, 4, 1),
-            _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1),
-            _tmav(32, 64, 4, 1, ahead=2), _tmav(32, 64, 4, 1, ahead=2, unroll=2),
-            _tmav(32, 64, 4, 1, ahead=2, split=2)]
+            _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1)]
 CPU_WGRAD = [_wg("promote", 64, 64, 4, 1), _wg("rescale", 64, 64, 4, 1, True),
              _wg("rescale", 64, 128, 4, 1)]
 
@@ -152,22 +130,15 @@ def cfg_name(c: dict | None) -> str:
     tiles = f"{c['BM']}x{c['BN']}" if "BM" in c else f"{c['BN']}x{c['BK']}"
     vm = "+vm" if c.get("VEC_MASK") else ""
     g = f"/g{c['GROUP_M']}" if "GROUP_M" in c else ""
-    v = ""
-    if c["form"] == "tmav":  # e.g. /a2 (scales 2 blocks ahead), /k2a2, /n2
-        v = "/" + "".join(f"{t}{c[k]}" for t, k, d in (("k", "K_UNROLL", 1),
-                                                         ("n", "N_SPLIT", 1),
-                                                         ("a", "SCALE_AHEAD", 0))
-                          if c[k] != d)
-    return f"{c['form']}{vm} {tiles}/{c['num_warps']}w/{c['num_stages']}s{g}{v}"
+    return f"{c['form']}{vm} {tiles}/{c['num_warps']}w/{c['num_stages']}s{g}"
 
 
 def launch_config(c: dict) -> dict:
     """A candidate as the launchers' ``config`` argument (form ``tma``: the rows kernel
-    with its operands loaded by TMA, ``tmav`` its variants; ``promote``/``rescale`` load
-    through pointers)."""
+    with its operands loaded by TMA; ``promote``/``rescale`` load through pointers)."""
     out = {k: v for k, v in c.items() if k != "form"}
     out["RESCALE"] = c["form"] == "rescale"
-    out["TMA"] = c["form"] in ("tma", "tmav")
+    out["TMA"] = c["form"] == "tma"
     return out
 
 
@@ -337,9 +308,8 @@ def _kernel(op: str, cfg: dict | None = None):
     """The kernel a candidate launches (its new binary gives ``n_regs``/``n_spills``)."""
     if op == "wgrad":
         return bwd_gm._wgrad_fp8_kernel
-    tma = fwd_gm.FP8_TMA and not fwd_gm.FP8_RESCALE if cfg is None else (
-        cfg["form"] in ("tma", "tmav"))
-    return fwd_gm._grouped_rows_fp8_tma_kernel if tma else fwd_gm._grouped_rows_kernel
+    tma = fwd_gm.FP8_TMA and not fwd_gm.FP8_RESCALE if cfg is None else cfg["form"] == "tma"
+    return fwd_gm._grouped_rows_tma_kernel if tma else fwd_gm._grouped_rows_kernel
 
 
 def _tuned_config(op: str) -> str:
@@ -521,14 +491,14 @@ _PTRS = {
     "_wgrad_fp8_kernel": dict(g_ptr="*fp8e4nv", x_ptr="*fp8e4nv", w_ptr="*bf16",
                               gs_ptr="*fp32", xs_ptr="*fp32", offsets_ptr="*i32"),
     # descriptors: their block shapes are filled in per candidate
-    "_grouped_rows_fp8_tma_kernel": dict(a_desc="tensordesc<fp8e4nv[{BM}, 128]>",
-                                         b_desc="tensordesc<fp8e4nv[{BNB}, 128]>",
-                                         c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32",
-                                         offsets_ptr="*i32"),
+    "_grouped_rows_tma_kernel": dict(a_desc="tensordesc<fp8e4nv[{BM}, 128]>",
+                                     b_desc="tensordesc<fp8e4nv[{BN}, 128]>",
+                                     c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32",
+                                     offsets_ptr="*i32"),
 }
 _DIV16 = {
-    "_grouped_rows_fp8_tma_kernel": ("R", "I", "J", "E", "R_BUCKET", "b_row_e", "stride_cm",
-                                     "stride_ask", "bs_se", "bs_sj"),
+    "_grouped_rows_tma_kernel": ("R", "I", "J", "E", "R_BUCKET", "b_row_e", "stride_cm",
+                                 "stride_ask", "bs_se", "bs_sj"),
     "_grouped_rows_kernel": ("R", "I", "J", "E", "R_BUCKET", "stride_am", "stride_be",
                              "stride_bj", "stride_cm", "stride_ask", "bs_se", "bs_sj"),
     "_wgrad_fp8_kernel": ("N", "K", "R", "E", "stride_g", "stride_x", "stride_gs",
@@ -568,13 +538,11 @@ def ptxas_table(args) -> int:
     def compile_one(kernel, consts, warps, stages):
         name = kernel.fn.__name__
         sig = {}
-        # the weight box: [BN / N_SPLIT, 128]
-        box = dict(BNB=consts.get("BN", 0) // consts.get("N_SPLIT", 1))
         for p in kernel.params:
             if p.is_constexpr:
                 sig[p.name] = "constexpr"
             else:
-                sig[p.name] = _PTRS[name].get(p.name, "i32").format(**consts, **box)
+                sig[p.name] = _PTRS[name].get(p.name, "i32").format(**consts)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or n in _DIV16[name]}
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -586,7 +554,7 @@ def ptxas_table(args) -> int:
     for cands, kernel in ((ROWS_CANDIDATES, fwd_gm._grouped_rows_kernel),
                           (WGRAD_CANDIDATES, bwd_gm._wgrad_fp8_kernel)):
         for c in cands:
-            tma = c["form"] in ("tma", "tmav")
+            tma = c["form"] == "tma"
             for form in (c["form"],) if tma else ("promote", "rescale"):
                 cc = dict(c, form=form)
                 if (kernel, cfg_name(cc)) in seen:
@@ -601,15 +569,13 @@ def ptxas_table(args) -> int:
                                       VEC_MASK=c["VEC_MASK"])
                     elif tma:
                         consts = dict(BM=c["BM"], BN=c["BN"], BK=128,
-                                      GROUP_M=c.get("GROUP_M", 8), EP2=ep2,
-                                      **{k: c.get(k, d)
-                                         for k, d in fwd_gm._TMA_VARIANTS.items()})
+                                      GROUP_M=c.get("GROUP_M", 8), EP2=ep2)
                     else:
                         consts = dict(BM=c["BM"], BN=c["BN"], BK=128, GROUP_M=8, FP8=True,
                                       IEEE=False, B_KMAJOR=True, EP2=ep2,
                                       RESCALE=form == "rescale")
                     t = time.perf_counter()
-                    k = compile_one(fwd_gm._grouped_rows_fp8_tma_kernel if tma
+                    k = compile_one(fwd_gm._grouped_rows_tma_kernel if tma
                                     else kernel, consts, c["num_warps"], c["num_stages"])
                     regs, spill = _ptxas_usage(k.asm["ptx"])
                     line = (f"{'wgrad' if 'BK' in c else 'rows '} {lname} "

@@ -182,7 +182,7 @@ def rel_err(out: torch.Tensor, expect: torch.Tensor, chunk: int = 1 << 25) -> fl
 def _binaries() -> list:
     """The compiled binaries of the two rows kernels (for ``n_regs`` / ``n_spills``)."""
     out = []
-    for k in (fwd_gm._grouped_rows_kernel, fwd_gm._grouped_rows_fp8_tma_kernel):
+    for k in (fwd_gm._grouped_rows_kernel, fwd_gm._grouped_rows_tma_kernel):
         try:
             for cache in k.device_caches.values():
                 out.extend(v for v in cache[0].values() if hasattr(v, "n_regs"))
@@ -413,14 +413,13 @@ def ptxas_table() -> int:
                     name = (f"main {c['BM']}x{c['BN']}x{c['BK']}/{c['num_warps']}w/"
                             f"{c['num_stages']}s")
                 else:
-                    kernel = fwd_gm._grouped_rows_fp8_tma_kernel
+                    kernel = fwd_gm._grouped_rows_tma_kernel
                     box = (f"[{c['BN']}, {c['BK']}]" if op == "fwd"
                            else f"[{c['BK']}, {c['BN']}]")
                     types = dict(ptrs, a_desc=f"tensordesc<bf16[{c['BM']}, {c['BK']}]>",
                                  b_desc=f"tensordesc<bf16{box}>")
                     consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"],
-                                  EP2=ep2, SCALE_AHEAD=0, K_UNROLL=1, N_SPLIT=1,
-                                  B_NMAJOR=op == "dgrad")
+                                  EP2=ep2, B_NMAJOR=op == "dgrad")
                     div = ("R", "I", "J", "E", "R_BUCKET", "b_row_e", "stride_cm")
                     name = cfg_name(c)
                 try:

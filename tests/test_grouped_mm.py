@@ -212,8 +212,8 @@ def test_bf16_tma_kernel(device, monkeypatch, case, dtype):
         assert_close(dx, r_dx, tol=1e-5, name=f"dgrad TMA={tma}")
         assert torch.all(out[~real] == 0) and torch.all(dx[int(off[-1]):] == 0)
     tma_dgrad = N % bk == 0
-    assert names == ["_grouped_rows_fp8_tma_kernel",
-                     "_grouped_rows_fp8_tma_kernel" if tma_dgrad else "_grouped_rows_kernel",
+    assert names == ["_grouped_rows_tma_kernel",
+                     "_grouped_rows_tma_kernel" if tma_dgrad else "_grouped_rows_kernel",
                      "_grouped_rows_kernel", "_grouped_rows_kernel"]
     assert torch.equal(outs[True][0], outs[False][0])  # the same products, the same order
     # the public launchers' default (bf16/fp16 outputs): the TMA kernel where it applies
@@ -221,7 +221,7 @@ def test_bf16_tma_kernel(device, monkeypatch, case, dtype):
     out16 = fwd_gm.grouped_mm_fwd(x, w, off, backend="triton")
     dx16 = fwd_gm.launch_grouped_rows(g, w, torch.full_like(x, float("nan")), off,
                                       stride_be=N * K, stride_bi=K, stride_bj=1)
-    assert names[0] == "_grouped_rows_fp8_tma_kernel"
+    assert names[0] == "_grouped_rows_tma_kernel"
     assert out16.dtype == dtype and torch.all(out16[~real] == 0)
     assert_close(out16, r_fwd, name="fwd default")
     assert_close(dx16, r_dx, name="dgrad default")
@@ -260,7 +260,9 @@ def test_bf16_tma_fallback_and_config(device, monkeypatch):
     assert names == ["_grouped_rows_kernel"]
     base = dict(BM=16, BN=64, num_warps=4, num_stages=1)
     with pytest.raises(ValueError, match="unknown keys"):
-        fwd_gm._check_rows_config(dict(base, SCALE_AHEAD=1), False)
+        fwd_gm._check_rows_config(dict(base, RESCALE=False), False)
+    with pytest.raises(ValueError, match="FP8 grouped GEMM config"):  # removed TMA variants
+        fwd_gm._check_fp8_config(dict(base, BN=128, SCALE_AHEAD=1))
     with pytest.raises(ValueError, match="power of two"):
         fwd_gm._check_rows_config(dict(base, BK=48), False)
     with pytest.raises(ValueError, match="bf16/fp16"):
@@ -408,85 +410,6 @@ def test_fp8_tma_kernel_matches_pointer_kernel(device, case):
     tma_fwd = fwd_gm._tma_operands(a.rowwise_data, wq.rowwise_data, K, N, E, N * K, 1, K,
                                    bm, bn)
     assert (tma_fwd is None) == (K % 16 != 0)
-
-
-#: The TMA kernel's variants (``linghe.fwd.grouped_mm._grouped_rows_fp8_tma_kernel``):
-#: (SCALE_AHEAD, K_UNROLL, N_SPLIT).
-TMA_VARIANTS = [(1, 1, 1), (2, 1, 1), (0, 2, 1), (2, 2, 1), (0, 1, 2), (2, 1, 2)]
-TMA_VARIANT_CASES = [
-    # (counts, align, K, N): fwd contracts K, dgrad N (a multiple of 128)
-    ([5, 0, 150], 16, 384, 128),       # zero-row expert; 3 K blocks (odd), 1 N block
-    ([0, 0, 70, 0], 1, 96, 384),       # K < 128 (one zero-filled block); dgrad 3 blocks
-    ([33, 64, 0], 8, 208, 256),        # K tail: 2 blocks, the second 80 deep
-]
-
-
-@pytest.mark.parametrize("case", TMA_VARIANT_CASES,
-                         ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}-N{c[3]}")
-def test_fp8_tma_variants_match_default(device, case):
-    """Every variant of the TMA rows kernel (scales loaded ahead, K blocks in pairs,
-    column halves; an MMA left in flight across the loop's back-edge) gives the
-    default TMA kernel's forward and dgrad bit for bit (the same MMAs, promoted in the
-    same order), at tiles with partial row tiles, zero-row experts, tail rows and K
-    tails, and matches the dequantized reference."""
-    counts, align, K, N = case
-    E = len(counts)
-    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16, scale=3.0)
-    w = torch.randn(E, N, K, device=device, dtype=torch.bfloat16) / K**0.5
-    g = torch.randn(x.shape[0], N, device=device, dtype=torch.bfloat16)
-    g[~real] = 0
-    a = linghe.quantize_1x128(x)
-    wq = linghe.quantize_grouped_weight(w, columnwise=True)
-    gq = linghe.quantize_1x128(g)
-    off = layout.offsets
-    bm, bn, warps, stages = (64, 128, 4, 3) if device == "cuda" else (16, 64, 4, 1)
-    base = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages, TMA=True)
-    assert fwd_gm._tma_operands(a.rowwise_data, wq.rowwise_data, K, N, E, N * K, 1, K, bm,
-                                bn) is not None  # the TMA kernel, not the fallback
-    ref_fwd = fwd_gm.grouped_mm_fp8_fwd(a, wq, off, torch.float32, config=base)
-    ref_dx = bwd_gm.grouped_mm_fp8_dgrad(gq, wq, off, torch.float32, config=base)
-    assert_close(ref_fwd, ref.grouped_mm_fp8_dequantized(
-        a.rowwise_data, a.rowwise_scale, wq.rowwise_data, wq.rowwise_scale, off), tol=1e-3,
-        name="default fwd vs dequantized")
-    assert_close(ref_dx, ref.grouped_mm(_deq(gq), _deq(wq).transpose(1, 2), off), tol=1e-3,
-                 name="default dgrad vs dequantized")
-    for ahead, unroll, split in TMA_VARIANTS:
-        cfg = dict(base, SCALE_AHEAD=ahead, K_UNROLL=unroll, N_SPLIT=split,
-                   num_stages=2 if unroll == 2 and device == "cuda" else stages)
-        out = fwd_gm.grouped_mm_fp8_fwd(a, wq, off, torch.float32, config=cfg)
-        dx = bwd_gm.grouped_mm_fp8_dgrad(gq, wq, off, torch.float32, config=cfg)
-        assert torch.equal(out, ref_fwd), ("fwd", ahead, unroll, split)
-        assert torch.equal(dx, ref_dx), ("dgrad", ahead, unroll, split)
-        # bf16 outputs (what the MoE layer takes): the same rounding of the same values
-        out16 = fwd_gm.grouped_mm_fp8_fwd(a, wq, off, config=cfg)
-        if device == "cuda":  # (the interpreter truncates fp32 -> bf16)
-            assert torch.equal(out16, ref_fwd.to(torch.bfloat16))
-        assert torch.all(out16[~real] == 0)
-
-
-def test_fp8_tma_variant_config_checked(device):
-    """Variant knobs outside what the TMA kernel implements are refused at the launcher
-    (a ValueError naming them, not a Triton compile error); where TMA cannot describe
-    the operands the pointer kernel runs without them (same results)."""
-    base = dict(BM=64, BN=128, num_warps=4, num_stages=3)
-    ok = fwd_gm._check_fp8_config(dict(base, SCALE_AHEAD=1))
-    assert ok["SCALE_AHEAD"] == 1 and ok["TMA"]
-    assert "SCALE_AHEAD" not in fwd_gm._check_fp8_config(base)  # the default loop
-    for bad in (dict(SCALE_AHEAD=3), dict(K_UNROLL=2, SCALE_AHEAD=1), dict(K_UNROLL=3),
-                dict(N_SPLIT=2, SCALE_AHEAD=1), dict(N_SPLIT=2, K_UNROLL=2),
-                dict(SCALE_AHEAD=1, BN=256), dict(SCALE_AHEAD=1, TMA=False)):
-        with pytest.raises(ValueError, match="variants"):
-            fwd_gm._check_fp8_config(dict(base, **bad))
-    # K = 200: rows of 200 bytes are no TMA box: the pointer kernel, variant dropped
-    x, layout, _ = make_rows([7, 20], 16, 200, device, torch.bfloat16)
-    w = torch.randn(2, 128, 200, device=device, dtype=torch.bfloat16) / 15
-    a, wq = linghe.quantize_1x128(x), linghe.quantize_grouped_weight(w)
-    bm, bn = (64, 128) if device == "cuda" else (16, 64)
-    cfg = dict(BM=bm, BN=bn, num_warps=4, num_stages=3 if device == "cuda" else 1)
-    out = fwd_gm.grouped_mm_fp8_fwd(a, wq, layout.offsets, torch.float32,
-                                    config=dict(cfg, N_SPLIT=2, SCALE_AHEAD=2))
-    assert torch.equal(out, fwd_gm.grouped_mm_fp8_fwd(a, wq, layout.offsets, torch.float32,
-                                                      config=dict(cfg, TMA=False)))
 
 
 def test_fp8_autograd_vs_exact(device):
@@ -880,34 +803,26 @@ sig = dict(a_desc="tensordesc<fp8e4nv[64, 128]>", b_desc="tensordesc<fp8e4nv[128
            I="i32", J="i32", E="i32", R_BUCKET="i32", b_row_e="i32", b_col_e="i32",
            stride_cm="i32", stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32",
            BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
-           EP2="constexpr", SCALE_AHEAD="constexpr", K_UNROLL="constexpr",
-           N_SPLIT="constexpr", B_NMAJOR="constexpr")
-# the default, then the variants (tests/test_grouped_mm.py::test_fp8_tma_variants_*)
-for ahead, unroll, split, stages in [(0, 1, 1, 3), (1, 1, 1, 3), (2, 1, 1, 3), (2, 2, 1, 2),
-                                     (2, 1, 2, 3)]:
-    s = dict(sig, b_desc=f"tensordesc<fp8e4nv[{128 // split}, 128]>")
-    k = comp(F._grouped_rows_fp8_tma_kernel, s, dict(BM=64, BN=128, BK=128, GROUP_M=8,
-             EP2=256, SCALE_AHEAD=ahead, K_UNROLL=unroll, N_SPLIT=split), 4, stages,
-             ("I", "J", "R", "stride_cm", "stride_ask"))
-    ptx = k.asm["ptx"]
-    assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"
-    # pipelined: `stages` buffers of the A and B boxes (24 KiB per K block)
-    assert k.metadata.shared >= (stages - 1) * 24576 * unroll, (ahead, unroll, split)
-    # the K loop: one MMA group per K block (two with a second one left in flight across
-    # the back-edge), one wait
-    head = re.search(r"(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx)
-    loop = ptx[head.end():ptx.index(f"bra \t{head[1]};", head.end())]
-    deferred = unroll == 2 or split == 2
-    assert (loop.count("wgmma.commit_group"), loop.count("wgmma.wait_group")) == (
-        1 + deferred, 1), (ahead, unroll, split)
+           EP2="constexpr", B_NMAJOR="constexpr")
+# FP8 at the default tiles (64x128, 4 warps, 3 stages)
+k = comp(F._grouped_rows_tma_kernel, sig, dict(BM=64, BN=128, BK=128, GROUP_M=8, EP2=256), 4,
+         3, ("I", "J", "R", "stride_cm", "stride_ask"))
+ptx = k.asm["ptx"]
+assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"
+# pipelined: `stages` buffers of the A and B boxes (24 KiB per K block)
+assert k.metadata.shared >= 2 * 24576
+# the K loop: one MMA group per K block, one wait
+head = re.search(r"(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx)
+loop = ptx[head.end():ptx.index(f"bra \t{head[1]};", head.end())]
+assert (loop.count("wgmma.commit_group"), loop.count("wgmma.wait_group")) == (1, 1)
 # bf16 descriptors: the forward (weights K-major) and the dgrad (N-major [BK, BN] boxes)
 for bm, bn, warps, stages, nmajor in [(64, 128, 4, 4, False), (64, 128, 4, 4, True),
                                       (128, 128, 8, 3, False), (128, 256, 8, 3, True)]:
     box = f"[64, {bn}]" if nmajor else f"[{bn}, 64]"
     s = dict(sig, a_desc=f"tensordesc<bf16[{bm}, 64]>", b_desc=f"tensordesc<bf16{box}>",
              as_ptr="*i32", bs_ptr="*i32")
-    k = comp(F._grouped_rows_fp8_tma_kernel, s, dict(BM=bm, BN=bn, BK=64, GROUP_M=8,
-             EP2=256, SCALE_AHEAD=0, K_UNROLL=1, N_SPLIT=1, B_NMAJOR=nmajor), warps, stages,
+    k = comp(F._grouped_rows_tma_kernel, s, dict(BM=bm, BN=bn, BK=64, GROUP_M=8,
+             EP2=256, B_NMAJOR=nmajor), warps, stages,
              ("I", "J", "R", "stride_cm", "b_row_e"))
     ptx = k.asm["ptx"]
     assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"

@@ -30,7 +30,7 @@ the accumulator in units of the current step's scale so the MMA accumulates into
 GPU, shapes from ``AUTOTUNE_MIN_ROWS`` rows on pick their tiles from a small autotune
 list (``LINGHE_GROUPED_MM_AUTOTUNE=0``: the heuristic of :func:`_mm_config`); a
 launcher's ``config`` argument pins the tiles (benchmark/fp8_gemm_sweep.py). The
-promoting form loads its operands with TMA (:func:`_grouped_rows_fp8_tma_kernel`,
+promoting form loads its operands with TMA (:func:`_grouped_rows_tma_kernel`,
 :data:`FP8_TMA`) wherever the tensors allow it (16-byte aligned rows, weights contiguous
 along the contraction): 9-15% faster than the pointer kernel on an H100.
 
@@ -289,150 +289,11 @@ def _grouped_rows_kernel(
 
 
 @triton.jit
-def _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb, nkb):
-    """The promotion scales of K block ``kb`` for a column tile within one 128-column
-    weight block: row scales ``as_t[kb, rows]`` times the weight scale ``bs_n[kb *
-    bs_si]`` (``[BM]``, as :func:`fp8_promote` forms them); ones for ``kb >= nkb`` (a
-    look-ahead past the last block: loads nothing)."""
-    live = kb < nkb
-    # (where, not rmask & live: triton 3.9's interpreter makes a block & scalar int32)
-    sa = tl.load(as_ptr + kb * stride_ask + rows, mask=tl.where(live, rmask, False),
-                 other=1.0)
-    return sa * tl.load(bs_n + kb * bs_si, mask=live, other=1.0)
-
-
-@triton.jit
-def _tma_loop_ahead(a_desc, b_desc, as_ptr, stride_ask, rows, rmask, bs_e, bs_si, bs_sj,
-                    pid_n, start, b_row, b_col, k_end, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, SCALE_AHEAD: tl.constexpr):
-    """The default K loop of :func:`_grouped_rows_fp8_tma_kernel` with each block's
-    scales loaded ``SCALE_AHEAD`` (1 or 2) blocks ahead; returns the ``[BM, BN]``
-    accumulator."""
-    tl.static_assert(BN <= 128, "SCALE_AHEAD needs BN <= 128")
-    nkb = tl.cdiv(k_end, BK)
-    bs_n = bs_e + ((pid_n * BN) // 128) * bs_sj  # this column tile's weight scales
-    q0 = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, 0, nkb)
-    if SCALE_AHEAD == 2:
-        q1 = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, 1, nkb)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, k_end, BK):
-        kb = k0 // BK
-        a = a_desc.load([start, k0])
-        bt = b_desc.load([b_row, b_col + k0])
-        if SCALE_AHEAD == 1:
-            s = q0
-            q0 = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb + 1, nkb)
-        else:  # two slots used in turn (a shift q0 = q1 stops Triton's pipeliner)
-            even = (kb % 2) == 0
-            s = tl.where(even, q0, q1)
-            nxt = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb + 2, nkb)
-            q0 = tl.where(even, nxt, q0)
-            q1 = tl.where(even, q1, nxt)
-        acc = acc + tl.dot(a, tl.trans(bt)) * s[:, None]
-    return acc
-
-
-@triton.jit
-def _tma_loop_pairs(a_desc, b_desc, as_ptr, stride_ask, rows, rmask, bs_e, bs_si, bs_sj,
-                    pid_n, start, b_row, b_col, k_end, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, SCALE_AHEAD: tl.constexpr):
-    """``K_UNROLL=2`` of :func:`_grouped_rows_fp8_tma_kernel`: K blocks in pairs, the
-    second block's MMA left in flight across the loop's back-edge and promoted in the
-    next iteration (after the loop for the last pair); an odd last block alone after
-    that. Promotion order: block 0, 1, 2, ... as the default. ``SCALE_AHEAD`` 0 or 2."""
-    tl.static_assert(BN <= 128, "K_UNROLL=2 needs BN <= 128")
-    tl.static_assert(SCALE_AHEAD == 0 or SCALE_AHEAD == 2,
-                     "K_UNROLL=2 loads scales one iteration (two K blocks) ahead or not")
-    nkb = tl.cdiv(k_end, BK)
-    bs_n = bs_e + ((pid_n * BN) // 128) * bs_sj
-    if SCALE_AHEAD == 2:
-        q0 = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, 0, nkb)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    p1 = tl.zeros((BM, BN), dtype=tl.float32)  # the last iteration's second block
-    s1p = tl.zeros((BM,), dtype=tl.float32)  # and its scales (0 * 0 before the first)
-    k_main = (nkb // 2) * (2 * BK)
-    for k0 in range(0, k_main, 2 * BK):
-        kb = k0 // BK
-        a = a_desc.load([start, k0])
-        bt = b_desc.load([b_row, b_col + k0])
-        a1 = a_desc.load([start, k0 + BK])
-        bt1 = b_desc.load([b_row, b_col + k0 + BK])
-        if SCALE_AHEAD == 2:
-            s = q0
-            q0 = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb + 2, nkb)
-        else:
-            s = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb, nkb)
-        s1 = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb + 1, nkb)
-        p0 = tl.dot(a, tl.trans(bt))  # waited on at once, with the last iteration's p1
-        acc = acc + p1 * s1p[:, None]  # block kb - 1
-        acc = acc + p0 * s[:, None]  # block kb
-        p1 = tl.dot(a1, tl.trans(bt1))  # block kb + 1: only carried, so left in flight
-        s1p = s1
-    acc = acc + p1 * s1p[:, None]
-    if k_main < k_end:  # an odd number of K blocks: the last one alone
-        a = a_desc.load([start, k_main])
-        bt = b_desc.load([b_row, b_col + k_main])
-        if SCALE_AHEAD == 2:
-            s = q0
-        else:
-            s = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, nkb - 1, nkb)
-        acc = acc + tl.dot(a, tl.trans(bt)) * s[:, None]
-    return acc
-
-
-@triton.jit
-def _tma_loop_nsplit(a_desc, b_desc, as_ptr, stride_ask, rows, rmask, bs_e, bs_si, bs_sj,
-                     pid_n, start, b_row, b_col, k_end, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, SCALE_AHEAD: tl.constexpr):
-    """``N_SPLIT=2`` of :func:`_grouped_rows_fp8_tma_kernel`: ``(acc0, acc1)``, the
-    ``[BM, BN/2]`` column halves. Each K block: the left half's MMA (waited on at once,
-    with the right half's of the last block), both promotions (the right half one block
-    behind), then the right half's MMA, left in flight across the back-edge.
-    ``b_desc``'s box is ``[BN/2, BK]``. ``SCALE_AHEAD`` 0 or 2."""
-    tl.static_assert(BN <= 128, "N_SPLIT=2 needs BN <= 128")
-    tl.static_assert(SCALE_AHEAD == 0 or SCALE_AHEAD == 2,
-                     "N_SPLIT=2 loads scales two blocks ahead or not")
-    HALF: tl.constexpr = BN // 2
-    nkb = tl.cdiv(k_end, BK)
-    bs_n = bs_e + ((pid_n * BN) // 128) * bs_sj
-    acc0 = tl.zeros((BM, HALF), dtype=tl.float32)
-    acc1 = tl.zeros((BM, HALF), dtype=tl.float32)
-    p1 = tl.zeros((BM, HALF), dtype=tl.float32)  # the last block's right half
-    s1p = tl.zeros((BM,), dtype=tl.float32)  # p1's scales (0 * 0 before the first)
-    if SCALE_AHEAD == 2:  # the next two blocks' scales, in slots used in turn
-        qe = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, 0, nkb)
-        qo = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, 1, nkb)
-    for k0 in range(0, k_end, BK):
-        kb = k0 // BK
-        a = a_desc.load([start, k0])
-        b0 = b_desc.load([b_row, b_col + k0])
-        b1 = b_desc.load([b_row + HALF, b_col + k0])
-        if SCALE_AHEAD == 2:
-            # (a loop argument carried on unchanged, e.g. s1p = q0 with q0 the next
-            # block's scales, stops Triton's pipeliner: slots selected by parity instead)
-            even = (kb % 2) == 0
-            s = tl.where(even, qe, qo)
-            nxt = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb + 2, nkb)
-            qe = tl.where(even, nxt, qe)
-            qo = tl.where(even, qo, nxt)
-        else:
-            s = _tma_block_scale(as_ptr, stride_ask, rows, rmask, bs_n, bs_si, kb, nkb)
-        p0 = tl.dot(a, tl.trans(b0))  # waited on at once, with the last block's p1
-        acc1 = acc1 + p1 * s1p[:, None]  # right half, block kb - 1
-        acc0 = acc0 + p0 * s[:, None]  # left half, block kb
-        p1 = tl.dot(a, tl.trans(b1))  # right half, block kb: left in flight
-        s1p = s
-    acc1 = acc1 + p1 * s1p[:, None]
-    return acc0, acc1
-
-
-@triton.jit
-def _grouped_rows_fp8_tma_kernel(
+def _grouped_rows_tma_kernel(
     a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr,
     R, I, J, E, R_BUCKET, b_row_e, b_col_e, stride_cm, stride_ask, bs_se, bs_si, bs_sj,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EP2: tl.constexpr, SCALE_AHEAD: tl.constexpr = 0, K_UNROLL: tl.constexpr = 1,
-    N_SPLIT: tl.constexpr = 1, B_NMAJOR: tl.constexpr = False,
+    EP2: tl.constexpr, B_NMAJOR: tl.constexpr = False,
 ):
     """The rows kernel with both operands loaded by TMA: FP8 (promoting form), or
     bf16/fp16.
@@ -448,42 +309,21 @@ def _grouped_rows_fp8_tma_kernel(
     registers are needed for the operands; rows of a box that belong to the next expert
     are computed and not stored. Fewer registers than the pointer kernel (sm_90 ptxas:
     152 against 195 at 64x128 / 4 warps), so three programs share an SM.
-
-    Variants (``BN <= 128``; the defaults ``SCALE_AHEAD=0, K_UNROLL=1, N_SPLIT=1`` are
-    the loop above), same results bit for bit (the same MMAs, promoted in the same
-    order). Triton (3.6 and 3.9) waits for every MMA in flight right after an MMA whose
-    result the loop uses (``wgmma.wait_group 0``), so the default has one K step of MMA
-    work in flight per wait and its scale loads (issued just before the MMA) are waited
-    on right after it; an MMA whose result is only carried to the next iteration, and
-    used there after such a wait, is left in flight across the loop's back-edge.
-
-    - ``SCALE_AHEAD`` (1 or 2 K blocks): each step's scales (row scales times the weight
-      scale, :func:`_tma_block_scale`) are loaded that many blocks ahead and carried in
-      registers: no step waits on a global load after its MMA.
-    - ``K_UNROLL=2`` (:func:`_tma_loop_pairs`): two K blocks per iteration; the first
-      block's MMA is waited on (with the previous iteration's second one), both are
-      promoted, then the second block's MMA is issued and stays in flight through the
-      loads and barrier wait of the next iteration. A third ``BM x BN`` fp32 tile of
-      registers. ``SCALE_AHEAD`` 0 or 2 (the first block's scales one iteration ahead).
-    - ``N_SPLIT=2`` (:func:`_tma_loop_nsplit`): the same deferral within one K block, by
-      column halves: two ``[BN/2, BK]`` weight boxes (``b_desc``'s box is ``[BN/2,
-      BK]``), the left half's MMA waited on and promoted, the right half's promoted in
-      the next iteration; no more registers than the default. ``SCALE_AHEAD`` 0 or 2.
+    FP8 variants of the K loop (scales loaded 1-2 K blocks ahead, K blocks in pairs,
+    column halves) were no faster on an H100 (gate_up fwd: 867 µs default, 884-1185
+    variants; ``benchmark/results/h100_fp8_tmav_sweep_2026-11-26.*``) and were removed.
 
     bf16/fp16 descriptors (FP8 is read off ``a_desc``'s dtype; no scales: ``as_ptr``/
-    ``bs_ptr`` and their strides unused, the variants at their defaults): the K loop is
-    ``acc = dot(a, b, acc)``, which Triton keeps asynchronous (``wgmma.wait_group 1``: one
-    K step's MMAs in flight while the next step's are issued), ``BK = 64`` (128-byte
-    rows). ``B_NMAJOR`` (bf16/fp16 only; off by default, so a compile that leaves it out
-    gets the K-major kernel) is the dgrad's ``B_e = W_e [I, J]``, contiguous along
-    ``J``: ``b_desc`` is the ``[E*I, J]`` view with ``[BK, BN]`` boxes, expert ``e``'s at
-    row ``e * b_row_e + k0`` (``b_row_e = I``), column ``pid_n * BN``, fed to the MMA as
-    it is (Hopper's bf16 wgmma reads an N-major B from shared memory); the launcher
-    takes this path only where ``I`` is a multiple of ``BK`` (a K box never reaches the
-    next expert's rows)."""
+    ``bs_ptr`` and their strides unused): the K loop is ``acc = dot(a, b, acc)``, which
+    Triton keeps asynchronous (``wgmma.wait_group 1``: one K step's MMAs in flight while
+    the next step's are issued), ``BK = 64`` (128-byte rows). ``B_NMAJOR`` (bf16/fp16
+    only; off by default, so a compile that leaves it out gets the K-major kernel) is
+    the dgrad's ``B_e = W_e [I, J]``, contiguous along ``J``: ``b_desc`` is the ``[E*I,
+    J]`` view with ``[BK, BN]`` boxes, expert ``e``'s at row ``e * b_row_e + k0``
+    (``b_row_e = I``), column ``pid_n * BN``, fed to the MMA as it is (Hopper's bf16
+    wgmma reads an N-major B from shared memory); the launcher takes this path only
+    where ``I`` is a multiple of ``BK`` (a K box never reaches the next expert's rows)."""
     FP8: tl.constexpr = a_desc.dtype == tl.float8e4nv
-    tl.static_assert(FP8 or (SCALE_AHEAD == 0 and K_UNROLL == 1 and N_SPLIT == 1),
-                     "the TMA kernel's variants are FP8 only")
     tl.static_assert(not (FP8 and B_NMAJOR), "FP8 wgmma needs both operands K-major")
     num_row_tiles = tl.cdiv(R, BM) + E + 1
     t, pid_n = grouped_tile_order(tl.program_id(0), num_row_tiles, tl.cdiv(J, BN), GROUP_M)
@@ -503,48 +343,22 @@ def _grouped_rows_fp8_tma_kernel(
         b_row = ec * b_row_e + pid_n * BN
         b_col = ec * b_col_e
     bs_e = bs_ptr + ec.to(tl.int64) * bs_se
-    if not FP8:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, k_end, BK):
-            a = a_desc.load([start, k0])
-            if B_NMAJOR:
-                b = b_desc.load([b_row + k0, b_col])
-            else:
-                b = tl.trans(b_desc.load([b_row, b_col + k0]))
-            acc = dot_f32acc(a, b, acc)
-        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
-                 acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
-    elif N_SPLIT == 2:
-        acc0, acc1 = _tma_loop_nsplit(a_desc, b_desc, as_ptr, stride_ask, rows, rmask, bs_e,
-                                      bs_si, bs_sj, pid_n, start, b_row, b_col, k_end, BM,
-                                      BN, BK, SCALE_AHEAD)
-        HALF: tl.constexpr = BN // 2
-        cols = pid_n * BN + tl.arange(0, HALF)
-        c_rows = c_ptr + rows[:, None] * stride_cm
-        tl.store(c_rows + cols[None, :], acc0.to(c_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & (cols < J)[None, :])
-        tl.store(c_rows + (cols + HALF)[None, :], acc1.to(c_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & (cols + HALF < J)[None, :])
-    else:
-        if K_UNROLL == 2:
-            acc = _tma_loop_pairs(a_desc, b_desc, as_ptr, stride_ask, rows, rmask, bs_e,
-                                  bs_si, bs_sj, pid_n, start, b_row, b_col, k_end, BM, BN,
-                                  BK, SCALE_AHEAD)
-        elif SCALE_AHEAD > 0:
-            acc = _tma_loop_ahead(a_desc, b_desc, as_ptr, stride_ask, rows, rmask, bs_e,
-                                  bs_si, bs_sj, pid_n, start, b_row, b_col, k_end, BM, BN,
-                                  BK, SCALE_AHEAD)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, k_end, BK):
+        a = a_desc.load([start, k0])
+        if B_NMAJOR:
+            b = b_desc.load([b_row + k0, b_col])
         else:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, k_end, BK):
-                a = a_desc.load([start, k0])
-                bt = b_desc.load([b_row, b_col + k0])
-                kb = k0 // BK
-                sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
-                acc = fp8_promote(acc, a, tl.trans(bt), sa, bs_e + kb * bs_si, pid_n, cols,
-                                  cmask, bs_sj, BN)
-        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
-                 acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+            b = tl.trans(b_desc.load([b_row, b_col + k0]))
+        if FP8:
+            kb = k0 // BK
+            sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
+            acc = fp8_promote(acc, a, b, sa, bs_e + kb * bs_si, pid_n, cols, cmask, bs_sj,
+                              BN)
+        else:
+            acc = dot_f32acc(a, b, acc)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 #: Autotune the GEMMs from this many rows on (tests and small shapes use the heuristic:
@@ -617,19 +431,15 @@ def _rows_kernel_tuned():
 _PLANS: dict = {}  # (R, E, J, fp8, f32, block_m) -> (config, grid)
 
 
-#: The TMA kernel's variant knobs and their defaults (the default loop).
-_TMA_VARIANTS = dict(SCALE_AHEAD=0, K_UNROLL=1, N_SPLIT=1)
-
-
 def _check_fp8_config(config: dict) -> dict:
     """The FP8 rows kernel's tiles from a ``config`` override (keys ``BM``, ``BN``,
     ``num_warps``, ``num_stages``; optional ``GROUP_M`` (8), ``RESCALE``
-    (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), and the TMA kernel's variants
-    ``SCALE_AHEAD``, ``K_UNROLL``, ``N_SPLIT`` (:data:`_TMA_VARIANTS`, see
-    :func:`_grouped_rows_fp8_tma_kernel`), checked: ``BN`` divides 128 or is a multiple
-    of it; ``TMA`` excludes ``RESCALE``; the variants need ``TMA`` and ``BN <= 128``.
-    Where the launcher falls back to the pointer kernel (operands TMA cannot describe)
-    the variants are dropped (same results)."""
+    (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``BK`` (128 only)), checked: no
+    other keys; ``BN`` divides 128 or is a multiple of it; ``TMA`` excludes ``RESCALE``."""
+    known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA"}
+    if set(config) - known or config.get("BK", BLOCK) != BLOCK:
+        raise ValueError(f"FP8 grouped GEMM config: keys {sorted(known)} (BK = 128), got "
+                         f"{config}")
     bn = config["BN"]
     if not (128 % bn == 0 or bn % 128 == 0):
         raise ValueError(f"FP8 grouped GEMM: BN must divide 128 or be a multiple of 128, "
@@ -639,37 +449,25 @@ def _check_fp8_config(config: dict) -> dict:
     if tma and rescale:
         raise ValueError("FP8 grouped GEMM: the TMA kernel has the promoting form only "
                          "(config RESCALE and TMA both set)")
-    out = dict(BM=config["BM"], BN=bn, BK=BLOCK, GROUP_M=config.get("GROUP_M", 8),
-               num_warps=config["num_warps"], num_stages=config["num_stages"],
-               RESCALE=rescale, TMA=tma)
-    var = {k: int(config.get(k, d)) for k, d in _TMA_VARIANTS.items()}
-    if var != _TMA_VARIANTS:
-        ahead, k_unroll, n_split = var["SCALE_AHEAD"], var["K_UNROLL"], var["N_SPLIT"]
-        ok_ahead = (1, 2) if k_unroll == n_split == 1 else (0, 2)
-        if (not tma or bn > 128 or k_unroll not in (1, 2) or n_split not in (1, 2)
-                or (k_unroll == 2 and n_split == 2) or ahead not in ok_ahead):
-            raise ValueError(f"FP8 grouped GEMM: TMA kernel variants (BN <= 128): "
-                             f"SCALE_AHEAD 1 or 2, or K_UNROLL=2 with SCALE_AHEAD 0 or 2, "
-                             f"or N_SPLIT=2 with SCALE_AHEAD 0 or 2; got TMA={tma}, "
-                             f"BN={bn}, {var}")
-        out.update(var)
-    return out
+    return dict(BM=config["BM"], BN=bn, BK=BLOCK, GROUP_M=config.get("GROUP_M", 8),
+                num_warps=config["num_warps"], num_stages=config["num_stages"],
+                RESCALE=rescale, TMA=tma)
 
 
-#: Load the FP8 rows kernel's operands with TMA (:func:`_grouped_rows_fp8_tma_kernel`)
+#: Load the FP8 rows kernel's operands with TMA (:func:`_grouped_rows_tma_kernel`)
 #: where the operands allow it (:func:`_tma_operands`). ``LINGHE_FP8_TMA=0``: the
 #: pointer-load kernel everywhere.
 FP8_TMA: bool = os.environ.get("LINGHE_FP8_TMA", "1") == "1"
 
 #: The same for bf16/fp16 operands (the Triton backend of :func:`grouped_mm_fwd` and the
-#: dgrad): :func:`_grouped_rows_fp8_tma_kernel` on bf16/fp16 descriptors where
+#: dgrad): :func:`_grouped_rows_tma_kernel` on bf16/fp16 descriptors where
 #: :func:`_tma_operands` can describe the operands. ``LINGHE_BF16_TMA=0``: the pointer
 #: kernel everywhere (main's bf16 path before the TMA loads).
 BF16_TMA: bool = os.environ.get("LINGHE_BF16_TMA", "1") == "1"
 
 
 def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK=BLOCK):
-    """``(a_desc, b_desc, b_row_e, b_col_e)`` for :func:`_grouped_rows_fp8_tma_kernel`, or
+    """``(a_desc, b_desc, b_row_e, b_col_e)`` for :func:`_grouped_rows_tma_kernel`, or
     ``None`` where TMA cannot address the operands. ``a [R, I]`` in ``[BM, BK]`` boxes.
     ``b`` is one 2-D matrix, either contiguous along the contraction dim (``stride_bi ==
     1``, ``[BN, BK]`` boxes) as ``[E*J, I]`` (experts stacked along the rows: the
@@ -760,12 +558,12 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     if tma:
         tcfg = cfg or _mm_config(R, E, J, fp8, block_m, tma=True)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, tcfg["BM"],
-                            tcfg["BN"] // tcfg.get("N_SPLIT", 1), tcfg["BK"])
+                            tcfg["BN"], tcfg["BK"])
         if ops is not None:
             tcfg = {k: v for k, v in tcfg.items() if k != "RESCALE"}
             grid = (row_tile_bound(R, E, tcfg["BM"]) * cdiv(J, tcfg["BN"]),)
             with device_guard(a):
-                launch(_grouped_rows_fp8_tma_kernel, grid, *ops[:2], out, as_t,
+                launch(_grouped_rows_tma_kernel, grid, *ops[:2], out, as_t,
                        b_scale if fp8 else offsets, offsets, R, I, J, E,
                        triton.next_power_of_2(R), *ops[2:], out.stride(0),
                        as_t.stride(0) if fp8 else 0, *bs_strides, EP2=EP2,
@@ -776,7 +574,6 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
             out.stride(0), as_t.stride(0) if fp8 else 0, *bs_strides)
     flags = dict(FP8=fp8, IEEE=f32, B_KMAJOR=stride_bi == 1, EP2=EP2)
     if cfg is not None:
-        cfg = {k: v for k, v in cfg.items() if k not in _TMA_VARIANTS}
         grid = (row_tile_bound(R, E, cfg["BM"]) * cdiv(J, cfg["BN"]),)
         with device_guard(a):
             launch(_grouped_rows_kernel, grid, *args, **flags, **cfg)
