@@ -127,6 +127,48 @@ def quant_cols(x, POW2: tl.constexpr):
 
 
 @triton.jit
+def packed_row_order(RPT: tl.constexpr):
+    """``[128]`` int32: the tile row (0..127) that logical row ``i`` of a packed-store tile
+    loads, ``(i % L) * RPT + i // L`` with ``L = 128 // RPT``. Triton holds a ``[128, C]``
+    tile of the quantizing kernels in row repetitions ``i = l + L * k`` (``l`` over lanes
+    and warps, ``k`` over a thread's registers; :func:`packed_rpt` gives ``RPT`` for the
+    tiles of this library), so with this order the ``RPT`` rows a thread holds are
+    consecutive tokens and its columnwise fp8 values pack into whole 32-bit words without
+    leaving the thread (:func:`store_cols_packed`). Any order gives the same results; the
+    right one is fast."""
+    L: tl.constexpr = 128 // RPT
+    i = tl.arange(0, 128)
+    return (i % L) * RPT + i // L
+
+
+@triton.jit
+def store_cols_packed(qt, qt32_ptr, tile_start, cols, cmask, stop, M,
+                      RPT: tl.constexpr):
+    """Store the columnwise fp8 tile ``qt [128, C]`` (logical rows in
+    :func:`packed_row_order`, tile rows from ``tile_start``) transposed into ``q_t [N, M]``,
+    given as int32 words (``qt32_ptr``; ``M`` and ``tile_start`` multiples of 16). The 4
+    tokens of a word are packed in registers (byte ``k`` = token ``4 j + k``) and the tile
+    leaves as ``[C, 32]`` words, a 128-byte row of ``q_t`` per column, through a 32-bit
+    layout conversion instead of an 8-bit one (which Triton writes to shared memory a byte
+    at a time, 8-way bank conflicted: 128 ``STS.U8`` per thread for a [128, 128] tile at 4
+    warps, sm_90, triton 3.6 and 3.9). Tokens ``>= stop`` (a multiple of 16) are not
+    written."""
+    C: tl.constexpr = qt.shape[1]
+    L: tl.constexpr = 128 // RPT
+    b = tl.reshape(qt.to(tl.uint8, bitcast=True).to(tl.int32), [RPT // 4, 4, L, C])
+    sh = tl.arange(0, 4) * 8
+    w = tl.sum(b << sh[None, :, None, None], axis=1)  # disjoint bytes: the sum is an OR
+    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 32])  # word j = l * RPT // 4 + k // 4
+    j = tl.arange(0, 32)
+    # (M // 16 * 4 == M // 4 and tile_start // 16 * 4 == tile_start // 4 for multiples of
+    # 16, written so that the compiler sees 16-byte aligned rows of 4 words.)
+    ptr = (qt32_ptr + cols.to(tl.int64)[:, None] * (M // 16 * 4)
+           + (tile_start // 16 * 4 + j)[None, :])
+    nw = (stop - tile_start) // 16 * 4  # words in range, in whole 16-byte vectors
+    tl.store(ptr, w, mask=cmask[:, None] & (j < nw)[None, :])
+
+
+@triton.jit
 def quant_row_groups(y, rows, k0, q_ptr, s_ptr, M, K, stride_sm, stride_sg,
                      BK: tl.constexpr, POW2: tl.constexpr):
     """Quantize fp32 ``y [R, BK]`` (``BK`` a multiple of 128): rows ``rows`` (int64),
@@ -267,14 +309,17 @@ def _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM: tl.con
 @triton.jit
 def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
                stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE: tl.constexpr,
-               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr):
+               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
+               PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
     """Quantize the tile ``x [BM, BN]`` (rows ``rows`` int64 of row block ``pid_m``,
     columns ``cols`` of column block ``pid_k`` of an ``[M, K]`` tensor; zeros out of
     range), with ``NORM`` first ``y = x * rstd[:, None] * w[None, :]`` in fp32, and store
     it in the 1x128 layout: with ``ROWWISE`` (``BN == 128``) data ``[M, K]`` and scales
     ``s[m, k // 128]``; with ``COLWISE`` (``BM == 128``) the transposed data ``[K, M]``
     (``q_t[k, m]``: each column's 128 tokens are one 128-byte row of ``q_t``) and scales
-    ``s_t[k, m // 128]`` (scale strides as given)."""
+    ``s_t[k, m // 128]`` (scale strides as given). ``PACK`` (``M % 16 == 0``): ``rows`` are
+    the row block's rows in :func:`packed_row_order` (``RPT``) and ``qt_ptr`` is ``q_t``
+    as int32 words; the columnwise copy leaves through :func:`store_cols_packed`."""
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
@@ -287,7 +332,10 @@ def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_pt
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
     if COLWISE:
         qt, st = quant_cols(y, POW2)
-        tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
+        if PACK:
+            store_cols_packed(qt, qt_ptr, pid_m * 128, cols, cmask, M, M, RPT)
+        else:
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stg, st, mask=cmask)
 
 
@@ -296,29 +344,35 @@ def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                            stride_xm, stride_sm, stride_sg, stride_stk, stride_stg,
                            BM: tl.constexpr, BN: tl.constexpr, ROWWISE: tl.constexpr,
                            COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
-                           K_FAST: tl.constexpr, REVERSE: tl.constexpr):
+                           K_FAST: tl.constexpr, REVERSE: tl.constexpr,
+                           PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
     """1x128 quantization of ``x [M, K]`` (optionally RMS-normalized: ``NORM``) in
-    ``[BM, BN]`` tiles (see :func:`quant_tile`), one tile per program in the order of
+    ``[BM, BN]`` tiles (see :func:`quant_tile`; ``PACK``: the packed columnwise store,
+    ``BM == 128``, ``qt_ptr`` int32), one tile per program in the order of
     :func:`_tile_coords`."""
     nm = tl.cdiv(M, BM)
     nk = tl.cdiv(K, BN)
     pid_m, pid_k, rows, cols = _tile_coords(tl.program_id(0), nm * nk, nm, nk, BM, BN,
                                             K_FAST, REVERSE)
+    if PACK:
+        rows = pid_m.to(tl.int64) * BM + packed_row_order(RPT)
     x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
     quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2)
+               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2,
+               PACK, RPT)
 
 
 @triton.jit
 def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_sm,
                            stride_sg, stride_stk, stride_stg, RB: tl.constexpr,
                            BK: tl.constexpr, SINGLE: tl.constexpr, BN: tl.constexpr,
-                           POW2: tl.constexpr):
+                           POW2: tl.constexpr, PACK: tl.constexpr = False,
+                           RPT: tl.constexpr = 8):
     """Both 1x128 copies of ``x [M, K]`` in one launch of two kinds of independent
     programs, per 128-row chunk in program-id order: ``128 // RB`` row programs
     (:func:`rows_program`: the rowwise copy of ``RB`` whole rows), then ``cdiv(K, BN)``
-    column tiles (:func:`quant_tile`, columnwise only), which re-read the chunk the row
-    programs just read, from L2."""
+    column tiles (:func:`quant_tile`, columnwise only; ``PACK``: packed store, ``qt_ptr``
+    int32), which re-read the chunk the row programs just read, from L2."""
     NR: tl.constexpr = 128 // RB
     nk = tl.cdiv(K, BN)
     pid = tl.program_id(0)
@@ -328,11 +382,15 @@ def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
         rows_program(x_ptr, x_ptr, q_ptr, s_ptr, s_ptr, c * 128 + i * RB, M, K, stride_xm,
                      stride_sm, stride_sg, 0.0, RB, BK, SINGLE, False, True, POW2)
     else:
-        rows = c.to(tl.int64) * 128 + tl.arange(0, 128)
+        if PACK:
+            rows = c.to(tl.int64) * 128 + packed_row_order(RPT)
+        else:
+            rows = c.to(tl.int64) * 128 + tl.arange(0, 128)
         cols = (i - NR) * BN + tl.arange(0, BN)
         x, r, w = _load_tile(x_ptr, x_ptr, x_ptr, rows, cols, M, K, stride_xm, False)
         quant_tile(x, r, w, rows, cols, c, i - NR, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2)
+                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2,
+                   PACK, RPT)
 
 
 @triton.jit
@@ -392,6 +450,24 @@ ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
 #: µs for "tiles" (``h200_probe_tilequant_2026-11-26.*``).
 ROW_MODE = "rows"
 ROWCOL_MODE = "split"
+#: The columnwise copy of the tile and split kernels leaves as packed 32-bit words of 4
+#: tokens (:func:`store_cols_packed`) where ``M % 16 == 0``; else (or False) byte by byte
+#: through Triton's layout conversion (the same bits, slower).
+PACK_COLS = True
+
+
+def packed_rpt(bn: int, warps: int) -> int:
+    """Rows per thread (``RPT`` of :func:`packed_row_order`) of a ``[128, bn]`` tile that a
+    tile or split kernel loads from a 16-bit ``x`` at ``warps`` warps: Triton spreads a
+    thread's 16-byte vectors (8 elements) over ``bn // 8`` lanes of a row, so one row
+    repetition covers ``32 // (bn // 8) * warps`` rows (sm_90 offline, triton 3.6 and 3.9;
+    ``benchmark/probe_tilequant.py --sass`` counts the byte stores a wrong value leaves)."""
+    lanes = min(32, max(1, bn // 8))
+    return max(4, 128 // (32 // lanes * warps))
+
+
+def _pack_cols(qt, M: int) -> bool:
+    return qt is not None and PACK_COLS and M % 16 == 0
 
 
 def rows_tile(K: int, config: dict) -> tuple[int, int, bool]:
@@ -443,12 +519,15 @@ def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_sca
         raise ValueError(f"tile {bm}x{bn} does not hold whole 1x128 groups")
     ssm, ssg = s.stride() if s is not None else (0, 0)
     sstk, sstg = st.stride() if st is not None else (0, 0)
+    pack = _pack_cols(qt, M)
     with device_guard(x2):
         launch(_quantize_1x128_kernel, (cdiv(M, bm) * cdiv(K, bn),),
-               x2, weight, rstd, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg,
+               x2, weight, rstd, q, s, qt.view(torch.int32) if pack else qt, st, M, K,
+               x2.stride(0), ssm, ssg, sstk, sstg,
                BM=bm, BN=bn, ROWWISE=q is not None, COLWISE=qt is not None,
                NORM=weight is not None, POW2=pow2_scale, K_FAST=config.get("k_fast", False),
-               REVERSE=reverse, num_warps=config["warps"])
+               REVERSE=reverse, PACK=pack, RPT=packed_rpt(bn, config["warps"]),
+               num_warps=config["warps"])
 
 
 def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
@@ -462,10 +541,13 @@ def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
     rb = min(rb, BLOCK)
     bn = tile_config["bn"]
     grid = cdiv(M, BLOCK) * (BLOCK // rb + cdiv(K, bn))
+    pack = _pack_cols(qt, M)
+    warps = tile_config["warps"]
     with device_guard(x2):
-        launch(_quantize_split_kernel, (grid,), x2, q, s, qt, st, M, K, x2.stride(0),
-               s.stride(0), s.stride(1), st.stride(0), st.stride(1), RB=rb, BK=bk,
-               SINGLE=single, BN=bn, POW2=pow2_scale, num_warps=tile_config["warps"])
+        launch(_quantize_split_kernel, (grid,), x2, q, s, qt.view(torch.int32) if pack else qt,
+               st, M, K, x2.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
+               RB=rb, BK=bk, SINGLE=single, BN=bn, POW2=pow2_scale, PACK=pack,
+               RPT=packed_rpt(bn, warps), num_warps=warps)
 
 
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,
