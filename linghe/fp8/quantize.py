@@ -142,30 +142,40 @@ def packed_row_order(RPT: tl.constexpr):
 
 
 @triton.jit
-def store_cols_packed(qt, qt32_ptr, tile_start, cols, cmask, stop, M,
+def store_cols_packed(qt, qtw_ptr, tile_start, cols, cmask, stop, M,
                       RPT: tl.constexpr):
     """Store the columnwise fp8 tile ``qt [128, C]`` (logical rows in
     :func:`packed_row_order`, tile rows from ``tile_start``) transposed into ``q_t [N, M]``,
-    given as int32 words (``qt32_ptr``; ``M`` and ``tile_start`` multiples of 16). The 4
-    tokens of a word are packed in registers (byte ``k`` = token ``4 j + k``) and the tile
-    leaves as ``[C, 32]`` words, a 128-byte row of ``q_t`` per column, through a 32-bit
-    layout conversion instead of an 8-bit one (which Triton writes to shared memory a byte
-    at a time, 8-way bank conflicted: 128 ``STS.U8`` per thread for a [128, 128] tile at 4
-    warps, sm_90, triton 3.6 and 3.9). Tokens ``>= stop`` (a multiple of 16) are not
-    written."""
+    given as words of ``T`` tokens (``qtw_ptr``: int32, ``T = 4``, or int16, ``T = 2``,
+    which needs only ``RPT >= 2``; ``M`` and ``tile_start`` multiples of 16). The ``T``
+    tokens of a word are packed in registers (byte ``k`` = token ``T j + k``) and the tile
+    leaves as ``[C, 128 // T]`` words, a 128-byte row of ``q_t`` per column, through a
+    layout conversion of words instead of bytes (Triton writes an fp8 tile to shared memory
+    a byte at a time, 8-way bank conflicted: 128 ``STS.U8`` per thread for a [128, 128]
+    tile at 4 warps, sm_90, triton 3.6 and 3.9). Tokens ``>= stop`` (a multiple of 16) are
+    not written."""
     C: tl.constexpr = qt.shape[1]
     L: tl.constexpr = 128 // RPT
-    b = tl.reshape(qt.to(tl.uint8, bitcast=True).to(tl.int32), [RPT // 4, 4, L, C])
-    sh = tl.arange(0, 4) * 8
+    T: tl.constexpr = qtw_ptr.dtype.element_ty.primitive_bitwidth // 8
+    V: tl.constexpr = 16 // T  # words in 16 tokens (one 16-byte vector)
+    b = tl.reshape(qt.to(tl.uint8, bitcast=True).to(tl.int32), [RPT // T, T, L, C])
+    sh = tl.arange(0, T) * 8
     w = tl.sum(b << sh[None, :, None, None], axis=1)  # disjoint bytes: the sum is an OR
-    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 32])  # word j = l * RPT // 4 + k // 4
-    j = tl.arange(0, 32)
-    # (M // 16 * 4 == M // 4 and tile_start // 16 * 4 == tile_start // 4 for multiples of
-    # 16, written so that the compiler sees 16-byte aligned rows of 4 words.)
-    ptr = (qt32_ptr + cols.to(tl.int64)[:, None] * (M // 16 * 4)
-           + (tile_start // 16 * 4 + j)[None, :])
-    nw = (stop - tile_start) // 16 * 4  # words in range, in whole 16-byte vectors
+    # word j = l * RPT // T + k // T
+    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 128 // T]).to(qtw_ptr.dtype.element_ty)
+    j = tl.arange(0, 128 // T)
+    # (M // 16 * V == M // T and tile_start // 16 * V == tile_start // T for multiples of
+    # 16, written so that the compiler sees 16-byte aligned rows of V words.)
+    ptr = (qtw_ptr + cols.to(tl.int64)[:, None] * (M // 16 * V)
+           + (tile_start // 16 * V + j)[None, :])
+    nw = (stop - tile_start) // 16 * V  # words in range, in whole 16-byte vectors
     tl.store(ptr, w, mask=cmask[:, None] & (j < nw)[None, :])
+
+
+def packed_view(qt: torch.Tensor, rpt: int) -> torch.Tensor:
+    """``q_t`` as the words :func:`store_cols_packed` writes at ``rpt`` rows per thread:
+    int32 (4 tokens) from 4 rows per thread, else int16 (2 tokens)."""
+    return qt.view(torch.int32 if rpt >= 4 else torch.int16)
 
 
 @triton.jit
@@ -456,14 +466,19 @@ ROWCOL_MODE = "split"
 PACK_COLS = True
 
 
-def packed_rpt(bn: int, warps: int) -> int:
-    """Rows per thread (``RPT`` of :func:`packed_row_order`) of a ``[128, bn]`` tile that a
-    tile or split kernel loads from a 16-bit ``x`` at ``warps`` warps: Triton spreads a
-    thread's 16-byte vectors (8 elements) over ``bn // 8`` lanes of a row, so one row
-    repetition covers ``32 // (bn // 8) * warps`` rows (sm_90 offline, triton 3.6 and 3.9;
-    ``benchmark/probe_tilequant.py --sass`` counts the byte stores a wrong value leaves)."""
-    lanes = min(32, max(1, bn // 8))
-    return max(4, 128 // (32 // lanes * warps))
+def packed_rpt(bn: int, warps: int, x_bytes: int, rowwise: bool) -> int:
+    """Rows per thread (``RPT`` of :func:`packed_row_order`) of the ``[128, bn]`` tile of a
+    tile or split kernel at ``warps`` warps, for ``x`` of ``x_bytes`` bytes per element.
+    Triton lays the tile out after its widest 16-byte accesses: the fp8 rowwise store (16
+    elements per thread) where the tile writes the rowwise copy too, else the loads of
+    ``x`` (``16 // x_bytes``); ``bn // vec`` lanes share a row, so one row repetition
+    covers ``32 // lanes * warps`` rows (sm_90 offline, triton 3.6 and 3.9: with this
+    ``RPT`` no byte stores to shared memory and the fewest shared-memory accesses;
+    ``benchmark/probe_tilequant.py --sass``). At least 2 (below 4 the words are int16:
+    :func:`packed_view`); any value gives the same bits."""
+    vec = 16 if rowwise else max(1, 16 // x_bytes)
+    lanes = min(32, max(1, bn // vec))
+    return min(128, max(2, 128 // (32 // lanes * warps)))
 
 
 def _pack_cols(qt, M: int) -> bool:
@@ -520,14 +535,14 @@ def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_sca
     ssm, ssg = s.stride() if s is not None else (0, 0)
     sstk, sstg = st.stride() if st is not None else (0, 0)
     pack = _pack_cols(qt, M)
+    rpt = packed_rpt(bn, config["warps"], x2.element_size(), q is not None)
     with device_guard(x2):
         launch(_quantize_1x128_kernel, (cdiv(M, bm) * cdiv(K, bn),),
-               x2, weight, rstd, q, s, qt.view(torch.int32) if pack else qt, st, M, K,
+               x2, weight, rstd, q, s, packed_view(qt, rpt) if pack else qt, st, M, K,
                x2.stride(0), ssm, ssg, sstk, sstg,
                BM=bm, BN=bn, ROWWISE=q is not None, COLWISE=qt is not None,
                NORM=weight is not None, POW2=pow2_scale, K_FAST=config.get("k_fast", False),
-               REVERSE=reverse, PACK=pack, RPT=packed_rpt(bn, config["warps"]),
-               num_warps=config["warps"])
+               REVERSE=reverse, PACK=pack, RPT=rpt, num_warps=config["warps"])
 
 
 def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
@@ -543,11 +558,12 @@ def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
     grid = cdiv(M, BLOCK) * (BLOCK // rb + cdiv(K, bn))
     pack = _pack_cols(qt, M)
     warps = tile_config["warps"]
+    rpt = packed_rpt(bn, warps, x2.element_size(), False)
     with device_guard(x2):
-        launch(_quantize_split_kernel, (grid,), x2, q, s, qt.view(torch.int32) if pack else qt,
+        launch(_quantize_split_kernel, (grid,), x2, q, s, packed_view(qt, rpt) if pack else qt,
                st, M, K, x2.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
-               RB=rb, BK=bk, SINGLE=single, BN=bn, POW2=pow2_scale, PACK=pack,
-               RPT=packed_rpt(bn, warps), num_warps=warps)
+               RB=rb, BK=bk, SINGLE=single, BN=bn, POW2=pow2_scale, PACK=pack, RPT=rpt,
+               num_warps=warps)
 
 
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,
