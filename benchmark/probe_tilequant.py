@@ -77,7 +77,7 @@ from .harness import (  # noqa: E402
 )
 
 #: main when this probe was last changed (git ``--old-rev`` default).
-OLD_REV = "900375d"
+OLD_REV = "dbf0a24"
 EPS = 1e-6
 
 # --------------------------------------------------------------------------- variants
