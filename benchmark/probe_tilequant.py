@@ -22,9 +22,9 @@ both copies:
 - ``silu_quant rc``: ``silu_mul_quant_fwd`` (non-batch; no probs);
 - ``silu_bwd_quant rc``: ``silu_mul_bwd_quant`` (non-batch quantized dx; no probs).
 
-Rows per op: ``old`` (main's files, from ``--old DIR``: a folder holding them directly, in
-``fp8/``+``fwd/``+``bwd/``, or in ``linghe/...``, e.g. a checkout of main; else git
-``--old-rev``), ``new`` at the defaults (``*``), ``new`` with the packed store off (main's
+Rows per op: ``old`` (main's files, from ``--old DIR``: a folder holding them as
+``linghe/fp8/quantize.py``, ``linghe/fwd/norm.py``, ``linghe/{fwd,bwd}/activation.py``, as
+in a copy of main's tree, or the same without ``linghe/``; else git ``--old-rev``), ``new`` at the defaults (``*``), ``new`` with the packed store off (main's
 store), and knob variants (module attribute overrides; skipped past ``--max-seconds``).
 
 Checks, every row, in the same run, outputs NaN-poisoned before the checked call (not the
@@ -89,26 +89,24 @@ NOPACK_Q = {"Q.PACK_COLS": False}
 NOPACK_A = {"A.QUANT_PACK": False}
 QUANT_RC = [
     NOPACK_Q,
-    {"Q.TILE_CONFIGS.split": dict(bn=128)},
     {"Q.ROWCOL_MODE": "tiles"},
-    {"Q.ROWCOL_MODE": "tiles", "Q.TILE_CONFIGS.rc": dict(k_fast=True)},
+    {"Q.TILE_CONFIGS.split": dict(bn=128)},
     {"Q.ROWCOL_MODE": "rows_cols", "Q.TILE_CONFIGS.c": dict(k_fast=True)},
-    {"Q.TILE_CONFIGS.split": dict(bn=32)},
+    {"Q.ROWCOL_MODE": "tiles", "Q.TILE_CONFIGS.rc": dict(k_fast=True)},
 ]
-QUANT_RC_POW2 = [{"Q.ROWCOL_MODE": "tiles"}, {"Q.TILE_CONFIGS.split": dict(bn=128)}]
-QUANT_C = [NOPACK_Q, {"Q.TILE_CONFIGS.c": dict(bn=128)}, {"Q.TILE_CONFIGS.c": dict(k_fast=True)}]
+QUANT_RC_POW2 = [{"Q.ROWCOL_MODE": "tiles"}]
+QUANT_C = [NOPACK_Q, {"Q.TILE_CONFIGS.c": dict(bn=128)}]
 NORM_RC = [
     NOPACK_Q,
     {"N.QUANT_MODE": "rstd_tiles"},
     {"N.QUANT_TILE_COLS": dict(bn=128)},
-    {"N.QUANT_TILE_REVERSE": False},
     {"N.QUANT_MODE": "rstd_tiles", "N.QUANT_TILE_ROWCOL": dict(k_fast=True)},
 ]
 NORM_RC_POW2 = [{"N.QUANT_MODE": "rstd_tiles"}]
 SILU_RC = [NOPACK_A, {"A.QUANT_NUM_WARPS": 4}]
 SILU_BWD = [NOPACK_A, {"A.QUANT_BWD_NUM_WARPS": 8}]
 #: Variant rows (not old / default rows) are skipped once the probe has run this long.
-MAX_SECONDS = 75.0
+MAX_SECONDS = 70.0
 
 
 def _parse(argv):
@@ -124,9 +122,9 @@ def _parse(argv):
                    help="skip the remaining variant rows after this many seconds")
     p.add_argument("--old-rev", default=OLD_REV, help="git revision of main's kernels")
     p.add_argument("--old", default=None, metavar="DIR",
-                   help="folder holding main's quantize.py, norm.py and activation.py (fwd "
-                        "and bwd): directly, in fp8/ fwd/ bwd/, or in linghe/fp8 ... (a "
-                        "copy of main's tree), instead of git")
+                   help="folder holding main's linghe/fp8/quantize.py, linghe/fwd/norm.py, "
+                        "linghe/fwd/activation.py, linghe/bwd/activation.py (a copy of "
+                        "main's tree; or without linghe/), instead of git")
     return p.parse_args(argv)
 
 
@@ -135,10 +133,13 @@ def _old_src(old_dir, sub):
     if old_dir is None:
         return None
     d, base = os.path.split(sub)
-    for cand in (os.path.join(old_dir, "linghe", d), os.path.join(old_dir, d), old_dir):
+    cands = [os.path.join(old_dir, "linghe", d), os.path.join(old_dir, d)]
+    if base != "activation.py":  # (fwd/ and bwd/ both have one: no flat layout)
+        cands.append(old_dir)
+    for cand in cands:
         if os.path.isfile(os.path.join(cand, base)):
             return cand
-    raise FileNotFoundError(f"{base} not in {old_dir} (nor its {d}/ or linghe/{d}/)")
+    raise FileNotFoundError(f"{sub} not in {old_dir} (as linghe/{sub} or {sub})")
 
 
 def _load_old(rev, old_dir=None):
@@ -425,54 +426,59 @@ def main(argv=None) -> int:
           f"triton {triton.__version__}", file=sys.stderr, flush=True)
 
     edges = _edge_pass(new, old, dev, cpu)
-    rows, sizes = [], {}
+    # Old and default rows of every op first, then the variants round-robin over the ops
+    # (the first variant of each op, then the second, ...) until the time budget.
+    state, sizes = {}, {}
     for op in OPS:
         x, extra = _inputs(op, M, K, dev)
         nbytes = _op_bytes(op, M, K)
         if not cpu and nbytes not in sizes:
             sizes[nbytes] = _copy_row(nbytes, dev)
-        size_gbps = None if cpu else sizes[nbytes]["gbps"]
-        want = _reference(op, x, extra)
-        old_out = None
-        host = op in ("quantize rc", "norm_quant rc")
-        variants = [] if args.quick else _VARIANTS[op]
-        for impl, kn, default in ([("old", {}, False), ("new", {}, True)]
-                                  + [("new", v, False) for v in variants]):
-            mods = old if impl == "old" else new
-            r = {"op": op, "shape": f"[{M},{K}]", "impl": impl,
-                 "knobs": {k: v for k, v in kn.items()}, "default": default,
-                 "bytes": nbytes, "ok": False, "error": None}
-            if kn and not cpu and time.perf_counter() - t_start > args.max_seconds:
-                r.update(ok=True, skipped=True)  # over the time budget: not run
-                rows.append(r)
-                continue
-            try:
-                with _knobs(mods, kn):
-                    got = _run_checked(op, mods, x, extra, cpu)
-                    r["check"] = _check(got, want, exact_scales=_family(op) == "quantize")
-                    r["ok"] = r["check"]["ok"]
-                    if impl == "old":
-                        old_out = got
-                    elif old_out is not None:
-                        r["vs_old"] = _vs_old(got, old_out)
-                    del got
-                    if not cpu:
-                        def fn(mods=mods, op=op, x=x, extra=extra):
-                            return _call(op, mods, x, extra)
-                        r["kernel_us"] = t = _kernel_us(fn)
-                        r["gbps"] = nbytes / t / 1e3 if t else None
-                        r["pct_copy"] = 100 * r["gbps"] / copy if r["gbps"] else None
-                        r["pct_size"] = 100 * r["gbps"] / size_gbps if r["gbps"] else None
-                        if host and (default or impl == "old"):
-                            r["host_us"], r["host_waited"] = host_us(fn)
-            except Exception as e:  # one failing row must not stop the probe
-                msg = str(e).splitlines()[0][:300] if str(e) else ""
-                r["error"] = f"{type(e).__name__}: {msg}"
-            print(f"  {op} {impl:<4} {_kn_str(kn, default):<50} kernel "
-                  f"{_f(r.get('kernel_us'), '.1f')} µs {'ok' if r['ok'] else 'FAIL'} "
-                  f"{r.get('check', '')} {r.get('vs_old', '')} {r['error'] or ''} "
-                  f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+        state[op] = dict(x=x, extra=extra, nbytes=nbytes, want=_reference(op, x, extra),
+                         size_gbps=None if cpu else sizes[nbytes]["gbps"], old_out=None)
+    jobs = [(op, impl, {}, impl == "new") for op in OPS for impl in ("old", "new")]
+    nvar = 0 if args.quick else max(len(_VARIANTS[op]) for op in OPS)
+    jobs += [(op, "new", _VARIANTS[op][i], False) for i in range(nvar) for op in OPS
+             if i < len(_VARIANTS[op])]
+    rows = []
+    for op, impl, kn, default in jobs:
+        st = state[op]
+        mods = old if impl == "old" else new
+        r = {"op": op, "shape": f"[{M},{K}]", "impl": impl,
+             "knobs": {k: v for k, v in kn.items()}, "default": default,
+             "bytes": st["nbytes"], "ok": False, "error": None}
+        if kn and not cpu and time.perf_counter() - t_start > args.max_seconds:
+            r.update(ok=True, skipped=True)  # over the time budget: not run
             rows.append(r)
+            continue
+        try:
+            with _knobs(mods, kn):
+                got = _run_checked(op, mods, st["x"], st["extra"], cpu)
+                r["check"] = _check(got, st["want"], exact_scales=_family(op) == "quantize")
+                r["ok"] = r["check"]["ok"]
+                if impl == "old":
+                    st["old_out"] = got
+                elif st["old_out"] is not None:
+                    r["vs_old"] = _vs_old(got, st["old_out"])
+                del got
+                if not cpu:
+                    def fn(mods=mods, op=op, x=st["x"], extra=st["extra"]):
+                        return _call(op, mods, x, extra)
+                    r["kernel_us"] = t = _kernel_us(fn)
+                    r["gbps"] = st["nbytes"] / t / 1e3 if t else None
+                    r["pct_copy"] = 100 * r["gbps"] / copy if r["gbps"] else None
+                    r["pct_size"] = 100 * r["gbps"] / st["size_gbps"] if r["gbps"] else None
+                    if op in ("quantize rc", "norm_quant rc") and not kn:
+                        r["host_us"], r["host_waited"] = host_us(fn)
+        except Exception as e:  # one failing row must not stop the probe
+            msg = str(e).splitlines()[0][:300] if str(e) else ""
+            r["error"] = f"{type(e).__name__}: {msg}"
+        print(f"  {op} {impl:<4} {_kn_str(kn, default):<50} kernel "
+              f"{_f(r.get('kernel_us'), '.1f')} µs {'ok' if r['ok'] else 'FAIL'} "
+              f"{r.get('check', '')} {r.get('vs_old', '')} {r['error'] or ''} "
+              f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+        rows.append(r)
+    rows.sort(key=lambda r: OPS.index(r["op"]))  # (stable: old, default, variants)
 
     report = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
               "interpreter": cpu, "copy_gbps": copy, "size_matched_copies": sizes,

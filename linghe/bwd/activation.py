@@ -93,8 +93,8 @@ def _bwd_quant_block(pid_m, pid_n, tile_start, real_end, seg_stop, dy_ptr, x_ptr
     ``real_end`` are read (real rows), rows below ``seg_stop`` written (padding/tail rows
     as zeros). Row vectors and masks are formed here from the scalars, so that a loop over
     blocks carries only scalars. ``PACK`` (``COLWISE``; ``M``, ``tile_start`` and
-    ``seg_stop`` multiples of 16, ``qt_ptr`` int32): rows in :func:`packed_row_order`, the
-    columnwise copy through :func:`store_cols_packed`."""
+    ``seg_stop`` multiples of 16, ``qt_ptr`` as :func:`packed_view` words): rows in
+    :func:`packed_row_order`, the columnwise copy through :func:`store_cols_packed`."""
     K = 2 * N
     GK = tl.cdiv(K, 128)
     if PACK:
@@ -193,7 +193,8 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_p
     # BATCH: rows grouped by expert; program row tiles follow the segments
     # (expert_tile), so the columnwise groups never cross one; only real rows are read
     # (rmask), padding/tail rows are written as zeros (wmask). PACK: the columnwise copy
-    # as packed 32-bit words (store_cols_packed; M % 16 == 0, BATCH only with ALIGN16).
+    # as packed words (store_cols_packed: int16 at 16 warps, where a thread holds 2 rows;
+    # M % 16 == 0, BATCH only with ALIGN16).
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
     if BATCH:

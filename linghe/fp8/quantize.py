@@ -6,7 +6,14 @@ In-kernel helpers (``@triton.jit``, import them into fused kernels):
   power-of-two round-up, amax 0 → 1), bit-exact with ``reference.fp8_scale``;
 - :func:`quant_rows` / :func:`quant_cols` — quantize an fp32 tile in 1x128 groups along
   its columns (rowwise) or along its rows (columnwise); :func:`inv_scale` — the
-  reciprocal of a scale as ``1.0 / s`` gives it, in fewer instructions.
+  reciprocal of a scale as ``1.0 / s`` gives it, in fewer instructions;
+- :func:`packed_row_order` / :func:`store_cols_packed` — the columnwise copy's transposed
+  store as words of 4 (or 2) tokens packed in registers (rows loaded so that a thread's
+  rows are consecutive tokens; :func:`packed_rpt`, :func:`packed_view` on the host), where
+  ``M % 16 == 0``: Triton's own layout conversion of an fp8 tile writes shared memory a
+  byte at a time, 8-way bank conflicted (64-128 ``STS.U8`` per thread and tile, sm_90,
+  triton 3.6 and 3.9). Used by the tile and split kernels here (``PACK_COLS``) and the
+  SwiGLU quantizing kernels.
 
 Kernels of the 1x128 format (``quantize_1x128`` and, with an RMSNorm prologue,
 ``linghe.fwd.norm.rms_norm_quant_fwd``; launch knobs ``TILE_CONFIGS``, ``ROWS_CONFIG``,
@@ -329,7 +336,8 @@ def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_pt
     (``q_t[k, m]``: each column's 128 tokens are one 128-byte row of ``q_t``) and scales
     ``s_t[k, m // 128]`` (scale strides as given). ``PACK`` (``M % 16 == 0``): ``rows`` are
     the row block's rows in :func:`packed_row_order` (``RPT``) and ``qt_ptr`` is ``q_t``
-    as int32 words; the columnwise copy leaves through :func:`store_cols_packed`."""
+    as :func:`packed_view` words; the columnwise copy leaves through
+    :func:`store_cols_packed`."""
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
@@ -358,8 +366,8 @@ def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                            PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
     """1x128 quantization of ``x [M, K]`` (optionally RMS-normalized: ``NORM``) in
     ``[BM, BN]`` tiles (see :func:`quant_tile`; ``PACK``: the packed columnwise store,
-    ``BM == 128``, ``qt_ptr`` int32), one tile per program in the order of
-    :func:`_tile_coords`."""
+    ``BM == 128``, ``qt_ptr`` as :func:`packed_view` words), one tile per program in the
+    order of :func:`_tile_coords`."""
     nm = tl.cdiv(M, BM)
     nk = tl.cdiv(K, BN)
     pid_m, pid_k, rows, cols = _tile_coords(tl.program_id(0), nm * nk, nm, nk, BM, BN,
@@ -460,9 +468,12 @@ ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
 #: µs for "tiles" (``h200_probe_tilequant_2026-11-26.*``).
 ROW_MODE = "rows"
 ROWCOL_MODE = "split"
-#: The columnwise copy of the tile and split kernels leaves as packed 32-bit words of 4
+#: The columnwise copy of the tile and split kernels leaves as packed words of 4 (or 2)
 #: tokens (:func:`store_cols_packed`) where ``M % 16 == 0``; else (or False) byte by byte
-#: through Triton's layout conversion (the same bits, slower).
+#: through Triton's layout conversion (the same bits; sm_90 offline, triton 3.6 and 3.9:
+#: 64 ``STS.U8`` per thread of a [128, 64] columnwise tile -> 8 ``STS.64`` + 8 ``LDS``, and
+#: the registers of the split / columnwise tile kernels 96 -> 80 under 3.6, 72 -> 87-90
+#: under 3.9; ``benchmark/probe_tilequant.py --sass``).
 PACK_COLS = True
 
 

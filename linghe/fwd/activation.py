@@ -5,7 +5,8 @@
 
 - :func:`silu_mul_fwd`: ``y`` in ``x``'s dtype.
 - :func:`silu_mul_quant_fwd`: ``y`` quantized in one pass to 1x128 FP8 (rowwise, and
-  columnwise from the same fp32 values); programs take 128 rows x 128 output columns.
+  columnwise from the same fp32 values); programs take 128 rows x 128 output columns; the
+  columnwise copy leaves as packed words (:func:`store_cols_packed`) where ``M % 16 == 0``.
 - :func:`batch_silu_mul_quant_fwd`: the same for rows grouped by expert
   (:mod:`linghe.layout`): columnwise groups start at each expert segment's start and never
   cross segments. Counts are read on the device (no host sync): a one-wave launch turns
@@ -232,8 +233,9 @@ def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, q
                      tile_start=0, stop=0, PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
     """One [BM, 128] output block (columns ``pid_n * 128 ..``) of the quantizing forward
     (``FAST_SILU``: :func:`silu_ftz`, else :func:`silu_f32`). ``PACK`` (``COLWISE``, ``BM
-    == 128``; ``rows`` from ``tile_start`` in :func:`packed_row_order`, ``qt_ptr`` int32):
-    the columnwise copy leaves through :func:`store_cols_packed` (tokens below ``stop``)."""
+    == 128``; ``rows`` from ``tile_start`` in :func:`packed_row_order`, ``qt_ptr`` as
+    :func:`packed_view` words): the columnwise copy leaves through
+    :func:`store_cols_packed` (tokens below ``stop``)."""
     cols = pid_n * 128 + tl.arange(0, 128)
     cmask = cols < N
     mask = lmask[:, None] & cmask[None, :]
@@ -269,7 +271,7 @@ def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N,
                                HAS_P: tl.constexpr, PACK: tl.constexpr = False,
                                RPT: tl.constexpr = 4):
     # Program (pid_m, pid_n): rows [pid_m * BM, +BM), the 128-column block pid_n.
-    # PACK (COLWISE, BM == 128, M % 16 == 0; qt_ptr int32): rows loaded in
+    # PACK (COLWISE, BM == 128, M % 16 == 0; qt_ptr as packed_view words): rows loaded in
     # packed_row_order, the columnwise copy stored as packed 32-bit words.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -346,8 +348,8 @@ def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr
     # Program pid takes row tile pid_m (from the tile map: it starts at its segment's
     # start, so columnwise groups never cross segments) and the 128-column blocks
     # [pid_c * NCOL, pid_c * NCOL + NCOL), in turn; NPC column programs per row tile.
-    # PACK (COLWISE, ALIGN16, M % 16 == 0; qt_ptr int32): the columnwise copy leaves as
-    # packed 32-bit words (store_cols_packed).
+    # PACK (COLWISE, ALIGN16, M % 16 == 0; qt_ptr as packed_view words): the columnwise
+    # copy leaves as packed words (store_cols_packed).
     pid = tl.program_id(0)
     if ROWS_FIRST:
         pid_m = pid % NG
