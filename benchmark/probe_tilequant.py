@@ -24,8 +24,10 @@ both copies:
 
 Rows per op: ``old`` (main's files, from ``--old DIR``: a folder holding them as
 ``linghe/fp8/quantize.py``, ``linghe/fwd/norm.py``, ``linghe/{fwd,bwd}/activation.py``, as
-in a copy of main's tree, or the same without ``linghe/``; else git ``--old-rev``), ``new`` at the defaults (``*``), ``new`` with the packed store off (main's
-store), and knob variants (module attribute overrides; skipped past ``--max-seconds``).
+in a copy of main's tree, or the same without ``linghe/``; else git ``--old-rev``), ``new``
+at the defaults (``*``), then knob variants round-robin over the ops (module attribute
+overrides, the first one the packed store off: main's store in the new code; skipped past
+``--max-seconds``).
 
 Checks, every row, in the same run, outputs NaN-poisoned before the checked call (not the
 timed ones): against :mod:`linghe.reference` in float32 (fp8 data more than one e4m3 step
