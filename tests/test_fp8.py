@@ -171,6 +171,128 @@ def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
         assert _same_bits(a, b)
 
 
+# The packed columnwise store (linghe.fp8.quantize.PACK_COLS: rows loaded so that a thread's
+# rows are consecutive tokens, 4 tokens' bytes per 32-bit word, or 2 per 16-bit word): M a
+# multiple of 16 with tails in both dims, one 16-row tile, exact 128-multiples, a 3-d
+# input (M = 144); M % 16 != 0 falls back to the byte store. Every kernel that writes the
+# columnwise copy: "split" (the rc default), "tiles" (rc in [128, 128] tiles: the fp8
+# store's layout, 8 rows per thread), "rows_cols" and "c" (columnwise tiles alone), with
+# 2 warps in "tiles_w2" (16 rows per thread), 8 warps in "split_w8" (2 rows: int16 words).
+PACK_SHAPES = [(272, 200), (16, 130), (128, 256), (2, 72, 129), (270, 200)]
+PACK_MODES = {
+    "split": dict(ROWCOL_MODE="split"),
+    "split_w8": dict(ROWCOL_MODE="split", TILE_CONFIGS=dict(split=dict(bm=128, bn=32,
+                                                                      warps=8))),
+    "tiles": dict(ROWCOL_MODE="tiles"),
+    "tiles_w2": dict(ROWCOL_MODE="tiles", TILE_CONFIGS=dict(rc=dict(bm=128, bn=128, warps=2,
+                                                                   k_fast=True))),
+    "rows_cols": dict(ROWCOL_MODE="rows_cols"),
+    "c": dict(),
+}
+
+
+@pytest.mark.gpu_subset(shape=[(272, 200), (2, 72, 129), (270, 200)])
+@pytest.mark.parametrize("shape", PACK_SHAPES)
+@pytest.mark.parametrize("mode", list(PACK_MODES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_1x128_packed_store(device, monkeypatch, shape, mode, dtype):
+    """The packed columnwise store runs where ``M % 16 == 0`` and gives the byte store's
+    bits (which match the reference), with a NaN and an all-zero group in the input;
+    every element is written (outputs are NaN-poisoned)."""
+    from linghe.fp8 import quantize as Q
+
+    x = (torch.randn(shape, device=device) * 4).to(dtype)
+    x2 = x.view(-1, shape[-1])
+    M, K = x2.shape
+    x2[3, 5] = float("nan")
+    x2[:, 128:] = 0
+    knobs = dict(PACK_MODES[mode])
+    if "TILE_CONFIGS" in knobs:
+        knobs["TILE_CONFIGS"] = dict(Q.TILE_CONFIGS, **knobs["TILE_CONFIGS"])
+    for k, v in knobs.items():
+        monkeypatch.setattr(Q, k, v)
+    rowwise = mode != "c"
+    packs = []
+    real_launch = Q.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "PACK" in kwargs:
+            packs.append(kwargs["PACK"])
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(Q, "launch", spy)
+    outs = []
+    for pack in (True, False):
+        monkeypatch.setattr(Q, "PACK_COLS", pack)
+        packs.clear()
+        outs.append(linghe.quantize_1x128(x, rowwise=rowwise, columnwise=True,
+                                          pow2_scale=mode == "split"))
+        assert packs and packs[-1] == (pack and M % 16 == 0)
+    for a, b in zip(_components(outs[0]), _components(outs[1])):
+        assert _same_bits(a, b)
+    t = outs[0]
+    qt, st = ref.quantize_1x128_columnwise(x2, pow2_scale=mode == "split")
+    assert_fp8_close(t.columnwise_data, qt)
+    assert torch.equal(t.columnwise_scale, st)
+    assert t.columnwise_data[5, 3].float().isnan()
+    if rowwise:
+        q, s = ref.quantize_1x128(x2, pow2_scale=mode == "split")
+        assert_fp8_close(t.rowwise_data, q)
+        assert torch.equal(t.rowwise_scale, s)
+
+
+@pytest.mark.parametrize("bn,warps,x_bytes,rowwise,rpt", [
+    (64, 4, 2, False, 8), (128, 4, 2, False, 16), (128, 4, 2, True, 8), (64, 4, 4, False, 16),
+    (128, 4, 4, True, 8), (128, 8, 2, True, 4), (128, 16, 2, True, 2), (32, 8, 2, False, 2),
+    (128, 32, 2, True, 2)])
+def test_packed_rpt(bn, warps, x_bytes, rowwise, rpt):
+    """Rows per thread of the packed store: what offline sm_90 compiles showed for the
+    tiles (``benchmark/probe_tilequant.py --sass``), at least 2."""
+    from linghe.fp8.quantize import packed_rpt
+
+    assert packed_rpt(bn, warps, x_bytes, rowwise) == rpt
+
+
+_PACK_COMPILE_SCRIPT = r'''
+from benchmark.probe_rope import compile_sm90
+from benchmark.probe_tilequant import sass_counts
+from linghe.fp8 import quantize as Q
+
+M, K = 8192, 2048
+base = dict(x_ptr="bf16", w_ptr="bf16", rstd_ptr="fp32", q_ptr="fp8e4nv", s_ptr="fp32",
+            qt_ptr="i32", st_ptr="fp32", M=M, K=K, stride_xm=K, stride_sm=16, stride_sg=1,
+            stride_stk=64, stride_stg=1)
+# (rowwise, norm, bn): the columnwise tiles of quantize_1x128 "c" and rms_norm_quant, the
+# row+col tiles; the split kernel (the quantize_1x128 default).
+for row, norm, bn in ((False, False, 64), (False, True, 64), (True, False, 128)):
+    a = dict(base)
+    if not row:
+        a.update(q_ptr=None, s_ptr=None)
+    if not norm:
+        a.update(w_ptr=None, rstd_ptr=None)
+    k = compile_sm90(Q._quantize_1x128_kernel, a, dict(
+        BM=128, BN=bn, ROWWISE=row, COLWISE=True, NORM=norm, POW2=False, K_FAST=True,
+        REVERSE=True, PACK=True, RPT=Q.packed_rpt(bn, 4, 2, row)), 4)
+    st = sass_counts(k)
+    assert st["STS.U8"] == 0 and st["STG.U8"] == 0 and st["STG.128"] > 0, (row, norm, st)
+    assert st["stack"] == 0, (row, norm, st)
+a = {n: v for n, v in base.items() if n not in ("w_ptr", "rstd_ptr")}
+for pow2 in (False, True):
+    k = compile_sm90(Q._quantize_split_kernel, a, dict(
+        RB=4, BK=2048, SINGLE=True, BN=64, POW2=pow2, PACK=True, RPT=Q.packed_rpt(64, 4, 2,
+                                                                                  False)), 4)
+    st = sass_counts(k)
+    assert st["STS.U8"] == 0 and st["STG.U8"] == 0 and st["STG.128"] > 0, (pow2, st)
+print("COMPILED")
+'''
+
+
+def test_packed_store_compiles_for_sm90(compile_sm90):
+    """Offline sm_90 compile of the tile and split kernels with the packed store: no byte
+    stores to shared or global memory, 16-byte global stores, no spills."""
+    compile_sm90(_PACK_COMPILE_SCRIPT)
+
+
 def test_quantize_1x128_group_major_scales(device):
     """Group-major scales (the FP8 Linear's layout) hold the same values."""
     from linghe.fp8.quantize import quantize_1x128_launch
