@@ -1,50 +1,43 @@
-"""Probe of the 1x128 FP8 quantizing kernels whose columnwise copy is a transposed store
-(``quantize_1x128``, ``rms_norm_quant``, ``silu_mul_quant`` and its quantized-dx
-backward): ``python -m benchmark.probe_tilequant [--json PATH] [--cpu] [--quick] [--old DIR
-| --old-rev REV]``, or ``--sass`` (no GPU: an offline sm_90 compile of every row's kernels,
-registers / spills / shared memory / SASS instructions, with the stores that tell the
-transposed store's form: ``STS.U8`` byte stores to shared memory, ``STS``/``LDS``,
-``STSM``, 16-byte global stores ``STG.128``).
+"""Probe of the 1x128 FP8 quantization kernels ``quantize_1x128`` and ``rms_norm_quant``:
+``python -m benchmark.probe_tilequant [--json PATH] [--cpu] [--quick] [--old-rev REV |
+--old DIR]``, or ``--sass`` (no GPU: an offline sm_90 compile of every variant's kernels,
+registers / spills / shared memory / SASS instructions).
 
-What changed against main: the columnwise copy leaves as packed words of 4 (or 2) tokens
-(``linghe.fp8.quantize.store_cols_packed``; knobs ``quantize.PACK_COLS``,
-``activation.QUANT_PACK``) where ``M % 16 == 0``, instead of Triton's byte-wise layout
-conversion (8-way bank-conflicted ``STS.U8``). Same bits.
+At the standard shape (``x [8192, 2048]`` bf16, weight bf16, eps 1e-6) it times, per op,
+main's launcher (``old``: git ``--old-rev``, default :data:`OLD_REV`, loaded into
+temporary modules, or from ``--old DIR`` holding main's ``quantize.py`` and ``norm.py``)
+and the new launchers at several values of their module knobs (``*`` = the defaults):
 
-Ops, at the standard shape (``x [8192, 2048]`` bf16; rms_norm weight bf16, eps 1e-6;
-SwiGLU ``x [8192, 2048]`` -> ``y [8192, 1024]``, the ``silu_mul_quant`` benchmark case),
-both copies:
+- ``quantize rc`` / ``rc pow2`` / ``r`` / ``c``:
+  :func:`linghe.fp8.quantize.quantize_1x128_launch` with both copies, the rowwise copy,
+  the columnwise copy. Knobs: ``TILE_CONFIGS`` entries (tile, warps, tile order
+  ``k_fast``; the persistent tile loops of the first H200 run lost and were removed),
+  ``ROW_MODE`` /
+  ``ROWCOL_MODE`` (the rows kernel; "rows_cols": rows then columnwise tiles, two
+  launches; "split": both kinds of programs in one launch), ``ROWS_CONFIG``;
+- ``norm_quant rc`` / ``rc pow2`` / ``r``: :func:`linghe.fwd.norm.rms_norm_quant_fwd`.
+  Knobs: ``QUANT_MODE`` ("rows_cols": rows kernel with rstd + rowwise copy, then the
+  columnwise tiles; "rstd_tiles": rows kernel with rstd only, then tiles writing both
+  copies), ``QUANT_ROWS_CONFIG``, ``QUANT_TILE_COLS`` / ``QUANT_TILE_ROWCOL``,
+  ``QUANT_TILE_REVERSE``.
 
-- ``quantize rc`` / ``rc pow2`` / ``quantize c``: ``quantize_1x128_launch`` (default
-  "split" kernel; the columnwise copy alone: the tile kernel);
-- ``norm_quant rc`` / ``rc pow2``: ``rms_norm_quant_fwd`` (rows kernel, then columnwise
-  tiles with the RMSNorm prologue);
-- ``silu_quant rc``: ``silu_mul_quant_fwd`` (non-batch; no probs);
-- ``silu_bwd_quant rc``: ``silu_mul_bwd_quant`` (non-batch quantized dx; no probs).
-
-Rows per op: ``old`` (main's files, from ``--old DIR``: a folder holding them as
-``linghe/fp8/quantize.py``, ``linghe/fwd/norm.py``, ``linghe/{fwd,bwd}/activation.py``, as
-in a copy of main's tree, or the same without ``linghe/``; else git ``--old-rev``), ``new``
-at the defaults (``*``), then knob variants round-robin over the ops (module attribute
-overrides, the first one the packed store off: main's store in the new code; skipped past
-``--max-seconds``).
-
-Checks, every row, in the same run, outputs NaN-poisoned before the checked call (not the
-timed ones): against :mod:`linghe.reference` in float32 (fp8 data more than one e4m3 step
-off, NaN against a number counts; scales exactly for quantize, else within 1e-5
-relative; rstd relative error) and bit for bit against main (``vs old``). Before timing, an
-edge pass on odd shapes: ``M`` and ``K`` (``N``) not multiples of 128 with ``M % 16 ==
-0`` (packed store with tails; shapes chosen so that the GPU compiles nothing new for it)
-and ``M % 16 != 0`` (the fallback to the byte store), against the reference and main.
+Ceilings timed the same way: a device-to-device copy of 1 GiB (``% copy``: an op's GB/s
+from the fewest bytes it must move, against that copy) and, per op, a size-matched copy
+moving the same number of bytes (``% size``: a uint8 ``copy_`` of half the op's bytes).
 
 Times: ``kernel µs`` is the profiler's kernel time per call, summed over the kernels one
-call launches, each call after an L2 flush (flush kernels left out by name); ``% copy``:
-GB/s from the fewest bytes against a 1 GiB device-to-device copy measured in the run;
-``% size``: against a copy of the op's own byte count; ``host µs`` (old and default rows of
-``quantize rc`` / ``norm_quant rc``) the launcher's host time behind a GPU spin.
+call launches, each call after an L2 flush (as :func:`benchmark.harness.device_time_us`,
+the flush kernels left out by name); ``host µs`` (old and default rows of the rc ops) the
+launcher's host time behind a GPU spin.
 
-``--cpu`` runs small shapes through the Triton interpreter (a smoke test of this script,
-not a measurement). The table is printed last; ``--json`` gets every row.
+Checks, every row, in the same run: outputs NaN-poisoned before the kernel
+(:func:`linghe.utils.set_poison_outputs`); against :mod:`linghe.reference` in float32
+(fp8 data more than one e4m3 step off, scales off: exactly for quantize, by more than
+1e-5 relative for rms_norm_quant, whose rstd sums in another order; rstd relative error);
+against main's kernels (elements that differ, bit for bit).
+
+``--cpu`` runs a small shape through the Triton interpreter (a smoke test of this
+script, not a measurement). The table is printed last; ``--json`` gets every row.
 """
 
 from __future__ import annotations
@@ -56,7 +49,6 @@ import os
 import platform
 import sys
 import time
-import types
 
 import torch
 
@@ -78,116 +70,127 @@ from .harness import (  # noqa: E402
     print_columns,
 )
 
-#: main when this probe was last changed (git ``--old-rev`` default).
-OLD_REV = "dbf0a24"
+#: main when this probe was written (quantize_1x128: one [128, 128] tile per program;
+#: rms_norm_quant: rstd kernel, then [128, 128] tiles quantized both ways).
+OLD_REV = "5f8e0f4"
 EPS = 1e-6
 
 # --------------------------------------------------------------------------- variants
-# A variant: module knob overrides, "Q.NAME" (linghe.fp8.quantize), "N.NAME"
-# (linghe.fwd.norm), "A.NAME" (linghe.fwd.activation); a dict value is merged into a dict
-# knob, "Q.TILE_CONFIGS.split" into one entry of it. The first variant of each op turns
-# the packed store off (main's store in the new code).
-NOPACK_Q = {"Q.PACK_COLS": False}
-NOPACK_A = {"A.QUANT_PACK": False}
+# A variant is a dict of knob overrides. quantize: "rc" / "r" / "c" (merged into that
+# TILE_CONFIGS entry), "rows" (merged into ROWS_CONFIG), "ROW_MODE", "ROWCOL_MODE".
+# rms_norm_quant: "rows" (QUANT_ROWS_CONFIG), "cols" (QUANT_TILE_COLS), "rowcol"
+# (QUANT_TILE_ROWCOL), "mode" (QUANT_MODE), "reverse" (QUANT_TILE_REVERSE).
+R8 = dict(rows=8, elems=16384)  # 8 rows of 2048 per rows-kernel program
 QUANT_RC = [
-    NOPACK_Q,
-    {"Q.ROWCOL_MODE": "tiles"},
-    {"Q.TILE_CONFIGS.split": dict(bn=128)},
-    {"Q.ROWCOL_MODE": "rows_cols", "Q.TILE_CONFIGS.c": dict(k_fast=True)},
-    {"Q.ROWCOL_MODE": "tiles", "Q.TILE_CONFIGS.rc": dict(k_fast=True)},
+    {"ROWCOL_MODE": "tiles"},
+    {"ROWCOL_MODE": "tiles", "rc": dict(k_fast=True)},
+    {"ROWCOL_MODE": "tiles", "rc": dict(warps=8)},
+    {"ROWCOL_MODE": "rows_cols", "c": dict(k_fast=True)},
+    {"ROWCOL_MODE": "rows_cols", "c": dict(bn=64, k_fast=True)},
+    {"split": dict(bn=128)},
+    {"split": dict(bn=32)},
+    {"split": dict(warps=8), "rows": R8},
+    {"rows": dict(rows=2)},
 ]
-QUANT_RC_POW2 = [{"Q.ROWCOL_MODE": "tiles"}]
-QUANT_C = [NOPACK_Q, {"Q.TILE_CONFIGS.c": dict(bn=128)}]
+QUANT_RC_POW2 = [
+    {"ROWCOL_MODE": "tiles"},
+    {"ROWCOL_MODE": "tiles", "rc": dict(k_fast=True)},
+    {"split": dict(bn=128)},
+]
+QUANT_R = [
+    {"r": dict(bm=64)},
+    {"r": dict(bm=16, warps=4)},
+    {"ROW_MODE": "rows"},
+    {"ROW_MODE": "rows", "rows": R8},
+    {"ROW_MODE": "rows", "rows": dict(rows=2, warps=4)},
+]
+QUANT_C = [
+    {"c": dict(k_fast=True)},
+    {"c": dict(warps=8)},
+    {"c": dict(bn=64)},
+    {"c": dict(bn=64, k_fast=True)},
+    {"c": dict(bn=64, warps=2)},
+]
 NORM_RC = [
-    NOPACK_Q,
-    {"N.QUANT_MODE": "rstd_tiles"},
-    {"N.QUANT_TILE_COLS": dict(bn=128)},
-    {"N.QUANT_MODE": "rstd_tiles", "N.QUANT_TILE_ROWCOL": dict(k_fast=True)},
+    {"reverse": False},
+    {"cols": dict(k_fast=False)},
+    {"cols": dict(warps=8)},
+    {"cols": dict(bn=64)},
+    {"cols": dict(bn=64, warps=2)},
+    {"rows": R8},
+    {"rows": dict(per_sm=3)},
+    {"mode": "rstd_tiles"},
 ]
-NORM_RC_POW2 = [{"N.QUANT_MODE": "rstd_tiles"}]
-SILU_RC = [NOPACK_A, {"A.QUANT_NUM_WARPS": 4}]
-SILU_BWD = [NOPACK_A, {"A.QUANT_BWD_NUM_WARPS": 8}]
+NORM_RC_POW2 = [{"cols": dict(bn=64)}, {"mode": "rstd_tiles"}]
+NORM_R = [
+    {"rows": R8},
+    {"rows": dict(rows=2, warps=4)},
+    {"rows": dict(warps=4)},
+    {"rows": dict(per_sm=3)},
+    {"rows": dict(per_sm=2)},
+    {"rows": dict(rows=2, warps=4, per_sm=6)},
+]
 #: Variant rows (not old / default rows) are skipped once the probe has run this long.
-MAX_SECONDS = 70.0
+MAX_SECONDS = 80.0
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m benchmark.probe_tilequant",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
-    p.add_argument("--cpu", action="store_true", help="small shapes, Triton interpreter")
+    p.add_argument("--cpu", action="store_true", help="small shape, Triton interpreter")
     p.add_argument("--quick", action="store_true", help="old and default rows only")
     p.add_argument("--sass", action="store_true",
-                   help="no GPU: compile every row's kernels for sm_90 and print registers, "
-                        "spills, shared memory, SASS instructions and store counts")
+                   help="no GPU: compile every variant's kernels for sm_90 and print "
+                        "registers, spills, shared memory, SASS instructions")
     p.add_argument("--max-seconds", type=float, default=MAX_SECONDS,
                    help="skip the remaining variant rows after this many seconds")
     p.add_argument("--old-rev", default=OLD_REV, help="git revision of main's kernels")
     p.add_argument("--old", default=None, metavar="DIR",
-                   help="folder holding main's linghe/fp8/quantize.py, linghe/fwd/norm.py, "
-                        "linghe/fwd/activation.py, linghe/bwd/activation.py (a copy of "
-                        "main's tree; or without linghe/), instead of git")
+                   help="directory holding main's quantize.py (linghe/fp8) and norm.py "
+                        "(linghe/fwd) instead of git, for a copy of the tree without .git")
     return p.parse_args(argv)
 
 
-def _old_src(old_dir, sub):
-    """The folder under ``old_dir`` holding main's ``sub`` ("fp8/quantize.py", ...)."""
-    if old_dir is None:
-        return None
-    d, base = os.path.split(sub)
-    cands = [os.path.join(old_dir, "linghe", d), os.path.join(old_dir, d)]
-    if base != "activation.py":  # (fwd/ and bwd/ both have one: no flat layout)
-        cands.append(old_dir)
-    for cand in cands:
-        if os.path.isfile(os.path.join(cand, base)):
-            return cand
-    raise FileNotFoundError(f"{sub} not in {old_dir} (as linghe/{sub} or {sub})")
-
-
 def _load_old(rev, old_dir=None):
-    """main's quantize, norm and activation (fwd, bwd) modules, each importing main's
-    others, from git ``rev`` or from ``old_dir``."""
-    def load(sub, name, replace=()):
-        return load_module_at(rev, "linghe/" + sub, name, src_dir=_old_src(old_dir, sub),
-                              replace=replace)
-
-    q_imp = ("from ..fp8.quantize import", "from ..fp8._quantize_old import")
-    Q = load("fp8/quantize.py", "linghe.fp8._quantize_old")
-    N = load("fwd/norm.py", "linghe.fwd._norm_old", [q_imp])
-    A = load("fwd/activation.py", "linghe.fwd._activation_old", [q_imp])
-    B = load("bwd/activation.py", "linghe.bwd._activation_old", [
-        q_imp, ("from ..fwd import activation as _fwd",
-                "from ..fwd import _activation_old as _fwd"),
-        ("from ..fwd.activation import", "from ..fwd._activation_old import")])
-    return types.SimpleNamespace(Q=Q, N=N, A=A, B=B)
-
-
-def _new_mods():
-    from linghe.bwd import activation as B
-    from linghe.fp8 import quantize as Q
-    from linghe.fwd import activation as A
-    from linghe.fwd import norm as N
-    return types.SimpleNamespace(Q=Q, N=N, A=A, B=B)
+    """main's linghe/fp8/quantize.py and linghe/fwd/norm.py (the old norm imports the old
+    quantize), from git ``rev`` or from ``old_dir``."""
+    q = load_module_at(rev, "linghe/fp8/quantize.py", "linghe.fp8._quantize_old",
+                       src_dir=old_dir)
+    n = load_module_at(rev, "linghe/fwd/norm.py", "linghe.fwd._norm_old", src_dir=old_dir,
+                       replace=[("from ..fp8.quantize import", "from ..fp8._quantize_old import")])
+    return q, n
 
 
 # --------------------------------------------------------------------------- knobs
+_NORM_ATTR = {"rows": "QUANT_ROWS_CONFIG", "cols": "QUANT_TILE_COLS",
+              "rowcol": "QUANT_TILE_ROWCOL", "mode": "QUANT_MODE",
+              "reverse": "QUANT_TILE_REVERSE"}
+
+
 @contextlib.contextmanager
-def _knobs(mods, kn):
-    """Apply the variant ``kn`` to the modules ``mods`` (restored on exit)."""
+def _knobs(Q, N, op, kn):
+    """Apply the variant ``kn`` of ``op`` ("quantize ..." / "norm_quant ...")."""
     saved = []
+
+    def put(mod, attr, val):
+        saved.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, val)
+
     try:
-        for key, v in kn.items():
-            parts = key.split(".")
-            mod, attr = getattr(mods, parts[0]), parts[1]
-            cur = getattr(mod, attr)
-            if len(parts) == 3:
-                val = dict(cur, **{parts[2]: dict(cur[parts[2]], **v)})
-            elif isinstance(cur, dict) and isinstance(v, dict):
-                val = dict(cur, **v)
+        for k, v in kn.items():
+            if op.startswith("quantize"):
+                if k in ("rc", "r", "c", "split"):
+                    put(Q, "TILE_CONFIGS", dict(Q.TILE_CONFIGS, **{k: dict(
+                        Q.TILE_CONFIGS[k], **v)}))
+                elif k == "rows":
+                    put(Q, "ROWS_CONFIG", dict(Q.ROWS_CONFIG, **v))
+                else:
+                    put(Q, k, v)
             else:
-                val = v
-            saved.append((mod, attr, cur))
-            setattr(mod, attr, val)
+                attr = _NORM_ATTR[k]
+                cur = getattr(N, attr)
+                put(N, attr, dict(cur, **v) if isinstance(cur, dict) else v)
         yield
     finally:
         for mod, attr, val in reversed(saved):
@@ -196,7 +199,6 @@ def _knobs(mods, kn):
 
 def _kn_str(kn, default=False):
     def one(k, v):
-        k = k.split(".", 1)[1]
         if isinstance(v, dict):
             return f"{k}(" + " ".join(f"{a}={b}" for a, b in v.items()) + ")"
         return f"{k}={v}"
@@ -205,84 +207,61 @@ def _kn_str(kn, default=False):
 
 
 # --------------------------------------------------------------------------- ops
-OPS = ["quantize rc", "norm_quant rc", "silu_quant rc", "silu_bwd_quant rc", "quantize c",
-       "quantize rc pow2", "norm_quant rc pow2"]
-_VARIANTS = {"quantize rc": QUANT_RC, "quantize rc pow2": QUANT_RC_POW2,
-             "quantize c": QUANT_C, "norm_quant rc": NORM_RC,
-             "norm_quant rc pow2": NORM_RC_POW2, "silu_quant rc": SILU_RC,
-             "silu_bwd_quant rc": SILU_BWD}
+def _ops(Q, N, oldQ, oldN, x, w, quick):
+    """``[(op, old fn, new fn, variants, outputs)]``: the launchers, called with the shape's
+    inputs; ``outputs`` names what they return."""
+    def qz(mod, row, col, pow2):
+        return lambda: mod.quantize_1x128_launch(x, row, col, pow2)
 
+    def nq(mod, col, pow2):
+        return lambda: mod.rms_norm_quant_fwd(x, w, EPS, columnwise=col, pow2_scale=pow2)
 
-def _family(op):
-    return op.split()[0]
-
-
-def _inputs(op, M, K, dev):
-    """The op's inputs at ``[M, K]`` (SwiGLU: ``x [M, K]``, ``y`` and ``dy [M, K // 2]``)."""
-    g = torch.Generator(device="cpu").manual_seed(M * 7919 + K)
-    x = (torch.randn(M, K, generator=g) * 2).to(dev, torch.bfloat16)
-    if _family(op) == "norm_quant":
-        return x, (torch.rand(K, generator=g) + 0.5).to(dev, torch.bfloat16)
-    if _family(op) == "silu_bwd_quant":
-        return x, torch.randn(M, K // 2, generator=g).to(dev, torch.bfloat16)
-    return x, None
-
-
-def _call(op, mods, x, extra):
-    """The op's launcher in ``mods`` (old or new): ``(q, s, qt, st[, rstd])``."""
-    pow2 = op.endswith("pow2")
-    fam = _family(op)
-    if fam == "quantize":
-        return mods.Q.quantize_1x128_launch(x, "r" in op.split()[1], True, pow2)
-    if fam == "norm_quant":
-        return mods.N.rms_norm_quant_fwd(x, extra, EPS, columnwise=True, pow2_scale=pow2)
-    if fam == "silu_quant":
-        return mods.A.silu_mul_quant_fwd(x, None, columnwise=True, pow2_scale=pow2)
-    dx, _ = mods.B.silu_mul_bwd_quant(extra, x, None, columnwise=True, pow2_scale=pow2,
-                                      need_dprobs=False)
-    return dx.rowwise_data, dx.rowwise_scale, dx.columnwise_data, dx.columnwise_scale
+    ops = [
+        ("quantize rc", qz(oldQ, True, True, False), qz(Q, True, True, False), QUANT_RC),
+        ("norm_quant rc", nq(oldN, True, False), nq(N, True, False), NORM_RC),
+        ("norm_quant r", nq(oldN, False, False), nq(N, False, False), NORM_R),
+        ("quantize r", qz(oldQ, True, False, False), qz(Q, True, False, False), QUANT_R),
+        ("quantize c", qz(oldQ, False, True, False), qz(Q, False, True, False), QUANT_C),
+        ("quantize rc pow2", qz(oldQ, True, True, True), qz(Q, True, True, True),
+         QUANT_RC_POW2),
+        ("norm_quant rc pow2", nq(oldN, True, True), nq(N, True, True), NORM_RC_POW2),
+    ]
+    if quick:
+        ops = [(o, f_old, f_new, []) for o, f_old, f_new, _ in ops]
+    return ops
 
 
 def _op_bytes(op, M, K):
-    """The fewest bytes ``op`` moves: inputs read once (and the weight), each output
-    written once (fp8 data, fp32 scales, rstd)."""
-    fam = _family(op)
+    """The fewest bytes ``op`` moves: x read once (and the weight), each output written
+    once (fp8 data, fp32 scales, rstd)."""
+    rows, cols = "r" in op.split()[1], "c" in op.split()[1]
     n = M * K * 2
-    rows = "r" in op.split()[1]
-    Ko = K // 2 if fam == "silu_quant" else K
-    if fam == "silu_bwd_quant":
-        n += M * (K // 2) * 2  # dy
     if rows:
-        n += M * Ko + M * cdiv(Ko, 128) * 4
-    n += M * Ko + Ko * cdiv(M, 128) * 4
-    if fam == "norm_quant":
+        n += M * K + M * cdiv(K, 128) * 4
+    if cols:
+        n += M * K + K * cdiv(M, 128) * 4
+    if op.startswith("norm_quant"):
         n += K * 2 + M * 4
     return n
 
 
-def _reference(op, x, extra):
+def _reference(op, x, w):
     """``{name: tensor}`` of what ``op`` must return (float32 math on the device)."""
     pow2 = op.endswith("pow2")
-    fam = _family(op)
+    rows, cols = "r" in op.split()[1], "c" in op.split()[1]
     y = x.float()
     out = {}
-    if fam == "norm_quant":
+    if op.startswith("norm_quant"):
         out["rstd"] = torch.rsqrt(y.pow(2).mean(-1) + EPS)
-        y = ref.rms_norm_f32(y, extra.float(), EPS)
-    elif fam == "silu_quant":
-        y = ref.silu_mul(y)
-    elif fam == "silu_bwd_quant":
-        n = y.shape[1] // 2
-        g, u, dy = y[:, :n], y[:, n:], extra.float()
-        sg = torch.sigmoid(g)
-        y = torch.cat([dy * u * (sg * (1.0 + g * (1.0 - sg))), dy * g * sg], 1)
-    if "r" in op.split()[1]:
+        y = ref.rms_norm_f32(y, w.float(), EPS)
+    if rows:
         out["q"], out["s"] = ref.quantize_1x128(y, pow2)
-    out["qt"], out["st"] = ref.quantize_1x128_columnwise(y, pow2)
+    if cols:
+        out["qt"], out["st"] = ref.quantize_1x128_columnwise(y, pow2)
     return out
 
 
-def _named(out):
+def _named(op, out):
     names = ("q", "s", "qt", "st", "rstd")
     return {n: t for n, t in zip(names, out) if t is not None}
 
@@ -320,17 +299,6 @@ def _vs_old(got, old):
             for n in got if n in old}
 
 
-def _run_checked(op, mods, x, extra, cpu):
-    set_poison_outputs(True)  # the checked call only
-    try:
-        got = _named(_call(op, mods, x, extra))
-        if not cpu:
-            torch.cuda.synchronize()
-    finally:
-        set_poison_outputs(False)
-    return got
-
-
 def _kernel_us(fn, reps=10):
     """Kernel µs per call of ``fn``: the profiler's CUDA kernel time over ``reps`` calls,
     each after an L2 flush whose (fill) kernels are left out by name."""
@@ -358,47 +326,6 @@ def _copy_row(nbytes, dev):
     return {"kernel_us": us, "bytes": nbytes, "gbps": nbytes / us / 1e3 if us else None}
 
 
-# --------------------------------------------------------------------------- edge pass
-def _edge_shapes(cpu):
-    """``[(M, K, packed)]``: tails in both dims with ``M % 16 == 0`` (the packed store),
-    then ``M % 16 != 0`` (the byte store). On the GPU the packed shape keeps every
-    integer argument's divisibility by 16 that the timed shape has (``M``, ``K``, the
-    scale strides ``cdiv(M, 128)``, ``cdiv(K, 128)``), so it compiles nothing new."""
-    if cpu:
-        return [(144, 208, True), (142, 208, False)]
-    return [(2032, 2000, True), (2030, 2000, False)]
-
-
-def _edge_pass(new, old, dev, cpu):
-    """Old and default rows of every op on the edge shapes: ``[row]`` (``ok``: against
-    the reference and bit for bit against main)."""
-    rows = []
-    for M, K, packed in _edge_shapes(cpu):
-        for op in OPS:
-            if op.endswith("pow2") or (not packed and op == "quantize c"):
-                continue  # (the same code as their exact / rc forms)
-            Ke = K + 16 if _family(op).startswith("silu") else K  # (N = K/2 % 16 == 0)
-            x, extra = _inputs(op, M, Ke, dev)
-            want = _reference(op, x, extra)
-            r = {"op": op, "shape": f"[{M},{Ke}]", "packed": packed, "ok": False,
-                 "error": None}
-            try:
-                got_old = _run_checked(op, old, x, extra, cpu)
-                got = _run_checked(op, new, x, extra, cpu)
-                r["check"] = _check(got, want, exact_scales=_family(op) == "quantize")
-                r["check_old"] = _check(got_old, want,
-                                        exact_scales=_family(op) == "quantize")
-                r["vs_old"] = _vs_old(got, got_old)
-                r["ok"] = r["check"]["ok"] and not any(r["vs_old"].values())
-            except Exception as e:  # reported, and the probe exits 1
-                r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            print(f"  edge {op} [{M},{Ke}] {'packed' if packed else 'byte store'}: "
-                  f"{'ok' if r['ok'] else 'FAIL'} {r.get('vs_old', '')} {r['error'] or ''}",
-                  file=sys.stderr, flush=True)
-            rows.append(r)
-    return rows
-
-
 # --------------------------------------------------------------------------- the probe
 def main(argv=None) -> int:
     args = _parse(argv)
@@ -410,15 +337,20 @@ def main(argv=None) -> int:
               "process (python -m benchmark.probe_tilequant --cpu)", file=sys.stderr)
         return 2
     dev = "cpu" if cpu else "cuda"
-    new = _new_mods()
+    from linghe.fp8 import quantize as Q
+    from linghe.fwd import norm as N
+
     t_start = time.perf_counter()
     try:
-        old = _load_old(args.old_rev, args.old)
+        oldQ, oldN = _load_old(args.old_rev, args.old)
     except Exception as e:  # e.g. no .git in a copy of the tree: pass --old DIR
         print(f"main's kernels not loaded ({type(e).__name__}: {e}); pass --old DIR",
               file=sys.stderr)
         return 2
-    M, K = (272, 384) if cpu else (8192, 2048)
+    M, K = (300, 384) if cpu else (8192, 2048)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(M, K, generator=g) * 2).to(dev, torch.bfloat16)
+    w = (torch.rand(K, generator=g) + 0.5).to(dev, torch.bfloat16)
     copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))
     if not cpu:
         _kernel_us.flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
@@ -427,82 +359,74 @@ def main(argv=None) -> int:
     print(f"device: {dev_name}; copy {copy or 0:.0f} GB/s; torch {torch.__version__}, "
           f"triton {triton.__version__}", file=sys.stderr, flush=True)
 
-    edges = _edge_pass(new, old, dev, cpu)
-    # Old and default rows of every op first, then the variants round-robin over the ops
-    # (the first variant of each op, then the second, ...) until the time budget.
-    state, sizes = {}, {}
-    for op in OPS:
-        x, extra = _inputs(op, M, K, dev)
+    rows, sizes = [], {}
+    for op, f_old, f_new, variants in _ops(Q, N, oldQ, oldN, x, w, args.quick):
         nbytes = _op_bytes(op, M, K)
         if not cpu and nbytes not in sizes:
             sizes[nbytes] = _copy_row(nbytes, dev)
-        state[op] = dict(x=x, extra=extra, nbytes=nbytes, want=_reference(op, x, extra),
-                         size_gbps=None if cpu else sizes[nbytes]["gbps"], old_out=None)
-    jobs = [(op, impl, {}, impl == "new") for op in OPS for impl in ("old", "new")]
-    nvar = 0 if args.quick else max(len(_VARIANTS[op]) for op in OPS)
-    jobs += [(op, "new", _VARIANTS[op][i], False) for i in range(nvar) for op in OPS
-             if i < len(_VARIANTS[op])]
-    rows = []
-    for op, impl, kn, default in jobs:
-        st = state[op]
-        mods = old if impl == "old" else new
-        r = {"op": op, "shape": f"[{M},{K}]", "impl": impl,
-             "knobs": {k: v for k, v in kn.items()}, "default": default,
-             "bytes": st["nbytes"], "ok": False, "error": None}
-        if kn and not cpu and time.perf_counter() - t_start > args.max_seconds:
-            r.update(ok=True, skipped=True)  # over the time budget: not run
+        size_gbps = None if cpu else sizes[nbytes]["gbps"]
+        want = _reference(op, x, w)
+        old_out = None
+        host = op.endswith(" rc")
+        for impl, kn, fn, default in ([("old", {}, f_old, False), ("new", {}, f_new, True)]
+                                      + [("new", v, f_new, False) for v in variants]):
+            r = {"op": op, "shape": f"[{M},{K}]", "impl": impl, "knobs": kn,
+                 "default": default, "bytes": nbytes, "ok": False, "error": None}
+            if kn and not cpu and time.perf_counter() - t_start > args.max_seconds:
+                r.update(ok=True, skipped=True)  # over the time budget: not run
+                rows.append(r)
+                continue
+            try:
+                with _knobs(Q, N, op, kn):
+                    set_poison_outputs(True)  # the checked call only
+                    try:
+                        got = _named(op, fn())
+                        if not cpu:
+                            torch.cuda.synchronize()
+                    finally:
+                        set_poison_outputs(False)
+                    r["check"] = _check(got, want, exact_scales=op.startswith("quantize"))
+                    r["ok"] = r["check"]["ok"]
+                    if impl == "old":
+                        old_out = got
+                    elif old_out is not None:
+                        r["vs_old"] = _vs_old(got, old_out)
+                    del got
+                    if not cpu:
+                        r["kernel_us"] = t = _kernel_us(fn)
+                        r["gbps"] = nbytes / t / 1e3 if t else None
+                        r["pct_copy"] = 100 * r["gbps"] / copy if r["gbps"] else None
+                        r["pct_size"] = 100 * r["gbps"] / size_gbps if r["gbps"] else None
+                        if host and (default or impl == "old"):
+                            r["host_us"], r["host_waited"] = host_us(fn)
+            except Exception as e:  # one failing row must not stop the probe
+                msg = str(e).splitlines()[0][:300] if str(e) else ""
+                r["error"] = f"{type(e).__name__}: {msg}"
+            print(f"  {op} {impl:<4} {_kn_str(kn, default):<60} kernel "
+                  f"{_f(r.get('kernel_us'), '.1f')} µs {'ok' if r['ok'] else 'FAIL'} "
+                  f"{r.get('check', '')} {r['error'] or ''} "
+                  f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
             rows.append(r)
-            continue
-        try:
-            with _knobs(mods, kn):
-                got = _run_checked(op, mods, st["x"], st["extra"], cpu)
-                r["check"] = _check(got, st["want"], exact_scales=_family(op) == "quantize")
-                r["ok"] = r["check"]["ok"]
-                if impl == "old":
-                    st["old_out"] = got
-                elif st["old_out"] is not None:
-                    r["vs_old"] = _vs_old(got, st["old_out"])
-                del got
-                if not cpu:
-                    def fn(mods=mods, op=op, x=st["x"], extra=st["extra"]):
-                        return _call(op, mods, x, extra)
-                    r["kernel_us"] = t = _kernel_us(fn)
-                    r["gbps"] = st["nbytes"] / t / 1e3 if t else None
-                    r["pct_copy"] = 100 * r["gbps"] / copy if r["gbps"] else None
-                    r["pct_size"] = 100 * r["gbps"] / st["size_gbps"] if r["gbps"] else None
-                    if op in ("quantize rc", "norm_quant rc") and not kn:
-                        r["host_us"], r["host_waited"] = host_us(fn)
-        except Exception as e:  # one failing row must not stop the probe
-            msg = str(e).splitlines()[0][:300] if str(e) else ""
-            r["error"] = f"{type(e).__name__}: {msg}"
-        print(f"  {op} {impl:<4} {_kn_str(kn, default):<50} kernel "
-              f"{_f(r.get('kernel_us'), '.1f')} µs {'ok' if r['ok'] else 'FAIL'} "
-              f"{r.get('check', '')} {r.get('vs_old', '')} {r['error'] or ''} "
-              f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
-        rows.append(r)
-    rows.sort(key=lambda r: OPS.index(r["op"]))  # (stable: old, default, variants)
 
     report = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
               "interpreter": cpu, "copy_gbps": copy, "size_matched_copies": sizes,
               "old_rev": None if args.old else args.old_rev, "shape": [M, K], "rows": rows,
-              "edge_rows": edges, "seconds": time.perf_counter() - t_start}
+              "seconds": time.perf_counter() - t_start}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}", file=sys.stderr, flush=True)
-    _print_table(rows, edges, dev_name, copy, sizes, report["seconds"])
-    bad = [r for r in rows if not r["ok"]] + [r for r in edges if not r["ok"]]
-    # (main bit for bit: a default row that differs from main fails the probe too)
-    bad += [r for r in rows if r.get("vs_old") and any(r["vs_old"].values())]
-    return 1 if bad else 0
+    _print_table(rows, dev_name, copy, sizes)
+    return 1 if any(not r["ok"] for r in rows) else 0
 
 
 def _f(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def _print_table(rows, edges, dev_name, copy, sizes, seconds):
+def _print_table(rows, dev_name, copy, sizes):
+    best = []
     for op in dict.fromkeys(r["op"] for r in rows):
         rs = [r for r in rows if r["op"] == op and r.get("kernel_us")]
         old = [r for r in rs if r["impl"] == "old"]
@@ -510,9 +434,11 @@ def _print_table(rows, edges, dev_name, copy, sizes, seconds):
         dflt = [r for r in new if r["default"]]
         if old and new:
             b = min(new, key=lambda r: r["kernel_us"])
-            print(f"{op}: old {old[0]['kernel_us']:.1f} µs, default "
-                  f"{dflt[0]['kernel_us'] if dflt else float('nan'):.1f}, best "
-                  f"{b['kernel_us']:.1f} ({_kn_str(b['knobs'], b['default'])})")
+            best.append(f"{op}: old {old[0]['kernel_us']:.1f} µs, default "
+                        f"{dflt[0]['kernel_us'] if dflt else float('nan'):.1f}, best "
+                        f"{b['kernel_us']:.1f} ({_kn_str(b['knobs'], b['default'])})")
+    for line in best:
+        print(line)
     head = ["op", "impl", "knobs", "kernel µs", "GB/s", "% copy", "% size", "host µs",
             "vs old (differing)", "check"]
     lines = []
@@ -531,10 +457,7 @@ def _print_table(rows, edges, dev_name, copy, sizes, seconds):
                       _f(r.get("host_us"), ".1f"), vs, chk])
     sz = "; ".join(f"{v['bytes'] / 1e6:.1f} MB {_f(v['kernel_us'], '.1f')} µs "
                    f"({_f(v['gbps'], '.0f')} GB/s)" for v in sizes.values())
-    bad_edges = [f"{r['op']} {r['shape']}" for r in edges if not r["ok"]]
-    print(f"{dev_name}; copy 1 GiB {copy or 0:.0f} GB/s; size-matched copies: {sz or '-'}; "
-          f"edge shapes (packed with tails, byte-store fallback) vs reference and main: "
-          f"{'ok' if not bad_edges else 'FAILED ' + ', '.join(bad_edges)}; {seconds:.0f} s")
+    print(f"{dev_name}; copy 1 GiB {copy or 0:.0f} GB/s; size-matched copies: {sz or '-'}")
     print("GB/s from the fewest bytes over kernel µs; % copy vs the 1 GiB copy, % size vs "
           "the size-matched copy of the op's bytes")
     print_columns(head, lines)
@@ -542,12 +465,7 @@ def _print_table(rows, edges, dev_name, copy, sizes, seconds):
 
 # --------------------------------------------------------------------------- offline sm_90
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                 torch.float8_e4m3fn: "fp8e4nv", torch.int16: "i16", torch.int32: "i32",
-                 torch.int64: "i64"}
-#: SASS instructions counted by ``--sass`` (regular expressions).
-_SASS_COUNTS = {"STS.U8": r"STS\.U8$", "STS": r"STS(\.|$)", "LDS": r"LDS(\.|$)",
-                "STSM": r"STSM(\.|$)", "LDSM": r"LDSM(\.|$)", "STG.128": r"STG\.E\.128$",
-                "STG.U8": r"STG\.E\.U8$", "BAR": r"BAR(\.|$)"}
+                 torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32", torch.int64: "i64"}
 
 
 def _record_launches(mods, fn):
@@ -575,60 +493,27 @@ def _record_launches(mods, fn):
     return calls
 
 
-def sass_counts(compiled) -> dict:
-    """:func:`benchmark.probe_rope.sass_stats` of a compiled kernel plus the counts of
-    :data:`_SASS_COUNTS` in its SASS."""
-    import re
-    import subprocess
-    import tempfile
-
-    from benchmark.probe_rope import sass_stats
-
-    st = sass_stats(compiled)
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as fh:
-        fh.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", fh.name],
-                              capture_output=True, text=True).stdout
-    finally:
-        os.unlink(fh.name)
-    ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
-    for name, pat in _SASS_COUNTS.items():
-        st[name] = sum(1 for i in ins if re.match(pat, i))
-    return st
-
-
 def sass_table(args) -> int:
-    """Offline sm_90 compile of the old and new kernels of every row (meta tensors of the
-    standard shape, so no GPU): registers, spill stack, shared memory, SASS counts."""
+    """Offline sm_90 compile of the old and new kernels of every variant (meta tensors
+    of the standard shape, so no GPU): registers, spill stack, shared memory, SASS."""
     if INTERPRET:
         print("--sass compiles for sm_90: run it without TRITON_INTERPRET", file=sys.stderr)
         return 2
-    from benchmark.probe_rope import compile_sm90
+    from benchmark.probe_rope import compile_sm90, sass_stats
+    from linghe.fp8 import quantize as Q
+    from linghe.fwd import norm as N
 
-    new = _new_mods()
-    old = _load_old(args.old_rev, args.old)
+    oldQ, oldN = _load_old(args.old_rev, args.old)
     M, K = 8192, 2048
-    print(f"triton {triton.__version__}, sm_90 offline, x [{M},{K}] bf16; per kernel: "
-          "regs, stack bytes, smem, SASS instructions, " + ", ".join(_SASS_COUNTS))
+    x = torch.empty(M, K, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(K, dtype=torch.bfloat16, device="meta")
+    print(f"triton {triton.__version__}, sm_90 offline, x [{M},{K}] bf16")
     seen = {}
-    all_mods = [old.Q, old.N, old.A, old.B, new.Q, new.N, new.A, new.B]
-    for op in OPS:
-        x = torch.empty(M, K, dtype=torch.bfloat16, device="meta")
-        extra = {"norm_quant": torch.empty(K, dtype=torch.bfloat16, device="meta"),
-                 "silu_bwd_quant": torch.empty(M, K // 2, dtype=torch.bfloat16,
-                                               device="meta")}.get(_family(op))
-        variants = [] if args.quick else _VARIANTS[op]
-        for impl, kn in [("old", {}), ("new", {})] + [("new", v) for v in variants]:
-            mods = old if impl == "old" else new
-            with _knobs(mods, kn):
-                try:
-                    calls = _record_launches(all_mods, lambda o=op, m=mods, a=x, e=extra:
-                                             _call(o, m, a, e))
-                except Exception as e:
-                    print(f"{op:<18} {impl:<4} {_kn_str(kn):<45} {type(e).__name__}: {e}")
-                    continue
+    for op, f_old, f_new, variants in _ops(Q, N, oldQ, oldN, x, w, args.quick):
+        for impl, kn, fn in ([("old", {}, f_old), ("new", {}, f_new)]
+                             + [("new", v, f_new) for v in variants]):
+            with _knobs(Q, N, op, kn):
+                calls = _record_launches([Q, oldQ, N, oldN], fn)
             parts = []
             for kernel, kargs, warps, stages in calls:
                 sig, const = {}, {}
@@ -644,15 +529,14 @@ def sass_table(args) -> int:
                        tuple(sorted((k, str(v)) for k, v in sig.items())), warps)
                 if key not in seen:
                     try:
-                        st = sass_counts(compile_sm90(kernel, sig, const, warps, stages))
+                        st = sass_stats(compile_sm90(kernel, sig, const, warps, stages))
                         seen[key] = (f"{kernel.fn.__name__}/{warps}w regs {st['regs']} "
                                      f"stack {st['stack']} smem {st['smem']} "
-                                     f"sass {st['sass']} " + " ".join(
-                                         f"{n} {st[n]}" for n in _SASS_COUNTS))
+                                     f"sass {st['sass']}")
                     except Exception as e:
                         seen[key] = f"{kernel.fn.__name__}: {type(e).__name__} {e}"[:200]
                 parts.append(seen[key])
-            print(f"{op:<18} {impl:<4} {_kn_str(kn):<45} " + " + ".join(parts), flush=True)
+            print(f"{op:<18} {impl:<4} {_kn_str(kn):<60} " + " + ".join(parts), flush=True)
     return 0
 
 

@@ -255,127 +255,6 @@ def test_bwd_quant_kernel_rowwise_only(device):
     assert_fp8_close(dx.rowwise_data, q)
 
 
-# The packed columnwise store of the non-batch kernels (``QUANT_PACK``, M % 16 == 0): the
-# forward at 8 warps (4 rows per thread: int32 words) and 4 (8 rows), the backward at 16
-# warps (2 rows: int16 words) and 8, with the gate/up halves split (n % 128 == 0) or not;
-# M % 16 != 0 falls back to the byte store.
-def _spy_pack(monkeypatch, mod):
-    packs = []
-    real_launch = mod.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        packs.append(kwargs["PACK"])
-        return real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(mod, "launch", spy)
-    return packs
-
-
-def _same_fp8_bits(got, want):
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
-
-
-@pytest.mark.gpu_subset(shape=[(272, 200), (130, 256)], warps=[8])
-@pytest.mark.parametrize("shape", [(272, 200), (16, 256), (144, 130), (130, 256)])
-@pytest.mark.parametrize("warps", [8, 4])
-@pytest.mark.parametrize("pow2", [False, True])
-def test_silu_mul_quant_packed_store(device, monkeypatch, shape, warps, pow2):
-    """The packed store gives the byte store's bits, which match the reference; a NaN
-    element stays NaN; every element is written (poisoned outputs)."""
-    from linghe.fwd import activation as A
-
-    M, n = shape
-    x = (torch.randn(M, 2 * n, device=device) * 4).to(torch.bfloat16)
-    x[3, 5] = float("nan")
-    probs = torch.rand(M, device=device)
-    monkeypatch.setattr(A, "QUANT_NUM_WARPS", warps)
-    packs = _spy_pack(monkeypatch, A)
-    outs = []
-    for pack in (True, False):
-        monkeypatch.setattr(A, "QUANT_PACK", pack)
-        outs.append(A.silu_mul_quant_fwd(x, probs, columnwise=True, pow2_scale=pow2))
-        assert packs[-1] == (pack and M % 16 == 0)
-    _same_fp8_bits(outs[0], outs[1])
-    q, s, qt, st = ref.silu_mul_quant(x.double(), probs.double(), pow2)
-    _check_scales(outs[0][1], s, "rowwise scale")
-    _check_scales(outs[0][3], st, "columnwise scale")
-    assert_fp8_close(outs[0][0], q, "rowwise data")
-    assert_fp8_close(outs[0][2], qt, "columnwise data")
-    assert outs[0][2][5, 3].float().isnan()
-
-
-@pytest.mark.gpu_subset(shape=[(272, 200), (144, 128)], warps=[16])
-@pytest.mark.parametrize("shape", [(272, 200), (16, 256), (144, 128), (130, 256)])
-@pytest.mark.parametrize("warps", [16, 8])
-def test_bwd_quant_kernel_packed_store(device, monkeypatch, shape, warps):
-    """The quantized-dx backward's packed store (int16 words at 16 warps, int32 at 8)
-    gives the byte store's bits, which match the reference."""
-    M, n = shape
-    x = (torch.randn(M, 2 * n, device=device) * 2).to(torch.bfloat16)
-    probs = torch.rand(M, device=device)
-    dy = torch.randn(M, n, device=device).to(torch.bfloat16)
-    from linghe.bwd import activation as B
-    from linghe.fwd import activation as A
-
-    monkeypatch.setattr(A, "QUANT_BWD_NUM_WARPS", warps)
-    packs = _spy_pack(monkeypatch, B)
-    outs = []
-    for pack in (True, False):
-        monkeypatch.setattr(A, "QUANT_PACK", pack)
-        dx, dp = silu_mul_bwd_quant(dy, x, probs, columnwise=True, pow2_scale=True)
-        outs.append((dx.rowwise_data, dx.rowwise_scale, dx.columnwise_data,
-                     dx.columnwise_scale, dp))
-        assert packs[-1] == (pack and M % 16 == 0)
-    _same_fp8_bits(outs[0], outs[1])
-    want = _ref_grads(x, probs, dy)
-    rdx = want[0].float()
-    q, s = ref.quantize_1x128(rdx, True)
-    qt, st = ref.quantize_1x128_columnwise(rdx, True)
-    mag = _dx_magnitude(x, probs, dy)
-    _check_scales(outs[0][1], s, "rowwise scale", ref.quantize_1x128(mag)[1])
-    _check_scales(outs[0][3], st, "columnwise scale", ref.quantize_1x128_columnwise(mag)[1])
-    assert_fp8_close(outs[0][0], q)
-    assert_fp8_close(outs[0][2], qt)
-    assert_close(outs[0][4], want[1])
-
-
-@pytest.mark.parametrize("n", [128, 100])
-def test_bwd_quant_kernel_batch_fused_packed(device, monkeypatch, n):
-    """The fused batch backward (``QUANT_BWD_MODE="fused"``) with the packed store (align
-    16, R a multiple of 16): the byte store's bits; padding/tail rows zeros."""
-    from linghe.bwd import activation as B
-    from linghe.fwd import activation as A
-
-    monkeypatch.setattr(A, "QUANT_BWD_MODE", "fused")
-    counts, tail = [0, 37, 300, 0, 1, 129, 0, 90], 48  # R = 656
-    x, probs, c, real, R = _batch_inputs(counts, tail, 16, n, torch.bfloat16, device)
-    dy = torch.randn(R, n, device=device).to(torch.bfloat16)
-    dy[~real] = float("nan")
-    layout = make_expert_layout(c, 16, R)
-    packs = _spy_pack(monkeypatch, B)
-    outs = []
-    for pack in (True, False):
-        monkeypatch.setattr(A, "QUANT_PACK", pack)
-        dx, dp = silu_mul_bwd_quant(dy, x, probs, pow2_scale=True, counts=c, align=16,
-                                    segments=layout.offsets)
-        outs.append((dx.rowwise_data, dx.rowwise_scale, dx.columnwise_data,
-                     dx.columnwise_scale, dp))
-        assert packs[-1] == pack
-    _same_fp8_bits(outs[0], outs[1])
-    xr = torch.where(real[:, None], x, 0.0)
-    dyr = torch.where(real[:, None], dy, 0.0)
-    want = _ref_grads(xr, probs, dyr)
-    q, s, qt, st, _ = ref.quantize_grouped_1x128(want[0].float(), counts, 16, True)
-    mag = _dx_magnitude(xr, probs, dyr)
-    _check_scales(outs[0][3], st, "columnwise scale",
-                  ref.quantize_grouped_1x128(mag, counts, 16)[3])
-    assert_fp8_close(outs[0][2], qt)
-    assert torch.all(outs[0][2][:, ~real].float() == 0)
-
-
 # ------------------------------------------------------------------------- batch form
 # (counts, extra tail rows beyond the rows in use)
 BATCH_CASES = [
@@ -1023,10 +902,8 @@ def comp(fn, sig, consts, warps, div):
 
 fs = dict(x_ptr="*bf16", p_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv",
           st_ptr="*fp32", M="i32", N="i32", stride_x="i32", NG="i32", BM="constexpr",
-          COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr", PACK="constexpr",
-          RPT="constexpr")
-ptx = comp(F._silu_mul_quant_fwd_kernel, fs, dict(BM=128, COLWISE=True, POW2=True, HAS_P=True,
-                                                  PACK=False, RPT=4),
+          COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr")
+ptx = comp(F._silu_mul_quant_fwd_kernel, fs, dict(BM=128, COLWISE=True, POW2=True, HAS_P=True),
            F.QUANT_NUM_WARPS, ("M", "N", "stride_x"))
 # The transposed fp8 stores must be 16-byte vectors.
 assert "st.global.b8" not in ptx and "st.global.v4" in ptx
@@ -1061,33 +938,15 @@ bs = dict(dy_ptr="*bf16", x_ptr="*bf16", p_ptr="*fp32", cnt_ptr="*i32", q_ptr="*
           N="i32", E="i32", stride_dy="i32", stride_x="i32", NPROG_N="i32", ALIGN="i32",
           NG="i32", COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr",
           NEED_DP="constexpr", SPLIT="constexpr", BATCH="constexpr", EP2="constexpr",
-          ALIGN16="constexpr", NCOL="constexpr", PACK="constexpr", RPT="constexpr")
+          ALIGN16="constexpr", NCOL="constexpr")
 for split in (True, False):
     for batch, ncol in ((False, 1), (True, 1), (True, 2)):
         ptx = comp(B._silu_mul_bwd_quant_kernel, bs, dict(
             COLWISE=True, POW2=True, HAS_P=True, NEED_DP=True, SPLIT=split, BATCH=batch,
-            EP2=512 if batch else 1, ALIGN16=batch, NCOL=ncol, PACK=False, RPT=2),
-            F.QUANT_BWD_NUM_WARPS,
+            EP2=512 if batch else 1, ALIGN16=batch, NCOL=ncol), F.QUANT_BWD_NUM_WARPS,
             ("M", "N", "stride_x", "stride_dy", "ALIGN", "E"))
         if split:  # (the general form gathers across the halves: byte stores there)
             assert "st.global.b8" not in ptx and "st.global.v4" in ptx, (split, batch, ncol)
-# The non-batch forward (8 warps: int32 words) and backward (16 warps: int16 words) with
-# the packed store.
-ptx = comp(F._silu_mul_quant_fwd_kernel, dict(fs, qt_ptr="*i32"),
-           dict(BM=128, COLWISE=True, POW2=True, HAS_P=True, PACK=True,
-                RPT=F.packed_rpt(128, F.QUANT_NUM_WARPS, 2, True)), F.QUANT_NUM_WARPS,
-           ("M", "N", "stride_x"))
-assert "st.global.b8" not in ptx and "st.shared.b8" not in ptx and "st.global.v4" in ptx
-rpt = F.packed_rpt(128, F.QUANT_BWD_NUM_WARPS, 2, True)
-for split in (True, False):
-    ptx = comp(B._silu_mul_bwd_quant_kernel, dict(
-        bs, qt_ptr="*i32" if rpt >= 4 else "*i16"), dict(
-        COLWISE=True, POW2=True, HAS_P=True, NEED_DP=True, SPLIT=split, BATCH=False, EP2=1,
-        ALIGN16=False, NCOL=1, PACK=True, RPT=rpt), F.QUANT_BWD_NUM_WARPS,
-        ("M", "N", "stride_x", "stride_dy", "ALIGN", "E"))
-    assert "st.shared.b8" not in ptx and "st.global.v4" in ptx, split
-    if split:
-        assert "st.global.b8" not in ptx
 print("COMPILED")
 '''
 

@@ -321,51 +321,6 @@ def test_rms_norm_quant_kernels(device, monkeypatch, M, K, knobs, columnwise):
     assert_close(gq, x.grad[r0:], tol=1e-6)
 
 
-# The packed columnwise store (linghe.fp8.quantize.PACK_COLS) in rms_norm_quant's tiles:
-# M a multiple of 16 with tails, one 16-row tile, a partial last row block; M % 16 != 0
-# (the byte store); both modes (columnwise tiles of 64 columns; row+col tiles).
-@pytest.mark.gpu_subset(**{"M,K": [(272, 700), (130, 300)]})
-@pytest.mark.parametrize("M,K", [(272, 700), (16, 200), (144, 128), (130, 300)])
-@pytest.mark.parametrize("mode", ["rows_cols", "rstd_tiles"])
-@pytest.mark.parametrize("dtype", [BF16, F32])
-def test_rms_norm_quant_packed_store(device, monkeypatch, M, K, mode, dtype):
-    """The packed store runs where ``M % 16 == 0`` and gives the byte store's bits, which
-    match the reference; a NaN element stays NaN (poisoned outputs: all written)."""
-    from linghe.fp8 import quantize as Q
-
-    x = (torch.randn(M, K, device=device) * 2).to(dtype)
-    x[5, 3] = float("nan")  # row 5 is all NaN (its rstd is NaN)
-    w = (torch.rand(K, device=device) + 0.5).to(dtype)
-    monkeypatch.setattr(fwd_norm, "QUANT_MODE", mode)
-    packs = []
-    real_launch = Q.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if "PACK" in kwargs:
-            packs.append(kwargs["PACK"])
-        return real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(Q, "launch", spy)
-    outs = []
-    for pack in (True, False):
-        monkeypatch.setattr(Q, "PACK_COLS", pack)
-        packs.clear()
-        outs.append(fwd_norm.rms_norm_quant_fwd(x, w, 1e-6, columnwise=True,
-                                                pow2_scale=mode == "rows_cols"))
-        assert packs == [pack and M % 16 == 0]
-    for a, b in zip(*outs):  # bit for bit (NaN too)
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    q, s, qt, st, _ = outs[0]
-    expect = ref.rms_norm_quant(x, w, 1e-6, columnwise=True, pow2_scale=mode == "rows_cols")
-    ok = torch.ones(M, dtype=torch.bool, device=device)
-    ok[5] = False
-    assert q[5].float().isnan().all() and qt[:, 5].float().isnan().all()
-    assert_fp8_close(q[ok], expect[0][ok])
-    assert_close(s[ok], expect[1][ok], tol=1e-5)
-    assert_fp8_close(qt[:, ok], expect[2][:, ok])
-    assert_close(st, expect[3], tol=1e-5)  # (a group's amax ignores its NaN)
-
-
 # ---------------------------------------------------------------------------- module
 def test_nn_rmsnorm_like_torch(device):
     m = linghe.nn.RMSNorm(300, eps=1e-5, device=device)

@@ -16,15 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.quantize import (
-    FP8_DTYPE,
-    packed_row_order,
-    packed_rpt,
-    packed_view,
-    quant_cols,
-    quant_rows,
-    store_cols_packed,
-)
+from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import activation as _fwd
 from ..fwd.activation import rows_valid, silu_f32
@@ -87,20 +79,15 @@ def _bwd_quant_block(pid_m, pid_n, tile_start, real_end, seg_stop, dy_ptr, x_ptr
                      q_ptr, s_ptr, qt_ptr, st_ptr, dpp_ptr, M, N, stride_dy, stride_x,
                      NPROG_N, NG, COLWISE: tl.constexpr, POW2: tl.constexpr,
                      HAS_P: tl.constexpr, NEED_DP: tl.constexpr, SPLIT: tl.constexpr,
-                     BATCH: tl.constexpr, PACK: tl.constexpr, RPT: tl.constexpr):
+                     BATCH: tl.constexpr):
     """dx columns ``pid_n * 128 ..`` (of the 2N) of the 128-row tile from ``tile_start``:
     quantized rowwise and columnwise, and this block's dprobs partial. BATCH: rows below
     ``real_end`` are read (real rows), rows below ``seg_stop`` written (padding/tail rows
     as zeros). Row vectors and masks are formed here from the scalars, so that a loop over
-    blocks carries only scalars. ``PACK`` (``COLWISE``; ``M``, ``tile_start`` and
-    ``seg_stop`` multiples of 16, ``qt_ptr`` as :func:`packed_view` words): rows in
-    :func:`packed_row_order`, the columnwise copy through :func:`store_cols_packed`."""
+    blocks carries only scalars."""
     K = 2 * N
     GK = tl.cdiv(K, 128)
-    if PACK:
-        rows = tile_start.to(tl.int64) + packed_row_order(RPT)
-    else:
-        rows = tile_start.to(tl.int64) + tl.arange(0, 128)
+    rows = tile_start.to(tl.int64) + tl.arange(0, 128)
     if BATCH:
         wmask = (rows < seg_stop) & (rows < M)
         rmask = (rows < real_end) & wmask
@@ -136,12 +123,8 @@ def _bwd_quant_block(pid_m, pid_n, tile_start, real_end, seg_stop, dy_ptr, x_ptr
         tl.store(s_ptr + rows * GK + pid_n, sx, mask=wmask)
         if COLWISE:
             qxt, sxt = quant_cols(dx, POW2)
-            if PACK:
-                store_cols_packed(qxt, qt_ptr, tile_start, c, j < N,
-                                  tl.minimum(seg_stop, M), M, RPT)
-            else:
-                # qt[c, m] = q[m, c]: stored through transposed addresses.
-                tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=wm)
+            # qt[c, m] = q[m, c]: stored through transposed addresses.
+            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=wm)
             tl.store(st_ptr + c.to(tl.int64) * NG + pid_m, sxt)
         if NEED_DP:
             tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1),
@@ -168,11 +151,7 @@ def _bwd_quant_block(pid_m, pid_n, tile_start, real_end, seg_stop, dy_ptr, x_ptr
         tl.store(s_ptr + rows * GK + pid_n, sx, mask=wmask)
         if COLWISE:
             qxt, sxt = quant_cols(dx, POW2)
-            if PACK:
-                store_cols_packed(qxt, qt_ptr, tile_start, c, cmask, tl.minimum(seg_stop, M),
-                                  M, RPT)
-            else:
-                tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=wm)
+            tl.store(qt_ptr + c.to(tl.int64)[None, :] * M + rows[:, None], qxt, mask=wm)
             tl.store(st_ptr + c.to(tl.int64) * NG + pid_m, sxt, mask=cmask)
         if NEED_DP:
             tl.store(dpp_ptr + rows * NPROG_N + pid_n, tl.sum(dyh, 1), mask=wmask)
@@ -185,16 +164,13 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_p
                                HAS_P: tl.constexpr, NEED_DP: tl.constexpr,
                                SPLIT: tl.constexpr, BATCH: tl.constexpr,
                                EP2: tl.constexpr, ALIGN16: tl.constexpr,
-                               NCOL: tl.constexpr, PACK: tl.constexpr = False,
-                               RPT: tl.constexpr = 4):
+                               NCOL: tl.constexpr):
     # dx is [M, 2N]; its rowwise groups are 128 consecutive columns of the 2N. Program
     # (pid_m, pid_c) takes the row tile pid_m and the 128-column blocks
     # [pid_c * NCOL, pid_c * NCOL + NCOL) of dx, in turn.
     # BATCH: rows grouped by expert; program row tiles follow the segments
     # (expert_tile), so the columnwise groups never cross one; only real rows are read
-    # (rmask), padding/tail rows are written as zeros (wmask). PACK: the columnwise copy
-    # as packed words (store_cols_packed: int16 at 16 warps, where a thread holds 2 rows;
-    # M % 16 == 0, BATCH only with ALIGN16).
+    # (rmask), padding/tail rows are written as zeros (wmask).
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
     if BATCH:
@@ -210,7 +186,7 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_p
     if NCOL == 1:
         _bwd_quant_block(pid_m, pid_c, tile_start, real_end, seg_stop, dy_ptr, x_ptr, p_ptr,
                          q_ptr, s_ptr, qt_ptr, st_ptr, dpp_ptr, M, N, stride_dy, stride_x,
-                         NPROG_N, NG, COLWISE, POW2, HAS_P, NEED_DP, SPLIT, BATCH, PACK, RPT)
+                         NPROG_N, NG, COLWISE, POW2, HAS_P, NEED_DP, SPLIT, BATCH)
     else:
         # Only scalars cross the loop; disable_licm keeps triton from hoisting the
         # per-block address and mask tiles out of it (live across the loop they spill).
@@ -221,7 +197,7 @@ def _silu_mul_bwd_quant_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, q_ptr, s_ptr, qt_p
             _bwd_quant_block(pid_m, pid_n, tile_start, real_end, seg_stop, dy_ptr, x_ptr,
                              p_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, dpp_ptr, M, N, stride_dy,
                              stride_x, NPROG_N, NG, COLWISE, POW2, HAS_P, NEED_DP, SPLIT,
-                             BATCH, PACK, RPT)
+                             BATCH)
 
 
 def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, *,
@@ -315,20 +291,15 @@ def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | 
         nprog_n = N // BLOCK if split else cdiv(K, BLOCK)
         part = (empty(M, nprog_n, dtype=torch.float32, device=dev)
                 if need_dprobs else None)
-        warps = _fwd.QUANT_BWD_NUM_WARPS
-        pack = (columnwise and _fwd.QUANT_PACK and M % 16 == 0 and M > 0
-                and (not batch or align % 16 == 0))
-        rpt = packed_rpt(BLOCK, warps, x.element_size(), True)
         with device_guard(x):
             launch(_silu_mul_bwd_quant_kernel, (NG, cdiv(cdiv(K, BLOCK), ncol)),
-                dy, x, probs, counts, q, s, packed_view(qt, rpt) if pack else qt, st, part,
-                M, N, E,
+                dy, x, probs, counts, q, s, qt, st, part, M, N, E,
                 dy.stride(0) if M else N, x.stride(0) if M else K, nprog_n, align, NG,
                 COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
                 NEED_DP=need_dprobs, SPLIT=split, BATCH=batch,
                 EP2=next_power_of_2(E + 1) if batch else 1,
-                ALIGN16=batch and align % 16 == 0, NCOL=ncol, PACK=pack, RPT=rpt,
-                num_warps=warps)
+                ALIGN16=batch and align % 16 == 0, NCOL=ncol,
+                num_warps=_fwd.QUANT_BWD_NUM_WARPS)
         if need_dprobs:
             dp = part.sum(1).to(probs.dtype)
     elif need_dprobs:

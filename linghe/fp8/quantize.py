@@ -6,14 +6,7 @@ In-kernel helpers (``@triton.jit``, import them into fused kernels):
   power-of-two round-up, amax 0 → 1), bit-exact with ``reference.fp8_scale``;
 - :func:`quant_rows` / :func:`quant_cols` — quantize an fp32 tile in 1x128 groups along
   its columns (rowwise) or along its rows (columnwise); :func:`inv_scale` — the
-  reciprocal of a scale as ``1.0 / s`` gives it, in fewer instructions;
-- :func:`packed_row_order` / :func:`store_cols_packed` — the columnwise copy's transposed
-  store as words of 4 (or 2) tokens packed in registers (rows loaded so that a thread's
-  rows are consecutive tokens; :func:`packed_rpt`, :func:`packed_view` on the host), where
-  ``M % 16 == 0``: Triton's own layout conversion of an fp8 tile writes shared memory a
-  byte at a time, 8-way bank conflicted (64-128 ``STS.U8`` per thread and tile, sm_90,
-  triton 3.6 and 3.9). Used by the tile and split kernels here (``PACK_COLS``) and the
-  SwiGLU quantizing kernels.
+  reciprocal of a scale as ``1.0 / s`` gives it, in fewer instructions.
 
 Kernels of the 1x128 format (``quantize_1x128`` and, with an RMSNorm prologue,
 ``linghe.fwd.norm.rms_norm_quant_fwd``; launch knobs ``TILE_CONFIGS``, ``ROWS_CONFIG``,
@@ -131,58 +124,6 @@ def quant_cols(x, POW2: tl.constexpr):
     scale = fp8_block_scale(tl.max(tl.abs(x), axis=0), POW2)
     q = to_e4m3(x * inv_scale(scale, POW2)[None, :])
     return q, scale
-
-
-@triton.jit
-def packed_row_order(RPT: tl.constexpr):
-    """``[128]`` int32: the tile row (0..127) that logical row ``i`` of a packed-store tile
-    loads, ``(i % L) * RPT + i // L`` with ``L = 128 // RPT``. Triton holds a ``[128, C]``
-    tile of the quantizing kernels in row repetitions ``i = l + L * k`` (``l`` over lanes
-    and warps, ``k`` over a thread's registers; :func:`packed_rpt` gives ``RPT`` for the
-    tiles of this library), so with this order the ``RPT`` rows a thread holds are
-    consecutive tokens and its columnwise fp8 values pack into whole 32-bit words without
-    leaving the thread (:func:`store_cols_packed`). Any order gives the same results; the
-    right one is fast."""
-    L: tl.constexpr = 128 // RPT
-    i = tl.arange(0, 128)
-    return (i % L) * RPT + i // L
-
-
-@triton.jit
-def store_cols_packed(qt, qtw_ptr, tile_start, cols, cmask, stop, M,
-                      RPT: tl.constexpr):
-    """Store the columnwise fp8 tile ``qt [128, C]`` (logical rows in
-    :func:`packed_row_order`, tile rows from ``tile_start``) transposed into ``q_t [N, M]``,
-    given as words of ``T`` tokens (``qtw_ptr``: int32, ``T = 4``, or int16, ``T = 2``,
-    which needs only ``RPT >= 2``; ``M`` and ``tile_start`` multiples of 16). The ``T``
-    tokens of a word are packed in registers (byte ``k`` = token ``T j + k``) and the tile
-    leaves as ``[C, 128 // T]`` words, a 128-byte row of ``q_t`` per column, through a
-    layout conversion of words instead of bytes (Triton writes an fp8 tile to shared memory
-    a byte at a time, 8-way bank conflicted: 128 ``STS.U8`` per thread for a [128, 128]
-    tile at 4 warps, sm_90, triton 3.6 and 3.9). Tokens ``>= stop`` (a multiple of 16) are
-    not written."""
-    C: tl.constexpr = qt.shape[1]
-    L: tl.constexpr = 128 // RPT
-    T: tl.constexpr = qtw_ptr.dtype.element_ty.primitive_bitwidth // 8
-    V: tl.constexpr = 16 // T  # words in 16 tokens (one 16-byte vector)
-    b = tl.reshape(qt.to(tl.uint8, bitcast=True).to(tl.int32), [RPT // T, T, L, C])
-    sh = tl.arange(0, T) * 8
-    w = tl.sum(b << sh[None, :, None, None], axis=1)  # disjoint bytes: the sum is an OR
-    # word j = l * RPT // T + k // T
-    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 128 // T]).to(qtw_ptr.dtype.element_ty)
-    j = tl.arange(0, 128 // T)
-    # (M // 16 * V == M // T and tile_start // 16 * V == tile_start // T for multiples of
-    # 16, written so that the compiler sees 16-byte aligned rows of V words.)
-    ptr = (qtw_ptr + cols.to(tl.int64)[:, None] * (M // 16 * V)
-           + (tile_start // 16 * V + j)[None, :])
-    nw = (stop - tile_start) // 16 * V  # words in range, in whole 16-byte vectors
-    tl.store(ptr, w, mask=cmask[:, None] & (j < nw)[None, :])
-
-
-def packed_view(qt: torch.Tensor, rpt: int) -> torch.Tensor:
-    """``q_t`` as the words :func:`store_cols_packed` writes at ``rpt`` rows per thread:
-    int32 (4 tokens) from 4 rows per thread, else int16 (2 tokens)."""
-    return qt.view(torch.int32 if rpt >= 4 else torch.int16)
 
 
 @triton.jit
@@ -326,18 +267,14 @@ def _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM: tl.con
 @triton.jit
 def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
                stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE: tl.constexpr,
-               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
-               PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
+               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr):
     """Quantize the tile ``x [BM, BN]`` (rows ``rows`` int64 of row block ``pid_m``,
     columns ``cols`` of column block ``pid_k`` of an ``[M, K]`` tensor; zeros out of
     range), with ``NORM`` first ``y = x * rstd[:, None] * w[None, :]`` in fp32, and store
     it in the 1x128 layout: with ``ROWWISE`` (``BN == 128``) data ``[M, K]`` and scales
     ``s[m, k // 128]``; with ``COLWISE`` (``BM == 128``) the transposed data ``[K, M]``
     (``q_t[k, m]``: each column's 128 tokens are one 128-byte row of ``q_t``) and scales
-    ``s_t[k, m // 128]`` (scale strides as given). ``PACK`` (``M % 16 == 0``): ``rows`` are
-    the row block's rows in :func:`packed_row_order` (``RPT``) and ``qt_ptr`` is ``q_t``
-    as :func:`packed_view` words; the columnwise copy leaves through
-    :func:`store_cols_packed`."""
+    ``s_t[k, m // 128]`` (scale strides as given)."""
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
@@ -350,10 +287,7 @@ def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_pt
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
     if COLWISE:
         qt, st = quant_cols(y, POW2)
-        if PACK:
-            store_cols_packed(qt, qt_ptr, pid_m * 128, cols, cmask, M, M, RPT)
-        else:
-            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
+        tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stg, st, mask=cmask)
 
 
@@ -362,35 +296,29 @@ def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                            stride_xm, stride_sm, stride_sg, stride_stk, stride_stg,
                            BM: tl.constexpr, BN: tl.constexpr, ROWWISE: tl.constexpr,
                            COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
-                           K_FAST: tl.constexpr, REVERSE: tl.constexpr,
-                           PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
+                           K_FAST: tl.constexpr, REVERSE: tl.constexpr):
     """1x128 quantization of ``x [M, K]`` (optionally RMS-normalized: ``NORM``) in
-    ``[BM, BN]`` tiles (see :func:`quant_tile`; ``PACK``: the packed columnwise store,
-    ``BM == 128``, ``qt_ptr`` as :func:`packed_view` words), one tile per program in the
-    order of :func:`_tile_coords`."""
+    ``[BM, BN]`` tiles (see :func:`quant_tile`), one tile per program in the order of
+    :func:`_tile_coords`."""
     nm = tl.cdiv(M, BM)
     nk = tl.cdiv(K, BN)
     pid_m, pid_k, rows, cols = _tile_coords(tl.program_id(0), nm * nk, nm, nk, BM, BN,
                                             K_FAST, REVERSE)
-    if PACK:
-        rows = pid_m.to(tl.int64) * BM + packed_row_order(RPT)
     x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
     quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2,
-               PACK, RPT)
+               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2)
 
 
 @triton.jit
 def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_sm,
                            stride_sg, stride_stk, stride_stg, RB: tl.constexpr,
                            BK: tl.constexpr, SINGLE: tl.constexpr, BN: tl.constexpr,
-                           POW2: tl.constexpr, PACK: tl.constexpr = False,
-                           RPT: tl.constexpr = 8):
+                           POW2: tl.constexpr):
     """Both 1x128 copies of ``x [M, K]`` in one launch of two kinds of independent
     programs, per 128-row chunk in program-id order: ``128 // RB`` row programs
     (:func:`rows_program`: the rowwise copy of ``RB`` whole rows), then ``cdiv(K, BN)``
-    column tiles (:func:`quant_tile`, columnwise only; ``PACK``: packed store, ``qt_ptr``
-    int32), which re-read the chunk the row programs just read, from L2."""
+    column tiles (:func:`quant_tile`, columnwise only), which re-read the chunk the row
+    programs just read, from L2."""
     NR: tl.constexpr = 128 // RB
     nk = tl.cdiv(K, BN)
     pid = tl.program_id(0)
@@ -400,15 +328,11 @@ def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
         rows_program(x_ptr, x_ptr, q_ptr, s_ptr, s_ptr, c * 128 + i * RB, M, K, stride_xm,
                      stride_sm, stride_sg, 0.0, RB, BK, SINGLE, False, True, POW2)
     else:
-        if PACK:
-            rows = c.to(tl.int64) * 128 + packed_row_order(RPT)
-        else:
-            rows = c.to(tl.int64) * 128 + tl.arange(0, 128)
+        rows = c.to(tl.int64) * 128 + tl.arange(0, 128)
         cols = (i - NR) * BN + tl.arange(0, BN)
         x, r, w = _load_tile(x_ptr, x_ptr, x_ptr, rows, cols, M, K, stride_xm, False)
         quant_tile(x, r, w, rows, cols, c, i - NR, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2,
-                   PACK, RPT)
+                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2)
 
 
 @triton.jit
@@ -468,32 +392,6 @@ ROWS_CONFIG = dict(rows=4, elems=8192, warps=8, max_bk=8192)
 #: µs for "tiles" (``h200_probe_tilequant_2026-11-26.*``).
 ROW_MODE = "rows"
 ROWCOL_MODE = "split"
-#: The columnwise copy of the tile and split kernels leaves as packed words of 4 (or 2)
-#: tokens (:func:`store_cols_packed`) where ``M % 16 == 0``; else (or False) byte by byte
-#: through Triton's layout conversion (the same bits; sm_90 offline, triton 3.6 and 3.9:
-#: 64 ``STS.U8`` per thread of a [128, 64] columnwise tile -> 8 ``STS.64`` + 8 ``LDS``, and
-#: the registers of the split / columnwise tile kernels 96 -> 80 under 3.6, 72 -> 87-90
-#: under 3.9; ``benchmark/probe_tilequant.py --sass``).
-PACK_COLS = True
-
-
-def packed_rpt(bn: int, warps: int, x_bytes: int, rowwise: bool) -> int:
-    """Rows per thread (``RPT`` of :func:`packed_row_order`) of the ``[128, bn]`` tile of a
-    tile or split kernel at ``warps`` warps, for ``x`` of ``x_bytes`` bytes per element.
-    Triton lays the tile out after its widest 16-byte accesses: the fp8 rowwise store (16
-    elements per thread) where the tile writes the rowwise copy too, else the loads of
-    ``x`` (``16 // x_bytes``); ``bn // vec`` lanes share a row, so one row repetition
-    covers ``32 // lanes * warps`` rows (sm_90 offline, triton 3.6 and 3.9: with this
-    ``RPT`` no byte stores to shared memory and the fewest shared-memory accesses;
-    ``benchmark/probe_tilequant.py --sass``). At least 2 (below 4 the words are int16:
-    :func:`packed_view`); any value gives the same bits."""
-    vec = 16 if rowwise else max(1, 16 // x_bytes)
-    lanes = min(32, max(1, bn // vec))
-    return min(128, max(2, 128 // (32 // lanes * warps)))
-
-
-def _pack_cols(qt, M: int) -> bool:
-    return qt is not None and PACK_COLS and M % 16 == 0
 
 
 def rows_tile(K: int, config: dict) -> tuple[int, int, bool]:
@@ -545,15 +443,12 @@ def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_sca
         raise ValueError(f"tile {bm}x{bn} does not hold whole 1x128 groups")
     ssm, ssg = s.stride() if s is not None else (0, 0)
     sstk, sstg = st.stride() if st is not None else (0, 0)
-    pack = _pack_cols(qt, M)
-    rpt = packed_rpt(bn, config["warps"], x2.element_size(), q is not None)
     with device_guard(x2):
         launch(_quantize_1x128_kernel, (cdiv(M, bm) * cdiv(K, bn),),
-               x2, weight, rstd, q, s, packed_view(qt, rpt) if pack else qt, st, M, K,
-               x2.stride(0), ssm, ssg, sstk, sstg,
+               x2, weight, rstd, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg,
                BM=bm, BN=bn, ROWWISE=q is not None, COLWISE=qt is not None,
                NORM=weight is not None, POW2=pow2_scale, K_FAST=config.get("k_fast", False),
-               REVERSE=reverse, PACK=pack, RPT=rpt, num_warps=config["warps"])
+               REVERSE=reverse, num_warps=config["warps"])
 
 
 def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
@@ -567,14 +462,10 @@ def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
     rb = min(rb, BLOCK)
     bn = tile_config["bn"]
     grid = cdiv(M, BLOCK) * (BLOCK // rb + cdiv(K, bn))
-    pack = _pack_cols(qt, M)
-    warps = tile_config["warps"]
-    rpt = packed_rpt(bn, warps, x2.element_size(), False)
     with device_guard(x2):
-        launch(_quantize_split_kernel, (grid,), x2, q, s, packed_view(qt, rpt) if pack else qt,
-               st, M, K, x2.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
-               RB=rb, BK=bk, SINGLE=single, BN=bn, POW2=pow2_scale, PACK=pack, RPT=rpt,
-               num_warps=warps)
+        launch(_quantize_split_kernel, (grid,), x2, q, s, qt, st, M, K, x2.stride(0),
+               s.stride(0), s.stride(1), st.stride(0), st.stride(1), RB=rb, BK=bk,
+               SINGLE=single, BN=bn, POW2=pow2_scale, num_warps=tile_config["warps"])
 
 
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,

@@ -5,8 +5,7 @@
 
 - :func:`silu_mul_fwd`: ``y`` in ``x``'s dtype.
 - :func:`silu_mul_quant_fwd`: ``y`` quantized in one pass to 1x128 FP8 (rowwise, and
-  columnwise from the same fp32 values); programs take 128 rows x 128 output columns; the
-  columnwise copy leaves as packed words (:func:`store_cols_packed`) where ``M % 16 == 0``.
+  columnwise from the same fp32 values); programs take 128 rows x 128 output columns.
 - :func:`batch_silu_mul_quant_fwd`: the same for rows grouped by expert
   (:mod:`linghe.layout`): columnwise groups start at each expert segment's start and never
   cross segments. Counts are read on the device (no host sync): a one-wave launch turns
@@ -22,15 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.quantize import (
-    FP8_DTYPE,
-    packed_row_order,
-    packed_rpt,
-    packed_view,
-    quant_cols,
-    quant_rows,
-    store_cols_packed,
-)
+from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
 from ..utils import _INTERPRET_C, cdiv, device_guard, empty, launch, next_power_of_2
 
 BLOCK = 128
@@ -75,9 +66,6 @@ BATCH_QUANT_ROW_ORDER = "cols"
 #: a byte at a time (128 8-way bank-conflicted ``STS.U8`` per thread and tile, sm_90,
 #: triton 3.6 and 3.9); packed, it is 8 ``stmatrix`` + 8 ``LDS.128``.
 BATCH_QUANT_PACK = True
-#: the same for the non-batch forward (:func:`silu_mul_quant_fwd`, where ``M % 16 == 0``)
-#: and the non-batch quantized-dx backward (``linghe.bwd.activation``).
-QUANT_PACK = True
 #: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy):
 #: 16 for its non-batch form, 530 against 623 µs with 8 at [69376, 2048] on an H100 (the
 #: batch form, when ``QUANT_BWD_MODE = "fused"``, preferred 8: 766 against 848).
@@ -229,13 +217,9 @@ def _silu_mul_fwd_kernel(x_ptr, p_ptr, y_ptr, M, N, stride_x, stride_y,
 @triton.jit
 def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
                      st_ptr, M, N, stride_x, NG, BM: tl.constexpr, COLWISE: tl.constexpr,
-                     POW2: tl.constexpr, HAS_P: tl.constexpr, FAST_SILU: tl.constexpr,
-                     tile_start=0, stop=0, PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
+                     POW2: tl.constexpr, HAS_P: tl.constexpr, FAST_SILU: tl.constexpr):
     """One [BM, 128] output block (columns ``pid_n * 128 ..``) of the quantizing forward
-    (``FAST_SILU``: :func:`silu_ftz`, else :func:`silu_f32`). ``PACK`` (``COLWISE``, ``BM
-    == 128``; ``rows`` from ``tile_start`` in :func:`packed_row_order`, ``qt_ptr`` as
-    :func:`packed_view` words): the columnwise copy leaves through
-    :func:`store_cols_packed` (tokens below ``stop``)."""
+    (``FAST_SILU``: :func:`silu_ftz`, else :func:`silu_f32`)."""
     cols = pid_n * 128 + tl.arange(0, 128)
     cmask = cols < N
     mask = lmask[:, None] & cmask[None, :]
@@ -256,36 +240,26 @@ def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, q
     tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask & nvalid)
     if COLWISE:
         qt, st = quant_cols(y, POW2)
-        if PACK:
-            store_cols_packed(qt, qt_ptr, tile_start, cols, cmask, stop, M, RPT)
-        else:
-            # qt[c, m] = quant(y)[m, c]: stored through transposed addresses.
-            tl.store(qt_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qt,
-                     mask=smask[:, None] & cmask[None, :])
+        # qt[c, m] = quant(y)[m, c]: stored through transposed addresses.
+        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qt,
+                 mask=smask[:, None] & cmask[None, :])
         tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
 
 
 @triton.jit
 def _silu_mul_quant_fwd_kernel(x_ptr, p_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG,
                                BM: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
-                               HAS_P: tl.constexpr, PACK: tl.constexpr = False,
-                               RPT: tl.constexpr = 4):
+                               HAS_P: tl.constexpr):
     # Program (pid_m, pid_n): rows [pid_m * BM, +BM), the 128-column block pid_n.
-    # PACK (COLWISE, BM == 128, M % 16 == 0; qt_ptr as packed_view words): rows loaded in
-    # packed_row_order, the columnwise copy stored as packed 32-bit words.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if PACK:
-        rows = pid_m.to(tl.int64) * BM + packed_row_order(RPT)
-    else:
-        rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     smask = rows < M
     p = tl.zeros([BM], tl.float32)
     if HAS_P:
         p = tl.load(p_ptr + rows, mask=smask, other=0.0).to(tl.float32)
     _quant_fwd_block(pid_m, pid_n, rows, smask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
-                     st_ptr, M, N, stride_x, NG, BM, COLWISE, POW2, HAS_P, False,
-                     pid_m * BM, M, PACK, RPT)
+                     st_ptr, M, N, stride_x, NG, BM, COLWISE, POW2, HAS_P, False)
 
 
 @triton.jit
@@ -326,16 +300,73 @@ def _batch_tile_map_kernel(cnt_ptr, map_ptr, off_ptr, E, R, G, ALIGN, EP2: tl.co
 
 
 @triton.jit
+def packed_row_order(RPT: tl.constexpr):
+    """``[128]`` int32: the tile row (0..127) that logical row ``i`` of a packed-store tile
+    loads, ``(i % L) * RPT + i // L`` with ``L = 128 // RPT``. Triton holds a ``[128, 128]``
+    tile of the quantizing kernels in row repetitions ``i = l + L * k`` (``l`` over lanes
+    and warps, ``k`` over a thread's registers: ``L = 16`` at 4 warps, sm_90, triton 3.6 and
+    3.9), so with this order the ``RPT`` rows a thread holds are consecutive tokens and its
+    columnwise fp8 values pack into whole 32-bit words without leaving the thread
+    (:func:`store_cols_packed`). Any order gives the same results; this one is fast."""
+    L: tl.constexpr = 128 // RPT
+    i = tl.arange(0, 128)
+    return (i % L) * RPT + i // L
+
+
+@triton.jit
+def store_cols_packed(qt, qt32_ptr, tile_start, cols, cmask, stop, M,
+                      RPT: tl.constexpr):
+    """Store the columnwise fp8 tile ``qt [128, C]`` (logical rows in
+    :func:`packed_row_order`, tile rows from ``tile_start``) transposed into ``q_t [N, M]``,
+    given as int32 words (``qt32_ptr``; ``M`` and ``tile_start`` multiples of 16). The 4
+    tokens of a word are packed in registers (byte ``k`` = token ``4 j + k``) and the tile
+    leaves as ``[C, 32]`` words, a 128-byte row of ``q_t`` per column, through a 32-bit
+    layout conversion instead of an 8-bit one (which Triton writes to shared memory a byte
+    at a time, 8-way bank conflicted). Tokens ``>= stop`` (a multiple of 16) are not
+    written."""
+    C: tl.constexpr = qt.shape[1]
+    L: tl.constexpr = 128 // RPT
+    b = tl.reshape(qt.to(tl.uint8, bitcast=True).to(tl.int32), [RPT // 4, 4, L, C])
+    sh = tl.arange(0, 4) * 8
+    w = tl.sum(b << sh[None, :, None, None], axis=1)  # disjoint bytes: the sum is an OR
+    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 32])  # word j = l * RPT // 4 + k // 4
+    j = tl.arange(0, 32)
+    # (M // 16 * 4 == M // 4 and tile_start // 16 * 4 == tile_start // 4 for multiples of
+    # 16, written so that the compiler sees 16-byte aligned rows of 4 words.)
+    ptr = (qt32_ptr + cols.to(tl.int64)[:, None] * (M // 16 * 4)
+           + (tile_start // 16 * 4 + j)[None, :])
+    nw = (stop - tile_start) // 16 * 4  # words in range, in whole 16-byte vectors
+    tl.store(ptr, w, mask=cmask[:, None] & (j < nw)[None, :])
+
+
+@triton.jit
 def _batch_quant_block(pid_m, pid_n, tile_start, rows, lmask, smask, stop, p, x_ptr, q_ptr,
                        s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG, COLWISE: tl.constexpr,
                        POW2: tl.constexpr, HAS_P: tl.constexpr, PACK: tl.constexpr,
                        RPT: tl.constexpr):
-    """One [128, 128] block of the batch forward: :func:`_quant_fwd_block` with
-    :func:`silu_ftz` (``PACK``: rows in :func:`packed_row_order`, the columnwise copy
-    through :func:`store_cols_packed`)."""
-    _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
-                     st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P, True, tile_start,
-                     stop, PACK, RPT)
+    """One [128, 128] block of the batch forward: :func:`_quant_fwd_block`, or with
+    ``PACK`` (rows in :func:`packed_row_order`) its columnwise copy through
+    :func:`store_cols_packed`."""
+    if PACK:
+        cols = pid_n * 128 + tl.arange(0, 128)
+        cmask = cols < N
+        mask = lmask[:, None] & cmask[None, :]
+        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
+        y = silu_ftz(g) * u
+        if HAS_P:
+            y = y * p[:, None]
+        q, s = quant_rows(y, POW2)
+        tl.store(q_ptr + rows[:, None] * N + cols[None, :], q,
+                 mask=smask[:, None] & cmask[None, :])
+        tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask)
+        qt, st = quant_cols(y, POW2)
+        store_cols_packed(qt, qt_ptr, tile_start, cols, cmask, stop, M, RPT)
+        tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
+    else:
+        _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
+                         st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P, True)
 
 
 @triton.jit
@@ -348,8 +379,8 @@ def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr
     # Program pid takes row tile pid_m (from the tile map: it starts at its segment's
     # start, so columnwise groups never cross segments) and the 128-column blocks
     # [pid_c * NCOL, pid_c * NCOL + NCOL), in turn; NPC column programs per row tile.
-    # PACK (COLWISE, ALIGN16, M % 16 == 0; qt_ptr as packed_view words): the columnwise
-    # copy leaves as packed words (store_cols_packed).
+    # PACK (COLWISE, ALIGN16, M % 16 == 0; qt_ptr int32): the columnwise copy leaves as
+    # packed 32-bit words (store_cols_packed).
     pid = tl.program_id(0)
     if ROWS_FIRST:
         pid_m = pid % NG
@@ -428,8 +459,6 @@ def silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None, *, columnwis
     """Fused SwiGLU + 1x128 quantization of ``x [M, 2N]``.
 
     Returns ``(q [M, N], s [M, cdiv(N,128)], qt [N, M] | None, st [N, cdiv(M,128)] | None)``.
-    With ``columnwise`` and ``M % 16 == 0`` the columnwise copy is stored as packed 32-bit
-    words (``QUANT_PACK``; else byte by byte, the same bits).
     """
     M, N = x.shape[0], x.shape[1] // 2
     dev = x.device
@@ -441,14 +470,11 @@ def silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None, *, columnwis
         st = empty(N, cdiv(M, BLOCK), dtype=torch.float32, device=dev)
     if M > 0 and N > 0:
         BM = 128 if columnwise else 32
-        warps = QUANT_NUM_WARPS if columnwise else 4
-        pack = columnwise and QUANT_PACK and M % 16 == 0
-        rpt = packed_rpt(BLOCK, warps, x.element_size(), True)
         with device_guard(x):
             launch(_silu_mul_quant_fwd_kernel, (cdiv(M, BM), cdiv(N, BLOCK)),
-                x, probs, q, s, packed_view(qt, rpt) if pack else qt, st, M, N, x.stride(0),
-                cdiv(M, BLOCK), BM=BM, COLWISE=columnwise, POW2=pow2_scale,
-                HAS_P=probs is not None, PACK=pack, RPT=rpt, num_warps=warps)
+                x, probs, q, s, qt, st, M, N, x.stride(0), cdiv(M, BLOCK), BM=BM,
+                COLWISE=columnwise, POW2=pow2_scale, HAS_P=probs is not None,
+                num_warps=QUANT_NUM_WARPS if columnwise else 4)
     return q, s, qt, st
 
 
@@ -523,11 +549,11 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
         # (align) and rows of q_t (R) multiples of 16.
         pack = (columnwise and BATCH_QUANT_PACK and align % 16 == 0 and R % 16 == 0
                 and R > 0)
-        rpt = packed_rpt(BLOCK, warps, x.element_size(), True)
         with device_guard(x):
             launch(_batch_silu_mul_quant_fwd_kernel, (G * npc,),
-                   x, probs, tmap, q, s, packed_view(qt, rpt) if pack else qt, st, R, N,
+                   x, probs, tmap, q, s, qt.view(torch.int32) if pack else qt, st, R, N,
                    x.stride(0), G, npc, COLWISE=columnwise, POW2=pow2_scale,
                    HAS_P=probs is not None, ALIGN16=align % 16 == 0, NCOL=ncol,
-                   ROWS_FIRST=order == "rows", PACK=pack, RPT=rpt, num_warps=warps, **opts)
+                   ROWS_FIRST=order == "rows", PACK=pack,
+                   RPT=max(4, 32 // warps), num_warps=warps, **opts)
     return q, s, qt, st, g_off, seg_off
