@@ -409,7 +409,7 @@ def test_batch_quant_fwd_knobs_same_bits(device, monkeypatch, case):
                   dict(BATCH_QUANT_PACK=False), dict(BATCH_QUANT_MAXNREG=168),
                   dict(BATCH_QUANT_COLS=3, BATCH_QUANT_ORDER="cols"),
                   dict(BATCH_QUANT_NUM_WARPS=8, BATCH_QUANT_MAXNREG=80),
-                  dict(BATCH_QUANT_NUM_WARPS=16)):
+                  dict(BATCH_QUANT_NUM_WARPS=16, BATCH_QUANT_MAXNREG=None)):
         with monkeypatch.context() as m:
             for k, v in knobs.items():
                 m.setattr(A, k, v)

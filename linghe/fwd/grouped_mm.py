@@ -382,10 +382,12 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
     registers at 64x128 / 4 warps): 3 stages, which leaves shared memory for three
     programs per SM (the fastest on an H100 at every MoE shape but one, within 1% there,
     ``benchmark/results/h100_fp8_tma_sweep_2026-11-25.*``). bf16/fp16 with ``tma`` (the
-    same kernel on bf16 descriptors; sm_90 ptxas, triton 3.6 and 3.9): 64x128 / 4 warps
-    94-95 registers, 96 KiB at 4 stages (two programs per SM); 128x128 / 8 warps 91-92
-    registers, 96 KiB at 3 stages (two per SM). Not yet timed on a GPU: the tiles are
-    ``benchmark/probe_grouped_bf16.py``'s to choose."""
+    same kernel on bf16 descriptors): 128x256 / 8 warps / 4 stages (154-191 registers,
+    192 KiB: one program per SM), the fastest or within 1.5% of it of 11 tile configs at
+    both MoE layouts, fwd and dgrad, on an H100 (``probe_grouped_bf16``,
+    ``benchmark/results/h100_probe_grouped_bf16_2026-11-26.*``: 1.24-1.55x main's pointer
+    kernel; against ``torch._grouped_mm`` 0.84-0.98x fwd, 1.01-1.08x dgrad); a pinned
+    ``block_m`` keeps 128-column tiles."""
     if INTERPRET:
         bm = block_m or 32
         return dict(BM=bm, BN=64, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
@@ -398,8 +400,8 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
     bm = block_m or (64 if R < 512 * E else 128)
     if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
         return dict(BM=bm, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
-    if tma and bm == 128:  # 91 registers, 96 KiB: two programs per SM
-        return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+    if tma and block_m is None:
+        return dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
     return dict(BM=bm, BN=128, BK=64, GROUP_M=8, num_warps=8 if bm == 128 else 4,
                 num_stages=4)
 
