@@ -284,7 +284,8 @@ class GpuClockLog:
         got = [v for t, v in list(self.samples) if t0 <= t <= t1]
         if not got:
             return None
-        col = lambda i: [v[i] for v in got]
+        # a field nvidia-smi does not report ([N/A], NaN here) is left out of its column
+        col = lambda i: [v[i] for v in got if v[i] == v[i]] or [float("nan")]
         out = {"sm_mhz": statistics.mean(col(0)), "sm_mhz_min": min(col(0)),
                "mem_mhz": statistics.mean(col(1)), "power_w": statistics.mean(col(2)),
                "power_w_max": max(col(2)), "temp_c_max": max(col(3)), "samples": len(got)}

@@ -31,7 +31,8 @@ def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
 def group_amax(x: torch.Tensor, dim) -> torch.Tensor:
     """``max |x|`` over ``dim``, NaN elements ignored (as CUDA's ``fmaxf``, which the
     kernels' reductions compile to): a NaN element quantizes to NaN, the rest of its group
-    as if it were absent."""
+    as if it were absent. (A group of NaN only gets amax 0 here, scale 1; the kernels
+    give it a NaN scale, 0 with power-of-two scales. Its data is NaN either way.)"""
     a = x.abs()
     return torch.where(a.isnan(), torch.zeros_like(a), a).amax(dim=dim)
 

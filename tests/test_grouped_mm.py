@@ -895,3 +895,30 @@ def test_fp8_autotuned_launch_path(device, monkeypatch):
     assert_close(out, r, tol=FP8_VS_EXACT)
     assert_close(x.grad, dx, tol=FP8_VS_EXACT, name="d_rows")
     assert_close(w.grad, dw, tol=FP8_VS_EXACT, name="d_weight")
+
+
+def test_tma_only_where_the_device_has_it(device, monkeypatch):
+    """The default launches take the TMA kernel on sm_90+ (and in the interpreter) only:
+    older GPUs (an A100's 164 KiB of shared memory, no tensor-memory copies) keep the
+    pointer kernel, with the same result."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(fwd_gm, "INTERPRET", False)
+    monkeypatch.setitem(fwd_gm._CAPABILITY, torch.device("cuda", 7), (8, 0))
+    monkeypatch.setitem(fwd_gm._CAPABILITY, torch.device("cuda", 6), (9, 0))
+    assert not fwd_gm.tma_capable(SimpleNamespace(device=torch.device("cuda", 7)))
+    assert fwd_gm.tma_capable(SimpleNamespace(device=torch.device("cuda", 6)))
+    assert not fwd_gm.tma_capable(torch.empty(1))          # a CPU tensor off the interpreter
+    monkeypatch.undo()
+    names = _spy_launches(monkeypatch)
+    x, layout, real = make_rows([5, 0, 21], 16, 64, device, torch.bfloat16)
+    w = (torch.randn(3, 64, 64, device=device) / 8).to(torch.bfloat16)
+    want = ref.grouped_mm(x.double(), w.double(), layout.offsets)
+    out = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
+    assert names == ["_grouped_rows_tma_kernel"]
+    assert_close(out, want)
+    monkeypatch.setattr(fwd_gm, "tma_capable", lambda t: False)
+    del names[:]
+    out = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
+    assert names == ["_grouped_rows_kernel"]
+    assert_close(out, want)

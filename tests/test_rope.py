@@ -467,3 +467,28 @@ def test_probe_rope_cpu_smoke(device, tmp_path):
     rows = json.loads((tmp_path / "probe_rope.json").read_text())["rows"]
     assert rows and all(r["ok"] for r in rows)
     assert {r["impl"] for r in rows} == {"main", "new"}
+
+
+@pytest.mark.parametrize("layout", ["sbh", "bsh"])
+def test_qk_norm_rope_eps0_padded_heads(device, layout):
+    """eps = 0 with a head count that pads the head tile (3 q heads): the padded lanes
+    (x = 0, rstd = inf) must not put NaN into the norm weights' gradients."""
+    B, S, H, Hkv, D, R = 2, 4, 3, 1, 16, 8
+    qkv = _qkv(layout, B, S, H, Hkv, D, torch.float32, device)
+    freqs = linghe.rope_freqs(S, R, device=device)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, rotary_dim=R, layout=layout, eps=0.0)
+    ws = [torch.rand(D, device=device) + 0.5 for _ in range(2)]
+    outs, grads = [], []
+    for fn in (linghe.qk_norm_rope, ref.qk_norm_rope):
+        x = qkv.detach().clone().requires_grad_()
+        w = [t.detach().clone().requires_grad_() for t in ws]
+        out = fn(x, freqs, q_norm_weight=w[0], k_norm_weight=w[1], **kw)
+        torch.manual_seed(1)
+        loss = sum((o.float() * torch.randn_like(o.float())).sum() for o in out)
+        grads.append(torch.autograd.grad(loss, [x, *w]))
+        outs.append(out)
+    for o, r in zip(*outs):
+        assert_close(o, r)
+    for a, b, n in zip(*grads, ["dqkv", "dq_norm_weight", "dk_norm_weight"]):
+        assert torch.isfinite(a).all(), n
+        assert_close(a, b, name=n)

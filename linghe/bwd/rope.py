@@ -55,15 +55,17 @@ def norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2, w3, w4, a1, a2, a3, a4
         x3 = x3.to(tl.float32)
         x4 = x4.to(tl.float32)
         rstd = head_rstd(x1, x2, x3, x4, D, eps, HAS_REST, SAME)
-        x1 = x1 * rstd
-        x2 = x2 * rstd
+        # xhat = 0 where x = 0: a padded head (x loaded as 0) has rstd = inf when eps = 0,
+        # and 0 * inf would put NaN into the weight-gradient sums
+        x1 = tl.where(x1 == 0, 0.0, x1 * rstd)
+        x2 = tl.where(x2 == 0, 0.0, x2 * rstd)
         a1 += d1 * x1
         a2 += d2 * x2
         d1 = d1 * w1
         d2 = d2 * w2
         if HAS_REST:
-            x3 = x3 * rstd
-            x4 = x4 * rstd
+            x3 = tl.where(x3 == 0, 0.0, x3 * rstd)
+            x4 = tl.where(x4 == 0, 0.0, x4 * rstd)
             a3 += d3 * x3
             a4 += d4 * x4
             d3 = d3 * w3

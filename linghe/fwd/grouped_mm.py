@@ -554,9 +554,9 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
         cfg = _check_fp8_config(config) if fp8 else _check_rows_config(config, f32)
         tma = cfg.pop("TMA")
     elif fp8:
-        tma = FP8_TMA and not FP8_RESCALE
+        tma = FP8_TMA and not FP8_RESCALE and tma_capable(a)
     else:
-        tma = BF16_TMA and a.element_size() == 2
+        tma = BF16_TMA and a.element_size() == 2 and tma_capable(a)
     if tma:
         tcfg = cfg or _mm_config(R, E, J, fp8, block_m, tma=True)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, tcfg["BM"],
@@ -606,6 +606,23 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
 _CAPABILITY: dict = {}  # device -> compute capability (a driver query per call otherwise)
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    cap = _CAPABILITY.get(device)
+    if cap is None:
+        cap = _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return cap
+
+
+def tma_capable(t: torch.Tensor) -> bool:
+    """Whether the default launches may take the TMA kernel for ``t``'s device: Hopper or
+    newer (sm_90+: tensor-memory copies, and the shared memory its default tiles need),
+    or the interpreter (which runs the same kernel on the CPU). Older GPUs keep the
+    pointer kernel."""
+    if INTERPRET:
+        return True
+    return t.device.type == "cuda" and _capability(t.device) >= (9, 0)
+
+
 def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` can run these bf16 operands: CUDA sm90, bf16, the
     GEMM dims (last dim of each operand, ``N`` and ``K`` of a 3-D weight) 16-byte
@@ -617,10 +634,7 @@ def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     t0 = tensors[0]
     if t0.device.type != "cuda":
         return False
-    cap = _CAPABILITY.get(t0.device)
-    if cap is None:
-        cap = _CAPABILITY[t0.device] = torch.cuda.get_device_capability(t0.device)
-    if cap != (9, 0):
+    if _capability(t0.device) != (9, 0):
         return False
     for t in tensors:
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape[-1] % 8 != 0:

@@ -154,7 +154,8 @@ class MoE(nn.Module):
         #: generator, instead of the router's, so that every expert gets ~``T * top_k /
         #: E`` rows whatever the model has learnt. The router's logits still pass their
         #: gradient straight through (``random + (logits - logits.detach())``), so every
-        #: kernel of a training step runs; the output is not a trained model's.
+        #: kernel of a training step runs; the output is not a trained model's (and
+        #: ``aux.z_loss`` / ``aux.logits`` are those of the random logits).
         self.force_balanced_routing = False
         fk = {"device": device, "dtype": dtype}
         El, H, In = self.num_local_experts, hidden_size, intermediate_size
