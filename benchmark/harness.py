@@ -8,6 +8,7 @@ function ``(cfg: Config) -> list[Bench]`` registered with ``@case("name")``.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -298,6 +299,28 @@ class GpuClockLog:
             self._proc.terminate()
             self._proc.wait()
             self._proc = None
+
+
+def size_matched_copy_us(nbytes: int, device, timer: Callable | None = None) -> float | None:
+    """µs of a device copy that reads and writes ``nbytes`` in all (a uint8 ``copy_`` of
+    ``nbytes / 2``): the probes' "% of a size-matched copy" ceiling. ``timer(fn)`` gives
+    the µs of one call (default :func:`device_time_us`)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return (timer or device_time_us)(lambda: dst.copy_(src))
+
+
+def interpreter_matches(cpu: bool, module: str) -> bool:
+    """Whether a probe's choice of the CPU interpreter (``--cpu``, or no GPU) matches
+    ``TRITON_INTERPRET``, which must be set before triton is imported; says how to run
+    the probe when it does not."""
+    from linghe.utils import INTERPRET
+
+    if cpu == INTERPRET:
+        return True
+    print(f"--cpu needs TRITON_INTERPRET=1 before triton is imported: run it as its own "
+          f"process (python -m {module} --cpu)", file=sys.stderr)
+    return False
 
 
 def copy_bandwidth_gbps(cfg: Config) -> float:

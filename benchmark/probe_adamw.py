@@ -47,6 +47,7 @@ from .harness import (  # noqa: E402
     device_time_us,
     load_module_at,
     print_columns,
+    size_matched_copy_us,
 )
 
 
@@ -90,13 +91,6 @@ def _wall_us(fn, reps: int = 5) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def _copy_us(nbytes: int, device: str, timer) -> float:
-    """µs of a copy that reads and writes ``nbytes`` in all."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return timer(lambda: dst.copy_(src), reps=5)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmark.probe_adamw")
     ap.add_argument("--json", default=None)
@@ -134,7 +128,8 @@ def main(argv=None) -> int:
     timer = device_time_us if device == "cuda" else _wall_us
     copy_gbps = copy_bandwidth_gbps(Config(device=device, quick=False))
     big = min(upd_bytes, 16 << 30)  # (a copy of all the update's bytes would not fit)
-    size_gbps = big / _copy_us(big, device, timer) / 1e3
+    size_gbps = big / size_matched_copy_us(big, device,
+                                           timer=lambda fn: timer(fn, reps=5)) / 1e3
     rows = []
 
     clocks = GpuClockLog() if device == "cuda" else None

@@ -65,6 +65,7 @@ from .harness import (  # noqa: E402
     copy_bandwidth_gbps,
     device_time_us,
     graph_time_us,
+    interpreter_matches,
     load_module_at,
     print_columns,
 )
@@ -270,9 +271,7 @@ def main(argv=None) -> int:
     if args.sass:
         return sass_table(args)
     cpu = args.cpu or not torch.cuda.is_available()
-    if cpu != INTERPRET:
-        print("--cpu needs TRITON_INTERPRET=1 before triton is imported: run it as its own "
-              "process (python -m benchmark.probe_batch_quant --cpu)", file=sys.stderr)
+    if not interpreter_matches(cpu, "benchmark.probe_batch_quant"):
         return 2
     t_start = time.perf_counter()
     dev = "cpu" if cpu else "cuda"

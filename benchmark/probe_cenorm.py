@@ -54,12 +54,12 @@ from linghe.bwd import loss as B  # noqa: E402
 from linghe.fwd import loss as F  # noqa: E402
 from linghe.optim import multi_tensor as K  # noqa: E402
 from linghe.testing import rel_err  # noqa: E402
-from linghe.utils import INTERPRET  # noqa: E402
 
 from .harness import (  # noqa: E402
     Config,
     copy_bandwidth_gbps,
     device_time_us,
+    interpreter_matches,
     load_module_at,
     print_columns,
 )
@@ -402,9 +402,7 @@ def _norm_section(cpu, quick, old, copy, rows):
 def main(argv=None) -> int:
     args = _parse(argv)
     cpu = args.cpu or not torch.cuda.is_available()
-    if cpu != INTERPRET:
-        print("--cpu needs TRITON_INTERPRET=1 before triton is imported: run it as its own "
-              "process (python -m benchmark.probe_cenorm --cpu)", file=sys.stderr)
+    if not interpreter_matches(cpu, "benchmark.probe_cenorm"):
         return 2
     t_start = time.perf_counter()
     copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))

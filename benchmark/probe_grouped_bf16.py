@@ -57,9 +57,9 @@ from linghe import reference as ref  # noqa: E402
 from linghe.bwd import grouped_mm as bwd_gm  # noqa: E402
 from linghe.fwd import grouped_mm as fwd_gm  # noqa: E402
 from linghe.layout import max_grouped_rows  # noqa: E402
-from linghe.utils import INTERPRET, set_poison_outputs  # noqa: E402
+from linghe.utils import set_poison_outputs  # noqa: E402
 
-from .harness import device_time_us, print_columns  # noqa: E402
+from .harness import device_time_us, interpreter_matches, print_columns  # noqa: E402
 
 
 def _tma(bm, bn, warps, stages, group_m=8, bk=64):
@@ -461,9 +461,7 @@ def main(argv=None) -> int:
     if args.ptxas:
         return ptxas_table()
     cpu = args.cpu or not torch.cuda.is_available()
-    if cpu != INTERPRET:
-        print("--cpu needs TRITON_INTERPRET=1 before triton is imported: run it as its own "
-              "process (python -m benchmark.probe_grouped_bf16 --cpu)", file=sys.stderr)
+    if not interpreter_matches(cpu, "benchmark.probe_grouped_bf16"):
         return 2
     t0 = time.perf_counter()
     dev = "cpu" if cpu else "cuda"

@@ -66,8 +66,10 @@ from .harness import (  # noqa: E402
     device_time_us,
     graph_time_us,
     host_us,
+    interpreter_matches,
     load_module_at,
     print_columns,
+    size_matched_copy_us,
 )
 
 #: main when this probe was extended (the 3-D [heads, tokens, pieces] tiles with the chunk
@@ -246,22 +248,12 @@ def _kernel_breakdown(fn, reps: int = 10) -> dict | None:
         return None
 
 
-def _copy_us(nbytes, dev):
-    """Kernel µs of a size-matched copy: a uint8 ``copy_`` of ``nbytes / 2`` (read +
-    written = ``nbytes``)."""
-    src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    return device_time_us(lambda: dst.copy_(src))
-
-
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.sass:
         return sass_table(args)
     cpu = args.cpu or not torch.cuda.is_available()
-    if cpu != INTERPRET:
-        print("--cpu needs TRITON_INTERPRET=1 before triton is imported: run it as its own "
-              "process (python -m benchmark.probe_rope --cpu)", file=sys.stderr)
+    if not interpreter_matches(cpu, "benchmark.probe_rope"):
         return 2
     t_start = time.perf_counter()
     dev = "cpu" if cpu else "cuda"
@@ -283,7 +275,7 @@ def main(argv=None) -> int:
     fwd_bytes = 2 * T * W * 2 + table
     bwd_bytes = 2 * T * W * 2 + T * (p["H"] + p["Hkv"]) * p["D"] * 2 + table
     copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))
-    size_us = {} if cpu else {op: _copy_us(n, dev) for op, n in
+    size_us = {} if cpu else {op: size_matched_copy_us(n, dev) for op, n in
                               (("fwd", fwd_bytes), ("bwd", bwd_bytes))}
     dev_name = (torch.cuda.get_device_name() if not cpu
                 else (platform.processor() or "cpu") + " (Triton interpreter)")

@@ -66,8 +66,10 @@ from .harness import (  # noqa: E402
     Config,
     copy_bandwidth_gbps,
     host_us,
+    interpreter_matches,
     load_module_at,
     print_columns,
+    size_matched_copy_us,
 )
 
 #: main when this probe was written (quantize_1x128: one [128, 128] tile per program;
@@ -319,10 +321,8 @@ def _kernel_us(fn, reps=10):
 
 
 def _copy_row(nbytes, dev):
-    """Size-matched copy: a uint8 ``copy_`` of ``nbytes / 2`` (read + written = nbytes)."""
-    src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    us = _kernel_us(lambda: dst.copy_(src))
+    """Size-matched copy (read + written = nbytes), timed like the kernels."""
+    us = size_matched_copy_us(nbytes, dev, timer=_kernel_us)
     return {"kernel_us": us, "bytes": nbytes, "gbps": nbytes / us / 1e3 if us else None}
 
 
@@ -332,9 +332,7 @@ def main(argv=None) -> int:
     if args.sass:
         return sass_table(args)
     cpu = args.cpu or not torch.cuda.is_available()
-    if cpu != INTERPRET:
-        print("--cpu needs TRITON_INTERPRET=1 before triton is imported: run it as its own "
-              "process (python -m benchmark.probe_tilequant --cpu)", file=sys.stderr)
+    if not interpreter_matches(cpu, "benchmark.probe_tilequant"):
         return 2
     dev = "cpu" if cpu else "cuda"
     from linghe.fp8 import quantize as Q
