@@ -61,6 +61,10 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 import linghe  # noqa: E402
+from linghe.bwd.accumulate import (  # noqa: E402
+    fused_grad_accumulation,
+    set_fused_grad_accumulation,
+)
 
 from . import e2e_model  # noqa: E402
 from .e2e_model import (  # noqa: E402
@@ -375,7 +379,9 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
     print(f"\nLing-mini-2.0-shaped MoE decoder: {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.experts} experts top-{cfg.topk}, vocab {cfg.vocab}, batch {cfg.batch} x seq "
           f"{cfg.seq}"
-          + (f" x {cfg.micro_batches} micro-batches per optimizer step"
+          + (f" x {cfg.micro_batches} micro-batches per optimizer step (linghe modes: "
+             f"fused expert gradient accumulation "
+             f"{'on' if fused_grad_accumulation() else 'off'})"
              if cfg.micro_batches > 1 else "")
           + f"; {total_params(cfg) / 1e9:.2f} B parameters; "
           f"{f['total'] / 1e12:.1f} model TFLOP per step (6 N_active tokens + causal "
@@ -982,6 +988,11 @@ def parse_args(argv=None):
     p.add_argument("--expert-fp8-wgrad", choices=("fp8", "bf16"), default="bf16",
                    help="the fp8 mode's MoE experts' weight gradients: in bf16 (the "
                         "recipe's default) or in FP8 (TrainingContext(expert_fp8_wgrad=True))")
+    p.add_argument("--fused-grad-accumulation", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="linghe modes: expert weight gradients added into the existing "
+                        ".grad by the wgrad kernel (linghe.bwd.accumulate; matters with "
+                        "--micro-batches > 1)")
     p.add_argument("--top-kernels", type=int, default=10,
                    help="print the N longest kernels of each profiled row (0: none)")
     args = p.parse_args(argv)
@@ -1046,6 +1057,7 @@ def main(argv=None) -> int:
     cfg = config_from_args(args, device)
     e2e_model.FP8_WGRAD = args.fp8_wgrad == "fp8"
     e2e_model.EXPERT_FP8_WGRAD = args.expert_fp8_wgrad == "fp8"
+    set_fused_grad_accumulation(args.fused_grad_accumulation)
     env = environment()
     print(f"[e2e] {env['device']}; torch {env['torch']}, triton {env['triton']}")
     if args.train_steps:
@@ -1054,6 +1066,7 @@ def main(argv=None) -> int:
         result = throughput_job(args, cfg, device)
     result.update(env=env, width=args.width, fp8_wgrad=args.fp8_wgrad,
                   expert_fp8_wgrad=args.expert_fp8_wgrad,
+                  fused_grad_accumulation=args.fused_grad_accumulation,
                   argv=sys.argv[1:] if argv is None else argv)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -93,13 +93,21 @@ WGRAD_VEC_MASK: bool = os.environ.get("LINGHE_FP8_WGRAD_VEC_MASK", "1") == "1"
 
 @triton.jit
 def _wgrad_kernel(
-    g_ptr, x_ptr, w_ptr, offsets_ptr,
+    g_ptr, x_ptr, w_ptr, offsets_ptr, xs_ptr,
     N, K, R,
-    stride_gr, stride_gn, stride_xr, stride_xk, stride_we, stride_wn,
+    stride_gr, stride_gn, stride_xr, stride_xk, stride_we, stride_wn, stride_xs,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False, X_FP8: tl.constexpr = False,
 ):
     """High precision ``dW[e, n, k] = sum_{r in seg e} g[r, n] * x[r, k]`` for ``g [R, N]``,
-    ``x [R, K]`` (strides given; FP8 has its own kernel below)."""
+    ``x [R, K]`` (strides given; FP8 operands on both sides have their own kernel below).
+
+    ``ACCUMULATE``: add the sum to the existing ``dW`` tile (fp32, one rounding) instead
+    of overwriting it: fused gradient accumulation into a parameter's ``.grad``.
+    ``X_FP8``: ``x`` is the rowwise 1x128 FP8 copy with scales ``xs [R, cdiv(K, 128)]``
+    (row stride ``stride_xs``), dequantized in registers to ``g``'s dtype (the values
+    :func:`~linghe.fp8.quantize.dequantize_1x128_rows` gives) before the MMA; ``BK``
+    divides 128, so a tile's columns share one scale group."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     num_k = tl.cdiv(K, BK)
@@ -124,13 +132,20 @@ def _wgrad_kernel(
                     other=0.0)
         x = tl.load(x_base + rs64[:, None] * stride_xr, mask=rmask[:, None] & kmask[None, :],
                     other=0.0)
+        if X_FP8:
+            xs = tl.load(xs_ptr + rs64 * stride_xs + (pid_k * BK) // 128, mask=rmask,
+                         other=0.0)
+            x = (x.to(tl.float32) * xs[:, None]).to(g.dtype)
         if IEEE:
             acc = tl.dot(g, x, acc, input_precision="ieee")
         else:
             acc = dot_f32acc(g, x, acc)
-    tl.store(w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
-             + ks[None, :], acc.to(w_ptr.dtype.element_ty),
-             mask=nmask[:, None] & kmask[None, :])
+    w_tile = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+              + ks[None, :])
+    wmask = nmask[:, None] & kmask[None, :]
+    if ACCUMULATE:
+        acc += tl.load(w_tile, mask=wmask, other=0.0).to(tl.float32)
+    tl.store(w_tile, acc.to(w_ptr.dtype.element_ty), mask=wmask)
 
 
 @triton.jit
@@ -316,17 +331,20 @@ def _wgrad_config(fp8: bool, f32: bool):
     return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=4)
 
 
-def _launch_wgrad(g, x, dw, offsets, strides):
+def _launch_wgrad(g, x, dw, offsets, strides, *, accumulate=False, x_scale=None):
     E, N, K = dw.shape
     if E == 0 or N == 0 or K == 0:
         return dw
     cfg = _wgrad_config(False, g.dtype == torch.float32)
     grid = (cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"]), E)
     R = strides[-1]
+    x_fp8 = x_scale is not None
     with device_guard(dw):
         launch(_wgrad_kernel, grid,
-            g, x, dw, offsets, N, K, R, *strides[:-1], dw.stride(0), dw.stride(1),
+            g, x, dw, offsets, x_scale if x_fp8 else x, N, K, R, *strides[:-1],
+            dw.stride(0), dw.stride(1), x_scale.stride(0) if x_fp8 else 0,
             BN=cfg["BN"], BK=cfg["BK"], BR=cfg["BR"], IEEE=(g.dtype == torch.float32),
+            ACCUMULATE=accumulate, X_FP8=x_fp8,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dw
 
@@ -349,6 +367,42 @@ def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Ten
     dw = empty(E, N, K, dtype=out_dtype, device=rows.device)
     return _launch_wgrad(d_out, rows, dw, offsets,
                          (d_out.stride(0), d_out.stride(1), rows.stride(0), rows.stride(1), R))
+
+
+def grouped_mm_wgrad_accumulate_(dw: torch.Tensor, d_out: torch.Tensor, rows: torch.Tensor,
+                                 offsets: torch.Tensor, *,
+                                 rows_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``dw[e] += d_out_e^T @ rows_e`` in place over expert ``e``'s segment (kernel-level
+    API; fp32 accumulation, one rounding to ``dw``'s dtype): fused gradient accumulation
+    (:mod:`linghe.bwd.accumulate`), where ``dw`` is a weight's existing ``.grad``.
+
+    ``d_out [R, N]`` float32/float16/bfloat16; ``rows [R, K]`` in ``d_out``'s dtype, or
+    FP8 e4m3 (the rowwise 1x128 copy an FP8 GEMM multiplied) with ``rows_scale [R,
+    cdiv(K, 128)]`` float32, dequantized in the kernel's loads; ``dw [E, N, K]``
+    contiguous, ``E = offsets.numel() - 1``. Experts without rows keep ``dw[e]``.
+    Returns ``dw``."""
+    R, N = d_out.shape
+    K = rows.shape[1]
+    E = offsets.numel() - 1
+    if tuple(dw.shape) != (E, N, K) or not dw.is_contiguous():
+        raise ValueError(f"dw must be a contiguous (E={E}, N={N}, K={K}) tensor, got "
+                         f"{tuple(dw.shape)}")
+    if rows.shape[0] != R or rows.stride(1) != 1 or d_out.stride(1) != 1:
+        raise ValueError(f"d_out [R, N] and rows [R, K] must share R and be contiguous "
+                         f"along their last dim, got {tuple(d_out.shape)}, "
+                         f"{tuple(rows.shape)}")
+    fp8_rows = rows.dtype == torch.float8_e4m3fn
+    if (rows.dtype != d_out.dtype and not fp8_rows) or ((rows_scale is None) == fp8_rows):
+        raise TypeError(f"rows must have d_out's dtype {d_out.dtype} (or be FP8 with "
+                        f"rows_scale), got {rows.dtype}")
+    if rows_scale is not None and (tuple(rows_scale.shape) != (R, cdiv(K, BLOCK))
+                                   or rows_scale.dtype != torch.float32
+                                   or rows_scale.stride(1) != 1):
+        raise ValueError(f"rows_scale must be float32 [R, ceil(K/128)] = {(R, cdiv(K, BLOCK))}"
+                         f", got {rows_scale.dtype} {tuple(rows_scale.shape)}")
+    return _launch_wgrad(d_out, rows, dw, offsets,
+                         (d_out.stride(0), d_out.stride(1), rows.stride(0), rows.stride(1), R),
+                         accumulate=True, x_scale=rows_scale)
 
 
 def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.Tensor,

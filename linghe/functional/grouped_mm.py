@@ -20,6 +20,7 @@ import torch
 
 from .. import library
 from ..bwd import grouped_mm as bwd
+from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd
@@ -135,6 +136,7 @@ class GroupedMMFunction(torch.autograd.Function):
             out = fwd.grouped_mm_fwd(rows, weight, offsets, backend=_rows_backend(backend))
             ctx.save_for_backward(rows if need_dw else None, weight if need_dx else None,
                                   offsets)
+            ctx.w_param = accumulation_param(weight) if rows.dtype == weight.dtype else None
             return out
         a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
         if weight_cache is not None:
@@ -159,7 +161,12 @@ class GroupedMMFunction(torch.autograd.Function):
             if need_dx:
                 d_rows = bwd.grouped_mm_dgrad(d_out, weight, offsets,
                                               backend=_rows_backend(ctx.backend))
-            if need_dw:
+            param, ctx.w_param = ctx.w_param, None
+            grad = grad_to_accumulate(param) if need_dw else None
+            if grad is not None and grad.dtype == d_out.dtype:  # fused accumulation
+                bwd.grouped_mm_wgrad_accumulate_(grad, d_out, rows, offsets)
+                d_w = take_grad(param, grad)
+            elif need_dw:
                 d_w = bwd.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows.dtype,
                                            backend="torch" if ctx.backend == _TRITON_ROWS
                                            else ctx.backend)

@@ -37,6 +37,7 @@ import torch
 
 from .. import library
 from ..bwd import grouped_mm as bwd_gm
+from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
 from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
@@ -158,6 +159,9 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
         ctx.w1 = _columnwise(w1q) if need_rows else None
         ctx.w2 = _columnwise(w2q) if need_da else None
         ctx.dtypes = (rows.dtype, w1.dtype, w2.dtype)
+        # High-precision wgrads may add into the weights' existing gradients.
+        ctx.params = ((accumulation_param(w1), accumulation_param(w2)) if not fp8_wgrad
+                      else (None, None))
         hp_rows = need_w1 and not fp8_wgrad and not isinstance(rows, Fp8Tensor)
         ctx.save_for_backward(h if need_da else None, probs, rows if hp_rows else None)
         return y
@@ -171,7 +175,7 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
             grads = _backward_fp8_wgrad(ctx, dy.contiguous(), h, probs)
         else:
             grads = _backward_hp_wgrad(ctx, dy.contiguous(), h, probs, rows)
-        ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = None
+        ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = ctx.params = None
         return (*grads, None, None, None, None)
 
 
@@ -220,12 +224,15 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
     d_rows = d_p = d_w1 = d_w2 = None
     # torch._grouped_mm's wgrad contracts over the rows: segment starts on multiples of 8.
     backend = "auto" if align % 8 == 0 else "triton"
+    p1, p2 = ctx.params
     if need_w2:
         a2 = ctx.a2
-        a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
-        d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype,
-                                       backend=backend)
-        del a2_hp
+        d_w2 = _accumulate_wgrad(p2, dy, a2.rowwise_data, a2.rowwise_scale, offsets)
+        if d_w2 is None:
+            a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
+            d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype,
+                                           backend=backend)
+            del a2_hp
     if need_da:
         dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
             dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
@@ -241,11 +248,26 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
             del dhq
         if need_w1:
             a1 = ctx.a1 if ctx.a1 is not None else rows
-            if isinstance(a1, _Parts):  # FP8 rows: what the gate_up GEMM multiplied
-                a1 = dequantize_1x128_rows(a1.rowwise_data, a1.rowwise_scale, dh.dtype)
-            d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
-                                           backend=backend)
+            fp8_a1 = isinstance(a1, _Parts)
+            d_w1 = _accumulate_wgrad(p1, dh, a1.rowwise_data if fp8_a1 else a1,
+                                     a1.rowwise_scale if fp8_a1 else None, offsets)
+            if d_w1 is None:
+                if fp8_a1:  # FP8 rows: what the gate_up GEMM multiplied
+                    a1 = dequantize_1x128_rows(a1.rowwise_data, a1.rowwise_scale, dh.dtype)
+                d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
+                                               backend=backend)
     return d_rows, d_p, d_w1, d_w2
+
+
+def _accumulate_wgrad(param, d_out, rows, rows_scale, offsets):
+    """Fused gradient accumulation (:mod:`linghe.bwd.accumulate`): ``param.grad +=
+    d_out_e^T @ rows_e`` in place (FP8 ``rows`` dequantized in the kernel) and the
+    gradient to return; ``None`` where the plain path applies."""
+    grad = grad_to_accumulate(param)
+    if grad is None or grad.dtype != d_out.dtype:
+        return None
+    bwd_gm.grouped_mm_wgrad_accumulate_(grad, d_out, rows, offsets, rows_scale=rows_scale)
+    return take_grad(param, grad)
 
 
 def _check(rows, probs_rows, gate_up, down, layout, fp8):
