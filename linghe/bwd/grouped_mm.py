@@ -346,22 +346,22 @@ WGRAD_TMA: bool = os.environ.get("LINGHE_WGRAD_TMA", "0") == "1"
 @triton.jit
 def _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR: tl.constexpr, MASK: tl.constexpr):
     """``acc += g[r:r+BR, n0:n0+BN]^T @ x[r:r+BR, k0:k0+BK]`` from one TMA box of each
-    operand. ``MASK``: rows ``>= end`` (the next expert's, inside the box) are zeroed in
-    the ``d_out`` box (registers; it then feeds the MMA as the register A operand),
-    else both operands go to the MMA straight from shared memory (A MN-major: the box's
-    transpose)."""
-    a = g_desc.load([r, n0])
+    operand (``BR`` = the descriptors' box rows). ``MASK``: rows ``>= end`` (the next
+    expert's, inside the box) are zeroed in the ``d_out`` box (registers: a shared-memory
+    round trip, then the MMA's register A operand), else both operands go to the MMA
+    straight from shared memory (A MN-major: the box's transpose)."""
+    a = tl.trans(g_desc.load([r, n0]))
     if MASK:
         rows = r + tl.arange(0, BR)
-        a = tl.where((rows < end)[:, None], a, tl.zeros_like(a))
+        a = tl.where((rows < end)[None, :], a, tl.zeros_like(a))
     b = x_desc.load([r, k0])
-    return dot_f32acc(tl.trans(a), b, acc)
+    return dot_f32acc(a, b, acc)
 
 
 @triton.jit
 def _wgrad_tma_kernel(
-    g_desc, x_desc, w_ptr, offsets_ptr, N, K, R, stride_we, stride_wn,
-    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, PEEL: tl.constexpr,
+    g_desc, x_desc, g16_desc, x16_desc, w_ptr, offsets_ptr, N, K, R, stride_we, stride_wn,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
     ACCUMULATE: tl.constexpr,
 ):
     """bf16/fp16 ``dW[e, n, k] (+)= sum_{r in seg e} g[r, n] * x[r, k]`` (fp32
@@ -369,19 +369,27 @@ def _wgrad_tma_kernel(
     BN]`` boxes, ``x_desc`` over ``x [R, K]`` in ``[BR, BK]`` boxes (both row-major: the
     contraction runs along their rows, so the MMA's A operand is the transpose of the
     ``g`` box (MN-major) and its B the ``x`` box as it is (N-major), which Hopper's 16-bit
-    wgmma reads from shared memory). ``w_ptr``: ``dW [E, N, K]`` (unit last stride,
-    strides ``stride_we``, ``stride_wn``; any float dtype).
+    wgmma reads from shared memory); ``g16_desc``/``x16_desc``: the same tensors in
+    16-row boxes (``TAIL=2`` only; any descriptors otherwise). ``w_ptr``: ``dW [E, N, K]``
+    (unit last stride, strides ``stride_we``, ``stride_wn``; bf16/fp16/fp32).
 
     Grid ``(cdiv(N, BN) * cdiv(K, BK), E)``: program ``(t, e)`` owns one ``[BN, BK]`` tile
     of ``dW_e`` and walks expert ``e``'s rows ``offsets[e] .. min(offsets[e+1], R)`` in
     boxes starting at the segment's first row (any row: TMA needs no alignment of the
     coordinates), so only the last box can reach past the segment: into the next expert's
     rows, whose products must vanish, or past ``R`` (TMA fills zeros; so do the column
-    tails past ``N``/``K``). ``PEEL=False``: one loop, every box masked in registers
-    (:func:`_wgrad_tma_step`); ``PEEL=True``: the full boxes unmasked from shared memory,
-    then the partial last box, if any, masked. An expert with no rows stores zeros.
-    ``ACCUMULATE``: the tile adds the existing ``dW`` tile (read in the epilogue, fp32
-    sum, one rounding to ``dW``'s dtype) instead of overwriting it."""
+    tails past ``N``/``K``). The rows past the last full ``BR`` box (``TAIL``):
+
+    - ``0``: no separate tail: one loop, every box masked in registers;
+    - ``1``: the full boxes unmasked from shared memory, then the partial box masked;
+    - ``2``: the full boxes, then 16-row boxes unmasked, then (segments whose length is
+      no multiple of 16 only) one 16-row box masked: with 16-aligned segments (the MoE
+      layouts) no operand passes through registers.
+
+    Each loop is software-pipelined on its own (the pipeline drains between them). An
+    expert with no rows stores zeros. ``ACCUMULATE``: the tile adds the existing ``dW``
+    tile (read in the epilogue, fp32 sum, one rounding to ``dW``'s dtype) instead of
+    overwriting it."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     num_k = tl.cdiv(K, BK)
@@ -390,18 +398,28 @@ def _wgrad_tma_kernel(
     end = tl.minimum(tl.load(offsets_ptr + e + 1), R)
     start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e), end), 0)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    if PEEL:
+    if TAIL == 0:
+        for r in range(start, end, BR):
+            acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, True)
+    else:
         n_full = (end - start) // BR
         for i in range(0, n_full):
             acc = _wgrad_tma_step(acc, g_desc, x_desc, start + i * BR, n0, k0, end, BR,
                                   False)
-        part = (start + n_full * BR < end).to(tl.int32)
-        for i in range(0, part):  # 0 or 1 iterations: the partial last box
-            acc = _wgrad_tma_step(acc, g_desc, x_desc, start + (n_full + i) * BR, n0, k0,
-                                  end, BR, True)
-    else:
-        for r in range(start, end, BR):
-            acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, True)
+        r = start + n_full * BR
+        if TAIL == 1:
+            for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
+                acc = _wgrad_tma_step(acc, g_desc, x_desc, r + i * BR, n0, k0, end, BR,
+                                      True)
+        else:
+            n16 = (end - r) // 16
+            for i in range(0, n16):
+                acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
+                                      False)
+            r = r + n16 * 16
+            for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
+                acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
+                                      True)
     ns = n0 + tl.arange(0, BN)
     ks = k0 + tl.arange(0, BK)
     wmask = (ns < N)[:, None] & (ks < K)[None, :]
@@ -415,16 +433,17 @@ def _wgrad_tma_kernel(
 @functools.cache
 def _wgrad_tma_default_config() -> dict:
     """The TMA wgrad's tiles: ``BN x BK`` output tile, ``BR`` rows per box, warps,
-    pipeline stages, ``PEEL`` (see :func:`_wgrad_tma_kernel`). GPU: 128x128 / 64-row
+    pipeline stages, ``TAIL`` (see :func:`_wgrad_tma_kernel`). GPU: 128x128 / 64-row
     boxes / 8 warps / 3 stages (96 KiB of shared memory: two programs per SM, so one's
-    epilogue store overlaps the other's loads and MMAs). Interpreter: small tiles."""
+    epilogue store overlaps the other's loads and MMAs), 16-row tail boxes.
+    Interpreter: small tiles."""
     if INTERPRET:
-        return dict(BN=32, BK=32, BR=16, num_warps=4, num_stages=1, PEEL=True)
-    return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=3, PEEL=True)
+        return dict(BN=32, BK=32, BR=32, num_warps=4, num_stages=1, TAIL=2)
+    return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=3, TAIL=2)
 
 
 def _check_wgrad_tma_config(config: dict) -> dict:
-    known = {"BN", "BK", "BR", "num_warps", "num_stages", "PEEL"}
+    known = {"BN", "BK", "BR", "num_warps", "num_stages", "TAIL"}
     if set(config) - known:
         raise ValueError(f"TMA wgrad config: unknown keys {sorted(set(config) - known)} "
                          f"(takes {sorted(known)})")
@@ -433,7 +452,8 @@ def _check_wgrad_tma_config(config: dict) -> dict:
         v = cfg[k]
         if v < 16 or v & (v - 1):
             raise ValueError(f"TMA wgrad config: {k} must be a power of two >= 16, got {v}")
-    cfg["PEEL"] = bool(cfg["PEEL"])
+    if cfg["TAIL"] not in (0, 1, 2):
+        raise ValueError(f"TMA wgrad config: TAIL must be 0, 1 or 2, got {cfg['TAIL']}")
     return cfg
 
 
@@ -490,10 +510,15 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     BN, BK, BR = cfg["BN"], cfg["BK"], cfg["BR"]
     g_desc = TensorDescriptor(g, [R, N], [g.stride(0), 1], [BR, BN])
     x_desc = TensorDescriptor(x, [R, K], [x.stride(0), 1], [BR, BK])
+    if cfg["TAIL"] == 2:
+        g16 = TensorDescriptor(g, [R, N], [g.stride(0), 1], [16, BN])
+        x16 = TensorDescriptor(x, [R, K], [x.stride(0), 1], [16, BK])
+    else:
+        g16, x16 = g_desc, x_desc
     with device_guard(dw):
-        launch(_wgrad_tma_kernel, (cdiv(N, BN) * cdiv(K, BK), E), g_desc, x_desc, dw,
-               offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
-               PEEL=cfg["PEEL"], ACCUMULATE=bool(accumulate), num_warps=cfg["num_warps"],
+        launch(_wgrad_tma_kernel, (cdiv(N, BN) * cdiv(K, BK), E), g_desc, x_desc, g16, x16,
+               dw, offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
+               TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate), num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"])
     return dw
 
