@@ -395,8 +395,9 @@ def _wgrad_tma_kernel(
     num_k = tl.cdiv(K, BK)
     n0 = (pid // num_k) * BN
     k0 = (pid % num_k) * BK
-    end = tl.minimum(tl.load(offsets_ptr + e + 1), R)
-    start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e), end), 0)
+    # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
+    end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
+    start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     if TAIL == 0:
         for r in range(start, end, BR):
