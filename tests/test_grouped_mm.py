@@ -922,3 +922,121 @@ def test_tma_only_where_the_device_has_it(device, monkeypatch):
     out = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
     assert names == ["_grouped_rows_kernel"]
     assert_close(out, want)
+
+
+# --------------------------------------------------------- bf16/fp16 TMA wgrad kernel
+
+TMA_WGRAD_CASES = [
+    # (counts, align, K, N, tail rows): dW [E, N, K] = d_out_e^T @ rows_e
+    ([5, 0, 150], 16, 200, 96, 7),      # zero-row expert; K tail past the column boxes
+    ([0, 0, 70, 0], 1, 24, 64, 0),      # one odd segment ending at R (TMA zero fill past R)
+    ([33, 64, 0, 9], 8, 64, 136, 3),    # 8-aligned segments (masked 16-row box); N tail
+    ([9, 31, 1, 0, 17], 1, 48, 40, 5),  # align 1: every kind of partial box
+]
+
+
+def _tma_wgrad_cfg(device, tail):
+    if device == "cuda":
+        return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=3, TAIL=tail)
+    return dict(BN=32, BK=32, BR=32, num_warps=4, num_stages=1, TAIL=tail)
+
+
+@pytest.mark.gpu_subset(dtype=[torch.bfloat16])
+@pytest.mark.gpu_subset(dtype=[torch.float16], case=[TMA_WGRAD_CASES[3]])
+@pytest.mark.parametrize("tail", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", TMA_WGRAD_CASES,
+                         ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}-N{c[3]}-t{c[4]}")
+def test_wgrad_tma_kernel(device, case, dtype, tail):
+    """The TMA wgrad (``launch_wgrad_tma``) against the float64 reference's weight
+    gradient: fp32 and the operands' dtype out (NaN-filled first), zero-row experts
+    (zeros), segments not aligned to the boxes (the next expert's rows masked), rows
+    past ``offsets[E]`` (non-zero ``d_out`` there, ignored), K/N tails; every ``TAIL``
+    form; ``accumulate=True`` adds to an existing ``dW`` (fp32 and the operands'
+    dtype)."""
+    counts, align, K, N, tail_rows = case
+    E = len(counts)
+    x, layout, real = make_rows(counts, align, K, device, dtype, tail=tail_rows)
+    R = x.shape[0]
+    w = (torch.randn(E, N, K, device=device) / K**0.5).to(dtype)
+    g = torch.randn(R, N, device=device, dtype=dtype)  # non-zero in padding and tail rows
+    off = layout.offsets
+    _, _, r_dw = ref_grads(x, w, off, g)
+    cfg = _tma_wgrad_cfg(device, tail)
+    for out_dtype, tol in ((torch.float32, 1e-5), (dtype, None)):
+        dw = torch.full((E, N, K), float("nan"), device=device, dtype=out_dtype)
+        got = bwd_gm.launch_wgrad_tma(g, x, dw, off, config=cfg)
+        assert got is dw
+        assert_close(dw, r_dw, tol=tol, name=f"dW {out_dtype}")
+        for e in range(E):
+            if off[e] == off[e + 1]:
+                assert torch.all(dw[e] == 0), f"expert {e} has no rows: zeros"
+        base = torch.randn(E, N, K, device=device).to(out_dtype)
+        dw = base.clone()
+        bwd_gm.launch_wgrad_tma(g, x, dw, off, accumulate=True, config=cfg)
+        assert_close(dw, base.double() + r_dw, tol=tol, name=f"accumulated dW {out_dtype}")
+    # the default tiles
+    dw = bwd_gm.launch_wgrad_tma(g, x, torch.full((E, N, K), float("nan"), device=device),
+                                 off)
+    assert_close(dw, r_dw, tol=1e-5, name="dW default tiles")
+
+
+def test_wgrad_tma_limits_and_routing(device, monkeypatch):
+    """What ``launch_wgrad_tma`` refuses (ValueError: operands TMA cannot describe, wrong
+    dtypes, bad configs), an empty buffer (zeros, or ``dW`` unchanged when accumulating),
+    and ``WGRAD_TMA`` (``LINGHE_WGRAD_TMA=1``) routing ``grouped_mm_wgrad``'s bf16/fp16
+    launches to it, with the pointer kernel for operands it cannot describe."""
+    x, layout, real = make_rows([7, 0, 20], 8, 32, device, torch.bfloat16)
+    off = layout.offsets
+    R = x.shape[0]
+    g = torch.randn(R, 16, device=device, dtype=torch.bfloat16)
+    dw = torch.empty(3, 16, 32, device=device)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        bwd_gm.launch_wgrad_tma(g, torch.zeros(R, 33, device=device, dtype=torch.bfloat16),
+                                torch.empty(3, 16, 33, device=device), off)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        bwd_gm.launch_wgrad_tma(g, x[:, 1:], torch.empty(3, 16, 31, device=device), off)
+    with pytest.raises(ValueError, match="bf16/fp16 operands"):
+        bwd_gm.launch_wgrad_tma(g.float(), x.float(), dw, off)
+    with pytest.raises(ValueError, match="contiguous dW"):
+        bwd_gm.launch_wgrad_tma(g, x, torch.empty(3, 32, 16, device=device).transpose(1, 2),
+                                off)
+    with pytest.raises(ValueError, match="does not match"):
+        bwd_gm.launch_wgrad_tma(g, x, torch.empty(3, 16, 16, device=device), off)
+    with pytest.raises(ValueError, match="unknown keys"):
+        bwd_gm.launch_wgrad_tma(g, x, dw, off, config=dict(BM=64))
+    with pytest.raises(ValueError, match="power of two"):
+        bwd_gm.launch_wgrad_tma(g, x, dw, off, config=dict(BR=48))
+    with pytest.raises(ValueError, match="TAIL"):
+        bwd_gm.launch_wgrad_tma(g, x, dw, off, config=dict(TAIL=3))
+    empty_off = torch.zeros(4, dtype=torch.int32, device=device)
+    e0 = torch.empty(0, 16, device=device, dtype=torch.bfloat16)
+    e1 = torch.empty(0, 32, device=device, dtype=torch.bfloat16)
+    assert torch.all(bwd_gm.launch_wgrad_tma(e0, e1, dw.fill_(float("nan")), empty_off) == 0)
+    assert torch.all(bwd_gm.launch_wgrad_tma(e0, e1, dw.fill_(2.0), empty_off,
+                                             accumulate=True) == 2)
+    # routing (LINGHE_WGRAD_TMA=1)
+    names = []
+    real_launch = bwd_gm.launch
+
+    def spy(kernel, *args, **kwargs):
+        names.append(getattr(kernel, "fn", kernel).__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(bwd_gm, "launch", spy)
+    monkeypatch.setattr(bwd_gm, "WGRAD_TMA", True)
+    w = torch.randn(3, 16, 32, device=device, dtype=torch.bfloat16)
+    _, _, r_dw = ref_grads(x, w, off, g)
+    got = bwd_gm.grouped_mm_wgrad(g, x, off, backend="triton")
+    assert names == ["_wgrad_tma_kernel"] and got.dtype == torch.bfloat16
+    assert_close(got, r_dw)
+    got = bwd_gm.grouped_mm_wgrad(g.float(), x.float(), off, backend="triton")
+    assert names[-1] == "_wgrad_kernel"                      # float32: the pointer kernel
+    x33 = torch.randn(R, 33, device=device, dtype=torch.bfloat16)
+    w33 = torch.randn(3, 16, 33, device=device, dtype=torch.bfloat16)
+    got = bwd_gm.grouped_mm_wgrad(g, x33, off, backend="triton")
+    assert names[-1] == "_wgrad_kernel"                      # 66-byte rows: no TMA
+    assert_close(got, ref_grads(x33, w33, off, g)[2])
+    monkeypatch.setattr(bwd_gm, "WGRAD_TMA", False)
+    bwd_gm.grouped_mm_wgrad(g, x, off, backend="triton")
+    assert names[-1] == "_wgrad_kernel"

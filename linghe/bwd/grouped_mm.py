@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import Fp8Tensor
 from ..fwd import grouped_mm as _fwd_gm
@@ -349,6 +350,205 @@ def _launch_wgrad(g, x, dw, offsets, strides, *, accumulate=False, x_scale=None)
     return dw
 
 
+# --------------------------------------------------------------------------------------
+# wgrad through TMA (bf16/fp16 operands)
+# --------------------------------------------------------------------------------------
+
+#: Route the high-precision wgrad's bf16/fp16 launches (``grouped_mm_wgrad``, backends
+#: ``"auto"`` and ``"triton"``) to :func:`launch_wgrad_tma` where it can describe the
+#: operands (Hopper or newer, or the interpreter). Off by default until the GPU numbers
+#: say where it wins (``benchmark/probe_wgrad_tma.py``); ``LINGHE_WGRAD_TMA=1`` turns it on.
+WGRAD_TMA: bool = os.environ.get("LINGHE_WGRAD_TMA", "0") == "1"
+
+
+@triton.jit
+def _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR: tl.constexpr, MASK: tl.constexpr):
+    """``acc += g[r:r+BR, n0:n0+BN]^T @ x[r:r+BR, k0:k0+BK]`` from one TMA box of each
+    operand (``BR`` = the descriptors' box rows). ``MASK``: rows ``>= end`` (the next
+    expert's, inside the box) are zeroed in the ``d_out`` box (registers: a shared-memory
+    round trip, then the MMA's register A operand), else both operands go to the MMA
+    straight from shared memory (A MN-major: the box's transpose)."""
+    a = tl.trans(g_desc.load([r, n0]))
+    if MASK:
+        rows = r + tl.arange(0, BR)
+        a = tl.where((rows < end)[None, :], a, tl.zeros_like(a))
+    b = x_desc.load([r, k0])
+    return dot_f32acc(a, b, acc)
+
+
+@triton.jit
+def _wgrad_tma_kernel(
+    g_desc, x_desc, g16_desc, x16_desc, w_ptr, offsets_ptr, N, K, R, stride_we, stride_wn,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """bf16/fp16 ``dW[e, n, k] (+)= sum_{r in seg e} g[r, n] * x[r, k]`` (fp32
+    accumulation) with both operands loaded by TMA: ``g_desc`` over ``g [R, N]`` in ``[BR,
+    BN]`` boxes, ``x_desc`` over ``x [R, K]`` in ``[BR, BK]`` boxes (both row-major: the
+    contraction runs along their rows, so the MMA's A operand is the transpose of the
+    ``g`` box (MN-major) and its B the ``x`` box as it is (N-major), which Hopper's 16-bit
+    wgmma reads from shared memory); ``g16_desc``/``x16_desc``: the same tensors in
+    16-row boxes (``TAIL=2`` only; any descriptors otherwise). ``w_ptr``: ``dW [E, N, K]``
+    (unit last stride, strides ``stride_we``, ``stride_wn``; bf16/fp16/fp32).
+
+    Grid ``(cdiv(N, BN) * cdiv(K, BK), E)``: program ``(t, e)`` owns one ``[BN, BK]`` tile
+    of ``dW_e`` and walks expert ``e``'s rows ``offsets[e] .. min(offsets[e+1], R)`` in
+    boxes starting at the segment's first row (any row: TMA needs no alignment of the
+    coordinates), so only the last box can reach past the segment: into the next expert's
+    rows, whose products must vanish, or past ``R`` (TMA fills zeros; so do the column
+    tails past ``N``/``K``). The rows past the last full ``BR`` box (``TAIL``):
+
+    - ``0``: no separate tail: one loop, every box masked in registers;
+    - ``1``: the full boxes unmasked from shared memory, then the partial box masked;
+    - ``2``: the full boxes, then 16-row boxes unmasked, then (segments whose length is
+      no multiple of 16 only) one 16-row box masked: with 16-aligned segments (the MoE
+      layouts) no operand passes through registers.
+
+    Each loop is software-pipelined on its own (the pipeline drains between them). An
+    expert with no rows stores zeros. ``ACCUMULATE``: the tile adds the existing ``dW``
+    tile (read in the epilogue, fp32 sum, one rounding to ``dW``'s dtype) instead of
+    overwriting it."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    num_k = tl.cdiv(K, BK)
+    n0 = (pid // num_k) * BN
+    k0 = (pid % num_k) * BK
+    # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
+    end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
+    start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    if TAIL == 0:
+        for r in range(start, end, BR):
+            acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, True)
+    else:
+        n_full = (end - start) // BR
+        for i in range(0, n_full):
+            acc = _wgrad_tma_step(acc, g_desc, x_desc, start + i * BR, n0, k0, end, BR,
+                                  False)
+        r = start + n_full * BR
+        if TAIL == 1:
+            for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
+                acc = _wgrad_tma_step(acc, g_desc, x_desc, r + i * BR, n0, k0, end, BR,
+                                      True)
+        else:
+            n16 = (end - r) // 16
+            for i in range(0, n16):
+                acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
+                                      False)
+            r = r + n16 * 16
+            for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
+                acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
+                                      True)
+    ns = n0 + tl.arange(0, BN)
+    ks = k0 + tl.arange(0, BK)
+    wmask = (ns < N)[:, None] & (ks < K)[None, :]
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+              + ks[None, :])
+    if ACCUMULATE:
+        acc += tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)
+    tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=wmask)
+
+
+@functools.cache
+def _wgrad_tma_default_config() -> dict:
+    """The TMA wgrad's tiles: ``BN x BK`` output tile, ``BR`` rows per box, warps,
+    pipeline stages, ``TAIL`` (see :func:`_wgrad_tma_kernel`). GPU: 128x128 / 64-row
+    boxes / 8 warps / 3 stages (96 KiB of shared memory: two programs per SM, so one's
+    epilogue store overlaps the other's loads and MMAs), 16-row tail boxes.
+    Interpreter: small tiles."""
+    if INTERPRET:
+        return dict(BN=32, BK=32, BR=32, num_warps=4, num_stages=1, TAIL=2)
+    return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=3, TAIL=2)
+
+
+def _check_wgrad_tma_config(config: dict) -> dict:
+    known = {"BN", "BK", "BR", "num_warps", "num_stages", "TAIL"}
+    if set(config) - known:
+        raise ValueError(f"TMA wgrad config: unknown keys {sorted(set(config) - known)} "
+                         f"(takes {sorted(known)})")
+    cfg = dict(_wgrad_tma_default_config(), **config)
+    for k in ("BN", "BK", "BR"):
+        v = cfg[k]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"TMA wgrad config: {k} must be a power of two >= 16, got {v}")
+    if cfg["TAIL"] not in (0, 1, 2):
+        raise ValueError(f"TMA wgrad config: TAIL must be 0, 1 or 2, got {cfg['TAIL']}")
+    return cfg
+
+
+def wgrad_tma_unsupported(g: torch.Tensor, x: torch.Tensor,
+                          dw: torch.Tensor | None = None) -> str | None:
+    """Why :func:`launch_wgrad_tma` cannot run these operands (a message), or ``None``:
+    ``g [R, N]`` and ``x [R, K]`` bf16/fp16 of one dtype on one device, unit last stride,
+    row strides and base addresses 16-byte aligned (TMA); ``dw [E, N, K]`` (if given)
+    contiguous, bf16/fp16/fp32, on their device."""
+    if g.dim() != 2 or x.dim() != 2 or (dw is not None and dw.dim() != 3):
+        return "needs d_out [R, N], rows [R, K] and dW [E, N, K]"
+    if g.dtype not in (torch.bfloat16, torch.float16) or x.dtype != g.dtype:
+        return f"needs bf16/fp16 operands of one dtype, got {g.dtype} and {x.dtype}"
+    if g.shape[0] != x.shape[0] or g.device != x.device:
+        return f"d_out {tuple(g.shape)} and rows {tuple(x.shape)}: rows or device differ"
+    for name, t in (("d_out", g), ("rows", x)):
+        if t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) != 1:
+            return f"{name} must be contiguous along its last dim"
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return (f"{name}: TMA needs 16-byte aligned rows (row stride "
+                    f"{t.stride(0)} elements) and base address")
+    if dw is None:
+        return None
+    if dw.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"needs a bf16/fp16/fp32 dW, got {dw.dtype}"
+    if tuple(dw.shape[1:]) != (g.shape[1], x.shape[1]) or dw.device != g.device:
+        return f"dW {tuple(dw.shape)} on {dw.device} does not match the operands"
+    if not dw.is_contiguous():
+        return "needs a contiguous dW"
+    return None
+
+
+def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
+                     offsets: torch.Tensor, *, accumulate: bool = False,
+                     config: dict | None = None) -> torch.Tensor:
+    """``dW_e = g_e^T @ x_e`` over each expert ``e``'s rows ``offsets[e] ..
+    offsets[e+1]`` (:func:`_wgrad_tma_kernel`): ``g [R, N]``, ``x [R, K]`` bf16/fp16
+    (row-major, 16-byte aligned rows), ``offsets [E + 1]`` int32 on the device (rows past
+    ``offsets[E]`` ignored), written into ``dw [E, N, K]`` (contiguous, bf16/fp16/fp32),
+    which is returned; ``accumulate=True`` adds to ``dw`` instead (fp32 sum, one
+    rounding). ``config``: tiles (keys of :func:`_wgrad_tma_default_config`). Raises
+    ``ValueError`` for operands TMA cannot describe (:func:`wgrad_tma_unsupported`);
+    other checks are the functional layer's."""
+    why = wgrad_tma_unsupported(g, x, dw)
+    if why is not None:
+        raise ValueError(f"launch_wgrad_tma: {why}")
+    E, N, K = dw.shape
+    R = g.shape[0]
+    if E == 0 or N == 0 or K == 0:
+        return dw
+    if R == 0:  # nothing to contract (TMA cannot describe an empty tensor)
+        return dw if accumulate else dw.zero_()
+    cfg = _wgrad_tma_default_config() if config is None else _check_wgrad_tma_config(config)
+    BN, BK, BR = cfg["BN"], cfg["BK"], cfg["BR"]
+    g_desc = TensorDescriptor(g, [R, N], [g.stride(0), 1], [BR, BN])
+    x_desc = TensorDescriptor(x, [R, K], [x.stride(0), 1], [BR, BK])
+    if cfg["TAIL"] == 2:
+        g16 = TensorDescriptor(g, [R, N], [g.stride(0), 1], [16, BN])
+        x16 = TensorDescriptor(x, [R, K], [x.stride(0), 1], [16, BK])
+    else:
+        g16, x16 = g_desc, x_desc
+    with device_guard(dw):
+        launch(_wgrad_tma_kernel, (cdiv(N, BN) * cdiv(K, BK), E), g_desc, x_desc, g16, x16,
+               dw, offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
+               TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate), num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
+    return dw
+
+
+def _wgrad_tma_route(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether :data:`WGRAD_TMA` sends this wgrad to :func:`launch_wgrad_tma`."""
+    return (WGRAD_TMA and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and g.dtype in (torch.bfloat16, torch.float16) and _fwd_gm.tma_capable(g)
+            and wgrad_tma_unsupported(g, x) is None)
+
+
 def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, *,
                      out_dtype: torch.dtype | None = None,
                      backend: str = "auto") -> torch.Tensor:
@@ -358,6 +558,9 @@ def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Ten
     K = rows.shape[1]
     E = offsets.numel() - 1
     out_dtype = out_dtype or rows.dtype
+    if backend != "torch" and _wgrad_tma_route(d_out, rows, out_dtype):  # LINGHE_WGRAD_TMA
+        return launch_wgrad_tma(d_out, rows, empty(E, N, K, dtype=out_dtype,
+                                                   device=rows.device), offsets)
     use_torch = (backend == "torch" or (backend == "auto" and out_dtype == torch.bfloat16
                                         and torch_grouped_mm_ok(d_out, rows)))
     if use_torch and N > 0 and K > 0 and E > 0:
