@@ -30,6 +30,22 @@ def _ref_wgrad(d_out, rows, offsets):
     return w.grad
 
 
+@pytest.fixture(autouse=True)
+def _on_test_device(device):
+    """Tensors and modules made on the test device (CUDA on a GPU machine)."""
+    prev = torch.get_default_device()
+    torch.set_default_device(device)
+    yield
+    torch.set_default_device(prev)
+
+
+@pytest.fixture(params=[True, False], ids=["tma", "pointer"])
+def kernel(request, monkeypatch):
+    """The accumulating wgrad's two kernels: TMA (Hopper+, the interpreter) and pointer."""
+    monkeypatch.setattr(bwd_gm, "WGRAD_ACCUMULATE_TMA", request.param)
+    return request.param
+
+
 @pytest.fixture
 def fused_on():
     prev = accumulate.set_fused_grad_accumulation(True)
@@ -39,7 +55,7 @@ def fused_on():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}-N{c[3]}")
-def test_wgrad_accumulate_kernel(device, dtype, case):
+def test_wgrad_accumulate_kernel(device, dtype, case, kernel):
     counts, align, K, N = case
     rows, layout, real = make_rows(counts, align, K, device, dtype)
     d_out = torch.randn(rows.shape[0], N, device=device).to(dtype)
@@ -56,7 +72,7 @@ def test_wgrad_accumulate_kernel(device, dtype, case):
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"E{len(c[0])}-a{c[1]}")
-def test_wgrad_accumulate_kernel_fp8_rows(device, case):
+def test_wgrad_accumulate_kernel_fp8_rows(device, case, kernel):
     """FP8 rows (rowwise 1x128 copy + scales) dequantized in the kernel: the same as
     accumulating the product with ``dequantize_1x128_rows`` of them."""
     counts, align, _, N = case
@@ -175,7 +191,7 @@ def test_grouped_mm_accumulation_falls_back(device, monkeypatch, fused_on):
 
 
 @pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16-rows", "fp8-rows"])
-def test_grouped_swiglu_fp8_accumulates_in_place(monkeypatch, fused_on, fp8_rows):
+def test_grouped_swiglu_fp8_accumulates_in_place(monkeypatch, fused_on, fp8_rows, kernel):
     """The FP8 expert FFN's high-precision wgrads (the default) add into the weights'
     gradients: the same as the plain path up to one bf16 rounding per micro-batch."""
     counts, align, H, I = [5, 0, 30], 16, 128, 192

@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import Fp8Tensor
+from ..fp8.quantize import dequantize_1x128_rows
 from ..fwd import grouped_mm as _fwd_gm
 from ..fwd.grouped_mm import (
     AUTOTUNE_MIN_ROWS,
@@ -30,6 +31,7 @@ from ..fwd.grouped_mm import (
     fp8_rescale,
     fp8_scale_floor,
     launch_grouped_rows,
+    tma_capable,
     torch_grouped_mm_ok,
     zero_tail,
 )
@@ -572,6 +574,12 @@ def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Ten
                          (d_out.stride(0), d_out.stride(1), rows.stride(0), rows.stride(1), R))
 
 
+#: Fused accumulation on Hopper+ through the TMA wgrad (FP8 rows dequantized first);
+#: ``LINGHE_WGRAD_ACCUMULATE_TMA=0``: the pointer kernel (FP8 rows dequantized in its loads),
+#: which older GPUs always take.
+WGRAD_ACCUMULATE_TMA: bool = os.environ.get("LINGHE_WGRAD_ACCUMULATE_TMA", "1") == "1"
+
+
 def grouped_mm_wgrad_accumulate_(dw: torch.Tensor, d_out: torch.Tensor, rows: torch.Tensor,
                                  offsets: torch.Tensor, *,
                                  rows_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -603,6 +611,11 @@ def grouped_mm_wgrad_accumulate_(dw: torch.Tensor, d_out: torch.Tensor, rows: to
                                    or rows_scale.stride(1) != 1):
         raise ValueError(f"rows_scale must be float32 [R, ceil(K/128)] = {(R, cdiv(K, BLOCK))}"
                          f", got {rows_scale.dtype} {tuple(rows_scale.shape)}")
+    if WGRAD_ACCUMULATE_TMA and tma_capable(dw) and R > 0:
+        x = rows if rows_scale is None else \
+            dequantize_1x128_rows(rows, rows_scale, d_out.dtype)
+        if wgrad_tma_unsupported(d_out, x, dw) is None:
+            return launch_wgrad_tma(d_out, x, dw, offsets, accumulate=True)
     return _launch_wgrad(d_out, rows, dw, offsets,
                          (d_out.stride(0), d_out.stride(1), rows.stride(0), rows.stride(1), R),
                          accumulate=True, x_scale=rows_scale)
