@@ -86,7 +86,10 @@ CANDIDATES = [
     _cfg(128, 128, 64, 4, 3), _cfg(64, 128, 64, 4, 4),
 ]
 #: Accumulating candidates beside the default tiles.
-ACC_CANDIDATES = [_cfg(128, 256, 64, 8, 3)]
+ACC_CANDIDATES = [_cfg(128, 128, 64, 8, 3, tail=1), _cfg(128, 128, 32, 8, 3),
+                  _cfg(128, 128, 64, 8, 2), _cfg(128, 128, 32, 4, 3),
+                  _cfg(128, 128, 64, 4, 3), _cfg(128, 128, 64, 4, 3, tail=1),
+                  _cfg(128, 256, 64, 8, 3)]
 CPU_DEFAULT = _cfg(32, 32, 32, 4, 1)
 CPU_CANDIDATES = [_cfg(32, 32, 32, 4, 1, tail=0), _cfg(32, 32, 32, 4, 1, tail=1),
                   _cfg(32, 64, 16, 4, 1)]

@@ -217,9 +217,13 @@ def _silu_mul_fwd_kernel(x_ptr, p_ptr, y_ptr, M, N, stride_x, stride_y,
 @triton.jit
 def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
                      st_ptr, M, N, stride_x, NG, BM: tl.constexpr, COLWISE: tl.constexpr,
-                     POW2: tl.constexpr, HAS_P: tl.constexpr, FAST_SILU: tl.constexpr):
+                     POW2: tl.constexpr, HAS_P: tl.constexpr, FAST_SILU: tl.constexpr,
+                     tile_start=0, stop=0, PACK: tl.constexpr = False,
+                     RPT: tl.constexpr = 4):
     """One [BM, 128] output block (columns ``pid_n * 128 ..``) of the quantizing forward
-    (``FAST_SILU``: :func:`silu_ftz`, else :func:`silu_f32`)."""
+    (``FAST_SILU``: :func:`silu_ftz`, else :func:`silu_f32`). ``PACK`` (the batch kernel;
+    rows in :func:`packed_row_order`, ``BM = 128``): the columnwise copy leaves through
+    :func:`store_cols_packed` (tile rows from ``tile_start``, tokens below ``stop``)."""
     cols = pid_n * 128 + tl.arange(0, 128)
     cmask = cols < N
     mask = lmask[:, None] & cmask[None, :]
@@ -240,9 +244,12 @@ def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, q
     tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask & nvalid)
     if COLWISE:
         qt, st = quant_cols(y, POW2)
-        # qt[c, m] = quant(y)[m, c]: stored through transposed addresses.
-        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qt,
-                 mask=smask[:, None] & cmask[None, :])
+        if PACK:
+            store_cols_packed(qt, qt_ptr, tile_start, cols, cmask, stop, M, RPT)
+        else:
+            # qt[c, m] = quant(y)[m, c]: stored through transposed addresses.
+            tl.store(qt_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], qt,
+                     mask=smask[:, None] & cmask[None, :])
         tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
 
 
@@ -340,36 +347,6 @@ def store_cols_packed(qt, qt32_ptr, tile_start, cols, cmask, stop, M,
 
 
 @triton.jit
-def _batch_quant_block(pid_m, pid_n, tile_start, rows, lmask, smask, stop, p, x_ptr, q_ptr,
-                       s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG, COLWISE: tl.constexpr,
-                       POW2: tl.constexpr, HAS_P: tl.constexpr, PACK: tl.constexpr,
-                       RPT: tl.constexpr):
-    """One [128, 128] block of the batch forward: :func:`_quant_fwd_block`, or with
-    ``PACK`` (rows in :func:`packed_row_order`) its columnwise copy through
-    :func:`store_cols_packed`."""
-    if PACK:
-        cols = pid_n * 128 + tl.arange(0, 128)
-        cmask = cols < N
-        mask = lmask[:, None] & cmask[None, :]
-        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
-        g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
-        y = silu_ftz(g) * u
-        if HAS_P:
-            y = y * p[:, None]
-        q, s = quant_rows(y, POW2)
-        tl.store(q_ptr + rows[:, None] * N + cols[None, :], q,
-                 mask=smask[:, None] & cmask[None, :])
-        tl.store(s_ptr + rows * tl.cdiv(N, 128) + pid_n, s, mask=smask)
-        qt, st = quant_cols(y, POW2)
-        store_cols_packed(qt, qt_ptr, tile_start, cols, cmask, stop, M, RPT)
-        tl.store(st_ptr + cols.to(tl.int64) * NG + pid_m, st, mask=cmask)
-    else:
-        _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, qt_ptr,
-                         st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P, True)
-
-
-@triton.jit
 def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                                      M, N, stride_x, NG, NPC, COLWISE: tl.constexpr,
                                      POW2: tl.constexpr, HAS_P: tl.constexpr,
@@ -417,14 +394,14 @@ def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr
         if HAS_P:
             p = tl.load(p_ptr + rows, mask=lmask, other=0.0).to(tl.float32)
         if NCOL == 1:
-            _batch_quant_block(pid_m, pid_c, tile_start, rows, lmask, smask, stop, p, x_ptr,
-                               q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG, COLWISE,
-                               POW2, HAS_P, PACK, RPT)
+            _quant_fwd_block(pid_m, pid_c, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
+                             qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P,
+                             True, tile_start, stop, PACK, RPT)
         else:
             for pid_n in tl.range(n0, n1, num_stages=1):
-                _batch_quant_block(pid_m, pid_n, tile_start, rows, lmask, smask, stop, p,
-                                   x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_x, NG,
-                                   COLWISE, POW2, HAS_P, PACK, RPT)
+                _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
+                                 qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2,
+                                 HAS_P, True, tile_start, stop, PACK, RPT)
 
 
 _TILE_CONFIGS: dict = {}
