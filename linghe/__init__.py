@@ -6,6 +6,7 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 """
 
 from . import fp8, nn, optim, reference
+from .bwd.accumulate import fused_grad_accumulation, set_fused_grad_accumulation
 from .context import TrainingContext, current_recipe
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
 from .fp8.recipe import Fp8Recipe
@@ -40,6 +41,7 @@ __all__ = [
     "fp8",
     "Fp8Recipe",
     "Fp8Tensor",
+    "fused_grad_accumulation",
     "group_rms_norm_gate",
     "grouped_mm",
     "grouped_mm_fp8",
@@ -64,6 +66,7 @@ __all__ = [
     "router_logits",
     "router_z_loss",
     "set_debug",
+    "set_fused_grad_accumulation",
     "silu_mul",
     "silu_mul_quant",
     "topk_route",
