@@ -173,6 +173,18 @@ def test_grouped_mm_accumulation_falls_back(device, monkeypatch, fused_on):
     assert not calls
     assert_close(w.grad, expect, None, "create_graph dw")
 
+    # torch.autograd.grad returns this backward's gradient and leaves .grad alone;
+    # backward(inputs=[rows]) does not reach the weight's AccumulateGrad
+    w = torch.nn.Parameter(torch.randn(2, N, K, device=device))
+    linghe.grouped_mm(rows, w, layout).backward(g1)
+    before = w.grad.clone()
+    (dw,) = torch.autograd.grad(linghe.grouped_mm(rows, w, layout), w, g2)
+    assert not calls and torch.equal(w.grad, before)
+    assert_close(dw, _ref_wgrad(g2, rows, layout.offsets), None, "autograd.grad dw")
+    r = rows.clone().requires_grad_(True)
+    linghe.grouped_mm(r, w, layout).backward(g2, inputs=[r])
+    assert not calls and torch.equal(w.grad, before) and r.grad is not None
+
     # a non-leaf weight (e.g. a cast of the parameter): AccumulateGrad is not ours to feed
     p = torch.nn.Parameter(torch.randn(2, N, K, device=device))
     for g in (g1, g2):

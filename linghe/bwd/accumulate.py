@@ -20,9 +20,11 @@ The fused path is taken only where it cannot change what a user observes: enable
 (``LINGHE_FUSED_GRAD_ACCUMULATION=0`` or :func:`set_fused_grad_accumulation` turn it
 off), the weight is a leaf parameter that requires grad and has no tensor hooks
 (``register_hook`` would see the accumulated gradient instead of this backward's), the
-backward does not build a graph (``create_graph``), it is not being traced by
-``torch.compile``, and ``.grad`` is a plain contiguous tensor of the parameter's dtype
-and shape. Everything else takes the plain path (a new gradient, added by
+backward ends in the parameter's AccumulateGrad (``backward()``, not
+``torch.autograd.grad`` or ``backward(inputs=...)`` without the parameter), it does not
+build a graph (``create_graph``) and is not traced by ``torch.compile``, and ``.grad`` is
+a plain contiguous tensor of the parameter's dtype and shape that does not require
+grad. Everything else takes the plain path (a new gradient, added by
 ``AccumulateGrad``).
 """
 
@@ -69,9 +71,21 @@ def grad_to_accumulate(param: torch.Tensor | None) -> torch.Tensor | None:
     if (grad is None or type(grad) is not torch.Tensor or grad.layout != torch.strided
             or grad.dtype != param.dtype or grad.shape != param.shape
             or grad.device != param.device or not grad.is_contiguous()
-            or getattr(param, "_backward_hooks", None)):
+            or grad.requires_grad or getattr(param, "_backward_hooks", None)):
         return None
-    return grad
+    return grad if _accumulate_grad_will_run(param) else None
+
+
+def _accumulate_grad_will_run(param: torch.Tensor) -> bool:
+    """Whether this backward ends in ``param``'s AccumulateGrad: ``backward()`` does,
+    ``backward(inputs=...)`` without ``param`` and ``torch.autograd.grad`` (which returns
+    the gradient instead, and must leave ``param.grad`` alone) do not."""
+    try:
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        return bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, AttributeError):
+        # autograd.grad() refuses the question for a leaf's node: it is not accumulating
+        return False
 
 
 def take_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
