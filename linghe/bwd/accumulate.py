@@ -31,6 +31,7 @@ grad. Everything else takes the plain path (a new gradient, added by
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -73,7 +74,40 @@ def grad_to_accumulate(param: torch.Tensor | None) -> torch.Tensor | None:
             or grad.device != param.device or not grad.is_contiguous()
             or grad.requires_grad or getattr(param, "_backward_hooks", None)):
         return None
+    refs, unshared = _references(grad), _unshared_references()
+    if refs[0] > unshared[0] or refs[1] > unshared[1]:
+        return None
     return grad if _accumulate_grad_will_run(param) else None
+
+
+def _references(grad: torch.Tensor) -> tuple[int, int]:
+    """``(Python references, C++ uses)`` of ``grad``, called with the caller's local name
+    for it. More than :func:`_unshared_references` means something besides
+    ``param.grad`` holds it: a Python name (a user's alias) or a C++ reference (e.g. a
+    DDP bucket view); AccumulateGrad would then copy the returned tensor instead of
+    installing it, and the holder would lose track of ``.grad`` (PyTorch's own in-place
+    add keeps them together)."""
+    use_count = getattr(grad, "_use_count", None)
+    return sys.getrefcount(grad), use_count() if use_count is not None else 0
+
+
+_UNSHARED: tuple[int, int] | None = None
+
+
+def _unshared_references() -> tuple[int, int]:
+    """:func:`_references` of a ``.grad`` that nothing else holds, measured once on a
+    small parameter (PyTorch versions differ in how a tensor owns its Python object)."""
+    global _UNSHARED
+    if _UNSHARED is None:
+        p = torch.zeros(1, requires_grad=True)
+        p.grad = torch.zeros(1)
+
+        def probe(param):  # the same call depth as grad_to_accumulate's
+            grad = param.grad
+            return _references(grad)
+
+        _UNSHARED = probe(p)
+    return _UNSHARED
 
 
 def _accumulate_grad_will_run(param: torch.Tensor) -> bool:
