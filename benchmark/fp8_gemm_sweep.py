@@ -23,7 +23,9 @@ autotuner over ``_FP8_CONFIGS`` / ``_WGRAD_FP8_CONFIGS``). The wgrad takes its o
 as the MoE layer does (columnwise groups per segment, ``quantize_grouped_1x128``).
 Forms: ``promote`` (``acc += dot * scale``, two accumulator tiles) and ``rescale`` (one
 tile, ``acc = dot(a, b, acc * s_prev / s)``), both loading through pointers, and ``tma``
-(the rows kernel's promoting form with TMA loads, the FP8 default); ``+vm``: the wgrad's
+(the rows kernel's promoting form with TMA loads, the FP8 default), ``tmar`` (TMA loads,
+rescaled form: one accumulator tile, so 128-row tiles fit two programs per SM and each
+expert's weights are re-read half as often); ``+vm``: the wgrad's
 vectorized boundary-group masks (``VEC_MASK``). ``LINGHE_SWEEP_FORMS=tma,promote`` sweeps
 only those forms (also with ``--ptxas``). A precision probe runs the 128x128 tiles of
 both forms with fp32 outputs (the MMA's reduced-precision accumulation, which ``rescale``
@@ -88,6 +90,8 @@ ROWS_CANDIDATES = [
     _rows("tma", 128, 128, 8, 4), _rows("tma", 128, 64, 4, 4), _rows("tma", 64, 64, 4, 4),
     _rows("tma", 64, 128, 4, 2), _rows("tma", 64, 256, 8, 3), _rows("tma", 128, 256, 8, 3),
     _rows("tma", 64, 128, 4, 3, 4), _rows("tma", 64, 128, 4, 3, 16),
+    _rows("tmar", 64, 128, 4, 3), _rows("tmar", 128, 128, 8, 3), _rows("tmar", 128, 128, 8, 4),
+    _rows("tmar", 128, 256, 8, 3), _rows("tmar", 256, 128, 8, 3), _rows("tmar", 64, 256, 8, 3),
 ]
 #: wgrad ([BN, BK] tiles of dW): promote at 128x128 (the autotuner's non-spilling
 #: members), with vectorized boundary masks, and rescale tiles (all +vm: without it the
@@ -107,7 +111,8 @@ if _FORMS:
     WGRAD_CANDIDATES = [c for c in WGRAD_CANDIDATES if c["form"] in _FORMS.split(",")]
 #: Interpreter smoke run: small tiles, every form, the BN > 128 path of the rows kernel.
 CPU_ROWS = [_rows("promote", 32, 64, 4, 1), _rows("rescale", 32, 64, 4, 1),
-            _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1)]
+            _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1),
+            _rows("tmar", 32, 64, 4, 1)]
 CPU_WGRAD = [_wg("promote", 64, 64, 4, 1), _wg("rescale", 64, 64, 4, 1, True),
              _wg("rescale", 64, 128, 4, 1)]
 
@@ -119,6 +124,7 @@ CPU_GEMMS = {"tiny": (256, 256)}
 OPS = ("fwd", "dgrad", "wgrad")
 #: The precision probe: fp32 outputs of the 128x128 tiles in both forms.
 PROBES = [("fwd", _rows("promote", 128, 128, 8, 3)), ("fwd", _rows("rescale", 128, 128, 8, 3)),
+          ("fwd", _rows("tma", 64, 128, 4, 3)), ("fwd", _rows("tmar", 128, 128, 8, 3)),
           ("wgrad", _wg("promote", 128, 128, 8, 3, True)),
           ("wgrad", _wg("rescale", 128, 128, 8, 3, True))]
 TOL = 1e-2  # bf16 outputs vs the dequantized fp32 reference (as tests/test_grouped_mm.py)
@@ -137,8 +143,8 @@ def launch_config(c: dict) -> dict:
     """A candidate as the launchers' ``config`` argument (form ``tma``: the rows kernel
     with its operands loaded by TMA; ``promote``/``rescale`` load through pointers)."""
     out = {k: v for k, v in c.items() if k != "form"}
-    out["RESCALE"] = c["form"] == "rescale"
-    out["TMA"] = c["form"] == "tma"
+    out["RESCALE"] = c["form"] in ("rescale", "tmar")
+    out["TMA"] = c["form"] in ("tma", "tmar")
     return out
 
 
@@ -308,7 +314,8 @@ def _kernel(op: str, cfg: dict | None = None):
     """The kernel a candidate launches (its new binary gives ``n_regs``/``n_spills``)."""
     if op == "wgrad":
         return bwd_gm._wgrad_fp8_kernel
-    tma = fwd_gm.FP8_TMA and not fwd_gm.FP8_RESCALE if cfg is None else cfg["form"] == "tma"
+    tma = (fwd_gm.FP8_TMA and not fwd_gm.FP8_RESCALE if cfg is None
+           else cfg["form"] in ("tma", "tmar"))
     return fwd_gm._grouped_rows_tma_kernel if tma else fwd_gm._grouped_rows_kernel
 
 
@@ -554,7 +561,7 @@ def ptxas_table(args) -> int:
     for cands, kernel in ((ROWS_CANDIDATES, fwd_gm._grouped_rows_kernel),
                           (WGRAD_CANDIDATES, bwd_gm._wgrad_fp8_kernel)):
         for c in cands:
-            tma = c["form"] == "tma"
+            tma = c["form"] in ("tma", "tmar")
             for form in (c["form"],) if tma else ("promote", "rescale"):
                 cc = dict(c, form=form)
                 if (kernel, cfg_name(cc)) in seen:
@@ -569,7 +576,8 @@ def ptxas_table(args) -> int:
                                       VEC_MASK=c["VEC_MASK"])
                     elif tma:
                         consts = dict(BM=c["BM"], BN=c["BN"], BK=128,
-                                      GROUP_M=c.get("GROUP_M", 8), EP2=ep2)
+                                      GROUP_M=c.get("GROUP_M", 8), EP2=ep2,
+                                      RESCALE=form == "tmar")
                     else:
                         consts = dict(BM=c["BM"], BN=c["BN"], BK=128, GROUP_M=8, FP8=True,
                                       IEEE=False, B_KMAJOR=True, EP2=ep2,

@@ -803,10 +803,15 @@ sig = dict(a_desc="tensordesc<fp8e4nv[64, 128]>", b_desc="tensordesc<fp8e4nv[128
            I="i32", J="i32", E="i32", R_BUCKET="i32", b_row_e="i32", b_col_e="i32",
            stride_cm="i32", stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32",
            BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
-           EP2="constexpr", B_NMAJOR="constexpr")
+           EP2="constexpr", B_NMAJOR="constexpr", RESCALE="constexpr")
+# FP8, rescaled form at 128x128 / 8 warps (one accumulator tile)
+s = dict(sig, a_desc="tensordesc<fp8e4nv[128, 128]>")
+k = comp(F._grouped_rows_tma_kernel, s, dict(BM=128, BN=128, BK=128, GROUP_M=8, EP2=256,
+         RESCALE=True), 8, 3, ("I", "J", "R", "stride_cm", "stride_ask"))
+assert "wgmma" in k.asm["ptx"] and "cp.async.bulk.tensor" in k.asm["ptx"]
 # FP8 at the default tiles (64x128, 4 warps, 3 stages)
-k = comp(F._grouped_rows_tma_kernel, sig, dict(BM=64, BN=128, BK=128, GROUP_M=8, EP2=256), 4,
-         3, ("I", "J", "R", "stride_cm", "stride_ask"))
+k = comp(F._grouped_rows_tma_kernel, sig, dict(BM=64, BN=128, BK=128, GROUP_M=8, EP2=256,
+         RESCALE=False), 4, 3, ("I", "J", "R", "stride_cm", "stride_ask"))
 ptx = k.asm["ptx"]
 assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"
 # pipelined: `stages` buffers of the A and B boxes (24 KiB per K block)
@@ -822,7 +827,7 @@ for bm, bn, warps, stages, nmajor in [(64, 128, 4, 4, False), (64, 128, 4, 4, Tr
     s = dict(sig, a_desc=f"tensordesc<bf16[{bm}, 64]>", b_desc=f"tensordesc<bf16{box}>",
              as_ptr="*i32", bs_ptr="*i32")
     k = comp(F._grouped_rows_tma_kernel, s, dict(BM=bm, BN=bn, BK=64, GROUP_M=8,
-             EP2=256, B_NMAJOR=nmajor), warps, stages,
+             EP2=256, B_NMAJOR=nmajor, RESCALE=False), warps, stages,
              ("I", "J", "R", "stride_cm", "b_row_e"))
     ptx = k.asm["ptx"]
     assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"

@@ -117,6 +117,38 @@ def fp8_promote(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, BN: tl.constexpr
     return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
 
 
+@triton.jit
+def fp8_step(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, sa_prev, sb_prev,
+             BN: tl.constexpr, RESCALE: tl.constexpr):
+    """One 128-deep K step of the FP8 rows kernels: ``(acc, sa_prev, sb_prev)`` after
+    it. Promoting form (:func:`fp8_promote`; ``sa_prev``/``sb_prev`` unused), or
+    ``RESCALE``: the accumulator in units of the last step's scales (:func:`fp8_rescale`;
+    ``sa_prev`` the row scale times the weight scale where ``BN <= 128``, else row and
+    column scales apart), finished by :func:`fp8_finish`."""
+    if not RESCALE:
+        return fp8_promote(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, BN), sa_prev, \
+            sb_prev
+    if BN <= 128:  # one weight scale per step: folded into the row scales
+        s = sa * tl.load(bs_k + ((pid_n * BN) // 128) * bs_sj)
+        s, ratio = fp8_rescale(sa_prev, s)
+        return tl.dot(a, b, acc * ratio[:, None]), s, sb_prev
+    sb = tl.load(bs_k + (cols // 128) * bs_sj, mask=cmask, other=1.0)
+    sa, ra = fp8_rescale(sa_prev, sa)
+    sb, rb = fp8_rescale(sb_prev, sb)
+    return tl.dot(a, b, acc * ra[:, None] * rb[None, :]), sa, sb
+
+
+@triton.jit
+def fp8_finish(acc, sa_prev, sb_prev, BN: tl.constexpr, RESCALE: tl.constexpr):
+    """The accumulator in output units after the K loop (rescaled form: times the last
+    step's scales)."""
+    if not RESCALE:
+        return acc
+    if BN <= 128:
+        return acc * sa_prev[:, None]
+    return acc * sa_prev[:, None] * sb_prev[None, :]
+
+
 # --------------------------------------------------------------------------------------
 # Tile schedule
 # --------------------------------------------------------------------------------------
@@ -259,31 +291,15 @@ def _grouped_rows_kernel(
         if FP8:
             kb = k0 // BK
             sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
-            bs_k = bs_ptr + e64 * bs_se + kb * bs_si
-            if not RESCALE:
-                acc = fp8_promote(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, BN)
-            elif BN <= 128:  # one weight scale per step: folded into the row scales
-                s = sa * tl.load(bs_k + ((pid_n * BN) // 128) * bs_sj)
-                # sa_prev: the last step's row scale times its weight scale
-                s, ratio = fp8_rescale(sa_prev, s)
-                acc = tl.dot(a, b, acc * ratio[:, None])
-                sa_prev = s
-            else:  # one weight scale per 128 columns
-                sb = tl.load(bs_k + (cols // 128) * bs_sj, mask=cmask, other=1.0)
-                sa, ra = fp8_rescale(sa_prev, sa)
-                sb, rb = fp8_rescale(sb_prev, sb)
-                acc = tl.dot(a, b, acc * ra[:, None] * rb[None, :])
-                sa_prev = sa
-                sb_prev = sb
+            acc, sa_prev, sb_prev = fp8_step(
+                acc, a, b, sa, bs_ptr + e64 * bs_se + kb * bs_si, pid_n, cols, cmask, bs_sj,
+                sa_prev, sb_prev, BN, RESCALE)
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = dot_f32acc(a, b, acc)
-    if FP8 and RESCALE:
-        if BN <= 128:
-            acc = acc * sa_prev[:, None]
-        else:
-            acc = acc * sa_prev[:, None] * sb_prev[None, :]
+    if FP8:
+        acc = fp8_finish(acc, sa_prev, sb_prev, BN, RESCALE)
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -293,10 +309,10 @@ def _grouped_rows_tma_kernel(
     a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr,
     R, I, J, E, R_BUCKET, b_row_e, b_col_e, stride_cm, stride_ask, bs_se, bs_si, bs_sj,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EP2: tl.constexpr, B_NMAJOR: tl.constexpr = False,
+    EP2: tl.constexpr, B_NMAJOR: tl.constexpr = False, RESCALE: tl.constexpr = False,
 ):
-    """The rows kernel with both operands loaded by TMA: FP8 (promoting form), or
-    bf16/fp16.
+    """The rows kernel with both operands loaded by TMA: FP8 (promoting form, or
+    ``RESCALE``: one accumulator tile, see :func:`fp8_step`), or bf16/fp16.
 
     Same tiles, schedule and promotion as :func:`_grouped_rows_kernel` (``FP8``,
     ``B_KMAJOR``, ``RESCALE=False``), but ``a`` and ``b`` come through tensor
@@ -344,6 +360,8 @@ def _grouped_rows_tma_kernel(
         b_col = ec * b_col_e
     bs_e = bs_ptr + ec.to(tl.int64) * bs_se
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    sa_prev = tl.full((BM,), 1.0, tl.float32)  # RESCALE: the accumulator's units
+    sb_prev = tl.full((BN,), 1.0, tl.float32)
     for k0 in range(0, k_end, BK):
         a = a_desc.load([start, k0])
         if B_NMAJOR:
@@ -353,10 +371,12 @@ def _grouped_rows_tma_kernel(
         if FP8:
             kb = k0 // BK
             sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
-            acc = fp8_promote(acc, a, b, sa, bs_e + kb * bs_si, pid_n, cols, cmask, bs_sj,
-                              BN)
+            acc, sa_prev, sb_prev = fp8_step(acc, a, b, sa, bs_e + kb * bs_si, pid_n, cols,
+                                             cmask, bs_sj, sa_prev, sb_prev, BN, RESCALE)
         else:
             acc = dot_f32acc(a, b, acc)
+    if FP8:
+        acc = fp8_finish(acc, sa_prev, sb_prev, BN, RESCALE)
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -437,7 +457,7 @@ def _check_fp8_config(config: dict) -> dict:
     """The FP8 rows kernel's tiles from a ``config`` override (keys ``BM``, ``BN``,
     ``num_warps``, ``num_stages``; optional ``GROUP_M`` (8), ``RESCALE``
     (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``BK`` (128 only)), checked: no
-    other keys; ``BN`` divides 128 or is a multiple of it; ``TMA`` excludes ``RESCALE``."""
+    other keys; ``BN`` divides 128 or is a multiple of it."""
     known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA"}
     if set(config) - known or config.get("BK", BLOCK) != BLOCK:
         raise ValueError(f"FP8 grouped GEMM config: keys {sorted(known)} (BK = 128), got "
@@ -448,9 +468,6 @@ def _check_fp8_config(config: dict) -> dict:
                          f"got {bn}")
     rescale = bool(config.get("RESCALE", FP8_RESCALE))
     tma = bool(config.get("TMA", FP8_TMA and not rescale))
-    if tma and rescale:
-        raise ValueError("FP8 grouped GEMM: the TMA kernel has the promoting form only "
-                         "(config RESCALE and TMA both set)")
     return dict(BM=config["BM"], BN=bn, BK=BLOCK, GROUP_M=config.get("GROUP_M", 8),
                 num_warps=config["num_warps"], num_stages=config["num_stages"],
                 RESCALE=rescale, TMA=tma)
@@ -562,14 +579,15 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, tcfg["BM"],
                             tcfg["BN"], tcfg["BK"])
         if ops is not None:
-            tcfg = {k: v for k, v in tcfg.items() if k != "RESCALE"}
+            tcfg = dict(tcfg)
+            rescale = fp8 and bool(tcfg.pop("RESCALE", False))
             grid = (row_tile_bound(R, E, tcfg["BM"]) * cdiv(J, tcfg["BN"]),)
             with device_guard(a):
                 launch(_grouped_rows_tma_kernel, grid, *ops[:2], out, as_t,
                        b_scale if fp8 else offsets, offsets, R, I, J, E,
                        triton.next_power_of_2(R), *ops[2:], out.stride(0),
                        as_t.stride(0) if fp8 else 0, *bs_strides, EP2=EP2,
-                       B_NMAJOR=stride_bi != 1, **tcfg)
+                       B_NMAJOR=stride_bi != 1, RESCALE=rescale, **tcfg)
             return out
     args = (a, b, out, as_t, b_scale if fp8 else offsets, offsets, R, I, J, E,
             triton.next_power_of_2(R), a.stride(0), stride_be, stride_bi, stride_bj,
