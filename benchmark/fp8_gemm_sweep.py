@@ -314,8 +314,7 @@ def _kernel(op: str, cfg: dict | None = None):
     """The kernel a candidate launches (its new binary gives ``n_regs``/``n_spills``)."""
     if op == "wgrad":
         return bwd_gm._wgrad_fp8_kernel
-    tma = (fwd_gm.FP8_TMA and not fwd_gm.FP8_RESCALE if cfg is None
-           else cfg["form"] in ("tma", "tmar"))
+    tma = fwd_gm.FP8_TMA if cfg is None else cfg["form"] in ("tma", "tmar")
     return fwd_gm._grouped_rows_tma_kernel if tma else fwd_gm._grouped_rows_kernel
 
 
@@ -609,7 +608,7 @@ def _autotune_extras(op: str) -> list[dict]:
     """The autotuner's configs (the ``default`` row tunes over them) that are not
     candidates already: compiled by the warm-up too. None for the rows kernel when its
     default launch takes the TMA kernel (fixed tiles, no autotuning)."""
-    if op != "wgrad" and fwd_gm.FP8_TMA and not fwd_gm.FP8_RESCALE:
+    if op != "wgrad" and fwd_gm.FP8_TMA:
         return []
     if op == "wgrad":
         have, tuned = WGRAD_CANDIDATES, [_wg("promote", c.kwargs["BN"], c.kwargs["BK"],

@@ -30,9 +30,9 @@ the accumulator in units of the current step's scale so the MMA accumulates into
 GPU, shapes from ``AUTOTUNE_MIN_ROWS`` rows on pick their tiles from a small autotune
 list (``LINGHE_GROUPED_MM_AUTOTUNE=0``: the heuristic of :func:`_mm_config`); a
 launcher's ``config`` argument pins the tiles (benchmark/fp8_gemm_sweep.py). The
-promoting form loads its operands with TMA (:func:`_grouped_rows_tma_kernel`,
-:data:`FP8_TMA`) wherever the tensors allow it (16-byte aligned rows, weights contiguous
-along the contraction): 9-15% faster than the pointer kernel on an H100.
+TMA kernel (:func:`_grouped_rows_tma_kernel`, :data:`FP8_TMA`, either form) loads the
+operands wherever the tensors allow it (16-byte aligned rows, weights contiguous along
+the contraction): 9-15% faster than the pointer kernel on an H100.
 
 **bf16/fp16 (Triton backend).** The same TMA kernel on bf16/fp16 descriptors (no
 scales, ``BK = 64``: 128-byte rows) runs the high-precision forward and dgrad wherever
@@ -70,7 +70,13 @@ BLOCK = 128  # FP8 group / block size
 #: Default promotion form of the FP8 grouped GEMMs (rows kernel and wgrad): ``False``
 #: promotes each K step's product into a second accumulator (``acc += dot * scale``),
 #: ``True`` rescales the one accumulator (:func:`fp8_rescale`). Read once at import
-#: (``LINGHE_FP8_RESCALE=1``); a launcher's ``config["RESCALE"]`` overrides it.
+#: (``LINGHE_FP8_RESCALE=1``); a launcher's ``config["RESCALE"]`` overrides it. With
+#: TMA the rescaled rows kernel takes 128x128 tiles (two programs per SM): on an H100
+#: 4-9% faster than the promoting default at 32 experts (~2K rows each: 1.24-1.27x
+#: ``torch._grouped_mm`` bf16 instead of 1.12-1.17x), slower at 256 (~256 rows each),
+#: with fp32-output errors of ~1e-3 instead of ~1.3e-4 against the dequantized product
+#: (the tensor cores' reduced-precision accumulation over the whole K loop; below bf16
+#: output rounding at K = 2048). ``benchmark/results/h100_fp8_tmar_sweep_2026-11-26.*``.
 FP8_RESCALE: bool = os.environ.get("LINGHE_FP8_RESCALE", "0") == "1"
 
 #: Smallest normal fp32: the floor of a K step's scale in the rescaled form.
@@ -411,12 +417,17 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
     if INTERPRET:
         bm = block_m or 32
         return dict(BM=bm, BN=64, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
-                    num_stages=1)
+                    num_stages=1, **({"RESCALE": FP8_RESCALE} if fp8 else {}))
     if fp8:
+        if tma and FP8_RESCALE and block_m is None:
+            # one accumulator tile: 128-row tiles at two programs per SM (105 registers),
+            # each expert's weights re-read half as often as with 64-row tiles
+            return dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3,
+                        RESCALE=True)
         bm = block_m or 64
         stages = (3 if bm == 64 else 4) if tma else (3 if bm == 128 else 4)
         return dict(BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=8 if bm == 128 else 4,
-                    num_stages=stages)
+                    num_stages=stages, RESCALE=FP8_RESCALE)
     bm = block_m or (64 if R < 512 * E else 128)
     if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
         return dict(BM=bm, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
@@ -571,7 +582,7 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
         cfg = _check_fp8_config(config) if fp8 else _check_rows_config(config, f32)
         tma = cfg.pop("TMA")
     elif fp8:
-        tma = FP8_TMA and not FP8_RESCALE and tma_capable(a)
+        tma = FP8_TMA and tma_capable(a)
     else:
         tma = BF16_TMA and a.element_size() == 2 and tma_capable(a)
     if tma:
