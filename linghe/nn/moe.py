@@ -103,6 +103,12 @@ class MoE(nn.Module):
     they arrive as FP8 rows (quantized once, by the dispatcher's send kernel, with the
     recipe's ``pow2_scale``) that the first GEMM reads as they are. (Outside the FP8
     recipe, ``fp8_payload`` rows are dequantized on arrival.)
+
+    Gradient accumulation: when ``experts_gate_up`` / ``experts_down`` already have a
+    ``.grad`` (the second and later micro-batches), their weight gradients are added into
+    it by the wgrad kernel instead of by PyTorch's AccumulateGrad
+    (:mod:`linghe.bwd.accumulate`; ``linghe.set_fused_grad_accumulation(False)`` turns it
+    off).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
