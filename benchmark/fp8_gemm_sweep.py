@@ -25,9 +25,7 @@ Forms: ``promote`` (``acc += dot * scale``, two accumulator tiles) and ``rescale
 tile, ``acc = dot(a, b, acc * s_prev / s)``), both loading through pointers, and ``tma``
 (the rows kernel's promoting form with TMA loads, the FP8 default), ``tmar`` (TMA loads,
 rescaled form: one accumulator tile, so 128-row tiles fit two programs per SM and each
-expert's weights are re-read half as often), ``tmas`` / ``tmars`` (``tma`` / ``tmar``
-with the row scales through TMA too and the weight scale one K step ahead:
-``SCALES_TMA``); ``+vm``: the wgrad's
+expert's weights are re-read half as often); ``+vm``: the wgrad's
 vectorized boundary-group masks (``VEC_MASK``). ``LINGHE_SWEEP_FORMS=tma,promote`` sweeps
 only those forms (also with ``--ptxas``). A precision probe runs the 128x128 tiles of
 both forms with fp32 outputs (the MMA's reduced-precision accumulation, which ``rescale``
@@ -94,8 +92,6 @@ ROWS_CANDIDATES = [
     _rows("tma", 64, 128, 4, 3, 4), _rows("tma", 64, 128, 4, 3, 16),
     _rows("tmar", 64, 128, 4, 3), _rows("tmar", 128, 128, 8, 3), _rows("tmar", 128, 128, 8, 4),
     _rows("tmar", 128, 256, 8, 3), _rows("tmar", 256, 128, 8, 3), _rows("tmar", 64, 256, 8, 3),
-    _rows("tmas", 64, 128, 4, 3), _rows("tmas", 64, 128, 4, 4), _rows("tmas", 128, 128, 8, 3),
-    _rows("tmars", 128, 128, 8, 3), _rows("tmars", 64, 128, 4, 3),
 ]
 #: wgrad ([BN, BK] tiles of dW): promote at 128x128 (the autotuner's non-spilling
 #: members), with vectorized boundary masks, and rescale tiles (all +vm: without it the
@@ -116,7 +112,7 @@ if _FORMS:
 #: Interpreter smoke run: small tiles, every form, the BN > 128 path of the rows kernel.
 CPU_ROWS = [_rows("promote", 32, 64, 4, 1), _rows("rescale", 32, 64, 4, 1),
             _rows("rescale", 32, 256, 4, 1), _rows("tma", 32, 64, 4, 1),
-            _rows("tmar", 32, 64, 4, 1), _rows("tmas", 32, 64, 4, 1)]
+            _rows("tmar", 32, 64, 4, 1)]
 CPU_WGRAD = [_wg("promote", 64, 64, 4, 1), _wg("rescale", 64, 64, 4, 1, True),
              _wg("rescale", 64, 128, 4, 1)]
 
@@ -147,9 +143,8 @@ def launch_config(c: dict) -> dict:
     """A candidate as the launchers' ``config`` argument (form ``tma``: the rows kernel
     with its operands loaded by TMA; ``promote``/``rescale`` load through pointers)."""
     out = {k: v for k, v in c.items() if k != "form"}
-    out["RESCALE"] = c["form"] in ("rescale", "tmar", "tmars")
-    out["TMA"] = c["form"] in ("tma", "tmar", "tmas", "tmars")
-    out["SCALES_TMA"] = c["form"] in ("tmas", "tmars")
+    out["RESCALE"] = c["form"] in ("rescale", "tmar")
+    out["TMA"] = c["form"] in ("tma", "tmar")
     return out
 
 
@@ -319,7 +314,7 @@ def _kernel(op: str, cfg: dict | None = None):
     """The kernel a candidate launches (its new binary gives ``n_regs``/``n_spills``)."""
     if op == "wgrad":
         return bwd_gm._wgrad_fp8_kernel
-    tma = fwd_gm.FP8_TMA if cfg is None else cfg["form"].startswith("tma")
+    tma = fwd_gm.FP8_TMA if cfg is None else cfg["form"] in ("tma", "tmar")
     return fwd_gm._grouped_rows_tma_kernel if tma else fwd_gm._grouped_rows_kernel
 
 
@@ -554,8 +549,6 @@ def ptxas_table(args) -> int:
                 sig[p.name] = "constexpr"
             else:
                 sig[p.name] = _PTRS[name].get(p.name, "i32").format(**consts)
-        if consts.get("SCALES_TMA"):  # the row scales' descriptor in place of as_ptr
-            sig["as_ptr"] = "tensordesc<fp32[1, {BM}]>".format(**consts)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or n in _DIV16[name]}
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -567,7 +560,7 @@ def ptxas_table(args) -> int:
     for cands, kernel in ((ROWS_CANDIDATES, fwd_gm._grouped_rows_kernel),
                           (WGRAD_CANDIDATES, bwd_gm._wgrad_fp8_kernel)):
         for c in cands:
-            tma = c["form"].startswith("tma")
+            tma = c["form"] in ("tma", "tmar")
             for form in (c["form"],) if tma else ("promote", "rescale"):
                 cc = dict(c, form=form)
                 if (kernel, cfg_name(cc)) in seen:
@@ -583,8 +576,7 @@ def ptxas_table(args) -> int:
                     elif tma:
                         consts = dict(BM=c["BM"], BN=c["BN"], BK=128,
                                       GROUP_M=c.get("GROUP_M", 8), EP2=ep2,
-                                      RESCALE=form in ("tmar", "tmars"),
-                                      SCALES_TMA=form in ("tmas", "tmars"))
+                                      RESCALE=form == "tmar")
                     else:
                         consts = dict(BM=c["BM"], BN=c["BN"], BK=128, GROUP_M=8, FP8=True,
                                       IEEE=False, B_KMAJOR=True, EP2=ep2,

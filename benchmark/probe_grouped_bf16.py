@@ -419,8 +419,7 @@ def ptxas_table() -> int:
                     types = dict(ptrs, a_desc=f"tensordesc<bf16[{c['BM']}, {c['BK']}]>",
                                  b_desc=f"tensordesc<bf16{box}>")
                     consts = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP_M=c["GROUP_M"],
-                                  EP2=ep2, B_NMAJOR=op == "dgrad", RESCALE=False,
-                                  SCALES_TMA=False)
+                                  EP2=ep2, B_NMAJOR=op == "dgrad", RESCALE=False)
                     div = ("R", "I", "J", "E", "R_BUCKET", "b_row_e", "stride_cm")
                     name = cfg_name(c)
                 try:

@@ -397,18 +397,12 @@ def test_fp8_tma_kernel_matches_pointer_kernel(device, case):
     bm, bn, warps, stages = (64, 128, 4, 3) if device == "cuda" else (32, 64, 4, 1)
     for bn_ in (bn, 256):  # one weight scale per K step, and per 128 columns
         outs = {}
-        # pointer loads, TMA operands, TMA operands and row scales (SCALES_TMA: taken
-        # where the row count is a multiple of 4, else plain scale loads)
-        for form, tma, scales in (("ptr", False, False), ("tma", True, False),
-                                  ("tmas", True, True)):
-            cfg = dict(BM=bm, BN=bn_, num_warps=warps, num_stages=stages, TMA=tma,
-                       SCALES_TMA=scales)
-            outs[form] = (fwd_gm.grouped_mm_fp8_fwd(a, wq, off, torch.float32, config=cfg),
-                          bwd_gm.grouped_mm_fp8_dgrad(gq, wq, off, torch.float32,
-                                                      config=cfg))
+        for tma in (False, True):
+            cfg = dict(BM=bm, BN=bn_, num_warps=warps, num_stages=stages, TMA=tma)
+            outs[tma] = (fwd_gm.grouped_mm_fp8_fwd(a, wq, off, torch.float32, config=cfg),
+                         bwd_gm.grouped_mm_fp8_dgrad(gq, wq, off, torch.float32, config=cfg))
         for i, name in enumerate(("fwd", "dgrad")):
-            assert torch.equal(outs["tma"][i], outs["ptr"][i]), (name, bn_)
-            assert torch.equal(outs["tmas"][i], outs["ptr"][i]), (name, bn_, "scales")
+            assert torch.equal(outs[True][i], outs[False][i]), (name, bn_)
     r_deq = ref.grouped_mm_fp8_dequantized(a.rowwise_data, a.rowwise_scale, wq.rowwise_data,
                                            wq.rowwise_scale, off)
     assert_close(fwd_gm.grouped_mm_fp8_fwd(a, wq, off, torch.float32), r_deq, tol=1e-3,
@@ -809,21 +803,15 @@ sig = dict(a_desc="tensordesc<fp8e4nv[64, 128]>", b_desc="tensordesc<fp8e4nv[128
            I="i32", J="i32", E="i32", R_BUCKET="i32", b_row_e="i32", b_col_e="i32",
            stride_cm="i32", stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32",
            BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
-           EP2="constexpr", B_NMAJOR="constexpr", RESCALE="constexpr",
-           SCALES_TMA="constexpr")
+           EP2="constexpr", B_NMAJOR="constexpr", RESCALE="constexpr")
 # FP8, rescaled form at 128x128 / 8 warps (one accumulator tile)
 s = dict(sig, a_desc="tensordesc<fp8e4nv[128, 128]>")
 k = comp(F._grouped_rows_tma_kernel, s, dict(BM=128, BN=128, BK=128, GROUP_M=8, EP2=256,
-         RESCALE=True, SCALES_TMA=False), 8, 3, ("I", "J", "R", "stride_cm", "stride_ask"))
+         RESCALE=True), 8, 3, ("I", "J", "R", "stride_cm", "stride_ask"))
 assert "wgmma" in k.asm["ptx"] and "cp.async.bulk.tensor" in k.asm["ptx"]
-# FP8 with the row scales through TMA ([1, BM] boxes of the transposed scales)
-s = dict(sig, as_ptr="tensordesc<fp32[1, 64]>")
-k = comp(F._grouped_rows_tma_kernel, s, dict(BM=64, BN=128, BK=128, GROUP_M=8, EP2=256,
-         RESCALE=False, SCALES_TMA=True), 4, 3, ("I", "J", "R", "stride_cm", "stride_ask"))
-assert "wgmma" in k.asm["ptx"]
 # FP8 at the default tiles (64x128, 4 warps, 3 stages)
 k = comp(F._grouped_rows_tma_kernel, sig, dict(BM=64, BN=128, BK=128, GROUP_M=8, EP2=256,
-         RESCALE=False, SCALES_TMA=False), 4, 3, ("I", "J", "R", "stride_cm", "stride_ask"))
+         RESCALE=False), 4, 3, ("I", "J", "R", "stride_cm", "stride_ask"))
 ptx = k.asm["ptx"]
 assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"
 # pipelined: `stages` buffers of the A and B boxes (24 KiB per K block)
@@ -839,7 +827,7 @@ for bm, bn, warps, stages, nmajor in [(64, 128, 4, 4, False), (64, 128, 4, 4, Tr
     s = dict(sig, a_desc=f"tensordesc<bf16[{bm}, 64]>", b_desc=f"tensordesc<bf16{box}>",
              as_ptr="*i32", bs_ptr="*i32")
     k = comp(F._grouped_rows_tma_kernel, s, dict(BM=bm, BN=bn, BK=64, GROUP_M=8,
-             EP2=256, B_NMAJOR=nmajor, RESCALE=False, SCALES_TMA=False), warps, stages,
+             EP2=256, B_NMAJOR=nmajor, RESCALE=False), warps, stages,
              ("I", "J", "R", "stride_cm", "b_row_e"))
     ptx = k.asm["ptx"]
     assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "TMA loads feeding wgmma"

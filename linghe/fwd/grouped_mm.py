@@ -110,57 +110,49 @@ def fp8_rescale(s_prev, s):
 
 
 @triton.jit
-def fp8_weight_scale(bs_k, pid_n, cols, cmask, bs_sj, valid, BN: tl.constexpr):
-    """A K step's weight scales at ``bs_k + (column block) * bs_sj``: one scalar where
-    ``BN <= 128`` (dividing 128), a ``[BN]`` vector (one per 128 columns) where ``BN`` is
-    a multiple of 128. ``valid`` (a scalar): load nothing (1.0) where false."""
-    valid = tl.full([], 1, tl.int1) & valid  # a tensor (the interpreter's loop bounds
-    # make ``k0 < k_end`` a host bool, which it does not take as a mask)
+def fp8_promote(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, BN: tl.constexpr):
+    """The promoting form's step: ``acc + dot(a, b) * scales`` for one 128-deep K step,
+    with the row scales ``sa [BM]`` and the step's weight scales at ``bs_k + (column
+    block) * bs_sj`` (loaded before the MMA is issued): ``BN <= 128`` (dividing 128) has
+    one weight scale, folded into the row scales (no ``[BM, BN]`` scale tile in
+    registers); a multiple of 128 one per 128 columns."""
     if BN <= 128:
-        sb = tl.load(bs_k + ((pid_n * BN) // 128) * bs_sj, mask=valid, other=1.0)
-    else:
-        sb = tl.load(bs_k + (cols // 128) * bs_sj, mask=cmask & valid, other=1.0)
-    return sb
+        s = sa * tl.load(bs_k + ((pid_n * BN) // 128) * bs_sj)
+        return acc + tl.dot(a, b) * s[:, None]
+    sb = tl.load(bs_k + (cols // 128) * bs_sj, mask=cmask, other=1.0)
+    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
 
 
 @triton.jit
-def fp8_step(acc, a, b, sa, sb, sa_prev, sb_prev, BN: tl.constexpr, RESCALE: tl.constexpr):
-    """One 128-deep K step of the FP8 rows kernels, ``(acc, sa_prev, sb_prev)`` after
-    it, from the row scales ``sa [BM]`` and the weight scales ``sb``
-    (:func:`fp8_weight_scale`). Promoting form: ``acc + dot(a, b) * scales``, the one
-    weight scale of ``BN <= 128`` folded into the row scales (no ``[BM, BN]`` scale
-    tile in registers); ``sa_prev``/``sb_prev`` unused. ``RESCALE``: the accumulator in
-    units of the last step's scales (:func:`fp8_rescale`; ``sa_prev`` the row scale
-    times the weight scale where ``BN <= 128``, else row and column scales apart),
-    finished by :func:`fp8_finish`."""
+def fp8_step(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, sa_prev, sb_prev,
+             BN: tl.constexpr, RESCALE: tl.constexpr):
+    """One 128-deep K step of the FP8 rows kernels: ``(acc, sa_prev, sb_prev)`` after
+    it. Promoting form (:func:`fp8_promote`; ``sa_prev``/``sb_prev`` unused), or
+    ``RESCALE``: the accumulator in units of the last step's scales (:func:`fp8_rescale`;
+    ``sa_prev`` the row scale times the weight scale where ``BN <= 128``, else row and
+    column scales apart), finished by :func:`fp8_finish`."""
     if not RESCALE:
-        if BN <= 128:
-            acc = acc + tl.dot(a, b) * (sa * sb)[:, None]
-        else:
-            acc = acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
-    elif BN <= 128:  # one weight scale per step: folded into the row scales
-        s, ratio = fp8_rescale(sa_prev, sa * sb)
-        acc = tl.dot(a, b, acc * ratio[:, None])
-        sa_prev = s
-    else:
-        sa, ra = fp8_rescale(sa_prev, sa)
-        sb, rb = fp8_rescale(sb_prev, sb)
-        acc = tl.dot(a, b, acc * ra[:, None] * rb[None, :])
-        sa_prev = sa
-        sb_prev = sb
-    return acc, sa_prev, sb_prev
+        return fp8_promote(acc, a, b, sa, bs_k, pid_n, cols, cmask, bs_sj, BN), sa_prev, \
+            sb_prev
+    if BN <= 128:  # one weight scale per step: folded into the row scales
+        s = sa * tl.load(bs_k + ((pid_n * BN) // 128) * bs_sj)
+        s, ratio = fp8_rescale(sa_prev, s)
+        return tl.dot(a, b, acc * ratio[:, None]), s, sb_prev
+    sb = tl.load(bs_k + (cols // 128) * bs_sj, mask=cmask, other=1.0)
+    sa, ra = fp8_rescale(sa_prev, sa)
+    sb, rb = fp8_rescale(sb_prev, sb)
+    return tl.dot(a, b, acc * ra[:, None] * rb[None, :]), sa, sb
 
 
 @triton.jit
 def fp8_finish(acc, sa_prev, sb_prev, BN: tl.constexpr, RESCALE: tl.constexpr):
     """The accumulator in output units after the K loop (rescaled form: times the last
     step's scales)."""
-    if RESCALE:
-        if BN <= 128:
-            acc = acc * sa_prev[:, None]
-        else:
-            acc = acc * sa_prev[:, None] * sb_prev[None, :]
-    return acc
+    if not RESCALE:
+        return acc
+    if BN <= 128:
+        return acc * sa_prev[:, None]
+    return acc * sa_prev[:, None] * sb_prev[None, :]
 
 
 # --------------------------------------------------------------------------------------
@@ -305,10 +297,9 @@ def _grouped_rows_kernel(
         if FP8:
             kb = k0 // BK
             sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
-            sb = fp8_weight_scale(bs_ptr + e64 * bs_se + kb * bs_si, pid_n, cols, cmask,
-                                  bs_sj, k0 < k_end, BN)
-            acc, sa_prev, sb_prev = fp8_step(acc, a, b, sa, sb, sa_prev, sb_prev, BN,
-                                             RESCALE)
+            acc, sa_prev, sb_prev = fp8_step(
+                acc, a, b, sa, bs_ptr + e64 * bs_se + kb * bs_si, pid_n, cols, cmask, bs_sj,
+                sa_prev, sb_prev, BN, RESCALE)
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -325,16 +316,9 @@ def _grouped_rows_tma_kernel(
     R, I, J, E, R_BUCKET, b_row_e, b_col_e, stride_cm, stride_ask, bs_se, bs_si, bs_sj,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EP2: tl.constexpr, B_NMAJOR: tl.constexpr = False, RESCALE: tl.constexpr = False,
-    SCALES_TMA: tl.constexpr = False,
 ):
     """The rows kernel with both operands loaded by TMA: FP8 (promoting form, or
     ``RESCALE``: one accumulator tile, see :func:`fp8_step`), or bf16/fp16.
-
-    ``SCALES_TMA`` (FP8): ``as_ptr`` is a tensor descriptor over the transposed row scales
-    ``[GK, R]`` with ``[1, BM]`` boxes, so each K step's row scales arrive through the
-    same pipelined copies as the operands, and each step's weight scale is loaded one
-    step ahead (Nsight Compute on an H100, gate_up fwd at 256 experts: a quarter of the
-    warps' stall samples sat on the promotion's multiply waiting for these two loads).
 
     Same tiles, schedule and promotion as :func:`_grouped_rows_kernel` (``FP8``,
     ``B_KMAJOR``, ``RESCALE=False``), but ``a`` and ``b`` come through tensor
@@ -384,8 +368,6 @@ def _grouped_rows_tma_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     sa_prev = tl.full((BM,), 1.0, tl.float32)  # RESCALE: the accumulator's units
     sb_prev = tl.full((BN,), 1.0, tl.float32)
-    if FP8 and SCALES_TMA:  # the first step's weight scale (then one step ahead)
-        sb_next = fp8_weight_scale(bs_e, pid_n, cols, cmask, bs_sj, k_end > 0, BN)
     for k0 in range(0, k_end, BK):
         a = a_desc.load([start, k0])
         if B_NMAJOR:
@@ -394,17 +376,9 @@ def _grouped_rows_tma_kernel(
             b = tl.trans(b_desc.load([b_row, b_col + k0]))
         if FP8:
             kb = k0 // BK
-            if SCALES_TMA:
-                sa = tl.reshape(as_ptr.load([kb, start]), [BM])
-                sb = sb_next
-                sb_next = fp8_weight_scale(bs_e + (kb + 1) * bs_si, pid_n, cols, cmask,
-                                           bs_sj, k0 + BK < k_end, BN)
-            else:
-                sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
-                sb = fp8_weight_scale(bs_e + kb * bs_si, pid_n, cols, cmask, bs_sj,
-                                      k0 < k_end, BN)
-            acc, sa_prev, sb_prev = fp8_step(acc, a, b, sa, sb, sa_prev, sb_prev, BN,
-                                             RESCALE)
+            sa = tl.load(as_ptr + kb * stride_ask + rows, mask=rmask, other=1.0)
+            acc, sa_prev, sb_prev = fp8_step(acc, a, b, sa, bs_e + kb * bs_si, pid_n, cols,
+                                             cmask, bs_sj, sa_prev, sb_prev, BN, RESCALE)
         else:
             acc = dot_f32acc(a, b, acc)
     if FP8:
@@ -493,11 +467,9 @@ _PLANS: dict = {}  # (R, E, J, fp8, f32, block_m) -> (config, grid)
 def _check_fp8_config(config: dict) -> dict:
     """The FP8 rows kernel's tiles from a ``config`` override (keys ``BM``, ``BN``,
     ``num_warps``, ``num_stages``; optional ``GROUP_M`` (8), ``RESCALE``
-    (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``SCALES_TMA``
-    (:data:`FP8_SCALES_TMA`), ``BK`` (128 only)), checked: no
+    (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``BK`` (128 only)), checked: no
     other keys; ``BN`` divides 128 or is a multiple of it."""
-    known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA",
-             "SCALES_TMA"}
+    known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA"}
     if set(config) - known or config.get("BK", BLOCK) != BLOCK:
         raise ValueError(f"FP8 grouped GEMM config: keys {sorted(known)} (BK = 128), got "
                          f"{config}")
@@ -509,13 +481,8 @@ def _check_fp8_config(config: dict) -> dict:
     tma = bool(config.get("TMA", FP8_TMA and not rescale))
     return dict(BM=config["BM"], BN=bn, BK=BLOCK, GROUP_M=config.get("GROUP_M", 8),
                 num_warps=config["num_warps"], num_stages=config["num_stages"],
-                RESCALE=rescale, TMA=tma,
-                SCALES_TMA=bool(config.get("SCALES_TMA", FP8_SCALES_TMA)))
+                RESCALE=rescale, TMA=tma)
 
-
-#: The FP8 TMA rows kernel's row scales through TMA too, weight scales one step ahead
-#: (the kernel's ``SCALES_TMA``); ``LINGHE_FP8_SCALES_TMA=1``.
-FP8_SCALES_TMA: bool = os.environ.get("LINGHE_FP8_SCALES_TMA", "0") == "1"
 
 #: Load the FP8 rows kernel's operands with TMA (:func:`_grouped_rows_tma_kernel`)
 #: where the operands allow it (:func:`_tma_operands`). ``LINGHE_FP8_TMA=0``: the
@@ -561,18 +528,6 @@ def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK=BLO
         return None
     a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [BM, BK])
     return a_desc, b_desc, b_row_e, b_col_e
-
-
-def _transposed_scales(a_scale: torch.Tensor) -> torch.Tensor:
-    """Row scales ``[R, GK]`` as ``[GK, R]`` (each K step's scales of a tile one
-    contiguous load), rows 16-byte aligned (a TMA descriptor's requirement: the row
-    stride is ``R`` rounded up to a multiple of 4)."""
-    R, GK = a_scale.shape
-    if R % 4 == 0:
-        return a_scale.t().contiguous()
-    out = torch.empty_strided((GK, R), (cdiv(R, 4) * 4, 1), dtype=a_scale.dtype,
-                              device=a_scale.device)
-    return out.copy_(a_scale.t())
 
 
 def _check_rows_config(config: dict, f32: bool) -> dict:
@@ -621,18 +576,15 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     fp8 = a_scale is not None
     f32 = a.dtype == torch.float32
     EP2 = max(16, triton.next_power_of_2(E))
-    as_t = _transposed_scales(a_scale) if fp8 else offsets  # [GK, R]
+    as_t = a_scale.t().contiguous() if fp8 else offsets  # [GK, R]
     cfg = None
     if config is not None:
         cfg = _check_fp8_config(config) if fp8 else _check_rows_config(config, f32)
         tma = cfg.pop("TMA")
-        scales_tma = cfg.pop("SCALES_TMA", False)
     elif fp8:
         tma = FP8_TMA and tma_capable(a)
-        scales_tma = FP8_SCALES_TMA
     else:
         tma = BF16_TMA and a.element_size() == 2 and tma_capable(a)
-        scales_tma = False
     if tma:
         tcfg = cfg or _mm_config(R, E, J, fp8, block_m, tma=True)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, tcfg["BM"],
@@ -640,17 +592,13 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
         if ops is not None:
             tcfg = dict(tcfg)
             rescale = fp8 and bool(tcfg.pop("RESCALE", False))
-            scales_tma = fp8 and scales_tma
-            as_arg = (TensorDescriptor(as_t, list(as_t.shape), [as_t.stride(0), 1],
-                                       [1, tcfg["BM"]]) if scales_tma else as_t)
             grid = (row_tile_bound(R, E, tcfg["BM"]) * cdiv(J, tcfg["BN"]),)
             with device_guard(a):
-                launch(_grouped_rows_tma_kernel, grid, *ops[:2], out, as_arg,
+                launch(_grouped_rows_tma_kernel, grid, *ops[:2], out, as_t,
                        b_scale if fp8 else offsets, offsets, R, I, J, E,
                        triton.next_power_of_2(R), *ops[2:], out.stride(0),
                        as_t.stride(0) if fp8 else 0, *bs_strides, EP2=EP2,
-                       B_NMAJOR=stride_bi != 1, RESCALE=rescale, SCALES_TMA=scales_tma,
-                       **tcfg)
+                       B_NMAJOR=stride_bi != 1, RESCALE=rescale, **tcfg)
             return out
     args = (a, b, out, as_t, b_scale if fp8 else offsets, offsets, R, I, J, E,
             triton.next_power_of_2(R), a.stride(0), stride_be, stride_bi, stride_bj,
