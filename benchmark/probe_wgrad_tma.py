@@ -67,8 +67,11 @@ from .harness import (  # noqa: E402
 )
 
 
-def _cfg(bn, bk, br, warps, stages, tail=2):
-    return dict(BN=bn, BK=bk, BR=br, num_warps=warps, num_stages=stages, TAIL=tail)
+def _cfg(bn, bk, br, warps, stages, tail=2, acc_first=True):
+    c = dict(BN=bn, BK=bk, BR=br, num_warps=warps, num_stages=stages, TAIL=tail)
+    if not acc_first:
+        c["ACC_FIRST"] = False
+    return c
 
 
 #: The default tiles (``_wgrad_tma_default_config`` on a GPU).
@@ -86,7 +89,9 @@ CANDIDATES = [
     _cfg(128, 128, 64, 4, 3), _cfg(64, 128, 64, 4, 4),
 ]
 #: Accumulating candidates beside the default tiles.
-ACC_CANDIDATES = [_cfg(128, 128, 64, 8, 3, tail=1), _cfg(128, 128, 32, 8, 3),
+ACC_CANDIDATES = [_cfg(128, 128, 64, 8, 3, acc_first=False),
+                  _cfg(128, 128, 64, 4, 3, tail=1, acc_first=False),
+                  _cfg(128, 128, 64, 8, 3, tail=1), _cfg(128, 128, 32, 8, 3),
                   _cfg(128, 128, 64, 8, 2), _cfg(128, 128, 32, 4, 3),
                   _cfg(128, 128, 64, 4, 3), _cfg(128, 128, 64, 4, 3, tail=1),
                   _cfg(128, 256, 64, 8, 3)]
@@ -105,7 +110,8 @@ MAX_SECONDS = 80.0
 
 def cfg_name(c: dict, acc: bool = False) -> str:
     return (f"tma {c['BN']}x{c['BK']} BR{c['BR']} {c['num_warps']}w/{c['num_stages']}s "
-            f"T{c['TAIL']}" + (" acc" if acc else ""))
+            f"T{c['TAIL']}" + (" acc" if acc else "")
+            + (" late" if acc and not c.get("ACC_FIRST", True) else ""))
 
 
 # --------------------------------------------------------------------------- inputs

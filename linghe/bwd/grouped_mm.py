@@ -382,7 +382,7 @@ def _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR: tl.constexpr, MASK:
 def _wgrad_tma_kernel(
     g_desc, x_desc, g16_desc, x16_desc, w_ptr, offsets_ptr, N, K, R, stride_we, stride_wn,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, ACC_FIRST: tl.constexpr = True,
 ):
     """bf16/fp16 ``dW[e, n, k] (+)= sum_{r in seg e} g[r, n] * x[r, k]`` (fp32
     accumulation) with both operands loaded by TMA: ``g_desc`` over ``g [R, N]`` in ``[BR,
@@ -418,7 +418,17 @@ def _wgrad_tma_kernel(
     # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
     end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
     start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    ns = n0 + tl.arange(0, BN)
+    ks = k0 + tl.arange(0, BK)
+    wmask = (ns < N)[:, None] & (ks < K)[None, :]
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+              + ks[None, :])
+    if ACCUMULATE and ACC_FIRST:
+        # the existing gradient is the accumulator's start: its read overlaps the first
+        # boxes' copies instead of following the K loop (no extra registers)
+        acc = tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
     if TAIL == 0:
         for r in range(start, end, BR):
             acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, True)
@@ -441,12 +451,7 @@ def _wgrad_tma_kernel(
             for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
                 acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
                                       True)
-    ns = n0 + tl.arange(0, BN)
-    ks = k0 + tl.arange(0, BK)
-    wmask = (ns < N)[:, None] & (ks < K)[None, :]
-    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
-              + ks[None, :])
-    if ACCUMULATE:
+    if ACCUMULATE and not ACC_FIRST:
         acc += tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)
     tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=wmask)
 
@@ -464,7 +469,7 @@ def _wgrad_tma_default_config() -> dict:
 
 
 def _check_wgrad_tma_config(config: dict) -> dict:
-    known = {"BN", "BK", "BR", "num_warps", "num_stages", "TAIL"}
+    known = {"BN", "BK", "BR", "num_warps", "num_stages", "TAIL", "ACC_FIRST"}
     if set(config) - known:
         raise ValueError(f"TMA wgrad config: unknown keys {sorted(set(config) - known)} "
                          f"(takes {sorted(known)})")
@@ -539,7 +544,8 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     with device_guard(dw):
         launch(_wgrad_tma_kernel, (cdiv(N, BN) * cdiv(K, BK), E), g_desc, x_desc, g16, x16,
                dw, offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
-               TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate), num_warps=cfg["num_warps"],
+               TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate),
+               ACC_FIRST=cfg.get("ACC_FIRST", True), num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"])
     return dw
 
