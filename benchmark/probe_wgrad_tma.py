@@ -67,15 +67,13 @@ from .harness import (  # noqa: E402
 )
 
 
-def _cfg(bn, bk, br, warps, stages, tail=2, acc_first=True):
-    c = dict(BN=bn, BK=bk, BR=br, num_warps=warps, num_stages=stages, TAIL=tail)
-    if not acc_first:
-        c["ACC_FIRST"] = False
-    return c
+def _cfg(bn, bk, br, warps, stages, tail=2):
+    return dict(BN=bn, BK=bk, BR=br, num_warps=warps, num_stages=stages, TAIL=tail)
 
 
-#: The default tiles (``_wgrad_tma_default_config`` on a GPU).
+#: The default tiles (``_wgrad_tma_default_config`` on a GPU), fresh and accumulating.
 DEFAULT = _cfg(128, 128, 64, 8, 3)
+ACC_DEFAULT = _cfg(128, 128, 64, 4, 3, tail=1)
 #: Tile candidates. sm_90 ptxas (triton 3.9 and 3.6 alike), registers / shared memory:
 #: 128x128 BR64 8w 3s 94 / 96 KiB (2 programs per SM), 4s 94 / 128 KiB (1); BR32 4s
 #: 94 / 64 KiB (3); BR128 2s 94 / 128 KiB (1); BR16 6s 94 / 48 KiB (4 by memory, 2 by
@@ -89,12 +87,10 @@ CANDIDATES = [
     _cfg(128, 128, 64, 4, 3), _cfg(64, 128, 64, 4, 4),
 ]
 #: Accumulating candidates beside the default tiles.
-ACC_CANDIDATES = [_cfg(128, 128, 64, 8, 3, acc_first=False),
-                  _cfg(128, 128, 64, 4, 3, tail=1, acc_first=False),
-                  _cfg(128, 128, 64, 8, 3, tail=1), _cfg(128, 128, 32, 8, 3),
+ACC_CANDIDATES = [_cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 3, tail=1),
+                  _cfg(128, 128, 32, 8, 3),
                   _cfg(128, 128, 64, 8, 2), _cfg(128, 128, 32, 4, 3),
-                  _cfg(128, 128, 64, 4, 3), _cfg(128, 128, 64, 4, 3, tail=1),
-                  _cfg(128, 256, 64, 8, 3)]
+                  _cfg(128, 128, 64, 4, 3), _cfg(128, 256, 64, 8, 3)]
 CPU_DEFAULT = _cfg(32, 32, 32, 4, 1)
 CPU_CANDIDATES = [_cfg(32, 32, 32, 4, 1, tail=0), _cfg(32, 32, 32, 4, 1, tail=1),
                   _cfg(32, 64, 16, 4, 1)]
@@ -110,8 +106,7 @@ MAX_SECONDS = 80.0
 
 def cfg_name(c: dict, acc: bool = False) -> str:
     return (f"tma {c['BN']}x{c['BK']} BR{c['BR']} {c['num_warps']}w/{c['num_stages']}s "
-            f"T{c['TAIL']}" + (" acc" if acc else "")
-            + (" late" if acc and not c.get("ACC_FIRST", True) else ""))
+            f"T{c['TAIL']}" + (" acc" if acc else ""))
 
 
 # --------------------------------------------------------------------------- inputs
@@ -163,7 +158,7 @@ def _impls(cpu: bool, old) -> list[tuple[str, dict | None, bool]]:
     """``(impl, config, accumulate)`` in the order they run (the important rows first)."""
     dflt = CPU_DEFAULT if cpu else DEFAULT
     rows = [("torch", None, False), ("torch+add", None, True), ("old", None, False),
-            ("tma", dflt, False), ("tma", dflt, True)]
+            ("tma", dflt, False), ("tma", dflt if cpu else ACC_DEFAULT, True)]
     rows += [("tma", c, False) for c in (CPU_CANDIDATES if cpu else CANDIDATES)]
     rows += [("tma", c, True) for c in ([] if cpu else ACC_CANDIDATES)]
     return rows

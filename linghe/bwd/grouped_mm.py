@@ -382,7 +382,7 @@ def _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR: tl.constexpr, MASK:
 def _wgrad_tma_kernel(
     g_desc, x_desc, g16_desc, x16_desc, w_ptr, offsets_ptr, N, K, R, stride_we, stride_wn,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
-    ACCUMULATE: tl.constexpr, ACC_FIRST: tl.constexpr = True,
+    ACCUMULATE: tl.constexpr,
 ):
     """bf16/fp16 ``dW[e, n, k] (+)= sum_{r in seg e} g[r, n] * x[r, k]`` (fp32
     accumulation) with both operands loaded by TMA: ``g_desc`` over ``g [R, N]`` in ``[BR,
@@ -418,17 +418,7 @@ def _wgrad_tma_kernel(
     # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
     end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
     start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
-    ns = n0 + tl.arange(0, BN)
-    ks = k0 + tl.arange(0, BK)
-    wmask = (ns < N)[:, None] & (ks < K)[None, :]
-    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
-              + ks[None, :])
-    if ACCUMULATE and ACC_FIRST:
-        # the existing gradient is the accumulator's start: its read overlaps the first
-        # boxes' copies instead of following the K loop (no extra registers)
-        acc = tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
     if TAIL == 0:
         for r in range(start, end, BR):
             acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, True)
@@ -451,25 +441,36 @@ def _wgrad_tma_kernel(
             for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
                 acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
                                       True)
-    if ACCUMULATE and not ACC_FIRST:
+    ns = n0 + tl.arange(0, BN)
+    ks = k0 + tl.arange(0, BK)
+    wmask = (ns < N)[:, None] & (ks < K)[None, :]
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+              + ks[None, :])
+    if ACCUMULATE:
         acc += tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)
     tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=wmask)
 
 
 @functools.cache
-def _wgrad_tma_default_config() -> dict:
+def _wgrad_tma_default_config(accumulate: bool = False) -> dict:
     """The TMA wgrad's tiles: ``BN x BK`` output tile, ``BR`` rows per box, warps,
     pipeline stages, ``TAIL`` (see :func:`_wgrad_tma_kernel`). GPU: 128x128 / 64-row
-    boxes / 8 warps / 3 stages (96 KiB of shared memory: two programs per SM, so one's
-    epilogue store overlaps the other's loads and MMAs), 16-row tail boxes.
-    Interpreter: small tiles."""
+    boxes / 3 stages (96 KiB of shared memory: two programs per SM, so one's epilogue
+    overlaps the other's loads and MMAs); 8 warps and 16-row tail boxes, or, when
+    accumulating, 4 warps (251 registers, no spills) and one masked tail box: 4-6%
+    faster there at 256 experts on an H100 (``probe_wgrad_tma``, two runs;
+    ``benchmark/results/h100_probe_wgrad_tma_acc*_2026-11-26.*``). Reading the existing
+    gradient before the K loop as the accumulator's start instead of after it was 5-8%
+    slower and was not kept. Interpreter: small tiles."""
     if INTERPRET:
         return dict(BN=32, BK=32, BR=32, num_warps=4, num_stages=1, TAIL=2)
+    if accumulate:
+        return dict(BN=128, BK=128, BR=64, num_warps=4, num_stages=3, TAIL=1)
     return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=3, TAIL=2)
 
 
 def _check_wgrad_tma_config(config: dict) -> dict:
-    known = {"BN", "BK", "BR", "num_warps", "num_stages", "TAIL", "ACC_FIRST"}
+    known = {"BN", "BK", "BR", "num_warps", "num_stages", "TAIL"}
     if set(config) - known:
         raise ValueError(f"TMA wgrad config: unknown keys {sorted(set(config) - known)} "
                          f"(takes {sorted(known)})")
@@ -532,7 +533,8 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
         return dw
     if R == 0:  # nothing to contract (TMA cannot describe an empty tensor)
         return dw if accumulate else dw.zero_()
-    cfg = _wgrad_tma_default_config() if config is None else _check_wgrad_tma_config(config)
+    cfg = (_wgrad_tma_default_config(accumulate) if config is None
+           else _check_wgrad_tma_config(config))
     BN, BK, BR = cfg["BN"], cfg["BK"], cfg["BR"]
     g_desc = TensorDescriptor(g, [R, N], [g.stride(0), 1], [BR, BN])
     x_desc = TensorDescriptor(x, [R, K], [x.stride(0), 1], [BR, BK])
@@ -544,8 +546,7 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     with device_guard(dw):
         launch(_wgrad_tma_kernel, (cdiv(N, BN) * cdiv(K, BK), E), g_desc, x_desc, g16, x16,
                dw, offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
-               TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate),
-               ACC_FIRST=cfg.get("ACC_FIRST", True), num_warps=cfg["num_warps"],
+               TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate), num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"])
     return dw
 
