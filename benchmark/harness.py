@@ -301,6 +301,27 @@ class GpuClockLog:
             self._proc = None
 
 
+def random_routing(T: int, topk: int, E: int, align: int, device, R: int | None = None,
+                   seed: int = 0):
+    """Balanced random routing of ``T`` tokens to ``topk`` of ``E`` experts (standard-normal
+    logits, CPU generator ``seed``): ``(layout, real, offs, counts)`` with the
+    :class:`~linghe.layout.ExpertLayout` over ``R`` rows (default: the worst-case bound
+    ``max_grouped_rows``), the ``[R]`` mask of real (routed) rows on ``device``, the
+    segment offsets as a list and the ``[E]`` int32 counts (CPU)."""
+    from linghe.layout import make_expert_layout, max_grouped_rows
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randn(T, E, generator=g).topk(topk, dim=-1).indices
+    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+    R = max_grouped_rows(T, topk, E, align) if R is None else R
+    layout = make_expert_layout(counts.to(device), align, R)
+    offs = layout.offsets.tolist()
+    real = torch.zeros(R, dtype=torch.bool)
+    for e, c in enumerate(counts.tolist()):
+        real[offs[e]:offs[e] + c] = True
+    return layout, real.to(device), offs, counts
+
+
 def size_matched_copy_us(nbytes: int, device, timer: Callable | None = None) -> float | None:
     """µs of a device copy that reads and writes ``nbytes`` in all (a uint8 ``copy_`` of
     ``nbytes / 2``): the probes' "% of a size-matched copy" ceiling. ``timer(fn)`` gives

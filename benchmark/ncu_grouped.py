@@ -17,22 +17,16 @@ import torch
 
 import linghe
 from linghe.bwd import grouped_mm as bwd_gm
-from linghe.layout import make_expert_layout, max_grouped_rows
+
+from .harness import random_routing
 
 
 def main() -> int:
     torch.manual_seed(0)
     dev = "cuda"
     T, k, E, align, H, N = 8192, 8, 256, 16, 2048, 2048
-    ids = torch.randn(T, E).topk(k, dim=-1).indices
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    R = max_grouped_rows(T, k, E, align)
-    layout = make_expert_layout(counts.to(dev), align, R)
-    offs = layout.offsets.tolist()
-    real = torch.zeros(R, dtype=torch.bool)
-    for e, c in enumerate(counts.tolist()):
-        real[offs[e]:offs[e] + c] = True
-    real = real.to(dev)
+    layout, real, offs, counts = random_routing(T, k, E, align, dev)
+    R = real.numel()
     x = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
     x[~real] = 0
     g = torch.randn(R, N, device=dev, dtype=torch.bfloat16)

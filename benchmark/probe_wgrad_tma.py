@@ -54,7 +54,6 @@ if __name__ == "__main__" and "--ptxas" not in sys.argv and (
 import triton  # noqa: E402
 
 from linghe.bwd import grouped_mm as bwd_gm  # noqa: E402
-from linghe.layout import make_expert_layout, max_grouped_rows  # noqa: E402
 from linghe.utils import set_poison_outputs  # noqa: E402
 
 from .harness import (  # noqa: E402
@@ -64,6 +63,7 @@ from .harness import (  # noqa: E402
     interpreter_matches,
     load_module_at,
     print_columns,
+    random_routing,
 )
 
 
@@ -115,17 +115,9 @@ def cfg_name(c: dict, acc: bool = False) -> str:
 def build_inputs(lay: dict, N: int, K: int, device: str) -> dict:
     """Layout (balanced random routing, seed 0), ``g [R, N]``, ``x [R, K]`` bf16 with zero
     padding/tail rows, and the float32 reference ``dW [E, N, K]``."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    T, topk, E, align = lay["T"], lay["topk"], lay["E"], lay["align"]
-    ids = torch.randn(T, E, generator=gen).topk(topk, dim=-1).indices
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    R = max_grouped_rows(T, topk, E, align)
-    layout = make_expert_layout(counts.to(device), align, R)
-    offs = layout.offsets.tolist()
-    real = torch.zeros(R, dtype=torch.bool)
-    for e, c in enumerate(counts.tolist()):
-        real[offs[e]:offs[e] + c] = True
-    real = real.to(device)
+    E = lay["E"]
+    layout, real, offs, _ = random_routing(lay["T"], lay["topk"], E, lay["align"], device)
+    R = real.numel()
     g = torch.randn(R, N, device=device, dtype=torch.bfloat16)
     x = torch.randn(R, K, device=device, dtype=torch.bfloat16)
     g[~real] = 0

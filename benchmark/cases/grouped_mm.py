@@ -27,26 +27,15 @@ import linghe.functional.grouped_mm
 from linghe import reference as ref
 from linghe.bwd import grouped_mm as bwd_gm
 from linghe.fwd import grouped_mm as fwd_gm
-from linghe.layout import make_expert_layout, max_grouped_rows
 
-from ..harness import Bench, Config, case
+from ..harness import Bench, Config, case, random_routing
 
 HAS_TORCH_GMM = hasattr(torch, "_grouped_mm")
 
 
 def _routing(T, topk, E, align, device):
-    """Balanced-ish random routing -> (layout, real-row mask, counts list)."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    logits = torch.randn(T, E, generator=g)
-    ids = logits.topk(topk, dim=-1).indices
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    R = max_grouped_rows(T, topk, E, align)
-    layout = make_expert_layout(counts.to(device), align, R)
-    offs = layout.offsets.tolist()
-    real = torch.zeros(R, dtype=torch.bool)
-    for e, c in enumerate(counts.tolist()):
-        real[offs[e]:offs[e] + c] = True
-    return layout, real.to(device), offs
+    """Balanced-ish random routing -> (layout, real-row mask, segment offsets)."""
+    return random_routing(T, topk, E, align, device)[:3]
 
 
 def _configs(cfg: Config):
@@ -129,6 +118,8 @@ def _gemm_benches(cfg: Config, layout, real, offs, used, gname, N, K):
             bytes=p["bytes"] // 2, run=fp8_run, tol=0.08, expected=p["eager"], flops=flops,
             note="torch_bf16 = torch._grouped_mm bf16 (target: fp8 >= 1.4x faster)"))
         if pname == "wgrad":
+            benches.append(_accumulate_bench(g, x, off, layout, eager_wgrad, torch_ok,
+                                             tag, flops))
             benches.append(Bench(
                 name=f"grouped_mm wgrad {tag} fp8 segment groups (MoE path)",
                 bytes=p["bytes"] // 2,
@@ -142,6 +133,25 @@ def _gemm_benches(cfg: Config, layout, real, offs, used, gname, N, K):
             bytes=2 * (m * k + k * n + m * n), run={"dense": lambda a=a, b=b: a @ b},
             tol=1e-2, flops=flops, note="same FLOPs, one matmul; not checked"))
     return benches
+
+
+def _accumulate_bench(g, x, off, layout, eager_wgrad, torch_ok, tag, flops) -> Bench:
+    """The wgrad added into an existing gradient (fused gradient accumulation,
+    :func:`~linghe.bwd.grouped_mm.grouped_mm_wgrad_accumulate_`) against computing it and
+    adding it (what PyTorch's AccumulateGrad does). Each provider accumulates into its own
+    copy of the same start, so the first call (the checked one) gives start + dW."""
+    E, N, K = layout.num_experts, g.shape[1], x.shape[1]
+    start = torch.randn(E, N, K, device=x.device).to(x.dtype)
+    bufs = {name: start.clone() for name in ("eager", "torch", "linghe")}
+    run = {"eager": lambda: bufs["eager"].add_(eager_wgrad()),
+           "linghe": lambda: bwd_gm.grouped_mm_wgrad_accumulate_(bufs["linghe"], g, x, off)}
+    if torch_ok:
+        run["torch"] = lambda: bufs["torch"].add_(
+            bwd_gm.grouped_mm_wgrad(g, x, off, backend="torch"))
+    return Bench(name=f"grouped_mm wgrad accumulate into .grad {tag} bf16",
+                 bytes=2 * (g.numel() + x.numel() + 2 * E * N * K), run=run, tol=1e-2,
+                 expected=lambda: start.float() + eager_wgrad().float(), flops=flops,
+                 note="eager/torch: wgrad then add_ (AccumulateGrad's pass)")
 
 
 def _quant_benches(cfg: Config, layout, real, K):
