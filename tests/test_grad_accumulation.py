@@ -261,3 +261,46 @@ def test_moe_module_accumulates(monkeypatch, fused_on, device):
     plain = run(False)
     for n in plain:
         assert_close(fused[n], plain[n], 1e-2, n)
+
+
+def test_flat_buffer_view_grad_takes_plain_path(device, monkeypatch, fused_on):
+    """A .grad that is a view into a flat buffer (e.g. DDP's bucket views): PyTorch's
+    in-place add keeps it in the buffer; the fused path steps aside."""
+    counts, align, K, N = [4, 7], 8, 32, 16
+    rows, layout, real = make_rows(counts, align, K, device, torch.float32)
+    g1, g2 = (torch.randn(rows.shape[0], N, device=device) for _ in range(2))
+    calls = _count_fused(monkeypatch)
+    w = torch.nn.Parameter(torch.randn(2, N, K, device=device))
+    buf = torch.zeros(2 * N * K + 64, device=device)
+    w.grad = buf[64:].view(2, N, K)
+    for g in (g1, g2):
+        linghe.grouped_mm(rows, w, layout).backward(g)
+    assert not calls
+    assert w.grad._base is buf  # still the buffer's view
+    expect = _ref_wgrad(g1, rows, layout.offsets) + _ref_wgrad(g2, rows, layout.offsets)
+    assert_close(buf[64:].view(2, N, K), expect, None, "buffer")
+
+
+def test_failed_backward_leaves_gradients(monkeypatch, fused_on):
+    """An error in the FP8 expert FFN's backward (here: its dgrad) after the fused path
+    was chosen leaves the accumulated gradients as they were, as PyTorch does: the
+    in-place adds run last."""
+    counts, align, H, I = [5, 0, 30], 16, 128, 192
+    rows, probs, w1, w2, layout, real = _expert_inputs(counts, align, H, I)
+    g = torch.randn(rows.shape[0], H)
+    g[~real] = 0
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    grouped_swiglu(rows.clone().requires_grad_(), probs, p1, p2, layout, fp8=True,
+                   pow2_scale=True).backward(g.to(torch.bfloat16))
+    before = p1.grad.clone(), p2.grad.clone()
+
+    def fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(bwd_gm, "grouped_mm_fp8_dgrad", fail)
+    out = grouped_swiglu(rows.clone().requires_grad_(), probs, p1, p2, layout, fp8=True,
+                         pow2_scale=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        out.backward(g.to(torch.bfloat16))
+    assert p1.grad is not None and p2.grad is not None
+    assert torch.equal(p1.grad, before[0]) and torch.equal(p2.grad, before[1])

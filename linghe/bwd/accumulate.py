@@ -7,25 +7,29 @@ over every gradient (two reads and a write, 6 bytes per bf16 parameter), 47 ms o
 weight gradients are instead added in the GEMM's epilogue:
 
 1. the backward asks :func:`grad_to_accumulate` for a ``.grad`` it may add into;
-2. its kernel adds this backward's gradient to that tensor in place (fp32 sum, one
-   rounding, where PyTorch rounds the new gradient and then the sum);
+2. once everything that may fail or allocate has run, its kernel adds this backward's
+   gradient to that tensor in place (fp32 sum, one rounding, where PyTorch rounds the
+   new gradient and then the sum);
 3. :func:`take_grad` takes the tensor off the parameter (``param.grad = None``) and the
    backward returns it as the weight's gradient. ``AccumulateGrad``, finding no
-   ``.grad``, installs the returned tensor as it is (no copy, no add): ``param.grad`` is
-   the same tensor as before, and post-accumulate hooks (DDP's reducer, FSDP, optimizers
-   in backward) run as usual. Should another reference keep ``AccumulateGrad`` from
-   taking the tensor (e.g. a DDP bucket view), it copies it: slower, same values.
+   ``.grad`` and no other holder of the returned tensor, installs it without a copy or
+   an add: ``param.grad`` is then a new tensor object on the same memory (as PyTorch's
+   AccumulateGrad installs a fresh gradient), and post-accumulate hooks (DDP's reducer,
+   FSDP, optimizers in backward) run as usual.
 
-The fused path is taken only where it cannot change what a user observes: enabled
+The fused path is taken only where it does not change what a user observes: enabled
 (``LINGHE_FUSED_GRAD_ACCUMULATION=0`` or :func:`set_fused_grad_accumulation` turn it
 off), the weight is a leaf parameter that requires grad and has no tensor hooks
 (``register_hook`` would see the accumulated gradient instead of this backward's), the
 backward ends in the parameter's AccumulateGrad (``backward()``, not
 ``torch.autograd.grad`` or ``backward(inputs=...)`` without the parameter), it does not
-build a graph (``create_graph``) and is not traced by ``torch.compile``, and ``.grad`` is
-a plain contiguous tensor of the parameter's dtype and shape that does not require
-grad. Everything else takes the plain path (a new gradient, added by
-``AccumulateGrad``).
+build a graph (``create_graph``) and is not traced by ``torch.compile`` or compiled
+autograd, and ``.grad`` is a plain contiguous tensor of the parameter's dtype and shape
+that does not require grad, owns its whole storage (not a view into a flat buffer, such
+as a DDP bucket) and has no other holder (a Python name for it, another tensor object on
+it). Everything else takes the plain path (a new gradient, added by ``AccumulateGrad``).
+One difference remains: pre-hooks on the AccumulateGrad node itself
+(``get_gradient_edge(param).node.register_prehook``) see the accumulated total.
 """
 
 from __future__ import annotations
@@ -66,48 +70,55 @@ def grad_to_accumulate(param: torch.Tensor | None) -> torch.Tensor | None:
     """In a backward: ``param.grad`` where this backward may add its weight gradient to
     it in place and return it through :func:`take_grad`, else ``None`` (module
     docstring)."""
-    if param is None or not _enabled or torch.is_grad_enabled():
+    if (param is None or not _enabled or torch.is_grad_enabled()
+            or torch.compiler.is_compiling() or _in_compiled_autograd()):
         return None
     grad = param.grad
     if (grad is None or type(grad) is not torch.Tensor or grad.layout != torch.strided
             or grad.dtype != param.dtype or grad.shape != param.shape
             or grad.device != param.device or not grad.is_contiguous()
-            or grad.requires_grad or getattr(param, "_backward_hooks", None)):
+            or grad.requires_grad or getattr(param, "_backward_hooks", None)
+            or grad._base is not None or grad.storage_offset() != 0
+            or grad.untyped_storage().nbytes() != grad.numel() * grad.element_size()):
         return None
-    refs, unshared = _references(grad), _unshared_references()
-    if refs[0] > unshared[0] or refs[1] > unshared[1]:
+    refs = _references(grad)
+    if refs[0] > _UNSHARED[0] or refs[1] > _UNSHARED[1]:
         return None
     return grad if _accumulate_grad_will_run(param) else None
 
 
+def _in_compiled_autograd() -> bool:
+    try:
+        from torch._dynamo import compiled_autograd
+    except ImportError:  # (no dynamo: no compiled autograd either)
+        return False
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
 def _references(grad: torch.Tensor) -> tuple[int, int]:
     """``(Python references, C++ uses)`` of ``grad``, called with the caller's local name
-    for it. More than :func:`_unshared_references` means something besides
-    ``param.grad`` holds it: a Python name (a user's alias) or a C++ reference (e.g. a
-    DDP bucket view); AccumulateGrad would then copy the returned tensor instead of
-    installing it, and the holder would lose track of ``.grad`` (PyTorch's own in-place
-    add keeps them together)."""
+    for it. More than :data:`_UNSHARED` means something besides ``param.grad`` holds it:
+    a Python name (a user's alias, which would stop being ``.grad`` after the hand-back)
+    or a C++ reference (AccumulateGrad would copy the returned tensor)."""
     use_count = getattr(grad, "_use_count", None)
     return sys.getrefcount(grad), use_count() if use_count is not None else 0
 
 
-_UNSHARED: tuple[int, int] | None = None
-
-
 def _unshared_references() -> tuple[int, int]:
-    """:func:`_references` of a ``.grad`` that nothing else holds, measured once on a
-    small parameter (PyTorch versions differ in how a tensor owns its Python object)."""
-    global _UNSHARED
-    if _UNSHARED is None:
-        p = torch.zeros(1, requires_grad=True)
-        p.grad = torch.zeros(1)
+    """:func:`_references` of a ``.grad`` that nothing else holds, at the call depth of
+    :func:`grad_to_accumulate` (PyTorch versions differ in how a tensor owns its Python
+    object): measured once, at import, on a CPU parameter."""
+    p = torch.zeros(1, device="cpu", requires_grad=True)
+    p.grad = torch.zeros(1, device="cpu")
 
-        def probe(param):  # the same call depth as grad_to_accumulate's
-            grad = param.grad
-            return _references(grad)
+    def probe(param):  # grad_to_accumulate's call depth
+        grad = param.grad
+        return _references(grad)
 
-        _UNSHARED = probe(p)
-    return _UNSHARED
+    return probe(p)
+
+
+_UNSHARED: tuple[int, int] = _unshared_references()
 
 
 def _accumulate_grad_will_run(param: torch.Tensor) -> bool:
@@ -125,6 +136,8 @@ def _accumulate_grad_will_run(param: torch.Tensor) -> bool:
 def take_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Clear ``param.grad`` (which is ``grad``, now holding the accumulated sum) and
     return ``grad``: the backward's result for the weight, which ``AccumulateGrad``
-    installs again as ``param.grad`` without adding."""
+    installs again as ``param.grad`` without adding. Call it last in the backward,
+    after every step that may fail: a failure between this and the return would lose
+    the accumulated gradient."""
     param.grad = None
     return grad

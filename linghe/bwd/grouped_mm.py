@@ -587,6 +587,19 @@ def grouped_mm_wgrad(d_out: torch.Tensor, rows: torch.Tensor, offsets: torch.Ten
 WGRAD_ACCUMULATE_TMA: bool = os.environ.get("LINGHE_WGRAD_ACCUMULATE_TMA", "1") == "1"
 
 
+def wgrad_accumulate_operand(rows: torch.Tensor, rows_scale: torch.Tensor | None,
+                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows, rows_scale)`` as :func:`grouped_mm_wgrad_accumulate_` will read them, made
+    before any gradient is touched: FP8 rows dequantized to ``dtype`` where the TMA
+    kernel takes them (it reads 16-bit operands), else as given (the pointer kernel
+    dequantizes in its loads). So the accumulation itself allocates nothing and cannot
+    fail halfway through a backward."""
+    if (rows_scale is not None and WGRAD_ACCUMULATE_TMA and tma_capable(rows)
+            and rows.shape[0] > 0 and dtype in (torch.bfloat16, torch.float16)):
+        return dequantize_1x128_rows(rows, rows_scale, dtype), None
+    return rows, rows_scale
+
+
 def grouped_mm_wgrad_accumulate_(dw: torch.Tensor, d_out: torch.Tensor, rows: torch.Tensor,
                                  offsets: torch.Tensor, *,
                                  rows_scale: torch.Tensor | None = None) -> torch.Tensor:

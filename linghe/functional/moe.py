@@ -224,15 +224,18 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
     d_rows = d_p = d_w1 = d_w2 = None
     # torch._grouped_mm's wgrad contracts over the rows: segment starts on multiples of 8.
     backend = "auto" if align % 8 == 0 else "triton"
+    # Fused accumulation (weights that already have a .grad): the in-place adds run last,
+    # after every step that may fail or allocate, so that an error (e.g. out of memory)
+    # leaves the gradients as they were, as PyTorch's AccumulateGrad would.
     p1, p2 = ctx.params
-    if need_w2:
+    fused = []  # (param, grad, d_out, rows, rows_scale)
+    g2 = _grad_to_accumulate(p2, dy) if need_w2 else None
+    if need_w2 and g2 is None:
         a2 = ctx.a2
-        d_w2 = _accumulate_wgrad(p2, dy, a2.rowwise_data, a2.rowwise_scale, offsets)
-        if d_w2 is None:
-            a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
-            d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype,
-                                           backend=backend)
-            del a2_hp
+        a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
+        d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype,
+                                       backend=backend)
+        del a2_hp
     if need_da:
         dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
             dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
@@ -249,25 +252,35 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
         if need_w1:
             a1 = ctx.a1 if ctx.a1 is not None else rows
             fp8_a1 = isinstance(a1, _Parts)
-            d_w1 = _accumulate_wgrad(p1, dh, a1.rowwise_data if fp8_a1 else a1,
-                                     a1.rowwise_scale if fp8_a1 else None, offsets)
-            if d_w1 is None:
+            g1 = _grad_to_accumulate(p1, dh)
+            if g1 is not None:
+                fused.append((p1, g1, dh, *bwd_gm.wgrad_accumulate_operand(
+                    a1.rowwise_data if fp8_a1 else a1, a1.rowwise_scale if fp8_a1 else None,
+                    dh.dtype)))
+            else:
                 if fp8_a1:  # FP8 rows: what the gate_up GEMM multiplied
                     a1 = dequantize_1x128_rows(a1.rowwise_data, a1.rowwise_scale, dh.dtype)
                 d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
                                                backend=backend)
+    if g2 is not None:
+        fused.append((p2, g2, dy, *bwd_gm.wgrad_accumulate_operand(
+            ctx.a2.rowwise_data, ctx.a2.rowwise_scale, dy.dtype)))
+    # every operand is ready: the in-place adds, then the hand-back (no allocation between)
+    for _, grad, d_out, x, x_scale in fused:
+        bwd_gm.grouped_mm_wgrad_accumulate_(grad, d_out, x, offsets, rows_scale=x_scale)
+    for param, grad, *_ in fused:
+        if param is p1:
+            d_w1 = take_grad(param, grad)
+        else:
+            d_w2 = take_grad(param, grad)
     return d_rows, d_p, d_w1, d_w2
 
 
-def _accumulate_wgrad(param, d_out, rows, rows_scale, offsets):
-    """Fused gradient accumulation (:mod:`linghe.bwd.accumulate`): ``param.grad +=
-    d_out_e^T @ rows_e`` in place (FP8 ``rows`` dequantized in the kernel) and the
-    gradient to return; ``None`` where the plain path applies."""
+def _grad_to_accumulate(param, d_out):
+    """``param.grad`` where the wgrad may add into it (:mod:`linghe.bwd.accumulate`) and
+    it has ``d_out``'s dtype (the kernel's operand and output dtypes), else ``None``."""
     grad = grad_to_accumulate(param)
-    if grad is None or grad.dtype != d_out.dtype:
-        return None
-    bwd_gm.grouped_mm_wgrad_accumulate_(grad, d_out, rows, offsets, rows_scale=rows_scale)
-    return take_grad(param, grad)
+    return grad if grad is not None and grad.dtype == d_out.dtype else None
 
 
 def _check(rows, probs_rows, gate_up, down, layout, fp8):
