@@ -17,11 +17,14 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from . import cases as _register_cases  # noqa: E402,F401  (imports every case file)
-from .harness import PROVIDERS, Config, cases, copy_bandwidth_gbps, run_bench  # noqa: E402
-
-
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+from .harness import (  # noqa: E402
+    PROVIDERS,
+    Config,
+    cases,
+    copy_bandwidth_gbps,
+    fmt,
+    run_bench,
+)
 
 
 def print_table(rows, file=sys.stdout):
@@ -33,14 +36,14 @@ def print_table(rows, file=sys.stdout):
             lines.append([r["case"], r["provider"], "error: " + r["error"][:60], "", "", "",
                           "", "", "", "", ""])
             continue
-        err = _fmt(r["rel_err"], ".1e") + ("" if r["ok"] in (None, True) else " FAIL")
-        lines.append([r["case"], r["provider"], _fmt(r["us"], ".1f"),
-                      _fmt(r.get("device_us"), ".1f"),
-                      _fmt(r.get("host_us"), ".1f") + (" (waited)" if r.get("host_waited") else ""),
-                      _fmt(r["gbps"], ".0f"),
-                      _fmt(r["pct_copy"], ".0f"), _fmt(r.get("tflops"), ".1f"),
-                      _fmt(r["vs_eager"], ".2f") + "x",
-                      _fmt(r["vs_compile"], ".2f") + "x", err])
+        err = fmt(r["rel_err"], ".1e") + ("" if r["ok"] in (None, True) else " FAIL")
+        lines.append([r["case"], r["provider"], fmt(r["us"], ".1f"),
+                      fmt(r.get("device_us"), ".1f"),
+                      fmt(r.get("host_us"), ".1f") + (" (waited)" if r.get("host_waited") else ""),
+                      fmt(r["gbps"], ".0f"),
+                      fmt(r["pct_copy"], ".0f"), fmt(r.get("tflops"), ".1f"),
+                      fmt(r["vs_eager"], ".2f") + "x",
+                      fmt(r["vs_compile"], ".2f") + "x", err])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)] if lines else []
     fmt_line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))
     print(fmt_line(head), file=file)

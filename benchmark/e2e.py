@@ -90,7 +90,7 @@ from .e2e_model import (  # noqa: E402
     train_step,
     update,
 )
-from .harness import GpuClockLog  # noqa: E402
+from .harness import GpuClockLog, fmt  # noqa: E402
 
 #: Dense tensor-core peaks (TFLOP/s, without sparsity) of SXM parts: (bf16, fp8).
 PEAK_TFLOPS = {"H200": (989.4, 1978.9), "H100": (989.4, 1978.9)}
@@ -327,9 +327,6 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
 # ======================================================================================
 
 
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
-
 
 def _print_rows(head, lines, file=None):
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
@@ -350,8 +347,8 @@ def print_breakdown(rows, file=None) -> None:
         return
     print("\nGPU time per step by op family (ms, torch.profiler kernel time):", file=file)
     head = ["family"] + [_label(r) for r in ok]
-    lines = [[fam] + [_f(r["families_ms"][fam], ".2f") for r in ok] for fam in FAMILIES]
-    lines.append(["total (busy)"] + [_f(r["busy_ms"], ".2f") for r in ok])
+    lines = [[fam] + [fmt(r["families_ms"][fam], ".2f") for r in ok] for fam in FAMILIES]
+    lines.append(["total (busy)"] + [fmt(r["busy_ms"], ".2f") for r in ok])
     _print_rows(head, lines, file)
 
 
@@ -364,17 +361,17 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
         if r["error"]:
             lines.append([_label(r), "error: " + r["error"][:70]] + [""] * (len(head) - 2))
             continue
-        vs = lambda k, ms=r["step_ms"]: (_f(base[k] / ms, ".2f") + "x") if base.get(k) else "-"
+        vs = lambda k, ms=r["step_ms"]: (fmt(base[k] / ms, ".2f") + "x") if base.get(k) else "-"
         g = r["cuda_graph"]
         hb = r.get("host_bound_frac")
         lines.append([
-            _label(r), _f(r["step_ms"], ".1f"), _f(r.get("busy_ms"), ".1f"),
-            "-" if hb is None else f"{100 * hb:.0f}%", _f(r["tokens_per_s"], ",.0f"),
-            _f(r["tflops"], ".1f"),
+            _label(r), fmt(r["step_ms"], ".1f"), fmt(r.get("busy_ms"), ".1f"),
+            "-" if hb is None else f"{100 * hb:.0f}%", fmt(r["tokens_per_s"], ",.0f"),
+            fmt(r["tflops"], ".1f"),
             "-" if r["mfu_bf16_peak"] is None else f"{100 * r['mfu_bf16_peak']:.1f}%",
             "-" if r["mfu_fp8_peak"] is None else f"{100 * r['mfu_fp8_peak']:.1f}%",
-            _f(r.get("peak_mem_gib"), ".1f"), vs(("torch", False)), vs(("bf16", g)),
-            _f(r["losses"][-1], ".4f")])
+            fmt(r.get("peak_mem_gib"), ".1f"), vs(("torch", False)), vs(("bf16", g)),
+            fmt(r["losses"][-1], ".4f")])
     f = step_flops(cfg)
     print(f"\nLing-mini-2.0-shaped MoE decoder: {cfg.layers} layers, hidden {cfg.hidden}, "
           f"{cfg.experts} experts top-{cfg.topk}, vocab {cfg.vocab}, batch {cfg.batch} x seq "
@@ -503,15 +500,15 @@ def print_gemm_bound(bounds: dict, file=None) -> None:
         print(f"GEMM bound ({label} row): GEMMs (gemm + grouped_gemm) take "
               f"{b['gemm_ms']:.1f} of {b['step_ms']:.1f} ms; with every GEMM at 0 ms the "
               f"step is {b['step_without_gemm_ms']:.1f} ms, so faster GEMMs give at most "
-              f"{_f(b['max_speedup_gemms_free'], '.2f')}x over bf16; with FP8 GEMMs at 2x "
+              f"{fmt(b['max_speedup_gemms_free'], '.2f')}x over bf16; with FP8 GEMMs at 2x "
               f"the bf16 GEMM throughput{q}: {b['step_fp8_gemms_2x_ms']:.1f} ms, "
-              f"{_f(b['max_speedup_fp8_gemms_2x'], '.2f')}x.", file=file)
+              f"{fmt(b['max_speedup_fp8_gemms_2x'], '.2f')}x.", file=file)
         if "fp8_gemm_ms" in b:
             print(f"  with the LM head in bf16 (as FP8 recipes keep it; ~{b['lm_head_ms']:.1f}"
                   f" ms by its FLOP share): the FP8-eligible GEMMs take "
                   f"{b['fp8_gemm_ms']:.1f} ms, so FP8 gives at most "
-                  f"{_f(b['max_speedup_fp8_gemms_free'], '.2f')}x with them free and "
-                  f"{_f(b['max_speedup_fp8_gemms_2x_lm_bf16'], '.2f')}x at 2x.", file=file)
+                  f"{fmt(b['max_speedup_fp8_gemms_free'], '.2f')}x with them free and "
+                  f"{fmt(b['max_speedup_fp8_gemms_2x_lm_bf16'], '.2f')}x at 2x.", file=file)
 
 
 def _short(name: str, width: int = 150) -> str:

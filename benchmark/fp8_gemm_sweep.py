@@ -61,6 +61,8 @@ from linghe.bwd import grouped_mm as bwd_gm  # noqa: E402
 from linghe.fwd import grouped_mm as fwd_gm  # noqa: E402
 from linghe.utils import INTERPRET, set_poison_outputs  # noqa: E402
 
+from .harness import fmt  # noqa: E402
+
 # --------------------------------------------------------------------------------------
 # Candidates (GPU). Names: form, tiles, warps, stages.
 # --------------------------------------------------------------------------------------
@@ -231,9 +233,6 @@ def rel_err(out: torch.Tensor, expect: torch.Tensor, chunk: int = 1 << 26) -> fl
     return (num / den) ** 0.5 if den > 0 else num**0.5
 
 
-def _fmt(v, spec, none="-"):
-    return none if v is None else format(v, spec)
-
 
 # --------------------------------------------------------------------------------------
 # Inputs and references
@@ -374,7 +373,7 @@ def sweep_op(op, lname, gname, d, cands, device, clock, rows):
                    n_spills=spills, speedup_vs_bf16=(bf_us / us) if bf_us else None)
         rows.append(row)
         print(f"  {lname} {gname:7s} {op:5s} {row['config']:34s} {us:9.1f} us  err "
-              f"{err:.3e}  regs {_fmt(regs, 'd')} spills {_fmt(spills, 'd')}  "
+              f"{err:.3e}  regs {fmt(regs, 'd')} spills {fmt(spills, 'd')}  "
               f"first call {secs:.1f} s", flush=True)
     del expect
 
@@ -418,21 +417,21 @@ def summary(rows: list[dict], probes: list[dict]) -> list[str]:
         default = next((r for r in fp8 if r["form"] == "default"), None)
         best = min(fp8, key=lambda r: r["us"], default=None)
         sp = lambda r, bf=bf: None if (r is None or not bf) else bf / r["us"]
-        table.append([k[2], k[0], k[1], _fmt(bf, ".1f"),
-                      _fmt(default and default["us"], ".1f"),
+        table.append([k[2], k[0], k[1], fmt(bf, ".1f"),
+                      fmt(default and default["us"], ".1f"),
                       default["config"] if default else "-",
-                      _fmt(best and best["us"], ".1f"), best["config"] if best else "-",
-                      _fmt(best and best.get("n_regs"), "d"),
-                      _fmt(best and best.get("n_spills"), "d"),
-                      _fmt(sp(best), ".2f") + "x", _fmt(sp(default), ".2f") + "x",
-                      _fmt(best and best.get("rel_err"), ".2e")])
+                      fmt(best and best["us"], ".1f"), best["config"] if best else "-",
+                      fmt(best and best.get("n_regs"), "d"),
+                      fmt(best and best.get("n_spills"), "d"),
+                      fmt(sp(best), ".2f") + "x", fmt(sp(default), ".2f") + "x",
+                      fmt(best and best.get("rel_err"), ".2e")])
     # wgrad rows last, so the most-watched numbers end the output.
     table.sort(key=lambda t: (OPS.index(t[0]), t[1], t[2]))
     widths = [max(len(str(c)) for c in col) for col in zip(head, *table)]
-    fmt = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    lines.append(fmt(head))
+    line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    lines.append(line(head))
     lines.append("-+-".join("-" * w for w in widths))
-    lines += [fmt(t) for t in table]
+    lines += [line(t) for t in table]
     return lines
 
 
@@ -586,8 +585,8 @@ def ptxas_table(args) -> int:
                                     else kernel, consts, c["num_warps"], c["num_stages"])
                     regs, spill = _ptxas_usage(k.asm["ptx"])
                     line = (f"{'wgrad' if 'BK' in c else 'rows '} {lname} "
-                            f"{cfg_name(cc):32s} regs {_fmt(regs, 'd', '?'):>3} spill "
-                            f"{_fmt(spill, 'd', '?'):>4} B  smem {k.metadata.shared // 1024:3d}"
+                            f"{cfg_name(cc):32s} regs {fmt(regs, 'd', '?'):>3} spill "
+                            f"{fmt(spill, 'd', '?'):>4} B  smem {k.metadata.shared // 1024:3d}"
                             f" KiB  wgmma {'wgmma' in k.asm['ptx']}  "
                             f"({time.perf_counter() - t:.1f} s)")
                     print(line, flush=True)

@@ -224,6 +224,11 @@ def host_us(fn: Callable[[], Any], calls: int = 20, spin_us: float = 200_000.0,
     return statistics.median(per_call), waited
 
 
+def fmt(v, spec: str, none: str = "-") -> str:
+    """A table cell: ``format(v, spec)``, or ``none`` where ``v`` is ``None``."""
+    return none if v is None else format(v, spec)
+
+
 def print_columns(head: Sequence[str], lines: Sequence[Sequence[Any]]) -> None:
     """Print ``lines`` under ``head`` as a ``|``-separated table with padded columns (the
     probes' last output)."""

@@ -65,6 +65,8 @@ import triton  # noqa: E402
 from benchmark.cases.activation import moe_grouped_inputs  # noqa: E402
 from linghe.utils import INTERPRET  # noqa: E402
 
+from .harness import fmt  # noqa: E402
+
 # knob grids: (num_warps, column blocks per program); the batch backward runs fused with
 # each, and once as two kernels (QUANT_BWD_MODE="two_kernel", the row "2k")
 _BWD_KNOBS = [(16, 1), (8, 1), (8, 4), (16, 4)]
@@ -263,7 +265,7 @@ class _Probe:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             row["ok"] = False
             out = None
-        print(f"  {name:<34} {str(knobs):<28} {_f(row['us'], '.1f'):>9} µs "
+        print(f"  {name:<34} {str(knobs):<28} {fmt(row['us'], '.1f'):>9} µs "
               f"{'ok' if row['ok'] else 'FAIL ' + str(row.get('error') or '')}",
               file=sys.stderr, flush=True)
         return row, out
@@ -393,8 +395,8 @@ class _Probe:
             chk = "ok" if r["ok"] else ("error: " + r["error"][:50] if r["error"] else "FAIL")
             if r["ok"]:
                 chk += f" (deq {max(r['rowwise_rel_err'], r['colwise_rel_err']):.1e})"
-            lines.append([r["name"], kn, _f(r["us"], ".1f"), _f(r["kernel_us"], ".1f"),
-                          _f(r["gbps"], ".0f"), _f(r["pct_copy"], ".0f"), same, chk])
+            lines.append([r["name"], kn, fmt(r["us"], ".1f"), fmt(r["kernel_us"], ".1f"),
+                          fmt(r["gbps"], ".0f"), fmt(r["pct_copy"], ".0f"), same, chk])
         widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
         print(f"{self.dev_name}; copy {self.copy_gbps:.0f} GB/s; torch {torch.__version__}, "
               f"triton {triton.__version__}; GB/s and % copy from kernel µs when "
@@ -413,9 +415,6 @@ def _knob_names(kv: dict) -> dict:
              "QUANT_BWD_MODE": "mode"}
     return {short[k]: v for k, v in kv.items()}
 
-
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
 
 
 def _flat(out):

@@ -64,6 +64,7 @@ from .harness import (  # noqa: E402
     Config,
     copy_bandwidth_gbps,
     device_time_us,
+    fmt,
     graph_time_us,
     interpreter_matches,
     load_module_at,
@@ -390,7 +391,7 @@ def main(argv=None) -> int:
             verdict = "ok" if r["ok"] else (f"FAIL {r['error'] or r.get('vs_ref')} "
                                             f"{r.get('vs_old')}")
             print(f"  {case} {mode} {'pow2' if pow2 else 'exact'} {impl} {_kn_str(kn):<40} "
-                  f"kernel {_f(r.get('kernel_us'), '.1f')} µs {verdict}", file=sys.stderr,
+                  f"kernel {fmt(r.get('kernel_us'), '.1f')} µs {verdict}", file=sys.stderr,
                   flush=True)
             rows.append(r)
         del want, old_out
@@ -409,9 +410,6 @@ def main(argv=None) -> int:
     bad = [r for r in rows if not r["ok"]]
     return 1 if bad or failures else 0
 
-
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
 
 
 def _print_table(rows, dev_name, copy, failures, seconds):
@@ -434,9 +432,9 @@ def _print_table(rows, dev_name, copy, failures, seconds):
         t, t0 = r.get("kernel_us"), base.get(key)
         lines.append([r["case"], "col+row" if r["copies"] == "rc" else "row",
                       "pow2" if r["pow2"] else "exact", r["impl"], _kn_str(r["knobs"]),
-                      "yes" if r.get("packed") else "", _f(t, ".1f"),
-                      _f(t0 / t if t and t0 else None, ".3f"), _f(r.get("graph_us"), ".1f"),
-                      _f(r.get("gbps"), ".0f"), _f(r.get("pct_copy"), ".1f"), vo, vr])
+                      "yes" if r.get("packed") else "", fmt(t, ".1f"),
+                      fmt(t0 / t if t and t0 else None, ".3f"), fmt(r.get("graph_us"), ".1f"),
+                      fmt(r.get("gbps"), ".0f"), fmt(r.get("pct_copy"), ".1f"), vo, vr])
     print(f"{dev_name}; copy {copy or 0:.0f} GB/s; GB/s and % copy from kernel µs (fewest "
           f"bytes); edge-input checks {'ok' if not failures else 'FAILED: ' + str(len(failures))}; "
           f"{seconds:.0f} s")

@@ -59,6 +59,7 @@ from .harness import (  # noqa: E402
     Config,
     copy_bandwidth_gbps,
     device_time_us,
+    fmt,
     interpreter_matches,
     load_module_at,
     print_columns,
@@ -213,14 +214,11 @@ def _row(section, impl, name, fn, check, nbytes, *, cpu, reps, copy, matched, re
     except Exception as e:  # one failing row must not stop the probe
         r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         r["ok"] = False
-    print(f"  {section} {impl:<4} {name:<32} kernel {_f(r.get('kernel_us'), '.1f')} µs "
+    print(f"  {section} {impl:<4} {name:<32} kernel {fmt(r.get('kernel_us'), '.1f')} µs "
           f"{'ok' if r['ok'] else 'FAIL ' + str(r.get('error') or r.get('rel_err'))}",
           file=sys.stderr, flush=True)
     return r
 
-
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
 
 
 # ------------------------------------------------------------------------ cross entropy
@@ -456,11 +454,11 @@ def _print_table(rows, dev_name, copy, wall):
         if r.get("note"):
             chk += " (" + r["note"] + ")"
         lines.append([r["section"], r["impl"], r["name"] + (" *" if r.get("default") else ""),
-                      _f(r.get("kernel_us"), ".1f"), _f(r.get("gbps"), ".0f"),
-                      _f(r.get("pct_copy"), ".1f"), _f(r.get("pct_matched"), ".1f"), vs,
-                      _f(r.get("regs"), "d"), _f(r.get("smem_kb"), ".0f"),
-                      _f(r.get("fit_per_sm"), "d"),
-                      _f(r.get("rel_err"), ".1e"), chk])
+                      fmt(r.get("kernel_us"), ".1f"), fmt(r.get("gbps"), ".0f"),
+                      fmt(r.get("pct_copy"), ".1f"), fmt(r.get("pct_matched"), ".1f"), vs,
+                      fmt(r.get("regs"), "d"), fmt(r.get("smem_kb"), ".0f"),
+                      fmt(r.get("fit_per_sm"), "d"),
+                      fmt(r.get("rel_err"), ".1e"), chk])
     print(f"{dev_name}; copy {copy or 0:.0f} GB/s (1 GiB); % matched = of a copy moving the "
           f"same bytes; * = default; probe wall {wall:.0f} s")
     print_columns(head, lines)

@@ -59,7 +59,7 @@ from linghe.fwd import grouped_mm as fwd_gm  # noqa: E402
 from linghe.layout import max_grouped_rows  # noqa: E402
 from linghe.utils import set_poison_outputs  # noqa: E402
 
-from .harness import device_time_us, interpreter_matches, print_columns  # noqa: E402
+from .harness import device_time_us, fmt, interpreter_matches, print_columns  # noqa: E402
 
 
 def _tma(bm, bn, warps, stages, group_m=8, bk=64):
@@ -202,9 +202,6 @@ def time_us(fn, cpu: bool) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
 
 
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
-
 
 # --------------------------------------------------------------------------- the probe
 
@@ -250,9 +247,9 @@ def probe_op(op, lname, gname, d, cpu, t0, max_s, rows):
                 r.update(skipped=f"{type(exc).__name__}: {msg}")
             else:
                 r["error"] = f"{type(exc).__name__}: {msg}"
-        print(f"  {lname} {gname:7s} {op:5s} {name:28s} {_f(r.get('us'), '9.1f')} µs "
-              f"{_f(r.get('tflops'), '6.0f')} TFLOP/s err {_f(r.get('rel_err'), '.2e')} "
-              f"regs {_f(r.get('n_regs'), 'd')} {'ok' if r['ok'] else 'FAIL'} "
+        print(f"  {lname} {gname:7s} {op:5s} {name:28s} {fmt(r.get('us'), '9.1f')} µs "
+              f"{fmt(r.get('tflops'), '6.0f')} TFLOP/s err {fmt(r.get('rel_err'), '.2e')} "
+              f"regs {fmt(r.get('n_regs'), 'd')} {'ok' if r['ok'] else 'FAIL'} "
               f"{r['error'] or ''} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
               flush=True)
     del expect
@@ -345,10 +342,10 @@ def print_table(rows, dev_name):
     for r in rows:
         chk = ("skipped" if r.get("skipped") else "ok" if r["ok"] else "FAIL") + (
             f" {r['error'][:60]}" if r.get("error") else "")
-        lines.append([r["layout"], r["gemm"], r["op"], r["config"], _f(r.get("us"), ".1f"),
-                      _f(r.get("kernel_us"), ".1f"), _f(r.get("tflops"), ".0f"),
-                      _f(r.get("vs_torch"), ".2f"), _f(r.get("rel_err"), ".1e"),
-                      _f(r.get("n_regs"), "d"), _f(r.get("n_spills"), "d"), chk])
+        lines.append([r["layout"], r["gemm"], r["op"], r["config"], fmt(r.get("us"), ".1f"),
+                      fmt(r.get("kernel_us"), ".1f"), fmt(r.get("tflops"), ".0f"),
+                      fmt(r.get("vs_torch"), ".2f"), fmt(r.get("rel_err"), ".1e"),
+                      fmt(r.get("n_regs"), "d"), fmt(r.get("n_spills"), "d"), chk])
     print(f"{dev_name}; µs: do_bench median (L2 flushed); kernel µs: profiler; TFLOP/s "
           f"of the routed rows; vs torch: torch._grouped_mm µs / row µs")
     print_columns(head, lines)
@@ -362,9 +359,9 @@ def print_table(rows, dev_name):
                    and r["impl"] == "main" and r.get("us")), None)
         if rs:
             b = min(rs, key=lambda r: r["us"])
-            print(f"  {key[0]} {key[1]:7s} {key[2]:5s} torch {_f(tr and tr['us'], '.1f')} "
-                  f"µs, main {_f(mn and mn['us'], '.1f')} ({_f(mn and mn.get('vs_torch'), '.2f')}"
-                  f"x), best {b['us']:.1f} {b['config']} ({_f(b.get('vs_torch'), '.2f')}x "
+            print(f"  {key[0]} {key[1]:7s} {key[2]:5s} torch {fmt(tr and tr['us'], '.1f')} "
+                  f"µs, main {fmt(mn and mn['us'], '.1f')} ({fmt(mn and mn.get('vs_torch'), '.2f')}"
+                  f"x), best {b['us']:.1f} {b['config']} ({fmt(b.get('vs_torch'), '.2f')}x "
                   f"torch, {b['tflops']:.0f} TFLOP/s)")
 
 
@@ -434,8 +431,8 @@ def ptxas_table() -> int:
                 loop = (ptx[head.end():ptx.find(f"bra \t{head[1]};", head.end())]
                         if head else "")
                 waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", loop)
-                print(f"{op:5s} {lname} {name:30s} regs {_f(regs, '3d')} spill "
-                      f"{_f(spill, '4d')} B smem {k.metadata.shared // 1024:3d} KiB  TMA "
+                print(f"{op:5s} {lname} {name:30s} regs {fmt(regs, '3d')} spill "
+                      f"{fmt(spill, '4d')} B smem {k.metadata.shared // 1024:3d} KiB  TMA "
                       f"{'cp.async.bulk.tensor' in ptx}  loop waits {waits} "
                       f"({time.perf_counter() - t:.1f} s)", flush=True)
     return 0

@@ -64,6 +64,7 @@ from .harness import (  # noqa: E402
     Config,
     copy_bandwidth_gbps,
     device_time_us,
+    fmt,
     graph_time_us,
     host_us,
     interpreter_matches,
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
                 r["pct_size"] = 100 * size_us[op] / t if t and size_us.get(op) else None
         except Exception as e:  # one failing row must not stop the probe
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        print(f"  {op} {_knob_str(kn):<32} kernel {_f(r.get('kernel_us'), '.1f')} µs "
+        print(f"  {op} {_knob_str(kn):<32} kernel {fmt(r.get('kernel_us'), '.1f')} µs "
               f"{'ok' if r['ok'] else 'FAIL ' + str(r['error'] or r.get('ref_errs'))} "
               f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
         rows.append(r)
@@ -383,9 +384,6 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
-
 
 def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes):
     head = ["op", "knobs", "kernel µs", "graph µs", "host µs", "GB/s", "% copy", "% size",
@@ -401,12 +399,12 @@ def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes):
         else:
             chk = (f"{r['ref_rel_err']:.1e}" if r.get("ref_rel_err") is not None else "") + (
                 "" if r["ok"] else " FAIL " + (r["error"] or "")[:60])
-        lines.append([r["op"], kn, _f(r.get("kernel_us"), ".1f"), _f(r.get("graph_us"), ".1f"),
-                      _f(r.get("host_us"), ".1f"), _f(r.get("gbps"), ".0f"),
-                      _f(r.get("pct_copy"), ".1f"), _f(r.get("pct_size"), ".1f"), vs, chk])
+        lines.append([r["op"], kn, fmt(r.get("kernel_us"), ".1f"), fmt(r.get("graph_us"), ".1f"),
+                      fmt(r.get("host_us"), ".1f"), fmt(r.get("gbps"), ".0f"),
+                      fmt(r.get("pct_copy"), ".1f"), fmt(r.get("pct_size"), ".1f"), vs, chk])
     print(f"{dev_name}; copy 1 GiB {copy or 0:.0f} GB/s; size-matched copies: fwd "
-          f"{fwd_bytes / 1e6:.1f} MB {_f(size_us.get('fwd'), '.1f')} µs, bwd "
-          f"{bwd_bytes / 1e6:.1f} MB {_f(size_us.get('bwd'), '.1f')} µs; GB/s from the "
+          f"{fwd_bytes / 1e6:.1f} MB {fmt(size_us.get('fwd'), '.1f')} µs, bwd "
+          f"{bwd_bytes / 1e6:.1f} MB {fmt(size_us.get('bwd'), '.1f')} µs; GB/s from the "
           "fewest bytes over kernel µs")
     print_columns(head, lines)
     for r in rows:

@@ -65,6 +65,7 @@ from linghe.utils import INTERPRET, cdiv, set_poison_outputs  # noqa: E402
 from .harness import (  # noqa: E402
     Config,
     copy_bandwidth_gbps,
+    fmt,
     host_us,
     interpreter_matches,
     load_module_at,
@@ -401,7 +402,7 @@ def main(argv=None) -> int:
                 msg = str(e).splitlines()[0][:300] if str(e) else ""
                 r["error"] = f"{type(e).__name__}: {msg}"
             print(f"  {op} {impl:<4} {_kn_str(kn, default):<60} kernel "
-                  f"{_f(r.get('kernel_us'), '.1f')} µs {'ok' if r['ok'] else 'FAIL'} "
+                  f"{fmt(r.get('kernel_us'), '.1f')} µs {'ok' if r['ok'] else 'FAIL'} "
                   f"{r.get('check', '')} {r['error'] or ''} "
                   f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
             rows.append(r)
@@ -418,9 +419,6 @@ def main(argv=None) -> int:
     _print_table(rows, dev_name, copy, sizes)
     return 1 if any(not r["ok"] for r in rows) else 0
 
-
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
 
 
 def _print_table(rows, dev_name, copy, sizes):
@@ -450,11 +448,11 @@ def _print_table(rows, dev_name, copy, sizes):
             f" {bad}" if bad else "") + (
             f" {r['error'][:60]}" if r["error"] else "")
         lines.append([r["op"], r["impl"], _kn_str(r["knobs"], r["default"]),
-                      _f(r.get("kernel_us"), ".1f"), _f(r.get("gbps"), ".0f"),
-                      _f(r.get("pct_copy"), ".0f"), _f(r.get("pct_size"), ".0f"),
-                      _f(r.get("host_us"), ".1f"), vs, chk])
-    sz = "; ".join(f"{v['bytes'] / 1e6:.1f} MB {_f(v['kernel_us'], '.1f')} µs "
-                   f"({_f(v['gbps'], '.0f')} GB/s)" for v in sizes.values())
+                      fmt(r.get("kernel_us"), ".1f"), fmt(r.get("gbps"), ".0f"),
+                      fmt(r.get("pct_copy"), ".0f"), fmt(r.get("pct_size"), ".0f"),
+                      fmt(r.get("host_us"), ".1f"), vs, chk])
+    sz = "; ".join(f"{v['bytes'] / 1e6:.1f} MB {fmt(v['kernel_us'], '.1f')} µs "
+                   f"({fmt(v['gbps'], '.0f')} GB/s)" for v in sizes.values())
     print(f"{dev_name}; copy 1 GiB {copy or 0:.0f} GB/s; size-matched copies: {sz or '-'}")
     print("GB/s from the fewest bytes over kernel µs; % copy vs the 1 GiB copy, % size vs "
           "the size-matched copy of the op's bytes")

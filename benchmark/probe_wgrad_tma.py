@@ -60,6 +60,7 @@ from .harness import (  # noqa: E402
     Config,
     copy_bandwidth_gbps,
     device_time_us,
+    fmt,
     interpreter_matches,
     load_module_at,
     print_columns,
@@ -211,9 +212,6 @@ def time_us(fn, cpu: bool) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
-
 
 def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
     E, R, used = d["E"], d["R"], d["used"]
@@ -273,10 +271,10 @@ def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
             r["error"] = f"{type(exc).__name__}: {msg}"
         finally:
             del fn, dw
-        print(f"  {lname} {gname:7s} {name:32s} {_f(r.get('us'), '9.1f')} µs "
-              f"(kernel {_f(r.get('kernel_us'), '.1f')}) "
-              f"{_f(r.get('tflops'), '5.0f')} TFLOP/s err {_f(r.get('rel_err'), '.2e')} "
-              f"regs {_f(r.get('n_regs'), 'd')} {'ok' if r['ok'] else 'FAIL'} "
+        print(f"  {lname} {gname:7s} {name:32s} {fmt(r.get('us'), '9.1f')} µs "
+              f"(kernel {fmt(r.get('kernel_us'), '.1f')}) "
+              f"{fmt(r.get('tflops'), '5.0f')} TFLOP/s err {fmt(r.get('rel_err'), '.2e')} "
+              f"regs {fmt(r.get('n_regs'), 'd')} {'ok' if r['ok'] else 'FAIL'} "
               f"{r['error'] or ''} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
               flush=True)
     t_fresh = next((r.get("us") for r in case_rows if r["impl"] == "torch"), None)
@@ -295,13 +293,13 @@ def print_table(rows, dev_name, copy_gbps):
     for r in rows:
         chk = ("skipped" if r.get("skipped") else "ok" if r["ok"] else "FAIL") + (
             f" {r['error'][:60]}" if r.get("error") else "")
-        lines.append([r["layout"], r["gemm"], r["config"], _f(r.get("us"), ".1f"),
-                      _f(r.get("kernel_us"), ".1f"),
-                      _f(r.get("gbps"), ".0f"), _f(r.get("pct_copy"), ".0f"),
-                      _f(r.get("tflops"), ".0f"), _f(r.get("vs_torch"), ".2f"),
-                      _f(r.get("rel_err"), ".1e"), _f(r.get("n_regs"), "d"), chk])
+        lines.append([r["layout"], r["gemm"], r["config"], fmt(r.get("us"), ".1f"),
+                      fmt(r.get("kernel_us"), ".1f"),
+                      fmt(r.get("gbps"), ".0f"), fmt(r.get("pct_copy"), ".0f"),
+                      fmt(r.get("tflops"), ".0f"), fmt(r.get("vs_torch"), ".2f"),
+                      fmt(r.get("rel_err"), ".1e"), fmt(r.get("n_regs"), "d"), chk])
     print(f"{dev_name}; µs: do_bench median (L2 flushed); kernel µs: profiler (bars and "
-          f"default tiles); GB/s, % copy ({_f(copy_gbps, '.0f')} GB/s) and TFLOP/s from "
+          f"default tiles); GB/s, % copy ({fmt(copy_gbps, '.0f')} GB/s) and TFLOP/s from "
           f"kernel µs where measured, else µs: d_out + rows read, dW written (+ read: "
           f"acc); TFLOP/s of the routed rows; vs torch: torch._grouped_mm (acc: + add_) "
           f"µs / row µs")
@@ -318,10 +316,10 @@ def print_table(rows, dev_name, copy_gbps):
             t = by_impl.get("torch+add" if acc else "torch")
             o = by_impl.get("old")
             print(f"  {key[0]} {key[1]:7s} {'acc  ' if acc else 'fresh'} torch"
-                  f"{'+add' if acc else ''} {_f(t and t['us'], '.1f')} µs, old "
-                  f"{_f(o and o['us'], '.1f')}, best {b['us']:.1f} "
-                  f"{b['config']} ({_f(b.get('vs_torch'), '.2f')}x torch, "
-                  f"{_f(b.get('pct_copy'), '.0f')}% copy, {b['tflops']:.0f} TFLOP/s)")
+                  f"{'+add' if acc else ''} {fmt(t and t['us'], '.1f')} µs, old "
+                  f"{fmt(o and o['us'], '.1f')}, best {b['us']:.1f} "
+                  f"{b['config']} ({fmt(b.get('vs_torch'), '.2f')}x torch, "
+                  f"{fmt(b.get('pct_copy'), '.0f')}% copy, {b['tflops']:.0f} TFLOP/s)")
 
 
 # --------------------------------------------------------------------------- offline sm_90
@@ -366,7 +364,7 @@ def ptxas_table() -> int:
             continue
         ptx = k.asm["ptx"]
         regs, spill = _ptxas_usage(ptx)
-        print(f"{cfg_name(c, acc):34s} regs {_f(regs, '3d')} spill {_f(spill, '4d')} B smem "
+        print(f"{cfg_name(c, acc):34s} regs {fmt(regs, '3d')} spill {fmt(spill, '4d')} B smem "
               f"{k.metadata.shared // 1024:3d} KiB wgmma {len(re.findall('wgmma.mma_async', ptx))}"
               f" TMA {len(re.findall('cp.async.bulk.tensor', ptx))} "
               f"({time.perf_counter() - t:.1f} s)", flush=True)
