@@ -59,6 +59,7 @@ import linghe.functional.grouped_mm  # noqa: E402
 from linghe import reference as ref  # noqa: E402
 from linghe.bwd import grouped_mm as bwd_gm  # noqa: E402
 from linghe.fwd import grouped_mm as fwd_gm  # noqa: E402
+from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import INTERPRET, set_poison_outputs  # noqa: E402
 
 from .harness import fmt  # noqa: E402
@@ -214,24 +215,6 @@ def _run_first(fn, kernel, key, device):
         _RES[key] = (getattr(new[0], "n_regs", None), getattr(new[0], "n_spills", None))
     regs, spills = _RES.get(key, (None, None))
     return out, secs, regs, spills
-
-
-def rel_err(out: torch.Tensor, expect: torch.Tensor, chunk: int = 1 << 26) -> float:
-    """``linghe.testing.rel_err`` (``||out - ref|| / ||ref||`` in float64 over the finite
-    entries of ``ref``, ``inf`` for a NaN/Inf where ``ref`` is finite) in chunks: a dW of
-    2^30 elements would need ~40 GB of float64 temporaries at once."""
-    o, r = out.reshape(-1), expect.reshape(-1)
-    num = den = 0.0
-    for i in range(0, o.numel(), chunk):
-        oc, rc = o[i:i + chunk].double(), r[i:i + chunk].double()
-        fin = torch.isfinite(rc)
-        if bool((~torch.isfinite(oc) & fin).any()):
-            return float("inf")
-        diff = torch.where(fin, oc - rc, 0.0)
-        num += float((diff * diff).sum())
-        den += float(torch.where(fin, rc * rc, 0.0).sum())
-    return (num / den) ** 0.5 if den > 0 else num**0.5
-
 
 
 # --------------------------------------------------------------------------------------

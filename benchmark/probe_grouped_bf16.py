@@ -57,6 +57,7 @@ from linghe import reference as ref  # noqa: E402
 from linghe.bwd import grouped_mm as bwd_gm  # noqa: E402
 from linghe.fwd import grouped_mm as fwd_gm  # noqa: E402
 from linghe.layout import max_grouped_rows  # noqa: E402
+from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import set_poison_outputs  # noqa: E402
 
 from .harness import device_time_us, fmt, interpreter_matches, print_columns  # noqa: E402
@@ -165,20 +166,6 @@ def _impls(cpu: bool) -> list[tuple[str, dict | None]]:
 # --------------------------------------------------------------------------- helpers
 
 
-def rel_err(out: torch.Tensor, expect: torch.Tensor, chunk: int = 1 << 25) -> float:
-    """``||out - ref|| / ||ref||`` in float64 (in chunks), ``inf`` for a NaN/Inf in
-    ``out`` where ``ref`` is finite (an unwritten, NaN-poisoned element)."""
-    o, r = out.reshape(-1), expect.reshape(-1)
-    num = den = 0.0
-    for i in range(0, o.numel(), chunk):
-        oc, rc = o[i:i + chunk].double(), r[i:i + chunk].double()
-        if bool((~torch.isfinite(oc) & torch.isfinite(rc)).any()):
-            return float("inf")
-        num += float(((oc - rc) ** 2).sum())
-        den += float((rc * rc).sum())
-    return (num / den) ** 0.5 if den > 0 else num**0.5
-
-
 def _binaries() -> list:
     """The compiled binaries of the two rows kernels (for ``n_regs`` / ``n_spills``)."""
     out = []
@@ -200,7 +187,6 @@ def time_us(fn, cpu: bool) -> float:
         fn()
         return (time.perf_counter() - t) * 1e6
     return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
-
 
 
 # --------------------------------------------------------------------------- the probe

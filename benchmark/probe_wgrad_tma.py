@@ -54,6 +54,7 @@ if __name__ == "__main__" and "--ptxas" not in sys.argv and (
 import triton  # noqa: E402
 
 from linghe.bwd import grouped_mm as bwd_gm  # noqa: E402
+from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import set_poison_outputs  # noqa: E402
 
 from .harness import (  # noqa: E402
@@ -130,20 +131,6 @@ def build_inputs(lay: dict, N: int, K: int, device: str) -> dict:
     return dict(layout=layout, g=g, x=x, expect=expect, used=int(real.sum()), R=R, E=E)
 
 
-def rel_err(out: torch.Tensor, expect: torch.Tensor, chunk: int = 1 << 25) -> float:
-    """``||out - ref|| / ||ref||`` in float64 (in chunks), ``inf`` for a non-finite
-    ``out`` element where ``ref`` is finite (an unwritten, NaN-poisoned element)."""
-    o, r = out.reshape(-1), expect.reshape(-1)
-    num = den = 0.0
-    for i in range(0, o.numel(), chunk):
-        oc, rc = o[i:i + chunk].double(), r[i:i + chunk].double()
-        if bool((~torch.isfinite(oc) & torch.isfinite(rc)).any()):
-            return float("inf")
-        num += float(((oc - rc) ** 2).sum())
-        den += float((rc * rc).sum())
-    return (num / den) ** 0.5 if den > 0 else num**0.5
-
-
 # --------------------------------------------------------------------------- rows
 
 
@@ -210,7 +197,6 @@ def time_us(fn, cpu: bool) -> float:
         fn()
         return (time.perf_counter() - t) * 1e6
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
-
 
 
 def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
