@@ -161,6 +161,16 @@ def device():
     return DEVICE
 
 
+@pytest.fixture
+def on_test_device(device):
+    """Tensors and modules made without a device argument land on the test device (CUDA
+    on a GPU machine): ``pytestmark = pytest.mark.usefixtures("on_test_device")``."""
+    prev = torch.get_default_device()
+    torch.set_default_device(device)
+    yield
+    torch.set_default_device(prev)
+
+
 @contextlib.contextmanager
 def _file_lock(name: str):
     import fcntl

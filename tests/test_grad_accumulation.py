@@ -30,13 +30,8 @@ def _ref_wgrad(d_out, rows, offsets):
     return w.grad
 
 
-@pytest.fixture(autouse=True)
-def _on_test_device(device):
-    """Tensors and modules made on the test device (CUDA on a GPU machine)."""
-    prev = torch.get_default_device()
-    torch.set_default_device(device)
-    yield
-    torch.set_default_device(prev)
+# every tensor and module here is made on the test device (CUDA on a GPU machine)
+pytestmark = pytest.mark.usefixtures("on_test_device")
 
 
 @pytest.fixture(params=[True, False], ids=["tma", "pointer"])

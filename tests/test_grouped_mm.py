@@ -155,16 +155,17 @@ def test_auto_backend_is_triton_off_sm90(device):
 # --------------------------------------------------------- bf16/fp16 TMA rows kernel
 
 
-def _spy_launches(monkeypatch):
-    """Record the names of the kernels that ``linghe.fwd.grouped_mm`` launches."""
+def _spy_launches(monkeypatch, module=fwd_gm):
+    """Record the names of the kernels that ``module`` (default ``linghe.fwd.grouped_mm``)
+    launches."""
     names = []
-    real = fwd_gm.launch
+    real = module.launch
 
     def spy(kernel, *args, **kwargs):
         names.append(getattr(kernel, "fn", kernel).__name__)
         return real(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(fwd_gm, "launch", spy)
+    monkeypatch.setattr(module, "launch", spy)
     return names
 
 
@@ -1021,14 +1022,7 @@ def test_wgrad_tma_limits_and_routing(device, monkeypatch):
     assert torch.all(bwd_gm.launch_wgrad_tma(e0, e1, dw.fill_(2.0), empty_off,
                                              accumulate=True) == 2)
     # routing (LINGHE_WGRAD_TMA=1)
-    names = []
-    real_launch = bwd_gm.launch
-
-    def spy(kernel, *args, **kwargs):
-        names.append(getattr(kernel, "fn", kernel).__name__)
-        return real_launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(bwd_gm, "launch", spy)
+    names = _spy_launches(monkeypatch, bwd_gm)
     monkeypatch.setattr(bwd_gm, "WGRAD_TMA", True)
     w = torch.randn(3, 16, 32, device=device, dtype=torch.bfloat16)
     _, _, r_dw = ref_grads(x, w, off, g)

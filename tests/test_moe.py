@@ -9,14 +9,8 @@ import linghe
 from linghe import reference as ref
 from linghe.testing import assert_close
 
-
-@pytest.fixture(autouse=True)
-def _on_test_device(device):
-    """Every tensor and module here is made on the test device (CUDA on a GPU machine)."""
-    prev = torch.get_default_device()
-    torch.set_default_device(device)
-    yield
-    torch.set_default_device(prev)
+# every tensor and module here is made on the test device (CUDA on a GPU machine)
+pytestmark = pytest.mark.usefixtures("on_test_device")
 
 
 def _ref_params(m, dtype):
