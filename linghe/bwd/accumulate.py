@@ -66,16 +66,19 @@ def accumulation_param(weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def grad_to_accumulate(param: torch.Tensor | None) -> torch.Tensor | None:
+def grad_to_accumulate(param: torch.Tensor | None,
+                       dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """In a backward: ``param.grad`` where this backward may add its weight gradient to
     it in place and return it through :func:`take_grad`, else ``None`` (module
-    docstring)."""
+    docstring). ``dtype``: the dtype the accumulating kernel writes (its gradient
+    operand's); a ``.grad`` of another dtype takes the plain path."""
     if (param is None or not _enabled or torch.is_grad_enabled()
             or torch.compiler.is_compiling() or _in_compiled_autograd()):
         return None
     grad = param.grad
     if (grad is None or type(grad) is not torch.Tensor or grad.layout != torch.strided
-            or grad.dtype != param.dtype or grad.shape != param.shape
+            or grad.dtype != param.dtype or (dtype is not None and grad.dtype != dtype)
+            or grad.shape != param.shape
             or grad.device != param.device or not grad.is_contiguous()
             or grad.requires_grad or getattr(param, "_backward_hooks", None)
             or grad._base is not None or grad.storage_offset() != 0
@@ -88,10 +91,10 @@ def grad_to_accumulate(param: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _in_compiled_autograd() -> bool:
-    try:
-        from torch._dynamo import compiled_autograd
-    except ImportError:  # (no dynamo: no compiled autograd either)
-        return False
+    """Whether compiled autograd is tracing this backward (looked up, not imported: if
+    its module was never loaded it is not running, and the backward does not pay for
+    importing dynamo)."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
     return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
 

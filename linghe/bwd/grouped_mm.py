@@ -554,7 +554,7 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
 def _wgrad_tma_route(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether :data:`WGRAD_TMA` sends this wgrad to :func:`launch_wgrad_tma`."""
     return (WGRAD_TMA and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and g.dtype in (torch.bfloat16, torch.float16) and _fwd_gm.tma_capable(g)
+            and g.dtype in (torch.bfloat16, torch.float16) and tma_capable(g)
             and wgrad_tma_unsupported(g, x) is None)
 
 
@@ -631,14 +631,13 @@ def grouped_mm_wgrad_accumulate_(dw: torch.Tensor, d_out: torch.Tensor, rows: to
                                    or rows_scale.stride(1) != 1):
         raise ValueError(f"rows_scale must be float32 [R, ceil(K/128)] = {(R, cdiv(K, BLOCK))}"
                          f", got {rows_scale.dtype} {tuple(rows_scale.shape)}")
-    if WGRAD_ACCUMULATE_TMA and tma_capable(dw) and R > 0:
-        x = rows if rows_scale is None else \
-            dequantize_1x128_rows(rows, rows_scale, d_out.dtype)
-        if wgrad_tma_unsupported(d_out, x, dw) is None:
-            return launch_wgrad_tma(d_out, x, dw, offsets, accumulate=True)
-    return _launch_wgrad(d_out, rows, dw, offsets,
-                         (d_out.stride(0), d_out.stride(1), rows.stride(0), rows.stride(1), R),
-                         accumulate=True, x_scale=rows_scale)
+    x, x_scale = wgrad_accumulate_operand(rows, rows_scale, d_out.dtype)
+    if (x_scale is None and WGRAD_ACCUMULATE_TMA and tma_capable(dw) and R > 0
+            and wgrad_tma_unsupported(d_out, x, dw) is None):
+        return launch_wgrad_tma(d_out, x, dw, offsets, accumulate=True)
+    return _launch_wgrad(d_out, x, dw, offsets,
+                         (d_out.stride(0), d_out.stride(1), x.stride(0), x.stride(1), R),
+                         accumulate=True, x_scale=x_scale)
 
 
 def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.Tensor,

@@ -136,7 +136,7 @@ class GroupedMMFunction(torch.autograd.Function):
             out = fwd.grouped_mm_fwd(rows, weight, offsets, backend=_rows_backend(backend))
             ctx.save_for_backward(rows if need_dw else None, weight if need_dx else None,
                                   offsets)
-            ctx.w_param = accumulation_param(weight) if rows.dtype == weight.dtype else None
+            ctx.w_param = accumulation_param(weight)
             return out
         a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
         if weight_cache is not None:
@@ -162,8 +162,8 @@ class GroupedMMFunction(torch.autograd.Function):
                 d_rows = bwd.grouped_mm_dgrad(d_out, weight, offsets,
                                               backend=_rows_backend(ctx.backend))
             param, ctx.w_param = ctx.w_param, None
-            grad = grad_to_accumulate(param) if need_dw else None
-            if grad is not None and grad.dtype == d_out.dtype:  # fused accumulation
+            grad = grad_to_accumulate(param, d_out.dtype) if need_dw else None
+            if grad is not None:  # fused accumulation
                 bwd.grouped_mm_wgrad_accumulate_(grad, d_out, rows, offsets)
                 d_w = take_grad(param, grad)
             elif need_dw:

@@ -228,8 +228,9 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
     # after every step that may fail or allocate, so that an error (e.g. out of memory)
     # leaves the gradients as they were, as PyTorch's AccumulateGrad would.
     p1, p2 = ctx.params
-    fused = []  # (param, grad, d_out, rows, rows_scale)
-    g2 = _grad_to_accumulate(p2, dy) if need_w2 else None
+    fused = []  # (grad, d_out, rows, rows_scale)
+    g1 = None
+    g2 = grad_to_accumulate(p2, dy.dtype) if need_w2 else None
     if need_w2 and g2 is None:
         a2 = ctx.a2
         a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
@@ -252,9 +253,9 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
         if need_w1:
             a1 = ctx.a1 if ctx.a1 is not None else rows
             fp8_a1 = isinstance(a1, _Parts)
-            g1 = _grad_to_accumulate(p1, dh)
+            g1 = grad_to_accumulate(p1, dh.dtype)
             if g1 is not None:
-                fused.append((p1, g1, dh, *bwd_gm.wgrad_accumulate_operand(
+                fused.append((g1, dh, *bwd_gm.wgrad_accumulate_operand(
                     a1.rowwise_data if fp8_a1 else a1, a1.rowwise_scale if fp8_a1 else None,
                     dh.dtype)))
             else:
@@ -263,24 +264,16 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
                 d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
                                                backend=backend)
     if g2 is not None:
-        fused.append((p2, g2, dy, *bwd_gm.wgrad_accumulate_operand(
+        fused.append((g2, dy, *bwd_gm.wgrad_accumulate_operand(
             ctx.a2.rowwise_data, ctx.a2.rowwise_scale, dy.dtype)))
     # every operand is ready: the in-place adds, then the hand-back (no allocation between)
-    for _, grad, d_out, x, x_scale in fused:
+    for grad, d_out, x, x_scale in fused:
         bwd_gm.grouped_mm_wgrad_accumulate_(grad, d_out, x, offsets, rows_scale=x_scale)
-    for param, grad, *_ in fused:
-        if param is p1:
-            d_w1 = take_grad(param, grad)
-        else:
-            d_w2 = take_grad(param, grad)
+    if g1 is not None:
+        d_w1 = take_grad(p1, g1)
+    if g2 is not None:
+        d_w2 = take_grad(p2, g2)
     return d_rows, d_p, d_w1, d_w2
-
-
-def _grad_to_accumulate(param, d_out):
-    """``param.grad`` where the wgrad may add into it (:mod:`linghe.bwd.accumulate`) and
-    it has ``d_out``'s dtype (the kernel's operand and output dtypes), else ``None``."""
-    grad = grad_to_accumulate(param)
-    return grad if grad is not None and grad.dtype == d_out.dtype else None
 
 
 def _check(rows, probs_rows, gate_up, down, layout, fp8):

@@ -417,17 +417,16 @@ def _mm_config(R: int, E: int, J: int, fp8: bool, block_m: int | None,
     if INTERPRET:
         bm = block_m or 32
         return dict(BM=bm, BN=64, BK=128 if fp8 else 32, GROUP_M=4, num_warps=4,
-                    num_stages=1, **({"RESCALE": FP8_RESCALE} if fp8 else {}))
+                    num_stages=1)
     if fp8:
         if tma and FP8_RESCALE and block_m is None:
             # one accumulator tile: 128-row tiles at two programs per SM (105 registers),
             # each expert's weights re-read half as often as with 64-row tiles
-            return dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3,
-                        RESCALE=True)
+            return dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
         bm = block_m or 64
         stages = (3 if bm == 64 else 4) if tma else (3 if bm == 128 else 4)
         return dict(BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=8 if bm == 128 else 4,
-                    num_stages=stages, RESCALE=FP8_RESCALE)
+                    num_stages=stages)
     bm = block_m or (64 if R < 512 * E else 128)
     if f32:  # 4-byte tiles: keep the pipelined shared memory under ~100 KB
         return dict(BM=bm, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
@@ -591,7 +590,7 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
                             tcfg["BN"], tcfg["BK"])
         if ops is not None:
             tcfg = dict(tcfg)
-            rescale = fp8 and bool(tcfg.pop("RESCALE", False))
+            rescale = fp8 and bool(tcfg.pop("RESCALE", FP8_RESCALE))
             grid = (row_tile_bound(R, E, tcfg["BM"]) * cdiv(J, tcfg["BN"]),)
             with device_guard(a):
                 launch(_grouped_rows_tma_kernel, grid, *ops[:2], out, as_t,
