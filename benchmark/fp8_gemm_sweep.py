@@ -62,7 +62,7 @@ from linghe.fwd import grouped_mm as fwd_gm  # noqa: E402
 from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import INTERPRET, set_poison_outputs  # noqa: E402
 
-from .harness import fmt  # noqa: E402
+from .harness import fmt, random_routing  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Candidates (GPU). Names: form, tiles, warps, stages.
@@ -225,10 +225,8 @@ def _run_first(fn, kernel, key, device):
 def build_inputs(lay: dict, N: int, K: int, device: str, tokens: int | None = None):
     """Layout and operands as benchmark/cases/grouped_mm.py builds them (random balanced
     routing, zero padding rows), quantized as the MoE layer's GEMMs take them."""
-    from .cases.grouped_mm import _routing
-
-    layout, real, _ = _routing(tokens or lay["T"], lay["topk"], lay["E"], lay["align"],
-                               device)
+    layout, real, _, _ = random_routing(tokens or lay["T"], lay["topk"], lay["E"],
+                                        lay["align"], device)
     E, R = layout.num_experts, layout.num_rows
     dt = torch.bfloat16
     x = torch.randn(R, K, device=device, dtype=dt)

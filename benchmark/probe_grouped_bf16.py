@@ -60,7 +60,13 @@ from linghe.layout import max_grouped_rows  # noqa: E402
 from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import set_poison_outputs  # noqa: E402
 
-from .harness import device_time_us, fmt, interpreter_matches, print_columns  # noqa: E402
+from .harness import (  # noqa: E402
+    device_time_us,
+    fmt,
+    interpreter_matches,
+    print_columns,
+    random_routing,
+)
 
 
 def _tma(bm, bn, warps, stages, group_m=8, bk=64):
@@ -105,10 +111,8 @@ def cfg_name(c: dict) -> str:
 def build_inputs(lay: dict, N: int, K: int, device: str, tokens: int | None = None) -> dict:
     """Layout, ``x [R, K]``, ``w [E, N, K]``, ``g [R, N]`` (bf16, zero padding rows) as
     ``benchmark/cases/grouped_mm.py`` builds them."""
-    from .cases.grouped_mm import _routing
-
-    layout, real, _ = _routing(tokens or lay["T"], lay["topk"], lay["E"], lay["align"],
-                               device)
+    layout, real, _, _ = random_routing(tokens or lay["T"], lay["topk"], lay["E"],
+                                        lay["align"], device)
     E, R = layout.num_experts, layout.num_rows
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(R, K, generator=gen, device=device).to(torch.bfloat16)

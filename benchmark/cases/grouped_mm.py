@@ -33,11 +33,6 @@ from ..harness import Bench, Config, case, random_routing
 HAS_TORCH_GMM = hasattr(torch, "_grouped_mm")
 
 
-def _routing(T, topk, E, align, device):
-    """Balanced-ish random routing -> (layout, real-row mask, segment offsets)."""
-    return random_routing(T, topk, E, align, device)[:3]
-
-
 def _configs(cfg: Config):
     if cfg.cpu:
         return [dict(T=40, topk=2, E=3, align=16, gemms=[("gate_up", 256, 128)])]
@@ -183,7 +178,7 @@ def grouped_mm_case(cfg: Config):
     benches = []
     for c in _configs(cfg):
         T, topk, E, align = c["T"], c["topk"], c["E"], c["align"]
-        layout, real, offs = _routing(T, topk, E, align, cfg.device)
+        layout, real, offs, _ = random_routing(T, topk, E, align, cfg.device)
         for gname, N, K in c["gemms"]:
             benches += _gemm_benches(cfg, layout, real, offs, T * topk, gname, N, K)
         benches += _quant_benches(cfg, layout, real, c["gemms"][0][2])
