@@ -307,18 +307,22 @@ class GpuClockLog:
 
 
 def random_routing(T: int, topk: int, E: int, align: int, device, R: int | None = None,
-                   seed: int = 0):
+                   seed: int = 0, exact_rows: bool = False):
     """Balanced random routing of ``T`` tokens to ``topk`` of ``E`` experts (standard-normal
     logits, CPU generator ``seed``): ``(layout, real, offs, counts)`` with the
     :class:`~linghe.layout.ExpertLayout` over ``R`` rows (default: the worst-case bound
-    ``max_grouped_rows``), the ``[R]`` mask of real (routed) rows on ``device``, the
-    segment offsets as a list and the ``[E]`` int32 counts (CPU)."""
+    ``max_grouped_rows``; ``exact_rows``: the padded segments alone, no tail), the ``[R]``
+    mask of real (routed) rows on ``device``, the segment offsets as a list and the
+    ``[E]`` int32 counts (CPU)."""
     from linghe.layout import make_expert_layout, max_grouped_rows
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randn(T, E, generator=g).topk(topk, dim=-1).indices
     counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-    R = max_grouped_rows(T, topk, E, align) if R is None else R
+    if exact_rows:
+        R = int(((counts + align - 1) // align * align).sum())
+    elif R is None:
+        R = max_grouped_rows(T, topk, E, align)
     layout = make_expert_layout(counts.to(device), align, R)
     offs = layout.offsets.tolist()
     real = torch.zeros(R, dtype=torch.bool)

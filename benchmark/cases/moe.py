@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import linghe
 from linghe import reference as ref
 
-from ..harness import Bench, Config, case
+from ..harness import Bench, Config, case, random_routing
 
 HAS_TORCH_GMM = hasattr(torch, "_grouped_mm")
 
@@ -132,22 +132,13 @@ def _experts_shape(cfg: Config):
 @case("moe_experts")
 def moe_experts_case(cfg: Config):
     from linghe.functional.moe import grouped_swiglu
-    from linghe.layout import make_expert_layout
 
     s = _experts_shape(cfg)
     T, k, E, H, In, align = s["T"], s["k"], s["E"], s["H"], s["I"], s["align"]
     dev, dt = cfg.device, torch.bfloat16
-    g0 = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randn(T, E, generator=g0).topk(k, dim=-1).indices
-    counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
     # Exact row count (no tail), so torch._grouped_mm defines every output row.
-    R = int(((counts + align - 1) // align * align).sum())
-    layout = make_expert_layout(counts.to(dev), align, R)
-    offs = layout.offsets.tolist()
-    real = torch.zeros(R, dtype=torch.bool)
-    for e, c in enumerate(counts.tolist()):
-        real[offs[e]:offs[e] + c] = True
-    real = real.to(dev)
+    layout, real, _, _ = random_routing(T, k, E, align, dev, exact_rows=True)
+    R = layout.num_rows
     rows = torch.randn(R, H, device=dev, dtype=dt)
     rows[~real] = 0
     probs = torch.rand(R, device=dev)
