@@ -96,6 +96,27 @@ def num_sms(device: torch.device) -> int:
     return n
 
 
+_CAPABILITY: dict = {}  # device -> compute capability (a driver query per call otherwise)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, cached per device."""
+    cap = _CAPABILITY.get(device)
+    if cap is None:
+        cap = _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return cap
+
+
+def tma_capable(t: torch.Tensor) -> bool:
+    """Whether the default launches may take a TMA (tensor descriptor) kernel for ``t``'s
+    device: Hopper or newer (sm_90+: tensor-memory copies, and the shared memory the TMA
+    kernels' default tiles need), or the interpreter (which runs the same kernel on the
+    CPU). Older GPUs keep the pointer kernels."""
+    if INTERPRET:
+        return True
+    return t.device.type == "cuda" and cuda_capability(t.device) >= (9, 0)
+
+
 _NO_GUARD = contextlib.nullcontext()
 
 

@@ -56,12 +56,14 @@ from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
 from ..utils import (
     INTERPRET,
     cdiv,
+    cuda_capability,
     device_guard,
     dot_f32acc,
     empty,
     grouped_tile_order,
     launch,
     next_power_of_2,
+    tma_capable,
 )
 from .activation import aligned16, batch_col_groups, expert_tile
 
@@ -631,26 +633,6 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
 # --------------------------------------------------------------------------------------
 
 
-_CAPABILITY: dict = {}  # device -> compute capability (a driver query per call otherwise)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    cap = _CAPABILITY.get(device)
-    if cap is None:
-        cap = _CAPABILITY[device] = torch.cuda.get_device_capability(device)
-    return cap
-
-
-def tma_capable(t: torch.Tensor) -> bool:
-    """Whether the default launches may take the TMA kernel for ``t``'s device: Hopper or
-    newer (sm_90+: tensor-memory copies, and the shared memory its default tiles need),
-    or the interpreter (which runs the same kernel on the CPU). Older GPUs keep the
-    pointer kernel."""
-    if INTERPRET:
-        return True
-    return t.device.type == "cuda" and _capability(t.device) >= (9, 0)
-
-
 def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` can run these bf16 operands: CUDA sm90, bf16, the
     GEMM dims (last dim of each operand, ``N`` and ``K`` of a 3-D weight) 16-byte
@@ -662,7 +644,7 @@ def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     t0 = tensors[0]
     if t0.device.type != "cuda":
         return False
-    if _capability(t0.device) != (9, 0):
+    if cuda_capability(t0.device) != (9, 0):
         return False
     for t in tensors:
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape[-1] % 8 != 0:
