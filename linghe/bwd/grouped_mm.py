@@ -36,6 +36,7 @@ from ..fwd.grouped_mm import (
     zero_tail,
 )
 from ..utils import (
+    _INTERPRET_C,
     INTERPRET,
     cdiv,
     device_guard,
@@ -452,25 +453,44 @@ def _wgrad_tma_old_tile(w_desc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn,
 def _wgrad_tma_epilogue(acc, old, w_desc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn,
                         BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr,
                         ACC_READ: tl.constexpr, EPI_TMA: tl.constexpr):
-    """Store ``acc`` (``+`` the existing tile when ``ACCUMULATE``: ``old`` when
-    ``ACC_READ == 2``, the tile prefetched earlier, else read here) as ``dW[e, n0:,
-    k0:]``: one TMA store (``EPI_TMA``: asynchronous, clipped at ``N``/``K`` by the
-    descriptor) or masked pointer stores."""
-    if ACCUMULATE:
-        if ACC_READ == 2:
-            acc += old.to(tl.float32)
-        else:
-            acc += _wgrad_tma_old_tile(w_desc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn,
-                                       BN, BK, ACC_READ).to(tl.float32)
-    out = acc.to(w_ptr.dtype.element_ty)
-    if EPI_TMA:
-        w_desc.store([e, n0, k0], out.reshape(1, BN, BK))
+    """Store ``acc`` as ``dW[e, n0:, k0:]`` (``+`` the existing tile when
+    ``ACCUMULATE``): one TMA store (``EPI_TMA``: asynchronous, clipped at ``N``/``K`` by
+    the descriptor) or masked pointer stores. The existing tile (``ACC_READ``): 0/1 read
+    here (pointer loads / one TMA box), 2 ``old``, prefetched when the tile started, 3 not
+    read at all: a TMA reduce-add of the tile rounded to ``dW``'s dtype, done in L2
+    (:func:`_wgrad_tma_reduce_add`; two roundings for a 16-bit ``dW``, as PyTorch's
+    ``dw.add_(bf16 product)``)."""
+    if ACCUMULATE and ACC_READ == 3:
+        _wgrad_tma_reduce_add(w_desc, e, n0, k0, acc.to(w_ptr.dtype.element_ty), BN, BK)
     else:
-        ns = n0 + tl.arange(0, BN)
-        ks = k0 + tl.arange(0, BK)
-        w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
-                  + ks[None, :])
-        tl.store(w_ptrs, out, mask=(ns < N)[:, None] & (ks < K)[None, :])
+        if ACCUMULATE:
+            if ACC_READ == 2:
+                acc += old.to(tl.float32)
+            else:
+                acc += _wgrad_tma_old_tile(w_desc, w_ptr, e, n0, k0, N, K, stride_we,
+                                           stride_wn, BN, BK, ACC_READ).to(tl.float32)
+        out = acc.to(w_ptr.dtype.element_ty)
+        if EPI_TMA:
+            w_desc.store([e, n0, k0], out.reshape(1, BN, BK))
+        else:
+            ns = n0 + tl.arange(0, BN)
+            ks = k0 + tl.arange(0, BK)
+            w_ptrs = (w_ptr + e.to(tl.int64) * stride_we
+                      + ns[:, None].to(tl.int64) * stride_wn + ks[None, :])
+            tl.store(w_ptrs, out, mask=(ns < N)[:, None] & (ks < K)[None, :])
+
+
+@triton.jit
+def _wgrad_tma_reduce_add(w_desc, e, n0, k0, out, BN: tl.constexpr, BK: tl.constexpr):
+    """``dW[e, n0:, k0:] += out`` by one TMA reduce-add (``cp.reduce.async.bulk.tensor``:
+    the add happens in L2, the program does not wait for the old values). The
+    interpreter has no descriptor reduce: a TMA load, the add in fp32, a TMA store."""
+    if _INTERPRET_C:
+        cur = w_desc.load([e, n0, k0]).reshape(BN, BK)
+        w_desc.store([e, n0, k0], (cur.to(tl.float32) + out.to(tl.float32)).to(out.dtype)
+                     .reshape(1, BN, BK))
+    else:
+        w_desc.atomic_add([e, n0, k0], out.reshape(1, BN, BK))
 
 
 @triton.jit
@@ -540,10 +560,14 @@ def _wgrad_tma_kernel(
         end = e
         steps = e
         q = e
-        s = e
+        s = e - 1
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         old = tl.zeros((BN, BK), dtype=w_ptr.dtype.element_ty)
         for _ in range(0, total):
+            # The loop-carried state (tile, step) advances before the loads that use it:
+            # the pipeliner issues those loads stages ahead, so nothing they depend on
+            # may come from a later stage of the previous iteration.
+            s += 1
             if s == steps:  # the next tile
                 t += P
                 e, n0, k0, start, end, steps = _wgrad_tma_tile(t, offsets_ptr, R, TPE, num_k,
@@ -562,8 +586,7 @@ def _wgrad_tma_kernel(
             else:
                 acc = _wgrad_tma_step(acc, g_desc, x_desc, start + s * BR, n0, k0, end, BR,
                                       True)
-            s += 1
-            if s == steps:
+            if s == steps - 1:
                 _wgrad_tma_epilogue(acc, old, w_desc, w_ptr, e, n0, k0, N, K, stride_we,
                                     stride_wn, BN, BK, ACCUMULATE, ACC_READ, EPI_TMA)
                 acc = tl.zeros((BN, BK), dtype=tl.float32)
@@ -612,9 +635,10 @@ def _wgrad_tma_default_config(accumulate: bool = False) -> dict:
     pipeline stages, ``TAIL`` (see :func:`_wgrad_tma_kernel`), and the schedule:
     ``PERSISTENT`` (0: one program per tile; 1: ``PROGRAMS`` programs, or ``PER_SM``
     per SM when ``PROGRAMS`` is 0, walking the tiles), ``EPI_TMA`` (store the tile by
-    TMA), ``ACC_READ`` (how an accumulating tile reads the existing ``dW``: 0 pointer
+    TMA), ``ACC_READ`` (how an accumulating tile adds the existing ``dW``: 0 pointer
     loads in the epilogue, 1 a TMA box there, 2 pointer loads prefetched when the tile
-    starts). GPU: 128x128 / 64-row boxes / 3 stages (96 KiB of shared memory: two
+    starts, 3 a TMA reduce-add in L2: :func:`_wgrad_tma_epilogue`).
+    GPU: 128x128 / 64-row boxes / 3 stages (96 KiB of shared memory: two
     programs per SM, so one's epilogue overlaps the other's loads and MMAs); 8 warps and
     16-row tail boxes, or, when accumulating, 4 warps (251 registers, no spills) and one
     masked tail box: 4-6% faster there at 256 experts on an H100 (``probe_wgrad_tma``,
@@ -648,9 +672,9 @@ def _check_wgrad_tma_config(config: dict, accumulate: bool = False) -> dict:
         raise ValueError(f"TMA wgrad config: TAIL must be one of {tails} with PERSISTENT="
                          f"{cfg['PERSISTENT']}, got {cfg['TAIL']}")
     if cfg["PERSISTENT"] not in (0, 1) or cfg["EPI_TMA"] not in (0, 1) \
-            or cfg["ACC_READ"] not in (0, 1, 2):
-        raise ValueError("TMA wgrad config: PERSISTENT and EPI_TMA take 0 or 1, ACC_READ 0, "
-                         f"1 or 2; got {cfg['PERSISTENT']}, {cfg['EPI_TMA']}, "
+            or cfg["ACC_READ"] not in (0, 1, 2, 3):
+        raise ValueError("TMA wgrad config: PERSISTENT and EPI_TMA take 0 or 1, ACC_READ 0 "
+                         f"to 3; got {cfg['PERSISTENT']}, {cfg['EPI_TMA']}, "
                          f"{cfg['ACC_READ']}")
     if cfg["PROGRAMS"] < 0 or cfg["PER_SM"] < 1:
         raise ValueError(f"TMA wgrad config: PROGRAMS >= 0 and PER_SM >= 1, got "
@@ -720,10 +744,10 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     acc_read = cfg["ACC_READ"] if accumulate else 0
     # dW through TMA: its strides are 16-byte multiples already (K's, from x's rows)
     epi_tma = bool(cfg["EPI_TMA"]) and dw.data_ptr() % 16 == 0
-    if acc_read == 1 and not epi_tma and dw.data_ptr() % 16:
+    if acc_read in (1, 3) and dw.data_ptr() % 16:
         acc_read = 0
     w_desc = (TensorDescriptor(dw, [E, N, K], [dw.stride(0), dw.stride(1), 1], [1, BN, BK])
-              if epi_tma or acc_read == 1 else g_desc)
+              if epi_tma or acc_read in (1, 3) else g_desc)
     n_tiles = cdiv(N, BN) * cdiv(K, BK)
     if cfg["PERSISTENT"]:
         P = cfg["PROGRAMS"] or cfg["PER_SM"] * num_sms(dw.device)
