@@ -46,6 +46,7 @@ from ..utils import (
     next_power_of_2,
     num_sms,
 )
+from .resident import learn_resident, resident_programs
 
 # --------------------------------------------------------------------------------------
 # dgrad
@@ -749,18 +750,25 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     w_desc = (TensorDescriptor(dw, [E, N, K], [dw.stride(0), dw.stride(1), 1], [1, BN, BK])
               if epi_tma or acc_read in (1, 3) else g_desc)
     n_tiles = cdiv(N, BN) * cdiv(K, BK)
+    flags = dict(BN=BN, BK=BK, BR=BR, TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate),
+                 PERSISTENT=bool(cfg["PERSISTENT"]), EPI_TMA=epi_tma, ACC_READ=acc_read,
+                 EP2=max(256, next_power_of_2(E)) if cfg["PERSISTENT"] else 16,
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    key = None
     if cfg["PERSISTENT"]:
-        P = cfg["PROGRAMS"] or cfg["PER_SM"] * num_sms(dw.device)
+        # at most PER_SM programs per SM, fewer where the compiled kernel's registers or
+        # shared memory do not fit them (learned at the first launch): a program that
+        # waits for a resident one to finish would double the time
+        key = ("wgrad_tma", g.dtype, dw.dtype, tuple(sorted(flags.items())))
+        P = cfg["PROGRAMS"] or resident_programs(key, cfg["PER_SM"]) * num_sms(dw.device)
         grid = (max(1, min(P, n_tiles * E)),)
     else:
         grid = (n_tiles, E)
     with device_guard(dw):
-        launch(_wgrad_tma_kernel, grid, g_desc, x_desc, g16, x16, w_desc, dw, offsets, N, K,
-               R, E, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR, TAIL=cfg["TAIL"],
-               ACCUMULATE=bool(accumulate), PERSISTENT=bool(cfg["PERSISTENT"]),
-               EPI_TMA=epi_tma, ACC_READ=acc_read,
-               EP2=max(16, next_power_of_2(E)) if cfg["PERSISTENT"] else 16,
-               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        ck = launch(_wgrad_tma_kernel, grid, g_desc, x_desc, g16, x16, w_desc, dw, offsets,
+                    N, K, R, E, dw.stride(0), dw.stride(1), **flags)
+    if key is not None:
+        learn_resident(key, ck, cfg["num_warps"], cfg["PER_SM"])
     return dw
 
 
