@@ -390,13 +390,13 @@ def _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR: tl.constexpr, MASK:
 
 
 @triton.jit
-def _wgrad_tma_steps(start, end, BR: tl.constexpr, SPLIT16: tl.constexpr):
+def _wgrad_tma_steps(start, end, BR: tl.constexpr, TAIL: tl.constexpr):
     """K steps of a tile over rows ``[start, end)`` in the persistent loop (scalars or
-    vectors): ``cdiv(rows, BR)``, or with ``SPLIT16`` (a ``BR``-row and a 16-row box per
-    step) ``max(full BR boxes, 16-row boxes of the rest)``; at least 1 (an empty segment
-    still takes one step, all rows masked, for its epilogue)."""
+    vectors; see :func:`_wgrad_tma_kernel`): ``TAIL`` 0 ``cdiv(rows, BR)``, 3
+    ``max(full BR boxes, 16-row boxes of the rest)``; at least 1 (an expert without
+    rows still takes one step, for its epilogue)."""
     n = end - start
-    if SPLIT16:
+    if TAIL == 3:
         q = n // BR
         steps = tl.maximum(q, tl.cdiv(n - q * BR, 16))
     else:
@@ -406,7 +406,7 @@ def _wgrad_tma_steps(start, end, BR: tl.constexpr, SPLIT16: tl.constexpr):
 
 @triton.jit
 def _wgrad_tma_tile(t, offsets_ptr, R, TPE, num_k, BN: tl.constexpr, BK: tl.constexpr,
-                    BR: tl.constexpr, SPLIT16: tl.constexpr):
+                    BR: tl.constexpr, TAIL: tl.constexpr):
     """Tile ``t`` of the persistent loop, expert-major (``t = e * TPE + n_tile * num_k +
     k_tile``): ``(e, n0, k0, start, end, steps)``, the segment clamped to ``[0, R]``."""
     e = t // TPE
@@ -416,12 +416,12 @@ def _wgrad_tma_tile(t, offsets_ptr, R, TPE, num_k, BN: tl.constexpr, BK: tl.cons
     # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
     end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
     start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
-    return e, n0, k0, start, end, _wgrad_tma_steps(start, end, BR, SPLIT16)
+    return e, n0, k0, start, end, _wgrad_tma_steps(start, end, BR, TAIL)
 
 
 @triton.jit
 def _wgrad_tma_total_steps(offsets_ptr, pid, P, E, R, TPE, BR: tl.constexpr,
-                           SPLIT16: tl.constexpr, EP2: tl.constexpr):
+                           TAIL: tl.constexpr, EP2: tl.constexpr):
     """This program's K steps over all its tiles (``t = pid, pid + P, ...``): per expert,
     its tiles ``[e * TPE, (e + 1) * TPE)`` congruent to ``pid`` mod ``P`` times its steps
     (one vector op over ``EP2 >= E`` experts instead of a walk over the tiles)."""
@@ -432,7 +432,7 @@ def _wgrad_tma_total_steps(offsets_ptr, pid, P, E, R, TPE, BR: tl.constexpr,
                                   end), 0)
     lo = idx * TPE  # tiles t in [lo, lo + TPE) with t % P == pid; (x - pid + P - 1) // P
     mine = (lo + TPE - pid + P - 1) // P - (lo - pid + P - 1) // P  # counts them below x
-    return tl.sum(tl.where(m, mine * _wgrad_tma_steps(start, end, BR, SPLIT16), 0), axis=0)
+    return tl.sum(tl.where(m, mine * _wgrad_tma_steps(start, end, BR, TAIL), 0), axis=0)
 
 
 @triton.jit
@@ -551,8 +551,7 @@ def _wgrad_tma_kernel(
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         TPE = tl.cdiv(N, BN) * num_k
-        SPLIT16: tl.constexpr = TAIL == 3
-        total = _wgrad_tma_total_steps(offsets_ptr, pid, P, E, R, TPE, BR, SPLIT16, EP2)
+        total = _wgrad_tma_total_steps(offsets_ptr, pid, P, E, R, TPE, BR, TAIL, EP2)
         t = pid - P
         e = t * 0
         n0 = e
@@ -572,18 +571,20 @@ def _wgrad_tma_kernel(
             if s == steps:  # the next tile
                 t += P
                 e, n0, k0, start, end, steps = _wgrad_tma_tile(t, offsets_ptr, R, TPE, num_k,
-                                                               BN, BK, BR, SPLIT16)
-                q = (end - start) // BR
+                                                               BN, BK, BR, TAIL)
+                q = (end - start) // BR  # full BR-row boxes (TAIL 3)
                 s = 0
                 if ACCUMULATE and ACC_READ == 2:
                     old = _wgrad_tma_old_tile(w_desc, w_ptr, e, n0, k0, N, K, stride_we,
                                               stride_wn, BN, BK, 0)
-            if SPLIT16:
-                r = tl.where(s < q, start + s * BR, R)
-                acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, False)
+            if TAIL == 3:
+                # the 16-row box first: Triton waits for every MMA of an iteration but
+                # the last one, so the big box's MMA is the one left running
                 r16 = start + q * BR + s * 16
                 r16 = tl.where(r16 < end, r16, R)
                 acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r16, n0, k0, end, 16, True)
+                r = tl.where(s < q, start + s * BR, R)
+                acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, False)
             else:
                 acc = _wgrad_tma_step(acc, g_desc, x_desc, start + s * BR, n0, k0, end, BR,
                                       True)
