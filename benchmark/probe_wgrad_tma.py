@@ -78,32 +78,32 @@ def _cfg(bn, bk, br, warps, stages, tail, persistent=1, per_sm=1, epi=1, acc_rea
                 PERSISTENT=persistent, PER_SM=per_sm, EPI_TMA=epi, ACC_READ=acc_read)
 
 
-#: Fresh (``dW =``) candidates, the likely winners first. sm_90 ptxas (``--ptxas``):
-#: see the table in the helper's report; ``x2`` only where two programs fit an SM.
+#: Fresh (``dW =``) candidates, the likely winners first (``--ptxas``: registers, shared
+#: memory and programs per SM of each, triton 3.6 and 3.9, in the helper's report).
 FRESH = [
-    _cfg(128, 256, 64, 8, 2, 3),                 # 128x256: 1/3 less L2 traffic per output
-    _cfg(128, 256, 32, 8, 3, 3),
     _cfg(128, 128, 64, 8, 2, 3, per_sm=2),
+    _cfg(128, 256, 64, 8, 2, 3),                 # 1/3 less L2 traffic per output, 1/SM
+    _cfg(128, 128, 64, 8, 2, 0, per_sm=2),       # every box masked in registers, 1 MMA
     _cfg(128, 128, 64, 4, 2, 3, per_sm=2),
-    _cfg(128, 128, 64, 8, 3, 3),
+    _cfg(128, 256, 64, 8, 2, 2, persistent=0),   # ~2K rows per expert (E=32): no 16-row
+    _cfg(128, 256, 64, 8, 3, 0),                 # boxes in the long K loops
     _cfg(256, 128, 64, 8, 2, 3),
     _cfg(128, 128, 32, 8, 3, 3, per_sm=2),
-    _cfg(128, 128, 64, 8, 3, 0),                 # every box masked in registers
     _cfg(128, 128, 64, 8, 2, 3, per_sm=2, epi=0),  # pointer-store epilogue
     _cfg(128, 128, 64, 8, 2, 2, persistent=0),   # main's schedule + TMA store
 ]
 #: Accumulating (``dW +=``) candidates.
 ACC = [
     _cfg(128, 128, 64, 8, 2, 3, per_sm=2, acc_read=3),
-    _cfg(128, 128, 64, 4, 2, 3, per_sm=2, acc_read=3),
+    _cfg(128, 128, 64, 4, 3, 1, persistent=0, acc_read=3),  # main's acc default + reduce
     _cfg(128, 256, 64, 8, 2, 3, acc_read=3),
-    _cfg(128, 256, 32, 8, 3, 3, acc_read=3),
+    _cfg(128, 128, 64, 8, 2, 0, per_sm=2, acc_read=3),
+    _cfg(128, 256, 64, 8, 2, 2, persistent=0, acc_read=3),
+    _cfg(128, 128, 64, 4, 2, 3, per_sm=2, acc_read=3),
+    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, acc_read=1),     # the old tile by TMA, then store
+    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, epi=0, acc_read=2),  # prefetched into registers
+    _cfg(128, 128, 64, 8, 2, 2, persistent=0, acc_read=3),
     _cfg(256, 128, 64, 8, 2, 3, acc_read=3),
-    _cfg(128, 128, 64, 4, 2, 1, persistent=0, acc_read=3),  # main's acc schedule + reduce
-    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, acc_read=1),
-    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, acc_read=2),
-    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, acc_read=0),
-    _cfg(128, 128, 64, 4, 3, 1, persistent=0, epi=0, acc_read=2),  # main's + prefetch
 ]
 #: E = 32 (GEMM-heavy) runs the first FRESH_A / ACC_A candidates only (time budget).
 FRESH_A, ACC_A = 6, 5
