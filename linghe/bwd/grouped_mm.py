@@ -518,12 +518,14 @@ def _wgrad_tma_kernel(
     needs no alignment of the coordinates), so only the last box can reach past the
     segment: into the next expert's rows, whose products must vanish, or past ``R`` (TMA
     fills zeros; so do the column tails past ``N``/``K``). An expert with no rows stores
-    zeros. ``ACCUMULATE``: the tile adds the existing ``dW`` tile (fp32 sum, one rounding
-    to ``dW``'s dtype) instead of overwriting it, read in the epilogue by pointer loads
-    (``ACC_READ`` 0) or one TMA box (1), or (2) prefetched into registers by pointer loads
-    when the tile starts, so that its latency hides behind the K loop. ``EPI_TMA``: the
-    tile is stored by one TMA box (asynchronous: the program goes on while it drains),
-    else by masked pointer stores.
+    zeros. ``ACCUMULATE``: the tile adds the existing ``dW`` tile instead of overwriting
+    it (:func:`_wgrad_tma_epilogue`): read in the epilogue by pointer loads (``ACC_READ``
+    0) or one TMA box (1), or (2) prefetched into registers by pointer loads when the
+    tile starts, so that its latency hides behind the K loop (fp32 sum, one rounding to
+    ``dW``'s dtype); or (3) not read by the program at all: a TMA reduce-add of the tile,
+    rounded to ``dW``'s dtype first, in L2 (a 16-bit ``dW`` is rounded twice, as by
+    ``dw.add_(product)``). ``EPI_TMA``: the tile is stored by one TMA box (asynchronous:
+    the program goes on while it drains), else by masked pointer stores.
 
     ``PERSISTENT=False``: grid ``(cdiv(N, BN) * cdiv(K, BK), E)``, one tile per program;
     the rows past the last full ``BR`` box (``TAIL``):
@@ -633,21 +635,25 @@ def _wgrad_tma_kernel(
 
 @functools.cache
 def _wgrad_tma_default_config(accumulate: bool = False) -> dict:
-    """The TMA wgrad's tiles: ``BN x BK`` output tile, ``BR`` rows per box, warps,
-    pipeline stages, ``TAIL`` (see :func:`_wgrad_tma_kernel`), and the schedule:
-    ``PERSISTENT`` (0: one program per tile; 1: ``PROGRAMS`` programs, or ``PER_SM``
-    per SM when ``PROGRAMS`` is 0, walking the tiles), ``EPI_TMA`` (store the tile by
-    TMA), ``ACC_READ`` (how an accumulating tile adds the existing ``dW``: 0 pointer
-    loads in the epilogue, 1 a TMA box there, 2 pointer loads prefetched when the tile
-    starts, 3 a TMA reduce-add in L2: :func:`_wgrad_tma_epilogue`).
-    GPU: 128x128 / 64-row boxes / 3 stages (96 KiB of shared memory: two
-    programs per SM, so one's epilogue overlaps the other's loads and MMAs); 8 warps and
-    16-row tail boxes, or, when accumulating, 4 warps (251 registers, no spills) and one
-    masked tail box: 4-6% faster there at 256 experts on an H100 (``probe_wgrad_tma``,
-    two runs; ``benchmark/results/h100_probe_wgrad_tma_acc*_2026-11-26.*``). Reading the
-    existing gradient before the K loop as the accumulator's start instead of after it
-    was 5-8% slower and was not kept. Interpreter: small tiles (and 3 programs when
-    persistent, so that a program walks several tiles)."""
+    """The TMA wgrad's config: ``BN x BK`` output tile, ``BR`` rows per box, warps,
+    pipeline stages, ``TAIL`` (see :func:`_wgrad_tma_kernel`), and the schedule and
+    epilogue: ``PERSISTENT`` (0: one program per tile; 1: ``PROGRAMS`` programs, or at
+    most ``PER_SM`` per SM when ``PROGRAMS`` is 0, each walking many tiles), ``EPI_TMA``
+    (store the tile by TMA), ``ACC_READ`` (how an accumulating tile adds the existing
+    ``dW``: 0 pointer loads in the epilogue, 1 a TMA box there, 2 pointer loads
+    prefetched when the tile starts, 3 a TMA reduce-add in L2; see
+    :func:`_wgrad_tma_epilogue`).
+
+    GPU: main's tiles, one program per tile, pointer epilogue (the persistent, TMA-store
+    and reduce-add forms wait for GPU numbers: ``benchmark/probe_wgrad_tma.py``):
+    128x128 / 64-row boxes / 3 stages (96 KiB of shared memory: two programs per SM, so
+    one's epilogue overlaps the other's loads and MMAs); 8 warps and 16-row tail boxes,
+    or, when accumulating, 4 warps (251 registers, no spills) and one masked tail box:
+    4-6% faster there at 256 experts on an H100 (two runs;
+    ``benchmark/results/h100_probe_wgrad_tma_acc*_2026-11-26.*``). Reading the existing
+    gradient before the K loop as the accumulator's start instead of after it was 5-8%
+    slower and was not kept. Interpreter: small tiles (and 3 programs when persistent,
+    so that a program walks several tiles)."""
     sched = dict(PERSISTENT=0, PROGRAMS=3 if INTERPRET else 0, PER_SM=1, EPI_TMA=0,
                  ACC_READ=0)
     if INTERPRET:
