@@ -1,41 +1,41 @@
-"""Probe of the fp32-exact router GEMM (``linghe.router_logits``) forward and backward:
-``python -m benchmark.probe_router --out DIR [--cpu] [--quick]``.
+"""Probe of the fp32-exact router GEMM backward (``linghe.router_logits``):
+``python -m benchmark.probe_router --json PATH [--old DIR | --old-rev REV] [--cpu]
+[--quick] [--budget S]``, or ``--ptxas`` (no GPU: every variant's kernels compiled for
+sm_90, registers / spills / shared memory).
 
 At the standard shape (T=8192 tokens, H=2048 hidden, E=256 experts; bf16 ``x``, fp32
-weight, fp32 ``dlogits``) it times, as ``_RouterLogits`` calls them:
+weight ``w`` and ``dlogits``) it times ``router_logits_bwd`` as ``_RouterLogits`` calls it
+(the weight's bf16 parts from the forward): ``dx [T, H] bf16 = dlogits @ w`` (one bf16
+pass, ``DX_ORDER`` 0) and ``dW [E, H] fp32 = dlogits^T @ x`` (fp32-exact: 3 bf16 parts of
+dlogits, 3 passes), i.e. 4 x 8.6 = 34.4 GFLOP of bf16 MMA:
 
-- ``fwd``: ``logits [T, E] fp32 = x @ w^T``. ``old``: the kernels before the rewrite
-  (git ``--old-rev``, default c56431e: swapped 128x128 tiles, 3-way split-K with a
-  torch sum); ``new``: :func:`linghe.fwd.router.router_logits_fwd`, the weight's split into
-  bf16 parts included (``new gemm``: parts given, the GEMM alone);
-- ``bwd``: ``dx [T, H] bf16 = dlogits @ w`` (``DX_ORDER`` 0: one bf16 pass, as before) and
-  ``dw [E, H] fp32 = dlogits^T @ x`` (fp32-exact, 3 passes). ``new`` gets the weight's
-  parts from the forward (as the autograd Function does); ``new +split w`` splits them
-  itself (the ``torch.compile`` custom-op path);
-- a sweep of launch configs ``(BM, BN, BK, num_warps, num_stages, split_k)`` per GEMM role
-  (``linghe.fwd.router.CONFIG``): ``fwd``, ``dx`` (bwd with ``need_dw=False``), ``dw`` (bwd
-  with ``need_dx=False``), each with ``MULTI_ACC`` on (one accumulator per part product,
-  where it fits in registers) and off (``1acc``: chained dots); ``*`` marks the default;
-  the JSON's config lists end with MULTI_ACC; ``dx order 1/2`` rows time the more exact
-  dx variants (``DX_ORDER``);
-- the same fwd/bwd with a bf16 weight (old vs new) and ``torch fp32`` (cuBLAS with TF32 off,
-  for scale).
+- ``main``: main's kernels (``--old DIR``: a folder holding main's ``fwd/router.py`` and
+  ``bwd/router.py``; else git ``--old-rev``): split of dlogits, pointer-kernel dx, dW
+  with a K split and a sum kernel;
+- ``new``: this tree's default (TMA kernels :func:`linghe.bwd.router.dw_tma` /
+  :func:`linghe.bwd.router.dx_tma`), then one row per knob (``DW_CONFIG``, ``DX_CONFIG``,
+  ``DX_SPLITS``; ``*`` marks the default);
+- ``bf16 w``: a bf16 weight (dW from 2 parts), main vs new.
 
-Times: ``triton.testing.do_bench_cudagraph`` median (the call captured in a CUDA graph:
-host overhead hidden), and the summed kernel time of ``torch.profiler`` per call (``kern``;
-what the earlier 70.8 / 257.5 µs numbers were). TFLOP/s counts the useful ``2*T*H*E``
-(fwd) or ``4*T*H*E`` (bwd) flops. Every row is checked in the same run against a float64
-reference: ``rel`` = ``||out - ref|| / ||ref||``, ``max`` = ``max|out - ref| / max|ref|``;
-fp32 outputs must be within the test suite's bound (``3e-6 * K / 256``; Hopper's MMA
-accumulation is not IEEE round-to-nearest), bf16 ``dx`` within 1e-2.
+Per row: ``kern us`` is the profiler's kernel time of one call (each call after an L2
+flush; the flush's fill kernel left out), ``graph`` the median of ``do_bench_cudagraph``
+(L2 warm), ``TF/s`` the executed bf16 MMA flops (``2*T*H*E`` per pass: 4 passes for an
+fp32 weight, 3 for bf16) per kernel µs, then each launch of the call in order with its µs
+(and the GEMMs' TFLOP/s). Every row is checked in the same run (NaN-poisoned outputs)
+against float64: ``dx`` rel. error (bf16 output, ~3e-3; bound 1e-2) and ``dW`` rel. error
+(``||dW - ref|| / ||ref||``; fp32-exact means ~2e-6 on Hopper, bound 1e-5; 1e-4 for the
+bf16 weight's 2 parts). The table is printed last.
 
-``--cpu`` runs tiny shapes through the Triton interpreter (a smoke test of the script, no
-timing). A GPU run takes about 3-4 minutes (about 40 kernel variants compile).
+The kernels are compiled first by ``--jobs`` worker processes (default 8: they fill
+Triton's on-disk cache); ``--budget S`` (default 80 s, the warm-up included): variant rows
+are skipped once S seconds have passed. ``--cpu`` runs tiny shapes through the Triton
+interpreter (a smoke test of this script, no timing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,7 +44,8 @@ import time
 
 import torch
 
-if __name__ == "__main__" and ("--cpu" in sys.argv[1:] or not torch.cuda.is_available()):
+if __name__ == "__main__" and ("--cpu" in sys.argv[1:] or (
+        not torch.cuda.is_available() and "--ptxas" not in sys.argv[1:])):
     # the interpreter is chosen when a kernel is decorated: before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -52,18 +53,16 @@ import triton  # noqa: E402
 
 from linghe.bwd import router as B  # noqa: E402
 from linghe.fwd import router as F  # noqa: E402
-from linghe.utils import INTERPRET  # noqa: E402
+from linghe.utils import INTERPRET, set_poison_outputs  # noqa: E402
 
-from .harness import load_module_at  # noqa: E402
+from .harness import graph_time_us, load_module_at  # noqa: E402
 
-#: The commit before the router GEMM rewrite (pre-split bf16 parts, one accumulator per
-#: part product, split-K only for dw).
-OLD_REV = "c56431e"
+#: main's kernels when neither ``--old`` nor ``--old-rev`` is given.
+OLD_REV = "main"
 
 
 class _Old:
-    """The router GEMM launchers at ``rev`` (the old forward, and the old backward
-    importing it)."""
+    """main's router launchers (the old forward, and the old backward importing it)."""
 
     def __init__(self, rev: str, src_dir: str | None):
         def d(part):
@@ -74,35 +73,104 @@ class _Old:
         b = load_module_at(rev, "linghe/bwd/router.py", "linghe.bwd._router_old",
                            src_dir=d("bwd"),
                            replace=[("from ..fwd.router import", "from ..fwd._router_old import")])
-        self.router_logits_fwd = f.router_logits_fwd
+        self.F, self.B = f, b
+        self.weight_parts = f.weight_parts
         self.router_logits_bwd = b.router_logits_bwd
 
-# (BM, BN, BK, num_warps, num_stages, split_k)
-_SWEEP = {
-    "fwd": [(128, 128, 64, 8, 3, 1), (128, 128, 32, 8, 4, 1), (64, 256, 32, 4, 3, 1),
-            (64, 256, 32, 8, 3, 1), (128, 256, 32, 8, 3, 1), (128, 256, 32, 8, 3, 2),
-            (64, 128, 64, 4, 3, 1), (128, 128, 64, 8, 3, 2)],
-    "dx": [(128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 2, 1), (128, 256, 64, 8, 3, 1),
-           (128, 128, 64, 4, 3, 1), (64, 128, 64, 4, 4, 1), (256, 128, 64, 8, 2, 1)],
-    "dw": [(128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 8),
-           (128, 128, 32, 8, 4, 4), (256, 128, 32, 8, 3, 8), (128, 256, 32, 8, 3, 4),
-           (128, 256, 32, 8, 3, 8)],
-}
-_SWEEP_QUICK = {k: v[:2] for k, v in _SWEEP.items()}
-_SWEEP_CPU = {"fwd": [(16, 16, 16, 4, 1, 1), (16, 32, 16, 4, 1, 2)],
-              "dx": [(16, 16, 16, 4, 1, 1)], "dw": [(16, 32, 16, 4, 1, 3)]}
+
+def _dw(BM, BN, BK, nw, ns, split, nacc, fixup=True):
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split, NACC=nacc,
+                FIXUP=fixup)
+
+
+def _dx(BM, BN, BK, nw, ns, persist=0, epi_tma=False):
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, PERSIST=persist,
+                EPI_TMA=epi_tma)
+
+
+def _dw_name(c) -> str:
+    s = f"dw {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
+    s += f" acc{c['NACC']} k{c['SPLIT']}"
+    return s + ("" if c["SPLIT"] == 1 else (" fix" if c["FIXUP"] else " sum"))
+
+
+def _dx_name(c) -> str:
+    s = f"dx {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
+    if c["PERSIST"]:
+        s += f" pers{c['PERSIST']}"
+    return s + (" tmastore" if c["EPI_TMA"] else "")
+
+
+#: Knob rows, most informative first (the budget may cut the tail): ``(name, DW_CONFIG,
+#: DX_CONFIG, DX_SPLITS)``; ``None`` keeps the default.
+_GPU_VARIANTS = [
+    # dW: one accumulator (flat loop, small parts first), 128x256 / 256x128 tiles, K/8
+    (None, _dw(128, 256, 64, 8, 4, 8, 1, fixup=False), None, None),
+    (None, _dw(128, 256, 64, 8, 4, 8, 1), None, None),
+    (None, _dw(256, 128, 64, 8, 4, 8, 1, fixup=False), None, None),
+    # dW: 3 accumulators, the sum kernel instead of the last program; BK 32; 2 CTAs/SM
+    (None, _dw(128, 128, 64, 8, 3, 4, 3, fixup=False), None, None),
+    (None, _dw(128, 128, 32, 8, 4, 4, 3), None, None),
+    (None, _dw(64, 128, 64, 4, 2, 4, 3), None, None),
+    (None, _dw(128, 128, 64, 8, 3, 8, 1, fixup=False), None, None),
+    # dx: TMA store, persistent (flattened loops), 4 warps / 2 CTAs per SM, 256x128
+    (None, None, _dx(128, 256, 64, 8, 3, epi_tma=True), None),
+    (None, None, _dx(128, 128, 64, 8, 4, persist=1), None),
+    (None, None, _dx(128, 128, 64, 4, 3, persist=2, epi_tma=True), None),
+    (None, None, _dx(128, 128, 64, 4, 2), None),
+    (None, None, _dx(256, 128, 64, 8, 3), None),
+    # dx reads fp32 dlogits and writes the parts (no split kernel)
+    ("dx splits", None, None, True),
+    ("dx splits bk32", None, _dx(128, 256, 32, 8, 4), True),
+    # the combination predicted fastest
+    ("combo", _dw(128, 256, 64, 8, 4, 8, 1, fixup=False), _dx(128, 256, 64, 8, 3, epi_tma=True),
+     True),
+]
+_QUICK = 4  # --quick: the first variants only
+_CPU_VARIANTS = [
+    (None, _dw(16, 32, 16, 4, 1, 3, 1, fixup=False), None, None),
+    (None, _dw(16, 16, 16, 4, 1, 2, 3), None, None),
+    (None, None, _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), None),
+    ("dx splits", None, _dx(16, 16, 16, 4, 1), True),
+]
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m benchmark.probe_router",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="directory for probe_router.json")
+    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    p.add_argument("--out", default=None, help="directory for probe_router.json (old form)")
     p.add_argument("--cpu", action="store_true", help="tiny shapes, Triton interpreter")
-    p.add_argument("--quick", action="store_true", help="two configs per role, no profiler")
-    p.add_argument("--old-rev", default=OLD_REV, help="git revision of the old kernels")
-    p.add_argument("--old", default=None, help="directory with the old kernels (fwd's and "
-                   "bwd's router.py under fwd/ and bwd/) instead of git (a copy without .git)")
+    p.add_argument("--quick", action="store_true", help=f"main, default and {_QUICK} variants")
+    p.add_argument("--ptxas", action="store_true",
+                   help="no GPU: compile every row's kernels for sm_90 and print registers, "
+                   "spill bytes and shared memory")
+    p.add_argument("--budget", type=float, default=80.0,
+                   help="seconds after which variant rows are skipped")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="compile warm-up processes before the timing pass (default: 8 on a "
+                   "GPU, 0 with --cpu)")
+    p.add_argument("--warm-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--old-rev", default=OLD_REV, help="git revision of main's kernels")
+    p.add_argument("--old", default=None, metavar="DIR",
+                   help="folder with main's fwd/router.py and bwd/router.py (a copy without "
+                   ".git) instead of git")
     return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def _knobs(dw_cfg=None, dx_cfg=None, dx_splits=None):
+    saved = B.DW_CONFIG, B.DX_CONFIG, B.DX_SPLITS
+    if dw_cfg is not None:
+        B.DW_CONFIG = dw_cfg
+    if dx_cfg is not None:
+        B.DX_CONFIG = dx_cfg
+    if dx_splits is not None:
+        B.DX_SPLITS = dx_splits
+    try:
+        yield
+    finally:
+        B.DW_CONFIG, B.DX_CONFIG, B.DX_SPLITS = saved
 
 
 def _err(out, ref):
@@ -114,10 +182,52 @@ def _err(out, ref):
     return float(d.norm()) / den, float(d.abs().max()) / mx
 
 
+def _is_flush(name: str) -> bool:
+    return "fill" in name.lower()
+
+
+def _kernels(fn, flush, reps: int = 10):
+    """``[(kernel name, µs)]`` of one ``fn`` call, in launch order (the profiler over
+    ``reps`` calls, each after an L2 flush whose fill kernel is left out by name); kernels
+    of the same name summed instead if the per-call lists do not line up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    evs = []
+    try:
+        for e in prof.events():
+            if getattr(e.device_type, "name", "") == "CUDA" and not _is_flush(e.name):
+                evs.append((e.time_range.start, e.name, e.time_range.elapsed_us()))
+    except Exception:
+        evs = []
+    evs.sort()
+    n = len(evs) // reps
+    if evs and n * reps == len(evs) and all(evs[i][1] == evs[i % n][1] for i in range(len(evs))):
+        return [(evs[i][1], sum(evs[i + j * n][2] for j in range(reps)) / reps)
+                for i in range(n)]
+    out: dict = {}
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0 and not _is_flush(e.key):
+            out[e.key] = out.get(e.key, 0.0) + e.self_device_time_total / reps
+    return list(out.items())
+
+
+#: The GEMM kernels (by name); a call launches the dx GEMM first, then the dW GEMM.
+_GEMMS = ("_mm_kernel", "_dx_kernel", "_dw_kernel")
+
+
 class _Probe:
-    def __init__(self, cpu: bool, quick: bool):
+    def __init__(self, cpu: bool, budget: float, warm: bool = False):
         self.cpu = cpu
-        self.quick = quick
+        self.warm = warm  # a compile warm-up worker: run each case once, no checks
+        self.budget = budget
+        self.t0 = time.perf_counter()
         self.dev = "cpu" if cpu else "cuda"
         self.T, self.H, self.E = (40, 72, 24) if cpu else (8192, 2048, 256)
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -125,152 +235,147 @@ class _Probe:
         self.x = torch.randn(T, H, generator=g).to(self.dev, torch.bfloat16)
         self.w = (torch.randn(E, H, generator=g) * 0.02).to(self.dev)
         self.dl = torch.randn(T, E, generator=g).to(self.dev)
-        xd, wd, dld = self.x.double(), self.w.double(), self.dl.double()
-        self.ref_y = xd @ wd.t()
-        self.ref_dx = dld @ wd
-        self.ref_dw = dld.t() @ xd
-        wb = self.w.to(torch.bfloat16).double()
-        self.ref_y_b, self.ref_dx_b = xd @ wb.t(), dld @ wb
-        self.tol_fwd = 5e-7 if cpu else 3e-6 * max(1.0, H / 256)
-        self.tol_dw = 5e-7 if cpu else 3e-6 * max(1.0, T / 256)
+        self.wb = self.w.to(torch.bfloat16)
+        self.ref = {}
+        if not warm:
+            xd, dld = self.x.double(), self.dl.double()
+            self.ref = {"dx": dld @ self.w.double(), "dx_b": dld @ self.wb.double(),
+                        "dw": dld.t() @ xd}
+        self.flush = None if cpu or warm else torch.empty(256 << 20, dtype=torch.uint8,
+                                                          device="cuda")
+        self.case_index = 0
+        self.warm_slot: tuple[int, int] | None = None  # (worker, workers)
+        self.pass_flops = 2 * T * H * E
         self.rows: list[dict] = []
 
-    # ------------------------------------------------------------------ timing
-    def _time(self, fn) -> tuple[float, float]:
-        """(graph median µs, profiler kernel µs per call); NaN on CPU."""
-        fn()
-        if self.cpu:
-            t0 = time.perf_counter()
-            fn()
-            return float("nan"), (time.perf_counter() - t0) * 1e6
-        torch.cuda.synchronize()
-        us = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
-        kus = float("nan")
-        if not self.quick:
-            from torch.profiler import ProfilerActivity, profile
-            n = 20
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(n):
-                    fn()
-                torch.cuda.synchronize()
-            tot = sum(e.device_time_total for e in prof.key_averages()
-                      if e.device_time_total > 0 and e.key and not e.key.startswith("cuda"))
-            kus = tot / n
-        return us, kus
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
 
-    def add(self, group, name, fn, flops, checks, cfg=None, default=False):
-        """``checks``: fn's output -> list of (label, out, ref, tol)."""
+    def add(self, group, name, fn, *, passes, bf16_w=False, default=False, cfg=None,
+            optional=True):
+        """Check ``fn()`` (-> ``(dx, dw)``; NaN-poisoned outputs) against float64, then
+        time it; ``passes``: the bf16 MMA passes it executes."""
+        i = self.case_index
+        self.case_index += 1
+        if self.warm:
+            if i % self.warm_slot[1] == self.warm_slot[0]:
+                try:
+                    fn()
+                except Exception as e:  # the timing pass reports it
+                    print(f"warm-up {group}/{name}: {type(e).__name__}: {e}"[:300], flush=True)
+            return None
         row = {"group": group, "name": name, "config": cfg, "default": default}
+        if optional and self.elapsed() > self.budget:
+            row.update(ok=None, skipped=f"budget {self.budget:.0f} s")
+            self.rows.append(row)
+            print(_fmt(row), flush=True)
+            return row
         try:
-            out = fn()
-            errs = {}
-            ok = True
-            for label, o, ref, tol in checks(out):
-                rel, mx = _err(o, ref)
-                errs[label] = {"rel": rel, "max": mx, "tol": tol}
-                ok &= rel < tol
-            us, kus = self._time(fn)
-            row.update(ok=bool(ok), us=us, kernel_us=kus, err=errs,
-                       tflops=flops / (us * 1e-6) / 1e12 if us == us else float("nan"))
-        except Exception as e:  # a config that does not fit (shared memory) or fails
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+            t = time.perf_counter()
+            set_poison_outputs(True)
+            try:
+                dx, dw = fn()
+            finally:
+                set_poison_outputs(False)
+            if not self.cpu:
+                torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - t
+            dx_rel, dx_max = _err(dx, self.ref["dx_b" if bf16_w else "dx"])
+            dw_rel, dw_max = _err(dw, self.ref["dw"])
+            dw_tol = 1e-4 if bf16_w else (1e-5 if not self.cpu else 1e-6)
+            row.update(dx_rel=dx_rel, dx_max=dx_max, dw_rel=dw_rel, dw_max=dw_max,
+                       dw_tol=dw_tol, ok=bool(dx_rel < 1e-2 and dw_rel < dw_tol))
+            del dx, dw
+            if self.cpu:
+                row.update(kern_us=None, graph_us=None, kernels=[])
+            else:
+                row["graph_us"] = graph_time_us(fn, rep=100)
+                ks = _kernels(fn, self.flush)
+                gemm_passes = [1, passes - 1]  # dx, then dW
+                row["kernels"] = []
+                for k, us in ks:
+                    p = gemm_passes.pop(0) if k in _GEMMS and gemm_passes else None
+                    row["kernels"].append({"name": k, "us": us, "tflops": (
+                        p * self.pass_flops / us / 1e6 if p and us else None)})
+                row["kern_us"] = sum(us for _, us in ks)
+            us = row["kern_us"] or row["graph_us"]
+            if us:
+                row["tflops"] = passes * self.pass_flops / us / 1e6
+        except Exception as e:  # a config that does not fit, or a bug
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                       if str(e) else type(e).__name__)
         self.rows.append(row)
         print(_fmt(row), flush=True)
         return row
 
     # ------------------------------------------------------------------ cases
-    def run(self, old: _Old):
-        T, H, E = self.T, self.H, self.E
-        x, w, dl = self.x, self.w, self.dl
-        ffl, bfl = 2 * T * H * E, 4 * T * H * E
-        fwd_chk = lambda y, ref=self.ref_y: [("y", y, ref, self.tol_fwd)]  # noqa: E731
-
-        def bwd_chk(r, rdx=self.ref_dx):
-            out = []
-            if r[0] is not None:
-                out.append(("dx", r[0], rdx, 1e-2))
-            if r[1] is not None:
-                out.append(("dw", r[1], self.ref_dw, self.tol_dw))
-            return out
-
+    def run(self, old: _Old | None, quick: bool):
+        x, w, dl, wb = self.x, self.w, self.dl, self.wb
         wp = F.weight_parts(w)
-        self.add("fwd", "old", lambda: old.router_logits_fwd(x, w), ffl, fwd_chk)
-        self.add("fwd", "new", lambda: F.router_logits_fwd(x, w), ffl, fwd_chk)
-        self.add("fwd", "new gemm", lambda: F.router_logits_fwd(x, w, wp), ffl, fwd_chk)
-        self.add("bwd", "old", lambda: old.router_logits_bwd(dl, x, w), bfl, bwd_chk)
-        self.add("bwd", "new", lambda: B.router_logits_bwd(dl, x, w, w_parts=wp), bfl,
-                 bwd_chk)
-        self.add("bwd", "new +split w", lambda: B.router_logits_bwd(dl, x, w), bfl, bwd_chk)
-        if not self.cpu:
-            def tf():
-                torch.backends.cuda.matmul.allow_tf32 = False
-                return torch.nn.functional.linear(x.float(), w)
-            self.add("fwd", "torch fp32", tf, ffl, fwd_chk)
-
-        # bf16 weight
-        wb = w.to(torch.bfloat16)
-        fchk_b = lambda y: [("y", y, self.ref_y_b, self.tol_fwd)]  # noqa: E731
-
-        def bchk_b(r):
-            return [("dx", r[0], self.ref_dx_b, 1e-2), ("dw", r[1], self.ref_dw, 1e-2)]
-        self.add("fwd bf16 w", "old", lambda: old.router_logits_fwd(x, wb), ffl, fchk_b)
-        self.add("fwd bf16 w", "new", lambda: F.router_logits_fwd(x, wb), ffl, fchk_b)
-        self.add("bwd bf16 w", "old", lambda: old.router_logits_bwd(dl, x, wb), bfl, bchk_b)
-        self.add("bwd bf16 w", "new", lambda: B.router_logits_bwd(dl, x, wb), bfl, bchk_b)
-
-        # config sweep per role
-        sweep = _SWEEP_CPU if self.cpu else (_SWEEP_QUICK if self.quick else _SWEEP)
+        if old is not None:
+            wp_old = old.weight_parts(w)
+            self.add("bwd", "main", lambda: old.router_logits_bwd(dl, x, w, w_parts=wp_old),
+                     passes=4, optional=False)
+        else:
+            def ptr():
+                saved = B.BWD_TMA
+                B.BWD_TMA = False
+                try:
+                    return B.router_logits_bwd(dl, x, w, w_parts=wp)
+                finally:
+                    B.BWD_TMA = saved
+            self.add("bwd", "this tree, BWD_TMA off (main's path)", ptr, passes=4,
+                     optional=False)
         dev = torch.device(self.dev)
-        defaults = {"fwd": F._mm_config(T, E, H, 1, 3, dev),
-                    "dx": F._mm_config(T, H, E, 1, 1, dev),
-                    "dw": F._mm_config(E, H, T, 3, 1, dev)}
-        fns = {"fwd": (lambda: F.router_logits_fwd(x, w, wp), ffl, fwd_chk),
-               "dx": (lambda: B.router_logits_bwd(dl, x, w, need_dw=False, w_parts=wp),
-                      2 * T * H * E, bwd_chk),
-               "dw": (lambda: B.router_logits_bwd(dl, x, w, need_dx=False, w_parts=wp),
-                      2 * T * H * E, bwd_chk)}
-        for role, cfgs in sweep.items():
-            fn, fl, chk = fns[role]
-            cfgs = [defaults[role]] + [c for c in cfgs if tuple(c) != tuple(defaults[role])]
-            for cfg in cfgs:
-                for multi in ((True, False) if role != "dx" else (True,)):
-                    F.CONFIG[role] = tuple(cfg)
-                    F.MULTI_ACC = multi
-                    try:
-                        self.add(f"sweep {role}", f"{cfg}{'' if multi else ' 1acc'}", fn,
-                                 fl, chk, cfg=list(cfg) + [multi],
-                                 default=tuple(cfg) == tuple(defaults[role]) and multi)
-                    finally:
-                        F.CONFIG[role] = None
-                        F.MULTI_ACC = True
-        for order in (1, 2):
-            saved = B.DX_ORDER
-            B.DX_ORDER = order
-            try:
-                # order 2 is fp32-exact before the bf16 rounding: compare with bf16(ref)
-                self.add("dx order", f"order {order}", fns["dx"][0], 2 * T * H * E,
-                         lambda r: [("dx", r[0], self.ref_dx.to(torch.bfloat16).double(),
-                                     1e-2)])
-            finally:
-                B.DX_ORDER = saved
+        dflt = {"dw": B._dw_config(self.E, self.H, self.T, 3, dev),
+                "dx": B._dx_config(self.T, self.H, self.E, dev)}
+        self.add("bwd", f"new: {_dw_name(dflt['dw'])}, {_dx_name(dflt['dx'])}"
+                 + (", dx splits" if B.DX_SPLITS else ""),
+                 lambda: B.router_logits_bwd(dl, x, w, w_parts=wp), passes=4, default=True,
+                 optional=False, cfg={"dw": dflt["dw"], "dx": dflt["dx"],
+                                      "DX_SPLITS": B.DX_SPLITS})
+        variants = _CPU_VARIANTS if self.cpu else _GPU_VARIANTS
+        if quick:
+            variants = variants[:_QUICK]
+        for name, dwc, dxc, splits in variants:
+            label = name or (_dw_name(dict(dflt["dw"], **dwc)) if dwc else
+                             _dx_name(dict(dflt["dx"], **dxc)))
+            if name and (dwc or dxc):
+                label += " (" + ", ".join(
+                    ([_dw_name(dict(dflt["dw"], **dwc))] if dwc else [])
+                    + ([_dx_name(dict(dflt["dx"], **dxc))] if dxc else [])) + ")"
+
+            def run(dwc=dwc, dxc=dxc, splits=splits):
+                with _knobs(dwc, dxc, splits):
+                    return B.router_logits_bwd(dl, x, w, w_parts=wp)
+            self.add("knob", label, run, passes=4,
+                     cfg={"DW_CONFIG": dwc, "DX_CONFIG": dxc, "DX_SPLITS": splits})
+        # a bf16 weight: dW from 2 parts of dlogits (bf16-level accuracy suffices there)
+        wpb = F.weight_parts(wb)
+        if old is not None:
+            wpb_old = old.weight_parts(wb)
+            self.add("bf16 w", "main", lambda: old.router_logits_bwd(dl, x, wb, w_parts=wpb_old),
+                     passes=3, bf16_w=True, optional=False)
+        self.add("bf16 w", "new", lambda: B.router_logits_bwd(dl, x, wb, w_parts=wpb),
+                 passes=3, bf16_w=True, default=True, optional=False)
         return self.rows
 
     def report(self):
         dev = "cpu (interpreter)" if self.cpu else torch.cuda.get_device_name()
-        best = {}
-        for r in self.rows:
-            if r["group"].startswith("sweep") and r.get("ok"):
-                b = best.get(r["group"])
-                if b is None or _key(r) < _key(b):
-                    best[r["group"]] = r
+        main_us = next((_us(r) for r in self.rows if r["group"] == "bwd"
+                        and r["name"] == "main"), None)
+        fast = [r for r in self.rows if r.get("ok") and _us(r) and r["group"] != "bf16 w"]
+        best = min(fast, key=_us) if fast else None
         return {"device": dev, "shape": {"T": self.T, "H": self.H, "E": self.E},
                 "torch": torch.__version__, "triton": triton.__version__,
-                "python": platform.python_version(), "rows": self.rows,
-                "best": {k: {"config": v["config"], "us": _key(v)} for k, v in best.items()}}
+                "python": platform.python_version(), "main_us": main_us, "rows": self.rows,
+                "best": None if best is None else
+                {"group": best["group"], "name": best["name"], "config": best["config"],
+                 "us": _us(best), "dw_rel": best["dw_rel"]}}
 
 
-def _key(r) -> float:
-    return r["us"] if r["us"] == r["us"] else r["kernel_us"]
+def _us(r):
+    return r.get("kern_us") or r.get("graph_us")
 
 
 def _clean(o):
@@ -279,52 +384,294 @@ def _clean(o):
         return None
     if isinstance(o, dict):
         return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, list):
+    if isinstance(o, (list, tuple)):
         return [_clean(v) for v in o]
     return o
 
 
-def _fmt(r) -> str:
+def _f(v, spec, width):
+    return f"{v:{width}{spec}}" if isinstance(v, (int, float)) and v == v else f"{'-':>{width}}"
+
+
+_SHORT = {"_split_kernel": "split", "_mm_kernel": "mm", "_sum_splits_kernel": "sum",
+          "_dx_kernel": "dx", "_dw_kernel": "dw"}
+
+
+def _fmt(r, main_us=None) -> str:
+    head = f"{r['group']:6s} {r['name'][:58]:58s}{'*' if r.get('default') else ' '}"
+    if "skipped" in r:
+        return head + f" skipped ({r['skipped']})"
     if "error" in r:
-        return f"{r['group']:12s} {r['name']:28s} ERROR {r['error']}"
-    errs = " ".join(f"{k}:{v['rel']:.1e}/{v['max']:.1e}" for k, v in r["err"].items())
-    mark = "*" if r.get("default") else " "
-    return (f"{r['group']:12s} {r['name']:27s}{mark} {r['us']:8.1f} {r['kernel_us']:8.1f} "
-            f"{r['tflops']:7.1f}  {'ok ' if r['ok'] else 'BAD'} {errs}")
+        return head + f" ERROR {r['error']}"
+    chk = {True: "ok ", False: "BAD", None: "n/a"}[r["ok"]]
+    line = (f"{head} {_f(r.get('kern_us'), '.1f', 6)} {_f(r.get('graph_us'), '.1f', 6)} "
+            f"{_f(r.get('tflops'), '.0f', 4)}  {chk} {r['dx_rel']:.1e} {r['dw_rel']:.1e}")
+    if main_us and _us(r):
+        line += f"  x{main_us / _us(r):.2f}"
+    ks = r.get("kernels") or []
+    if ks:
+        line += "  | " + " + ".join(
+            f"{_SHORT.get(k['name'], k['name'][:16])} {k['us']:.1f}"
+            + (f" ({k['tflops']:.0f} TF/s)" if k.get("tflops") else "") for k in ks)
+    return line
 
 
 def _table(rows):
-    print("\n" + f"{'group':12s} {'variant':28s} {'us':>8s} {'kern us':>8s} {'TFLOP/s':>7s}  "
-          "chk err rel/max")
-    base = {r["group"]: r for r in rows if r["name"] == "old" and "us" in r}
+    main_us = next((_us(r) for r in rows if r["group"] == "bwd" and r["name"] == "main"), None)
+    print("\n" + f"{'group':6s} {'variant':59s} {'kern':>6s} {'graph':>6s} {'TF/s':>4s}  chk "
+          f"dx rel  dw rel   vs main | kernels in launch order (µs)")
     for r in rows:
-        line = _fmt(r)
-        b = base.get(r["group"])
-        if b is not None and "us" in r and r is not b:
-            key = "kernel_us" if r["kernel_us"] == r["kernel_us"] else "us"
-            if b[key] == b[key] and r[key]:
-                line += f"  x{b[key] / r[key]:.2f} vs old"
-        print(line)
+        print(_fmt(r, main_us if r["group"] != "bf16 w" else None))
+
+
+def _warm_up(jobs: int, args) -> float:
+    """Compile every case's kernels in ``jobs`` worker processes first (they fill
+    Triton's on-disk cache; the timing pass then loads the binaries): wall seconds."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    extra = (["--quick"] if args.quick else []) + ["--old-rev", args.old_rev]
+    if args.old:
+        extra += ["--old", args.old]
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmark.probe_router",
+                               "--warm-worker", f"{i}/{jobs}"] + extra, cwd=root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(jobs)]
+    for p in procs:
+        try:
+            out = p.communicate(timeout=max(1.0, 60 - (time.perf_counter() - t0)))[0]
+        except subprocess.TimeoutExpired:
+            p.kill()  # ours; the timing pass compiles what is missing itself
+            out = p.communicate()[0]
+        if p.returncode:
+            print(f"warm-up worker exit {p.returncode}: {(out or '')[-800:]}", flush=True)
+        elif out and out.strip():
+            print(out.strip()[-800:], flush=True)
+    secs = time.perf_counter() - t0
+    print(f"compile warm-up: {jobs} processes, {secs:.0f} s", file=sys.stderr, flush=True)
+    return secs
+
+
+def _load_old(args) -> _Old | None:
+    try:
+        return _Old(args.old_rev, args.old)
+    except Exception as e:
+        print(f"main's kernels not loaded ({type(e).__name__}: {str(e)[:200]}); pass --old "
+              f"DIR (main's fwd/router.py and bwd/router.py under DIR/fwd and DIR/bwd)",
+              file=sys.stderr)
+        return None
+
+
+# ------------------------------------------------------------------ offline compile
+def _record_launches(mods, fn):
+    """The kernel launches ``fn`` makes through ``launch`` in ``mods`` (``[(kernel, args
+    by name, num_warps, num_stages)]``), without running them."""
+    calls = []
+
+    def fake(kernel, grid, *a, **kw):
+        kw = dict(kw)
+        warps = kw.pop("num_warps", 4)
+        stages = kw.pop("num_stages", 3)
+        args = dict(zip([p.name for p in kernel.params], a))
+        args.update(kw)
+        calls.append((kernel, args, warps, stages))
+
+    saved = [(m, m.launch) for m in mods]
+    try:
+        for m in mods:
+            m.launch = fake
+        fn()
+    finally:
+        for m, f in saved:
+            m.launch = f
+    return calls
+
+
+_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+       torch.int32: "i32", torch.int64: "i64"}
+
+
+def _compile_sm90(kernel, args, warps, stages):
+    """Compile one recorded launch for sm_90 as the launch would specialize it (pointers
+    and ints divisible by 16 get the hint, an int 1 is a constant, descriptors typed by
+    their dtype and block)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    sig, attrs, consts = {}, {}, {}
+    for i, prm in enumerate(kernel.params):
+        n, v = prm.name, args.get(prm.name)
+        if prm.is_constexpr:
+            sig[n] = "constexpr"
+            consts[n] = v if n in args else prm.default
+        elif isinstance(v, TensorDescriptor):
+            sig[n] = f"tensordesc<{_TY[v.base.dtype]}[{', '.join(map(str, v.block_shape))}]>"
+        elif isinstance(v, torch.Tensor):
+            sig[n] = "*" + _TY[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[n] = "i1"
+        elif isinstance(v, int):
+            if v == 1:
+                sig[n] = "constexpr"
+                consts[n] = 1
+                continue
+            sig[n] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "fp32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def _ptxas_usage(ptx: str):
+    """``(registers, spill store bytes)`` from ``ptxas -v`` (triton's bundled ptxas)."""
+    import glob
+    import re
+    import subprocess
+    import tempfile
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(ptx)
+    try:
+        for exe in sorted(glob.glob(os.path.join(bindir, "ptxas*")), reverse=True):
+            r = subprocess.run([exe, "-arch=sm_90a", "-v", fh.name, "-o", os.devnull],
+                               capture_output=True, text=True)
+            regs = re.search(r"Used (\d+) registers", r.stderr)
+            spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+            if r.returncode == 0 and regs:
+                return int(regs[1]), int(spill[1]) if spill else 0
+    finally:
+        os.unlink(fh.name)
+    return None, None
+
+
+def ptxas_table(args) -> int:
+    """Every row's launches compiled for sm_90 (meta tensors of the standard shape, 132
+    SMs): registers, spill bytes, shared memory and the wgmma shapes of each kernel."""
+    import re
+
+    if INTERPRET:
+        print("--ptxas compiles for sm_90: run it without TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    old = _load_old(args)
+    T, H, E = 8192, 2048, 256
+    meta = torch.device("meta")
+    x = torch.empty(T, H, dtype=torch.bfloat16, device=meta)
+    dl = torch.empty(T, E, dtype=torch.float32, device=meta)
+    cases = []
+    for wd in (torch.float32, torch.bfloat16):
+        w = torch.empty(E, H, dtype=wd, device=meta)
+        wp = torch.empty(3 if wd == torch.float32 else 1, E, H, dtype=torch.bfloat16,
+                         device=meta)
+        if old is not None:
+            cases.append((f"main {'fp32' if wd == torch.float32 else 'bf16'} w", [old.F, old.B],
+                          lambda w=w, wp=wp: old.router_logits_bwd(dl, x, w, w_parts=wp),
+                          None))
+        cases.append((f"new {'fp32' if wd == torch.float32 else 'bf16'} w", [F, B],
+                      lambda w=w, wp=wp: B.router_logits_bwd(dl, x, w, w_parts=wp),
+                      (None, None, None)))
+    w = torch.empty(E, H, dtype=torch.float32, device=meta)
+    wp = torch.empty(3, E, H, dtype=torch.bfloat16, device=meta)
+    for name, dwc, dxc, splits in _GPU_VARIANTS:
+        label = name or (_dw_name(dwc) if dwc else _dx_name(dict(_dx(0, 0, 0, 0, 0), **dxc)))
+        cases.append((label, [F, B], lambda: B.router_logits_bwd(dl, x, w, w_parts=wp),
+                      (dwc, dxc, splits)))
+    print(f"triton {triton.__version__}, sm_90 offline, T={T} H={H} E={E}")
+    seen = {}
+    mods = [F, B] + ([old.F, old.B] if old is not None else [])
+    saved = [(m, m.num_sms) for m in mods if hasattr(m, "num_sms")]
+    saved_tma = B.tma_capable
+    B.tma_capable = lambda t: True
+    for m, _ in saved:
+        m.num_sms = lambda d: 132
+    B._DW_CFG.clear()
+    B._DX_CFG.clear()
+    try:
+        for label, kmods, fn, knobs in cases:
+            with _knobs(*knobs) if knobs else contextlib.nullcontext():
+                try:
+                    calls = _record_launches(kmods, fn)
+                except Exception as e:
+                    print(f"{label:44s} ERROR {type(e).__name__}: {e}"[:300], flush=True)
+                    continue
+            parts = []
+            for kernel, kargs, warps, stages in calls:
+                key = (kernel.fn.__name__, id(kernel), warps, stages,
+                       repr(sorted((k, v if isinstance(v, (int, bool, str, float)) else
+                                    (str(getattr(v, "dtype", "")), tuple(getattr(
+                                        v, "block_shape", ()) or ())))
+                                   for k, v in kargs.items())))
+                if key not in seen:
+                    try:
+                        c = _compile_sm90(kernel, kargs, warps, stages)
+                        regs, spill = _ptxas_usage(c.asm["ptx"])
+                        mma = sorted({m for m in re.findall(r"wgmma\.mma_async\.sync\.aligned"
+                                                            r"\.(m64n\d+k16)", c.asm["ptx"])})
+                        seen[key] = (f"{_SHORT.get(kernel.fn.__name__, kernel.fn.__name__)}"
+                                     f"/{warps}w regs {regs} spill {spill} smem "
+                                     f"{c.metadata.shared // 1024}K"
+                                     + (f" {','.join(mma)}" if mma else ""))
+                    except Exception as e:
+                        seen[key] = f"{kernel.fn.__name__}: {type(e).__name__} {e}"[:200]
+                parts.append(seen[key])
+            print(f"{label[:44]:44s} " + " + ".join(parts), flush=True)
+    finally:
+        B.tma_capable = saved_tma
+        for m, f in saved:
+            m.num_sms = f
+        B._DW_CFG.clear()
+        B._DX_CFG.clear()
+    return 0
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.ptxas:
+        return ptxas_table(args)
     if args.cpu != INTERPRET:
         print("--cpu needs TRITON_INTERPRET=1 before triton is imported (and a GPU run "
               "needs it unset): run as python -m benchmark.probe_router", file=sys.stderr)
         return 2
-    probe = _Probe(args.cpu, args.quick)
-    rows = probe.run(_Old(args.old_rev, args.old))
-    _table(rows)
+    if args.warm_worker:
+        i, n = (int(v) for v in args.warm_worker.split("/"))
+        probe = _Probe(args.cpu, 1e9, warm=True)
+        probe.warm_slot = (i, n)
+        probe.run(_load_old(args), args.quick)
+        if not args.cpu:
+            torch.cuda.synchronize()
+        return 0
+    jobs = args.jobs
+    if jobs is None:
+        jobs = 0 if args.cpu else min(8, os.cpu_count() or 1)
+    warm_s = _warm_up(jobs, args) if jobs > 0 else 0.0
+    probe = _Probe(args.cpu, args.budget)
+    probe.t0 -= warm_s  # the budget counts the warm-up
+    print(f"device: {'cpu (interpreter)' if args.cpu else torch.cuda.get_device_name()}; "
+          f"torch {torch.__version__}, triton {triton.__version__}", file=sys.stderr,
+          flush=True)
+    rows = probe.run(_load_old(args), args.quick)
     rep = probe.report()
-    print("best per role:", json.dumps(_clean(rep["best"])))
+    paths = [args.json] if args.json else []
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "probe_router.json")
+        paths.append(os.path.join(args.out, "probe_router.json"))
+    for path in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(_clean(rep), f, indent=1)
         print(f"wrote {path}", file=sys.stderr)
-    bad = [r for r in rows if not r.get("ok") and not r["group"].startswith("sweep")]
+    print(f"total {probe.elapsed():.0f} s; best: {json.dumps(_clean(rep['best']))}")
+    _table(rows)
+    # wrong results anywhere, or an error in main's / the default rows (a knob config
+    # that does not compile is reported, not failed)
+    bad = [r for r in rows if r.get("ok") is False and ("error" not in r or r["group"] != "knob")]
     if bad:
         print(f"{len(bad)} row(s) failed: " + ", ".join(f"{r['group']}/{r['name']}"
                                                        for r in bad), file=sys.stderr)

@@ -1,14 +1,29 @@
 """Router backward kernels: router GEMM grads (fp32-exact), top-k routing, z-loss.
 
 - ``router_logits``: ``dx = dlogits @ W`` (dx in x's dtype) and ``dW = dlogits^T @ x``
-  (fp32), both through :func:`linghe.fwd.router.matmul_parts` (bf16 parts, no TF32):
-  ``dlogits`` is split into its bf16 parts once (shared by both GEMMs), ``W``'s parts come
-  from the forward; ``dW`` splits the token dimension over programs and sums the fp32
-  partials in a deterministic second pass.
+  (fp32) from bf16 parts (no TF32): ``dlogits`` is split into its bf16 parts once
+  (:func:`linghe.fwd.router.split_parts`, shared by both GEMMs), ``W``'s parts come from
+  the forward. With a bf16 ``x`` whose rows TMA can address (Hopper, 16-byte aligned rows)
+  both GEMMs load their operands by TMA (:func:`dw_tma`: :func:`_dw_kernel`,
+  :func:`dx_tma`: :func:`_dx_kernel`); otherwise, and for a float32 ``x``, both go
+  through :func:`linghe.fwd.router.matmul_parts` (pointer loads).
 - ``topk_route``: one program per block of rows recomputes the scores from the logits and
   back-propagates ``dprobs`` through the scale, the normalization and softmax/sigmoid
   (selection has no gradient).
 - ``router_z_loss``: ``dlogits = g * 2 * lse / T * softmax(logits)``.
+
+**dW (``[E, H]`` fp32 from ``K = T`` tokens).** Every product ``part_p(dl)[t, e] *
+x[t, h]`` of two bf16 values is exact in fp32, so ``dW = sum_p part_p(dl)^T @ x`` with
+fp32 accumulation is fp32-exact (relative error ~2e-6 against float64 on Hopper, whose
+MMA accumulation is not IEEE round-to-nearest). Few output tiles (``[256, 2048]``: 32 of
+``128 x 128``) and a long contraction: the token range is split over programs (``SPLIT``)
+and the fp32 partials are summed in rank order (deterministic), by the tile's last
+program to finish (``FIXUP``) or by a second kernel. Two forms of the K loop
+(``NACC``): one accumulator per part (``NACC = P``: each K step loads the ``x`` box once
+and feeds ``P`` part boxes, ``P`` dots into ``P`` accumulators: ``P * BM * BN`` fp32
+registers, so ``128 x 128`` at most), or one accumulator (``NACC = 1``: one flat
+pipelined loop over (part, K step), the small parts first over the whole K chunk, then
+the hi part; the ``x`` box is loaded once per part, from L2; tiles up to ``128 x 256``).
 """
 
 from __future__ import annotations
@@ -16,9 +31,29 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..fwd.router import CONFIG, _rows_per_prog, matmul_parts, split_parts
-from ..utils import INTERPRET, cdiv, device_guard, empty, empty_like, launch, next_power_of_2
+from ..fwd.grouped_mm import tma_capable
+from ..fwd.router import (
+    CONFIG,
+    _rows_per_prog,
+    _split3,
+    _sum_splits_kernel,
+    matmul_parts,
+    split_parts,
+)
+from ..utils import (
+    INTERPRET,
+    cdiv,
+    device_guard,
+    dot_f32acc,
+    empty,
+    empty_like,
+    grouped_tile_order,
+    launch,
+    next_power_of_2,
+    num_sms,
+)
 
 #: Part-product order of ``dx`` when x is bf16/fp16: 0 (default) is a single bf16 GEMM
 #: ``bf16(dl) @ bf16(W)`` (relative error ~2e-3, the size of the bf16 output's own rounding;
@@ -27,13 +62,343 @@ from ..utils import INTERPRET, cdiv, device_guard, empty, empty_like, launch, ne
 #: order 2 (fp32-exact).
 DX_ORDER = 0
 
+#: The TMA kernels (:func:`dw_tma`, :func:`dx_tma`) where they apply (bf16 ``x``; dx of
+#: order 0); False: :func:`linghe.fwd.router.matmul_parts` for both GEMMs (main's path).
+BWD_TMA = True
+#: Overrides of :func:`_dw_config`'s keys (``BM, BN, BK, num_warps, num_stages, SPLIT,
+#: NACC, FIXUP, GROUP_M``) for :func:`dw_tma`; ``None``: the heuristic.
+DW_CONFIG: dict | None = None
+#: Overrides of :func:`_dx_config`'s keys (``BM, BN, BK, num_warps, num_stages, PERSIST,
+#: EPI_TMA, GROUP_M``) for :func:`dx_tma`; ``None``: the heuristic.
+DX_CONFIG: dict | None = None
+#: With a float32 ``dlogits`` and the TMA dx: the dx kernel reads ``dlogits`` itself
+#: (rounded to bf16 in registers) and writes its bf16 parts for dW (each program of a
+#: row tile a share of its K boxes), so no separate split kernel runs (it read 4 and
+#: wrote 6 bytes per element); False: :func:`linghe.fwd.router.split_parts` first.
+DX_SPLITS = False
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 16-bit matrix (or stack of matrices) TMA can address: unit last stride, 16-byte
+    aligned base and row stride."""
+    return (t.element_size() == 2 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(-2) * 2) % 16 == 0)
+
+
+# ------------------------------------------------------------------------------ dW
+@triton.jit
+def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
+               P: tl.constexpr, NACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
+               FIXUP: tl.constexpr, CH: tl.constexpr):
+    """``out [M, N] fp32 = sum_p A_p^T @ B``: ``A_p`` (``[T, M]`` bf16) are the ``P`` parts
+    of ``dlogits``, stacked along the rows as one ``[P * T, M]`` matrix (``a_desc``,
+    ``[BK, BM]`` boxes: part ``p``'s box at row ``p * T + k``), ``B = x [T, N]``
+    (``b_desc``, ``[BK, BN]`` boxes). Both come by TMA, fed to the MMA as they are (an
+    M-major ``A^T`` and an N-major ``B``: Hopper's bf16 wgmma reads both from shared
+    memory). A box that starts before ``T`` but reaches past it reads the next part's
+    first rows (finite: ``mid``/``lo`` parts are zero where ``dlogits`` is not finite) and
+    ``B``'s zero fill there, so those rows add exact zeros; past the last part TMA fills
+    zeros. No masks in the K loop.
+
+    Program ``pid`` computes tile ``pid % tiles`` (grouped order) over the token chunk
+    ``rank = pid // tiles`` (``k_per_split`` wide, ``SPLIT`` chunks). ``NACC == P``: one
+    accumulator per part (the ``B`` box loaded once per K step); ``NACC == 1``: one
+    accumulator and one flat loop over (part, K step), parts ``P-1 .. 0`` (small first)
+    each over the whole chunk. With ``SPLIT > 1`` the fp32 partial goes to ``ws[rank]``;
+    with ``FIXUP`` each program then counts itself in ``flag[tile]`` (acq_rel, after a
+    barrier) and the tile's last program sums the partials in rank order (the same adds in
+    the same order whichever program is last: deterministic), ``CH`` rows at a time,
+    stores the tile and resets the flag to 0 for the next launch. Without ``FIXUP``
+    ``_sum_splits_kernel`` sums them. Nobody waits for another program."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    tiles = num_m * num_n
+    rank = pid // tiles
+    tile = pid % tiles
+    pid_m, pid_n = grouped_tile_order(tile, num_m, num_n, GROUP_M)
+    off_m = pid_m * BM
+    off_n = pid_n * BN
+    k_lo = rank * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, T)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if NACC == 1:
+        nk = tl.cdiv(k_hi - k_lo, BK)
+        for i in range(0, P * nk):
+            q = i // nk  # part P-1-q, K step i - q * nk
+            k = k_lo + (i - q * nk) * BK
+            a = a_desc.load([(P - 1 - q) * T + k, off_m])
+            b = b_desc.load([k, off_n])
+            acc = dot_f32acc(tl.trans(a), b, acc)
+    else:
+        acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(k_lo, k_hi, BK):
+            b = b_desc.load([k, off_n])
+            if P > 2:
+                a2 = a_desc.load([T + T + k, off_m])
+                acc2 = dot_f32acc(tl.trans(a2), b, acc2)
+            if P > 1:
+                a1 = a_desc.load([T + k, off_m])
+                acc1 = dot_f32acc(tl.trans(a1), b, acc1)
+            a0 = a_desc.load([k, off_m])
+            acc = dot_f32acc(tl.trans(a0), b, acc)
+        if P > 2:
+            acc = acc2 + acc1 + acc
+        elif P > 1:
+            acc = acc1 + acc
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + offs, acc, mask=mask)
+    else:
+        mn = M.to(tl.int64) * N
+        tl.store(ws_ptr + rank * mn + offs, acc, mask=mask)
+        if FIXUP:
+            tl.debug_barrier()  # every thread's partial is written before the release
+            if tl.atomic_add(flag_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                # the tile's last chunk: sum the partials in rank order, CH rows at a time
+                for i in range(0, BM, CH):
+                    r2 = off_m + i + tl.arange(0, CH)
+                    m2 = (r2 < M)[:, None] & (rn < N)[None, :]
+                    o2 = r2.to(tl.int64)[:, None] * N + rn[None, :]
+                    s = tl.load(ws_ptr + o2, mask=m2, other=0.0, cache_modifier=".cg")
+                    for r in range(1, SPLIT):
+                        s += tl.load(ws_ptr + r * mn + o2, mask=m2, other=0.0,
+                                     cache_modifier=".cg")
+                    tl.store(out_ptr + o2, s, mask=m2)
+                tl.store(flag_ptr + tile, 0)  # ready for the next launch (stream order)
+
+
+_DW_CFG: dict = {}
+_FLAGS: dict = {}
+
+
+def _flags(dev, n: int) -> torch.Tensor:
+    """A per-device int32 zero vector of at least ``n`` tile counters, which
+    :func:`_dw_kernel` increments and its last program per tile resets to zero (launches
+    on one device are assumed stream-ordered, as all of a training step's are)."""
+    f = _FLAGS.get(dev)
+    if f is None or f.numel() < n:
+        f = _FLAGS[dev] = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
+    return f
+
+
+def _dw_config(M: int, N: int, T: int, P: int, dev) -> dict:
+    """Launch config of :func:`_dw_kernel` for ``dW [M, N]`` over ``T`` tokens with ``P``
+    parts of dlogits (cached per shape): ``128 x 128`` tiles with one accumulator per part
+    (the ``x`` box loaded once per K step: the fewest operand bytes per MMA; ``P * 64``
+    accumulator registers a thread at 8 warps) and the token range split so that the
+    programs make about one wave (the router's ``[256, 2048]``: 32 tiles x 4 chunks),
+    summed by the last program per tile. Stages within ~200 KB of shared memory. The
+    alternatives measured against it are in ``benchmark/probe_router.py``."""
+    key = (M, N, T, P, dev)
+    cfg = _DW_CFG.get(key)
+    if cfg is not None:
+        return cfg
+    if INTERPRET:
+        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT=1, NACC=P,
+                   FIXUP=True, GROUP_M=8)
+    else:
+        sms = num_sms(dev)
+        BM = 128 if M > 64 else 64
+        BN = 128 if N > 64 else 64
+        BK = 64
+        tiles = cdiv(M, BM) * cdiv(N, BN)
+        split = max(1, min(sms // tiles, cdiv(T, 1024)))  # chunks of >= 1024 tokens
+        stage = (P * BM + BN) * BK * 2
+        ns = max(2, min(4, (200 * 1024) // stage))
+        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=8, num_stages=ns, SPLIT=split, NACC=P,
+                   FIXUP=True, GROUP_M=8)
+    _DW_CFG[key] = cfg
+    return cfg
+
+
+def dw_tma(dlp: torch.Tensor, x2: torch.Tensor, *, config: dict | None = None
+           ) -> torch.Tensor | None:
+    """``dW [E, H] fp32 = sum_p dlp[p]^T @ x2`` through :func:`_dw_kernel`, or ``None``
+    where TMA cannot address the operands: ``dlp [P, T, E]`` bf16 parts of dlogits
+    (stacked: ``stride(0) == T * stride(1)``), ``x2 [T, H]`` bf16, both with unit last
+    stride and 16-byte aligned rows. ``config``: overrides of :func:`_dw_config`'s keys."""
+    P, T, E = dlp.shape
+    H = x2.shape[1]
+    if not (dlp.dtype == torch.bfloat16 and x2.dtype == torch.bfloat16 and tma_capable(x2)
+            and _tma_ok(dlp) and _tma_ok(x2) and (P == 1 or dlp.stride(0) == T * dlp.stride(1))):
+        return None
+    dev = x2.device
+    out = empty(E, H, dtype=torch.float32, device=dev)
+    if E == 0 or H == 0:
+        return out
+    if T == 0:
+        return out.zero_()
+    cfg = dict(_dw_config(E, H, T, P, dev))
+    if config:
+        cfg.update(config)
+    BM, BN, BK, nw = cfg["BM"], cfg["BN"], cfg["BK"], cfg["num_warps"]
+    nacc = P if cfg["NACC"] > 1 else 1
+    k_per = cdiv(cdiv(T, cfg["SPLIT"]), BK) * BK
+    split = cdiv(T, k_per)
+    tiles = cdiv(E, BM) * cdiv(H, BN)
+    fixup = bool(cfg["FIXUP"])
+    ws = flags = out
+    if split > 1:
+        ws = empty(split, E, H, dtype=torch.float32, device=dev)
+        if fixup:
+            flags = _flags(dev, tiles)
+    a2 = dlp.as_strided((P * T, E), (dlp.stride(1), 1))  # the parts stacked along the rows
+    a_desc = TensorDescriptor(a2, [P * T, E], [dlp.stride(1), 1], [BK, BM])
+    b_desc = TensorDescriptor(x2, [T, H], [x2.stride(0), 1], [BK, BN])
+    with device_guard(x2):
+        launch(_dw_kernel, (tiles * split,), a_desc, b_desc, out, ws, flags, E, H, T, k_per,
+               P=P, NACC=nacc, BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"], SPLIT=split,
+               FIXUP=fixup, CH=max(1, min(BM, 512 * nw // BN)), num_warps=nw,
+               num_stages=cfg["num_stages"])
+        if split > 1 and not fixup:
+            BLOCK = 1024
+            launch(_sum_splits_kernel, (cdiv(E * H, BLOCK),), ws, out, E * H, split,
+                   BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------ dx
+@triton.jit
+def _dx_kernel(a_desc, b_desc, c_desc, c_ptr, parts_ptr, M, N, K, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+               EPI_TMA: tl.constexpr, FLATTEN: tl.constexpr, P_OUT: tl.constexpr):
+    """``C [M, N] = A @ B`` (fp32 accumulation, stored in ``C``'s 16-bit dtype): ``A``
+    (``a_desc``, ``[BM, BK]`` boxes) and ``B`` (``b_desc``, ``[BK, BN]`` boxes, N-major)
+    by TMA, zero-filled past their ends. Program ``pid`` computes tiles ``pid, pid + G,
+    ..`` (``G`` programs; one tile each when ``G`` is the tile count); ``FLATTEN``: the
+    tile and K loops flattened into one pipelined loop (the next tile's first loads in
+    flight during this tile's last MMAs and its store). ``EPI_TMA``: the tile is stored
+    by TMA (``c_desc``, ``[BM, BN]`` boxes, clipped at the tensor's end), else by
+    pointer stores to ``c_ptr`` (row stride ``N``).
+
+    A float32 ``A`` (``dlogits`` itself) is rounded to bf16 in registers (the same value
+    as its ``hi`` part); with ``P_OUT > 0`` the programs of column tile ``n`` also write
+    the first ``P_OUT`` bf16 parts (:func:`linghe.fwd.router._split3`) of ``A``'s K boxes
+    ``n, n + num_n, ..`` of their row tile to ``parts [P_OUT, M, K]`` (contiguous), so
+    that every element of ``A`` is split exactly once and no separate split kernel runs."""
+    A_F32: tl.constexpr = a_desc.dtype == tl.float32
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    tiles = num_m * num_n
+    for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = grouped_tile_order(t, num_m, num_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(0, K, BK):
+            a = a_desc.load([off_m, k])
+            if A_F32:
+                a = a.to(tl.bfloat16)
+            b = b_desc.load([k, off_n])
+            acc = dot_f32acc(a, b, acc)
+        out = acc.to(c_desc.dtype)
+        if EPI_TMA:
+            c_desc.store([off_m, off_n], out)
+        else:
+            rm = off_m + tl.arange(0, BM)
+            rn = off_n + tl.arange(0, BN)
+            tl.store(c_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], out,
+                     mask=(rm < M)[:, None] & (rn < N)[None, :])
+        if P_OUT > 0:
+            rm = off_m + tl.arange(0, BM)
+            rk = tl.arange(0, BK)
+            mk = M.to(tl.int64) * K
+            for j in range(pid_n, tl.cdiv(K, BK), num_n):
+                h, mid, lo = _split3(a_desc.load([off_m, j * BK]))
+                ck = j * BK + rk
+                msk = (rm < M)[:, None] & (ck < K)[None, :]
+                ptr = parts_ptr + rm.to(tl.int64)[:, None] * K + ck[None, :]
+                tl.store(ptr, h, mask=msk)
+                if P_OUT > 1:
+                    tl.store(ptr + mk, mid, mask=msk)
+                if P_OUT > 2:
+                    tl.store(ptr + mk + mk, lo, mask=msk)
+
+
+_DX_CFG: dict = {}
+
+
+def _dx_config(M: int, N: int, K: int, dev) -> dict:
+    """Launch config of :func:`_dx_kernel` for ``dx [M, N] = dl [M, K] @ W [K, N]``
+    (cached per shape): ``128 x 256`` tiles (the router's ``[8192, 2048]`` over ``K = E =
+    256``: 512 tiles), 8 warps, 3 stages, one tile per program, pointer stores. The
+    alternatives measured against it are in ``benchmark/probe_router.py``."""
+    key = (M, N, K, dev)
+    cfg = _DX_CFG.get(key)
+    if cfg is not None:
+        return cfg
+    if INTERPRET:
+        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, PERSIST=0, EPI_TMA=False,
+                   GROUP_M=8)
+    else:
+        BM = 128 if M > 64 else 64
+        BN = 256 if N > 128 else (128 if N > 64 else 64)
+        cfg = dict(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=3, PERSIST=0, EPI_TMA=False,
+                   GROUP_M=8)
+    _DX_CFG[key] = cfg
+    return cfg
+
+
+def dx_tma(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
+           parts: torch.Tensor | None = None, config: dict | None = None
+           ) -> torch.Tensor | None:
+    """``a [M, K] @ b [K, N]`` -> ``[M, N]`` ``out_dtype`` (bf16/fp16; fp32 accumulation
+    of bf16 products) through :func:`_dx_kernel`, or ``None`` where TMA cannot address
+    the operands (unit last strides, 16-byte aligned rows; ``N`` a multiple of 8). ``b``
+    bf16; ``a`` bf16, or float32 (rounded to bf16 in the kernel: ``a``'s hi part), in
+    which case ``parts`` (``[P, M, K]`` bf16, contiguous, ``P <= 3``), if given, receives
+    ``a``'s first ``P`` bf16 parts (:func:`linghe.fwd.router.split_parts`'s values).
+    ``config``: overrides of :func:`_dx_config`'s keys (``PERSIST``: programs per SM, 0
+    for one tile per program)."""
+    M, K = a.shape
+    N = b.shape[1]
+    a_ok = (a.dtype == torch.bfloat16 and _tma_ok(a)) or (
+        a.dtype == torch.float32 and a.stride(-1) == 1 and a.data_ptr() % 16 == 0
+        and (a.stride(0) * 4) % 16 == 0)
+    if not (a_ok and b.dtype == torch.bfloat16 and tma_capable(a) and _tma_ok(b)
+            and out_dtype in (torch.bfloat16, torch.float16) and N % 8 == 0):
+        return None
+    if parts is not None:
+        assert a.dtype == torch.float32 and parts.is_contiguous() and parts.shape[1:] == a.shape
+    dev = a.device
+    out = empty(M, N, dtype=out_dtype, device=dev)
+    if M == 0 or N == 0 or K == 0:
+        if parts is not None and parts.numel():
+            parts.copy_(split_parts(a, parts.shape[0]))
+        return out.zero_() if K == 0 else out
+    cfg = dict(_dx_config(M, N, K, dev))
+    if config:
+        cfg.update(config)
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    tiles = cdiv(M, BM) * cdiv(N, BN)
+    persist = int(cfg["PERSIST"])
+    grid = tiles if persist <= 0 else min(tiles, persist * (8 if INTERPRET else num_sms(dev)))
+    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [BM, BK])
+    b_desc = TensorDescriptor(b, [K, N], [b.stride(0), 1], [BK, BN])
+    c_desc = TensorDescriptor(out, [M, N], [N, 1], [BM, BN])
+    with device_guard(a):
+        launch(_dx_kernel, (grid,), a_desc, b_desc, c_desc, out,
+               parts if parts is not None else out, M, N, K, BM=BM, BN=BN, BK=BK,
+               GROUP_M=cfg["GROUP_M"], EPI_TMA=bool(cfg["EPI_TMA"]), FLATTEN=persist > 0,
+               P_OUT=0 if parts is None else parts.shape[0], num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
+    return out
+
 
 def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
                       need_dx: bool = True, need_dw: bool = True,
                       w_parts: torch.Tensor | None = None):
     """``dlogits [T, E]`` fp32, ``x2 [T, K]``, ``weight [E, K]`` -> ``(dx [T, K] x.dtype,
     dw [E, K] fp32)`` (``None`` where not needed). ``w_parts``: the forward's
-    :func:`linghe.fwd.router.weight_parts` of ``weight`` (split here when absent)."""
+    :func:`linghe.fwd.router.weight_parts` of ``weight`` (split here when absent).
+    Launches: the split of ``dlogits`` into bf16 parts (not with :data:`DX_SPLITS`), the
+    dx GEMM, the dW GEMM (and, with a K split and ``FIXUP`` off, the partials' sum)."""
     dx_order = 2 if x2.dtype == torch.float32 else DX_ORDER
     # fp32 weight: fp32-exact dw (ORDER 2); a bf16/fp16 weight gets its gradient in its own
     # dtype, so bf16-level accuracy (ORDER 1: 2 passes instead of 3) is enough there.
@@ -41,14 +406,31 @@ def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Ten
     dl_parts = max(dx_order + 1 if need_dx else 0, dw_order + 1 if need_dw else 0)
     if dl_parts == 0:
         return None, None
-    dlp = split_parts(dlogits, dl_parts)
-    dx = dw = None
+    dlp = dx = dw = None
     if need_dx:
         wp = split_parts(weight, dx_order + 1) if w_parts is None else w_parts
-        dx = matmul_parts(dlp, wp, x2.dtype, dx_order, config=CONFIG["dx"])
+        tma_dx = BWD_TMA and dx_order == 0
+        if tma_dx and DX_SPLITS and dlogits.dtype == torch.float32:
+            T, E = dlogits.shape
+            parts = (empty(min(dw_order + 1, 3), T, E, dtype=torch.bfloat16,
+                           device=dlogits.device) if need_dw else None)
+            dx = dx_tma(dlogits, wp[0], x2.dtype, parts=parts, config=DX_CONFIG)
+            if dx is not None:
+                dlp = parts
+        if dx is None:
+            dlp = split_parts(dlogits, dl_parts)
+            if tma_dx:
+                dx = dx_tma(dlp[0], wp[0], x2.dtype, config=DX_CONFIG)
+            if dx is None:
+                dx = matmul_parts(dlp, wp, x2.dtype, dx_order, config=CONFIG["dx"])
     if need_dw:
-        dw = matmul_parts(dlp.transpose(1, 2), split_parts(x2, dw_order + 1), torch.float32,
-                          dw_order, config=CONFIG["dw"])
+        if dlp is None:
+            dlp = split_parts(dlogits, dw_order + 1)
+        if BWD_TMA:
+            dw = dw_tma(dlp[:dw_order + 1], x2, config=DW_CONFIG)
+        if dw is None:
+            dw = matmul_parts(dlp.transpose(1, 2), split_parts(x2, dw_order + 1),
+                              torch.float32, dw_order, config=CONFIG["dw"])
     return dx, dw
 
 
