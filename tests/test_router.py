@@ -1,5 +1,7 @@
 """Router: fp32-exact router GEMM, fused top-k routing, router z-loss."""
 
+import sys
+
 import pytest
 import torch
 
@@ -74,8 +76,11 @@ _CONFIGS = [(16, 16, 16, 4, 1, 1), (16, 32, 16, 4, 1, 3), (32, 16, 32, 4, 1, 2)]
 @pytest.mark.parametrize("wd", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("multi_acc", [True, False])
 def test_router_logits_configs_and_split_k(device, monkeypatch, cfg, T, K, E, wd, multi_acc):
+    from linghe.bwd import router as bwd_router
     from linghe.fwd import router as fwd_router
 
+    # the pointer kernels' configs (the backward's TMA kernels: test_router_bwd_tma_*)
+    monkeypatch.setattr(bwd_router, "BWD_TMA", False)
     monkeypatch.setattr(fwd_router, "MULTI_ACC", multi_acc)
     monkeypatch.setitem(fwd_router.CONFIG, "fwd", cfg)
     monkeypatch.setitem(fwd_router.CONFIG, "dx", cfg)
@@ -120,6 +125,159 @@ def test_matmul_exact_strided_split_k(device, ad, bd, split_k):
     for order, tol in ((0, 1e-2), (1, 1e-2)):
         c = matmul_exact(a, b, torch.bfloat16, order=order, split_k=split_k)
         assert c.dtype == torch.bfloat16 and rel_err(c, exact) < tol
+
+
+def _spy_launches(monkeypatch, *modules):
+    """Record the names of the kernels that ``modules`` launch."""
+    names = []
+    for module in modules:
+        real = module.launch
+
+        def spy(kernel, *args, _real=real, **kwargs):
+            names.append(getattr(kernel, "fn", kernel).__name__)
+            return _real(kernel, *args, **kwargs)
+
+        monkeypatch.setattr(module, "launch", spy)
+    return names
+
+
+def _bwd_refs(dl, x, w):
+    return dl.double() @ w.double(), dl.double().t() @ x.double()
+
+
+# (DW_CONFIG, DX_CONFIG, DX_SPLITS): the interpreter's defaults (32x32x32, acc per part, one
+# K chunk), one accumulator with a ragged K split summed by the sum kernel, accumulators
+# per part with the last program's fixup, persistent dx with TMA stores, dx splitting
+# dlogits (no split kernel), and everything at once
+_TMA_KNOBS = [
+    (None, None, False),
+    (dict(BM=16, BN=32, BK=16, SPLIT=3, NACC=1, FIXUP=False), None, False),
+    (dict(BM=16, BN=16, BK=16, SPLIT=2, NACC=3, FIXUP=True), None, False),
+    (dict(BM=32, BN=16, BK=16, SPLIT=3, NACC=1, FIXUP=True),
+     dict(BM=16, BN=32, BK=16, PERSIST=1, EPI_TMA=True), False),
+    (None, dict(BM=16, BN=16, BK=16, PERSIST=1), True),
+    (dict(BM=16, BN=16, BK=16, SPLIT=3, NACC=3, FIXUP=True),
+     dict(BM=16, BN=16, BK=16, PERSIST=0, EPI_TMA=True), True),
+]
+
+
+@pytest.mark.gpu_subset(**{"T,H,E": [(45, 72, 24)]})
+@pytest.mark.parametrize("T,H,E", [(45, 72, 24), (130, 40, 16), (7, 64, 8)])
+@pytest.mark.parametrize("wd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("knobs", _TMA_KNOBS, ids=range(len(_TMA_KNOBS)))
+def test_router_bwd_tma(device, monkeypatch, T, H, E, wd, knobs):
+    """The TMA backward (dW: parts stacked along the token rows, T not a multiple of BK so
+    boxes reach into the next part's rows; dx) against float64, deterministic across calls
+    (the fixup's tile counters are reset), and the kernels it should launch."""
+    from linghe.bwd import router as B
+    from linghe.fwd import router as F
+
+    dwc, dxc, splits = knobs
+    monkeypatch.setattr(B, "DW_CONFIG", dwc)
+    monkeypatch.setattr(B, "DX_CONFIG", dxc)
+    monkeypatch.setattr(B, "DX_SPLITS", splits)
+    x = torch.randn(T, H, device=device).to(torch.bfloat16)
+    w = (torch.randn(E, H, device=device) * 0.05).to(wd)
+    dl = torch.randn(T, E, device=device)
+    wp = F.weight_parts(w)
+    names = _spy_launches(monkeypatch, B, F)
+    dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
+    assert "_dx_kernel" in names and "_dw_kernel" in names and "_mm_kernel" not in names
+    assert ("_split_kernel" in names) == (not splits)
+    rdx, rdw = _bwd_refs(dl, x, w)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert rel_err(dx, rdx) < 2e-2
+    assert rel_err(dw, rdw) < (_exact_tol(device, T) if wd == torch.float32 else 1e-4)
+    dx2, dw2 = B.router_logits_bwd(dl, x, w)  # the weight split here (custom-op path)
+    assert torch.equal(dw2, dw) and torch.equal(dx2, dx)
+
+
+@pytest.mark.parametrize("splits", [False, True])
+def test_router_bwd_tma_one_grad_and_empty(device, monkeypatch, splits):
+    """need_dx / need_dw alone (dx alone with DX_SPLITS: no split of dlogits at all), and
+    no tokens (dW zeros)."""
+    from linghe.bwd import router as B
+
+    monkeypatch.setattr(B, "DX_SPLITS", splits)
+    names = _spy_launches(monkeypatch, B, sys.modules["linghe.fwd.router"])
+    T, H, E = 37, 48, 16
+    x = torch.randn(T, H, device=device).to(torch.bfloat16)
+    w = torch.randn(E, H, device=device) * 0.05
+    dl = torch.randn(T, E, device=device)
+    rdx, rdw = _bwd_refs(dl, x, w)
+    dx, dw = B.router_logits_bwd(dl, x, w, need_dw=False)
+    assert dw is None and rel_err(dx, rdx) < 2e-2
+    assert names.count("_split_kernel") == (1 if splits else 2)  # + the weight's split
+    names.clear()
+    dx, dw = B.router_logits_bwd(dl, x, w, need_dx=False)
+    assert dx is None and rel_err(dw, rdw) < _exact_tol(device, T)
+    assert "_dx_kernel" not in names and "_dw_kernel" in names
+    dx, dw = B.router_logits_bwd(dl[:0], x[:0], w)
+    assert dx.shape == (0, H) and torch.equal(dw, torch.zeros(E, H, device=device))
+
+
+@pytest.mark.parametrize("T,H,E", [(37, 36, 16), (37, 48, 33)])
+def test_router_bwd_tma_fallback(device, monkeypatch, T, H, E):
+    """Rows TMA cannot address (x's 72-byte rows; dlogits parts' 66-byte rows) take the
+    pointer kernels."""
+    from linghe.bwd import router as B
+
+    names = _spy_launches(monkeypatch, B, sys.modules["linghe.fwd.router"])
+    x = torch.randn(T, H, device=device).to(torch.bfloat16)
+    w = torch.randn(E, H, device=device) * 0.05
+    dl = torch.randn(T, E, device=device)
+    dx, dw = B.router_logits_bwd(dl, x, w)
+    assert "_mm_kernel" in names
+    rdx, rdw = _bwd_refs(dl, x, w)
+    assert rel_err(dx, rdx) < 2e-2 and rel_err(dw, rdw) < _exact_tol(device, T)
+
+
+@pytest.mark.parametrize("splits", [False, True])
+def test_router_bwd_tma_nonfinite(device, monkeypatch, splits):
+    """A NaN / Inf in dlogits spoils only its expert's dW row and its token's dx row:
+    boxes that reach past the last token into the next part's first rows (the hi part's
+    NaN row 0 is never read that way; mid/lo parts are zero there) add exact zeros."""
+    from linghe.bwd import router as B
+
+    monkeypatch.setattr(B, "DX_SPLITS", splits)
+    monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=2, NACC=1,
+                                             FIXUP=True))
+    T, H, E = 45, 40, 24
+    x = torch.randn(T, H, device=device).to(torch.bfloat16)
+    w = torch.randn(E, H, device=device) * 0.05
+    dl = torch.randn(T, E, device=device)
+    dl[0, 3] = float("nan")
+    dl[1, 5] = float("inf")
+    dx, dw = B.router_logits_bwd(dl, x, w)
+    rdx, rdw = _bwd_refs(dl, x, w)
+    bad = torch.zeros(E, dtype=torch.bool, device=device)
+    bad[[3, 5]] = True
+    assert not torch.isfinite(dw[bad]).any() and torch.isfinite(dw[~bad]).all()
+    assert rel_err(dw[~bad], rdw[~bad]) < _exact_tol(device, T)
+    assert not torch.isfinite(dx[:2]).any() and torch.isfinite(dx[2:]).all()
+    assert rel_err(dx[2:], rdx[2:]) < 2e-2
+
+
+@pytest.mark.gpu
+def test_router_bwd_standard_shape_exact_gpu(device, monkeypatch):
+    """dW at the router's shape is fp32-exact (~2e-6 against float64: Hopper's MMA
+    accumulation) and deterministic, for the default and the one-accumulator form."""
+    from linghe.bwd import router as B
+    from linghe.fwd import router as F
+
+    T, H, E = 8192, 2048, 256
+    x = torch.randn(T, H, device=device).to(torch.bfloat16)
+    w = torch.randn(E, H, device=device) * 0.02
+    dl = torch.randn(T, E, device=device)
+    rdx, rdw = _bwd_refs(dl, x, w)
+    wp = F.weight_parts(w)
+    for cfg in (None, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, SPLIT=8,
+                           NACC=1, FIXUP=False)):
+        monkeypatch.setattr(B, "DW_CONFIG", cfg)
+        dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
+        assert rel_err(dw, rdw) < 1e-5, (cfg, rel_err(dw, rdw))
+        assert rel_err(dx, rdx) < 1e-2
+        assert torch.equal(B.router_logits_bwd(dl, x, w, w_parts=wp)[1], dw)
 
 
 def test_split_parts_inf_nan(device):
