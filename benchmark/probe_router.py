@@ -78,8 +78,8 @@ class _Old:
         self.router_logits_bwd = b.router_logits_bwd
 
 
-def _dw(BM, BN, BK, nw, ns, split, nacc, fixup=True):
-    return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split, NACC=nacc,
+def _dw(BM, BN, BK, nw, ns, split, form, fixup=True):
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split, FORM=form,
                 FIXUP=fixup)
 
 
@@ -90,7 +90,7 @@ def _dx(BM, BN, BK, nw, ns, persist=0, epi_tma=False):
 
 def _dw_name(c) -> str:
     s = f"dw {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
-    s += f" acc{c['NACC']} k{c['SPLIT']}"
+    s += f" {c['FORM']} k{c['SPLIT']}"
     return s + ("" if c["SPLIT"] == 1 else (" fix" if c["FIXUP"] else " sum"))
 
 
@@ -104,32 +104,38 @@ def _dx_name(c) -> str:
 #: Knob rows, most informative first (the budget may cut the tail): ``(name, DW_CONFIG,
 #: DX_CONFIG, DX_SPLITS)``; ``None`` keeps the default.
 _GPU_VARIANTS = [
-    # dW: one accumulator (flat loop, small parts first), 128x256 / 256x128 tiles, K/8
-    (None, _dw(128, 256, 64, 8, 4, 8, 1, fixup=False), None, None),
-    (None, _dw(128, 256, 64, 8, 4, 8, 1), None, None),
-    (None, _dw(256, 128, 64, 8, 4, 8, 1, fixup=False), None, None),
-    # dW: 3 accumulators, the sum kernel instead of the last program; BK 32; 2 CTAs/SM
-    (None, _dw(128, 128, 64, 8, 3, 4, 3, fixup=False), None, None),
-    (None, _dw(128, 128, 32, 8, 4, 4, 3), None, None),
-    (None, _dw(64, 128, 64, 4, 2, 4, 3), None, None),
-    (None, _dw(128, 128, 64, 8, 3, 8, 1, fixup=False), None, None),
-    # dx: TMA store, persistent (flattened loops), 4 warps / 2 CTAs per SM, 256x128
+    # dW: one accumulator at 128x256 (16 tiles, K/8): chained dots (the x box once per K
+    # step: the fewest operand bytes), or the flat loop (no MMA drains); sum kernel / fixup
+    (None, _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False), None, None),
+    (None, _dw(128, 256, 32, 8, 4, 8, "chain", fixup=False), None, None),
+    (None, _dw(128, 256, 64, 8, 4, 8, "flat", fixup=False), None, None),
+    (None, _dw(128, 256, 64, 8, 2, 8, "chain"), None, None),
+    # dW: an accumulator per part at 64x256 (fewer operand bytes than 128x128), the sum
+    # kernel instead of the last program, BK 32, 64x128 at 4 warps (2 programs per SM)
+    (None, _dw(64, 256, 64, 8, 3, 4, "acc"), None, None),
+    (None, _dw(128, 128, 64, 8, 3, 4, "acc", fixup=False), None, None),
+    (None, _dw(128, 128, 32, 8, 4, 4, "acc"), None, None),
+    (None, _dw(64, 128, 64, 4, 2, 4, "acc"), None, None),
+    (None, _dw(256, 128, 64, 8, 4, 8, "flat", fixup=False), None, None),
+    # dx: TMA store, persistent (flattened loops), 4 warps / 2 programs per SM, 256x128
     (None, None, _dx(128, 256, 64, 8, 3, epi_tma=True), None),
+    (None, None, _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), None),
     (None, None, _dx(128, 128, 64, 8, 4, persist=1), None),
-    (None, None, _dx(128, 128, 64, 4, 3, persist=2, epi_tma=True), None),
+    (None, None, _dx(128, 128, 64, 4, 2, persist=2, epi_tma=True), None),
     (None, None, _dx(128, 128, 64, 4, 2), None),
     (None, None, _dx(256, 128, 64, 8, 3), None),
     # dx reads fp32 dlogits and writes the parts (no split kernel)
     ("dx splits", None, None, True),
     ("dx splits bk32", None, _dx(128, 256, 32, 8, 4), True),
     # the combination predicted fastest
-    ("combo", _dw(128, 256, 64, 8, 4, 8, 1, fixup=False), _dx(128, 256, 64, 8, 3, epi_tma=True),
-     True),
+    ("combo", _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False),
+     _dx(128, 256, 64, 8, 3, epi_tma=True), True),
 ]
 _QUICK = 4  # --quick: the first variants only
 _CPU_VARIANTS = [
-    (None, _dw(16, 32, 16, 4, 1, 3, 1, fixup=False), None, None),
-    (None, _dw(16, 16, 16, 4, 1, 2, 3), None, None),
+    (None, _dw(16, 32, 16, 4, 1, 3, "chain", fixup=False), None, None),
+    (None, _dw(16, 32, 16, 4, 1, 3, "flat", fixup=False), None, None),
+    (None, _dw(16, 16, 16, 4, 1, 2, "acc"), None, None),
     (None, None, _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), None),
     ("dx splits", None, _dx(16, 16, 16, 4, 1), True),
 ]

@@ -146,17 +146,17 @@ def _bwd_refs(dl, x, w):
 
 
 # (DW_CONFIG, DX_CONFIG, DX_SPLITS): the interpreter's defaults (32x32x32, acc per part, one
-# K chunk), one accumulator with a ragged K split summed by the sum kernel, accumulators
-# per part with the last program's fixup, persistent dx with TMA stores, dx splitting
-# dlogits (no split kernel), and everything at once
+# K chunk), the flat loop with a ragged K split summed by the sum kernel, accumulators
+# per part with the last program's fixup, chained dots with persistent dx and TMA stores,
+# dx splitting dlogits (no split kernel), and most at once
 _TMA_KNOBS = [
     (None, None, False),
-    (dict(BM=16, BN=32, BK=16, SPLIT=3, NACC=1, FIXUP=False), None, False),
-    (dict(BM=16, BN=16, BK=16, SPLIT=2, NACC=3, FIXUP=True), None, False),
-    (dict(BM=32, BN=16, BK=16, SPLIT=3, NACC=1, FIXUP=True),
+    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="flat", FIXUP=False), None, False),
+    (dict(BM=16, BN=16, BK=16, SPLIT=2, FORM="acc", FIXUP=True), None, False),
+    (dict(BM=32, BN=16, BK=16, SPLIT=3, FORM="chain", FIXUP=True),
      dict(BM=16, BN=32, BK=16, PERSIST=1, EPI_TMA=True), False),
     (None, dict(BM=16, BN=16, BK=16, PERSIST=1), True),
-    (dict(BM=16, BN=16, BK=16, SPLIT=3, NACC=3, FIXUP=True),
+    (dict(BM=16, BN=16, BK=16, SPLIT=3, FORM="flat", FIXUP=True),
      dict(BM=16, BN=16, BK=16, PERSIST=0, EPI_TMA=True), True),
 ]
 
@@ -240,7 +240,7 @@ def test_router_bwd_tma_nonfinite(device, monkeypatch, splits):
     from linghe.bwd import router as B
 
     monkeypatch.setattr(B, "DX_SPLITS", splits)
-    monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=2, NACC=1,
+    monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=2, FORM="flat",
                                              FIXUP=True))
     T, H, E = 45, 40, 24
     x = torch.randn(T, H, device=device).to(torch.bfloat16)
@@ -271,8 +271,10 @@ def test_router_bwd_standard_shape_exact_gpu(device, monkeypatch):
     dl = torch.randn(T, E, device=device)
     rdx, rdw = _bwd_refs(dl, x, w)
     wp = F.weight_parts(w)
-    for cfg in (None, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, SPLIT=8,
-                           NACC=1, FIXUP=False)):
+    for cfg in (None, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=2, SPLIT=8,
+                           FORM="chain", FIXUP=False),
+                dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, SPLIT=8, FORM="flat",
+                     FIXUP=False)):
         monkeypatch.setattr(B, "DW_CONFIG", cfg)
         dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
         assert rel_err(dw, rdw) < 1e-5, (cfg, rel_err(dw, rdw))

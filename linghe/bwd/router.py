@@ -18,12 +18,19 @@ fp32 accumulation is fp32-exact (relative error ~2e-6 against float64 on Hopper,
 MMA accumulation is not IEEE round-to-nearest). Few output tiles (``[256, 2048]``: 32 of
 ``128 x 128``) and a long contraction: the token range is split over programs (``SPLIT``)
 and the fp32 partials are summed in rank order (deterministic), by the tile's last
-program to finish (``FIXUP``) or by a second kernel. Two forms of the K loop
-(``NACC``): one accumulator per part (``NACC = P``: each K step loads the ``x`` box once
-and feeds ``P`` part boxes, ``P`` dots into ``P`` accumulators: ``P * BM * BN`` fp32
-registers, so ``128 x 128`` at most), or one accumulator (``NACC = 1``: one flat
-pipelined loop over (part, K step), the small parts first over the whole K chunk, then
-the hi part; the ``x`` box is loaded once per part, from L2; tiles up to ``128 x 256``).
+program to finish (``FIXUP``: no extra launch, but one SM per tile reads all its
+partials) or by a second kernel. Three forms of the K loop (``FORM``), which trade
+operand bytes (L2 -> shared memory, per 3 x 128x128x64 MMA) against MMA stalls:
+
+- ``"acc"``: one accumulator per part, each K step loads the ``x`` box once and issues
+  ``P`` independent dots (``P * BM * BN`` fp32 accumulators: ``128 x 128`` or ``64 x
+  256`` at most; 64 / 56 KB);
+- ``"chain"``: one accumulator, the ``P`` dots of a K step chained (``x`` box loaded
+  once; ``128 x 256``: 40 KB), but Triton 3.6 waits for each chained dot's MMAs
+  (``wgmma.wait_group 0``) before issuing the next;
+- ``"flat"``: one accumulator and one flat pipelined loop over (part, K step), the small
+  parts first over the whole K chunk, then the hi part (no waits; the ``x`` box loaded
+  once per part: ``128 x 256``: 72 KB).
 """
 
 from __future__ import annotations
@@ -66,7 +73,8 @@ DX_ORDER = 0
 #: order 0); False: :func:`linghe.fwd.router.matmul_parts` for both GEMMs (main's path).
 BWD_TMA = True
 #: Overrides of :func:`_dw_config`'s keys (``BM, BN, BK, num_warps, num_stages, SPLIT,
-#: NACC, FIXUP, GROUP_M``) for :func:`dw_tma`; ``None``: the heuristic.
+#: FORM, FIXUP, GROUP_M``; ``FORM``: ``"acc"``, ``"chain"`` or ``"flat"``, see
+#: :func:`_dw_kernel`) for :func:`dw_tma`; ``None``: the heuristic.
 DW_CONFIG: dict | None = None
 #: Overrides of :func:`_dx_config`'s keys (``BM, BN, BK, num_warps, num_stages, PERSIST,
 #: EPI_TMA, GROUP_M``) for :func:`dx_tma`; ``None``: the heuristic.
@@ -88,7 +96,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------ dW
 @triton.jit
 def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
-               P: tl.constexpr, NACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               P: tl.constexpr, FORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
                FIXUP: tl.constexpr, CH: tl.constexpr):
     """``out [M, N] fp32 = sum_p A_p^T @ B``: ``A_p`` (``[T, M]`` bf16) are the ``P`` parts
@@ -101,16 +109,19 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
     ``B``'s zero fill there, so those rows add exact zeros; past the last part TMA fills
     zeros. No masks in the K loop.
 
-    Program ``pid`` computes tile ``pid % tiles`` (grouped order) over the token chunk
-    ``rank = pid // tiles`` (``k_per_split`` wide, ``SPLIT`` chunks). ``NACC == P``: one
-    accumulator per part (the ``B`` box loaded once per K step); ``NACC == 1``: one
-    accumulator and one flat loop over (part, K step), parts ``P-1 .. 0`` (small first)
-    each over the whole chunk. With ``SPLIT > 1`` the fp32 partial goes to ``ws[rank]``;
-    with ``FIXUP`` each program then counts itself in ``flag[tile]`` (acq_rel, after a
-    barrier) and the tile's last program sums the partials in rank order (the same adds in
-    the same order whichever program is last: deterministic), ``CH`` rows at a time,
-    stores the tile and resets the flag to 0 for the next launch. Without ``FIXUP``
-    ``_sum_splits_kernel`` sums them. Nobody waits for another program."""
+    ``FORM`` (module docstring): 0, one accumulator per part (each K step loads the ``B``
+    box once and issues ``P`` independent dots); 1, one accumulator, the ``P`` dots of a K
+    step chained (the ``B`` box loaded once; Triton 3.6 drains the MMA pipe between
+    chained dots); 2, one accumulator, one flat loop over (part, K step), parts ``P-1 ..
+    0`` (small first) each over the whole chunk (no drains; the ``B`` box loaded once per
+    part). Program ``pid`` computes tile ``pid % tiles`` (grouped order) over the token
+    chunk ``rank = pid // tiles`` (``k_per_split`` wide, ``SPLIT`` chunks). With ``SPLIT >
+    1`` the fp32 partial goes to ``ws[rank]``; with ``FIXUP`` each program then counts
+    itself in ``flag[tile]`` (acq_rel, after a barrier) and the tile's last program sums
+    the partials in rank order (the same adds in the same order whichever program is
+    last: deterministic), ``CH`` rows at a time, stores the tile and resets the flag to 0
+    for the next launch. Without ``FIXUP`` ``_sum_splits_kernel`` sums them. Nobody waits
+    for another program."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -123,7 +134,7 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
     k_lo = rank * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, T)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if NACC == 1:
+    if FORM == 2:
         nk = tl.cdiv(k_hi - k_lo, BK)
         for i in range(0, P * nk):
             q = i // nk  # part P-1-q, K step i - q * nk
@@ -131,6 +142,17 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
             a = a_desc.load([(P - 1 - q) * T + k, off_m])
             b = b_desc.load([k, off_n])
             acc = dot_f32acc(tl.trans(a), b, acc)
+    elif FORM == 1:
+        for k in range(k_lo, k_hi, BK):
+            b = b_desc.load([k, off_n])
+            if P > 2:
+                a2 = a_desc.load([T + T + k, off_m])
+                acc = dot_f32acc(tl.trans(a2), b, acc)
+            if P > 1:
+                a1 = a_desc.load([T + k, off_m])
+                acc = dot_f32acc(tl.trans(a1), b, acc)
+            a0 = a_desc.load([k, off_m])
+            acc = dot_f32acc(tl.trans(a0), b, acc)
     else:
         acc1 = tl.zeros([BM, BN], dtype=tl.float32)
         acc2 = tl.zeros([BM, BN], dtype=tl.float32)
@@ -175,6 +197,7 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
 
 _DW_CFG: dict = {}
 _FLAGS: dict = {}
+_FORMS = {"acc": 0, "chain": 1, "flat": 2}
 
 
 def _flags(dev, n: int) -> torch.Tensor:
@@ -200,7 +223,7 @@ def _dw_config(M: int, N: int, T: int, P: int, dev) -> dict:
     if cfg is not None:
         return cfg
     if INTERPRET:
-        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT=1, NACC=P,
+        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT=1, FORM="acc",
                    FIXUP=True, GROUP_M=8)
     else:
         sms = num_sms(dev)
@@ -211,7 +234,7 @@ def _dw_config(M: int, N: int, T: int, P: int, dev) -> dict:
         split = max(1, min(sms // tiles, cdiv(T, 1024)))  # chunks of >= 1024 tokens
         stage = (P * BM + BN) * BK * 2
         ns = max(2, min(4, (200 * 1024) // stage))
-        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=8, num_stages=ns, SPLIT=split, NACC=P,
+        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=8, num_stages=ns, SPLIT=split, FORM="acc",
                    FIXUP=True, GROUP_M=8)
     _DW_CFG[key] = cfg
     return cfg
@@ -238,7 +261,7 @@ def dw_tma(dlp: torch.Tensor, x2: torch.Tensor, *, config: dict | None = None
     if config:
         cfg.update(config)
     BM, BN, BK, nw = cfg["BM"], cfg["BN"], cfg["BK"], cfg["num_warps"]
-    nacc = P if cfg["NACC"] > 1 else 1
+    form = _FORMS[cfg["FORM"]] if P > 1 else 0
     k_per = cdiv(cdiv(T, cfg["SPLIT"]), BK) * BK
     split = cdiv(T, k_per)
     tiles = cdiv(E, BM) * cdiv(H, BN)
@@ -253,7 +276,7 @@ def dw_tma(dlp: torch.Tensor, x2: torch.Tensor, *, config: dict | None = None
     b_desc = TensorDescriptor(x2, [T, H], [x2.stride(0), 1], [BK, BN])
     with device_guard(x2):
         launch(_dw_kernel, (tiles * split,), a_desc, b_desc, out, ws, flags, E, H, T, k_per,
-               P=P, NACC=nacc, BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"], SPLIT=split,
+               P=P, FORM=form, BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"], SPLIT=split,
                FIXUP=fixup, CH=max(1, min(BM, 512 * nw // BN)), num_warps=nw,
                num_stages=cfg["num_stages"])
         if split > 1 and not fixup:
