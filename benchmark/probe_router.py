@@ -104,6 +104,12 @@ def _dx_name(c) -> str:
 #: Knob rows, most informative first (the budget may cut the tail): ``(name, DW_CONFIG,
 #: DX_CONFIG, DX_SPLITS)``; ``None`` keeps the default.
 _GPU_VARIANTS = [
+    # the combinations predicted fastest: dW chained at 128x256 with K/8 and the sum
+    # kernel, dx persistent with TMA stores; with and without dx splitting dlogits
+    ("combo", _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False),
+     _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), False),
+    ("combo + dx splits", _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False),
+     _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), True),
     # dW: one accumulator at 128x256 (16 tiles, K/8): chained dots (the x box once per K
     # step: the fewest operand bytes), or the flat loop (no MMA drains); sum kernel / fixup
     (None, _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False), None, None),
@@ -118,20 +124,17 @@ _GPU_VARIANTS = [
     (None, _dw(64, 128, 64, 4, 2, 4, "acc"), None, None),
     (None, _dw(256, 128, 64, 8, 4, 8, "flat", fixup=False), None, None),
     # dx: TMA store, persistent (flattened loops), 4 warps / 2 programs per SM, 256x128
-    (None, None, _dx(128, 256, 64, 8, 3, epi_tma=True), None),
     (None, None, _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), None),
+    (None, None, _dx(128, 256, 64, 8, 3, epi_tma=True), None),
     (None, None, _dx(128, 128, 64, 8, 4, persist=1), None),
     (None, None, _dx(128, 128, 64, 4, 2, persist=2, epi_tma=True), None),
     (None, None, _dx(128, 128, 64, 4, 2), None),
     (None, None, _dx(256, 128, 64, 8, 3), None),
     # dx reads fp32 dlogits and writes the parts (no split kernel)
     ("dx splits", None, None, True),
-    ("dx splits bk32", None, _dx(128, 256, 32, 8, 4), True),
-    # the combination predicted fastest
-    ("combo", _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False),
-     _dx(128, 256, 64, 8, 3, epi_tma=True), True),
+    ("dx splits", None, _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), True),
 ]
-_QUICK = 4  # --quick: the first variants only
+_QUICK = 4  # --quick: the first variants only (the combinations first)
 _CPU_VARIANTS = [
     (None, _dw(16, 32, 16, 4, 1, 3, "chain", fixup=False), None, None),
     (None, _dw(16, 32, 16, 4, 1, 3, "flat", fixup=False), None, None),

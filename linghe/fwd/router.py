@@ -196,13 +196,14 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
 
 
 @triton.jit
-def _sum_splits_kernel(p_ptr, out_ptr, n, S, BLOCK: tl.constexpr):
-    """``out[i] = p[0, i] + p[1, i] + ... + p[S-1, i]`` in that order (deterministic)."""
+def _sum_splits_kernel(p_ptr, out_ptr, n, S: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[i] = p[0, i] + p[1, i] + ... + p[S-1, i]`` in that order (deterministic); the
+    ``S`` loads unrolled, so that all of them are in flight at once."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = p_ptr + offs
     acc = tl.load(p, mask=mask, other=0.0)
-    for _ in range(1, S):
+    for _ in tl.static_range(1, S):
         p += n
         acc += tl.load(p, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
