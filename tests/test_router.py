@@ -216,6 +216,23 @@ def test_router_bwd_tma_one_grad_and_empty(device, monkeypatch, splits):
     assert dx.shape == (0, H) and torch.equal(dw, torch.zeros(E, H, device=device))
 
 
+def test_router_bwd_tma_fp16_x(device, monkeypatch):
+    """float16 x: dx (one bf16 pass, float16 output) by the TMA kernel, dW (x in 2 bf16
+    parts) by the pointer kernel."""
+    from linghe.bwd import router as B
+
+    names = _spy_launches(monkeypatch, B, sys.modules["linghe.fwd.router"])
+    T, H, E = 45, 72, 24
+    x = torch.randn(T, H, device=device).half()
+    w = torch.randn(E, H, device=device) * 0.05
+    dl = torch.randn(T, E, device=device)
+    dx, dw = B.router_logits_bwd(dl, x, w)
+    assert "_dx_kernel" in names and "_mm_kernel" in names and "_dw_kernel" not in names
+    rdx, rdw = _bwd_refs(dl, x, w)
+    assert dx.dtype == torch.float16 and rel_err(dx, rdx) < 2e-2
+    assert rel_err(dw, rdw) < _exact_tol(device, T)
+
+
 @pytest.mark.parametrize("T,H,E", [(37, 36, 16), (37, 48, 33)])
 def test_router_bwd_tma_fallback(device, monkeypatch, T, H, E):
     """Rows TMA cannot address (x's 72-byte rows; dlogits parts' 66-byte rows) take the
