@@ -14,7 +14,10 @@ dlogits, 3 passes), i.e. 4 x 8.6 = 34.4 GFLOP of bf16 MMA:
   with a K split and a sum kernel;
 - ``new``: this tree's default (TMA kernels :func:`linghe.bwd.router.dw_tma` /
   :func:`linghe.bwd.router.dx_tma`), then one row per knob (``DW_CONFIG``, ``DX_CONFIG``,
-  ``DX_SPLITS``; ``*`` marks the default);
+  ``DX_SPLITS``; ``*`` marks the default): dW forms ``acc`` / ``chain`` / ``flat`` /
+  ``split`` (module docstring of :mod:`linghe.bwd.router`), ``k<S>`` the token split,
+  ``fix`` / ``sum`` its reduction (the last program / a second kernel); dx ``pers<n>``
+  persistent programs per SM, ``tmastore`` the TMA epilogue;
 - ``bf16 w``: a bf16 weight (dW from 2 parts), main vs new.
 
 Per row: ``kern us`` is the profiler's kernel time of one call (each call after an L2
@@ -105,20 +108,28 @@ def _dx_name(c) -> str:
 #: DX_CONFIG, DX_SPLITS)``; ``None`` keeps the default.
 _GPU_VARIANTS = [
     # the combinations predicted fastest: dW chained at 128x256 with K/8 and the sum
-    # kernel, dx persistent with TMA stores; with and without dx splitting dlogits
+    # kernel (from parts, or splitting float32 dlogits in registers: no split kernel, dx
+    # then reads float32 dlogits), dx persistent with TMA stores; dx splitting dlogits
     ("combo", _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False),
      _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), False),
+    ("combo split", _dw(128, 256, 32, 8, 3, 8, "split", fixup=False),
+     _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), False),
     ("combo + dx splits", _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False),
      _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), True),
     # dW: one accumulator at 128x256 (16 tiles, K/8): chained dots (the x box once per K
-    # step: the fewest operand bytes), or the flat loop (no MMA drains); sum kernel / fixup
+    # step: the fewest operand bytes), split in registers, or the flat loop (no MMA drains)
     (None, _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False), None, None),
-    (None, _dw(128, 256, 32, 8, 4, 8, "chain", fixup=False), None, None),
+    (None, _dw(128, 256, 32, 8, 3, 8, "split", fixup=False), None, None),
+    (None, _dw(128, 256, 64, 8, 2, 8, "split", fixup=False), None, None),
     (None, _dw(128, 256, 64, 8, 4, 8, "flat", fixup=False), None, None),
-    (None, _dw(128, 256, 64, 8, 2, 8, "chain"), None, None),
-    # dW: an accumulator per part at 64x256 (fewer operand bytes than 128x128), the sum
-    # kernel instead of the last program, BK 32, 64x128 at 4 warps (2 programs per SM)
+    (None, _dw(128, 256, 32, 8, 4, 8, "chain", fixup=False), None, None),
+    # dW: an accumulator per part at 64x256 (fewer operand bytes than 128x128), the split
+    # form at 128x128 / K/4, the last program's fixup at K/8
     (None, _dw(64, 256, 64, 8, 3, 4, "acc"), None, None),
+    (None, _dw(128, 128, 64, 8, 3, 4, "split"), None, None),
+    (None, _dw(128, 256, 64, 8, 2, 8, "chain"), None, None),
+    # dW: the sum kernel instead of the last program, BK 32, 64x128 at 4 warps (2 programs
+    # per SM), 256x128
     (None, _dw(128, 128, 64, 8, 3, 4, "acc", fixup=False), None, None),
     (None, _dw(128, 128, 32, 8, 4, 4, "acc"), None, None),
     (None, _dw(64, 128, 64, 4, 2, 4, "acc"), None, None),
@@ -137,6 +148,8 @@ _GPU_VARIANTS = [
 _QUICK = 4  # --quick: the first variants only (the combinations first)
 _CPU_VARIANTS = [
     (None, _dw(16, 32, 16, 4, 1, 3, "chain", fixup=False), None, None),
+    ("combo split", _dw(16, 32, 16, 4, 1, 3, "split", fixup=False),
+     _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), False),
     (None, _dw(16, 32, 16, 4, 1, 3, "flat", fixup=False), None, None),
     (None, _dw(16, 16, 16, 4, 1, 2, "acc"), None, None),
     (None, None, _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), None),

@@ -148,7 +148,8 @@ def _bwd_refs(dl, x, w):
 # (DW_CONFIG, DX_CONFIG, DX_SPLITS): the interpreter's defaults (32x32x32, acc per part, one
 # K chunk), the flat loop with a ragged K split summed by the sum kernel, accumulators
 # per part with the last program's fixup, chained dots with persistent dx and TMA stores,
-# dx splitting dlogits (no split kernel), and most at once
+# dx splitting dlogits (no split kernel), most at once, and dW splitting float32 dlogits
+# in registers (dx then reads float32 dlogits too: no split kernel)
 _TMA_KNOBS = [
     (None, None, False),
     (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="flat", FIXUP=False), None, False),
@@ -158,6 +159,9 @@ _TMA_KNOBS = [
     (None, dict(BM=16, BN=16, BK=16, PERSIST=1), True),
     (dict(BM=16, BN=16, BK=16, SPLIT=3, FORM="flat", FIXUP=True),
      dict(BM=16, BN=16, BK=16, PERSIST=0, EPI_TMA=True), True),
+    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="split", FIXUP=False), None, False),
+    (dict(BM=32, BN=16, BK=16, SPLIT=2, FORM="split", FIXUP=True),
+     dict(BM=16, BN=32, BK=16, PERSIST=1, EPI_TMA=True), True),
 ]
 
 
@@ -183,7 +187,8 @@ def test_router_bwd_tma(device, monkeypatch, T, H, E, wd, knobs):
     names = _spy_launches(monkeypatch, B, F)
     dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
     assert "_dx_kernel" in names and "_dw_kernel" in names and "_mm_kernel" not in names
-    assert ("_split_kernel" in names) == (not splits)
+    in_regs = (dwc or {}).get("FORM") == "split"
+    assert ("_split_kernel" in names) == (not splits and not in_regs)
     rdx, rdw = _bwd_refs(dl, x, w)
     assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
     assert rel_err(dx, rdx) < 2e-2
@@ -192,13 +197,14 @@ def test_router_bwd_tma(device, monkeypatch, T, H, E, wd, knobs):
     assert torch.equal(dw2, dw) and torch.equal(dx2, dx)
 
 
-@pytest.mark.parametrize("splits", [False, True])
-def test_router_bwd_tma_one_grad_and_empty(device, monkeypatch, splits):
-    """need_dx / need_dw alone (dx alone with DX_SPLITS: no split of dlogits at all), and
-    no tokens (dW zeros)."""
+@pytest.mark.parametrize("splits,form", [(False, "acc"), (True, "acc"), (False, "split")])
+def test_router_bwd_tma_one_grad_and_empty(device, monkeypatch, splits, form):
+    """need_dx / need_dw alone (dx alone with DX_SPLITS: no split of dlogits at all; dW
+    alone in the form "split": neither), and no tokens (dW zeros)."""
     from linghe.bwd import router as B
 
     monkeypatch.setattr(B, "DX_SPLITS", splits)
+    monkeypatch.setattr(B, "DW_CONFIG", dict(FORM=form))
     names = _spy_launches(monkeypatch, B, sys.modules["linghe.fwd.router"])
     T, H, E = 37, 48, 16
     x = torch.randn(T, H, device=device).to(torch.bfloat16)
@@ -212,6 +218,7 @@ def test_router_bwd_tma_one_grad_and_empty(device, monkeypatch, splits):
     dx, dw = B.router_logits_bwd(dl, x, w, need_dx=False)
     assert dx is None and rel_err(dw, rdw) < _exact_tol(device, T)
     assert "_dx_kernel" not in names and "_dw_kernel" in names
+    assert ("_split_kernel" in names) == (form != "split")
     dx, dw = B.router_logits_bwd(dl[:0], x[:0], w)
     assert dx.shape == (0, H) and torch.equal(dw, torch.zeros(E, H, device=device))
 
@@ -249,15 +256,15 @@ def test_router_bwd_tma_fallback(device, monkeypatch, T, H, E):
     assert rel_err(dx, rdx) < 2e-2 and rel_err(dw, rdw) < _exact_tol(device, T)
 
 
-@pytest.mark.parametrize("splits", [False, True])
-def test_router_bwd_tma_nonfinite(device, monkeypatch, splits):
+@pytest.mark.parametrize("splits,form", [(False, "flat"), (True, "flat"), (False, "split")])
+def test_router_bwd_tma_nonfinite(device, monkeypatch, splits, form):
     """A NaN / Inf in dlogits spoils only its expert's dW row and its token's dx row:
     boxes that reach past the last token into the next part's first rows (the hi part's
     NaN row 0 is never read that way; mid/lo parts are zero there) add exact zeros."""
     from linghe.bwd import router as B
 
     monkeypatch.setattr(B, "DX_SPLITS", splits)
-    monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=2, FORM="flat",
+    monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=2, FORM=form,
                                              FIXUP=True))
     T, H, E = 45, 40, 24
     x = torch.randn(T, H, device=device).to(torch.bfloat16)
@@ -278,7 +285,7 @@ def test_router_bwd_tma_nonfinite(device, monkeypatch, splits):
 @pytest.mark.gpu
 def test_router_bwd_standard_shape_exact_gpu(device, monkeypatch):
     """dW at the router's shape is fp32-exact (~2e-6 against float64: Hopper's MMA
-    accumulation) and deterministic, for the default and the one-accumulator form."""
+    accumulation) and deterministic, for the default and the one-accumulator forms."""
     from linghe.bwd import router as B
     from linghe.fwd import router as F
 
@@ -291,6 +298,8 @@ def test_router_bwd_standard_shape_exact_gpu(device, monkeypatch):
     for cfg in (None, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=2, SPLIT=8,
                            FORM="chain", FIXUP=False),
                 dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, SPLIT=8, FORM="flat",
+                     FIXUP=False),
+                dict(BM=128, BN=256, BK=32, num_warps=8, num_stages=3, SPLIT=8, FORM="split",
                      FIXUP=False)):
         monkeypatch.setattr(B, "DW_CONFIG", cfg)
         dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)

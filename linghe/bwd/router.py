@@ -30,7 +30,11 @@ operand bytes (L2 -> shared memory, per 3 x 128x128x64 MMA) against MMA stalls:
   (``wgmma.wait_group 0``) before issuing the next;
 - ``"flat"``: one accumulator and one flat pipelined loop over (part, K step), the small
   parts first over the whole K chunk, then the hi part (no waits; the ``x`` box loaded
-  once per part: ``128 x 256``: 72 KB).
+  once per part: ``128 x 256``: 72 KB);
+- ``"split"``: ``"chain"`` on float32 dlogits boxes, split into their bf16 parts in
+  registers and fed to the MMA from registers (``128 x 256``: 32 KB of dlogits + 32 KB of
+  x per K step of 64; no split kernel and no parts in memory: the dx kernel then reads
+  float32 dlogits too), at the cost of the split's ALU work in the K loop.
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ DX_ORDER = 0
 #: order 0); False: :func:`linghe.fwd.router.matmul_parts` for both GEMMs (main's path).
 BWD_TMA = True
 #: Overrides of :func:`_dw_config`'s keys (``BM, BN, BK, num_warps, num_stages, SPLIT,
-#: FORM, FIXUP, GROUP_M``; ``FORM``: ``"acc"``, ``"chain"`` or ``"flat"``, see
-#: :func:`_dw_kernel`) for :func:`dw_tma`; ``None``: the heuristic.
+#: FORM, FIXUP, GROUP_M``; ``FORM``: ``"acc"``, ``"chain"``, ``"flat"`` or ``"split"``,
+#: see the module docstring) for :func:`dw_tma`; ``None``: the heuristic.
 DW_CONFIG: dict | None = None
 #: Overrides of :func:`_dx_config`'s keys (``BM, BN, BK, num_warps, num_stages, PERSIST,
 #: EPI_TMA, GROUP_M``) for :func:`dx_tma`; ``None``: the heuristic.
@@ -114,13 +118,16 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
     step chained (the ``B`` box loaded once; Triton 3.6 drains the MMA pipe between
     chained dots); 2, one accumulator, one flat loop over (part, K step), parts ``P-1 ..
     0`` (small first) each over the whole chunk (no drains; the ``B`` box loaded once per
-    part). Program ``pid`` computes tile ``pid % tiles`` (grouped order) over the token
-    chunk ``rank = pid // tiles`` (``k_per_split`` wide, ``SPLIT`` chunks). With ``SPLIT >
-    1`` the fp32 partial goes to ``ws[rank]``; with ``FIXUP`` each program then counts
-    itself in ``flag[tile]`` (acq_rel, after a barrier) and the tile's last program sums
-    the partials in rank order (the same adds in the same order whichever program is
-    last: deterministic), ``CH`` rows at a time, stores the tile and resets the flag to 0
-    for the next launch. Without ``FIXUP`` ``_sum_splits_kernel`` sums them. Nobody waits
+    part); 3, form 1 with ``a_desc`` over float32 dlogits ``[T, M]`` itself, each box
+    split into its parts in registers (:func:`linghe.fwd.router._split3`).
+
+    Program ``pid`` computes tile ``pid % tiles`` (grouped order) over the token chunk
+    ``rank = pid // tiles`` (``k_per_split`` wide, ``SPLIT`` chunks). With ``SPLIT > 1``
+    the fp32 partial goes to ``ws[rank]``; with ``FIXUP`` each program then counts itself
+    in ``flag[tile]`` (acq_rel, after a barrier) and the tile's last program sums the
+    partials in rank order (the same adds in the same order whichever program is last:
+    deterministic), ``CH`` rows at a time, stores the tile and resets the flag to 0 for
+    the next launch. Without ``FIXUP`` ``_sum_splits_kernel`` sums them. Nobody waits
     for another program."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
@@ -134,7 +141,16 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
     k_lo = rank * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, T)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if FORM == 2:
+    if FORM == 3:
+        for k in range(k_lo, k_hi, BK):
+            b = b_desc.load([k, off_n])
+            hi, mid, lo = _split3(a_desc.load([k, off_m]))
+            if P > 2:
+                acc = dot_f32acc(tl.trans(lo), b, acc)
+            if P > 1:
+                acc = dot_f32acc(tl.trans(mid), b, acc)
+            acc = dot_f32acc(tl.trans(hi), b, acc)
+    elif FORM == 2:
         nk = tl.cdiv(k_hi - k_lo, BK)
         for i in range(0, P * nk):
             q = i // nk  # part P-1-q, K step i - q * nk
@@ -197,7 +213,7 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
 
 _DW_CFG: dict = {}
 _FLAGS: dict = {}
-_FORMS = {"acc": 0, "chain": 1, "flat": 2}
+_FORMS = {"acc": 0, "chain": 1, "flat": 2, "split": 3}
 
 
 def _flags(dev, n: int) -> torch.Tensor:
@@ -240,28 +256,48 @@ def _dw_config(M: int, N: int, T: int, P: int, dev) -> dict:
     return cfg
 
 
-def dw_tma(dlp: torch.Tensor, x2: torch.Tensor, *, config: dict | None = None
-           ) -> torch.Tensor | None:
-    """``dW [E, H] fp32 = sum_p dlp[p]^T @ x2`` through :func:`_dw_kernel`, or ``None``
-    where TMA cannot address the operands: ``dlp [P, T, E]`` bf16 parts of dlogits
-    (stacked: ``stride(0) == T * stride(1)``), ``x2 [T, H]`` bf16, both with unit last
-    stride and 16-byte aligned rows. ``config``: overrides of :func:`_dw_config`'s keys."""
-    P, T, E = dlp.shape
+def dw_form(E: int, H: int, T: int, P: int, dev) -> str:
+    """The K-loop form :func:`dw_tma` takes for this shape (:data:`DW_CONFIG` over the
+    heuristic)."""
+    cfg = DW_CONFIG or {}
+    return cfg.get("FORM") or _dw_config(E, H, T, P, dev)["FORM"]
+
+
+def dw_tma(dl: torch.Tensor, x2: torch.Tensor, parts: int | None = None, *,
+           config: dict | None = None) -> torch.Tensor | None:
+    """``dW [E, H] fp32 = dl^T @ x2`` through :func:`_dw_kernel`, or ``None`` where TMA
+    cannot address the operands (unit last strides, 16-byte aligned rows; ``x2 [T, H]``
+    bf16). ``dl``: the bf16 parts of dlogits ``[P, T, E]`` (stacked: ``stride(0) == T *
+    stride(1)``; every form but ``"split"``), or float32 dlogits ``[T, E]`` itself (form
+    ``"split"`` only: its first ``parts`` bf16 parts made in registers). ``config``:
+    overrides of :func:`_dw_config`'s keys."""
+    f32 = dl.dim() == 2
+    if f32:
+        T, E = dl.shape
+        P = parts
+        dl_ok = (dl.dtype == torch.float32 and dl.stride(-1) == 1 and dl.data_ptr() % 16 == 0
+                 and (dl.stride(0) * 4) % 16 == 0)
+    else:
+        P, T, E = dl.shape
+        dl_ok = (dl.dtype == torch.bfloat16 and _tma_ok(dl)
+                 and (P == 1 or dl.stride(0) == T * dl.stride(1)))
     H = x2.shape[1]
-    if not (dlp.dtype == torch.bfloat16 and x2.dtype == torch.bfloat16 and tma_capable(x2)
-            and _tma_ok(dlp) and _tma_ok(x2) and (P == 1 or dlp.stride(0) == T * dlp.stride(1))):
+    if not (dl_ok and x2.dtype == torch.bfloat16 and tma_capable(x2) and _tma_ok(x2)):
         return None
     dev = x2.device
+    cfg = dict(_dw_config(E, H, T, P, dev))
+    if config:
+        cfg.update(config)
+    if f32 != (cfg["FORM"] == "split"):
+        raise ValueError(f"dw_tma: form {cfg['FORM']!r} takes "
+                         f"{'float32 dlogits' if not f32 else 'bf16 parts'}")
     out = empty(E, H, dtype=torch.float32, device=dev)
     if E == 0 or H == 0:
         return out
     if T == 0:
         return out.zero_()
-    cfg = dict(_dw_config(E, H, T, P, dev))
-    if config:
-        cfg.update(config)
     BM, BN, BK, nw = cfg["BM"], cfg["BN"], cfg["BK"], cfg["num_warps"]
-    form = _FORMS[cfg["FORM"]] if P > 1 else 0
+    form = _FORMS[cfg["FORM"]] if (P > 1 or f32) else 0
     k_per = cdiv(cdiv(T, cfg["SPLIT"]), BK) * BK
     split = cdiv(T, k_per)
     tiles = cdiv(E, BM) * cdiv(H, BN)
@@ -271,8 +307,11 @@ def dw_tma(dlp: torch.Tensor, x2: torch.Tensor, *, config: dict | None = None
         ws = empty(split, E, H, dtype=torch.float32, device=dev)
         if fixup:
             flags = _flags(dev, tiles)
-    a2 = dlp.as_strided((P * T, E), (dlp.stride(1), 1))  # the parts stacked along the rows
-    a_desc = TensorDescriptor(a2, [P * T, E], [dlp.stride(1), 1], [BK, BM])
+    if f32:
+        a_desc = TensorDescriptor(dl, [T, E], [dl.stride(0), 1], [BK, BM])
+    else:
+        a2 = dl.as_strided((P * T, E), (dl.stride(1), 1))  # the parts stacked along the rows
+        a_desc = TensorDescriptor(a2, [P * T, E], [dl.stride(1), 1], [BK, BM])
     b_desc = TensorDescriptor(x2, [T, H], [x2.stride(0), 1], [BK, BN])
     with device_guard(x2):
         launch(_dw_kernel, (tiles * split,), a_desc, b_desc, out, ws, flags, E, H, T, k_per,
@@ -420,8 +459,9 @@ def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Ten
     """``dlogits [T, E]`` fp32, ``x2 [T, K]``, ``weight [E, K]`` -> ``(dx [T, K] x.dtype,
     dw [E, K] fp32)`` (``None`` where not needed). ``w_parts``: the forward's
     :func:`linghe.fwd.router.weight_parts` of ``weight`` (split here when absent).
-    Launches: the split of ``dlogits`` into bf16 parts (not with :data:`DX_SPLITS`), the
-    dx GEMM, the dW GEMM (and, with a K split and ``FIXUP`` off, the partials' sum)."""
+    Launches: the split of ``dlogits`` into bf16 parts (not with :data:`DX_SPLITS`, nor
+    with the dW form ``"split"``), the dx GEMM, the dW GEMM (and, with a K split and
+    ``FIXUP`` off, the partials' sum)."""
     dx_order = 2 if x2.dtype == torch.float32 else DX_ORDER
     # fp32 weight: fp32-exact dw (ORDER 2); a bf16/fp16 weight gets its gradient in its own
     # dtype, so bf16-level accuracy (ORDER 1: 2 passes instead of 3) is enough there.
@@ -429,14 +469,22 @@ def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Ten
     dl_parts = max(dx_order + 1 if need_dx else 0, dw_order + 1 if need_dw else 0)
     if dl_parts == 0:
         return None, None
+    T, E = dlogits.shape
+    f32 = dlogits.dtype == torch.float32
     dlp = dx = dw = None
+    if (need_dw and BWD_TMA and f32
+            and dw_form(E, x2.shape[1], T, dw_order + 1, dlogits.device) == "split"):
+        # dW straight from float32 dlogits (its parts made in registers); None: x or
+        # dlogits not addressable by TMA
+        dw = dw_tma(dlogits, x2, dw_order + 1, config=DW_CONFIG)
+    parts_for_dw = need_dw and dw is None
     if need_dx:
         wp = split_parts(weight, dx_order + 1) if w_parts is None else w_parts
         tma_dx = BWD_TMA and dx_order == 0
-        if tma_dx and DX_SPLITS and dlogits.dtype == torch.float32:
-            T, E = dlogits.shape
+        if tma_dx and f32 and (DX_SPLITS or dw is not None):
+            # dx from float32 dlogits (rounded in registers), writing the parts dW needs
             parts = (empty(min(dw_order + 1, 3), T, E, dtype=torch.bfloat16,
-                           device=dlogits.device) if need_dw else None)
+                           device=dlogits.device) if parts_for_dw else None)
             dx = dx_tma(dlogits, wp[0], x2.dtype, parts=parts, config=DX_CONFIG)
             if dx is not None:
                 dlp = parts
@@ -446,10 +494,10 @@ def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Ten
                 dx = dx_tma(dlp[0], wp[0], x2.dtype, config=DX_CONFIG)
             if dx is None:
                 dx = matmul_parts(dlp, wp, x2.dtype, dx_order, config=CONFIG["dx"])
-    if need_dw:
+    if parts_for_dw:
         if dlp is None:
             dlp = split_parts(dlogits, dw_order + 1)
-        if BWD_TMA:
+        if BWD_TMA and dw_form(E, x2.shape[1], T, dw_order + 1, dlogits.device) != "split":
             dw = dw_tma(dlp[:dw_order + 1], x2, config=DW_CONFIG)
         if dw is None:
             dw = matmul_parts(dlp.transpose(1, 2), split_parts(x2, dw_order + 1),
