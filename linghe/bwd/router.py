@@ -2,8 +2,9 @@
 
 - ``router_logits``: ``dx = dlogits @ W`` (dx in x's dtype) and ``dW = dlogits^T @ x``
   (fp32) from bf16 parts (no TF32): ``dlogits`` is split into its bf16 parts once
-  (:func:`linghe.fwd.router.split_parts`, shared by both GEMMs), ``W``'s parts come from
-  the forward. With a bf16 ``x`` whose rows TMA can address (Hopper, 16-byte aligned rows)
+  (:func:`linghe.fwd.router.split_parts`, shared by both GEMMs; or by the dx kernel,
+  :data:`DX_SPLITS`; or in registers by the dW kernel, form ``"split"``), ``W``'s parts
+  come from the forward. With a bf16 ``x`` whose rows TMA can address (Hopper, 16-byte aligned rows)
   both GEMMs load their operands by TMA (:func:`dw_tma`: :func:`_dw_kernel`,
   :func:`dx_tma`: :func:`_dx_kernel`); otherwise, and for a float32 ``x``, both go
   through :func:`linghe.fwd.router.matmul_parts` (pointer loads).
@@ -204,7 +205,7 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
                     m2 = (r2 < M)[:, None] & (rn < N)[None, :]
                     o2 = r2.to(tl.int64)[:, None] * N + rn[None, :]
                     s = tl.load(ws_ptr + o2, mask=m2, other=0.0, cache_modifier=".cg")
-                    for r in range(1, SPLIT):
+                    for r in tl.static_range(1, SPLIT):
                         s += tl.load(ws_ptr + r * mn + o2, mask=m2, other=0.0,
                                      cache_modifier=".cg")
                     tl.store(out_ptr + o2, s, mask=m2)
@@ -228,12 +229,12 @@ def _flags(dev, n: int) -> torch.Tensor:
 
 def _dw_config(M: int, N: int, T: int, P: int, dev) -> dict:
     """Launch config of :func:`_dw_kernel` for ``dW [M, N]`` over ``T`` tokens with ``P``
-    parts of dlogits (cached per shape): ``128 x 128`` tiles with one accumulator per part
-    (the ``x`` box loaded once per K step: the fewest operand bytes per MMA; ``P * 64``
-    accumulator registers a thread at 8 warps) and the token range split so that the
-    programs make about one wave (the router's ``[256, 2048]``: 32 tiles x 4 chunks),
-    summed by the last program per tile. Stages within ~200 KB of shared memory. The
-    alternatives measured against it are in ``benchmark/probe_router.py``."""
+    parts of dlogits (cached per shape): main's tiles and accumulators on TMA loads,
+    ``128 x 128`` with one accumulator per part (form ``"acc"``: ``P * 64`` accumulator
+    registers a thread at 8 warps), the token range split so that the programs make
+    about one wave (the router's ``[256, 2048]``: 32 tiles x 4 chunks), summed by the last
+    program per tile. Stages within ~200 KB of shared memory. The other forms and tiles
+    are timed against it by ``benchmark/probe_router.py``."""
     key = (M, N, T, P, dev)
     cfg = _DW_CFG.get(key)
     if cfg is not None:
