@@ -81,9 +81,9 @@ class _Old:
         self.router_logits_bwd = b.router_logits_bwd
 
 
-def _dw(BM, BN, BK, nw, ns, split, form, fixup=True):
+def _dw(BM, BN, BK, nw, ns, split, form, reduce="last"):
     return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split, FORM=form,
-                FIXUP=fixup)
+                REDUCE=reduce)
 
 
 def _dx(BM, BN, BK, nw, ns, persist=0, epi_tma=False):
@@ -94,7 +94,8 @@ def _dx(BM, BN, BK, nw, ns, persist=0, epi_tma=False):
 def _dw_name(c) -> str:
     s = f"dw {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
     s += f" {c['FORM']} k{c['SPLIT']}"
-    return s + ("" if c["SPLIT"] == 1 else (" fix" if c["FIXUP"] else " sum"))
+    return s + ("" if c["SPLIT"] == 1 else
+                {"last": " fix", "kernel": " sum", "dx": " dxsum"}[c["REDUCE"]])
 
 
 def _dx_name(c) -> str:
@@ -107,22 +108,27 @@ def _dx_name(c) -> str:
 #: Knob rows, most informative first (the budget may cut the tail): ``(name, DW_CONFIG,
 #: DX_CONFIG, DX_SPLITS)``; ``None`` keeps the default.
 _GPU_VARIANTS = [
-    # the combinations predicted fastest: dW chained at 128x256 with K/8 and the sum
-    # kernel (from parts, or splitting float32 dlogits in registers: no split kernel, dx
-    # then reads float32 dlogits), dx persistent with TMA stores; dx splitting dlogits
-    ("combo", _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False),
-     _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), False),
-    ("combo split", _dw(128, 256, 32, 8, 3, 8, "split", fixup=False),
+    # the combinations predicted fastest: dW chained at 128x256 with K/8 (from parts, or
+    # splitting float32 dlogits in registers: no split kernel, dx then reads float32
+    # dlogits), its partials summed by the dx kernel (dxsum) or a sum kernel, dx
+    # persistent with TMA stores; dx splitting dlogits. "combo split dxsum": 2 launches.
+    ("combo split dxsum", _dw(128, 256, 32, 8, 3, 8, "split", reduce="dx"),
      _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), False),
-    ("combo + dx splits", _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False),
+    ("combo dxsum", _dw(128, 256, 64, 8, 2, 8, "chain", reduce="dx"),
+     _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), False),
+    ("combo", _dw(128, 256, 64, 8, 2, 8, "chain", reduce="kernel"),
+     _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), False),
+    ("combo split", _dw(128, 256, 32, 8, 3, 8, "split", reduce="kernel"),
+     _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), False),
+    ("combo + dx splits", _dw(128, 256, 64, 8, 2, 8, "chain", reduce="kernel"),
      _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), True),
     # dW: one accumulator at 128x256 (16 tiles, K/8): chained dots (the x box once per K
     # step: the fewest operand bytes), split in registers, or the flat loop (no MMA drains)
-    (None, _dw(128, 256, 64, 8, 2, 8, "chain", fixup=False), None, None),
-    (None, _dw(128, 256, 32, 8, 3, 8, "split", fixup=False), None, None),
-    (None, _dw(128, 256, 64, 8, 2, 8, "split", fixup=False), None, None),
-    (None, _dw(128, 256, 64, 8, 4, 8, "flat", fixup=False), None, None),
-    (None, _dw(128, 256, 32, 8, 4, 8, "chain", fixup=False), None, None),
+    (None, _dw(128, 256, 64, 8, 2, 8, "chain", reduce="kernel"), None, None),
+    (None, _dw(128, 256, 32, 8, 3, 8, "split", reduce="kernel"), None, None),
+    (None, _dw(128, 256, 64, 8, 2, 8, "split", reduce="kernel"), None, None),
+    (None, _dw(128, 256, 64, 8, 4, 8, "flat", reduce="kernel"), None, None),
+    (None, _dw(128, 256, 32, 8, 4, 8, "chain", reduce="kernel"), None, None),
     # dW: an accumulator per part at 64x256 (fewer operand bytes than 128x128), the split
     # form at 128x128 / K/4, the last program's fixup at K/8
     (None, _dw(64, 256, 64, 8, 3, 4, "acc"), None, None),
@@ -130,10 +136,10 @@ _GPU_VARIANTS = [
     (None, _dw(128, 256, 64, 8, 2, 8, "chain"), None, None),
     # dW: the sum kernel instead of the last program, BK 32, 64x128 at 4 warps (2 programs
     # per SM), 256x128
-    (None, _dw(128, 128, 64, 8, 3, 4, "acc", fixup=False), None, None),
+    (None, _dw(128, 128, 64, 8, 3, 4, "acc", reduce="kernel"), None, None),
     (None, _dw(128, 128, 32, 8, 4, 4, "acc"), None, None),
     (None, _dw(64, 128, 64, 4, 2, 4, "acc"), None, None),
-    (None, _dw(256, 128, 64, 8, 4, 8, "flat", fixup=False), None, None),
+    (None, _dw(256, 128, 64, 8, 4, 8, "flat", reduce="kernel"), None, None),
     # dx: TMA store, persistent (flattened loops), 4 warps / 2 programs per SM, 256x128
     (None, None, _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), None),
     (None, None, _dx(128, 256, 64, 8, 3, epi_tma=True), None),
@@ -147,10 +153,12 @@ _GPU_VARIANTS = [
 ]
 _QUICK = 4  # --quick: the first variants only (the combinations first)
 _CPU_VARIANTS = [
-    (None, _dw(16, 32, 16, 4, 1, 3, "chain", fixup=False), None, None),
-    ("combo split", _dw(16, 32, 16, 4, 1, 3, "split", fixup=False),
+    ("combo split dxsum", _dw(16, 32, 16, 4, 1, 3, "split", reduce="dx"),
      _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), False),
-    (None, _dw(16, 32, 16, 4, 1, 3, "flat", fixup=False), None, None),
+    (None, _dw(16, 32, 16, 4, 1, 3, "chain", reduce="kernel"), None, None),
+    ("combo split", _dw(16, 32, 16, 4, 1, 3, "split", reduce="kernel"),
+     _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), False),
+    (None, _dw(16, 32, 16, 4, 1, 3, "flat", reduce="kernel"), None, None),
     (None, _dw(16, 16, 16, 4, 1, 2, "acc"), None, None),
     (None, None, _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), None),
     ("dx splits", None, _dx(16, 16, 16, 4, 1), True),

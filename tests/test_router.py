@@ -148,20 +148,25 @@ def _bwd_refs(dl, x, w):
 # (DW_CONFIG, DX_CONFIG, DX_SPLITS): the interpreter's defaults (32x32x32, acc per part, one
 # K chunk), the flat loop with a ragged K split summed by the sum kernel, accumulators
 # per part with the last program's fixup, chained dots with persistent dx and TMA stores,
-# dx splitting dlogits (no split kernel), most at once, and dW splitting float32 dlogits
-# in registers (dx then reads float32 dlogits too: no split kernel)
+# dx splitting dlogits (no split kernel), most at once, dW splitting float32 dlogits in
+# registers (dx then reads float32 dlogits too: no split kernel), and the dx kernel
+# summing dW's partials (with DX_SPLITS dx runs first: the sum kernel does it)
 _TMA_KNOBS = [
     (None, None, False),
-    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="flat", FIXUP=False), None, False),
-    (dict(BM=16, BN=16, BK=16, SPLIT=2, FORM="acc", FIXUP=True), None, False),
-    (dict(BM=32, BN=16, BK=16, SPLIT=3, FORM="chain", FIXUP=True),
+    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="flat", REDUCE="kernel"), None, False),
+    (dict(BM=16, BN=16, BK=16, SPLIT=2, FORM="acc", REDUCE="last"), None, False),
+    (dict(BM=32, BN=16, BK=16, SPLIT=3, FORM="chain", REDUCE="last"),
      dict(BM=16, BN=32, BK=16, PERSIST=1, EPI_TMA=True), False),
     (None, dict(BM=16, BN=16, BK=16, PERSIST=1), True),
-    (dict(BM=16, BN=16, BK=16, SPLIT=3, FORM="flat", FIXUP=True),
+    (dict(BM=16, BN=16, BK=16, SPLIT=3, FORM="flat", REDUCE="last"),
      dict(BM=16, BN=16, BK=16, PERSIST=0, EPI_TMA=True), True),
-    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="split", FIXUP=False), None, False),
-    (dict(BM=32, BN=16, BK=16, SPLIT=2, FORM="split", FIXUP=True),
+    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="split", REDUCE="kernel"), None, False),
+    (dict(BM=32, BN=16, BK=16, SPLIT=2, FORM="split", REDUCE="last"),
      dict(BM=16, BN=32, BK=16, PERSIST=1, EPI_TMA=True), True),
+    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="chain", REDUCE="dx"),
+     dict(BM=16, BN=16, BK=16, PERSIST=1), False),
+    (dict(BM=16, BN=16, BK=16, SPLIT=2, FORM="split", REDUCE="dx"), None, False),
+    (dict(BM=16, BN=16, BK=16, SPLIT=3, FORM="acc", REDUCE="dx"), None, True),
 ]
 
 
@@ -240,6 +245,39 @@ def test_router_bwd_tma_fp16_x(device, monkeypatch):
     assert rel_err(dw, rdw) < _exact_tol(device, T)
 
 
+@pytest.mark.parametrize("form,persist", [("chain", 0), ("split", 1)])
+def test_router_bwd_tma_reduce_in_dx(device, monkeypatch, form, persist):
+    """REDUCE "dx": the dx kernel (after dW) sums dW's K-split partials, no sum kernel;
+    without dx, or with DX_SPLITS (dx first), the sum kernel does."""
+    from linghe.bwd import router as B
+
+    monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=4, FORM=form,
+                                             REDUCE="dx"))
+    monkeypatch.setattr(B, "DX_CONFIG", dict(BM=16, BN=16, BK=16, PERSIST=persist))
+    names = _spy_launches(monkeypatch, B, sys.modules["linghe.fwd.router"])
+    T, H, E = 93, 40, 24
+    x = torch.randn(T, H, device=device).to(torch.bfloat16)
+    w = torch.randn(E, H, device=device) * 0.05
+    dl = torch.randn(T, E, device=device)
+    rdx, rdw = _bwd_refs(dl, x, w)
+    wp = sys.modules["linghe.fwd.router"].weight_parts(w)
+    names.clear()
+    dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
+    assert names.index("_dw_kernel") < names.index("_dx_kernel")
+    assert "_sum_splits_kernel" not in names
+    assert rel_err(dx, rdx) < 2e-2 and rel_err(dw, rdw) < _exact_tol(device, T)
+    names.clear()
+    _, dw2 = B.router_logits_bwd(dl, x, w, need_dx=False)
+    assert "_sum_splits_kernel" in names and torch.equal(dw2, dw)
+    monkeypatch.setattr(B, "DX_SPLITS", True)
+    names.clear()
+    dx3, dw3 = B.router_logits_bwd(dl, x, w, w_parts=wp)
+    if form != "split":  # with the split form dW needs no parts: dW, then dx summing
+        assert names.index("_dx_kernel") < names.index("_dw_kernel")
+        assert "_sum_splits_kernel" in names
+    assert torch.equal(dw3, dw) and torch.equal(dx3, dx)
+
+
 @pytest.mark.parametrize("T,H,E", [(37, 36, 16), (37, 48, 33)])
 def test_router_bwd_tma_fallback(device, monkeypatch, T, H, E):
     """Rows TMA cannot address (x's 72-byte rows; dlogits parts' 66-byte rows) take the
@@ -265,7 +303,7 @@ def test_router_bwd_tma_nonfinite(device, monkeypatch, splits, form):
 
     monkeypatch.setattr(B, "DX_SPLITS", splits)
     monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=2, FORM=form,
-                                             FIXUP=True))
+                                             REDUCE="last"))
     T, H, E = 45, 40, 24
     x = torch.randn(T, H, device=device).to(torch.bfloat16)
     w = torch.randn(E, H, device=device) * 0.05
@@ -296,11 +334,11 @@ def test_router_bwd_standard_shape_exact_gpu(device, monkeypatch):
     rdx, rdw = _bwd_refs(dl, x, w)
     wp = F.weight_parts(w)
     for cfg in (None, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=2, SPLIT=8,
-                           FORM="chain", FIXUP=False),
+                           FORM="chain", REDUCE="kernel"),
                 dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, SPLIT=8, FORM="flat",
-                     FIXUP=False),
+                     REDUCE="kernel"),
                 dict(BM=128, BN=256, BK=32, num_warps=8, num_stages=3, SPLIT=8, FORM="split",
-                     FIXUP=False)):
+                     REDUCE="kernel")):
         monkeypatch.setattr(B, "DW_CONFIG", cfg)
         dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
         assert rel_err(dw, rdw) < 1e-5, (cfg, rel_err(dw, rdw))

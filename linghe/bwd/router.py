@@ -18,10 +18,12 @@ x[t, h]`` of two bf16 values is exact in fp32, so ``dW = sum_p part_p(dl)^T @ x`
 fp32 accumulation is fp32-exact (relative error ~2e-6 against float64 on Hopper, whose
 MMA accumulation is not IEEE round-to-nearest). Few output tiles (``[256, 2048]``: 32 of
 ``128 x 128``) and a long contraction: the token range is split over programs (``SPLIT``)
-and the fp32 partials are summed in rank order (deterministic), by the tile's last
-program to finish (``FIXUP``: no extra launch, but one SM per tile reads all its
-partials) or by a second kernel. Three forms of the K loop (``FORM``), which trade
-operand bytes (L2 -> shared memory, per 3 x 128x128x64 MMA) against MMA stalls:
+and the fp32 partials are summed in rank order (deterministic, ``REDUCE``): by the
+tile's last program to finish (``"last"``: no extra launch, but one SM per tile reads all
+its partials), by a second kernel (``"kernel"``), or by the dx kernel that runs after
+the dW kernel (``"dx"``: each dx program sums a slice after its tiles). Four forms of
+the K loop (``FORM``), which trade operand bytes (L2 -> shared memory, per 3 x
+128x128x64 MMA) against MMA stalls:
 
 - ``"acc"``: one accumulator per part, each K step loads the ``x`` box once and issues
   ``P`` independent dots (``P * BM * BN`` fp32 accumulators: ``128 x 128`` or ``64 x
@@ -78,8 +80,9 @@ DX_ORDER = 0
 #: order 0); False: :func:`linghe.fwd.router.matmul_parts` for both GEMMs (main's path).
 BWD_TMA = True
 #: Overrides of :func:`_dw_config`'s keys (``BM, BN, BK, num_warps, num_stages, SPLIT,
-#: FORM, FIXUP, GROUP_M``; ``FORM``: ``"acc"``, ``"chain"``, ``"flat"`` or ``"split"``,
-#: see the module docstring) for :func:`dw_tma`; ``None``: the heuristic.
+#: FORM, REDUCE, GROUP_M``; ``FORM``: ``"acc"``, ``"chain"``, ``"flat"`` or ``"split"``;
+#: ``REDUCE``: ``"last"``, ``"kernel"`` or ``"dx"``; see the module docstring) for
+#: :func:`dw_tma`; ``None``: the heuristic.
 DW_CONFIG: dict | None = None
 #: Overrides of :func:`_dx_config`'s keys (``BM, BN, BK, num_warps, num_stages, PERSIST,
 #: EPI_TMA, GROUP_M``) for :func:`dx_tma`; ``None``: the heuristic.
@@ -128,8 +131,8 @@ def _dw_kernel(a_desc, b_desc, out_ptr, ws_ptr, flag_ptr, M, N, T, k_per_split,
     in ``flag[tile]`` (acq_rel, after a barrier) and the tile's last program sums the
     partials in rank order (the same adds in the same order whichever program is last:
     deterministic), ``CH`` rows at a time, stores the tile and resets the flag to 0 for
-    the next launch. Without ``FIXUP`` ``_sum_splits_kernel`` sums them. Nobody waits
-    for another program."""
+    the next launch. Without ``FIXUP`` a later kernel sums them (``_sum_splits_kernel``
+    or :func:`_dx_kernel`). Nobody waits for another program."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -241,7 +244,7 @@ def _dw_config(M: int, N: int, T: int, P: int, dev) -> dict:
         return cfg
     if INTERPRET:
         cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT=1, FORM="acc",
-                   FIXUP=True, GROUP_M=8)
+                   REDUCE="last", GROUP_M=8)
     else:
         sms = num_sms(dev)
         BM = 128 if M > 64 else 64
@@ -252,7 +255,7 @@ def _dw_config(M: int, N: int, T: int, P: int, dev) -> dict:
         stage = (P * BM + BN) * BK * 2
         ns = max(2, min(4, (200 * 1024) // stage))
         cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=8, num_stages=ns, SPLIT=split, FORM="acc",
-                   FIXUP=True, GROUP_M=8)
+                   REDUCE="last", GROUP_M=8)
     _DW_CFG[key] = cfg
     return cfg
 
@@ -265,13 +268,18 @@ def dw_form(E: int, H: int, T: int, P: int, dev) -> str:
 
 
 def dw_tma(dl: torch.Tensor, x2: torch.Tensor, parts: int | None = None, *,
-           config: dict | None = None) -> torch.Tensor | None:
+           config: dict | None = None, deferred: list | None = None
+           ) -> torch.Tensor | None:
     """``dW [E, H] fp32 = dl^T @ x2`` through :func:`_dw_kernel`, or ``None`` where TMA
     cannot address the operands (unit last strides, 16-byte aligned rows; ``x2 [T, H]``
     bf16). ``dl``: the bf16 parts of dlogits ``[P, T, E]`` (stacked: ``stride(0) == T *
     stride(1)``; every form but ``"split"``), or float32 dlogits ``[T, E]`` itself (form
     ``"split"`` only: its first ``parts`` bf16 parts made in registers). ``config``:
-    overrides of :func:`_dw_config`'s keys."""
+    overrides of :func:`_dw_config`'s keys. ``REDUCE="dx"`` with a K split and a
+    ``deferred`` list: the partials are not summed here; ``(ws, split)`` is appended to
+    ``deferred`` and the caller sums them into the returned tensor (:func:`dx_tma`'s
+    ``reduce``, or :func:`_sum_splits`) before using it; without ``deferred``, or for
+    ``"kernel"``, ``_sum_splits_kernel`` sums them."""
     f32 = dl.dim() == 2
     if f32:
         T, E = dl.shape
@@ -292,6 +300,9 @@ def dw_tma(dl: torch.Tensor, x2: torch.Tensor, parts: int | None = None, *,
     if f32 != (cfg["FORM"] == "split"):
         raise ValueError(f"dw_tma: form {cfg['FORM']!r} takes "
                          f"{'float32 dlogits' if not f32 else 'bf16 parts'}")
+    if cfg["REDUCE"] not in ("last", "kernel", "dx"):
+        raise ValueError(f"dw_tma: REDUCE must be 'last', 'kernel' or 'dx', got "
+                         f"{cfg['REDUCE']!r}")
     out = empty(E, H, dtype=torch.float32, device=dev)
     if E == 0 or H == 0:
         return out
@@ -302,7 +313,7 @@ def dw_tma(dl: torch.Tensor, x2: torch.Tensor, parts: int | None = None, *,
     k_per = cdiv(cdiv(T, cfg["SPLIT"]), BK) * BK
     split = cdiv(T, k_per)
     tiles = cdiv(E, BM) * cdiv(H, BN)
-    fixup = bool(cfg["FIXUP"])
+    fixup = cfg["REDUCE"] == "last"
     ws = flags = out
     if split > 1:
         ws = empty(split, E, H, dtype=torch.float32, device=dev)
@@ -319,18 +330,28 @@ def dw_tma(dl: torch.Tensor, x2: torch.Tensor, parts: int | None = None, *,
                P=P, FORM=form, BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"], SPLIT=split,
                FIXUP=fixup, CH=max(1, min(BM, 512 * nw // BN)), num_warps=nw,
                num_stages=cfg["num_stages"])
-        if split > 1 and not fixup:
-            BLOCK = 1024
-            launch(_sum_splits_kernel, (cdiv(E * H, BLOCK),), ws, out, E * H, split,
-                   BLOCK=BLOCK, num_warps=4)
+    if split > 1 and not fixup:
+        if cfg["REDUCE"] == "dx" and deferred is not None:
+            deferred.append((ws, split))
+        else:
+            _sum_splits(ws, out, split)
     return out
+
+
+def _sum_splits(ws: torch.Tensor, out: torch.Tensor, split: int) -> None:
+    """``out = ws[0] + .. + ws[split - 1]`` in that order (``_sum_splits_kernel``)."""
+    BLOCK = 1024
+    with device_guard(out):
+        launch(_sum_splits_kernel, (cdiv(out.numel(), BLOCK),), ws, out, out.numel(), split,
+               BLOCK=BLOCK, num_warps=4)
 
 
 # ------------------------------------------------------------------------------ dx
 @triton.jit
-def _dx_kernel(a_desc, b_desc, c_desc, c_ptr, parts_ptr, M, N, K, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-               EPI_TMA: tl.constexpr, FLATTEN: tl.constexpr, P_OUT: tl.constexpr):
+def _dx_kernel(a_desc, b_desc, c_desc, c_ptr, parts_ptr, ws_ptr, red_ptr, M, N, K, n_red,
+               red_chunk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               GROUP_M: tl.constexpr, EPI_TMA: tl.constexpr, FLATTEN: tl.constexpr,
+               P_OUT: tl.constexpr, S_RED: tl.constexpr, RBLOCK: tl.constexpr):
     """``C [M, N] = A @ B`` (fp32 accumulation, stored in ``C``'s 16-bit dtype): ``A``
     (``a_desc``, ``[BM, BK]`` boxes) and ``B`` (``b_desc``, ``[BK, BN]`` boxes, N-major)
     by TMA, zero-filled past their ends. Program ``pid`` computes tiles ``pid, pid + G,
@@ -344,7 +365,13 @@ def _dx_kernel(a_desc, b_desc, c_desc, c_ptr, parts_ptr, M, N, K, BM: tl.constex
     as its ``hi`` part); with ``P_OUT > 0`` the programs of column tile ``n`` also write
     the first ``P_OUT`` bf16 parts (:func:`linghe.fwd.router._split3`) of ``A``'s K boxes
     ``n, n + num_n, ..`` of their row tile to ``parts [P_OUT, M, K]`` (contiguous), so
-    that every element of ``A`` is split exactly once and no separate split kernel runs."""
+    that every element of ``A`` is split exactly once and no separate split kernel runs.
+
+    ``S_RED > 0``: after its tiles, program ``pid`` also sums elements ``[pid * red_chunk,
+    (pid + 1) * red_chunk)`` of ``S_RED`` float32 partials ``ws [S_RED, n_red]`` in rank
+    order into ``red [n_red]`` (the dW kernel's K split, launched before this kernel:
+    no separate sum kernel), ``RBLOCK`` elements at a time with all ``S_RED`` loads in
+    flight."""
     A_F32: tl.constexpr = a_desc.dtype == tl.float32
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -382,6 +409,18 @@ def _dx_kernel(a_desc, b_desc, c_desc, c_ptr, parts_ptr, M, N, K, BM: tl.constex
                     tl.store(ptr + mk, mid, mask=msk)
                 if P_OUT > 2:
                     tl.store(ptr + mk + mk, lo, mask=msk)
+    if S_RED > 0:
+        r_lo = tl.program_id(0).to(tl.int64) * red_chunk
+        r_hi = tl.minimum(r_lo + red_chunk, n_red)
+        for r0 in range(r_lo, r_hi, RBLOCK):
+            offs = r0 + tl.arange(0, RBLOCK)
+            rmask = offs < r_hi
+            p = ws_ptr + offs
+            tot = tl.load(p, mask=rmask, other=0.0)
+            for _ in tl.static_range(1, S_RED):
+                p += n_red
+                tot += tl.load(p, mask=rmask, other=0.0)
+            tl.store(red_ptr + offs, tot, mask=rmask)
 
 
 _DX_CFG: dict = {}
@@ -409,16 +448,18 @@ def _dx_config(M: int, N: int, K: int, dev) -> dict:
 
 
 def dx_tma(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
-           parts: torch.Tensor | None = None, config: dict | None = None
-           ) -> torch.Tensor | None:
+           parts: torch.Tensor | None = None, reduce: tuple | None = None,
+           config: dict | None = None) -> torch.Tensor | None:
     """``a [M, K] @ b [K, N]`` -> ``[M, N]`` ``out_dtype`` (bf16/fp16; fp32 accumulation
     of bf16 products) through :func:`_dx_kernel`, or ``None`` where TMA cannot address
     the operands (unit last strides, 16-byte aligned rows; ``N`` a multiple of 8). ``b``
     bf16; ``a`` bf16, or float32 (rounded to bf16 in the kernel: ``a``'s hi part), in
     which case ``parts`` (``[P, M, K]`` bf16, contiguous, ``P <= 3``), if given, receives
     ``a``'s first ``P`` bf16 parts (:func:`linghe.fwd.router.split_parts`'s values).
-    ``config``: overrides of :func:`_dx_config`'s keys (``PERSIST``: programs per SM, 0
-    for one tile per program)."""
+    ``reduce``: ``(ws, out, split)``, float32 partials ``ws [split, *out.shape]`` that the
+    kernel's programs also sum into ``out`` (contiguous; :func:`dw_tma`'s ``deferred``);
+    not done when this returns ``None``. ``config``: overrides of :func:`_dx_config`'s
+    keys (``PERSIST``: programs per SM, 0 for one tile per program)."""
     M, K = a.shape
     N = b.shape[1]
     a_ok = (a.dtype == torch.bfloat16 and _tma_ok(a)) or (
@@ -434,6 +475,8 @@ def dx_tma(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
     if M == 0 or N == 0 or K == 0:
         if parts is not None and parts.numel():
             parts.copy_(split_parts(a, parts.shape[0]))
+        if reduce is not None:
+            _sum_splits(*reduce)
         return out.zero_() if K == 0 else out
     cfg = dict(_dx_config(M, N, K, dev))
     if config:
@@ -442,14 +485,22 @@ def dx_tma(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
     tiles = cdiv(M, BM) * cdiv(N, BN)
     persist = int(cfg["PERSIST"])
     grid = tiles if persist <= 0 else min(tiles, persist * (8 if INTERPRET else num_sms(dev)))
+    ws = red = out
+    n_red = red_chunk = s_red = 0
+    RBLOCK = 1024
+    if reduce is not None:
+        ws, red, s_red = reduce
+        n_red = red.numel()
+        red_chunk = cdiv(cdiv(n_red, grid), RBLOCK) * RBLOCK
     a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [BM, BK])
     b_desc = TensorDescriptor(b, [K, N], [b.stride(0), 1], [BK, BN])
     c_desc = TensorDescriptor(out, [M, N], [N, 1], [BM, BN])
     with device_guard(a):
         launch(_dx_kernel, (grid,), a_desc, b_desc, c_desc, out,
-               parts if parts is not None else out, M, N, K, BM=BM, BN=BN, BK=BK,
-               GROUP_M=cfg["GROUP_M"], EPI_TMA=bool(cfg["EPI_TMA"]), FLATTEN=persist > 0,
-               P_OUT=0 if parts is None else parts.shape[0], num_warps=cfg["num_warps"],
+               parts if parts is not None else out, ws, red, M, N, K, n_red, red_chunk,
+               BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"], EPI_TMA=bool(cfg["EPI_TMA"]),
+               FLATTEN=persist > 0, P_OUT=0 if parts is None else parts.shape[0],
+               S_RED=s_red, RBLOCK=RBLOCK, num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"])
     return out
 
@@ -460,49 +511,65 @@ def router_logits_bwd(dlogits: torch.Tensor, x2: torch.Tensor, weight: torch.Ten
     """``dlogits [T, E]`` fp32, ``x2 [T, K]``, ``weight [E, K]`` -> ``(dx [T, K] x.dtype,
     dw [E, K] fp32)`` (``None`` where not needed). ``w_parts``: the forward's
     :func:`linghe.fwd.router.weight_parts` of ``weight`` (split here when absent).
-    Launches: the split of ``dlogits`` into bf16 parts (not with :data:`DX_SPLITS`, nor
-    with the dW form ``"split"``), the dx GEMM, the dW GEMM (and, with a K split and
-    ``FIXUP`` off, the partials' sum)."""
+
+    Launches, in order: the split of ``dlogits`` into bf16 parts (not when the dW form is
+    ``"split"`` and dx reads float32 dlogits, nor with :data:`DX_SPLITS`, whose dx kernel
+    writes the parts and runs first), the dW GEMM (and, with a K split and ``REDUCE`` of
+    ``"kernel"``, the partials' sum; ``"dx"``: the dx kernel sums them), the dx GEMM."""
     dx_order = 2 if x2.dtype == torch.float32 else DX_ORDER
     # fp32 weight: fp32-exact dw (ORDER 2); a bf16/fp16 weight gets its gradient in its own
     # dtype, so bf16-level accuracy (ORDER 1: 2 passes instead of 3) is enough there.
     dw_order = 2 if weight.dtype == torch.float32 else 1
-    dl_parts = max(dx_order + 1 if need_dx else 0, dw_order + 1 if need_dw else 0)
-    if dl_parts == 0:
+    if not (need_dx or need_dw):
         return None, None
     T, E = dlogits.shape
+    H = x2.shape[1]
+    P = min(dw_order + 1, 3)  # dlogits' parts for dW
     f32 = dlogits.dtype == torch.float32
-    dlp = dx = dw = None
-    if (need_dw and BWD_TMA and f32
-            and dw_form(E, x2.shape[1], T, dw_order + 1, dlogits.device) == "split"):
-        # dW straight from float32 dlogits (its parts made in registers); None: x or
-        # dlogits not addressable by TMA
-        dw = dw_tma(dlogits, x2, dw_order + 1, config=DW_CONFIG)
-    parts_for_dw = need_dw and dw is None
+    tma_dx = need_dx and BWD_TMA and dx_order == 0
+    form = dw_form(E, H, T, P, dlogits.device) if need_dw and BWD_TMA else None
+    dw_f32 = form == "split" and f32  # dW splits float32 dlogits in registers
+    # dx reads float32 dlogits (no parts of its own), writing dW's parts with DX_SPLITS
+    dx_f32 = tma_dx and f32 and (dw_f32 or DX_SPLITS)
+    wp = None
     if need_dx:
         wp = split_parts(weight, dx_order + 1) if w_parts is None else w_parts
-        tma_dx = BWD_TMA and dx_order == 0
-        if tma_dx and f32 and (DX_SPLITS or dw is not None):
-            # dx from float32 dlogits (rounded in registers), writing the parts dW needs
-            parts = (empty(min(dw_order + 1, 3), T, E, dtype=torch.bfloat16,
-                           device=dlogits.device) if parts_for_dw else None)
-            dx = dx_tma(dlogits, wp[0], x2.dtype, parts=parts, config=DX_CONFIG)
-            if dx is not None:
-                dlp = parts
-        if dx is None:
-            dlp = split_parts(dlogits, dl_parts)
-            if tma_dx:
-                dx = dx_tma(dlp[0], wp[0], x2.dtype, config=DX_CONFIG)
-            if dx is None:
-                dx = matmul_parts(dlp, wp, x2.dtype, dx_order, config=CONFIG["dx"])
-    if parts_for_dw:
-        if dlp is None:
-            dlp = split_parts(dlogits, dw_order + 1)
-        if BWD_TMA and dw_form(E, x2.shape[1], T, dw_order + 1, dlogits.device) != "split":
-            dw = dw_tma(dlp[:dw_order + 1], x2, config=DW_CONFIG)
+    dlp = dx = dw = None
+    deferred: list = []
+    if dx_f32 and need_dw and not dw_f32:
+        # DX_SPLITS: dx first, writing the parts dW reads
+        parts = empty(P, T, E, dtype=torch.bfloat16, device=dlogits.device)
+        dx = dx_tma(dlogits, wp[0], x2.dtype, parts=parts, config=DX_CONFIG)
+        if dx is not None:
+            dlp = parts
+    if need_dw:
+        if dw_f32:
+            dw = dw_tma(dlogits, x2, P, config=DW_CONFIG, deferred=deferred)
         if dw is None:
-            dw = matmul_parts(dlp.transpose(1, 2), split_parts(x2, dw_order + 1),
-                              torch.float32, dw_order, config=CONFIG["dw"])
+            if dlp is None:
+                dlp = split_parts(dlogits, max(P, dx_order + 1 if need_dx else 0))
+            if BWD_TMA and form != "split":
+                dw = dw_tma(dlp[:P], x2, config=DW_CONFIG, deferred=deferred)
+            if dw is None:
+                dw = matmul_parts(dlp.transpose(1, 2), split_parts(x2, dw_order + 1),
+                                  torch.float32, dw_order, config=CONFIG["dw"])
+    if need_dx and dx is None:
+        red = (deferred[0][0], dw, deferred[0][1]) if deferred else None
+        if tma_dx:
+            if dx_f32:
+                dx = dx_tma(dlogits, wp[0], x2.dtype, reduce=red, config=DX_CONFIG)
+            if dx is None:
+                if dlp is None:
+                    dlp = split_parts(dlogits, dx_order + 1)
+                dx = dx_tma(dlp[0], wp[0], x2.dtype, reduce=red, config=DX_CONFIG)
+        if dx is not None:
+            deferred = []  # summed by the dx kernel
+        else:
+            if dlp is None:
+                dlp = split_parts(dlogits, dx_order + 1)
+            dx = matmul_parts(dlp, wp, x2.dtype, dx_order, config=CONFIG["dx"])
+    for ws, split in deferred:  # no dx kernel to sum them
+        _sum_splits(ws, dw, split)
     return dx, dw
 
 
