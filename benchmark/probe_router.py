@@ -248,8 +248,13 @@ def _kernels(fn, flush, reps: int = 10):
     return list(out.items())
 
 
-#: The GEMM kernels (by name); a call launches the dx GEMM first, then the dW GEMM.
-_GEMMS = ("_mm_kernel", "_dx_kernel", "_dw_kernel")
+#: bf16 MMA passes of a GEMM kernel (by name; main's ``_mm_kernel`` runs dx first, then dW)
+def _passes(name: str, dw_passes: int, mm_seen: int) -> int | None:
+    if name == "_dx_kernel" or (name == "_mm_kernel" and mm_seen == 0):
+        return 1
+    if name in ("_dw_kernel", "_mm_kernel"):
+        return dw_passes
+    return None
 
 
 class _Probe:
@@ -321,10 +326,11 @@ class _Probe:
             else:
                 row["graph_us"] = graph_time_us(fn, rep=100)
                 ks = _kernels(fn, self.flush)
-                gemm_passes = [1, passes - 1]  # dx, then dW
                 row["kernels"] = []
+                mm_seen = 0
                 for k, us in ks:
-                    p = gemm_passes.pop(0) if k in _GEMMS and gemm_passes else None
+                    p = _passes(k, passes - 1, mm_seen)
+                    mm_seen += k == "_mm_kernel"
                     row["kernels"].append({"name": k, "us": us, "tflops": (
                         p * self.pass_flops / us / 1e6 if p and us else None)})
                 row["kern_us"] = sum(us for _, us in ks)
