@@ -105,63 +105,66 @@ def _dx_name(c) -> str:
     return s + (" tmastore" if c["EPI_TMA"] else "")
 
 
-#: Knob rows, most informative first (the budget may cut the tail): ``(name, DW_CONFIG,
-#: DX_CONFIG, DX_SPLITS)``; ``None`` keeps the default.
+def _preset(form, reduce, persist=1, epi_tma=True, dx_splits=False):
+    """Module defaults (the heuristics' inputs) instead of explicit configs."""
+    return dict(DW_FORM=form, DW_REDUCE=reduce, DX_PERSIST=persist, DX_EPI_TMA=epi_tma,
+                DX_SPLITS=dx_splits)
+
+
+#: Knob rows, most informative first (the budget may cut the tail): ``(name, settings)``,
+#: the settings being attributes of :mod:`linghe.bwd.router` for the row (``DW_CONFIG``,
+#: ``DX_CONFIG``, ``DX_SPLITS``, or the heuristics' ``DW_FORM``, ``DW_REDUCE``,
+#: ``DX_PERSIST``, ``DX_EPI_TMA``).
 _GPU_VARIANTS = [
-    # the combinations predicted fastest: dW chained at 128x256 with K/8 (from parts, or
-    # splitting float32 dlogits in registers: no split kernel, dx then reads float32
-    # dlogits), its partials summed by the dx kernel (dxsum) or a sum kernel, dx
-    # persistent with TMA stores; dx splitting dlogits. "combo split dxsum": 2 launches.
-    ("combo split dxsum", _dw(128, 256, 32, 8, 3, 8, "split", reduce="dx"),
-     _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), False),
-    ("combo dxsum", _dw(128, 256, 64, 8, 2, 8, "chain", reduce="dx"),
-     _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), False),
-    ("combo", _dw(128, 256, 64, 8, 2, 8, "chain", reduce="kernel"),
-     _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), False),
-    ("combo split", _dw(128, 256, 32, 8, 3, 8, "split", reduce="kernel"),
-     _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), False),
-    ("combo + dx splits", _dw(128, 256, 64, 8, 2, 8, "chain", reduce="kernel"),
-     _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), True),
+    # the combinations predicted fastest, through the heuristics (what flipping the module
+    # defaults gives): dW with one accumulator at 128x256 tiles and K/8, from parts
+    # (chain) or splitting float32 dlogits in registers (split: no split kernel, dx then
+    # reads float32 dlogits), its partials summed by the dx kernel (dx) or a sum kernel;
+    # dx persistent with TMA stores; dx writing the parts. "split dx": 2 launches.
+    ("preset split dx", _preset("split", "dx")),
+    ("preset chain dx", _preset("chain", "dx")),
+    ("preset chain kernel", _preset("chain", "kernel")),
+    ("preset split kernel", _preset("split", "kernel")),
+    ("preset chain kernel + dx splits", _preset("chain", "kernel", dx_splits=True)),
     # dW: one accumulator at 128x256 (16 tiles, K/8): chained dots (the x box once per K
     # step: the fewest operand bytes), split in registers, or the flat loop (no MMA drains)
-    (None, _dw(128, 256, 64, 8, 2, 8, "chain", reduce="kernel"), None, None),
-    (None, _dw(128, 256, 32, 8, 3, 8, "split", reduce="kernel"), None, None),
-    (None, _dw(128, 256, 64, 8, 2, 8, "split", reduce="kernel"), None, None),
-    (None, _dw(128, 256, 64, 8, 4, 8, "flat", reduce="kernel"), None, None),
-    (None, _dw(128, 256, 32, 8, 4, 8, "chain", reduce="kernel"), None, None),
+    (None, dict(DW_CONFIG=_dw(128, 256, 64, 8, 2, 8, "chain", reduce="kernel"))),
+    (None, dict(DW_CONFIG=_dw(128, 256, 32, 8, 3, 8, "split", reduce="kernel"))),
+    (None, dict(DW_CONFIG=_dw(128, 256, 64, 8, 2, 8, "split", reduce="kernel"))),
+    (None, dict(DW_CONFIG=_dw(128, 256, 64, 8, 4, 8, "flat", reduce="kernel"))),
+    (None, dict(DW_CONFIG=_dw(128, 256, 32, 8, 4, 8, "chain", reduce="kernel"))),
     # dW: an accumulator per part at 64x256 (fewer operand bytes than 128x128), the split
     # form at 128x128 / K/4, the last program's fixup at K/8
-    (None, _dw(64, 256, 64, 8, 3, 4, "acc"), None, None),
-    (None, _dw(128, 128, 64, 8, 3, 4, "split"), None, None),
-    (None, _dw(128, 256, 64, 8, 2, 8, "chain"), None, None),
+    (None, dict(DW_CONFIG=_dw(64, 256, 64, 8, 3, 4, "acc"))),
+    (None, dict(DW_CONFIG=_dw(128, 128, 64, 8, 3, 4, "split"))),
+    (None, dict(DW_CONFIG=_dw(128, 256, 64, 8, 2, 8, "chain"))),
     # dW: the sum kernel instead of the last program, BK 32, 64x128 at 4 warps (2 programs
     # per SM), 256x128
-    (None, _dw(128, 128, 64, 8, 3, 4, "acc", reduce="kernel"), None, None),
-    (None, _dw(128, 128, 32, 8, 4, 4, "acc"), None, None),
-    (None, _dw(64, 128, 64, 4, 2, 4, "acc"), None, None),
-    (None, _dw(256, 128, 64, 8, 4, 8, "flat", reduce="kernel"), None, None),
+    (None, dict(DW_CONFIG=_dw(128, 128, 64, 8, 3, 4, "acc", reduce="kernel"))),
+    (None, dict(DW_CONFIG=_dw(128, 128, 32, 8, 4, 4, "acc"))),
+    (None, dict(DW_CONFIG=_dw(64, 128, 64, 4, 2, 4, "acc"))),
+    (None, dict(DW_CONFIG=_dw(256, 128, 64, 8, 4, 8, "flat", reduce="kernel"))),
     # dx: TMA store, persistent (flattened loops), 4 warps / 2 programs per SM, 256x128
-    (None, None, _dx(128, 256, 64, 8, 3, persist=1, epi_tma=True), None),
-    (None, None, _dx(128, 256, 64, 8, 3, epi_tma=True), None),
-    (None, None, _dx(128, 128, 64, 8, 4, persist=1), None),
-    (None, None, _dx(128, 128, 64, 4, 2, persist=2, epi_tma=True), None),
-    (None, None, _dx(128, 128, 64, 4, 2), None),
-    (None, None, _dx(256, 128, 64, 8, 3), None),
+    (None, dict(DX_CONFIG=_dx(128, 256, 64, 8, 3, persist=1, epi_tma=True))),
+    (None, dict(DX_CONFIG=_dx(128, 256, 64, 8, 3, epi_tma=True))),
+    (None, dict(DX_CONFIG=_dx(128, 128, 64, 8, 4, persist=1))),
+    (None, dict(DX_CONFIG=_dx(128, 128, 64, 4, 2, persist=2, epi_tma=True))),
+    (None, dict(DX_CONFIG=_dx(128, 128, 64, 4, 2))),
+    (None, dict(DX_CONFIG=_dx(256, 128, 64, 8, 3))),
     # dx reads fp32 dlogits and writes the parts (no split kernel)
-    ("dx splits", None, None, True),
-    ("dx splits", None, _dx(128, 256, 32, 8, 4, persist=1, epi_tma=True), True),
+    ("dx splits", dict(DX_SPLITS=True)),
 ]
-_QUICK = 4  # --quick: the first variants only (the combinations first)
+_QUICK = 4  # --quick: the first variants only (the presets first)
 _CPU_VARIANTS = [
-    ("combo split dxsum", _dw(16, 32, 16, 4, 1, 3, "split", reduce="dx"),
-     _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), False),
-    (None, _dw(16, 32, 16, 4, 1, 3, "chain", reduce="kernel"), None, None),
-    ("combo split", _dw(16, 32, 16, 4, 1, 3, "split", reduce="kernel"),
-     _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), False),
-    (None, _dw(16, 32, 16, 4, 1, 3, "flat", reduce="kernel"), None, None),
-    (None, _dw(16, 16, 16, 4, 1, 2, "acc"), None, None),
-    (None, None, _dx(16, 32, 16, 4, 1, persist=1, epi_tma=True), None),
-    ("dx splits", None, _dx(16, 16, 16, 4, 1), True),
+    ("preset split dx", _preset("split", "dx")),
+    ("preset chain kernel + dx splits", _preset("chain", "kernel", dx_splits=True)),
+    (None, dict(DW_CONFIG=_dw(16, 32, 16, 4, 1, 3, "chain", reduce="kernel"))),
+    ("split dx", dict(DW_CONFIG=_dw(16, 32, 16, 4, 1, 3, "split", reduce="dx"),
+                      DX_CONFIG=_dx(16, 32, 16, 4, 1, persist=1, epi_tma=True))),
+    (None, dict(DW_CONFIG=_dw(16, 32, 16, 4, 1, 3, "flat", reduce="kernel"))),
+    (None, dict(DW_CONFIG=_dw(16, 16, 16, 4, 1, 2, "acc"))),
+    (None, dict(DX_CONFIG=_dx(16, 32, 16, 4, 1, persist=1, epi_tma=True))),
+    ("dx splits", dict(DX_SPLITS=True, DX_CONFIG=_dx(16, 16, 16, 4, 1))),
 ]
 
 
@@ -188,19 +191,36 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
+_KNOBS = ("DW_CONFIG", "DX_CONFIG", "DX_SPLITS", "DW_FORM", "DW_REDUCE", "DX_PERSIST",
+          "DX_EPI_TMA")
+
+
 @contextlib.contextmanager
-def _knobs(dw_cfg=None, dx_cfg=None, dx_splits=None):
-    saved = B.DW_CONFIG, B.DX_CONFIG, B.DX_SPLITS
-    if dw_cfg is not None:
-        B.DW_CONFIG = dw_cfg
-    if dx_cfg is not None:
-        B.DX_CONFIG = dx_cfg
-    if dx_splits is not None:
-        B.DX_SPLITS = dx_splits
+def _knobs(settings: dict | None):
+    """:mod:`linghe.bwd.router`'s knobs set to ``settings`` for the block."""
+    settings = settings or {}
+    bad = set(settings) - set(_KNOBS)
+    if bad:
+        raise ValueError(f"unknown knobs {sorted(bad)}")
+    saved = {k: getattr(B, k) for k in settings}
     try:
+        for k, v in settings.items():
+            setattr(B, k, v)
         yield
     finally:
-        B.DW_CONFIG, B.DX_CONFIG, B.DX_SPLITS = saved
+        for k, v in saved.items():
+            setattr(B, k, v)
+
+
+def _label(name, settings, dflt) -> str:
+    parts = []
+    if "DW_CONFIG" in settings:
+        parts.append(_dw_name(dict(dflt["dw"], **settings["DW_CONFIG"])))
+    if "DX_CONFIG" in settings:
+        parts.append(_dx_name(dict(dflt["dx"], **settings["DX_CONFIG"])))
+    if name is None:
+        return ", ".join(parts)
+    return name + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _err(out, ref):
@@ -364,7 +384,7 @@ class _Probe:
                      optional=False)
         dev = torch.device(self.dev)
         dflt = {"dw": B._dw_config(self.E, self.H, self.T, 3, dev),
-                "dx": B._dx_config(self.T, self.H, self.E, dev)}
+                "dx": B._dx_config(self.T, self.H, self.E, 2, dev)}
         self.add("bwd", f"new: {_dw_name(dflt['dw'])}, {_dx_name(dflt['dx'])}"
                  + (", dx splits" if B.DX_SPLITS else ""),
                  lambda: B.router_logits_bwd(dl, x, w, w_parts=wp), passes=4, default=True,
@@ -373,19 +393,16 @@ class _Probe:
         variants = _CPU_VARIANTS if self.cpu else _GPU_VARIANTS
         if quick:
             variants = variants[:_QUICK]
-        for name, dwc, dxc, splits in variants:
-            label = name or (_dw_name(dict(dflt["dw"], **dwc)) if dwc else
-                             _dx_name(dict(dflt["dx"], **dxc)))
-            if name and (dwc or dxc):
-                label += " (" + ", ".join(
-                    ([_dw_name(dict(dflt["dw"], **dwc))] if dwc else [])
-                    + ([_dx_name(dict(dflt["dx"], **dxc))] if dxc else [])) + ")"
-
-            def run(dwc=dwc, dxc=dxc, splits=splits):
-                with _knobs(dwc, dxc, splits):
+        for name, settings in variants:
+            def run(settings=settings):
+                with _knobs(settings):
                     return B.router_logits_bwd(dl, x, w, w_parts=wp)
-            self.add("knob", label, run, passes=4,
-                     cfg={"DW_CONFIG": dwc, "DX_CONFIG": dxc, "DX_SPLITS": splits})
+            cfg = {k: v for k, v in settings.items()}
+            if not self.warm and set(settings) - {"DW_CONFIG", "DX_CONFIG"}:
+                with _knobs(settings):  # the configs the heuristics give
+                    cfg["dw"] = B._dw_config(self.E, self.H, self.T, 3, dev)
+                    cfg["dx"] = B._dx_config(self.T, self.H, self.E, 2, dev)
+            self.add("knob", _label(name, settings, dflt), run, passes=4, cfg=cfg)
         # a bf16 weight: dW from 2 parts of dlogits (bf16-level accuracy suffices there)
         wpb = F.weight_parts(wb)
         if old is not None:
@@ -612,14 +629,12 @@ def ptxas_table(args) -> int:
                           lambda w=w, wp=wp: old.router_logits_bwd(dl, x, w, w_parts=wp),
                           None))
         cases.append((f"new {'fp32' if wd == torch.float32 else 'bf16'} w", [F, B],
-                      lambda w=w, wp=wp: B.router_logits_bwd(dl, x, w, w_parts=wp),
-                      (None, None, None)))
+                      lambda w=w, wp=wp: B.router_logits_bwd(dl, x, w, w_parts=wp), None))
     w = torch.empty(E, H, dtype=torch.float32, device=meta)
     wp = torch.empty(3, E, H, dtype=torch.bfloat16, device=meta)
-    for name, dwc, dxc, splits in _GPU_VARIANTS:
-        label = name or (_dw_name(dwc) if dwc else _dx_name(dict(_dx(0, 0, 0, 0, 0), **dxc)))
-        cases.append((label, [F, B], lambda: B.router_logits_bwd(dl, x, w, w_parts=wp),
-                      (dwc, dxc, splits)))
+    for name, settings in _GPU_VARIANTS:
+        cases.append((_label(name, settings, {"dw": {}, "dx": {}}), [F, B],
+                      lambda: B.router_logits_bwd(dl, x, w, w_parts=wp), settings))
     print(f"triton {triton.__version__}, sm_90 offline, T={T} H={H} E={E}")
     seen = {}
     mods = [F, B] + ([old.F, old.B] if old is not None else [])
@@ -632,7 +647,7 @@ def ptxas_table(args) -> int:
     B._DX_CFG.clear()
     try:
         for label, kmods, fn, knobs in cases:
-            with _knobs(*knobs) if knobs else contextlib.nullcontext():
+            with _knobs(knobs):
                 try:
                     calls = _record_launches(kmods, fn)
                 except Exception as e:

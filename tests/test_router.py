@@ -278,6 +278,34 @@ def test_router_bwd_tma_reduce_in_dx(device, monkeypatch, form, persist):
     assert torch.equal(dw3, dw) and torch.equal(dx3, dx)
 
 
+@pytest.mark.parametrize("form,reduce,dw_cfg", [
+    ("acc", "last", (128, 128, 64, 3, 4)),
+    ("chain", "dx", (128, 256, 64, 2, 8)),
+    ("flat", "kernel", (128, 256, 64, 4, 8)),
+    ("split", "dx", (128, 256, 32, 3, 8)),
+])
+def test_router_bwd_heuristics_standard_shape(monkeypatch, form, reduce, dw_cfg):
+    """The GPU heuristics at the router's shape (132 SMs), per module default: one wave of
+    dW programs within the shared memory, dx tiles by dlogits' dtype."""
+    from linghe.bwd import router as B
+
+    monkeypatch.setattr(B, "INTERPRET", False)
+    monkeypatch.setattr(B, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(B, "_DW_CFG", {})
+    monkeypatch.setattr(B, "_DX_CFG", {})
+    monkeypatch.setattr(B, "DW_FORM", form)
+    monkeypatch.setattr(B, "DW_REDUCE", reduce)
+    monkeypatch.setattr(B, "DX_PERSIST", 1)
+    monkeypatch.setattr(B, "DX_EPI_TMA", True)
+    c = B._dw_config(256, 2048, 8192, 3, "cuda")
+    assert (c["BM"], c["BN"], c["BK"], c["num_stages"], c["SPLIT"]) == dw_cfg
+    assert c["FORM"] == form and c["REDUCE"] == reduce and c["num_warps"] == 8
+    for a_size, bk, ns in ((2, 64, 3), (4, 32, 4)):
+        c = B._dx_config(8192, 2048, 256, a_size, "cuda")
+        assert (c["BM"], c["BN"], c["BK"], c["num_stages"]) == (128, 256, bk, ns)
+        assert c["PERSIST"] == 1 and c["EPI_TMA"]
+
+
 @pytest.mark.parametrize("T,H,E", [(37, 36, 16), (37, 48, 33)])
 def test_router_bwd_tma_fallback(device, monkeypatch, T, H, E):
     """Rows TMA cannot address (x's 72-byte rows; dlogits parts' 66-byte rows) take the

@@ -87,6 +87,17 @@ DW_CONFIG: dict | None = None
 #: Overrides of :func:`_dx_config`'s keys (``BM, BN, BK, num_warps, num_stages, PERSIST,
 #: EPI_TMA, GROUP_M``) for :func:`dx_tma`; ``None``: the heuristic.
 DX_CONFIG: dict | None = None
+#: The defaults of the heuristics :func:`_dw_config` / :func:`_dx_config` (what
+#: ``DW_CONFIG`` / ``DX_CONFIG`` leave out). ``DW_FORM``: ``"acc"`` takes ``128 x 128``
+#: tiles; the one-accumulator forms ``"chain"``, ``"flat"`` and ``"split"`` take ``128 x
+#: 256``; the token range is split so that the programs make about one wave.
+#: ``DW_REDUCE``: who sums the K-split partials (``"last"``, ``"kernel"``, ``"dx"``).
+#: ``DX_PERSIST``: dx programs per SM (0: one tile per program); ``DX_EPI_TMA``: TMA
+#: stores of the dx tiles. ``benchmark/probe_router.py`` times the alternatives.
+DW_FORM = "acc"
+DW_REDUCE = "last"
+DX_PERSIST = 0
+DX_EPI_TMA = False
 #: With a float32 ``dlogits`` and the TMA dx: the dx kernel reads ``dlogits`` itself
 #: (rounded to bf16 in registers) and writes its bf16 parts for dW (each program of a
 #: row tile a share of its K boxes), so no separate split kernel runs (it read 4 and
@@ -232,30 +243,35 @@ def _flags(dev, n: int) -> torch.Tensor:
 
 def _dw_config(M: int, N: int, T: int, P: int, dev) -> dict:
     """Launch config of :func:`_dw_kernel` for ``dW [M, N]`` over ``T`` tokens with ``P``
-    parts of dlogits (cached per shape): main's tiles and accumulators on TMA loads,
-    ``128 x 128`` with one accumulator per part (form ``"acc"``: ``P * 64`` accumulator
-    registers a thread at 8 warps), the token range split so that the programs make
-    about one wave (the router's ``[256, 2048]``: 32 tiles x 4 chunks), summed by the last
-    program per tile. Stages within ~200 KB of shared memory. The other forms and tiles
-    are timed against it by ``benchmark/probe_router.py``."""
-    key = (M, N, T, P, dev)
+    parts of dlogits (cached per shape and :data:`DW_FORM` / :data:`DW_REDUCE`). Form
+    ``"acc"`` (the default: main's tiles and accumulators on TMA loads): ``128 x 128``
+    tiles, ``P * 64`` accumulator registers a thread at 8 warps, ``BK = 64``. The
+    one-accumulator forms: ``128 x 256`` tiles (``BK = 32`` for ``"split"``, whose split
+    needs registers). The token range is split so that the programs make about one wave
+    (the router's ``[256, 2048]``: 32 tiles x 4 chunks, or 16 x 8), in chunks of at
+    least 1024 tokens; stages within ~200 KB of shared memory (``"split"``: 3)."""
+    form, reduce = DW_FORM, DW_REDUCE
+    key = (M, N, T, P, dev, form, reduce)
     cfg = _DW_CFG.get(key)
     if cfg is not None:
         return cfg
     if INTERPRET:
-        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT=1, FORM="acc",
-                   REDUCE="last", GROUP_M=8)
+        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT=1, FORM=form,
+                   REDUCE=reduce, GROUP_M=8)
     else:
         sms = num_sms(dev)
         BM = 128 if M > 64 else 64
         BN = 128 if N > 64 else 64
-        BK = 64
+        if form != "acc" and N > 128:
+            BN = 256
+        BK = 32 if form == "split" else 64
         tiles = cdiv(M, BM) * cdiv(N, BN)
-        split = max(1, min(sms // tiles, cdiv(T, 1024)))  # chunks of >= 1024 tokens
-        stage = (P * BM + BN) * BK * 2
-        ns = max(2, min(4, (200 * 1024) // stage))
-        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=8, num_stages=ns, SPLIT=split, FORM="acc",
-                   REDUCE="last", GROUP_M=8)
+        split = max(1, min(sms // tiles, cdiv(T, 1024)))
+        a_rows = {"acc": P * BM, "chain": P * BM, "flat": BM, "split": 2 * BM}[form]
+        stage = (a_rows + BN) * BK * 2
+        ns = 3 if form == "split" else max(2, min(4, (200 * 1024) // stage))
+        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=8, num_stages=ns, SPLIT=split, FORM=form,
+                   REDUCE=reduce, GROUP_M=8)
     _DW_CFG[key] = cfg
     return cfg
 
@@ -426,23 +442,26 @@ def _dx_kernel(a_desc, b_desc, c_desc, c_ptr, parts_ptr, ws_ptr, red_ptr, M, N, 
 _DX_CFG: dict = {}
 
 
-def _dx_config(M: int, N: int, K: int, dev) -> dict:
+def _dx_config(M: int, N: int, K: int, a_size: int, dev) -> dict:
     """Launch config of :func:`_dx_kernel` for ``dx [M, N] = dl [M, K] @ W [K, N]``
-    (cached per shape): ``128 x 256`` tiles (the router's ``[8192, 2048]`` over ``K = E =
-    256``: 512 tiles), 8 warps, 3 stages, one tile per program, pointer stores. The
-    alternatives measured against it are in ``benchmark/probe_router.py``."""
-    key = (M, N, K, dev)
+    (``a_size``: bytes per element of ``dl``; cached per shape and :data:`DX_PERSIST` /
+    :data:`DX_EPI_TMA`): ``128 x 256`` tiles (the router's ``[8192, 2048]`` over ``K = E =
+    256``: 512 tiles), 8 warps, ``BK = 64`` and 3 stages for bf16 ``dl``, ``BK = 32`` and
+    4 stages for float32 (shared memory for the TMA-store tile too)."""
+    persist, epi = DX_PERSIST, DX_EPI_TMA
+    key = (M, N, K, a_size, dev, persist, epi)
     cfg = _DX_CFG.get(key)
     if cfg is not None:
         return cfg
     if INTERPRET:
-        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, PERSIST=0, EPI_TMA=False,
-                   GROUP_M=8)
+        cfg = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1, PERSIST=persist,
+                   EPI_TMA=epi, GROUP_M=8)
     else:
         BM = 128 if M > 64 else 64
         BN = 256 if N > 128 else (128 if N > 64 else 64)
-        cfg = dict(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=3, PERSIST=0, EPI_TMA=False,
-                   GROUP_M=8)
+        f32 = a_size == 4
+        cfg = dict(BM=BM, BN=BN, BK=32 if f32 else 64, num_warps=8, num_stages=4 if f32 else 3,
+                   PERSIST=persist, EPI_TMA=epi, GROUP_M=8)
     _DX_CFG[key] = cfg
     return cfg
 
@@ -478,7 +497,7 @@ def dx_tma(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
         if reduce is not None:
             _sum_splits(*reduce)
         return out.zero_() if K == 0 else out
-    cfg = dict(_dx_config(M, N, K, dev))
+    cfg = dict(_dx_config(M, N, K, a.element_size(), dev))
     if config:
         cfg.update(config)
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
