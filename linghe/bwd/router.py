@@ -47,7 +47,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..fwd.grouped_mm import tma_capable
 from ..fwd.router import (
     CONFIG,
     _rows_per_prog,
@@ -67,6 +66,7 @@ from ..utils import (
     launch,
     next_power_of_2,
     num_sms,
+    tma_capable,
 )
 
 #: Part-product order of ``dx`` when x is bf16/fp16: 0 (default) is a single bf16 GEMM
