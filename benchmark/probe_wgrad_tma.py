@@ -1,43 +1,39 @@
 """Probe of the TMA grouped wgrad (``linghe.bwd.grouped_mm.launch_wgrad_tma``) against
-``torch._grouped_mm`` and main's TMA wgrad:
+``torch._grouped_mm`` and main's pointer kernel:
 ``python -m benchmark.probe_wgrad_tma [--json PATH] [--old DIR] [--cpu] [--max-seconds S]``,
 or ``--ptxas`` (no GPU: an offline sm_90 compile of every candidate: registers, spills,
-shared memory, programs per SM).
+shared memory).
 
 ``dW_e = d_out_e^T @ rows_e`` over each expert's segment at the MoE shapes of
 ``benchmark/probe_grouped_bf16.py`` (8192 tokens, top-8, balanced random routing as
-``benchmark/cases/grouped_mm.py`` builds it): layout ``b`` (E = 256, align 16, 215-307
-rows per expert: the e2e step) and ``a`` (E = 32, align 128, ~2K rows per expert), GEMMs
-``gate_up`` (N = 2048, K = 2048) and ``down`` (N = 2048, K = 1024); bf16 operands (zero
-padding rows) and bf16 dW. Rows, fresh (``dW =``) and accumulating (``dW +=``, the
-default when a ``.grad`` exists):
+``benchmark/cases/grouped_mm.py`` builds it): layout ``a`` (E = 32, align 128, 69600 rows)
+and ``b`` (E = 256, align 16, ~256 rows per expert), GEMMs ``gate_up`` (N = 2048, K =
+2048) and ``down`` (N = 2048, K = 1024); bf16 operands (zero padding rows) and bf16 dW.
+Rows:
 
 - ``torch``: ``torch._grouped_mm`` (CUTLASS) through ``grouped_mm_wgrad(backend="torch")``;
   ``torch+add``: the same plus ``dw.add_(...)`` into an existing dW (what accumulating a
   gradient costs without a fused epilogue);
-- ``old``: main's ``launch_wgrad_tma`` at its default tiles (``--old DIR/grouped_mm.py``,
-  main's ``linghe/bwd/grouped_mm.py``; without ``--old`` this tree's defaults, the same
-  kernel path);
-- the candidates of :data:`FRESH` / :data:`ACC`: this tree's ``launch_wgrad_tma`` with a
-  pinned config. Names: ``P``/``NP`` persistent or one program per tile, ``BNxBK``,
-  ``BR`` box rows, warps/stages, ``T`` the tail form, ``xN`` at most N programs per SM
-  (fewer where the compiled kernel does not fit: the ``/SM`` column), ``st`` the TMA
-  store epilogue, ``rdN`` how an accumulating tile adds the old dW (0 pointer loads in
-  the epilogue, 1 a TMA box there, 2 pointer loads prefetched, 3 a TMA reduce-add in L2).
+- ``old``: main's pointer kernel ``_wgrad_kernel`` (``grouped_mm_wgrad(backend=
+  "triton")`` of ``--old DIR/grouped_mm.py``, main's ``linghe/bwd/grouped_mm.py``;
+  without ``--old`` this tree's pointer kernel, the same code when this branch was made);
+- ``tma ...``: ``launch_wgrad_tma`` at the default tiles (fresh and ``accumulate=True``),
+  at the other ``TAIL`` forms, and at the tiles of :data:`CANDIDATES`.
 
 Every row is checked in the same run against per-expert float32 products of the same
-bf16 operands (TF32 off): relative error ``<= 1e-2``; fresh outputs NaN-filled first;
-accumulate rows against the existing dW plus the reference. ``µs``:
-``triton.testing.do_bench`` medians (L2 flushed before each call; the kernels run
-0.4-3 ms, far above the launch's host time); ``kernel µs``: the profiler
-(``benchmark.harness.device_time_us``: the CUDA kernels of one call; ``torch+add``
-counts both kernels) for the bars. GB/s from the fewest bytes: ``d_out`` and ``rows``
-read once (all ``R`` rows), dW written once (and read once when accumulating); ``%
-copy`` of the 1 GiB device copy; TFLOP/s of the routed rows only (65536 x N x K x 2).
-``vs torch`` = torch µs / row µs (accumulate rows: against ``torch+add``), ``vs old``
-likewise against main's kernel. Candidate rows stop after ``--max-seconds``. ``--cpu``
-runs a tiny shape through the Triton interpreter (a smoke test of this script, not a
-measurement). The table is printed last.
+bf16 operands (TF32 off; the definition in ``linghe.reference.grouped_mm``'s backward):
+relative error ``<= 1e-2``; fresh outputs NaN-filled first; the accumulate rows against
+the existing dW plus the reference. ``µs``: ``triton.testing.do_bench`` medians (L2
+flushed before each call; the kernels run ~0.4-2 ms, far above the launch's host time);
+``kernel µs``: the profiler (``benchmark.harness.device_time_us``: the CUDA kernels of
+one call, launch overhead left out; ``torch+add`` counts both kernels) for the bars and
+the default tiles, which the GB/s / TFLOP/s columns use where present. GB/s from the
+fewest bytes: ``d_out`` and ``rows`` read once (all ``R`` rows), dW written once (and read once
+when accumulating); ``% copy`` of the 1 GiB device copy; TFLOP/s of the routed rows only
+(65536 x N x K x 2). ``vs torch`` = torch µs / row µs (accumulate rows: against
+``torch+add``). Candidate rows stop after ``--max-seconds``. ``--cpu`` runs a tiny shape
+through the Triton interpreter (a smoke test of this script, not a measurement). The
+table is printed last.
 """
 
 from __future__ import annotations
@@ -73,72 +69,46 @@ from .harness import (  # noqa: E402
 )
 
 
-def _cfg(bn, bk, br, warps, stages, tail, persistent=1, per_sm=1, epi=1, acc_read=0):
-    return dict(BN=bn, BK=bk, BR=br, num_warps=warps, num_stages=stages, TAIL=tail,
-                PERSISTENT=persistent, PER_SM=per_sm, EPI_TMA=epi, ACC_READ=acc_read)
+def _cfg(bn, bk, br, warps, stages, tail=2):
+    return dict(BN=bn, BK=bk, BR=br, num_warps=warps, num_stages=stages, TAIL=tail)
 
 
-#: Fresh (``dW =``) candidates, the likely winners first. ``--ptxas`` prints the
-#: registers, shared memory and programs per SM of each (sm_90, triton 3.6 and 3.9 alike
-#: within ~20 registers, no spills: 128x128 8 warps 94-123 registers, 88-112 KiB, two
-#: programs per SM; 128x256 / 256x128 167-212, 184-200 KiB, one).
-FRESH = [
-    _cfg(128, 128, 64, 8, 2, 3, per_sm=2),
-    _cfg(128, 256, 64, 8, 2, 3),                 # 1/3 less L2 traffic per output, 1/SM
-    _cfg(128, 128, 64, 8, 2, 0, per_sm=2),       # every box masked in registers, 1 MMA
-    _cfg(128, 128, 64, 4, 2, 3, per_sm=2),
-    _cfg(128, 256, 64, 8, 2, 2, persistent=0),   # ~2K rows per expert (E=32): no 16-row
-    _cfg(128, 256, 64, 8, 3, 0),                 # boxes in the long K loops
-    _cfg(256, 128, 64, 8, 2, 3),
-    _cfg(128, 128, 32, 8, 3, 3, per_sm=2),
-    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, epi=0),  # pointer-store epilogue
-    _cfg(128, 128, 64, 8, 2, 2, persistent=0),   # main's schedule + TMA store
+#: The default tiles (``_wgrad_tma_default_config`` on a GPU), fresh and accumulating.
+DEFAULT = _cfg(128, 128, 64, 8, 3)
+ACC_DEFAULT = _cfg(128, 128, 64, 4, 3, tail=1)
+#: Tile candidates. sm_90 ptxas (triton 3.9 and 3.6 alike), registers / shared memory:
+#: 128x128 BR64 8w 3s 94 / 96 KiB (2 programs per SM), 4s 94 / 128 KiB (1); BR32 4s
+#: 94 / 64 KiB (3); BR128 2s 94 / 128 KiB (1); BR16 6s 94 / 48 KiB (4 by memory, 2 by
+#: registers); 128x256 BR64 8w 3s 158 / 144 KiB (1); 256x128 162 / 144 KiB (1);
+#: 128x128 4w 3s 162 / 96 KiB (2); 64x128 4w 4s 94 / 96 KiB (2). TAIL=0 (every box
+#: masked) 119, TAIL=1 106-110. ``accumulate``: 126 at 128x128/8w, 239 at 128x256/8w.
+CANDIDATES = [
+    _cfg(128, 128, 64, 8, 3, tail=0), _cfg(128, 128, 64, 8, 3, tail=1),
+    _cfg(128, 128, 32, 8, 4), _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 128, 8, 2),
+    _cfg(128, 128, 16, 8, 6), _cfg(128, 256, 64, 8, 3), _cfg(256, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 4, 3), _cfg(64, 128, 64, 4, 4),
 ]
-#: Accumulating (``dW +=``) candidates.
-ACC = [
-    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, acc_read=3),
-    _cfg(128, 128, 64, 4, 3, 1, persistent=0, acc_read=3),  # main's acc default + reduce
-    _cfg(128, 256, 64, 8, 2, 3, acc_read=3),
-    _cfg(128, 128, 64, 8, 2, 0, per_sm=2, acc_read=3),
-    _cfg(128, 256, 64, 8, 2, 2, persistent=0, acc_read=3),
-    _cfg(128, 128, 64, 4, 2, 3, per_sm=2, acc_read=3),
-    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, acc_read=1),     # the old tile by TMA, then store
-    _cfg(128, 128, 64, 8, 2, 3, per_sm=2, epi=0, acc_read=2),  # prefetched into registers
-    _cfg(128, 128, 64, 8, 2, 2, persistent=0, acc_read=3),
-    _cfg(256, 128, 64, 8, 2, 3, acc_read=3),
-]
-#: E = 32 (GEMM-heavy) runs the first FRESH_A / ACC_A candidates only (time budget).
-FRESH_A, ACC_A = 6, 5
-CPU_FRESH = [_cfg(32, 32, 32, 4, 1, 3), _cfg(32, 64, 16, 4, 1, 0, per_sm=2),
-             _cfg(32, 32, 32, 4, 1, 2, persistent=0)]
-CPU_ACC = [_cfg(32, 32, 32, 4, 1, 3, acc_read=3), _cfg(32, 32, 16, 4, 1, 0, acc_read=2),
-           _cfg(32, 32, 32, 4, 1, 1, persistent=0, acc_read=1)]
+#: Accumulating candidates beside the default tiles.
+ACC_CANDIDATES = [_cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 8, 3, tail=1),
+                  _cfg(128, 128, 32, 8, 3),
+                  _cfg(128, 128, 64, 8, 2), _cfg(128, 128, 32, 4, 3),
+                  _cfg(128, 128, 64, 4, 3), _cfg(128, 256, 64, 8, 3)]
+CPU_DEFAULT = _cfg(32, 32, 32, 4, 1)
+CPU_CANDIDATES = [_cfg(32, 32, 32, 4, 1, tail=0), _cfg(32, 32, 32, 4, 1, tail=1),
+                  _cfg(32, 64, 16, 4, 1)]
 
-LAYOUTS = {"b": dict(T=8192, topk=8, E=256, align=16),
-           "a": dict(T=8192, topk=8, E=32, align=128)}
+LAYOUTS = {"a": dict(T=8192, topk=8, E=32, align=128),
+           "b": dict(T=8192, topk=8, E=256, align=16)}
 GEMMS = {"gate_up": (2048, 2048), "down": (2048, 1024)}  # (N, K)
 CPU_LAYOUTS = {"tiny": dict(T=40, topk=2, E=3, align=16)}
 CPU_GEMMS = {"tiny": (64, 96)}
 TOL = 1e-2  # bf16 outputs vs the float32 reference
-MAX_SECONDS = 100.0
+MAX_SECONDS = 80.0
 
 
 def cfg_name(c: dict, acc: bool = False) -> str:
-    s = (f"{'P' if c['PERSISTENT'] else 'NP'} {c['BN']}x{c['BK']} BR{c['BR']} "
-         f"{c['num_warps']}w/{c['num_stages']}s T{c['TAIL']}")
-    if c["PERSISTENT"]:
-        s += f" x{c['PER_SM']}"
-    if c["EPI_TMA"] and not (acc and c["ACC_READ"] == 3):
-        s += " st"
-    return s + (f" rd{c['ACC_READ']}" if acc else "")
-
-
-def fit_per_sm(regs: int, shared: int, warps: int) -> int:
-    """Programs of a compiled kernel that fit one Hopper SM (registers, shared memory,
-    warps), as ``linghe.bwd.resident`` counts them."""
-    per_warp = -(-regs * 32 // 256) * 256
-    n = min(65536 // (per_warp * warps), 64 // warps)
-    return max(0, min(n, 232448 // (shared + 1024)))
+    return (f"tma {c['BN']}x{c['BK']} BR{c['BR']} {c['num_warps']}w/{c['num_stages']}s "
+            f"T{c['TAIL']}" + (" acc" if acc else ""))
 
 
 # --------------------------------------------------------------------------- inputs
@@ -164,16 +134,13 @@ def build_inputs(lay: dict, N: int, K: int, device: str) -> dict:
 # --------------------------------------------------------------------------- rows
 
 
-def _impls(cpu: bool, lname: str) -> list[tuple[str, dict | None, bool]]:
-    """``(impl, config, accumulate)`` in the order they run (the bars first)."""
-    rows = [("torch", None, False), ("old", None, False), ("torch+add", None, True),
-            ("old", None, True)]
-    fresh, acc = (CPU_FRESH, CPU_ACC) if cpu else (FRESH, ACC)
-    if lname == "a":
-        fresh, acc = fresh[:FRESH_A], acc[:ACC_A]
-    for i in range(max(len(fresh), len(acc))):  # interleaved: both modes get time
-        rows += [("tma", c, False) for c in fresh[i:i + 1]]
-        rows += [("tma", c, True) for c in acc[i:i + 1]]
+def _impls(cpu: bool, old) -> list[tuple[str, dict | None, bool]]:
+    """``(impl, config, accumulate)`` in the order they run (the important rows first)."""
+    dflt = CPU_DEFAULT if cpu else DEFAULT
+    rows = [("torch", None, False), ("torch+add", None, True), ("old", None, False),
+            ("tma", dflt, False), ("tma", dflt if cpu else ACC_DEFAULT, True)]
+    rows += [("tma", c, False) for c in (CPU_CANDIDATES if cpu else CANDIDATES)]
+    rows += [("tma", c, True) for c in ([] if cpu else ACC_CANDIDATES)]
     return rows
 
 
@@ -182,30 +149,43 @@ def make_call(impl: str, cfg, acc: bool, d: dict, old, base: torch.Tensor):
     the callable returns it)."""
     g, x, off, E = d["g"], d["x"], d["layout"].offsets, d["E"]
     N, K = g.shape[1], x.shape[1]
-    if impl in ("torch", "torch+add") and not x.is_cuda:
-        return None, None
     if impl == "torch":
+        if not x.is_cuda:
+            return None, None
         return (lambda: bwd_gm.grouped_mm_wgrad(g, x, off, backend="torch")), None
     if impl == "torch+add":
+        if not x.is_cuda:
+            return None, None
         dw = base.clone()
         return (lambda: dw.add_(bwd_gm.grouped_mm_wgrad(g, x, off, backend="torch"))), dw
-    mod = (old or bwd_gm) if impl == "old" else bwd_gm
+    if impl == "old":
+        mod = old or bwd_gm
+
+        def run():
+            saved = getattr(mod, "WGRAD_TMA", None)
+            if saved is not None:
+                mod.WGRAD_TMA = False
+            try:
+                return mod.grouped_mm_wgrad(g, x, off, backend="triton")
+            finally:
+                if saved is not None:
+                    mod.WGRAD_TMA = saved
+        return run, None
     if acc:
         dw = base.clone()
-        return (lambda: mod.launch_wgrad_tma(g, x, dw, off, accumulate=True,
-                                             config=cfg)), dw
+        return (lambda: bwd_gm.launch_wgrad_tma(g, x, dw, off, accumulate=True,
+                                                config=cfg)), dw
     dw = torch.full((E, N, K), float("nan"), device=x.device, dtype=torch.bfloat16)
-    return (lambda: mod.launch_wgrad_tma(g, x, dw, off, config=cfg)), dw
+    return (lambda: bwd_gm.launch_wgrad_tma(g, x, dw, off, config=cfg)), dw
 
 
-def _binaries(mods) -> list:
+def _binaries() -> list:
     out = []
-    for mod in mods:
-        try:
-            for cache in mod._wgrad_tma_kernel.device_caches.values():
-                out.extend(v for v in cache[0].values() if hasattr(v, "n_regs"))
-        except Exception:
-            pass
+    try:
+        for cache in bwd_gm._wgrad_tma_kernel.device_caches.values():
+            out.extend(v for v in cache[0].values() if hasattr(v, "n_regs"))
+    except Exception:
+        pass
     return out
 
 
@@ -227,14 +207,14 @@ def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
     base_dw = torch.randn(E, N, K, device=d["x"].device).to(torch.bfloat16)
     expect_acc = None
     case_rows = []
-    mods = [m for m in (bwd_gm, old) if m is not None]
-    for impl, cfg, acc in _impls(cpu, lname):
-        name = impl if cfg is None else cfg_name(cfg, acc)
+    for impl, cfg, acc in _impls(cpu, old):
+        name = (impl if cfg is None else cfg_name(cfg, acc))
         r = dict(layout=lname, gemm=gname, E=E, R=R, N=N, K=K, used_rows=used, flops=flops,
                  impl=impl, config=name, tiles=cfg, accumulate=acc, ok=False, error=None)
         rows.append(r)
         case_rows.append(r)
-        if impl == "tma" and not cpu and time.perf_counter() - t0 > max_s:
+        if impl == "tma" and cfg not in (DEFAULT, CPU_DEFAULT) and not cpu \
+                and time.perf_counter() - t0 > max_s:
             r["skipped"] = f"time budget ({max_s:.0f} s) used up"
             continue
         fn, dw = make_call(impl, cfg, acc, d, old, base_dw)
@@ -242,7 +222,7 @@ def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
             r["skipped"] = "torch._grouped_mm needs a GPU"
             continue
         try:
-            before = {id(b) for b in _binaries(mods)}
+            before = {id(b) for b in _binaries()}
             set_poison_outputs(True)  # the checked call only
             try:
                 out = fn()
@@ -251,23 +231,20 @@ def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
                     torch.cuda.synchronize()
             finally:
                 set_poison_outputs(False)
-            new = [b for b in _binaries(mods) if id(b) not in before]
+            new = [b for b in _binaries() if id(b) not in before]
             if len(new) == 1:
-                b = new[0]
-                r["n_regs"], r["n_spills"] = b.n_regs, b.n_spills
-                r["smem"] = b.metadata.shared
-                r["per_sm"] = fit_per_sm(b.n_regs, b.metadata.shared, b.metadata.num_warps)
+                r["n_regs"], r["n_spills"] = new[0].n_regs, new[0].n_spills
             if acc:
                 if expect_acc is None:
                     expect_acc = d["expect"] + base_dw.float()
                 r["rel_err"] = err = rel_err(out, expect_acc)
-                out.copy_(base_dw)  # the timed calls keep adding: keep it finite
             else:
                 r["rel_err"] = err = rel_err(out, d["expect"])
             r["ok"] = bool(err <= TOL)
             del out
             r["us"] = time_us(fn, cpu)
-            if not cpu and impl != "tma":  # kernel-only µs (profiler) for the bars
+            # kernel-only µs (profiler) for the rows that decide: the bars and the defaults
+            if not cpu and (impl != "tma" or cfg == DEFAULT):
                 r["kernel_us"] = device_time_us(fn, reps=5)
             us = r.get("kernel_us") or r["us"]
             nbytes = fresh_bytes + (2 * E * N * K if acc else 0)
@@ -280,127 +257,103 @@ def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
             r["error"] = f"{type(exc).__name__}: {msg}"
         finally:
             del fn, dw
-        print(f"  {lname} {gname:7s} {'acc  ' if acc else 'fresh'} {name:40s} "
-              f"{fmt(r.get('us'), '9.1f')} µs (kernel {fmt(r.get('kernel_us'), '.1f')}) "
+        print(f"  {lname} {gname:7s} {name:32s} {fmt(r.get('us'), '9.1f')} µs "
+              f"(kernel {fmt(r.get('kernel_us'), '.1f')}) "
               f"{fmt(r.get('tflops'), '5.0f')} TFLOP/s err {fmt(r.get('rel_err'), '.2e')} "
-              f"regs {fmt(r.get('n_regs'), 'd')} smem {fmt(r.get('smem'), 'd')} "
-              f"{'ok' if r['ok'] else 'FAIL'} {r['error'] or ''} "
-              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    bars = {}
+              f"regs {fmt(r.get('n_regs'), 'd')} {'ok' if r['ok'] else 'FAIL'} "
+              f"{r['error'] or ''} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+              flush=True)
+    t_fresh = next((r.get("us") for r in case_rows if r["impl"] == "torch"), None)
+    t_acc = next((r.get("us") for r in case_rows if r["impl"] == "torch+add"), None)
     for r in case_rows:
-        if r["impl"] != "tma" and r.get("us"):
-            bars[(r["impl"] if r["impl"] != "torch+add" else "torch", r["accumulate"])] = r["us"]
-    for r in case_rows:
-        if r.get("us"):
-            t, o = bars.get(("torch", r["accumulate"])), bars.get(("old", r["accumulate"]))
-            r["vs_torch"] = t / r["us"] if t else None
-            r["vs_old"] = o / r["us"] if o else None
+        ref_us = t_acc if r["accumulate"] else t_fresh
+        if ref_us and r.get("us"):
+            r["vs_torch"] = ref_us / r["us"]
     del base_dw, expect_acc
 
 
 def print_table(rows, dev_name, copy_gbps):
-    head = ["layout", "gemm", "mode", "impl", "µs", "kernel µs", "GB/s", "% copy", "TFLOP/s",
-            "vs torch", "vs old", "rel err", "regs", "smem KiB", "/SM", "check"]
+    head = ["layout", "gemm", "impl", "µs", "kernel µs", "GB/s", "% copy", "TFLOP/s",
+            "vs torch", "rel err", "regs", "check"]
     lines = []
     for r in rows:
         chk = ("skipped" if r.get("skipped") else "ok" if r["ok"] else "FAIL") + (
             f" {r['error'][:60]}" if r.get("error") else "")
-        lines.append([r["layout"], r["gemm"], "acc" if r["accumulate"] else "fresh",
-                      r["config"], fmt(r.get("us"), ".1f"), fmt(r.get("kernel_us"), ".1f"),
+        lines.append([r["layout"], r["gemm"], r["config"], fmt(r.get("us"), ".1f"),
+                      fmt(r.get("kernel_us"), ".1f"),
                       fmt(r.get("gbps"), ".0f"), fmt(r.get("pct_copy"), ".0f"),
                       fmt(r.get("tflops"), ".0f"), fmt(r.get("vs_torch"), ".2f"),
-                      fmt(r.get("vs_old"), ".2f"), fmt(r.get("rel_err"), ".1e"),
-                      fmt(r.get("n_regs"), "d"),
-                      fmt(r["smem"] / 1024 if r.get("smem") is not None else None, ".0f"),
-                      fmt(r.get("per_sm"), "d"), chk])
-    print(f"{dev_name}; µs: do_bench median (L2 flushed); kernel µs: profiler (bars); "
-          f"GB/s, % copy ({fmt(copy_gbps, '.0f')} GB/s) and TFLOP/s from kernel µs where "
-          f"measured, else µs: d_out + rows read, dW written (+ read: acc); TFLOP/s of the "
-          f"routed rows; vs torch: torch._grouped_mm (acc: + add_) µs / row µs; vs old: "
-          f"main's launch_wgrad_tma; /SM: programs that fit an SM (regs, smem)")
+                      fmt(r.get("rel_err"), ".1e"), fmt(r.get("n_regs"), "d"), chk])
+    print(f"{dev_name}; µs: do_bench median (L2 flushed); kernel µs: profiler (bars and "
+          f"default tiles); GB/s, % copy ({fmt(copy_gbps, '.0f')} GB/s) and TFLOP/s from "
+          f"kernel µs where measured, else µs: d_out + rows read, dW written (+ read: "
+          f"acc); TFLOP/s of the routed rows; vs torch: torch._grouped_mm (acc: + add_) "
+          f"µs / row µs")
     print_columns(head, lines)
     print("best per case (checked rows):")
     for key in dict.fromkeys((r["layout"], r["gemm"]) for r in rows):
         rs = [r for r in rows if (r["layout"], r["gemm"]) == key and r.get("us")]
+        by_impl = {r["impl"]: r for r in rs if r["impl"] != "tma"}
         for acc in (False, True):
-            bars = {r["impl"]: r for r in rs if r["impl"] != "tma" and r["accumulate"] == acc}
             cand = [r for r in rs if r["impl"] == "tma" and r["ok"] and r["accumulate"] == acc]
             if not cand:
                 continue
             b = min(cand, key=lambda r: r["us"])
-            t = bars.get("torch+add" if acc else "torch")
-            o = bars.get("old")
+            t = by_impl.get("torch+add" if acc else "torch")
+            o = by_impl.get("old")
             print(f"  {key[0]} {key[1]:7s} {'acc  ' if acc else 'fresh'} torch"
                   f"{'+add' if acc else ''} {fmt(t and t['us'], '.1f')} µs, old "
-                  f"{fmt(o and o['us'], '.1f')}, best {b['us']:.1f} {b['config']} "
-                  f"({fmt(b.get('vs_torch'), '.2f')}x torch, {fmt(b.get('vs_old'), '.2f')}x "
-                  f"old, {fmt(b.get('pct_copy'), '.0f')}% copy, {b['tflops']:.0f} TFLOP/s)")
+                  f"{fmt(o and o['us'], '.1f')}, best {b['us']:.1f} "
+                  f"{b['config']} ({fmt(b.get('vs_torch'), '.2f')}x torch, "
+                  f"{fmt(b.get('pct_copy'), '.0f')}% copy, {b['tflops']:.0f} TFLOP/s)")
 
 
 # --------------------------------------------------------------------------- offline sm_90
 
 
-def compile_sm90(c: dict, acc: bool, w_dtype: str = "bf16"):
-    """Compile ``_wgrad_tma_kernel`` at config ``c`` for sm_90 without a GPU (the
-    launcher's constexprs and descriptor block shapes); returns the compiled kernel."""
+def ptxas_table() -> int:
+    """Compile the default tiles and every candidate (fresh; the default and the
+    accumulating candidates with ``ACCUMULATE``) for sm_90 without a GPU; print
+    registers, spill bytes, shared memory and the wgmma / TMA instruction counts."""
+    import re
+
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = bwd_gm._wgrad_tma_kernel
-    br16 = 16 if c["TAIL"] in (2, 3) else c["BR"]
-    acc_read = c["ACC_READ"] if acc else 0
-    w_tma = c["EPI_TMA"] or acc_read in (1, 3)
-    types = dict(g_desc=f"tensordesc<bf16[{c['BR']}, {c['BN']}]>",
-                 x_desc=f"tensordesc<bf16[{c['BR']}, {c['BK']}]>",
-                 g16_desc=f"tensordesc<bf16[{br16}, {c['BN']}]>",
-                 x16_desc=f"tensordesc<bf16[{br16}, {c['BK']}]>",
-                 w_desc=(f"tensordesc<{w_dtype}[1, {c['BN']}, {c['BK']}]>" if w_tma
-                         else f"tensordesc<bf16[{c['BR']}, {c['BN']}]>"),
-                 w_ptr=f"*{w_dtype}", offsets_ptr="*i32")
-    sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32")
-           for p in kernel.params}
-    div = ("N", "K", "R", "E", "stride_we", "stride_wn")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-             if sig[n].startswith("*") or n in div}
-    consts = dict(BN=c["BN"], BK=c["BK"], BR=c["BR"], TAIL=c["TAIL"], ACCUMULATE=acc,
-                  PERSISTENT=bool(c["PERSISTENT"]), EPI_TMA=bool(c["EPI_TMA"]),
-                  ACC_READ=acc_read, EP2=256 if c["PERSISTENT"] else 16)
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts,
-                                    attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": c["num_warps"],
-                                   "num_stages": c["num_stages"]})
-
-
-def ptxas_table() -> int:
-    """Compile main's defaults and every candidate for sm_90 without a GPU; print
-    registers, spill bytes, shared memory, programs per SM and the wgmma / TMA
-    instruction counts, and whether the K loop is pipelined (TMA copies before it)."""
-    import re
-
     from .fp8_gemm_sweep import _ptxas_usage
 
+    kernel = bwd_gm._wgrad_tma_kernel
     print(f"triton {triton.__version__}, sm_90")
-    dflt = bwd_gm._wgrad_tma_default_config
-    jobs = ([(dict(dflt(False)), False), (dict(dflt(True)), True)]
-            + [(c, False) for c in FRESH] + [(c, True) for c in ACC])
+    jobs = ([(DEFAULT, False), (DEFAULT, True)] + [(c, False) for c in CANDIDATES]
+            + [(c, True) for c in ACC_CANDIDATES])
     for c, acc in jobs:
+        br16 = 16 if c["TAIL"] == 2 else c["BR"]
+        types = dict(g_desc=f"tensordesc<bf16[{c['BR']}, {c['BN']}]>",
+                     x_desc=f"tensordesc<bf16[{c['BR']}, {c['BK']}]>",
+                     g16_desc=f"tensordesc<bf16[{br16}, {c['BN']}]>",
+                     x16_desc=f"tensordesc<bf16[{br16}, {c['BK']}]>",
+                     w_ptr="*bf16", offsets_ptr="*i32")
+        sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32")
+               for p in kernel.params}
+        div = ("N", "K", "stride_we", "stride_wn")
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+                 if sig[n].startswith("*") or n in div}
+        consts = dict(BN=c["BN"], BK=c["BK"], BR=c["BR"], TAIL=c["TAIL"], ACCUMULATE=acc)
         t = time.perf_counter()
         try:
-            k = compile_sm90(c, acc)
+            k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts,
+                                         attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": c["num_warps"],
+                                        "num_stages": c["num_stages"]})
         except Exception as exc:
-            print(f"{cfg_name(c, acc):40s} compile error: {exc}"[:300])
+            print(f"{cfg_name(c, acc):34s} compile error: {exc}"[:300])
             continue
-        ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+        ptx = k.asm["ptx"]
         regs, spill = _ptxas_usage(ptx)
-        loop = ttgir.find("scf.for")
-        pre = ttgir[:loop].count("async_tma_copy_global_to_local") if loop >= 0 else 0
-        print(f"{cfg_name(c, acc):40s} regs {fmt(regs, '3d')} spill {fmt(spill, '4d')} B "
-              f"smem {k.metadata.shared // 1024:3d} KiB /SM "
-              f"{fit_per_sm(regs or 255, k.metadata.shared, c['num_warps'])} "
-              f"wgmma {len(re.findall('wgmma.mma_async', ptx))} "
-              f"TMA {len(re.findall('cp.async.bulk.tensor', ptx))} "
-              f"reduce {len(re.findall('cp.reduce.async.bulk', ptx))} "
-              f"prologue loads {pre} ({time.perf_counter() - t:.1f} s)", flush=True)
+        print(f"{cfg_name(c, acc):34s} regs {fmt(regs, '3d')} spill {fmt(spill, '4d')} B smem "
+              f"{k.metadata.shared // 1024:3d} KiB wgmma {len(re.findall('wgmma.mma_async', ptx))}"
+              f" TMA {len(re.findall('cp.async.bulk.tensor', ptx))} "
+              f"({time.perf_counter() - t:.1f} s)", flush=True)
     return 0
 
 

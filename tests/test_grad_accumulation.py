@@ -34,21 +34,11 @@ def _ref_wgrad(d_out, rows, offsets):
 pytestmark = pytest.mark.usefixtures("on_test_device")
 
 
-@pytest.fixture(params=["tma", "tma-persistent", "pointer"])
+@pytest.fixture(params=[True, False], ids=["tma", "pointer"])
 def kernel(request, monkeypatch):
-    """The accumulating wgrad's kernels: TMA (Hopper+, the interpreter) at its default
-    config and as the persistent tile loop adding by TMA reduce-add (default config
-    replaced), and the pointer kernel."""
-    monkeypatch.setattr(bwd_gm, "WGRAD_ACCUMULATE_TMA", request.param != "pointer")
-    if request.param == "tma-persistent":
-        dflt = bwd_gm._wgrad_tma_default_config
-
-        def persistent(accumulate=False):
-            return dict(dflt(accumulate), PERSISTENT=1, TAIL=3, EPI_TMA=1, ACC_READ=3,
-                        num_stages=2)
-
-        monkeypatch.setattr(bwd_gm, "_wgrad_tma_default_config", persistent)
-    return request.param != "pointer"
+    """The accumulating wgrad's two kernels: TMA (Hopper+, the interpreter) and pointer."""
+    monkeypatch.setattr(bwd_gm, "WGRAD_ACCUMULATE_TMA", request.param)
+    return request.param
 
 
 @pytest.fixture

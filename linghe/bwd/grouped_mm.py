@@ -35,18 +35,7 @@ from ..fwd.grouped_mm import (
     torch_grouped_mm_ok,
     zero_tail,
 )
-from ..utils import (
-    _INTERPRET_C,
-    INTERPRET,
-    cdiv,
-    device_guard,
-    dot_f32acc,
-    empty,
-    launch,
-    next_power_of_2,
-    num_sms,
-)
-from .resident import learn_resident, resident_programs
+from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, launch, next_power_of_2
 
 # --------------------------------------------------------------------------------------
 # dgrad
@@ -390,117 +379,10 @@ def _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR: tl.constexpr, MASK:
 
 
 @triton.jit
-def _wgrad_tma_steps(start, end, BR: tl.constexpr, TAIL: tl.constexpr):
-    """K steps of a tile over rows ``[start, end)`` in the persistent loop (scalars or
-    vectors; see :func:`_wgrad_tma_kernel`): ``TAIL`` 0 ``cdiv(rows, BR)``, 3
-    ``max(full BR boxes, 16-row boxes of the rest)``; at least 1 (an expert without
-    rows still takes one step, for its epilogue)."""
-    n = end - start
-    if TAIL == 3:
-        q = n // BR
-        steps = tl.maximum(q, tl.cdiv(n - q * BR, 16))
-    else:
-        steps = tl.cdiv(n, BR)
-    return tl.maximum(steps, 1)
-
-
-@triton.jit
-def _wgrad_tma_tile(t, offsets_ptr, R, TPE, num_k, BN: tl.constexpr, BK: tl.constexpr,
-                    BR: tl.constexpr, TAIL: tl.constexpr):
-    """Tile ``t`` of the persistent loop, expert-major (``t = e * TPE + n_tile * num_k +
-    k_tile``): ``(e, n0, k0, start, end, steps)``, the segment clamped to ``[0, R]``."""
-    e = t // TPE
-    j = t - e * TPE
-    n0 = (j // num_k) * BN
-    k0 = (j % num_k) * BK
-    # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
-    end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
-    start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
-    return e, n0, k0, start, end, _wgrad_tma_steps(start, end, BR, TAIL)
-
-
-@triton.jit
-def _wgrad_tma_total_steps(offsets_ptr, pid, P, E, R, TPE, BR: tl.constexpr,
-                           TAIL: tl.constexpr, EP2: tl.constexpr):
-    """This program's K steps over all its tiles (``t = pid, pid + P, ...``): per expert,
-    its tiles ``[e * TPE, (e + 1) * TPE)`` congruent to ``pid`` mod ``P`` times its steps
-    (one vector op over ``EP2 >= E`` experts instead of a walk over the tiles)."""
-    idx = tl.arange(0, EP2)
-    m = idx < E
-    end = tl.minimum(tl.load(offsets_ptr + idx + 1, mask=m, other=0), R).to(tl.int32)
-    start = tl.maximum(tl.minimum(tl.load(offsets_ptr + idx, mask=m, other=0).to(tl.int32),
-                                  end), 0)
-    lo = idx * TPE  # tiles t in [lo, lo + TPE) with t % P == pid; (x - pid + P - 1) // P
-    mine = (lo + TPE - pid + P - 1) // P - (lo - pid + P - 1) // P  # counts them below x
-    return tl.sum(tl.where(m, mine * _wgrad_tma_steps(start, end, BR, TAIL), 0), axis=0)
-
-
-@triton.jit
-def _wgrad_tma_old_tile(w_desc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn,
-                        BN: tl.constexpr, BK: tl.constexpr, ACC_READ: tl.constexpr):
-    """The existing ``dW`` tile ``[BN, BK]`` (``ACC_READ`` 1: one TMA box, else masked
-    pointer loads; zeros past ``N``/``K``)."""
-    if ACC_READ == 1:
-        return w_desc.load([e, n0, k0]).reshape(BN, BK)
-    else:
-        ns = n0 + tl.arange(0, BN)
-        ks = k0 + tl.arange(0, BK)
-        w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
-                  + ks[None, :])
-        return tl.load(w_ptrs, mask=(ns < N)[:, None] & (ks < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _wgrad_tma_epilogue(acc, old, w_desc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn,
-                        BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr,
-                        ACC_READ: tl.constexpr, EPI_TMA: tl.constexpr):
-    """Store ``acc`` as ``dW[e, n0:, k0:]`` (``+`` the existing tile when
-    ``ACCUMULATE``): one TMA store (``EPI_TMA``: asynchronous, clipped at ``N``/``K`` by
-    the descriptor) or masked pointer stores. The existing tile (``ACC_READ``): 0/1 read
-    here (pointer loads / one TMA box), 2 ``old``, prefetched when the tile started, 3 not
-    read at all: a TMA reduce-add of the tile rounded to ``dW``'s dtype, done in L2
-    (:func:`_wgrad_tma_reduce_add`; two roundings for a 16-bit ``dW``, as PyTorch's
-    ``dw.add_(bf16 product)``)."""
-    if ACCUMULATE and ACC_READ == 3:
-        _wgrad_tma_reduce_add(w_desc, e, n0, k0, acc.to(w_ptr.dtype.element_ty), BN, BK)
-    else:
-        if ACCUMULATE:
-            if ACC_READ == 2:
-                acc += old.to(tl.float32)
-            else:
-                acc += _wgrad_tma_old_tile(w_desc, w_ptr, e, n0, k0, N, K, stride_we,
-                                           stride_wn, BN, BK, ACC_READ).to(tl.float32)
-        out = acc.to(w_ptr.dtype.element_ty)
-        if EPI_TMA:
-            w_desc.store([e, n0, k0], out.reshape(1, BN, BK))
-        else:
-            ns = n0 + tl.arange(0, BN)
-            ks = k0 + tl.arange(0, BK)
-            w_ptrs = (w_ptr + e.to(tl.int64) * stride_we
-                      + ns[:, None].to(tl.int64) * stride_wn + ks[None, :])
-            tl.store(w_ptrs, out, mask=(ns < N)[:, None] & (ks < K)[None, :])
-
-
-@triton.jit
-def _wgrad_tma_reduce_add(w_desc, e, n0, k0, out, BN: tl.constexpr, BK: tl.constexpr):
-    """``dW[e, n0:, k0:] += out`` by one TMA reduce-add (``cp.reduce.async.bulk.tensor``:
-    the add happens in L2, the program does not wait for the old values). The
-    interpreter has no descriptor reduce: a TMA load, the add in fp32, a TMA store."""
-    if _INTERPRET_C:
-        cur = w_desc.load([e, n0, k0]).reshape(BN, BK)
-        w_desc.store([e, n0, k0], (cur.to(tl.float32) + out.to(tl.float32)).to(out.dtype)
-                     .reshape(1, BN, BK))
-    else:
-        w_desc.atomic_add([e, n0, k0], out.reshape(1, BN, BK))
-
-
-@triton.jit
 def _wgrad_tma_kernel(
-    g_desc, x_desc, g16_desc, x16_desc, w_desc, w_ptr, offsets_ptr, N, K, R, E, stride_we,
-    stride_wn,
+    g_desc, x_desc, g16_desc, x16_desc, w_ptr, offsets_ptr, N, K, R, stride_we, stride_wn,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
-    ACCUMULATE: tl.constexpr, PERSISTENT: tl.constexpr = False,
-    EPI_TMA: tl.constexpr = False, ACC_READ: tl.constexpr = 0, EP2: tl.constexpr = 16,
+    ACCUMULATE: tl.constexpr,
 ):
     """bf16/fp16 ``dW[e, n, k] (+)= sum_{r in seg e} g[r, n] * x[r, k]`` (fp32
     accumulation) with both operands loaded by TMA: ``g_desc`` over ``g [R, N]`` in ``[BR,
@@ -508,27 +390,15 @@ def _wgrad_tma_kernel(
     contraction runs along their rows, so the MMA's A operand is the transpose of the
     ``g`` box (MN-major) and its B the ``x`` box as it is (N-major), which Hopper's 16-bit
     wgmma reads from shared memory); ``g16_desc``/``x16_desc``: the same tensors in
-    16-row boxes (``TAIL=2`` and persistent ``TAIL=3`` only; any descriptors otherwise).
-    ``w_ptr``: ``dW [E, N, K]`` (unit last stride, strides ``stride_we``, ``stride_wn``;
-    bf16/fp16/fp32); ``w_desc``: the same ``dW`` in ``[1, BN, BK]`` boxes (``EPI_TMA`` or
-    ``ACC_READ == 1`` only; any descriptor otherwise).
+    16-row boxes (``TAIL=2`` only; any descriptors otherwise). ``w_ptr``: ``dW [E, N, K]``
+    (unit last stride, strides ``stride_we``, ``stride_wn``; bf16/fp16/fp32).
 
-    Every ``[BN, BK]`` tile of ``dW_e`` walks expert ``e``'s rows ``offsets[e] ..
-    min(offsets[e+1], R)`` in boxes starting at the segment's first row (any row: TMA
-    needs no alignment of the coordinates), so only the last box can reach past the
-    segment: into the next expert's rows, whose products must vanish, or past ``R`` (TMA
-    fills zeros; so do the column tails past ``N``/``K``). An expert with no rows stores
-    zeros. ``ACCUMULATE``: the tile adds the existing ``dW`` tile instead of overwriting
-    it (:func:`_wgrad_tma_epilogue`): read in the epilogue by pointer loads (``ACC_READ``
-    0) or one TMA box (1), or (2) prefetched into registers by pointer loads when the
-    tile starts, so that its latency hides behind the K loop (fp32 sum, one rounding to
-    ``dW``'s dtype); or (3) not read by the program at all: a TMA reduce-add of the tile,
-    rounded to ``dW``'s dtype first, in L2 (a 16-bit ``dW`` is rounded twice, as by
-    ``dw.add_(product)``). ``EPI_TMA``: the tile is stored by one TMA box (asynchronous:
-    the program goes on while it drains), else by masked pointer stores.
-
-    ``PERSISTENT=False``: grid ``(cdiv(N, BN) * cdiv(K, BK), E)``, one tile per program;
-    the rows past the last full ``BR`` box (``TAIL``):
+    Grid ``(cdiv(N, BN) * cdiv(K, BK), E)``: program ``(t, e)`` owns one ``[BN, BK]`` tile
+    of ``dW_e`` and walks expert ``e``'s rows ``offsets[e] .. min(offsets[e+1], R)`` in
+    boxes starting at the segment's first row (any row: TMA needs no alignment of the
+    coordinates), so only the last box can reach past the segment: into the next expert's
+    rows, whose products must vanish, or past ``R`` (TMA fills zeros; so do the column
+    tails past ``N``/``K``). The rows past the last full ``BR`` box (``TAIL``):
 
     - ``0``: no separate tail: one loop, every box masked in registers;
     - ``1``: the full boxes unmasked from shared memory, then the partial box masked;
@@ -536,157 +406,81 @@ def _wgrad_tma_kernel(
       no multiple of 16 only) one 16-row box masked: with 16-aligned segments (the MoE
       layouts) no operand passes through registers.
 
-    Each loop is software-pipelined on its own (the pipeline drains between them).
-
-    ``PERSISTENT=True``: a grid of ``P`` programs (a few per SM); program ``p`` takes
-    the tiles ``t = p, p + P, ...`` of the expert-major order ``t = (e * cdiv(N, BN) +
-    n_tile) * cdiv(K, BK) + k_tile`` (so the grid works on one or two experts at a time
-    and their rows stay in L2) in ONE loop over all its tiles' K steps (the step count
-    from ``offsets``: :func:`_wgrad_tma_total_steps`, ``EP2 >= E``): the software
-    pipeline runs across tiles, the next tile's first boxes load while this one's
-    epilogue runs. ``TAIL``: ``0`` every box masked in registers (as above); ``3`` each
-    step loads a ``BR``-row box pair (the segment's full boxes, in order) and a 16-row
-    pair (the rows after them, masked in registers; 16-row boxes only), either one at row
-    ``R`` (all zeros, TMA's fill) once its part of the segment is done."""
+    Each loop is software-pipelined on its own (the pipeline drains between them). An
+    expert with no rows stores zeros. ``ACCUMULATE``: the tile adds the existing ``dW``
+    tile (read in the epilogue, fp32 sum, one rounding to ``dW``'s dtype) instead of
+    overwriting it."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
     num_k = tl.cdiv(K, BK)
-    if PERSISTENT:
-        pid = tl.program_id(0)
-        P = tl.num_programs(0)
-        TPE = tl.cdiv(N, BN) * num_k
-        total = _wgrad_tma_total_steps(offsets_ptr, pid, P, E, R, TPE, BR, TAIL, EP2)
-        t = pid - P
-        e = t * 0
-        n0 = e
-        k0 = e
-        start = e
-        end = e
-        steps = e
-        q = e
-        s = e - 1
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
-        old = tl.zeros((BN, BK), dtype=w_ptr.dtype.element_ty)
-        for _ in range(0, total):
-            # The loop-carried state (tile, step) advances before the loads that use it:
-            # the pipeliner issues those loads stages ahead, so nothing they depend on
-            # may come from a later stage of the previous iteration.
-            s += 1
-            if s == steps:  # the next tile
-                t += P
-                e, n0, k0, start, end, steps = _wgrad_tma_tile(t, offsets_ptr, R, TPE, num_k,
-                                                               BN, BK, BR, TAIL)
-                q = (end - start) // BR  # full BR-row boxes (TAIL 3)
-                s = 0
-                if ACCUMULATE and ACC_READ == 2:
-                    old = _wgrad_tma_old_tile(w_desc, w_ptr, e, n0, k0, N, K, stride_we,
-                                              stride_wn, BN, BK, 0)
-            if TAIL == 3:
-                # the 16-row box first: Triton waits for every MMA of an iteration but
-                # the last one, so the big box's MMA is the one left running
-                r16 = start + q * BR + s * 16
-                r16 = tl.where(r16 < end, r16, R)
-                acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r16, n0, k0, end, 16, True)
-                r = tl.where(s < q, start + s * BR, R)
-                acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, False)
-            else:
-                acc = _wgrad_tma_step(acc, g_desc, x_desc, start + s * BR, n0, k0, end, BR,
-                                      True)
-            if s == steps - 1:
-                _wgrad_tma_epilogue(acc, old, w_desc, w_ptr, e, n0, k0, N, K, stride_we,
-                                    stride_wn, BN, BK, ACCUMULATE, ACC_READ, EPI_TMA)
-                acc = tl.zeros((BN, BK), dtype=tl.float32)
+    n0 = (pid // num_k) * BN
+    k0 = (pid % num_k) * BK
+    # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
+    end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
+    start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    if TAIL == 0:
+        for r in range(start, end, BR):
+            acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, True)
     else:
-        pid = tl.program_id(0)
-        e = tl.program_id(1)
-        n0 = (pid // num_k) * BN
-        k0 = (pid % num_k) * BK
-        # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
-        end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
-        start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
-        old = tl.zeros((BN, BK), dtype=w_ptr.dtype.element_ty)
-        if ACCUMULATE and ACC_READ == 2:
-            old = _wgrad_tma_old_tile(w_desc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn,
-                                      BN, BK, 0)
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
-        if TAIL == 0:
-            for r in range(start, end, BR):
-                acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, True)
+        n_full = (end - start) // BR
+        for i in range(0, n_full):
+            acc = _wgrad_tma_step(acc, g_desc, x_desc, start + i * BR, n0, k0, end, BR,
+                                  False)
+        r = start + n_full * BR
+        if TAIL == 1:
+            for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
+                acc = _wgrad_tma_step(acc, g_desc, x_desc, r + i * BR, n0, k0, end, BR,
+                                      True)
         else:
-            n_full = (end - start) // BR
-            for i in range(0, n_full):
-                acc = _wgrad_tma_step(acc, g_desc, x_desc, start + i * BR, n0, k0, end, BR,
+            n16 = (end - r) // 16
+            for i in range(0, n16):
+                acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
                                       False)
-            r = start + n_full * BR
-            if TAIL == 1:
-                for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
-                    acc = _wgrad_tma_step(acc, g_desc, x_desc, r + i * BR, n0, k0, end, BR,
-                                          True)
-            else:
-                n16 = (end - r) // 16
-                for i in range(0, n16):
-                    acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end,
-                                          16, False)
-                r = r + n16 * 16
-                for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
-                    acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end,
-                                          16, True)
-        _wgrad_tma_epilogue(acc, old, w_desc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn,
-                            BN, BK, ACCUMULATE, ACC_READ, EPI_TMA)
+            r = r + n16 * 16
+            for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
+                acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
+                                      True)
+    ns = n0 + tl.arange(0, BN)
+    ks = k0 + tl.arange(0, BK)
+    wmask = (ns < N)[:, None] & (ks < K)[None, :]
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+              + ks[None, :])
+    if ACCUMULATE:
+        acc += tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)
+    tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=wmask)
 
 
 @functools.cache
 def _wgrad_tma_default_config(accumulate: bool = False) -> dict:
-    """The TMA wgrad's config: ``BN x BK`` output tile, ``BR`` rows per box, warps,
-    pipeline stages, ``TAIL`` (see :func:`_wgrad_tma_kernel`), and the schedule and
-    epilogue: ``PERSISTENT`` (0: one program per tile; 1: ``PROGRAMS`` programs, or at
-    most ``PER_SM`` per SM when ``PROGRAMS`` is 0, each walking many tiles), ``EPI_TMA``
-    (store the tile by TMA), ``ACC_READ`` (how an accumulating tile adds the existing
-    ``dW``: 0 pointer loads in the epilogue, 1 a TMA box there, 2 pointer loads
-    prefetched when the tile starts, 3 a TMA reduce-add in L2; see
-    :func:`_wgrad_tma_epilogue`).
-
-    GPU: main's tiles, one program per tile, pointer epilogue (the persistent, TMA-store
-    and reduce-add forms wait for GPU numbers: ``benchmark/probe_wgrad_tma.py``):
-    128x128 / 64-row boxes / 3 stages (96 KiB of shared memory: two programs per SM, so
-    one's epilogue overlaps the other's loads and MMAs); 8 warps and 16-row tail boxes,
-    or, when accumulating, 4 warps (251 registers, no spills) and one masked tail box:
-    4-6% faster there at 256 experts on an H100 (two runs;
+    """The TMA wgrad's tiles: ``BN x BK`` output tile, ``BR`` rows per box, warps,
+    pipeline stages, ``TAIL`` (see :func:`_wgrad_tma_kernel`). GPU: 128x128 / 64-row
+    boxes / 3 stages (96 KiB of shared memory: two programs per SM, so one's epilogue
+    overlaps the other's loads and MMAs); 8 warps and 16-row tail boxes, or, when
+    accumulating, 4 warps (251 registers, no spills) and one masked tail box: 4-6%
+    faster there at 256 experts on an H100 (``probe_wgrad_tma``, two runs;
     ``benchmark/results/h100_probe_wgrad_tma_acc*_2026-11-26.*``). Reading the existing
     gradient before the K loop as the accumulator's start instead of after it was 5-8%
-    slower and was not kept. Interpreter: small tiles (and 3 programs when persistent,
-    so that a program walks several tiles)."""
-    sched = dict(PERSISTENT=0, PROGRAMS=3 if INTERPRET else 0, PER_SM=1, EPI_TMA=0,
-                 ACC_READ=0)
+    slower and was not kept. Interpreter: small tiles."""
     if INTERPRET:
-        return dict(BN=32, BK=32, BR=32, num_warps=4, num_stages=1, TAIL=2, **sched)
+        return dict(BN=32, BK=32, BR=32, num_warps=4, num_stages=1, TAIL=2)
     if accumulate:
-        return dict(BN=128, BK=128, BR=64, num_warps=4, num_stages=3, TAIL=1, **sched)
-    return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=3, TAIL=2, **sched)
+        return dict(BN=128, BK=128, BR=64, num_warps=4, num_stages=3, TAIL=1)
+    return dict(BN=128, BK=128, BR=64, num_warps=8, num_stages=3, TAIL=2)
 
 
-def _check_wgrad_tma_config(config: dict, accumulate: bool = False) -> dict:
-    """``config`` over the defaults (:func:`_wgrad_tma_default_config`), checked: a
-    ``ValueError`` for unknown keys and values the kernel does not take."""
-    base = _wgrad_tma_default_config(accumulate)
-    if set(config) - set(base):
-        raise ValueError(f"TMA wgrad config: unknown keys {sorted(set(config) - set(base))} "
-                         f"(takes {sorted(base)})")
-    cfg = dict(base, **config)
+def _check_wgrad_tma_config(config: dict) -> dict:
+    known = {"BN", "BK", "BR", "num_warps", "num_stages", "TAIL"}
+    if set(config) - known:
+        raise ValueError(f"TMA wgrad config: unknown keys {sorted(set(config) - known)} "
+                         f"(takes {sorted(known)})")
+    cfg = dict(_wgrad_tma_default_config(), **config)
     for k in ("BN", "BK", "BR"):
         v = cfg[k]
         if v < 16 or v & (v - 1):
             raise ValueError(f"TMA wgrad config: {k} must be a power of two >= 16, got {v}")
-    tails = (0, 3) if cfg["PERSISTENT"] else (0, 1, 2)
-    if cfg["TAIL"] not in tails:
-        raise ValueError(f"TMA wgrad config: TAIL must be one of {tails} with PERSISTENT="
-                         f"{cfg['PERSISTENT']}, got {cfg['TAIL']}")
-    if cfg["PERSISTENT"] not in (0, 1) or cfg["EPI_TMA"] not in (0, 1) \
-            or cfg["ACC_READ"] not in (0, 1, 2, 3):
-        raise ValueError("TMA wgrad config: PERSISTENT and EPI_TMA take 0 or 1, ACC_READ 0 "
-                         f"to 3; got {cfg['PERSISTENT']}, {cfg['EPI_TMA']}, "
-                         f"{cfg['ACC_READ']}")
-    if cfg["PROGRAMS"] < 0 or cfg["PER_SM"] < 1:
-        raise ValueError(f"TMA wgrad config: PROGRAMS >= 0 and PER_SM >= 1, got "
-                         f"{cfg['PROGRAMS']}, {cfg['PER_SM']}")
+    if cfg["TAIL"] not in (0, 1, 2):
+        raise ValueError(f"TMA wgrad config: TAIL must be 0, 1 or 2, got {cfg['TAIL']}")
     return cfg
 
 
@@ -727,9 +521,9 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     (row-major, 16-byte aligned rows), ``offsets [E + 1]`` int32 on the device (rows past
     ``offsets[E]`` ignored), written into ``dw [E, N, K]`` (contiguous, bf16/fp16/fp32),
     which is returned; ``accumulate=True`` adds to ``dw`` instead (fp32 sum, one
-    rounding). ``config``: tiles and schedule (keys of
-    :func:`_wgrad_tma_default_config`). Raises ``ValueError`` for operands TMA cannot
-    describe (:func:`wgrad_tma_unsupported`); other checks are the functional layer's."""
+    rounding). ``config``: tiles (keys of :func:`_wgrad_tma_default_config`). Raises
+    ``ValueError`` for operands TMA cannot describe (:func:`wgrad_tma_unsupported`);
+    other checks are the functional layer's."""
     why = wgrad_tma_unsupported(g, x, dw)
     if why is not None:
         raise ValueError(f"launch_wgrad_tma: {why}")
@@ -740,42 +534,20 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     if R == 0:  # nothing to contract (TMA cannot describe an empty tensor)
         return dw if accumulate else dw.zero_()
     cfg = (_wgrad_tma_default_config(accumulate) if config is None
-           else _check_wgrad_tma_config(config, accumulate))
+           else _check_wgrad_tma_config(config))
     BN, BK, BR = cfg["BN"], cfg["BK"], cfg["BR"]
     g_desc = TensorDescriptor(g, [R, N], [g.stride(0), 1], [BR, BN])
     x_desc = TensorDescriptor(x, [R, K], [x.stride(0), 1], [BR, BK])
-    if cfg["TAIL"] in (2, 3):
+    if cfg["TAIL"] == 2:
         g16 = TensorDescriptor(g, [R, N], [g.stride(0), 1], [16, BN])
         x16 = TensorDescriptor(x, [R, K], [x.stride(0), 1], [16, BK])
     else:
         g16, x16 = g_desc, x_desc
-    acc_read = cfg["ACC_READ"] if accumulate else 0
-    # dW through TMA: its strides are 16-byte multiples already (K's, from x's rows)
-    epi_tma = bool(cfg["EPI_TMA"]) and dw.data_ptr() % 16 == 0
-    if acc_read in (1, 3) and dw.data_ptr() % 16:
-        acc_read = 0
-    w_desc = (TensorDescriptor(dw, [E, N, K], [dw.stride(0), dw.stride(1), 1], [1, BN, BK])
-              if epi_tma or acc_read in (1, 3) else g_desc)
-    n_tiles = cdiv(N, BN) * cdiv(K, BK)
-    flags = dict(BN=BN, BK=BK, BR=BR, TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate),
-                 PERSISTENT=bool(cfg["PERSISTENT"]), EPI_TMA=epi_tma, ACC_READ=acc_read,
-                 EP2=max(256, next_power_of_2(E)) if cfg["PERSISTENT"] else 16,
-                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    key = None
-    if cfg["PERSISTENT"]:
-        # at most PER_SM programs per SM, fewer where the compiled kernel's registers or
-        # shared memory do not fit them (learned at the first launch): a program that
-        # waits for a resident one to finish would double the time
-        key = ("wgrad_tma", g.dtype, dw.dtype, tuple(sorted(flags.items())))
-        P = cfg["PROGRAMS"] or resident_programs(key, cfg["PER_SM"]) * num_sms(dw.device)
-        grid = (max(1, min(P, n_tiles * E)),)
-    else:
-        grid = (n_tiles, E)
     with device_guard(dw):
-        ck = launch(_wgrad_tma_kernel, grid, g_desc, x_desc, g16, x16, w_desc, dw, offsets,
-                    N, K, R, E, dw.stride(0), dw.stride(1), **flags)
-    if key is not None:
-        learn_resident(key, ck, cfg["num_warps"], cfg["PER_SM"])
+        launch(_wgrad_tma_kernel, (cdiv(N, BN) * cdiv(K, BK), E), g_desc, x_desc, g16, x16,
+               dw, offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
+               TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate), num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
     return dw
 
 
