@@ -909,9 +909,11 @@ def test_tma_only_where_the_device_has_it(device, monkeypatch):
     pointer kernel, with the same result."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(fwd_gm, "INTERPRET", False)
-    monkeypatch.setitem(fwd_gm._CAPABILITY, torch.device("cuda", 7), (8, 0))
-    monkeypatch.setitem(fwd_gm._CAPABILITY, torch.device("cuda", 6), (9, 0))
+    import linghe.utils as lu
+
+    monkeypatch.setattr(lu, "INTERPRET", False)
+    monkeypatch.setitem(lu._CAPABILITY, torch.device("cuda", 7), (8, 0))
+    monkeypatch.setitem(lu._CAPABILITY, torch.device("cuda", 6), (9, 0))
     assert not fwd_gm.tma_capable(SimpleNamespace(device=torch.device("cuda", 7)))
     assert fwd_gm.tma_capable(SimpleNamespace(device=torch.device("cuda", 6)))
     assert not fwd_gm.tma_capable(torch.empty(1))          # a CPU tensor off the interpreter

@@ -93,11 +93,15 @@ DX_CONFIG: dict | None = None
 #: 256``; the token range is split so that the programs make about one wave.
 #: ``DW_REDUCE``: who sums the K-split partials (``"last"``, ``"kernel"``, ``"dx"``).
 #: ``DX_PERSIST``: dx programs per SM (0: one tile per program); ``DX_EPI_TMA``: TMA
-#: stores of the dx tiles. ``benchmark/probe_router.py`` times the alternatives.
+#: stores of the dx tiles. ``benchmark/probe_router.py`` times the alternatives (H100,
+#: standard shape, kernel µs: main's pointer kernels 87.8; "acc" with the K-split summed
+#: by a kernel 37.7 + 3.0 against 41.8 by the last program; the persistent dx with TMA
+#: stores 22.0 against 27.4; every "chain"/"flat"/"split" form and the dx-side split
+#: lost: ``benchmark/results/h100_probe_router_bwd_2026-11-26_s5.*``).
 DW_FORM = "acc"
-DW_REDUCE = "last"
-DX_PERSIST = 0
-DX_EPI_TMA = False
+DW_REDUCE = "kernel"
+DX_PERSIST = 1
+DX_EPI_TMA = True
 #: With a float32 ``dlogits`` and the TMA dx: the dx kernel reads ``dlogits`` itself
 #: (rounded to bf16 in registers) and writes its bf16 parts for dW (each program of a
 #: row tile a share of its K boxes), so no separate split kernel runs (it read 4 and
