@@ -18,12 +18,15 @@ pytestmark = pytest.mark.usefixtures("on_test_device")
 
 @pytest.fixture(params=[4, 32], ids=["chunk4", "chunk32"])
 def chunk(request, monkeypatch):
-    """The backward's chunk of sorted positions: 4 (with a 2-chunk combine step) makes
-    runs of one id cross chunk boundaries and span many chunks at these small shapes; 64
-    is the default."""
+    """The backward's chunk of sorted positions: 4 (with a 2-chunk combine step and
+    column blocks of 64 / 32) makes runs of one id cross chunk boundaries and span many
+    chunks, and rows span several column blocks, at these small shapes; 32 is the
+    default."""
     monkeypatch.setattr(bwd_emb, "CHUNK", request.param)
     if request.param == 4:
         monkeypatch.setattr(bwd_emb, "COMBINE_BJ", 2)
+        monkeypatch.setattr(bwd_emb, "BLOCK_H", 64)
+        monkeypatch.setattr(bwd_emb, "COMBINE_BH", 32)
     return request.param
 
 
@@ -125,7 +128,7 @@ def test_bad_inputs():
 BWD_CASES = [
     ((37,), 13, 33, 3, None),     # many duplicates, H not a multiple of 16
     ((6, 41), 300, 20, 2, 1),     # 2-D tokens, rows never touched, one id ~120 times
-    ((5, 7), 50, 130, None, -1),  # H over one column block, padding_idx from the end
+    ((5, 7), 50, 130, None, -1),  # H over 2 column blocks, padding_idx from the end
     ((1,), 7, 16, None, None),    # a single token
     ((0,), 7, 16, None, 0),       # no tokens: a zero gradient
     ((64,), 4, 8, 1, 2),          # every token of one chunk the same id
@@ -332,3 +335,12 @@ def test_module_matches_torch():
     assert not frozen.weight.requires_grad and frozen.weight.data_ptr() == pre.data_ptr()
     _same(frozen(t), pre[t], "from_pretrained")
     assert linghe.nn.Embedding.from_pretrained(pre, freeze=False).weight.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_wide_rows(dtype):
+    """Rows over one forward column block (1 KB)."""
+    V, H = 7, 600
+    w = torch.randn(V, H).to(dtype)
+    t = _tokens((2, 5), V)
+    _same(linghe.embedding(t, w), torch.nn.functional.embedding(t, w), "out")

@@ -1,31 +1,36 @@
 """Token embedding backward: ``dW[v] = sum of grad[t] over the tokens t with id v``,
 deterministic and without a host sync, fresh or added into an existing ``.grad``.
 
-1. ``_key_kernel``: each token's sort key, its id as int32, or ``V`` for a token that
-   gets no gradient (id outside ``[0, V)`` or ``padding_idx``): those sort last.
+1. ``_embedding_key_kernel``: each token's sort key, its id as int32, or ``V`` for a
+   token that gets no gradient (id outside ``[0, V)`` or ``padding_idx``): those sort
+   last.
 2. ``torch.sort(keys, stable=True)`` on the device (fixed size, no sync): the tokens of
    one id become a run of consecutive sorted positions, in token order.
-3. ``_chunk_kernel``: the sorted positions are cut into chunks of ``CHUNK``; a program
-   takes one chunk and ``BH`` columns and walks the chunk's rows in sorted order (an
-   unrolled loop that gathers each row, through the sort's permutation, 4 rows before
-   it is used, and reads the keys 8 rows ahead), keeping the running sum of the
-   current run of equal ids. A run that starts
-   and ends inside the chunk is written to ``dW`` (added to the existing row when
-   accumulating); the part of a run that crosses the chunk's start or end is written to
-   a scratch row instead: ``part[c, 0]`` for the run the chunk starts inside of,
-   ``part[c, 1]`` for the run it ends inside of that started in it.
-4. ``_combine_kernel``: the chunk in which a crossing run starts adds its ``part[c, 1]``
-   and the ``part[c + j, 0]`` of the chunks the run continues into (all chunks whose
-   first key is the run's id), then writes the row. Every row of ``dW`` is written by
-   exactly one program, in a fixed order of additions: the same bits on every run.
+3. ``_embedding_chunk_kernel``: the sorted positions are cut into chunks of ``CHUNK``; a
+   program takes one chunk and ``BH`` columns and walks the chunk's rows in sorted
+   order (an unrolled loop that gathers each row, through the sort's permutation, 4
+   rows before it is used, and reads the keys 8 rows ahead), keeping the running sum
+   of the current run of equal ids. A run that starts and ends inside the chunk is
+   written to ``dW`` (added to the existing row when accumulating); the part of a run
+   that crosses the chunk's start or end is written to a float64 scratch row instead:
+   ``part[c, 0]`` for the run the chunk starts inside of, ``part[c, 1]`` for the run it
+   ends inside of that started in it.
+4. ``_embedding_combine_kernel``: the chunk in which a crossing run starts adds its
+   ``part[c, 1]`` and the ``part[c + j, 0]`` of the chunks the run continues into (all
+   chunks whose first key is the run's id), then writes the row. Every row of ``dW`` is
+   written by exactly one program, in a fixed order of additions: the same bits on
+   every run. A frequent id (a byte-level space) costs its chunks, not one program's
+   serial walk over all its tokens.
 
 Sums are taken in **float64** and rounded once to ``dW``'s dtype (through float32, as
-``torch``'s float64 -> bfloat16 conversion does). Adding bf16/fp16 gradient rows in
-float64 is exact unless one id's values in one column span more than about 2^30 in
-magnitude (and for float32 gradients about 2^13), so the result does not depend on the
-order of an id's tokens either (the same bits when the batch is shuffled); when accumulating,
-the existing ``.grad`` row is added in the same float64 sum. Rows that no token touches
-are never read or written (accumulating) or stay the zeros of the fresh buffer.
+torch's float64 -> bfloat16 conversion does); when accumulating, the existing ``.grad``
+row is added in the same float64 sum. A float64 sum of ``n`` bf16 values is exact
+(so independent of the order of an id's tokens: the same bits when the batch is
+shuffled) while, in one column, the id's nonzero values, with the ``.grad`` value, lie
+within a factor of about ``2^(45 - log2 n)`` of each other (``2^32`` for 8192 tokens;
+fp16: ``2^(42 - log2 n)``, float32: ``2^(29 - log2 n)``); beyond that it is still
+deterministic for a given token order. Rows that no token touches are never read or
+written (accumulating) or stay the zeros of the fresh buffer.
 
 Bytes: the gradient rows once, plus per touched row one write (fresh; plus the
 ``V x H`` zero fill) or one read and one write (accumulating), plus the crossing runs'
@@ -40,18 +45,20 @@ import triton.language as tl
 
 from ..utils import cdiv, device_guard, empty, launch
 
-#: Sorted positions per program of ``_chunk_kernel``, and columns per program.
+#: Sorted positions per program of ``_embedding_chunk_kernel``, and columns per program.
 CHUNK = 32
 BLOCK_H = 512
 NUM_WARPS = 2
-#: Chunks that ``_combine_kernel`` looks at per step when a run spans several chunks.
-COMBINE_BJ = 16
-#: Keys per program of ``_key_kernel``.
+#: ``_embedding_combine_kernel``: chunks looked at per step when a run spans several
+#: chunks, and columns per program.
+COMBINE_BJ = 8
+COMBINE_BH = 256
+#: Keys per program of ``_embedding_key_kernel``.
 KEY_BLOCK = 1024
 
 
 @triton.jit
-def _key_kernel(tok_ptr, key_ptr, N, V, pad, BLOCK: tl.constexpr):
+def _embedding_key_kernel(tok_ptr, key_ptr, N, V, pad, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     t = tl.load(tok_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -87,16 +94,16 @@ def _data(g_ptr, dw_ptr, key, nxt, src, V, H, stride_g, cols, cmask, ACCUM: tl.c
     ok = key < V
     g = tl.load(g_ptr + src * stride_g + cols, mask=_cols_if(cmask, ok), other=0.0)
     if ACCUM:
-        old = tl.load(dw_ptr + key.to(tl.int64) * H + cols, mask=_cols_if(cmask, ok & (key != nxt)),
-                      other=0.0)
+        old = tl.load(dw_ptr + key.to(tl.int64) * H + cols,
+                      mask=_cols_if(cmask, ok & (key != nxt)), other=0.0)
     else:
         old = g  # (unused)
     return g, old
 
 
 @triton.jit
-def _chunk_kernel(key_ptr, order_ptr, g_ptr, dw_ptr, part_ptr, N, V, H, stride_g,
-                  C: tl.constexpr, BH: tl.constexpr, ACCUM: tl.constexpr):
+def _embedding_chunk_kernel(key_ptr, order_ptr, g_ptr, dw_ptr, part_ptr, N, V, H, stride_g,
+                            C: tl.constexpr, BH: tl.constexpr, ACCUM: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     cmask = cols < H
@@ -160,8 +167,8 @@ def _chunk_kernel(key_ptr, order_ptr, g_ptr, dw_ptr, part_ptr, N, V, H, stride_g
 
 
 @triton.jit
-def _combine_kernel(key_ptr, dw_ptr, part_ptr, N, V, H, C: tl.constexpr, BJ: tl.constexpr,
-                    BH: tl.constexpr, ACCUM: tl.constexpr):
+def _embedding_combine_kernel(key_ptr, dw_ptr, part_ptr, N, V, H, C: tl.constexpr,
+                              BJ: tl.constexpr, BH: tl.constexpr, ACCUM: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     cmask = cols < H
@@ -198,7 +205,7 @@ def sort_keys(tokens: torch.Tensor, num_embeddings: int,
     N = tokens.shape[0]
     keys = empty(N, dtype=torch.int32, device=tokens.device)
     with device_guard(tokens):
-        launch(_key_kernel, (cdiv(N, KEY_BLOCK),), tokens, keys, N, num_embeddings,
+        launch(_embedding_key_kernel, (cdiv(N, KEY_BLOCK),), tokens, keys, N, num_embeddings,
                -1 if padding_idx is None else padding_idx, BLOCK=KEY_BLOCK, num_warps=4)
     return torch.sort(keys, stable=True)
 
@@ -212,14 +219,16 @@ def _launch(dw: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor,
     C, BH = CHUNK, BLOCK_H
     assert C >= 4, "CHUNK must be at least 4 (the kernel loads 4 rows ahead)"
     n_chunks = cdiv(N, C)
-    part = empty(n_chunks * 2 * H, dtype=torch.float64, device=dw.device)  # read only where written
-    grid = (n_chunks, cdiv(H, BH))
+    # scratch rows, read only where written
+    part = empty(n_chunks * 2 * H, dtype=torch.float64, device=dw.device)
     with device_guard(dw):
-        launch(_chunk_kernel, grid, sorted_keys, order, grad, dw, part, N, V, H,
-               grad.stride(0), C=C, BH=BH, ACCUM=accumulate, num_warps=NUM_WARPS)
+        launch(_embedding_chunk_kernel, (n_chunks, cdiv(H, BH)), sorted_keys, order, grad, dw,
+               part, N, V, H, grad.stride(0), C=C, BH=BH, ACCUM=accumulate,
+               num_warps=NUM_WARPS)
         if n_chunks > 1:
-            launch(_combine_kernel, grid, sorted_keys, dw, part, N, V, H, C=C, BJ=COMBINE_BJ,
-                   BH=BH, ACCUM=accumulate, num_warps=4)
+            launch(_embedding_combine_kernel, (n_chunks, cdiv(H, COMBINE_BH)), sorted_keys, dw,
+                   part, N, V, H, C=C, BJ=COMBINE_BJ, BH=COMBINE_BH, ACCUM=accumulate,
+                   num_warps=4)
 
 
 def _check_launch(dw, tokens, grad):
