@@ -65,6 +65,10 @@ def _same(a, b, name):
 SHAPES = [(37,), (3, 5), (1,), (0,), (2, 0, 3), (6, 41)]
 
 
+# GPU subset: float16 shares bfloat16's code path but for the element conversion; (6, 41)
+# repeats the many-token path of (37,), (2, 0, 3) the empty one of (0,).
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16],
+                        shape=[(37,), (3, 5), (1,), (0,)])
 @pytest.mark.parametrize("tok_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,6 +139,7 @@ BWD_CASES = [
 ]
 
 
+@pytest.mark.gpu_subset(dtype=[torch.float32, torch.bfloat16])  # (float16: as above)
 @pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: f"{c[0]}-V{c[1]}-H{c[2]}")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_matches_reference(dtype, case, chunk):
@@ -344,3 +349,33 @@ def test_forward_wide_rows(dtype):
     w = torch.randn(V, H).to(dtype)
     t = _tokens((2, 5), V)
     _same(linghe.embedding(t, w), torch.nn.functional.embedding(t, w), "out")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture(fused_on):
+    """The whole micro-batch (forward, backward accumulating into .grad) has no host sync:
+    it is captured in a CUDA graph (with more than 3072 tokens, where PyTorch's embedding
+    backward would synchronise) and each replay adds the same gradient."""
+    V, H, N = 1000, 64, 5000
+    t = _tokens((N,), V, hot=30)
+    g = torch.randn(N, H).to(torch.bfloat16)
+    w = _weight(V, H, torch.bfloat16)
+    w.grad = torch.zeros(V, H, dtype=torch.bfloat16)
+    s = ref.embedding_backward(t, g, V)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        linghe.embedding(t, w).backward(g)  # warm-up: compiles the kernels
+    torch.cuda.current_stream().wait_stream(side)
+    expect = _rounded(s, torch.bfloat16)
+    _same(w.grad, expect, "eager")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linghe.embedding(t, w).backward(g)
+    ptr = w.grad.data_ptr()
+    for _ in range(3):
+        graph.replay()
+        expect = _rounded(expect.double() + s, torch.bfloat16)
+    torch.cuda.synchronize()
+    assert w.grad.data_ptr() == ptr
+    _same(w.grad, expect, "after 3 replays")
