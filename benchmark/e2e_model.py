@@ -16,10 +16,12 @@ that runs in three modes on the same parameters.
   (inside ``linear_cross_entropy``) stays bf16.
 
 Attention is ``torch.nn.functional.scaled_dot_product_attention`` (causal, GQA) in every
-mode. The token embedding of the linghe modes accumulates its gradient with ``index_add_``
-(in float32) instead of PyTorch's sort-based embedding backward, which synchronises with
-the host for more than 3072 indices (pytorch/pytorch#82886) and so cannot be captured in a
-CUDA graph; the math is the same.
+mode. The token embedding of the linghe modes is ``linghe.embedding``: its backward sorts
+the ids on the device and sums each id's rows in one program (float64, one rounding)
+instead of PyTorch's sort-based embedding backward, which synchronises with the host for
+more than 3072 indices (pytorch/pytorch#82886) and so cannot be captured in a CUDA graph;
+from the second micro-batch on it adds the touched rows into ``.grad`` in place (fused
+gradient accumulation) instead of building a dense ``[V, H]`` gradient.
 
 Layer: ``x += o_proj(group_rms_norm_gate(sdpa(qk_norm_rope(qkv)), gate))`` with ``qkv`` and
 ``gate`` from one projection of ``rms_norm(x)``, then ``x += MoE(rms_norm(x))``; after the
@@ -183,25 +185,6 @@ def estimate_layers(cfg: E2EConfig, memory_bytes: int, modes=MODES) -> int:
 # ======================================================================================
 
 
-class _EmbeddingIndexAdd(torch.autograd.Function):
-    """``weight[tokens]`` whose backward accumulates with ``index_add_`` in float32 (no
-    host sync, unlike PyTorch's sort-based embedding backward for > 3072 indices)."""
-
-    @staticmethod
-    def forward(ctx, weight, tokens):
-        ctx.save_for_backward(tokens)
-        ctx.shape = weight.shape
-        ctx.dtype = weight.dtype
-        return F.embedding(tokens, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (tokens,) = ctx.saved_tensors
-        dw = torch.zeros(ctx.shape, dtype=torch.float32, device=grad.device)
-        dw.index_add_(0, tokens.reshape(-1), grad.reshape(-1, ctx.shape[1]).float())
-        return dw.to(ctx.dtype), None
-
-
 def _torch_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                       align: int) -> torch.Tensor:
     """Plain-PyTorch grouped GEMM ``rows_e @ weight[e]^T``: ``torch._grouped_mm`` for bf16
@@ -333,7 +316,7 @@ class E2EModel(nn.Module):
         if mode == "torch":
             x = F.embedding(tokens, self.embed.weight)
         else:
-            x = _EmbeddingIndexAdd.apply(self.embed.weight, tokens)
+            x = linghe.embedding(tokens, self.embed.weight)
         tpes = []
         for layer in self.layers:
             x, tpe = layer(x, self.freqs, mode)

@@ -11,6 +11,7 @@ from .context import TrainingContext, current_recipe
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
 from .fp8.recipe import Fp8Recipe
 from .functional.activation import batch_silu_mul_quant, silu_mul, silu_mul_quant
+from .functional.embedding import embedding
 from .functional.gate import group_rms_norm_gate
 from .functional.grouped_mm import (
     grouped_mm,
@@ -37,6 +38,7 @@ __all__ = [
     "cross_entropy",
     "current_recipe",
     "debug_enabled",
+    "embedding",
     "ExpertLayout",
     "fp8",
     "Fp8Recipe",

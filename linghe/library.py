@@ -53,6 +53,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from .bwd import activation as _bwd_act
+from .bwd import embedding as _bwd_emb
 from .bwd import gate as _bwd_gate
 from .bwd import grouped_mm as _bwd_gmm
 from .bwd import loss as _bwd_loss
@@ -65,6 +66,7 @@ from .fp8 import quantize as _quant
 from .fp8.recipe import Fp8Recipe
 from .fp8.tensor import Fp8Tensor
 from .fwd import activation as _fwd_act
+from .fwd import embedding as _fwd_emb
 from .fwd import gate as _fwd_gate
 from .fwd import grouped_mm as _fwd_gmm
 from .fwd import loss as _fwd_loss
@@ -919,6 +921,58 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, la
     made contiguous; ``need``: which of hidden, weight, bias want a gradient)."""
     return linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, reduction,
                                     label_smoothing, z_loss, chunk_size, *need)[0]
+
+
+# ======================================================================================
+# embedding: token embedding (row gather; sorted, deterministic backward)
+# ======================================================================================
+
+
+@custom_op("linghe::embedding_fwd", mutates_args=())
+def embedding_fwd(tokens: Tensor, weight: Tensor, padding_idx: int) -> Tensor:
+    """``out [N, H] = weight[tokens]`` of flat ``tokens [N]`` (``padding_idx``, -1 for
+    none, is only the backward's)."""
+    return _fwd_emb.embedding_fwd(tokens, weight)
+
+
+@embedding_fwd.register_fake
+def _(tokens, weight, padding_idx):
+    return _new(weight, tokens.shape[0], weight.shape[1])
+
+
+@custom_op("linghe::embedding_bwd", mutates_args=())
+def embedding_bwd(grad: Tensor, tokens: Tensor, num_embeddings: int, padding_idx: int,
+                  w_dtype: torch.dtype) -> Tensor:
+    """A fresh ``dW [V, H]`` in ``w_dtype`` (no fused accumulation under compile)."""
+    return _bwd_emb.embedding_bwd(tokens, grad, num_embeddings,
+                                  None if padding_idx < 0 else padding_idx, w_dtype)
+
+
+@embedding_bwd.register_fake
+def _(grad, tokens, num_embeddings, padding_idx, w_dtype):
+    return _new(grad, num_embeddings, grad.shape[1], dtype=w_dtype)
+
+
+def _embedding_setup(ctx, inputs, output):
+    tokens, weight, padding_idx = inputs
+    ctx.save_for_backward(tokens)
+    ctx.meta = (weight.shape[0], padding_idx, weight.dtype)
+
+
+def _embedding_backward(ctx, grad):
+    (tokens,) = ctx.saved_tensors
+    if not ctx.needs_input_grad[1]:
+        return None, None, None
+    return None, embedding_bwd(grad.contiguous(), tokens, *ctx.meta), None
+
+
+embedding_fwd.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+def embedding(tokens: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
+    """:func:`linghe.embedding` through the custom ops (validated; ``tokens`` flat and
+    contiguous, ``padding_idx`` normalized). Returns ``[N, H]``."""
+    return embedding_fwd(tokens, weight, -1 if padding_idx is None else padding_idx)
 
 
 # ======================================================================================

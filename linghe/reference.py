@@ -724,3 +724,41 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
     if shared_gate_up is not None:
         out = out + (silu_mul(x @ shared_gate_up.t()).to(x.dtype) @ shared_down.t()).float()
     return out.to(x.dtype), logits, ids, tpe
+
+
+# ======================================================================================
+# === embedding: token embedding (row gather) and its weight gradient ===
+# ======================================================================================
+
+
+def embedding(tokens: torch.Tensor, weight: torch.Tensor,
+              padding_idx: int | None = None) -> torch.Tensor:
+    """``weight[tokens]`` (``F.embedding``) of ``tokens [...]`` int, ``weight [V, H]``:
+    ``[..., H]`` in ``weight``'s dtype. An id outside ``[0, V)`` gives a zero row and no
+    gradient (``F.embedding`` would raise); the ``padding_idx`` row (negative: counted
+    from ``V``) is read as it is but gets no gradient. Differentiable: the weight's
+    gradient is :func:`embedding_backward` in ``weight``'s dtype (pass float64 for the
+    high-precision spec)."""
+    V = weight.shape[0]
+    valid = (tokens >= 0) & (tokens < V)
+    out = torch.nn.functional.embedding(torch.where(valid, tokens, 0), weight,
+                                        padding_idx=padding_idx)
+    return torch.where(valid.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype,
+                                                              device=out.device))
+
+
+def embedding_backward(tokens: torch.Tensor, grad: torch.Tensor, num_embeddings: int,
+                       padding_idx: int | None = None,
+                       dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The weight gradient of :func:`embedding`: ``dW [V, H]`` in ``dtype`` with
+    ``dW[v] = sum of grad[t] over tokens t == v`` (``index_add_`` in ``dtype``), zero for
+    the ``padding_idx`` row, rows no token touches, and ids outside ``[0, V)``. linghe
+    rounds this float64 sum once to the weight's dtype (``.float().to(dtype)``)."""
+    V = num_embeddings
+    ids = tokens.reshape(-1).long()
+    g = grad.reshape(ids.shape[0], grad.shape[-1]).to(dtype)
+    keep = (ids >= 0) & (ids < V)
+    if padding_idx is not None:
+        keep &= ids != (padding_idx + V if padding_idx < 0 else padding_idx)
+    dw = torch.zeros(V, g.shape[1], dtype=dtype, device=grad.device)
+    return dw.index_add_(0, ids[keep], g[keep])

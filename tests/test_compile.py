@@ -529,6 +529,8 @@ def _opcheck_cases():
         (L.permute_bwd, (r(R, H), r(R), lay.row_index, bf), False),
         (L.unpermute_fwd, (rows, pp, *li), False),
         (L.unpermute_bwd, (r(T, H), pp, rows, *li, R, bf), False),
+        (L.embedding_fwd, (torch.randint(0, 30, (13,)), r(30, 24, grad=True), 2), True),
+        (L.embedding_bwd, (r(13, 24, dtype=bf), torch.randint(0, 30, (13,)), 30, -1, bf), False),
         (L.grouped_mm_fwd, (g_rows, r(2, 40, 72, dtype=bf), go, "auto"), False),
         (L.grouped_mm_bwd, (r(gR, 40, dtype=bf), g_rows, r(2, 40, 72, dtype=bf), go, "auto",
                             bf), False),

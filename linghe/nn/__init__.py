@@ -2,9 +2,11 @@
 
 from .activation import SwiGLU
 from .convert import convert
+from .embedding import Embedding
 from .linear import Linear
 from .loss import CrossEntropyLoss
 from .moe import MoE, MoEAux
 from .norm import RMSNorm
 
-__all__ = ["CrossEntropyLoss", "Linear", "MoE", "MoEAux", "RMSNorm", "SwiGLU", "convert"]
+__all__ = ["CrossEntropyLoss", "Embedding", "Linear", "MoE", "MoEAux", "RMSNorm", "SwiGLU",
+           "convert"]
