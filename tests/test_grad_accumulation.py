@@ -299,3 +299,22 @@ def test_failed_backward_leaves_gradients(monkeypatch, fused_on):
         out.backward(g.to(torch.bfloat16))
     assert p1.grad is not None and p2.grad is not None
     assert torch.equal(p1.grad, before[0]) and torch.equal(p2.grad, before[1])
+
+
+def test_fused_after_a_compile_that_raised(device, monkeypatch, fused_on):
+    """A ``torch.compile``d call that raised (here: the delayed FP8 recipe refusing to
+    run under compile) used to leave one more Python reference on every ``.grad`` for the
+    rest of the process, so a reference count measured once at import refused every
+    later ``.grad`` and the fused path silently stopped: the unshared count is now taken
+    beside each check."""
+    lin = linghe.nn.Linear(136, 40)
+    f = torch.compile(lambda x: lin(x), fullgraph=True, backend="aot_eager")
+    with linghe.TrainingContext(fp8="delayed"), pytest.raises(RuntimeError):
+        f(torch.randn(20, 136))
+    rows, layout, real = make_rows([5, 0, 20], 16, 48, device, torch.bfloat16)
+    g = torch.randn(rows.shape[0], 40, device=device).to(torch.bfloat16)
+    g[~real] = 0
+    w = torch.nn.Parameter(torch.randn(3, 40, 48, device=device).to(torch.bfloat16))
+    calls = _count_fused(monkeypatch)
+    ptrs = _two_passes(w, rows, layout, [g, g])
+    assert len(calls) == 1 and len(set(ptrs)) == 1

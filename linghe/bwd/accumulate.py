@@ -85,7 +85,8 @@ def grad_to_accumulate(param: torch.Tensor | None,
             or grad.untyped_storage().nbytes() != grad.numel() * grad.element_size()):
         return None
     refs = _references(grad)
-    if refs[0] > _UNSHARED[0] or refs[1] > _UNSHARED[1]:
+    unshared = _unshared_references()
+    if refs[0] > unshared[0] or refs[1] > unshared[1]:
         return None
     return grad if _accumulate_grad_will_run(param) else None
 
@@ -100,28 +101,28 @@ def _in_compiled_autograd() -> bool:
 
 def _references(grad: torch.Tensor) -> tuple[int, int]:
     """``(Python references, C++ uses)`` of ``grad``, called with the caller's local name
-    for it. More than :data:`_UNSHARED` means something besides ``param.grad`` holds it:
+    for it. More than :func:`_unshared_references` means something besides ``param.grad`` holds it:
     a Python name (a user's alias, which would stop being ``.grad`` after the hand-back)
     or a C++ reference (AccumulateGrad would copy the returned tensor)."""
     use_count = getattr(grad, "_use_count", None)
     return sys.getrefcount(grad), use_count() if use_count is not None else 0
 
 
+#: A CPU parameter whose ``.grad`` nothing else holds: the yardstick of
+#: :func:`_unshared_references`.
+_PROBE = torch.zeros(1, device="cpu", requires_grad=True)
+_PROBE.grad = torch.zeros(1, device="cpu")
+
+
 def _unshared_references() -> tuple[int, int]:
-    """:func:`_references` of a ``.grad`` that nothing else holds, at the call depth of
-    :func:`grad_to_accumulate` (PyTorch versions differ in how a tensor owns its Python
-    object): measured once, at import, on a CPU parameter."""
-    p = torch.zeros(1, device="cpu", requires_grad=True)
-    p.grad = torch.zeros(1, device="cpu")
-
-    def probe(param):  # grad_to_accumulate's call depth
-        grad = param.grad
-        return _references(grad)
-
-    return probe(p)
-
-
-_UNSHARED: tuple[int, int] = _unshared_references()
+    """:func:`_references` of a ``.grad`` that nothing else holds, taken at the call depth
+    of :func:`grad_to_accumulate` (a local name, then the call) and at the same moment:
+    the counts differ between PyTorch versions (how a tensor owns its Python object) and
+    within a process (e.g. while dynamo's frame callback is installed, which after a
+    ``torch.compile`` that raised can stay so: a once-measured count then refused every
+    ``.grad``)."""
+    grad = _PROBE.grad
+    return _references(grad)
 
 
 def _accumulate_grad_will_run(param: torch.Tensor) -> bool:
