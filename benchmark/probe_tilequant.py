@@ -85,9 +85,6 @@ EPS = 1e-6
 # (QUANT_TILE_ROWCOL), "mode" (QUANT_MODE), "reverse" (QUANT_TILE_REVERSE).
 R8 = dict(rows=8, elems=16384)  # 8 rows of 2048 per rows-kernel program
 QUANT_RC = [
-    {"split": dict(tma=True)},
-    {"split": dict(bn=128, tma=True)},
-    {"ROWCOL_MODE": "tiles", "rc": dict(tma=True)},
     {"ROWCOL_MODE": "tiles"},
     {"ROWCOL_MODE": "tiles", "rc": dict(k_fast=True)},
     {"ROWCOL_MODE": "tiles", "rc": dict(warps=8)},
@@ -99,7 +96,6 @@ QUANT_RC = [
     {"rows": dict(rows=2)},
 ]
 QUANT_RC_POW2 = [
-    {"split": dict(tma=True)},
     {"ROWCOL_MODE": "tiles"},
     {"ROWCOL_MODE": "tiles", "rc": dict(k_fast=True)},
     {"split": dict(bn=128)},
@@ -112,8 +108,6 @@ QUANT_R = [
     {"ROW_MODE": "rows", "rows": dict(rows=2, warps=4)},
 ]
 QUANT_C = [
-    {"c": dict(tma=True)},
-    {"c": dict(bn=128, tma=True)},
     {"c": dict(k_fast=True)},
     {"c": dict(warps=8)},
     {"c": dict(bn=64)},
@@ -121,9 +115,6 @@ QUANT_C = [
     {"c": dict(bn=64, warps=2)},
 ]
 NORM_RC = [
-    {"cols": dict(tma=True)},
-    {"cols": dict(bn=128, tma=True)},
-    {"mode": "rstd_tiles", "rowcol": dict(tma=True)},
     {"reverse": False},
     {"cols": dict(k_fast=False)},
     {"cols": dict(warps=8)},

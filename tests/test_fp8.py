@@ -79,15 +79,12 @@ def test_empty_inputs(device):
 
 
 # Launch configurations of the 1x128 tile kernel (linghe.fp8.quantize.TILE_CONFIGS): both
-# tile orders, other warp counts, the columnwise data through TMA stores (taken where M is
-# a multiple of 16: (144, 200), (16, 1); pointer stores elsewhere).
+# tile orders, other warp counts.
 TILE_KNOBS = [
     dict(k_fast=True, warps=8),
     dict(k_fast=False, warps=2),
-    dict(k_fast=False, warps=4, tma=True),
 ]
-TILE_SHAPES = [(1, 1), (300, 1000), (129, 128), (257, 384), (2, 3, 257), (144, 200),
-               (16, 1)]
+TILE_SHAPES = [(1, 1), (300, 1000), (129, 128), (257, 384), (2, 3, 257)]
 
 
 def _components(t):
@@ -153,9 +150,8 @@ def test_quantize_1x128_tile_configs(device, monkeypatch, shape, knobs, copies):
     dict(ROWCOL_MODE="split", ROWS_CONFIG=dict(rows=3, elems=8192, warps=4, max_bk=256),
          TILE_CONFIGS=dict(split=dict(bm=128, bn=32, warps=8))),
     dict(ROWCOL_MODE="tiles"),
-    dict(ROWCOL_MODE="split", TILE_CONFIGS=dict(split=dict(bm=128, bn=64, warps=4, tma=True))),
 ], ids=["rows", "rows_cols", "split", "rows-blocks", "rows-persistent", "rows_cols-blocks",
-        "split-blocks", "tiles", "split-tma"])
+        "split-blocks", "tiles"])
 def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
     """Every kernel choice gives the same bits: the rowwise copy from the rows kernel
     (whole rows, or column blocks of wide rows) or the tiles; both copies from the rows

@@ -33,7 +33,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..utils import (
     _INTERPRET_C,
@@ -46,7 +45,6 @@ from ..utils import (
     launch,
     num_sms,
     rows_view,
-    tma_capable,
 )
 from .tensor import Fp8Tensor
 
@@ -269,17 +267,14 @@ def _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM: tl.con
 @triton.jit
 def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
                stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE: tl.constexpr,
-               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
-               qt_desc=None, COL_TMA: tl.constexpr = False):
+               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr):
     """Quantize the tile ``x [BM, BN]`` (rows ``rows`` int64 of row block ``pid_m``,
     columns ``cols`` of column block ``pid_k`` of an ``[M, K]`` tensor; zeros out of
     range), with ``NORM`` first ``y = x * rstd[:, None] * w[None, :]`` in fp32, and store
     it in the 1x128 layout: with ``ROWWISE`` (``BN == 128``) data ``[M, K]`` and scales
     ``s[m, k // 128]``; with ``COLWISE`` (``BM == 128``) the transposed data ``[K, M]``
     (``q_t[k, m]``: each column's 128 tokens are one 128-byte row of ``q_t``) and scales
-    ``s_t[k, m // 128]`` (scale strides as given). ``COL_TMA``: the transposed data goes
-    out through ``qt_desc`` (a tensor descriptor over ``q_t [K, M]`` in ``[BN, BM]``
-    boxes; TMA drops what falls past ``K`` or ``M``) instead of pointer stores."""
+    ``s_t[k, m // 128]`` (scale strides as given)."""
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
@@ -292,20 +287,16 @@ def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_pt
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
     if COLWISE:
         qt, st = quant_cols(y, POW2)
-        if COL_TMA:
-            qt_desc.store([pid_k * qt.shape[1], pid_m * qt.shape[0]], tl.trans(qt))
-        else:
-            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
+        tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stg, st, mask=cmask)
 
 
 @triton.jit
-def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, qt_desc,
-                           M, K, stride_xm, stride_sm, stride_sg, stride_stk, stride_stg,
+def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                           stride_xm, stride_sm, stride_sg, stride_stk, stride_stg,
                            BM: tl.constexpr, BN: tl.constexpr, ROWWISE: tl.constexpr,
                            COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
-                           K_FAST: tl.constexpr, REVERSE: tl.constexpr,
-                           COL_TMA: tl.constexpr):
+                           K_FAST: tl.constexpr, REVERSE: tl.constexpr):
     """1x128 quantization of ``x [M, K]`` (optionally RMS-normalized: ``NORM``) in
     ``[BM, BN]`` tiles (see :func:`quant_tile`), one tile per program in the order of
     :func:`_tile_coords`."""
@@ -315,15 +306,14 @@ def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                                             K_FAST, REVERSE)
     x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
     quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2,
-               qt_desc, COL_TMA)
+               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2)
 
 
 @triton.jit
-def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, qt_desc, M, K, stride_xm,
-                           stride_sm, stride_sg, stride_stk, stride_stg, RB: tl.constexpr,
+def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_sm,
+                           stride_sg, stride_stk, stride_stg, RB: tl.constexpr,
                            BK: tl.constexpr, SINGLE: tl.constexpr, BN: tl.constexpr,
-                           POW2: tl.constexpr, COL_TMA: tl.constexpr):
+                           POW2: tl.constexpr):
     """Both 1x128 copies of ``x [M, K]`` in one launch of two kinds of independent
     programs, per 128-row chunk in program-id order: ``128 // RB`` row programs
     (:func:`rows_program`: the rowwise copy of ``RB`` whole rows), then ``cdiv(K, BN)``
@@ -342,8 +332,7 @@ def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, qt_desc, M, K, s
         cols = (i - NR) * BN + tl.arange(0, BN)
         x, r, w = _load_tile(x_ptr, x_ptr, x_ptr, rows, cols, M, K, stride_xm, False)
         quant_tile(x, r, w, rows, cols, c, i - NR, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2,
-                   qt_desc, COL_TMA)
+                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2)
 
 
 @triton.jit
@@ -381,8 +370,7 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
 #: knobs; ``benchmark/probe_tilequant.py`` sweeps them), by the copies asked for: "rc"
 #: rowwise + columnwise, "r" rowwise, "c" columnwise. Keys: ``bm``/``bn`` the tile (``bn``
 #: 128 with the rowwise copy, ``bm`` 128 with the columnwise one); ``warps``; ``k_fast``
-#: the tile order (:func:`_tile_coords`); ``tma`` (optional): the columnwise data stored
-#: through a tensor descriptor (:func:`quant_tile`).
+#: the tile order (:func:`_tile_coords`).
 TILE_CONFIGS = {
     "rc": dict(bm=128, bn=128, warps=4, k_fast=False),
     "r": dict(bm=32, bn=128, warps=8, k_fast=False),
@@ -439,16 +427,6 @@ def launch_1x128_rows(x2: torch.Tensor, q, s, config: dict, *, pow2_scale: bool,
                PERSIST=per_sm > 0, num_warps=config["warps"])
 
 
-def _qt_descriptor(qt: torch.Tensor | None, bn: int, bm: int, config: dict):
-    """A tensor descriptor over the columnwise data ``q_t [K, M]`` in ``[bn, bm]`` boxes
-    when ``config["tma"]`` asks for TMA stores and they can run (Hopper or the
-    interpreter, ``M`` a multiple of 16: TMA needs 16-byte aligned rows), else ``None``
-    (pointer stores)."""
-    if qt is None or not config.get("tma", False) or qt.shape[1] % 16 or not tma_capable(qt):
-        return None
-    return TensorDescriptor(qt, list(qt.shape), [qt.stride(0), 1], [bn, bm])
-
-
 def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_scale: bool,
                        weight: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
                        reverse: bool = False) -> None:
@@ -465,14 +443,12 @@ def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_sca
         raise ValueError(f"tile {bm}x{bn} does not hold whole 1x128 groups")
     ssm, ssg = s.stride() if s is not None else (0, 0)
     sstk, sstg = st.stride() if st is not None else (0, 0)
-    qt_desc = _qt_descriptor(qt, bn, bm, config)
     with device_guard(x2):
         launch(_quantize_1x128_kernel, (cdiv(M, bm) * cdiv(K, bn),),
-               x2, weight, rstd, q, s, qt, st, qt if qt_desc is None else qt_desc, M, K,
-               x2.stride(0), ssm, ssg, sstk, sstg, BM=bm, BN=bn, ROWWISE=q is not None,
-               COLWISE=qt is not None, NORM=weight is not None, POW2=pow2_scale,
-               K_FAST=config.get("k_fast", False), REVERSE=reverse,
-               COL_TMA=qt_desc is not None, num_warps=config["warps"])
+               x2, weight, rstd, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg,
+               BM=bm, BN=bn, ROWWISE=q is not None, COLWISE=qt is not None,
+               NORM=weight is not None, POW2=pow2_scale, K_FAST=config.get("k_fast", False),
+               REVERSE=reverse, num_warps=config["warps"])
 
 
 def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
@@ -486,13 +462,10 @@ def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
     rb = min(rb, BLOCK)
     bn = tile_config["bn"]
     grid = cdiv(M, BLOCK) * (BLOCK // rb + cdiv(K, bn))
-    qt_desc = _qt_descriptor(qt, bn, BLOCK, tile_config)
     with device_guard(x2):
-        launch(_quantize_split_kernel, (grid,), x2, q, s, qt, st,
-               qt if qt_desc is None else qt_desc, M, K, x2.stride(0), s.stride(0),
-               s.stride(1), st.stride(0), st.stride(1), RB=rb, BK=bk, SINGLE=single, BN=bn,
-               POW2=pow2_scale, COL_TMA=qt_desc is not None,
-               num_warps=tile_config["warps"])
+        launch(_quantize_split_kernel, (grid,), x2, q, s, qt, st, M, K, x2.stride(0),
+               s.stride(0), s.stride(1), st.stride(0), st.stride(1), RB=rb, BK=bk,
+               SINGLE=single, BN=bn, POW2=pow2_scale, num_warps=tile_config["warps"])
 
 
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,
