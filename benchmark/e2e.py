@@ -100,7 +100,7 @@ PEAK_TFLOPS = {"H200": (989.4, 1978.9), "H100": (989.4, 1978.9)}
 # ======================================================================================
 
 FAMILIES = ("gemm", "grouped_gemm", "attention", "norm", "rope", "activation",
-            "moe_routing_permute", "loss", "optimizer", "quantize", "other")
+            "moe_routing_permute", "embedding", "loss", "optimizer", "quantize", "other")
 
 # First match wins: the specific names (linghe's Triton kernels, PyTorch's) before the
 # generic GEMM patterns, since e.g. "group_rms_norm_gate" and "GroupProblemShape" both
@@ -116,8 +116,9 @@ _RULES = [
     ("grouped_gemm", r"_grouped_rows|_wgrad_kernel|_wgrad_tma|_wgrad_fp8|_tile_map|_zero_tail"
                      r"|groupproblemshape|grouped"),
     ("quantize", r"quantize|_amax|fp8_cast|to_fp8"),
-    ("moe_routing_permute", r"_mm_kernel|topk|_zloss|router|permute|_scatter_kernel"
-                            r"|_gather_kernel|_hist_kernel|_index_kernel|sort|radix|bincount"
+    ("embedding", r"embedding"),
+    ("moe_routing_permute", r"_mm_kernel|_dw_kernel|_dx_kernel|topk|_zloss|router|permute"
+                            r"|_scatter_kernel|_gather_kernel|_hist_kernel|_index_kernel|sort|radix|bincount"
                             r"|histogram|index|scatter|gather|cumsum|scan"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|splitk|sm90_|sm80_"),
 ]
@@ -127,7 +128,8 @@ _RULES_RE = [(fam, re.compile(pat)) for fam, pat in _RULES]
 def classify_kernel(name: str) -> str:
     """The op family of a GPU kernel, from its name (see ``_RULES``). Index kernels
     (``index_add``, ``index_select``, gathers, sorts) count as MoE routing/permute: the
-    torch mode's permutation is made of them (so is the embedding's backward)."""
+    torch mode's permutation is made of them (so are its embedding lookup and the sort
+    in linghe's embedding backward); kernels named for the embedding count as such."""
     n = name.lower()
     for fam, rx in _RULES_RE:
         if rx.search(n):
@@ -584,8 +586,8 @@ def throughput_job(args, cfg: E2EConfig, device) -> dict:
 
 @contextlib.contextmanager
 def deterministic_kernels():
-    """PyTorch's deterministic kernels where it has them (the linghe modes' embedding
-    backward ``index_add_``, the flash-attention backward), a warning where it has none;
+    """PyTorch's deterministic kernels where it has them (the flash-attention backward),
+    a warning where it has none (linghe's embedding backward is deterministic itself);
     uninitialised memory is left as it is (filling it would add a kernel per allocation).
     linghe's kernels accumulate in a fixed order (their only atomics are integer counts
     and tickets). Within one process the same run then gives the same curve bit for bit;

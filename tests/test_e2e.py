@@ -199,6 +199,8 @@ def test_flops_and_params_ling_mini():
     ("_quantize_1x128_kernel", "quantize"),
     ("_topk_fwd_kernel", "moe_routing_permute"),
     ("_scatter_kernel", "moe_routing_permute"),
+    ("_dw_kernel", "moe_routing_permute"),
+    ("_embedding_chunk_kernel", "embedding"),
     ("_ce_fwd_kernel", "loss"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor",
      "optimizer"),
