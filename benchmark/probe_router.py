@@ -13,11 +13,9 @@ dlogits, 3 passes), i.e. 4 x 8.6 = 34.4 GFLOP of bf16 MMA:
   ``bwd/router.py``; else git ``--old-rev``): split of dlogits, pointer-kernel dx, dW
   with a K split and a sum kernel;
 - ``new``: this tree's default (TMA kernels :func:`linghe.bwd.router.dw_tma` /
-  :func:`linghe.bwd.router.dx_tma`), then one row per knob (``DW_CONFIG``, ``DX_CONFIG``,
-  ``DX_SPLITS``; ``*`` marks the default): dW forms ``acc`` / ``chain`` / ``flat`` /
-  ``split`` (module docstring of :mod:`linghe.bwd.router`), ``k<S>`` the token split,
-  ``fix`` / ``sum`` its reduction (the last program / a second kernel); dx ``pers<n>``
-  persistent programs per SM, ``tmastore`` the TMA epilogue;
+  :func:`linghe.bwd.router.dx_tma`; ``*`` marks it), then one row per launch config
+  (``DW_CONFIG``: tile, warps, stages, ``k<S>`` the token split whose partials a sum
+  kernel adds; ``DX_CONFIG``: tile, warps, stages of the persistent, TMA-storing dx);
 - ``bf16 w``: a bf16 weight (dW from 2 parts), main vs new.
 
 Per row: ``kern us`` is the profiler's kernel time of one call (each call after an L2
@@ -81,90 +79,46 @@ class _Old:
         self.router_logits_bwd = b.router_logits_bwd
 
 
-def _dw(BM, BN, BK, nw, ns, split, form, reduce="last"):
-    return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split, FORM=form,
-                REDUCE=reduce)
+def _dw(BM, BN, BK, nw, ns, split):
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, SPLIT=split)
 
 
-def _dx(BM, BN, BK, nw, ns, persist=0, epi_tma=False):
-    return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, PERSIST=persist,
-                EPI_TMA=epi_tma)
+def _dx(BM, BN, BK, nw, ns):
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns)
 
 
 def _dw_name(c) -> str:
-    s = f"dw {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
-    s += f" {c['FORM']} k{c['SPLIT']}"
-    return s + ("" if c["SPLIT"] == 1 else
-                {"last": " fix", "kernel": " sum", "dx": " dxsum"}[c["REDUCE"]])
+    return (f"dw {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
+            f" k{c['SPLIT']}")
 
 
 def _dx_name(c) -> str:
-    s = f"dx {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
-    if c["PERSIST"]:
-        s += f" pers{c['PERSIST']}"
-    return s + (" tmastore" if c["EPI_TMA"] else "")
-
-
-def _preset(form, reduce, persist=1, epi_tma=True, dx_splits=False):
-    """Module defaults (the heuristics' inputs) instead of explicit configs."""
-    return dict(DW_FORM=form, DW_REDUCE=reduce, DX_PERSIST=persist, DX_EPI_TMA=epi_tma,
-                DX_SPLITS=dx_splits)
+    return f"dx {c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']}"
 
 
 #: Knob rows, most informative first (the budget may cut the tail): ``(name, settings)``,
 #: the settings being attributes of :mod:`linghe.bwd.router` for the row (``DW_CONFIG``,
-#: ``DX_CONFIG``, ``DX_SPLITS``, or the heuristics' ``DW_FORM``, ``DW_REDUCE``,
-#: ``DX_PERSIST``, ``DX_EPI_TMA``).
+#: ``DX_CONFIG``). The removed forms' rows (one-accumulator dW, the partials summed by
+#: the last program or by dx, dx writing the parts, non-persistent / pointer-store dx):
+#: ``benchmark/results/h100_probe_router_bwd_2026-11-26_s5.txt``.
 _GPU_VARIANTS = [
-    # the combinations predicted fastest, through the heuristics (what flipping the module
-    # defaults gives): dW with one accumulator at 128x256 tiles and K/8, from parts
-    # (chain) or splitting float32 dlogits in registers (split: no split kernel, dx then
-    # reads float32 dlogits), its partials summed by the dx kernel (dx) or a sum kernel;
-    # dx persistent with TMA stores; dx writing the parts. "split dx": 2 launches.
-    ("preset split dx", _preset("split", "dx")),
-    ("preset chain dx", _preset("chain", "dx")),
-    ("preset chain kernel", _preset("chain", "kernel")),
-    ("preset split kernel", _preset("split", "kernel")),
-    ("preset chain kernel + dx splits", _preset("chain", "kernel", dx_splits=True)),
-    # dW: one accumulator at 128x256 (16 tiles, K/8): chained dots (the x box once per K
-    # step: the fewest operand bytes), split in registers, or the flat loop (no MMA drains)
-    (None, dict(DW_CONFIG=_dw(128, 256, 64, 8, 2, 8, "chain", reduce="kernel"))),
-    (None, dict(DW_CONFIG=_dw(128, 256, 32, 8, 3, 8, "split", reduce="kernel"))),
-    (None, dict(DW_CONFIG=_dw(128, 256, 64, 8, 2, 8, "split", reduce="kernel"))),
-    (None, dict(DW_CONFIG=_dw(128, 256, 64, 8, 4, 8, "flat", reduce="kernel"))),
-    (None, dict(DW_CONFIG=_dw(128, 256, 32, 8, 4, 8, "chain", reduce="kernel"))),
-    # dW: an accumulator per part at 64x256 (fewer operand bytes than 128x128), the split
-    # form at 128x128 / K/4, the last program's fixup at K/8
-    (None, dict(DW_CONFIG=_dw(64, 256, 64, 8, 3, 4, "acc"))),
-    (None, dict(DW_CONFIG=_dw(128, 128, 64, 8, 3, 4, "split"))),
-    (None, dict(DW_CONFIG=_dw(128, 256, 64, 8, 2, 8, "chain"))),
-    # dW: the sum kernel instead of the last program, BK 32, 64x128 at 4 warps (2 programs
-    # per SM), 256x128
-    (None, dict(DW_CONFIG=_dw(128, 128, 64, 8, 3, 4, "acc", reduce="kernel"))),
-    (None, dict(DW_CONFIG=_dw(128, 128, 32, 8, 4, 4, "acc"))),
-    (None, dict(DW_CONFIG=_dw(64, 128, 64, 4, 2, 4, "acc"))),
-    (None, dict(DW_CONFIG=_dw(256, 128, 64, 8, 4, 8, "flat", reduce="kernel"))),
-    # dx: TMA store, persistent (flattened loops), 4 warps / 2 programs per SM, 256x128
-    (None, dict(DX_CONFIG=_dx(128, 256, 64, 8, 3, persist=1, epi_tma=True))),
-    (None, dict(DX_CONFIG=_dx(128, 256, 64, 8, 3, epi_tma=True))),
-    (None, dict(DX_CONFIG=_dx(128, 128, 64, 8, 4, persist=1))),
-    (None, dict(DX_CONFIG=_dx(128, 128, 64, 4, 2, persist=2, epi_tma=True))),
-    (None, dict(DX_CONFIG=_dx(128, 128, 64, 4, 2))),
+    # dW: 64x256 tiles (fewer operand bytes than 128x128: 42.3 µs with the last
+    # program's sum), BK 32 at 4 stages (41.5 so), a K split of 8 (two waves, 8 partials)
+    (None, dict(DW_CONFIG=_dw(64, 256, 64, 8, 3, 4))),
+    (None, dict(DW_CONFIG=_dw(128, 128, 32, 8, 4, 4))),
+    (None, dict(DW_CONFIG=_dw(128, 128, 64, 8, 3, 8))),
+    # dx (persistent, TMA stores): 128x128 at 4 stages (25.5 with pointer stores),
+    # 256x128 (28.2 one tile per program), 2 stages (K = 256: 4 K steps per tile)
+    (None, dict(DX_CONFIG=_dx(128, 128, 64, 8, 4))),
     (None, dict(DX_CONFIG=_dx(256, 128, 64, 8, 3))),
-    # dx reads fp32 dlogits and writes the parts (no split kernel)
-    ("dx splits", dict(DX_SPLITS=True)),
+    (None, dict(DX_CONFIG=_dx(128, 256, 64, 8, 2))),
 ]
-_QUICK = 4  # --quick: the first variants only (the presets first)
+_QUICK = 3  # --quick: the first variants only
 _CPU_VARIANTS = [
-    ("preset split dx", _preset("split", "dx")),
-    ("preset chain kernel + dx splits", _preset("chain", "kernel", dx_splits=True)),
-    (None, dict(DW_CONFIG=_dw(16, 32, 16, 4, 1, 3, "chain", reduce="kernel"))),
-    ("split dx", dict(DW_CONFIG=_dw(16, 32, 16, 4, 1, 3, "split", reduce="dx"),
-                      DX_CONFIG=_dx(16, 32, 16, 4, 1, persist=1, epi_tma=True))),
-    (None, dict(DW_CONFIG=_dw(16, 32, 16, 4, 1, 3, "flat", reduce="kernel"))),
-    (None, dict(DW_CONFIG=_dw(16, 16, 16, 4, 1, 2, "acc"))),
-    (None, dict(DX_CONFIG=_dx(16, 32, 16, 4, 1, persist=1, epi_tma=True))),
-    ("dx splits", dict(DX_SPLITS=True, DX_CONFIG=_dx(16, 16, 16, 4, 1))),
+    (None, dict(DW_CONFIG=_dw(16, 32, 16, 4, 1, 3))),
+    (None, dict(DW_CONFIG=_dw(16, 16, 16, 4, 1, 2))),
+    (None, dict(DX_CONFIG=_dx(16, 32, 16, 4, 1))),
+    (None, dict(DW_CONFIG=_dw(32, 16, 16, 4, 1, 2), DX_CONFIG=_dx(16, 16, 16, 4, 1))),
 ]
 
 
@@ -191,8 +145,7 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-_KNOBS = ("DW_CONFIG", "DX_CONFIG", "DX_SPLITS", "DW_FORM", "DW_REDUCE", "DX_PERSIST",
-          "DX_EPI_TMA")
+_KNOBS = ("DW_CONFIG", "DX_CONFIG")
 
 
 @contextlib.contextmanager
@@ -384,12 +337,10 @@ class _Probe:
                      optional=False)
         dev = torch.device(self.dev)
         dflt = {"dw": B._dw_config(self.E, self.H, self.T, 3, dev),
-                "dx": B._dx_config(self.T, self.H, self.E, 2, dev)}
-        self.add("bwd", f"new: {_dw_name(dflt['dw'])}, {_dx_name(dflt['dx'])}"
-                 + (", dx splits" if B.DX_SPLITS else ""),
+                "dx": B._dx_config(self.T, self.H, self.E, dev)}
+        self.add("bwd", f"new: {_dw_name(dflt['dw'])}, {_dx_name(dflt['dx'])}",
                  lambda: B.router_logits_bwd(dl, x, w, w_parts=wp), passes=4, default=True,
-                 optional=False, cfg={"dw": dflt["dw"], "dx": dflt["dx"],
-                                      "DX_SPLITS": B.DX_SPLITS})
+                 optional=False, cfg={"dw": dflt["dw"], "dx": dflt["dx"]})
         variants = _CPU_VARIANTS if self.cpu else _GPU_VARIANTS
         if quick:
             variants = variants[:_QUICK]
@@ -397,12 +348,7 @@ class _Probe:
             def run(settings=settings):
                 with _knobs(settings):
                     return B.router_logits_bwd(dl, x, w, w_parts=wp)
-            cfg = {k: v for k, v in settings.items()}
-            if not self.warm and set(settings) - {"DW_CONFIG", "DX_CONFIG"}:
-                with _knobs(settings):  # the configs the heuristics give
-                    cfg["dw"] = B._dw_config(self.E, self.H, self.T, 3, dev)
-                    cfg["dx"] = B._dx_config(self.T, self.H, self.E, 2, dev)
-            self.add("knob", _label(name, settings, dflt), run, passes=4, cfg=cfg)
+            self.add("knob", _label(name, settings, dflt), run, passes=4, cfg=dict(settings))
         # a bf16 weight: dW from 2 parts of dlogits (bf16-level accuracy suffices there)
         wpb = F.weight_parts(wb)
         if old is not None:

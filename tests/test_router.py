@@ -8,6 +8,7 @@ import torch
 import linghe
 from linghe import reference as ref
 from linghe.testing import assert_close, rel_err
+from linghe.utils import cdiv
 
 
 def _exact_tol(device, K: int) -> float:
@@ -145,28 +146,14 @@ def _bwd_refs(dl, x, w):
     return dl.double() @ w.double(), dl.double().t() @ x.double()
 
 
-# (DW_CONFIG, DX_CONFIG, DX_SPLITS): the interpreter's defaults (32x32x32, acc per part, one
-# K chunk), the flat loop with a ragged K split summed by the sum kernel, accumulators
-# per part with the last program's fixup, chained dots with persistent dx and TMA stores,
-# dx splitting dlogits (no split kernel), most at once, dW splitting float32 dlogits in
-# registers (dx then reads float32 dlogits too: no split kernel), and the dx kernel
-# summing dW's partials (with DX_SPLITS dx runs first: the sum kernel does it)
+# (DW_CONFIG, DX_CONFIG): the interpreter's defaults (32x32x32, one K chunk; dx 8
+# persistent programs), a ragged K split summed by the sum kernel, tiles smaller than the
+# shapes for both kernels (dx: more tiles than programs), a K split of 2 with 32-row dW tiles
 _TMA_KNOBS = [
-    (None, None, False),
-    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="flat", REDUCE="kernel"), None, False),
-    (dict(BM=16, BN=16, BK=16, SPLIT=2, FORM="acc", REDUCE="last"), None, False),
-    (dict(BM=32, BN=16, BK=16, SPLIT=3, FORM="chain", REDUCE="last"),
-     dict(BM=16, BN=32, BK=16, PERSIST=1, EPI_TMA=True), False),
-    (None, dict(BM=16, BN=16, BK=16, PERSIST=1), True),
-    (dict(BM=16, BN=16, BK=16, SPLIT=3, FORM="flat", REDUCE="last"),
-     dict(BM=16, BN=16, BK=16, PERSIST=0, EPI_TMA=True), True),
-    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="split", REDUCE="kernel"), None, False),
-    (dict(BM=32, BN=16, BK=16, SPLIT=2, FORM="split", REDUCE="last"),
-     dict(BM=16, BN=32, BK=16, PERSIST=1, EPI_TMA=True), True),
-    (dict(BM=16, BN=32, BK=16, SPLIT=3, FORM="chain", REDUCE="dx"),
-     dict(BM=16, BN=16, BK=16, PERSIST=1), False),
-    (dict(BM=16, BN=16, BK=16, SPLIT=2, FORM="split", REDUCE="dx"), None, False),
-    (dict(BM=16, BN=16, BK=16, SPLIT=3, FORM="acc", REDUCE="dx"), None, True),
+    (None, None),
+    (dict(BM=16, BN=32, BK=16, SPLIT=3), None),
+    (dict(BM=16, BN=16, BK=16, SPLIT=2), dict(BM=16, BN=32, BK=16)),
+    (dict(BM=32, BN=16, BK=16, SPLIT=2, num_stages=2), dict(BM=16, BN=16, BK=16, GROUP_M=2)),
 ]
 
 
@@ -176,24 +163,25 @@ _TMA_KNOBS = [
 @pytest.mark.parametrize("knobs", _TMA_KNOBS, ids=range(len(_TMA_KNOBS)))
 def test_router_bwd_tma(device, monkeypatch, T, H, E, wd, knobs):
     """The TMA backward (dW: parts stacked along the token rows, T not a multiple of BK so
-    boxes reach into the next part's rows; dx) against float64, deterministic across calls
-    (the fixup's tile counters are reset), and the kernels it should launch."""
+    boxes reach into the next part's rows; dx) against float64, deterministic across calls,
+    and the kernels it should launch."""
     from linghe.bwd import router as B
     from linghe.fwd import router as F
 
-    dwc, dxc, splits = knobs
+    dwc, dxc = knobs
     monkeypatch.setattr(B, "DW_CONFIG", dwc)
     monkeypatch.setattr(B, "DX_CONFIG", dxc)
-    monkeypatch.setattr(B, "DX_SPLITS", splits)
     x = torch.randn(T, H, device=device).to(torch.bfloat16)
     w = (torch.randn(E, H, device=device) * 0.05).to(wd)
     dl = torch.randn(T, E, device=device)
     wp = F.weight_parts(w)
     names = _spy_launches(monkeypatch, B, F)
     dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
-    assert "_dx_kernel" in names and "_dw_kernel" in names and "_mm_kernel" not in names
-    in_regs = (dwc or {}).get("FORM") == "split"
-    assert ("_split_kernel" in names) == (not splits and not in_regs)
+    assert names[0] == "_split_kernel" and names.count("_split_kernel") == 1
+    assert names.index("_dw_kernel") < names.index("_dx_kernel") and "_mm_kernel" not in names
+    c = dict(B._dw_config(E, H, T, 3 if wd == torch.float32 else 2, x.device), **(dwc or {}))
+    k_per = cdiv(cdiv(T, c["SPLIT"]), c["BK"]) * c["BK"]
+    assert ("_sum_splits_kernel" in names) == (cdiv(T, k_per) > 1)
     rdx, rdw = _bwd_refs(dl, x, w)
     assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
     assert rel_err(dx, rdx) < 2e-2
@@ -202,14 +190,10 @@ def test_router_bwd_tma(device, monkeypatch, T, H, E, wd, knobs):
     assert torch.equal(dw2, dw) and torch.equal(dx2, dx)
 
 
-@pytest.mark.parametrize("splits,form", [(False, "acc"), (True, "acc"), (False, "split")])
-def test_router_bwd_tma_one_grad_and_empty(device, monkeypatch, splits, form):
-    """need_dx / need_dw alone (dx alone with DX_SPLITS: no split of dlogits at all; dW
-    alone in the form "split": neither), and no tokens (dW zeros)."""
+def test_router_bwd_tma_one_grad_and_empty(device, monkeypatch):
+    """need_dx / need_dw alone, and no tokens (dW zeros)."""
     from linghe.bwd import router as B
 
-    monkeypatch.setattr(B, "DX_SPLITS", splits)
-    monkeypatch.setattr(B, "DW_CONFIG", dict(FORM=form))
     names = _spy_launches(monkeypatch, B, sys.modules["linghe.fwd.router"])
     T, H, E = 37, 48, 16
     x = torch.randn(T, H, device=device).to(torch.bfloat16)
@@ -218,14 +202,32 @@ def test_router_bwd_tma_one_grad_and_empty(device, monkeypatch, splits, form):
     rdx, rdw = _bwd_refs(dl, x, w)
     dx, dw = B.router_logits_bwd(dl, x, w, need_dw=False)
     assert dw is None and rel_err(dx, rdx) < 2e-2
-    assert names.count("_split_kernel") == (1 if splits else 2)  # + the weight's split
+    assert names.count("_split_kernel") == 2  # dlogits' and the weight's
+    assert "_dw_kernel" not in names and "_dx_kernel" in names
     names.clear()
     dx, dw = B.router_logits_bwd(dl, x, w, need_dx=False)
     assert dx is None and rel_err(dw, rdw) < _exact_tol(device, T)
-    assert "_dx_kernel" not in names and "_dw_kernel" in names
-    assert ("_split_kernel" in names) == (form != "split")
+    assert names == ["_split_kernel", "_dw_kernel"]
+    assert B.router_logits_bwd(dl, x, w, need_dx=False, need_dw=False) == (None, None)
     dx, dw = B.router_logits_bwd(dl[:0], x[:0], w)
     assert dx.shape == (0, H) and torch.equal(dw, torch.zeros(E, H, device=device))
+
+
+def test_router_bwd_tma_unknown_config_key(device, monkeypatch):
+    """A config key the kernels do not take (e.g. the removed dW ``FORM``) is an error,
+    not silently ignored."""
+    from linghe.bwd import router as B
+
+    x = torch.randn(37, 48, device=device).to(torch.bfloat16)
+    w = torch.randn(16, 48, device=device) * 0.05
+    dl = torch.randn(37, 16, device=device)
+    monkeypatch.setattr(B, "DW_CONFIG", dict(FORM="chain"))
+    with pytest.raises(ValueError, match="FORM"):
+        B.router_logits_bwd(dl, x, w)
+    monkeypatch.setattr(B, "DW_CONFIG", None)
+    monkeypatch.setattr(B, "DX_CONFIG", dict(PERSIST=2))
+    with pytest.raises(ValueError, match="PERSIST"):
+        B.router_logits_bwd(dl, x, w)
 
 
 def test_router_bwd_tma_fp16_x(device, monkeypatch):
@@ -245,65 +247,20 @@ def test_router_bwd_tma_fp16_x(device, monkeypatch):
     assert rel_err(dw, rdw) < _exact_tol(device, T)
 
 
-@pytest.mark.parametrize("form,persist", [("chain", 0), ("split", 1)])
-def test_router_bwd_tma_reduce_in_dx(device, monkeypatch, form, persist):
-    """REDUCE "dx": the dx kernel (after dW) sums dW's K-split partials, no sum kernel;
-    without dx, or with DX_SPLITS (dx first), the sum kernel does."""
-    from linghe.bwd import router as B
-
-    monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=4, FORM=form,
-                                             REDUCE="dx"))
-    monkeypatch.setattr(B, "DX_CONFIG", dict(BM=16, BN=16, BK=16, PERSIST=persist))
-    names = _spy_launches(monkeypatch, B, sys.modules["linghe.fwd.router"])
-    T, H, E = 93, 40, 24
-    x = torch.randn(T, H, device=device).to(torch.bfloat16)
-    w = torch.randn(E, H, device=device) * 0.05
-    dl = torch.randn(T, E, device=device)
-    rdx, rdw = _bwd_refs(dl, x, w)
-    wp = sys.modules["linghe.fwd.router"].weight_parts(w)
-    names.clear()
-    dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
-    assert names.index("_dw_kernel") < names.index("_dx_kernel")
-    assert "_sum_splits_kernel" not in names
-    assert rel_err(dx, rdx) < 2e-2 and rel_err(dw, rdw) < _exact_tol(device, T)
-    names.clear()
-    _, dw2 = B.router_logits_bwd(dl, x, w, need_dx=False)
-    assert "_sum_splits_kernel" in names and torch.equal(dw2, dw)
-    monkeypatch.setattr(B, "DX_SPLITS", True)
-    names.clear()
-    dx3, dw3 = B.router_logits_bwd(dl, x, w, w_parts=wp)
-    if form != "split":  # with the split form dW needs no parts: dW, then dx summing
-        assert names.index("_dx_kernel") < names.index("_dw_kernel")
-        assert "_sum_splits_kernel" in names
-    assert torch.equal(dw3, dw) and torch.equal(dx3, dx)
-
-
-@pytest.mark.parametrize("form,reduce,dw_cfg", [
-    ("acc", "last", (128, 128, 64, 3, 4)),
-    ("chain", "dx", (128, 256, 64, 2, 8)),
-    ("flat", "kernel", (128, 256, 64, 4, 8)),
-    ("split", "dx", (128, 256, 32, 3, 8)),
-])
-def test_router_bwd_heuristics_standard_shape(monkeypatch, form, reduce, dw_cfg):
-    """The GPU heuristics at the router's shape (132 SMs), per module default: one wave of
-    dW programs within the shared memory, dx tiles by dlogits' dtype."""
+@pytest.mark.parametrize("P,ns", [(3, 3), (2, 4)])
+def test_router_bwd_heuristics_standard_shape(monkeypatch, P, ns):
+    """The GPU heuristics at the router's shape (132 SMs): dW 128x128 tiles, one wave of
+    programs (32 tiles x 4 chunks) within the shared memory; dx 128x256 tiles."""
     from linghe.bwd import router as B
 
     monkeypatch.setattr(B, "INTERPRET", False)
     monkeypatch.setattr(B, "num_sms", lambda dev: 132)
     monkeypatch.setattr(B, "_DW_CFG", {})
     monkeypatch.setattr(B, "_DX_CFG", {})
-    monkeypatch.setattr(B, "DW_FORM", form)
-    monkeypatch.setattr(B, "DW_REDUCE", reduce)
-    monkeypatch.setattr(B, "DX_PERSIST", 1)
-    monkeypatch.setattr(B, "DX_EPI_TMA", True)
-    c = B._dw_config(256, 2048, 8192, 3, "cuda")
-    assert (c["BM"], c["BN"], c["BK"], c["num_stages"], c["SPLIT"]) == dw_cfg
-    assert c["FORM"] == form and c["REDUCE"] == reduce and c["num_warps"] == 8
-    for a_size, bk, ns in ((2, 64, 3), (4, 32, 4)):
-        c = B._dx_config(8192, 2048, 256, a_size, "cuda")
-        assert (c["BM"], c["BN"], c["BK"], c["num_stages"]) == (128, 256, bk, ns)
-        assert c["PERSIST"] == 1 and c["EPI_TMA"]
+    c = B._dw_config(256, 2048, 8192, P, "cuda")
+    assert c == dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=ns, SPLIT=4, GROUP_M=8)
+    c = B._dx_config(8192, 2048, 256, "cuda")
+    assert c == dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, GROUP_M=8)
 
 
 @pytest.mark.parametrize("T,H,E", [(37, 36, 16), (37, 48, 33)])
@@ -322,16 +279,14 @@ def test_router_bwd_tma_fallback(device, monkeypatch, T, H, E):
     assert rel_err(dx, rdx) < 2e-2 and rel_err(dw, rdw) < _exact_tol(device, T)
 
 
-@pytest.mark.parametrize("splits,form", [(False, "flat"), (True, "flat"), (False, "split")])
-def test_router_bwd_tma_nonfinite(device, monkeypatch, splits, form):
+@pytest.mark.parametrize("dwc", [None, dict(BM=16, BN=16, BK=16, SPLIT=2)])
+def test_router_bwd_tma_nonfinite(device, monkeypatch, dwc):
     """A NaN / Inf in dlogits spoils only its expert's dW row and its token's dx row:
     boxes that reach past the last token into the next part's first rows (the hi part's
     NaN row 0 is never read that way; mid/lo parts are zero there) add exact zeros."""
     from linghe.bwd import router as B
 
-    monkeypatch.setattr(B, "DX_SPLITS", splits)
-    monkeypatch.setattr(B, "DW_CONFIG", dict(BM=16, BN=16, BK=16, SPLIT=2, FORM=form,
-                                             REDUCE="last"))
+    monkeypatch.setattr(B, "DW_CONFIG", dwc)
     T, H, E = 45, 40, 24
     x = torch.randn(T, H, device=device).to(torch.bfloat16)
     w = torch.randn(E, H, device=device) * 0.05
@@ -351,7 +306,7 @@ def test_router_bwd_tma_nonfinite(device, monkeypatch, splits, form):
 @pytest.mark.gpu
 def test_router_bwd_standard_shape_exact_gpu(device, monkeypatch):
     """dW at the router's shape is fp32-exact (~2e-6 against float64: Hopper's MMA
-    accumulation) and deterministic, for the default and the one-accumulator forms."""
+    accumulation) and deterministic, for the default and two other tilings / K splits."""
     from linghe.bwd import router as B
     from linghe.fwd import router as F
 
@@ -361,12 +316,7 @@ def test_router_bwd_standard_shape_exact_gpu(device, monkeypatch):
     dl = torch.randn(T, E, device=device)
     rdx, rdw = _bwd_refs(dl, x, w)
     wp = F.weight_parts(w)
-    for cfg in (None, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=2, SPLIT=8,
-                           FORM="chain", REDUCE="kernel"),
-                dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, SPLIT=8, FORM="flat",
-                     REDUCE="kernel"),
-                dict(BM=128, BN=256, BK=32, num_warps=8, num_stages=3, SPLIT=8, FORM="split",
-                     REDUCE="kernel")):
+    for cfg in (None, dict(BM=64, BN=256), dict(BK=32, num_stages=4, SPLIT=8)):
         monkeypatch.setattr(B, "DW_CONFIG", cfg)
         dx, dw = B.router_logits_bwd(dl, x, w, w_parts=wp)
         assert rel_err(dw, rdw) < 1e-5, (cfg, rel_err(dw, rdw))
