@@ -253,13 +253,22 @@ class Block(nn.Module):
                                            enable_gqa=True)
         return o.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor, mode: str):
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, mode: str,
+                pending: torch.Tensor | None = None):
+        """``(x, m, tokens_per_expert)``: the residual stream after the attention and the
+        MoE output ``m`` not yet added to it (``x + m`` is this layer's output). The
+        linghe modes add ``pending`` (the previous layer's ``m``) and each residual
+        branch inside the following RMSNorm (``RMSNorm(x, residual)``: one kernel, and
+        the residual gradient added inside the norm's backward); the torch mode adds
+        them with ``+`` (the same sums, rounded the same)."""
         cfg = self.cfg
         B, S, H = x.shape
         rope_kw = dict(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads,
                        rotary_dim=cfg.rotary_dim, layout="bsh", interleaved=False,
                        eps=cfg.eps)
         if mode == "torch":
+            if pending is not None:
+                x = x + pending
             h = ref.rms_norm(x, self.attn_norm.weight, cfg.eps)
             p = F.linear(h, self.qkv_gate.weight)
             qkv, gate = p[..., :cfg.qkv_width], p[..., cfg.qkv_width:]
@@ -271,17 +280,21 @@ class Block(nn.Module):
             x = x + F.linear(a, self.o_proj.weight)
             m, tpe = torch_moe(self.moe, ref.rms_norm(x, self.moe_norm.weight, cfg.eps)
                                .view(B * S, H))
-            return x + m.view(B, S, H), tpe
-        p = self.qkv_gate(self.attn_norm(x))
+            return x, m.view(B, S, H), tpe
+        if pending is None:
+            hn = self.attn_norm(x)
+        else:
+            hn, x = self.attn_norm(pending, x)
+        p = self.qkv_gate(hn)
         qkv, gate = p[..., :cfg.qkv_width], p[..., cfg.qkv_width:]
         q, k, v = linghe.qk_norm_rope(qkv, freqs, q_norm_weight=self.q_norm,
                                       k_norm_weight=self.k_norm, **rope_kw)
         a = linghe.group_rms_norm_gate(self._attention(q, k, v), gate, self.gate_norm,
                                        num_groups=cfg.gate_groups, eps=cfg.eps,
                                        gate_layout="bsh")
-        x = x + self.o_proj(a)
-        m, aux = self.moe(self.moe_norm(x))
-        return x + m, aux.tokens_per_expert
+        hn, x = self.moe_norm(self.o_proj(a), x)
+        m, aux = self.moe(hn)
+        return x, m, aux.tokens_per_expert
 
 
 class E2EModel(nn.Module):
@@ -318,16 +331,18 @@ class E2EModel(nn.Module):
         else:
             x = linghe.embedding(tokens, self.embed.weight)
         tpes = []
+        m = None
         for layer in self.layers:
-            x, tpe = layer(x, self.freqs, mode)
+            x, m, tpe = layer(x, self.freqs, mode, m)
             tpes.append(tpe)
-        h = x.reshape(-1, cfg.hidden)
         lab = labels.reshape(-1)
         if mode == "torch":
+            h = (x + m).reshape(-1, cfg.hidden)
             loss = ref.linear_cross_entropy(ref.rms_norm(h, self.final_norm.weight, cfg.eps),
                                             self.lm_head.weight, lab)
         else:
-            loss = linghe.linear_cross_entropy(self.final_norm(h), self.lm_head.weight, lab)
+            hn, _ = self.final_norm(m.reshape(-1, cfg.hidden), x.reshape(-1, cfg.hidden))
+            loss = linghe.linear_cross_entropy(hn, self.lm_head.weight, lab)
         return loss, tpes
 
     @torch.no_grad()

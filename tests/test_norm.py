@@ -1,5 +1,7 @@
 """RMSNorm (+ residual add) and RMSNorm + 1x128 FP8 quantization, forward and backward."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -347,6 +349,44 @@ def test_nn_rmsnorm_like_torch(device):
     assert torch.equal(t.weight, m.weight)
     m.reset_parameters()
     assert torch.equal(m.weight, torch.ones_like(m.weight))
+
+
+@pytest.mark.parametrize("recipe", [None, "blockwise"])
+def test_nn_rmsnorm_residual(device, recipe):
+    """``RMSNorm(x, residual)`` = the residual add then the norm: ``(y, h)`` with ``h = x +
+    residual`` bit for bit, and gradients to ``x``, ``residual`` and the weight as the
+    unfused ``x + residual`` then the norm has them (fused kernel; with the blockwise
+    recipe the documented separate add before rms_norm_quant)."""
+    m = linghe.nn.RMSNorm(256, eps=1e-5, device=device)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = torch.randn(37, 256, device=device).to(torch.bfloat16).requires_grad_()
+    r = torch.randn(37, 256, device=device).to(torch.bfloat16).requires_grad_()
+    ctx = linghe.TrainingContext(fp8=recipe) if recipe else contextlib.nullcontext()
+    with ctx:
+        y, h = m(x, r)
+        y_ref = m(x + r)
+    if device == "cuda" or recipe:  # (the interpreter truncates the fused kernel's h)
+        assert torch.equal(h, x + r)
+    tol = REL_TOL[torch.bfloat16]
+    assert_close(h, x + r, tol=tol)
+    if recipe:
+        assert isinstance(y, linghe.Fp8Tensor)
+        y, y_ref = y.dequantize(), y_ref.dequantize()
+    assert_close(y, y_ref, tol=tol)
+    dy = torch.randn_like(y)
+    dh = torch.randn_like(h)
+    gx, gr, gw = torch.autograd.grad((y, h), (x, r, m.weight), (dy, dh))
+    x2, r2 = x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+    with ctx:
+        h2 = x2 + r2
+        y2 = m(h2)
+    if recipe:
+        y2 = y2.dequantize()
+    gx2, gr2, gw2 = torch.autograd.grad((y2, h2), (x2, r2, m.weight), (dy, dh))
+    assert_close(gx, gx2, tol=tol)
+    assert_close(gr, gr2, tol=tol)
+    assert_close(gw, gw2, tol=tol)
 
 
 def test_nn_rmsnorm_dtype_moves(device):

@@ -20,6 +20,14 @@ class RMSNorm(torch.nn.Module):
     :class:`linghe.nn.Linear` consumes without re-quantizing. Set ``quantize_output =
     False`` on a norm whose output does not feed an FP8 Linear (e.g. the final norm before
     a high-precision LM head; other ops would see the dequantized values).
+
+    ``forward(x, residual)`` is the pre-norm block's residual add fused in: ``h = x +
+    residual`` (rounded to ``x``'s dtype, as ``x + residual`` is) is normalized and ``(y,
+    h)`` returned, ``h`` being the new residual stream. One kernel reads both and writes
+    ``h`` and ``y``; in the backward the gradient arriving at ``h`` is added inside the
+    norm's backward kernel instead of by autograd. Under the blockwise recipe (quantized
+    output) the add is a separate ``x + residual`` (``rms_norm_quant`` has no residual
+    input), with the same result.
     """
 
     #: Return an Fp8Tensor under the blockwise recipe (plain attribute, not in state_dict).
@@ -43,13 +51,15 @@ class RMSNorm(torch.nn.Module):
     def reset_parameters(self) -> None:
         torch.nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         recipe = current_recipe()
         if recipe is not None and recipe.name == "blockwise" and self.quantize_output:
-            return rms_norm_quant(x, self.weight, self.eps,
-                                  columnwise=recipe.fp8_wgrad and torch.is_grad_enabled(),
-                                  pow2_scale=recipe.pow2_scale)
-        return rms_norm(x, self.weight, self.eps)
+            h = x if residual is None else x + residual
+            y = rms_norm_quant(h, self.weight, self.eps,
+                               columnwise=recipe.fp8_wgrad and torch.is_grad_enabled(),
+                               pow2_scale=recipe.pow2_scale)
+            return y if residual is None else (y, h)
+        return rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
