@@ -181,6 +181,24 @@ def test_backward_non_contiguous_grad():
           "dw of sum")
 
 
+@pytest.mark.parametrize("H", [1, 0])
+def test_backward_rows_of_one_or_no_element(H):
+    """H = 1: a gradient whose column stride is not 1 (torch calls it contiguous, so
+    .contiguous() keeps it) is accepted, eager and compiled; H = 0: the gradient of a
+    sum (an expanded empty tensor)."""
+    V = 7
+    w = _weight(V, H, torch.float32)
+    t = torch.tensor([3, 1, 3, 6, 0, 3])
+    # H = 1: strides (1, 6); H = 0: strides (0, 0)
+    g = torch.randn(H, 6).t() if H else torch.zeros(()).expand(6, 0)
+    linghe.embedding(t, w).backward(g)
+    _same(w.grad, _rounded(ref.embedding_backward(t, g, V), torch.float32), "dw")
+    compiled = torch.compile(lambda tok, wt: linghe.embedding(tok, wt), fullgraph=True,
+                             backend="aot_eager")
+    (dw,) = torch.autograd.grad(compiled(t, w), w, g)
+    _same(dw, _rounded(ref.embedding_backward(t, g, V), torch.float32), "compiled dw")
+
+
 def test_backward_deterministic_under_shuffle(chunk):
     """The same bits on every run, and when the tokens (with their gradient rows) come in
     another order: the float64 sums of bf16 rows are exact."""
