@@ -305,6 +305,33 @@ def test_autograd_grad_leaves_dot_grad(monkeypatch, fused_on):
     _same(w.grad, before + dw, "hooked dw")
 
 
+def test_double_backward_in_grad_output(fused_on):
+    """With create_graph the weight gradient stays differentiable in grad_output (as
+    torch's): d<dW, c>/d grad is c[tokens], zero for padding and out-of-range tokens."""
+    V, H = 9, 12
+    w = _weight(V, H, torch.float32)
+    w.grad = torch.randn(V, H)  # (no fused accumulation under create_graph)
+    before = w.grad.clone()
+    t = torch.tensor([[1, 4, 1, 2], [11, 4, -1, 8]])
+    g = torch.randn(2, 4, H, requires_grad=True)
+    c = torch.randn(V, H, requires_grad=True)
+    out = linghe.embedding(t, w, padding_idx=2)
+    (dw,) = torch.autograd.grad(out, w, g, create_graph=True)
+    _same(dw.detach(), _rounded(ref.embedding_backward(t, g.detach(), V, 2), torch.float32),
+          "dw")
+    (dw * c).sum().backward(retain_graph=True)
+    valid = (t >= 0) & (t < V) & (t != 2)
+    expect = torch.where(valid.unsqueeze(-1), c.detach()[t.clamp(0, V - 1)], 0.0)
+    _same(g.grad, expect, "d/d grad_output")
+    _same(c.grad, dw.detach(), "d/dc")
+    _same(w.grad, before, "w.grad untouched by autograd.grad")
+    # a second order: the gather of the gradient of dW is differentiable too
+    (gg,) = torch.autograd.grad((dw * c).sum(), g, create_graph=True)
+    (gc,) = torch.autograd.grad((gg * g.detach()).sum(), c)
+    _same(gc, _rounded(ref.embedding_backward(t, g.detach(), V, 2), torch.float32),
+          "third order")
+
+
 def test_weight_without_grad():
     w = torch.randn(12, 8)
     t = _tokens((5,), 12)
