@@ -387,6 +387,32 @@ def test_module_matches_torch():
     assert linghe.nn.Embedding.from_pretrained(pre, freeze=False).weight.requires_grad
 
 
+def test_module_arguments_as_torch():
+    """torch.nn.Embedding's arguments, in its order: the defaults of max_norm,
+    scale_grad_by_freq and sparse are accepted (and readable as attributes), other values
+    rejected by name; from_pretrained takes them too."""
+    V, H = 11, 6
+    w = torch.randn(V, H)
+    args = (V, H, 3, None, 2.0, False, False, w)  # positional, as torch's __init__
+    mine, theirs = linghe.nn.Embedding(*args), torch.nn.Embedding(*args)
+    for name in ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"):
+        assert getattr(mine, name) == getattr(theirs, name), name
+    assert mine.weight.data_ptr() == theirs.weight.data_ptr() == w.data_ptr()
+    assert repr(mine).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
+    m = linghe.nn.Embedding(V, H, sparse=False, scale_grad_by_freq=False, max_norm=None,
+                            dtype=torch.bfloat16)
+    assert m.weight.dtype == torch.bfloat16
+    for kw in ({"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            linghe.nn.Embedding(V, H, **kw)
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            linghe.nn.Embedding.from_pretrained(w, **kw)
+    fp = linghe.nn.Embedding.from_pretrained(w, False, 2, None, 2.0, False, False)
+    assert fp.weight.requires_grad and fp.padding_idx == 2
+    t = _tokens((3, 4), V)
+    _same(fp(t), w[t], "from_pretrained")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_wide_rows(dtype):
     """Rows over one forward column block (1 KB)."""
