@@ -199,8 +199,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmark.probe_embedding")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--old", default=None, help="a folder holding main's e2e_model.py "
-                    "(rows 'e2e _EmbeddingIndexAdd')")
+    ap.add_argument("--old", default=None, help="a folder holding an e2e_model.py from "
+                    "before f7ec1ca (rows 'e2e _EmbeddingIndexAdd'; a later one adds none)")
     args = ap.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     if not interpreter_matches(device == "cpu", "benchmark.probe_embedding"):
@@ -210,8 +210,11 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth_gbps(Config(device=device, quick=False))
     old = None
     if args.old:
-        old = load_module_at("", "benchmark/e2e_model.py", "benchmark._e2e_model_old",
-                             src_dir=args.old)._EmbeddingIndexAdd
+        old = getattr(load_module_at("", "benchmark/e2e_model.py", "benchmark._e2e_model_old",
+                                     src_dir=args.old), "_EmbeddingIndexAdd", None)
+        if old is None:  # main since f7ec1ca: the e2e model uses linghe.embedding itself
+            print(f"--old: {args.old}/e2e_model.py has no _EmbeddingIndexAdd (it is from "
+                  "after the e2e model moved to linghe.embedding): no 'e2e' rows")
     gen = torch.Generator(device="cpu").manual_seed(0)
     w = (torch.randn(V, H, generator=gen) * 0.02).to(device, torch.bfloat16)
     rows, checks = [], []

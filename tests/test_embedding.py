@@ -181,6 +181,24 @@ def test_backward_non_contiguous_grad():
           "dw of sum")
 
 
+@pytest.mark.parametrize("H", [1, 0])
+def test_backward_rows_of_one_or_no_element(H):
+    """H = 1: a gradient whose column stride is not 1 (torch calls it contiguous, so
+    .contiguous() keeps it) is accepted, eager and compiled; H = 0: the gradient of a
+    sum (an expanded empty tensor)."""
+    V = 7
+    w = _weight(V, H, torch.float32)
+    t = torch.tensor([3, 1, 3, 6, 0, 3])
+    # H = 1: strides (1, 6); H = 0: strides (0, 0)
+    g = torch.randn(H, 6).t() if H else torch.zeros(()).expand(6, 0)
+    linghe.embedding(t, w).backward(g)
+    _same(w.grad, _rounded(ref.embedding_backward(t, g, V), torch.float32), "dw")
+    compiled = torch.compile(lambda tok, wt: linghe.embedding(tok, wt), fullgraph=True,
+                             backend="aot_eager")
+    (dw,) = torch.autograd.grad(compiled(t, w), w, g)
+    _same(dw, _rounded(ref.embedding_backward(t, g, V), torch.float32), "compiled dw")
+
+
 def test_backward_deterministic_under_shuffle(chunk):
     """The same bits on every run, and when the tokens (with their gradient rows) come in
     another order: the float64 sums of bf16 rows are exact."""
@@ -287,6 +305,33 @@ def test_autograd_grad_leaves_dot_grad(monkeypatch, fused_on):
     _same(w.grad, before + dw, "hooked dw")
 
 
+def test_double_backward_in_grad_output(fused_on):
+    """With create_graph the weight gradient stays differentiable in grad_output (as
+    torch's): d<dW, c>/d grad is c[tokens], zero for padding and out-of-range tokens."""
+    V, H = 9, 12
+    w = _weight(V, H, torch.float32)
+    w.grad = torch.randn(V, H)  # (no fused accumulation under create_graph)
+    before = w.grad.clone()
+    t = torch.tensor([[1, 4, 1, 2], [11, 4, -1, 8]])
+    g = torch.randn(2, 4, H, requires_grad=True)
+    c = torch.randn(V, H, requires_grad=True)
+    out = linghe.embedding(t, w, padding_idx=2)
+    (dw,) = torch.autograd.grad(out, w, g, create_graph=True)
+    _same(dw.detach(), _rounded(ref.embedding_backward(t, g.detach(), V, 2), torch.float32),
+          "dw")
+    (dw * c).sum().backward(retain_graph=True)
+    valid = (t >= 0) & (t < V) & (t != 2)
+    expect = torch.where(valid.unsqueeze(-1), c.detach()[t.clamp(0, V - 1)], 0.0)
+    _same(g.grad, expect, "d/d grad_output")
+    _same(c.grad, dw.detach(), "d/dc")
+    _same(w.grad, before, "w.grad untouched by autograd.grad")
+    # a second order: the gather of the gradient of dW is differentiable too
+    (gg,) = torch.autograd.grad((dw * c).sum(), g, create_graph=True)
+    (gc,) = torch.autograd.grad((gg * g.detach()).sum(), c)
+    _same(gc, _rounded(ref.embedding_backward(t, g.detach(), V, 2), torch.float32),
+          "third order")
+
+
 def test_weight_without_grad():
     w = torch.randn(12, 8)
     t = _tokens((5,), 12)
@@ -340,6 +385,32 @@ def test_module_matches_torch():
     assert not frozen.weight.requires_grad and frozen.weight.data_ptr() == pre.data_ptr()
     _same(frozen(t), pre[t], "from_pretrained")
     assert linghe.nn.Embedding.from_pretrained(pre, freeze=False).weight.requires_grad
+
+
+def test_module_arguments_as_torch():
+    """torch.nn.Embedding's arguments, in its order: the defaults of max_norm,
+    scale_grad_by_freq and sparse are accepted (and readable as attributes), other values
+    rejected by name; from_pretrained takes them too."""
+    V, H = 11, 6
+    w = torch.randn(V, H)
+    args = (V, H, 3, None, 2.0, False, False, w)  # positional, as torch's __init__
+    mine, theirs = linghe.nn.Embedding(*args), torch.nn.Embedding(*args)
+    for name in ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"):
+        assert getattr(mine, name) == getattr(theirs, name), name
+    assert mine.weight.data_ptr() == theirs.weight.data_ptr() == w.data_ptr()
+    assert repr(mine).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
+    m = linghe.nn.Embedding(V, H, sparse=False, scale_grad_by_freq=False, max_norm=None,
+                            dtype=torch.bfloat16)
+    assert m.weight.dtype == torch.bfloat16
+    for kw in ({"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            linghe.nn.Embedding(V, H, **kw)
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            linghe.nn.Embedding.from_pretrained(w, **kw)
+    fp = linghe.nn.Embedding.from_pretrained(w, False, 2, None, 2.0, False, False)
+    assert fp.weight.requires_grad and fp.padding_idx == 2
+    t = _tokens((3, 4), V)
+    _same(fp(t), w[t], "from_pretrained")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

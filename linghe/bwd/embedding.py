@@ -233,7 +233,10 @@ def _launch(dw: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor,
 
 def _check_launch(dw, tokens, grad):
     V, H = dw.shape
-    if grad.dim() != 2 or grad.shape != (tokens.shape[0], H) or grad.stride(1) != 1:
+    # (the column stride of rows of 0 or 1 element is never used: torch calls such a
+    # tensor contiguous whatever it is, so .contiguous() does not make it 1)
+    if (grad.dim() != 2 or grad.shape != (tokens.shape[0], H)
+            or (H > 1 and grad.stride(1) != 1)):
         raise ValueError(f"grad must be [N={tokens.shape[0]}, H={H}] with contiguous rows, "
                          f"got shape {tuple(grad.shape)} strides {grad.stride()}")
     if V >= 2**31 - 1:

@@ -56,7 +56,31 @@ class EmbeddingFunction(torch.autograd.Function):
         if acc is not None:  # fused accumulation: add the touched rows into .grad
             bwd.embedding_bwd_accumulate_(acc, tokens, grad, padding_idx)
             return None, take_grad(param, acc), None
+        if torch.is_grad_enabled() and grad.requires_grad:  # create_graph: dW depends on grad
+            return None, _EmbeddingGradFunction.apply(tokens, grad, num_embeddings,
+                                                      padding_idx, dtype), None
         return None, bwd.embedding_bwd(tokens, grad, num_embeddings, padding_idx, dtype), None
+
+
+class _EmbeddingGradFunction(torch.autograd.Function):
+    """The weight gradient ``dW [V, H]`` of ``grad [N, H]`` as a differentiable function
+    of ``grad`` (the backward under ``create_graph``; the weight does not enter it):
+    ``d/d grad`` of ``<dW, ggW>`` is ``ggW[tokens]``, zero for the tokens that give no
+    gradient (padding, out of range). Saved: ``tokens``."""
+
+    @staticmethod
+    def forward(ctx, tokens, grad, num_embeddings, padding_idx, dtype):
+        ctx.save_for_backward(tokens)
+        ctx.padding_idx = padding_idx
+        return bwd.embedding_bwd(tokens, grad, num_embeddings, padding_idx, dtype)
+
+    @staticmethod
+    def backward(ctx, ggw):
+        (tokens,) = ctx.saved_tensors
+        gg = embedding(tokens, ggw)  # zero rows for ids out of range; differentiable
+        if ctx.padding_idx is not None:
+            gg = gg.masked_fill((tokens == ctx.padding_idx).unsqueeze(-1), 0)
+        return None, gg, None, None, None
 
 
 def _check_ids(tokens: torch.Tensor, V: int) -> None:
@@ -105,7 +129,9 @@ def embedding(tokens: torch.Tensor, weight: torch.Tensor, *,
     already holds a gradient (micro-batches after the first), the backward adds each
     touched row's sum into that ``.grad`` row (float64 add, one rounding) and returns the
     same tensor (``linghe.fused_grad_accumulation``; ``linghe/bwd/accumulate.py`` says
-    when it steps aside), so no ``[V, H]`` buffer is built or added.
+    when it steps aside), so no ``[V, H]`` buffer is built or added. With
+    ``create_graph`` the weight gradient is differentiable in the output's gradient (as
+    torch's), to any order.
     """
     check_tensor("tokens", tokens, dtypes=_TOKEN_DTYPES)
     check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2)

@@ -12,17 +12,24 @@ class Embedding(torch.nn.Module):
     :func:`linghe.embedding` (sync-free deterministic backward, fused gradient
     accumulation into ``weight.grad``).
 
-    Like ``torch.nn.Embedding(num_embeddings, embedding_dim, padding_idx)``: one parameter
+    Like ``torch.nn.Embedding`` (the same arguments, in the same order): one parameter
     ``weight`` initialized from N(0, 1) with the ``padding_idx`` row zeroed, so state
     dicts load either way. ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are not
-    supported. Ids outside ``[0, num_embeddings)`` give zero rows (see
-    :func:`linghe.embedding`; debug mode raises).
+    supported: only their defaults are accepted (``ValueError`` otherwise). Ids outside
+    ``[0, num_embeddings)`` give zero rows (see :func:`linghe.embedding`; debug mode
+    raises).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
-                 padding_idx: int | None = None, device=None, dtype=None,
-                 _weight: torch.Tensor | None = None, _freeze: bool = False):
+                 padding_idx: int | None = None, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: torch.Tensor | None = None,
+                 _freeze: bool = False, device=None, dtype=None):
         super().__init__()
+        _check_unsupported(max_norm, scale_grad_by_freq, sparse)
+        # (torch.nn.Embedding's attributes, for code that reads them)
+        self.max_norm, self.norm_type = None, norm_type
+        self.scale_grad_by_freq, self.sparse = False, False
         if int(num_embeddings) < 0 or int(embedding_dim) < 0:
             raise ValueError(f"num_embeddings and embedding_dim must be >= 0, got "
                              f"{num_embeddings}, {embedding_dim}")
@@ -53,15 +60,31 @@ class Embedding(torch.nn.Module):
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
+        if self.norm_type != 2:
+            s += f", norm_type={self.norm_type}"
         return s
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True,
-                        padding_idx: int | None = None) -> Embedding:
+                        padding_idx: int | None = None, max_norm: float | None = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                        sparse: bool = False) -> Embedding:
         """An ``Embedding`` whose weight is ``embeddings [V, H]`` (the tensor itself, as
-        torch's ``from_pretrained``); ``freeze``: no gradient."""
+        torch's ``from_pretrained``, with its arguments); ``freeze``: no gradient."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D [V, H], got shape "
                              f"{tuple(embeddings.shape)}")
         V, H = embeddings.shape
-        return cls(V, H, padding_idx=padding_idx, _weight=embeddings, _freeze=freeze)
+        return cls(V, H, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                   scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, _weight=embeddings,
+                   _freeze=freeze)
+
+
+def _check_unsupported(max_norm, scale_grad_by_freq, sparse) -> None:
+    """``ValueError`` naming the first of torch's options set to other than its default."""
+    for name, value, unset in (("max_norm", max_norm, max_norm is None),
+                               ("scale_grad_by_freq", scale_grad_by_freq, not scale_grad_by_freq),
+                               ("sparse", sparse, not sparse)):
+        if not unset:
+            raise ValueError(f"linghe.nn.Embedding does not support {name} (got {value!r}): "
+                             "use torch.nn.Embedding for it")
