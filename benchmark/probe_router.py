@@ -465,30 +465,6 @@ def _load_old(args) -> _Old | None:
 
 
 # ------------------------------------------------------------------ offline compile
-def _record_launches(mods, fn):
-    """The kernel launches ``fn`` makes through ``launch`` in ``mods`` (``[(kernel, args
-    by name, num_warps, num_stages)]``), without running them."""
-    calls = []
-
-    def fake(kernel, grid, *a, **kw):
-        kw = dict(kw)
-        warps = kw.pop("num_warps", 4)
-        stages = kw.pop("num_stages", 3)
-        args = dict(zip([p.name for p in kernel.params], a))
-        args.update(kw)
-        calls.append((kernel, args, warps, stages))
-
-    saved = [(m, m.launch) for m in mods]
-    try:
-        for m in mods:
-            m.launch = fake
-        fn()
-    finally:
-        for m, f in saved:
-            m.launch = f
-    return calls
-
-
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
        torch.int32: "i32", torch.int64: "i64"}
 
@@ -529,33 +505,13 @@ def _compile_sm90(kernel, args, warps, stages):
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def _ptxas_usage(ptx: str):
-    """``(registers, spill store bytes)`` from ``ptxas -v`` (triton's bundled ptxas)."""
-    import glob
-    import re
-    import subprocess
-    import tempfile
-
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-        fh.write(ptx)
-    try:
-        for exe in sorted(glob.glob(os.path.join(bindir, "ptxas*")), reverse=True):
-            r = subprocess.run([exe, "-arch=sm_90a", "-v", fh.name, "-o", os.devnull],
-                               capture_output=True, text=True)
-            regs = re.search(r"Used (\d+) registers", r.stderr)
-            spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-            if r.returncode == 0 and regs:
-                return int(regs[1]), int(spill[1]) if spill else 0
-    finally:
-        os.unlink(fh.name)
-    return None, None
-
-
 def ptxas_table(args) -> int:
     """Every row's launches compiled for sm_90 (meta tensors of the standard shape, 132
     SMs): registers, spill bytes, shared memory and the wgmma shapes of each kernel."""
     import re
+
+    from .fp8_gemm_sweep import _ptxas_usage
+    from .probe_tilequant import _record_launches
 
     if INTERPRET:
         print("--ptxas compiles for sm_90: run it without TRITON_INTERPRET", file=sys.stderr)

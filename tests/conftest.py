@@ -162,6 +162,24 @@ def device():
 
 
 @pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(module, name)``: wraps ``module.name`` so that each call appends to the
+    returned list (e.g. how often a fused path ran), restored after the test."""
+    def wrap(module, name):
+        calls = []
+        real_fn = getattr(module, name)
+
+        def counting(*a, **k):
+            calls.append(1)
+            return real_fn(*a, **k)
+
+        monkeypatch.setattr(module, name, counting)
+        return calls
+
+    return wrap
+
+
+@pytest.fixture
 def on_test_device(device):
     """Tensors and modules made without a device argument land on the test device (CUDA
     on a GPU machine): ``pytestmark = pytest.mark.usefixtures("on_test_device")``."""

@@ -218,21 +218,9 @@ def test_backward_deterministic_under_shuffle(chunk):
         _same(grad_of(t[perm], g[perm]), a, "shuffled")
 
 
-def _count_fused(monkeypatch):
-    calls = []
-    real_fn = bwd_emb.embedding_bwd_accumulate_
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real_fn(*a, **k)
-
-    monkeypatch.setattr(bwd_emb, "embedding_bwd_accumulate_", counting)
-    return calls
-
-
 @pytest.mark.parametrize("pad", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_accumulates_in_place(dtype, pad, monkeypatch, fused_on, chunk):
+def test_accumulates_in_place(dtype, pad, monkeypatch, fused_on, chunk, count_calls):
     """From the second micro-batch on the kernel adds into .grad (the same tensor storage
     throughout): each touched row is round(grad + float64 sum), others are untouched."""
     V, H = 60, 40
@@ -240,7 +228,7 @@ def test_accumulates_in_place(dtype, pad, monkeypatch, fused_on, chunk):
     toks = [_tokens((3, 11), 20, hot=2), _tokens((29,), V, hot=4), _tokens((0,), V),
             _tokens((1,), V)]
     gs = [torch.randn(*t.shape, H).to(dtype) for t in toks]
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_emb, "embedding_bwd_accumulate_")
     ptrs = []
     expect = None
     for t, g in zip(toks, gs):
@@ -263,7 +251,7 @@ def test_accumulates_in_place(dtype, pad, monkeypatch, fused_on, chunk):
     _same(w2.grad, plain, "plain dw")
 
 
-def test_accumulate_leaves_other_rows(monkeypatch, fused_on):
+def test_accumulate_leaves_other_rows(monkeypatch, fused_on, count_calls):
     """Rows of .grad that the batch does not touch (the padding row too) keep their
     values, whatever they are."""
     V, H = 30, 24
@@ -271,7 +259,7 @@ def test_accumulate_leaves_other_rows(monkeypatch, fused_on):
     w.grad = torch.randn(V, H).to(torch.bfloat16)
     before = w.grad.clone()
     t = torch.tensor([[4, 4, 7], [2, 4, 5]])
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_emb, "embedding_bwd_accumulate_")
     g = torch.randn(2, 3, H).to(torch.bfloat16)
     linghe.embedding(t, w, padding_idx=5).backward(g)
     assert len(calls) == 1
@@ -282,14 +270,14 @@ def test_accumulate_leaves_other_rows(monkeypatch, fused_on):
     _same(w.grad[untouched], before[untouched], "untouched rows")
 
 
-def test_autograd_grad_leaves_dot_grad(monkeypatch, fused_on):
+def test_autograd_grad_leaves_dot_grad(monkeypatch, fused_on, count_calls):
     """torch.autograd.grad returns this backward's gradient and leaves .grad alone; a
     tensor hook sees each backward's own gradient (no fused accumulation)."""
     V, H = 25, 16
     w = _weight(V, H, torch.bfloat16)
     t1, t2 = _tokens((19,), V, hot=2), _tokens((2, 7), V, hot=3)
     g1, g2 = torch.randn(19, H).to(torch.bfloat16), torch.randn(2, 7, H).to(torch.bfloat16)
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_emb, "embedding_bwd_accumulate_")
     linghe.embedding(t1, w).backward(g1)
     before = w.grad.clone()
     (dw,) = torch.autograd.grad(linghe.embedding(t2, w), w, g2)

@@ -96,18 +96,6 @@ def test_wgrad_accumulate_bad_inputs(device):
         bwd_gm.grouped_mm_wgrad_accumulate_(dw, d_out, rows.float(), layout.offsets)
 
 
-def _count_fused(monkeypatch):
-    calls = []
-    real_fn = bwd_gm.grouped_mm_wgrad_accumulate_
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real_fn(*a, **k)
-
-    monkeypatch.setattr(bwd_gm, "grouped_mm_wgrad_accumulate_", counting)
-    return calls
-
-
 def _two_passes(w, rows, layout, gs, hook=None):
     """Two backward passes of ``grouped_mm(rows, w)`` into ``w.grad``; returns the grad
     tensor identities seen after each pass."""
@@ -118,14 +106,14 @@ def _two_passes(w, rows, layout, gs, hook=None):
     return ptrs
 
 
-def test_grouped_mm_accumulates_in_place(device, monkeypatch, fused_on):
+def test_grouped_mm_accumulates_in_place(device, monkeypatch, fused_on, count_calls):
     counts, align, K, N = [5, 0, 20], 16, 48, 40
     rows, layout, real = make_rows(counts, align, K, device, torch.bfloat16)
     gs = [torch.randn(rows.shape[0], N, device=device).to(torch.bfloat16) for _ in range(3)]
     for g in gs:
         g[~real] = 0
     w_init = torch.randn(len(counts), N, K, device=device).to(torch.bfloat16)
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_gm, "grouped_mm_wgrad_accumulate_")
 
     w = torch.nn.Parameter(w_init.clone())
     ptrs = _two_passes(w, rows, layout, gs)
@@ -143,13 +131,13 @@ def test_grouped_mm_accumulates_in_place(device, monkeypatch, fused_on):
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
-def test_grouped_mm_accumulation_falls_back(device, monkeypatch, fused_on):
+def test_grouped_mm_accumulation_falls_back(device, monkeypatch, fused_on, count_calls):
     """Tensor hooks, create_graph and a non-leaf weight take the plain path; a grad
     that AccumulateGrad cannot take back (another reference) still ends up right."""
     counts, align, K, N = [4, 7], 8, 32, 16
     rows, layout, real = make_rows(counts, align, K, device, torch.float32)
     g1, g2 = (torch.randn(rows.shape[0], N, device=device) for _ in range(2))
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_gm, "grouped_mm_wgrad_accumulate_")
     expect = _ref_wgrad(g1, rows, layout.offsets) + _ref_wgrad(g2, rows, layout.offsets)
 
     # a tensor hook sees each backward's own gradient
@@ -204,7 +192,8 @@ def test_grouped_mm_accumulation_falls_back(device, monkeypatch, fused_on):
 
 
 @pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16-rows", "fp8-rows"])
-def test_grouped_swiglu_fp8_accumulates_in_place(monkeypatch, fused_on, fp8_rows, kernel):
+def test_grouped_swiglu_fp8_accumulates_in_place(monkeypatch, fused_on, fp8_rows, kernel,
+                                                  count_calls):
     """The FP8 expert FFN's high-precision wgrads (the default) add into the weights'
     gradients: the same as the plain path up to one bf16 rounding per micro-batch."""
     counts, align, H, I = [5, 0, 30], 16, 128, 192
@@ -212,7 +201,7 @@ def test_grouped_swiglu_fp8_accumulates_in_place(monkeypatch, fused_on, fp8_rows
     gs = [torch.randn(rows.shape[0], H) for _ in range(2)]
     for g in gs:
         g[~real] = 0
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_gm, "grouped_mm_wgrad_accumulate_")
 
     def run(fused):
         accumulate.set_fused_grad_accumulation(fused)
@@ -236,13 +225,13 @@ def test_grouped_swiglu_fp8_accumulates_in_place(monkeypatch, fused_on, fp8_rows
     assert_close(d2, p2, 1e-2, "d_down fused vs plain")
 
 
-def test_moe_module_accumulates(monkeypatch, fused_on, device):
+def test_moe_module_accumulates(monkeypatch, fused_on, device, count_calls):
     """linghe.nn.MoE (bf16 experts): two micro-batches, the expert gradients accumulated
     by the wgrad kernel; the same as the plain path."""
     torch.manual_seed(0)
     m = linghe.nn.MoE(64, 4, 2, 48, device=device, dtype=torch.bfloat16)
     xs = [torch.randn(37, 64, device=device, dtype=torch.bfloat16) for _ in range(2)]
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_gm, "grouped_mm_wgrad_accumulate_")
 
     def run(fused):
         accumulate.set_fused_grad_accumulation(fused)
@@ -258,13 +247,13 @@ def test_moe_module_accumulates(monkeypatch, fused_on, device):
         assert_close(fused[n], plain[n], 1e-2, n)
 
 
-def test_flat_buffer_view_grad_takes_plain_path(device, monkeypatch, fused_on):
+def test_flat_buffer_view_grad_takes_plain_path(device, monkeypatch, fused_on, count_calls):
     """A .grad that is a view into a flat buffer (e.g. DDP's bucket views): PyTorch's
     in-place add keeps it in the buffer; the fused path steps aside."""
     counts, align, K, N = [4, 7], 8, 32, 16
     rows, layout, real = make_rows(counts, align, K, device, torch.float32)
     g1, g2 = (torch.randn(rows.shape[0], N, device=device) for _ in range(2))
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_gm, "grouped_mm_wgrad_accumulate_")
     w = torch.nn.Parameter(torch.randn(2, N, K, device=device))
     buf = torch.zeros(2 * N * K + 64, device=device)
     w.grad = buf[64:].view(2, N, K)
@@ -301,7 +290,7 @@ def test_failed_backward_leaves_gradients(monkeypatch, fused_on):
     assert torch.equal(p1.grad, before[0]) and torch.equal(p2.grad, before[1])
 
 
-def test_fused_after_a_compile_that_raised(device, monkeypatch, fused_on):
+def test_fused_after_a_compile_that_raised(device, monkeypatch, fused_on, count_calls):
     """A ``torch.compile``d call that raised (here: the delayed FP8 recipe refusing to
     run under compile) used to leave one more Python reference on every ``.grad`` for the
     rest of the process, so a reference count measured once at import refused every
@@ -315,6 +304,6 @@ def test_fused_after_a_compile_that_raised(device, monkeypatch, fused_on):
     g = torch.randn(rows.shape[0], 40, device=device).to(torch.bfloat16)
     g[~real] = 0
     w = torch.nn.Parameter(torch.randn(3, 40, 48, device=device).to(torch.bfloat16))
-    calls = _count_fused(monkeypatch)
+    calls = count_calls(bwd_gm, "grouped_mm_wgrad_accumulate_")
     ptrs = _two_passes(w, rows, layout, [g, g])
     assert len(calls) == 1 and len(set(ptrs)) == 1
