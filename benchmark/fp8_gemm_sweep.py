@@ -62,7 +62,7 @@ from linghe.fwd import grouped_mm as fwd_gm  # noqa: E402
 from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import INTERPRET, set_poison_outputs  # noqa: E402
 
-from .harness import fmt, random_routing  # noqa: E402
+from .harness import bench_us, compiled_binaries, fmt, random_routing  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Candidates (GPU). Names: form, tiles, warps, stages.
@@ -173,35 +173,13 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_us(fn, device: str) -> float:
-    """Median µs: ``do_bench`` on the GPU (L2 flushed between runs); wall clock of one
-    run on the interpreter."""
-    if device == "cuda":
-        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e6
-
-
-def _binaries(kernel) -> list:
-    """The compiled binaries of a ``@triton.jit`` kernel (all devices); [] if this
-    triton keeps them elsewhere."""
-    out = []
-    try:
-        for cache in kernel.device_caches.values():
-            out.extend(v for v in cache[0].values() if hasattr(v, "n_regs"))
-    except Exception:
-        pass
-    return out
-
-
 _RES: dict = {}  # (kernel, layout, config) -> (n_regs, n_spills) of its binary
 
 
 def _run_first(fn, kernel, key, device):
     """First call of a candidate (compiles on a miss; outputs poisoned so that an
     unwritten element fails the check): ``(out, seconds, n_regs, n_spills)``."""
-    before = {id(b) for b in _binaries(kernel)}
+    before = {id(b) for b in compiled_binaries(kernel)}
     set_poison_outputs(True)
     t = time.perf_counter()
     try:
@@ -210,7 +188,7 @@ def _run_first(fn, kernel, key, device):
     finally:
         set_poison_outputs(False)
     secs = time.perf_counter() - t
-    new = [b for b in _binaries(kernel) if id(b) not in before]
+    new = [b for b in compiled_binaries(kernel) if id(b) not in before]
     if len(new) == 1:
         _RES[key] = (getattr(new[0], "n_regs", None), getattr(new[0], "n_spills", None))
     regs, spills = _RES.get(key, (None, None))
@@ -323,7 +301,7 @@ def sweep_op(op, lname, gname, d, cands, device, clock, rows):
     if bf is not None:
         try:
             bf()
-            bf_us = time_us(bf, device)
+            bf_us = bench_us(bf, device == "cuda", warmup=10, rep=60)
             rows.append(dict(base, provider="bf16", form="torch._grouped_mm", config="bf16",
                              us=bf_us, ok=True))
         except Exception as exc:  # e.g. no CPU kernel for torch._grouped_mm
@@ -342,7 +320,7 @@ def sweep_op(op, lname, gname, d, cands, device, clock, rows):
             out, secs, regs, spills = _run_first(fn, _kernel(op, cfg), key, device)
             err = rel_err(out, expect)
             del out
-            us = time_us(fn, device)
+            us = bench_us(fn, device == "cuda", warmup=10, rep=60)
         except Exception as exc:
             msg = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(dict(row, ok=False, error=msg))

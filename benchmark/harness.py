@@ -144,6 +144,31 @@ def time_us(fn: Callable[[], Any], cfg: Config) -> float:
     return statistics.median(ts) * 1e6
 
 
+def bench_us(fn: Callable[[], Any], on_gpu: bool, *, warmup: int = 5, rep: int = 25) -> float:
+    """A probe's timing of ``fn`` in µs: the ``triton.testing.do_bench`` median (L2 flushed
+    between runs) on the GPU, one wall-clock call on the interpreter."""
+    if not on_gpu:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def compiled_binaries(*kernels) -> list:
+    """The compiled binaries (``n_regs``, ``n_spills``) of ``@triton.jit`` kernels on every
+    device; ``[]`` where this triton keeps them elsewhere."""
+    out = []
+    for kernel in kernels:
+        try:
+            for cache in kernel.device_caches.values():
+                out.extend(v for v in cache[0].values() if hasattr(v, "n_regs"))
+        except Exception:
+            pass
+    return out
+
+
 def graph_time_us(fn: Callable[[], Any], rep: int = 200) -> float | None:
     """Median time of ``fn`` in µs replayed from a CUDA graph (``do_bench_cudagraph``: the
     host hidden); ``None`` where ``fn`` cannot be captured."""

@@ -455,8 +455,8 @@ def sass_table(args) -> int:
 
     from linghe.fwd import activation as A
 
-    from .probe_rope import compile_sm90, sass_stats
-    from .probe_tilequant import _TRITON_TYPES, _record_launches
+    from .probe_rope import compile_sm90, recorded_args, sass_stats
+    from .probe_tilequant import _record_launches
 
     old = _load_old(args.old, args.old_rev)
     R, n, E = 66016, 1024, 32
@@ -477,16 +477,8 @@ def sass_table(args) -> int:
                                      mod.batch_silu_mul_quant_fwd(x, p, c, 16, columnwise=cw,
                                                                   pow2_scale=p2))
         kernel, kargs, warps, stages = calls[-1]
-        sig, const = {}, {}
         opts = {k: kargs.pop(k) for k in ("maxnreg",) if k in kargs}
-        for prm in kernel.params:
-            v = kargs.get(prm.name, prm.default if hasattr(prm, "default") else None)
-            if prm.is_constexpr:
-                const[prm.name] = v
-            elif isinstance(v, torch.Tensor):
-                sig[prm.name] = _TRITON_TYPES[v.dtype]
-            else:
-                sig[prm.name] = v
+        sig, const = recorded_args(kernel, kargs)
         try:
             comp = compile_sm90(kernel, sig, const, warps, stages, **opts)
             st = sass_stats(comp)

@@ -61,6 +61,8 @@ from linghe.testing import rel_err  # noqa: E402
 from linghe.utils import set_poison_outputs  # noqa: E402
 
 from .harness import (  # noqa: E402
+    bench_us,
+    compiled_binaries,
     device_time_us,
     fmt,
     interpreter_matches,
@@ -170,27 +172,9 @@ def _impls(cpu: bool) -> list[tuple[str, dict | None]]:
 # --------------------------------------------------------------------------- helpers
 
 
-def _binaries() -> list:
-    """The compiled binaries of the two rows kernels (for ``n_regs`` / ``n_spills``)."""
-    out = []
-    for k in (fwd_gm._grouped_rows_kernel, fwd_gm._grouped_rows_tma_kernel):
-        try:
-            for cache in k.device_caches.values():
-                out.extend(v for v in cache[0].values() if hasattr(v, "n_regs"))
-        except Exception:
-            pass
-    return out
-
-
+#: The rows kernels whose binaries give a row's ``n_regs`` / ``n_spills``.
+_ROWS_KERNELS = (fwd_gm._grouped_rows_kernel, fwd_gm._grouped_rows_tma_kernel)
 _RES: dict = {}  # (layout, op, impl name) -> (n_regs, n_spills)
-
-
-def time_us(fn, cpu: bool) -> float:
-    if cpu:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
 
 
 # --------------------------------------------------------------------------- the probe
@@ -214,7 +198,7 @@ def probe_op(op, lname, gname, d, cpu, t0, max_s, rows):
             r.update(skipped="torch._grouped_mm cannot run these operands here")
             continue
         try:
-            before = {id(b) for b in _binaries()}
+            before = {id(b) for b in compiled_binaries(*_ROWS_KERNELS)}
             set_poison_outputs(True)  # the checked call only
             try:
                 out = fn()
@@ -222,14 +206,14 @@ def probe_op(op, lname, gname, d, cpu, t0, max_s, rows):
                     torch.cuda.synchronize()
             finally:
                 set_poison_outputs(False)
-            new = [b for b in _binaries() if id(b) not in before]
+            new = [b for b in compiled_binaries(*_ROWS_KERNELS) if id(b) not in before]
             if len(new) == 1:
                 _RES[(lname, op, name)] = (new[0].n_regs, new[0].n_spills)
             r["n_regs"], r["n_spills"] = _RES.get((lname, op, name), (None, None))
             r["rel_err"] = err = rel_err(out, expect)
             r["ok"] = bool(err <= TOL)
             del out
-            r["us"] = us = time_us(fn, cpu)
+            r["us"] = us = bench_us(fn, not cpu, rep=30)
             r["tflops"] = flops / us / 1e6
         except Exception as exc:  # one failing row must not stop the probe
             msg = str(exc).splitlines()[0][:300] if str(exc) else ""
@@ -252,7 +236,7 @@ def probe_op(op, lname, gname, d, cpu, t0, max_s, rows):
         a = torch.randn(used, K if op == "fwd" else N, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(a.shape[1], N if op == "fwd" else K, device="cuda",
                         dtype=torch.bfloat16)
-        us = time_us(lambda: a @ b, cpu)
+        us = bench_us(lambda: a @ b, not cpu, rep=30)
         rows.append(dict(base, impl="dense", config=f"dense [{used},{a.shape[1]}]x"
                          f"[{b.shape[0]},{b.shape[1]}]", ok=True, error=None, us=us,
                          tflops=flops / us / 1e6,

@@ -414,16 +414,23 @@ def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes):
 
 
 # ------------------------------------------------------------------------ offline sm_90
+#: Triton's names of the torch dtypes a kernel argument may have.
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+                torch.uint8: "u8", torch.int8: "i8"}
+
+
 def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int = 3,
                  **options):
     """Compile ``kernel`` for sm_90 without a GPU. ``args``: every non-constexpr parameter
     by name (extra names are ignored), as a Triton pointer dtype string (``"bf16"``: a
-    16-byte aligned pointer) or an example int / float (ints divisible by 16 get the
-    divisibility hint, 1 becomes a constant, as a launch would specialize them);
-    ``constexprs``: the constexpr parameters (extra names are ignored); ``options``: more
-    compile options (e.g. ``maxnreg``)."""
+    16-byte aligned pointer), a ``TensorDescriptor`` (typed by its dtype and block) or an example
+    int / float (ints divisible by 16 get the divisibility hint, 1 becomes a constant, as
+    a launch would specialize them); ``constexprs``: the constexpr parameters (extra names
+    are ignored); ``options``: more compile options (e.g. ``maxnreg``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     sig, attrs, consts = {}, {}, {}
     for i, prm in enumerate(kernel.params):
@@ -433,7 +440,10 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
             consts[n] = constexprs[n]
             continue
         v = args[n]
-        if isinstance(v, str):
+        if isinstance(v, TensorDescriptor):
+            block = ", ".join(map(str, v.block_shape))
+            sig[n] = f"tensordesc<{TRITON_TYPES[v.base.dtype]}[{block}]>"
+        elif isinstance(v, str):
             sig[n] = "*" + v
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, bool) or v is None:
@@ -453,6 +463,23 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages,
                                    **options})
+
+
+def recorded_args(kernel, kargs: dict) -> tuple[dict, dict]:
+    """A recorded launch's arguments (``kargs`` by name, e.g. from
+    ``probe_tilequant._record_launches``) as :func:`compile_sm90` takes them: ``(args,
+    constexprs)``, tensors as their Triton dtype names, parameters not passed at their
+    defaults."""
+    args, consts = {}, {}
+    for prm in kernel.params:
+        v = kargs.get(prm.name, prm.default if hasattr(prm, "default") else None)
+        if prm.is_constexpr:
+            consts[prm.name] = v
+        elif isinstance(v, torch.Tensor):
+            args[prm.name] = TRITON_TYPES[v.dtype]
+        else:
+            args[prm.name] = v
+    return args, consts
 
 
 def sass_stats(compiled) -> dict:

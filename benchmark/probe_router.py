@@ -465,52 +465,13 @@ def _load_old(args) -> _Old | None:
 
 
 # ------------------------------------------------------------------ offline compile
-_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-       torch.int32: "i32", torch.int64: "i64"}
-
-
-def _compile_sm90(kernel, args, warps, stages):
-    """Compile one recorded launch for sm_90 as the launch would specialize it (pointers
-    and ints divisible by 16 get the hint, an int 1 is a constant, descriptors typed by
-    their dtype and block)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    sig, attrs, consts = {}, {}, {}
-    for i, prm in enumerate(kernel.params):
-        n, v = prm.name, args.get(prm.name)
-        if prm.is_constexpr:
-            sig[n] = "constexpr"
-            consts[n] = v if n in args else prm.default
-        elif isinstance(v, TensorDescriptor):
-            sig[n] = f"tensordesc<{_TY[v.base.dtype]}[{', '.join(map(str, v.block_shape))}]>"
-        elif isinstance(v, torch.Tensor):
-            sig[n] = "*" + _TY[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, bool):
-            sig[n] = "i1"
-        elif isinstance(v, int):
-            if v == 1:
-                sig[n] = "constexpr"
-                consts[n] = 1
-                continue
-            sig[n] = "i32" if -2**31 <= v < 2**31 else "i64"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = "fp32"
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
-
-
 def ptxas_table(args) -> int:
     """Every row's launches compiled for sm_90 (meta tensors of the standard shape, 132
     SMs): registers, spill bytes, shared memory and the wgmma shapes of each kernel."""
     import re
 
     from .fp8_gemm_sweep import _ptxas_usage
+    from .probe_rope import compile_sm90, recorded_args
     from .probe_tilequant import _record_launches
 
     if INTERPRET:
@@ -564,7 +525,7 @@ def ptxas_table(args) -> int:
                                    for k, v in kargs.items())))
                 if key not in seen:
                     try:
-                        c = _compile_sm90(kernel, kargs, warps, stages)
+                        c = compile_sm90(kernel, *recorded_args(kernel, kargs), warps, stages)
                         regs, spill = _ptxas_usage(c.asm["ptx"])
                         mma = sorted({m for m in re.findall(r"wgmma\.mma_async\.sync\.aligned"
                                                             r"\.(m64n\d+k16)", c.asm["ptx"])})

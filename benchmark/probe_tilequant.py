@@ -460,10 +460,6 @@ def _print_table(rows, dev_name, copy, sizes):
 
 
 # --------------------------------------------------------------------------- offline sm_90
-_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                 torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32", torch.int64: "i64"}
-
-
 def _record_launches(mods, fn):
     """The kernel launches ``fn`` makes through ``linghe.utils.launch`` in ``mods``
     (``[(kernel, args by name, num_warps, num_stages)]``), without running them."""
@@ -495,7 +491,7 @@ def sass_table(args) -> int:
     if INTERPRET:
         print("--sass compiles for sm_90: run it without TRITON_INTERPRET", file=sys.stderr)
         return 2
-    from benchmark.probe_rope import compile_sm90, sass_stats
+    from benchmark.probe_rope import compile_sm90, recorded_args, sass_stats
     from linghe.fp8 import quantize as Q
     from linghe.fwd import norm as N
 
@@ -512,15 +508,7 @@ def sass_table(args) -> int:
                 calls = _record_launches([Q, oldQ, N, oldN], fn)
             parts = []
             for kernel, kargs, warps, stages in calls:
-                sig, const = {}, {}
-                for p in kernel.params:
-                    v = kargs.get(p.name, p.default if hasattr(p, "default") else None)
-                    if p.is_constexpr:
-                        const[p.name] = v
-                    elif isinstance(v, torch.Tensor):
-                        sig[p.name] = _TRITON_TYPES[v.dtype]
-                    else:
-                        sig[p.name] = v
+                sig, const = recorded_args(kernel, kargs)
                 key = (kernel.fn.__name__, id(kernel), tuple(sorted(const.items())),
                        tuple(sorted((k, str(v)) for k, v in sig.items())), warps)
                 if key not in seen:

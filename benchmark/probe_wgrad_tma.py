@@ -59,6 +59,8 @@ from linghe.utils import set_poison_outputs  # noqa: E402
 
 from .harness import (  # noqa: E402
     Config,
+    bench_us,
+    compiled_binaries,
     copy_bandwidth_gbps,
     device_time_us,
     fmt,
@@ -179,26 +181,6 @@ def make_call(impl: str, cfg, acc: bool, d: dict, old, base: torch.Tensor):
     return (lambda: bwd_gm.launch_wgrad_tma(g, x, dw, off, config=cfg)), dw
 
 
-def _binaries() -> list:
-    out = []
-    try:
-        for cache in bwd_gm._wgrad_tma_kernel.device_caches.values():
-            out.extend(v for v in cache[0].values() if hasattr(v, "n_regs"))
-    except Exception:
-        pass
-    return out
-
-
-def time_us(fn, cpu: bool) -> float:
-    """``triton.testing.do_bench`` median (L2 flushed before each call); on CPU one
-    wall-clock call (interpreter)."""
-    if cpu:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
-
-
 def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
     E, R, used = d["E"], d["R"], d["used"]
     N, K = d["g"].shape[1], d["x"].shape[1]
@@ -222,7 +204,7 @@ def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
             r["skipped"] = "torch._grouped_mm needs a GPU"
             continue
         try:
-            before = {id(b) for b in _binaries()}
+            before = {id(b) for b in compiled_binaries(bwd_gm._wgrad_tma_kernel)}
             set_poison_outputs(True)  # the checked call only
             try:
                 out = fn()
@@ -231,7 +213,7 @@ def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
                     torch.cuda.synchronize()
             finally:
                 set_poison_outputs(False)
-            new = [b for b in _binaries() if id(b) not in before]
+            new = [b for b in compiled_binaries(bwd_gm._wgrad_tma_kernel) if id(b) not in before]
             if len(new) == 1:
                 r["n_regs"], r["n_spills"] = new[0].n_regs, new[0].n_spills
             if acc:
@@ -242,7 +224,7 @@ def probe_case(lname, gname, d, cpu, old, t0, max_s, copy_gbps, rows):
                 r["rel_err"] = err = rel_err(out, d["expect"])
             r["ok"] = bool(err <= TOL)
             del out
-            r["us"] = time_us(fn, cpu)
+            r["us"] = bench_us(fn, not cpu, rep=25)
             # kernel-only µs (profiler) for the rows that decide: the bars and the defaults
             if not cpu and (impl != "tma" or cfg == DEFAULT):
                 r["kernel_us"] = device_time_us(fn, reps=5)
