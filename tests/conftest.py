@@ -162,6 +162,16 @@ def device():
 
 
 @pytest.fixture
+def fused_on():
+    """Fused gradient accumulation on for the test (whatever the environment says)."""
+    from linghe.bwd import accumulate
+
+    prev = accumulate.set_fused_grad_accumulation(True)
+    yield
+    accumulate.set_fused_grad_accumulation(prev)
+
+
+@pytest.fixture
 def count_calls(monkeypatch):
     """``count_calls(module, name)``: wraps ``module.name`` so that each call appends to the
     returned list (e.g. how often a fused path ran), restored after the test."""

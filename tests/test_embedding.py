@@ -30,13 +30,6 @@ def chunk(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def fused_on():
-    prev = accumulate.set_fused_grad_accumulation(True)
-    yield
-    accumulate.set_fused_grad_accumulation(prev)
-
-
 def _rounded(sum64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A float64 sum rounded once to ``dtype`` as the kernel stores it (through float32),
     back in ``dtype``."""

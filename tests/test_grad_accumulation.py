@@ -41,13 +41,6 @@ def kernel(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def fused_on():
-    prev = accumulate.set_fused_grad_accumulation(True)
-    yield
-    accumulate.set_fused_grad_accumulation(prev)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{len(c[0])}-a{c[1]}-K{c[2]}-N{c[3]}")
 def test_wgrad_accumulate_kernel(device, dtype, case, kernel):
