@@ -239,6 +239,9 @@ class Block(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(D, **nk))
         self.gate_norm = nn.Parameter(torch.ones(cfg.attn_width, **nk))
         self.o_proj = linghe.nn.Linear(cfg.attn_width, H, bias=False, **fk)
+        # p.split (not two slices of p): the backward writes p's gradient with one
+        # concatenation, where two slices cost two zero-filled copies of p and their sum
+        self._split = (cfg.qkv_width, cfg.attn_width)
         self.moe_norm = linghe.nn.RMSNorm(H, eps=cfg.eps, **nk)
         self.moe_norm.quantize_output = False   # the router reads it in high precision
         self.moe = linghe.nn.MoE(H, cfg.experts, cfg.topk, cfg.moe_intermediate,
@@ -271,7 +274,7 @@ class Block(nn.Module):
                 x = x + pending
             h = ref.rms_norm(x, self.attn_norm.weight, cfg.eps)
             p = F.linear(h, self.qkv_gate.weight)
-            qkv, gate = p[..., :cfg.qkv_width], p[..., cfg.qkv_width:]
+            qkv, gate = p.split(self._split, dim=-1)
             q, k, v = ref.qk_norm_rope(qkv, freqs, q_norm_weight=self.q_norm,
                                        k_norm_weight=self.k_norm, **rope_kw)
             a = ref.group_rms_norm_gate(self._attention(q, k, v), gate, self.gate_norm,
@@ -286,7 +289,7 @@ class Block(nn.Module):
         else:
             hn, x = self.attn_norm(pending, x)
         p = self.qkv_gate(hn)
-        qkv, gate = p[..., :cfg.qkv_width], p[..., cfg.qkv_width:]
+        qkv, gate = p.split(self._split, dim=-1)
         q, k, v = linghe.qk_norm_rope(qkv, freqs, q_norm_weight=self.q_norm,
                                       k_norm_weight=self.k_norm, **rope_kw)
         a = linghe.group_rms_norm_gate(self._attention(q, k, v), gate, self.gate_norm,
