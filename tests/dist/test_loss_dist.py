@@ -1,5 +1,7 @@
-"""Vocab-parallel cross entropy and linear cross entropy: 2 CPU processes over gloo
-(loopback) equal the unsharded op.
+"""Vocab-parallel cross entropy and linear cross entropy: 2 processes equal the
+unsharded op, as CPU processes over gloo (loopback; the kernels through the Triton
+interpreter, so on a GPU machine only when ``TRITON_INTERPRET=1``, as the other gloo
+tests) and as 2 GPUs over NCCL (compiled kernels; needs 2 CUDA devices).
 
 The test spawns its own processes with torch.multiprocessing (a free local port, bounded
 time); each rank holds a contiguous slice of the vocabulary (the slices differ in size).
@@ -17,37 +19,45 @@ WORLD = 2
 TIMEOUT_S = 90
 
 
-def _worker(rank, port, cases, results):
-    os.environ["TRITON_INTERPRET"] = "1"
+def _worker(rank, port, cases, results, backend):
+    if backend == "gloo":
+        os.environ["TRITON_INTERPRET"] = "1"
     import datetime
 
     import torch.distributed as dist
 
     import linghe
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dev = "cpu"
+    if backend == "nccl":
+        dev = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+    def back(*ts):  # results go through the manager as CPU tensors
+        return tuple(t.detach().cpu() for t in ts)
     try:
         out = []
         for c in cases:
-            x, lab, split, kw = c["x"], c["labels"], c["split"], c["kw"]
+            x, lab, split, kw = c["x"].to(dev), c["labels"].to(dev), c["split"], c["kw"]
             start = sum(split[:rank])
             xl = x[:, start:start + split[rank]].clone().requires_grad_()
             loss = linghe.cross_entropy(xl, lab, process_group=dist.group.WORLD, **kw)
-            g = c["grad"]
-            loss.backward(g)
-            out.append((loss.detach(), xl.grad.detach()))
+            loss.backward(c["grad"].to(dev))
+            out.append(back(loss, xl.grad))
         lin = []
         for c in _linear_cases():
-            h, w, b, lab, split, kw = c["h"], c["w"], c["b"], c["labels"], c["split"], c["kw"]
+            h, w, b, lab = (c[k].to(dev) for k in ("h", "w", "b", "labels"))
+            split, kw = c["split"], c["kw"]
             start = sum(split[:rank])
             hl = h.clone().requires_grad_()
             wl = w[start:start + split[rank]].clone().requires_grad_()
             bl = b[start:start + split[rank]].clone().requires_grad_()
             loss = linghe.linear_cross_entropy(hl, wl, lab, bias=bl, chunk_size=7,
                                                process_group=dist.group.WORLD, **kw)
-            loss.backward(c["grad"])
-            lin.append((loss.detach(), hl.grad, wl.grad, bl.grad))
+            loss.backward(c["grad"].to(dev))
+            lin.append(back(loss, hl.grad, wl.grad, bl.grad))
         results[rank] = (out, lin)
     finally:
         dist.destroy_process_group()
@@ -90,7 +100,15 @@ def _linear_cases():
     return cases
 
 
-def test_vocab_parallel_cross_entropy_equals_unsharded():
+@pytest.mark.parametrize("backend", [
+    pytest.param("gloo", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1",
+        reason="CPU ranks run the kernels through the Triton interpreter (TRITON_INTERPRET=1)")),
+    pytest.param("nccl", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2
+        or os.environ.get("TRITON_INTERPRET") == "1", reason="needs 2 CUDA devices")),
+])
+def test_vocab_parallel_cross_entropy_equals_unsharded(backend):
     from linghe import reference as ref
     from linghe.testing import assert_close
 
@@ -99,7 +117,7 @@ def test_vocab_parallel_cross_entropy_equals_unsharded():
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, cases, results))
+        procs = [ctx.Process(target=_worker, args=(r, port, cases, results, backend))
                  for r in range(WORLD)]
         for p in procs:
             p.start()
