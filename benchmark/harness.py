@@ -180,31 +180,52 @@ def graph_time_us(fn: Callable[[], Any], rep: int = 200) -> float | None:
         return None
 
 
+def profile_flushed(fn: Callable[[], Any], reps: int = 10,
+                    flush: torch.Tensor | None = None):
+    """``torch.profiler`` (CUDA activity) over ``reps`` calls of ``fn``, each after an L2
+    flush (``flush.zero_()``, by default a fresh 256 MiB buffer: a fill kernel that
+    callers leave out of their sums), after one warm-up call. Returns the profiler; the
+    probes read its events (launch order) or ``key_averages()`` (per kernel name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if flush is None:
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
 def device_time_us(fn: Callable[[], Any], reps: int = 10) -> float | None:
     """Kernel time of one ``fn`` call in µs: the durations of the CUDA kernels it launches,
     summed by ``torch.profiler`` over ``reps`` calls (each after an L2 flush), minus the
     flushes' own kernels. Unlike :func:`time_us` it leaves out the host's launch and
     autograd overhead, which ``do_bench`` includes whenever the host is slower than the
     GPU. ``None`` if profiling fails."""
-    from torch.profiler import ProfilerActivity, profile
-
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
-    def kernel_us(with_fn: bool) -> float:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                flush.zero_()
-                if with_fn:
-                    fn()
-            torch.cuda.synchronize()
+    def kernel_us(f) -> float:
+        prof = profile_flushed(f, reps, flush)
         return sum(e.self_device_time_total for e in prof.key_averages())
 
     try:
-        fn()
-        torch.cuda.synchronize()
-        return max(kernel_us(True) - kernel_us(False), 0.0) / reps
+        return max(kernel_us(fn) - kernel_us(lambda: None), 0.0) / reps
     except Exception:
         return None
+
+
+def wall_us(fn: Callable[[], Any], reps: int = 3) -> float:
+    """Wall µs per call of ``fn`` (after one warm-up call): the probes' timer on the CPU
+    interpreter, where there are no kernel times."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e6
 
 
 _SPIN_CYCLES_PER_US: list[float] = []

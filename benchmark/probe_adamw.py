@@ -48,6 +48,7 @@ from .harness import (  # noqa: E402
     load_module_at,
     print_columns,
     size_matched_copy_us,
+    wall_us,
 )
 
 
@@ -80,15 +81,6 @@ def _params(layers: int, small: bool, device: str) -> list[torch.Tensor]:
         p.grad = (torch.randn(s, device=device, generator=g) * 1e-3).to(torch.bfloat16)
         out.append(p)
     return out
-
-
-def _wall_us(fn, reps: int = 5) -> float:
-    """Wall µs per call (the CPU smoke run: no kernel times there)."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def main(argv=None) -> int:
@@ -125,7 +117,7 @@ def main(argv=None) -> int:
         errs.append(((m.float() - r).norm() / r.norm()).item())
     print(f"one step vs torch.optim.AdamW (float32): max rel err {max(errs):.2e}")
 
-    timer = device_time_us if device == "cuda" else _wall_us
+    timer = device_time_us if device == "cuda" else wall_us
     copy_gbps = copy_bandwidth_gbps(Config(device=device, quick=False))
     big = min(upd_bytes, 16 << 30)  # (a copy of all the update's bytes would not fit)
     size_gbps = big / size_matched_copy_us(big, device,

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -57,25 +56,18 @@ from .harness import (  # noqa: E402
     Config,
     copy_bandwidth_gbps,
     device_time_us,
+    fmt,
     host_us,
     interpreter_matches,
     load_module_at,
     print_columns,
+    wall_us,
 )
 
 #: (CHUNK, BLOCK_H, NUM_WARPS) of the accumulating backward besides the default.
 BWD_VARIANTS = [(16, 512, 2), (64, 512, 2), (32, 256, 1), (16, 256, 1), (32, 1024, 4),
                 (32, 512, 4)]
 FWD_TILES = [2048, 8192, 16384]
-
-
-def _wall_us(fn, reps: int = 3) -> float:
-    """Wall µs per call (the CPU smoke run: no kernel times there)."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps * 1e6
 
 
 class _Knobs:
@@ -206,7 +198,7 @@ def main(argv=None) -> int:
     if not interpreter_matches(device == "cpu", "benchmark.probe_embedding"):
         return 2
     V, H, N, few = (300, 40, 64, 16) if device == "cpu" else (157184, 2048, 8192, 256)
-    timer = device_time_us if device == "cuda" else _wall_us
+    timer = device_time_us if device == "cuda" else wall_us
     copy_gbps = copy_bandwidth_gbps(Config(device=device, quick=False))
     old = None
     if args.old:
@@ -245,12 +237,11 @@ def main(argv=None) -> int:
             json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                        "copy_gbps": copy_gbps, "checks": checks, "rows": rows,
                        "failed_checks": len(failed)}, f, indent=1)
-    f1 = lambda v, s: "-" if v is None else format(v, s)
     print_columns(["row", "ids", "kernel µs", "GB/s", "% copy", "note"],
                   [[r["row"], r["ids"],
-                    f1(r["kernel_us"], ".1f") if r["kernel_us"] is not None
+                    fmt(r["kernel_us"], ".1f") if r["kernel_us"] is not None
                     else f"host {r['host_us']:.1f}",
-                    f1(r["gbps"], ".0f"), f1(r["pct_copy"], ".0f"), r["note"]] for r in rows])
+                    fmt(r["gbps"], ".0f"), fmt(r["pct_copy"], ".0f"), r["note"]] for r in rows])
     if failed:
         print(f"{len(failed)} check(s) FAILED", file=sys.stderr)
         return 1

@@ -70,6 +70,7 @@ from .harness import (  # noqa: E402
     interpreter_matches,
     load_module_at,
     print_columns,
+    profile_flushed,
     size_matched_copy_us,
 )
 
@@ -231,17 +232,8 @@ def _kernel_breakdown(fn, reps: int = 10) -> dict | None:
     """µs per call of each CUDA kernel ``fn`` launches (profiler, each call after an L2
     flush, the flush's own kernel left out): e.g. the backward's weight-gradient
     reduction beside its main kernel. ``None`` if profiling fails."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     try:
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                flush.zero_()
-                fn()
-            torch.cuda.synchronize()
+        prof = profile_flushed(fn, reps)
         # (the flush is a fill kernel; none of the rope launchers fills)
         return {e.key[:60]: e.self_device_time_total / reps for e in prof.key_averages()
                 if e.self_device_time_total > 0 and "fill" not in e.key.lower()}

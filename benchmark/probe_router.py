@@ -56,7 +56,7 @@ from linghe.bwd import router as B  # noqa: E402
 from linghe.fwd import router as F  # noqa: E402
 from linghe.utils import INTERPRET, set_poison_outputs  # noqa: E402
 
-from .harness import graph_time_us, load_module_at  # noqa: E402
+from .harness import graph_time_us, load_module_at, profile_flushed  # noqa: E402
 
 #: main's kernels when neither ``--old`` nor ``--old-rev`` is given.
 OLD_REV = "main"
@@ -193,15 +193,7 @@ def _kernels(fn, flush, reps: int = 10):
     """``[(kernel name, µs)]`` of one ``fn`` call, in launch order (the profiler over
     ``reps`` calls, each after an L2 flush whose fill kernel is left out by name); kernels
     of the same name summed instead if the per-call lists do not line up."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_flushed(fn, reps, flush)
     evs = []
     try:
         for e in prof.events():

@@ -70,6 +70,7 @@ from .harness import (  # noqa: E402
     interpreter_matches,
     load_module_at,
     print_columns,
+    profile_flushed,
     size_matched_copy_us,
 )
 
@@ -305,16 +306,7 @@ def _vs_old(got, old):
 def _kernel_us(fn, reps=10):
     """Kernel µs per call of ``fn``: the profiler's CUDA kernel time over ``reps`` calls,
     each after an L2 flush whose (fill) kernels are left out by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = _kernel_us.flush
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_flushed(fn, reps, _kernel_us.flush)
     tot = sum(e.self_device_time_total for e in prof.key_averages()
               if getattr(e.device_type, "name", "CUDA") == "CUDA"
               and "FillFunctor" not in e.key)
