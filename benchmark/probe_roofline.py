@@ -66,17 +66,18 @@ def _rows(on_gpu: bool) -> list[dict]:
         out.append(r)
         print(f"[probe_roofline] {json.dumps(r)}", flush=True)
 
-    copy64 = (lambda: size_matched_copy_us(2 * T * H * 2, dev)) if on_gpu else (lambda: None)
+    # one size-matched copy of x's 64 MB (read + write), the floor of both quantize rows
+    copy_us = size_matched_copy_us(2 * T * H * 2, dev) if on_gpu else None
     row("quantize_1x128 row+col", lambda: linghe.quantize_1x128(
-        x, rowwise=True, columnwise=True, pow2_scale=True), {"floor_us": copy64},
+        x, rowwise=True, columnwise=True, pow2_scale=True), {"floor_us": lambda: copy_us},
         "floor: a copy of the same 64 MB")
 
     def two_read():
         if not on_gpu:
             return None
-        return copy64() + timer(lambda: torch.linalg.vector_norm(x, dim=1, dtype=torch.float32))
+        return copy_us + timer(lambda: torch.linalg.vector_norm(x, dim=1, dtype=torch.float32))
     row("rms_norm_quant row+col", lambda: linghe.rms_norm_quant(x, w, columnwise=True),
-        {"floor_us": copy64, "floor2_us": two_read},
+        {"floor_us": lambda: copy_us, "floor2_us": two_read},
         "floor: one read (copy of 64 MB); floor2: + a second read of x (row reduction)")
 
     w3t = F.weight_parts(rw).reshape(3 * E, H).t()  # [H, 3E] bf16 view
