@@ -415,10 +415,21 @@ def _wgrad_tma_kernel(
     num_k = tl.cdiv(K, BK)
     n0 = (pid // num_k) * BN
     k0 = (pid % num_k) * BK
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    acc = _wgrad_tma_segment(acc, g_desc, x_desc, g16_desc, x16_desc, offsets_ptr, e, R, n0,
+                             k0, BR, TAIL)
+    _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, BN, BK, ACCUMULATE)
+
+
+@triton.jit
+def _wgrad_tma_segment(acc, g_desc, x_desc, g16_desc, x16_desc, offsets_ptr, e, R, n0, k0,
+                       BR: tl.constexpr, TAIL: tl.constexpr):
+    """``acc += g_e[:, n0:n0+BN]^T @ x_e[:, k0:k0+BK]`` over expert ``e``'s rows
+    ``offsets[e] .. min(offsets[e+1], R)`` of one pair of operands (the loops of
+    :func:`_wgrad_tma_kernel`, ``TAIL`` as there)."""
     # int32 box coordinates whatever the offsets' dtype (R < 2^31: a TMA dim limit)
     end = tl.minimum(tl.load(offsets_ptr + e + 1), R).to(tl.int32)
     start = tl.maximum(tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), end), 0)
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
     if TAIL == 0:
         for r in range(start, end, BR):
             acc = _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR, True)
@@ -441,6 +452,14 @@ def _wgrad_tma_kernel(
             for i in range(0, (r < end).to(tl.int32)):  # 0 or 1 iterations
                 acc = _wgrad_tma_step(acc, g16_desc, x16_desc, r + i * 16, n0, k0, end, 16,
                                       True)
+    return acc
+
+
+@triton.jit
+def _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, BN: tl.constexpr,
+                      BK: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """Store the ``[BN, BK]`` tile ``acc`` at ``dW[e, n0:, k0:]`` (masked to ``N`` x
+    ``K``); ``ACCUMULATE``: add the existing tile first (fp32 sum, one rounding)."""
     ns = n0 + tl.arange(0, BN)
     ks = k0 + tl.arange(0, BK)
     wmask = (ns < N)[:, None] & (ks < K)[None, :]
@@ -449,6 +468,39 @@ def _wgrad_tma_kernel(
     if ACCUMULATE:
         acc += tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)
     tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=wmask)
+
+
+#: Most operand pairs one :func:`_wgrad_tma_parts_kernel` launch walks (more are chunked).
+MAX_PARTS = 4
+
+
+@triton.jit
+def _wgrad_tma_parts_kernel(
+    g0, x0, o0, R0, g1, x1, o1, R1, g2, x2, o2, R2, g3, x3, o3, R3,
+    w_ptr, N, K, stride_we, stride_wn,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
+    PARTS: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """:func:`_wgrad_tma_kernel` summed over ``PARTS`` (1-4) operand pairs, each with
+    its own rows and layout (e.g. several micro-batches' ``d_out``/``rows``): ``dW[e]
+    (+)= sum_p g_p,e^T @ x_p,e``, part ``p``'s rows ``o_p[e] .. min(o_p[e+1], R_p)``.
+    One accumulator, one store: a deferred weight gradient
+    (:mod:`linghe.bwd.deferred`). ``TAIL`` 0 or 1 (no 16-row boxes); the unused parts'
+    arguments are ignored."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    num_k = tl.cdiv(K, BK)
+    n0 = (pid // num_k) * BN
+    k0 = (pid % num_k) * BK
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    acc = _wgrad_tma_segment(acc, g0, x0, g0, x0, o0, e, R0, n0, k0, BR, TAIL)
+    if PARTS > 1:
+        acc = _wgrad_tma_segment(acc, g1, x1, g1, x1, o1, e, R1, n0, k0, BR, TAIL)
+    if PARTS > 2:
+        acc = _wgrad_tma_segment(acc, g2, x2, g2, x2, o2, e, R2, n0, k0, BR, TAIL)
+    if PARTS > 3:
+        acc = _wgrad_tma_segment(acc, g3, x3, g3, x3, o3, e, R3, n0, k0, BR, TAIL)
+    _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, BN, BK, ACCUMULATE)
 
 
 @functools.cache
@@ -548,6 +600,60 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
                dw, offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
                TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate), num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"])
+    return dw
+
+
+@functools.cache
+def _wgrad_tma_parts_default_config() -> dict:
+    """The multi-part TMA wgrad's tiles (:func:`launch_wgrad_tma_parts`): the
+    accumulating single-part kernel's (128x128, 64-row boxes, 4 warps, 3 stages, one
+    masked tail box per part). Interpreter: small tiles."""
+    if INTERPRET:
+        return dict(BN=32, BK=32, BR=32, num_warps=4, num_stages=1, TAIL=1)
+    return dict(BN=128, BK=128, BR=64, num_warps=4, num_stages=3, TAIL=1)
+
+
+def launch_wgrad_tma_parts(parts, dw: torch.Tensor, *, accumulate: bool = False,
+                           config: dict | None = None) -> torch.Tensor:
+    """``dW_e (+)= sum_p g_p,e^T @ x_p,e`` over several operand pairs ``parts = [(g_p
+    [R_p, N], x_p [R_p, K], offsets_p [E + 1]), ...]`` (each as
+    :func:`launch_wgrad_tma` takes one; their ``R_p`` and layouts may differ), written
+    into ``dw [E, N, K]`` with one fp32 accumulator per tile and one rounding per launch
+    of up to :data:`MAX_PARTS` parts (more are chunked: the later chunks add to ``dw``).
+    ``accumulate=True`` adds to ``dw``'s contents. ``config``: tiles (``BN``, ``BK``,
+    ``BR``, ``num_warps``, ``num_stages``, ``TAIL`` 0 or 1). Raises ``ValueError`` for
+    operands TMA cannot describe (:func:`wgrad_tma_unsupported`). Returns ``dw``."""
+    parts = [p for p in parts]
+    if not parts:
+        raise ValueError("launch_wgrad_tma_parts needs at least one (g, x, offsets) part")
+    for g, x, _ in parts:
+        why = wgrad_tma_unsupported(g, x, dw)
+        if why is not None:
+            raise ValueError(f"launch_wgrad_tma_parts: {why}")
+    E, N, K = dw.shape
+    if E == 0 or N == 0 or K == 0:
+        return dw
+    cfg = dict(_wgrad_tma_parts_default_config(), **(config or {}))
+    if cfg["TAIL"] not in (0, 1):
+        raise ValueError(f"multi-part TMA wgrad: TAIL must be 0 or 1, got {cfg['TAIL']}")
+    BN, BK, BR = cfg["BN"], cfg["BK"], cfg["BR"]
+    parts = [p for p in parts if p[0].shape[0] > 0]  # (TMA cannot describe an empty tensor)
+    if not parts:
+        return dw if accumulate else dw.zero_()
+    grid = (cdiv(N, BN) * cdiv(K, BK), E)
+    for c in range(0, len(parts), MAX_PARTS):
+        chunk = parts[c:c + MAX_PARTS]
+        args = []
+        for g, x, offsets in chunk:
+            R = g.shape[0]
+            args += [TensorDescriptor(g, [R, N], [g.stride(0), 1], [BR, BN]),
+                     TensorDescriptor(x, [R, K], [x.stride(0), 1], [BR, BK]), offsets, R]
+        args += args[:4] * (MAX_PARTS - len(chunk))  # unused parts (never read)
+        with device_guard(dw):
+            launch(_wgrad_tma_parts_kernel, grid, *args, dw, N, K, dw.stride(0),
+                   dw.stride(1), BN=BN, BK=BK, BR=BR, TAIL=cfg["TAIL"], PARTS=len(chunk),
+                   ACCUMULATE=bool(accumulate or c > 0), num_warps=cfg["num_warps"],
+                   num_stages=cfg["num_stages"])
     return dw
 
 
