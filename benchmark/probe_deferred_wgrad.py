@@ -62,6 +62,44 @@ def _operands(T, k, E, align, N, K, M, dev, seed):
     return parts
 
 
+def _measure(parts, E, N, K, M, T, k, align, gpu, timer):
+    """``({path: µs}, {path: rel err})`` of one GEMM's wgrad over ``parts``."""
+    dev = parts[0][0].device
+    torch_ok = gpu and hasattr(torch, "_grouped_mm")
+    backend = "torch" if torch_ok else "triton"
+    ref = sum(bwd_gm.grouped_mm_wgrad(g, x, o, backend=backend).float() for g, x, o in parts)
+
+    def today():
+        g, x, o = parts[0]
+        d = bwd_gm.grouped_mm_wgrad(g, x, o, backend=backend)
+        for g, x, o in parts[1:]:
+            bwd_gm.grouped_mm_wgrad_accumulate_(d, g, x, o)
+        return d
+
+    rows = {"today": timer(today)}
+    if torch_ok:  # one expert-ordered buffer of all parts' rows (built untimed)
+        big, real, _, _ = random_routing(M * T, k, E, align, dev, seed=99)
+        g4 = torch.randn(real.numel(), N, device=dev, dtype=torch.bfloat16)
+        x4 = torch.randn(real.numel(), K, device=dev, dtype=torch.bfloat16)
+        rows["torch concat"] = timer(
+            lambda: bwd_gm.grouped_mm_wgrad(g4, x4, big.offsets, backend="torch"))
+        del g4, x4
+    dw = torch.empty(E, N, K, device=dev, dtype=torch.bfloat16)
+    errs = {}
+    candidates = [(f"parts {c['BN']}x{c['BK']} BR{c['BR']} w{c['num_warps']} "
+                   f"s{c['num_stages']} T{c['TAIL']}", c) for c in CANDIDATES] if gpu else []
+    for label, cfg in [("parts default", None)] + candidates:
+        try:
+            dw.fill_(float("nan"))
+            bwd_gm.launch_wgrad_tma_parts(parts, dw, config=cfg)
+            errs[label] = rel_err(dw.float(), ref)
+            rows[label] = timer(lambda c=cfg: bwd_gm.launch_wgrad_tma_parts(parts, dw, config=c))
+        except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:
+            rows[label] = None
+            errs[label] = type(exc).__name__
+    return rows, errs
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -76,44 +114,11 @@ def main(argv=None) -> None:
     else:
         T, k, E, align, shapes = 40, 2, 5, 16, (("gate_up", 64, 48), ("down", 48, 32))
     timer = device_time_us if gpu else wall_us
-    torch_ok = gpu and hasattr(torch, "_grouped_mm")
     table, result = [], {"micro_batches": M, "T": T, "topk": k, "E": E, "align": align,
                          "rows": {}}
     for name, N, K in shapes:
-        parts = _operands(T, k, E, align, N, K, M, dev, seed=11)
-        backend = "torch" if torch_ok else "triton"
-        ref = sum(bwd_gm.grouped_mm_wgrad(g, x, o, backend=backend).float()
-                  for g, x, o in parts)
-
-        def today():
-            g, x, o = parts[0]
-            d = bwd_gm.grouped_mm_wgrad(g, x, o, backend=backend)
-            for g, x, o in parts[1:]:
-                bwd_gm.grouped_mm_wgrad_accumulate_(d, g, x, o)
-            return d
-
-        rows = {"today": timer(today)}
-        if torch_ok:  # one expert-ordered buffer of all parts' rows (built untimed)
-            big, real, _, _ = random_routing(M * T, k, E, align, dev, seed=99)
-            g4 = torch.randn(real.numel(), N, device=dev, dtype=torch.bfloat16)
-            x4 = torch.randn(real.numel(), K, device=dev, dtype=torch.bfloat16)
-            rows["torch concat"] = timer(
-                lambda: bwd_gm.grouped_mm_wgrad(g4, x4, big.offsets, backend="torch"))
-            del g4, x4
-        dw = torch.empty(E, N, K, device=dev, dtype=torch.bfloat16)
-        errs = {}
-        for label, cfg in [("parts default", None)] + (
-                [(f"parts {c['BN']}x{c['BK']} BR{c['BR']} w{c['num_warps']} "
-                  f"s{c['num_stages']} T{c['TAIL']}", c) for c in CANDIDATES] if gpu else []):
-            try:
-                dw.fill_(float("nan"))
-                bwd_gm.launch_wgrad_tma_parts(parts, dw, config=cfg)
-                errs[label] = rel_err(dw.float(), ref)
-                rows[label] = timer(lambda c=cfg: bwd_gm.launch_wgrad_tma_parts(parts, dw,
-                                                                                config=c))
-            except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:
-                rows[label] = None
-                errs[label] = f"{type(exc).__name__}"
+        rows, errs = _measure(_operands(T, k, E, align, N, K, M, dev, seed=11), E, N, K, M,
+                              T, k, align, gpu, timer)
         result["rows"][name] = {"us": rows, "rel_err": errs}
         for label, us in rows.items():
             err = errs.get(label)
@@ -122,7 +127,6 @@ def main(argv=None) -> None:
                 ok += " FAIL"
             table.append([name, label, fmt(us, ".0f"),
                           fmt(rows["today"] / us if us else None, ".2f") + "x", ok])
-        del parts, ref
     result["env"] = {"device": torch.cuda.get_device_name() if gpu else "cpu",
                      "torch": torch.__version__, "triton": triton.__version__}
     if args.json:
