@@ -380,7 +380,8 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
           f"{cfg.seq}"
           + (f" x {cfg.micro_batches} micro-batches per optimizer step (linghe modes: "
              f"fused expert gradient accumulation "
-             f"{'on' if fused_grad_accumulation() else 'off'})"
+             f"{'on' if fused_grad_accumulation() else 'off'}, deferred expert wgrad "
+             f"{'on' if cfg.deferred_wgrad else 'off'})"
              if cfg.micro_batches > 1 else "")
           + f"; {total_params(cfg) / 1e9:.2f} B parameters; "
           f"{f['total'] / 1e12:.1f} model TFLOP per step (6 N_active tokens + causal "
@@ -992,6 +993,10 @@ def parse_args(argv=None):
                    help="linghe modes: expert weight gradients added into the existing "
                         ".grad by the wgrad kernel (linghe.bwd.accumulate; matters with "
                         "--micro-batches > 1)")
+    p.add_argument("--deferred-wgrad", action=argparse.BooleanOptionalAction, default=False,
+                   help="linghe modes with --micro-batches > 1: the MoE experts' weight "
+                        "gradients once per optimizer step over every micro-batch's rows "
+                        "(linghe.nn.MoE(wgrad_micro_batches=...), linghe.bwd.deferred)")
     p.add_argument("--top-kernels", type=int, default=10,
                    help="print the N longest kernels of each profiled row (0: none)")
     args = p.parse_args(argv)
@@ -1034,7 +1039,8 @@ def config_from_args(args, device) -> E2EConfig:
         if args.train_steps or args.cuda_graph:
             raise SystemExit("--micro-batches > 1 is for eager throughput runs (no "
                              "--train-steps, no --cuda-graph)")
-        cfg = replace(cfg, micro_batches=args.micro_batches)
+        cfg = replace(cfg, micro_batches=args.micro_batches,
+                      deferred_wgrad=bool(args.deferred_wgrad))
     if args.lr is None:
         args.lr = 2e-3 if args.train_steps else 1e-3
     return cfg

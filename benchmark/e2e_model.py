@@ -78,6 +78,7 @@ class E2EConfig:
     eps: float = 1e-6
     rope_base: float = 10000.0
     micro_batches: int = 1        # forward+backward passes per optimizer step
+    deferred_wgrad: bool = False  # linghe modes: expert wgrad once per step (MoE attribute)
 
     @property
     def tokens(self) -> int:
@@ -247,7 +248,8 @@ class Block(nn.Module):
         self.moe = linghe.nn.MoE(H, cfg.experts, cfg.topk, cfg.moe_intermediate,
                                  num_shared_experts=cfg.shared_experts, score="sigmoid",
                                  num_groups=cfg.expert_groups, topk_groups=cfg.topk_groups,
-                                 align=cfg.align, **fk)
+                                 align=cfg.align, wgrad_micro_batches=(
+                                     cfg.micro_batches if cfg.deferred_wgrad else 1), **fk)
 
     def _attention(self, q, k, v):
         # [B, S, h, D] -> SDPA's [B, h, S, D] views; output back to [B, S, h, D]

@@ -7,6 +7,7 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 
 from . import fp8, nn, optim, reference
 from .bwd.accumulate import fused_grad_accumulation, set_fused_grad_accumulation
+from .bwd.deferred import discard_deferred_wgrad, flush_deferred_wgrad
 from .context import TrainingContext, current_recipe
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
 from .fp8.recipe import Fp8Recipe
@@ -38,8 +39,10 @@ __all__ = [
     "cross_entropy",
     "current_recipe",
     "debug_enabled",
+    "discard_deferred_wgrad",
     "embedding",
     "ExpertLayout",
+    "flush_deferred_wgrad",
     "fp8",
     "Fp8Recipe",
     "Fp8Tensor",

@@ -21,6 +21,7 @@ import torch
 from .. import library
 from ..bwd import grouped_mm as bwd
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
+from ..bwd.deferred import WgradPart, defer, deferrable, wgrad_parts
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd
@@ -126,10 +127,12 @@ class GroupedMMFunction(torch.autograd.Function):
     """Saved for backward: ``rows``, ``weight`` and ``offsets`` (high precision); with
     ``fp8=True`` instead the columnwise 1x128 copy of ``rows`` (for the wgrad) and the
     columnwise 128x128 copy of the weight (for the dgrad), each only when the other
-    operand needs a gradient."""
+    operand needs a gradient. ``wgrad_micro_batches > 1`` (high precision only): the
+    weight gradient is deferred (:mod:`linghe.bwd.deferred`)."""
 
     @staticmethod
-    def forward(ctx, rows, weight, offsets, fp8, backend, pow2_scale, weight_cache=None):
+    def forward(ctx, rows, weight, offsets, fp8, backend, pow2_scale, weight_cache=None,
+                wgrad_micro_batches=1):
         ctx.fp8, ctx.backend, ctx.pow2 = fp8, backend, pow2_scale
         need_dx, need_dw = rows.requires_grad, weight.requires_grad
         if not fp8:
@@ -137,6 +140,7 @@ class GroupedMMFunction(torch.autograd.Function):
             ctx.save_for_backward(rows if need_dw else None, weight if need_dx else None,
                                   offsets)
             ctx.w_param = accumulation_param(weight)
+            ctx.defer = (deferrable(weight, wgrad_micro_batches), wgrad_micro_batches)
             return out
         a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
         if weight_cache is not None:
@@ -162,15 +166,24 @@ class GroupedMMFunction(torch.autograd.Function):
                 d_rows = bwd.grouped_mm_dgrad(d_out, weight, offsets,
                                               backend=_rows_backend(ctx.backend))
             param, ctx.w_param = ctx.w_param, None
-            grad = grad_to_accumulate(param, d_out.dtype) if need_dw else None
-            if grad is not None:  # fused accumulation
+            (defer_w, n), ctx.defer = ctx.defer, None
+            # None: stashed, the gradient comes with a later micro-batch's backward
+            parts = defer(defer_w, n, WgradPart(d_out, rows, None, offsets)) if need_dw else ()
+            grad = grad_to_accumulate(param, d_out.dtype) if parts else None
+            if parts and len(parts) > 1:  # pending micro-batches and this one, one launch
+                if grad is not None:
+                    wgrad_parts(parts, grad)
+                    d_w = take_grad(param, grad)
+                else:
+                    d_w = wgrad_parts(parts, None, out_dtype=rows.dtype)
+            elif grad is not None:  # fused accumulation
                 bwd.grouped_mm_wgrad_accumulate_(grad, d_out, rows, offsets)
                 d_w = take_grad(param, grad)
-            elif need_dw:
+            elif parts:
                 d_w = bwd.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows.dtype,
                                            backend="torch" if ctx.backend == _TRITON_ROWS
                                            else ctx.backend)
-            return d_rows, d_w, None, None, None, None, None
+            return d_rows, d_w, None, None, None, None, None, None
         (offsets,) = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         g = quantize_1x128(d_out, rowwise=need_dx, columnwise=need_dw, pow2_scale=ctx.pow2)
@@ -179,7 +192,7 @@ class GroupedMMFunction(torch.autograd.Function):
         if need_dw:
             d_w = bwd.grouped_mm_fp8_wgrad(g, ctx.a, offsets, out_dtype=w_dtype)
         ctx.a = ctx.w = None
-        return d_rows, d_w, None, None, None, None, None
+        return d_rows, d_w, None, None, None, None, None, None
 
 
 def _rows_backend(backend: str) -> str:
@@ -222,7 +235,8 @@ def cached_grouped_weight(cache: WeightCache, weight: torch.Tensor,
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = False,
                backend: str = "auto", pow2_scale: bool = False,
-               weight_cache: WeightCache | None = None) -> torch.Tensor:
+               weight_cache: WeightCache | None = None,
+               wgrad_micro_batches: int = 1) -> torch.Tensor:
     """Per-expert GEMM over rows grouped by expert: ``out_e = rows_e @ weight[e]^T``.
 
     Args:
@@ -251,6 +265,12 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
         weight_cache: with ``fp8``, a :class:`~linghe.fp8.WeightCache` that keeps the
             weight's FP8 copies (rowwise and columnwise) until the weight changes
             (:func:`cached_grouped_weight`); ``None`` quantizes on every call.
+        wgrad_micro_batches: ``n > 1`` defers the weight gradient (high precision only):
+            every ``n``-th backward computes it over the rows of the last ``n``
+            micro-batches in one launch, the others stash their operands
+            (:mod:`linghe.bwd.deferred`: set ``n`` to the micro-batches per optimizer
+            step; ``.grad`` lacks the pending ones until then). ``1``: every backward
+            computes its own.
 
     Returns ``out [R, N]`` in ``rows``' dtype, fp32 accumulation, zeros past
     ``offsets[E]``. Saved for backward: see :class:`GroupedMMFunction`. Gradients:
@@ -266,6 +286,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if weight_cache is not None and not isinstance(weight_cache, WeightCache):
         raise TypeError(f"weight_cache must be a linghe.fp8.WeightCache or None, got "
                         f"{type(weight_cache).__name__}")
+    check_wgrad_micro_batches(wgrad_micro_batches, fp8_wgrad=fp8)
     if torch.compiler.is_compiling():
         # (the torch._grouped_mm check reads data pointers: the op decides "auto" at run
         # time; a graph keeps no weight_cache: FP8 weights are quantized in every call)
@@ -275,7 +296,19 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
     if backend == "auto" and not fp8:
         backend = _auto_backend(rows, weight, layout)
     return apply_function(GroupedMMFunction, rows, weight, offsets, bool(fp8), backend,
-                          bool(pow2_scale), weight_cache if fp8 else None)
+                          bool(pow2_scale), weight_cache if fp8 else None,
+                          wgrad_micro_batches)
+
+
+def check_wgrad_micro_batches(n, *, fp8_wgrad: bool) -> None:
+    """``wgrad_micro_batches`` must be an int >= 1, and 1 with an FP8 wgrad (the
+    deferred wgrad multiplies high-precision operands)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"wgrad_micro_batches must be an int >= 1, got {n!r}")
+    if n > 1 and fp8_wgrad:
+        raise ValueError("wgrad_micro_batches > 1 defers a high-precision weight gradient; "
+                         "the FP8 wgrad (grouped_mm(fp8=True), fp8_wgrad=True, the recipe's "
+                         "expert_fp8_wgrad) cannot be deferred")
 
 
 # --------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from .. import library
 from ..bwd import grouped_mm as bwd_gm
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
 from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant
+from ..bwd.deferred import WgradPart, defer, deferrable, prepare_wgrad_parts, wgrad_parts
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fp8.quantize import dequantize_1x128_rows
@@ -53,7 +54,12 @@ from ..utils import (
     check_tensor,
 )
 from .activation import silu_mul
-from .grouped_mm import cached_grouped_weight, grouped_mm, quantize_grouped_weight
+from .grouped_mm import (
+    cached_grouped_weight,
+    check_wgrad_micro_batches,
+    grouped_mm,
+    quantize_grouped_weight,
+)
 
 __all__ = ["grouped_swiglu", "quantize_tokens"]
 
@@ -117,7 +123,7 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
     the columnwise (dgrad) copies of both FP8 weights."""
 
     @staticmethod
-    def forward(ctx, rows, probs, w1, w2, layout, caches, pow2, fp8_wgrad):
+    def forward(ctx, rows, probs, w1, w2, layout, caches, pow2, fp8_wgrad, micro_batches):
         offsets, counts, align = _segments(layout)
         need_rows = rows.requires_grad
         need_p = probs is not None and probs.requires_grad
@@ -162,6 +168,8 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
         # High-precision wgrads may add into the weights' existing gradients.
         ctx.params = ((accumulation_param(w1), accumulation_param(w2)) if not fp8_wgrad
                       else (None, None))
+        ctx.defer = (deferrable(w1, micro_batches), deferrable(w2, micro_batches),
+                     micro_batches)
         hp_rows = need_w1 and not fp8_wgrad and not isinstance(rows, Fp8Tensor)
         ctx.save_for_backward(h if need_da else None, probs, rows if hp_rows else None)
         return y
@@ -175,8 +183,8 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
             grads = _backward_fp8_wgrad(ctx, dy.contiguous(), h, probs)
         else:
             grads = _backward_hp_wgrad(ctx, dy.contiguous(), h, probs, rows)
-        ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = ctx.params = None
-        return (*grads, None, None, None, None)
+        ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = ctx.params = ctx.defer = None
+        return (*grads, None, None, None, None, None)
 
 
 def _backward_fp8_wgrad(ctx, dy, h, probs):
@@ -228,15 +236,19 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
     # after every step that may fail or allocate, so that an error (e.g. out of memory)
     # leaves the gradients as they were, as PyTorch's AccumulateGrad would.
     p1, p2 = ctx.params
-    fused = []  # (grad, d_out, rows, rows_scale)
+    defer1, defer2, n = ctx.defer
+    fused = []  # (grad, [WgradPart, ...]): the in-place adds
+    a2 = ctx.a2
+    # (parts: None when stashed for a later micro-batch (deferred wgrad), else the
+    # micro-batches whose gradient is handed over now)
+    parts2 = (defer(defer2, n, WgradPart(dy, a2.rowwise_data, a2.rowwise_scale, offsets))
+              if need_w2 else None)
+    g2 = grad_to_accumulate(p2, dy.dtype) if parts2 else None
+    if parts2 and g2 is None:
+        d_w2 = _hp_wgrad(parts2, w2_dtype, backend)
+    elif g2 is not None:
+        fused.append((g2, prepare_wgrad_parts(parts2)))
     g1 = None
-    g2 = grad_to_accumulate(p2, dy.dtype) if need_w2 else None
-    if need_w2 and g2 is None:
-        a2 = ctx.a2
-        a2_hp = dequantize_1x128_rows(a2.rowwise_data, a2.rowwise_scale, dy.dtype)
-        d_w2 = bwd_gm.grouped_mm_wgrad(dy, a2_hp, offsets, out_dtype=w2_dtype,
-                                       backend=backend)
-        del a2_hp
     if need_da:
         dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
             dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
@@ -252,28 +264,41 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
             del dhq
         if need_w1:
             a1 = ctx.a1 if ctx.a1 is not None else rows
-            fp8_a1 = isinstance(a1, _Parts)
-            g1 = grad_to_accumulate(p1, dh.dtype)
-            if g1 is not None:
-                fused.append((g1, dh, *bwd_gm.wgrad_accumulate_operand(
-                    a1.rowwise_data if fp8_a1 else a1, a1.rowwise_scale if fp8_a1 else None,
-                    dh.dtype)))
-            else:
-                if fp8_a1:  # FP8 rows: what the gate_up GEMM multiplied
-                    a1 = dequantize_1x128_rows(a1.rowwise_data, a1.rowwise_scale, dh.dtype)
-                d_w1 = bwd_gm.grouped_mm_wgrad(dh, a1, offsets, out_dtype=w1_dtype,
-                                               backend=backend)
-    if g2 is not None:
-        fused.append((g2, dy, *bwd_gm.wgrad_accumulate_operand(
-            ctx.a2.rowwise_data, ctx.a2.rowwise_scale, dy.dtype)))
+            fp8_a1 = isinstance(a1, _Parts)  # FP8 rows: what the gate_up GEMM multiplied
+            parts1 = defer(defer1, n, WgradPart(
+                dh, a1.rowwise_data if fp8_a1 else a1, a1.rowwise_scale if fp8_a1 else None,
+                offsets))
+            g1 = grad_to_accumulate(p1, dh.dtype) if parts1 else None
+            if parts1 and g1 is None:
+                d_w1 = _hp_wgrad(parts1, w1_dtype, backend)
+            elif g1 is not None:
+                fused.append((g1, prepare_wgrad_parts(parts1)))
     # every operand is ready: the in-place adds, then the hand-back (no allocation between)
-    for grad, d_out, x, x_scale in fused:
-        bwd_gm.grouped_mm_wgrad_accumulate_(grad, d_out, x, offsets, rows_scale=x_scale)
+    for grad, parts in fused:
+        if len(parts) > 1:
+            wgrad_parts(parts, grad)
+        else:
+            p = parts[0]
+            bwd_gm.grouped_mm_wgrad_accumulate_(grad, p.d_out, p.rows, p.offsets,
+                                                rows_scale=p.rows_scale)
     if g1 is not None:
         d_w1 = take_grad(p1, g1)
     if g2 is not None:
         d_w2 = take_grad(p2, g2)
     return d_rows, d_p, d_w1, d_w2
+
+
+def _hp_wgrad(parts: list[WgradPart], out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """A new high-precision weight gradient over ``parts`` (one micro-batch:
+    ``grouped_mm_wgrad`` of ``backend`` on its rows, FP8 rows dequantized; several: the
+    deferred wgrad's one launch)."""
+    if len(parts) > 1:
+        return wgrad_parts(parts, None, out_dtype=out_dtype)
+    p = parts[0]
+    x = p.rows if p.rows_scale is None else dequantize_1x128_rows(p.rows, p.rows_scale,
+                                                                  p.d_out.dtype)
+    return bwd_gm.grouped_mm_wgrad(p.d_out, x, p.offsets, out_dtype=out_dtype,
+                                   backend=backend)
 
 
 def _check(rows, probs_rows, gate_up, down, layout, fp8):
@@ -315,7 +340,7 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
                    down: torch.Tensor, layout: ExpertLayout, *, fp8: bool = False,
                    pow2_scale: bool = False,
                    weight_caches: tuple[WeightCache, WeightCache] | None = None,
-                   fp8_wgrad: bool = False):
+                   fp8_wgrad: bool = False, wgrad_micro_batches: int = 1):
     """SwiGLU experts over rows grouped by expert: ``y_e = (silu(g_e) * u_e * p) @
     down[e]^T`` with ``[g_e, u_e] = rows_e @ gate_up[e]^T``.
 
@@ -344,6 +369,11 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
             columnwise copies; faster on an H100 at 32 and at 256 experts, see
             ``benchmark/NOTES.md``). :class:`linghe.nn.MoE` passes the recipe's
             ``expert_fp8_wgrad`` (:class:`linghe.TrainingContext`).
+        wgrad_micro_batches: ``n > 1`` defers both weight gradients (high-precision
+            wgrad only: not with ``fp8_wgrad``): every ``n``-th backward computes them
+            over the rows of the last ``n`` micro-batches in one launch each, the others
+            stash their operands (:mod:`linghe.bwd.deferred`; set ``n`` to the
+            micro-batches per optimizer step). ``1``: every backward computes its own.
 
     Returns ``y [R, H]`` in rows' (logical) dtype, zeros on padding and tail rows.
     Gradients: ``rows`` (a plain tensor also for FP8 rows), ``probs_rows`` (float32),
@@ -360,9 +390,11 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
                 all(isinstance(c, WeightCache) for c in weight_caches)):
             raise TypeError("weight_caches must be None or two linghe.fp8.WeightCache "
                             "(gate_up, down)")
+    check_wgrad_micro_batches(wgrad_micro_batches, fp8_wgrad=fp8 and fp8_wgrad)
     if not fp8:
-        h = grouped_mm(rows, gate_up, layout)
-        return grouped_mm(silu_mul(h, probs_rows), down, layout)
+        h = grouped_mm(rows, gate_up, layout, wgrad_micro_batches=wgrad_micro_batches)
+        return grouped_mm(silu_mul(h, probs_rows), down, layout,
+                          wgrad_micro_batches=wgrad_micro_batches)
     if probs_rows is not None and not probs_rows.is_contiguous():
         probs_rows = probs_rows.contiguous()
     if torch.compiler.is_compiling():  # (the unfused FP8 path: see the library function)
@@ -370,4 +402,4 @@ def grouped_swiglu(rows, probs_rows: torch.Tensor | None, gate_up: torch.Tensor,
                                           bool(pow2_scale))
     return apply_function(_GroupedSwiGLUFp8, rows, probs_rows, gate_up, down, layout,
                           tuple(weight_caches) if weight_caches else None, bool(pow2_scale),
-                          bool(fp8_wgrad))
+                          bool(fp8_wgrad), wgrad_micro_batches)

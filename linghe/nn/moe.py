@@ -16,6 +16,7 @@ from ..context import current_recipe
 from ..dist.collectives import group_size_rank
 from ..dist.dispatcher import ExpertParallelDispatcher
 from ..fp8.cache import WeightCache
+from ..functional.grouped_mm import check_wgrad_micro_batches
 from ..functional.moe import grouped_swiglu, quantize_tokens
 from ..functional.router import router_logits, router_z_loss, topk_route
 from ..utils import FLOAT_DTYPES, check_tensor
@@ -71,6 +72,8 @@ class MoE(nn.Module):
         capacity_factor: static-shape dispatch without host syncs (see
             :class:`~linghe.dist.ExpertParallelDispatcher`).
         fp8_payload: send the dispatched tokens as 1x128 FP8.
+        wgrad_micro_batches: defer the expert weight gradients over this many
+            micro-batches (the attribute of that name, below; 1: off).
         device, dtype: for the expert and shared-expert weights (the router weight and
             the expert bias are always float32).
 
@@ -115,7 +118,7 @@ class MoE(nn.Module):
                  *, num_shared_experts: int = 0, score: str = "sigmoid", num_groups: int = 1,
                  topk_groups: int = 1, ep_group=None, align: int = 16,
                  capacity_factor: float | None = None, fp8_payload: bool = False,
-                 device=None, dtype=None):
+                 wgrad_micro_batches: int = 1, device=None, dtype=None):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts),
                         ("top_k", top_k), ("intermediate_size", intermediate_size)):
@@ -140,6 +143,7 @@ class MoE(nn.Module):
         if num_experts % world:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep_group "
                              f"size ({world})")
+        check_wgrad_micro_batches(wgrad_micro_batches, fp8_wgrad=False)
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be float32/float16/bfloat16, got {dtype}")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
@@ -163,6 +167,16 @@ class MoE(nn.Module):
         #: kernel of a training step runs; the output is not a trained model's (and
         #: ``aux.z_loss`` / ``aux.logits`` are those of the random logits).
         self.force_balanced_routing = False
+        #: Deferred expert weight gradients (:mod:`linghe.bwd.deferred`): ``n > 1``
+        #: computes ``experts_gate_up``'s and ``experts_down``'s gradients once every
+        #: ``n`` backward passes, over the routed rows of all ``n`` in one launch each
+        #: (the others keep their operands, ~``R x (H + 2I)`` elements for each weight per
+        #: micro-batch). Set it to the micro-batches per optimizer step: their
+        #: ``.grad`` is complete after the last one's backward (pending ones are also
+        #: computed before any ``torch.optim`` step and in
+        #: ``linghe.optim.clip_grad_norm_``; else call ``linghe.flush_deferred_wgrad()``).
+        #: Not with the recipe's ``expert_fp8_wgrad``. ``1`` (default): off.
+        self.wgrad_micro_batches = wgrad_micro_batches
         fk = {"device": device, "dtype": dtype}
         El, H, In = self.num_local_experts, hidden_size, intermediate_size
         self.router_weight = nn.Parameter(torch.empty(num_experts, H, device=device,
@@ -204,7 +218,9 @@ class MoE(nn.Module):
                 f"num_shared_experts={self.num_shared_experts}, score={self.score!r}, "
                 f"num_groups={self.num_groups}, topk_groups={self.topk_groups}, ep_size="
                 f"{self.ep_size}, local_experts={self.expert_range}, align={d.align}, "
-                f"capacity_factor={d.capacity_factor}, fp8_payload={d.fp8_payload}")
+                f"capacity_factor={d.capacity_factor}, fp8_payload={d.fp8_payload}"
+                + (f", wgrad_micro_batches={self.wgrad_micro_batches}"
+                   if self.wgrad_micro_batches != 1 else ""))
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor):
@@ -254,7 +270,8 @@ class MoE(nn.Module):
         caches = self._fp8_weight_caches
         y = grouped_swiglu(rows, prow, w1, w2, handle.layout, fp8=fp8, pow2_scale=pow2,
                            weight_caches=(caches["experts_gate_up"], caches["experts_down"]),
-                           fp8_wgrad=fp8 and recipe.expert_fp8_wgrad)
+                           fp8_wgrad=fp8 and recipe.expert_fp8_wgrad,
+                           wgrad_micro_batches=self.wgrad_micro_batches)
         out = self.dispatcher.combine(y, handle)
         if self.shared_experts is not None:
             out = out + (shared if shared is not None else self.shared_experts(x2))

@@ -43,6 +43,7 @@ from operator import attrgetter
 
 import torch
 
+from ..bwd.deferred import flush_deferred_wgrad
 from ..utils import check_kernel_device, empty
 from . import multi_tensor as K
 
@@ -366,7 +367,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     coefficient is computed on the device by the reduce kernel and read by the multi-tensor
     scaling kernel: no host sync unless ``error_if_nonfinite=True``. Launches: one
     partial-norm launch and one scaling launch per dtype in the list, one reduce (none for a
-    one-dtype list without ``group``).
+    one-dtype list without ``group``). Deferred expert weight gradients still pending
+    (:mod:`linghe.bwd.deferred`) are computed into ``.grad`` first.
 
     Args:
         parameters: a tensor or an iterable of tensors (parameters), or a list of such
@@ -383,6 +385,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     _check_foreach(foreach)
     mn = check_max_norm(max_norm)
     p = check_norm_type(norm_type)
+    flush_deferred_wgrad()  # pending deferred expert gradients first (linghe.bwd.deferred)
     groups, device, plan, keep = prepare(parameters, group, name="parameters", grads=True,
                                          write=True)
     norm, coef = _norm_and_coef(groups, device, plan, keep, p, torch.float32, mn)

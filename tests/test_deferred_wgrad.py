@@ -1,0 +1,270 @@
+"""Deferred expert weight gradients (linghe.bwd.deferred): the multi-part wgrad kernel,
+the stash across micro-batches, its hand-over and flushes, and where it steps aside."""
+
+import pytest
+import torch
+from test_grad_accumulation import _ref_wgrad
+from test_grouped_mm import make_rows, ref_grads
+from test_moe import _expert_inputs
+
+import linghe
+from linghe.bwd import deferred
+from linghe.bwd import grouped_mm as bwd_gm
+from linghe.functional.moe import grouped_swiglu
+from linghe.testing import assert_close
+
+pytestmark = pytest.mark.usefixtures("on_test_device")
+
+
+@pytest.fixture(autouse=True)
+def _empty_stash():
+    yield
+    linghe.discard_deferred_wgrad()
+
+
+def _parts(device, dtype, specs, K, N):
+    """``[(d_out, rows, offsets), ...]`` of ``specs = [(counts, align), ...]`` (rows grouped
+    by expert, zero padding and tail) and the float64 sum of their wgrads."""
+    parts, expect = [], 0
+    for counts, align in specs:
+        rows, layout, real = make_rows(counts, align, K, device, dtype)
+        d_out = torch.randn(rows.shape[0], N, device=device).to(dtype)
+        d_out[~real] = 0
+        parts.append((d_out, rows, layout.offsets))
+        expect = expect + _ref_wgrad(d_out, rows, layout.offsets)
+    return parts, expect
+
+
+# (counts, align) per micro-batch, over E = 3 experts: zero-row experts, a part without
+# any routed row, unaligned tails; six parts: two launches (MAX_PARTS = 4)
+SPECS = [([5, 0, 20], 16), ([0, 0, 0], 16), ([17, 1, 3], 1), ([33, 2, 0], 8), ([1, 1, 1], 16),
+         ([0, 40, 9], 16)]
+
+
+@pytest.mark.parametrize("n_parts", [1, 2, 6])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tail", [0, 1])
+def test_parts_kernel(device, n_parts, out_dtype, tail):
+    K, N = 40, 24  # no multiples of the tiles
+    parts, expect = _parts(device, torch.bfloat16, SPECS[:n_parts], K, N)
+    dw = torch.full((3, N, K), float("nan"), device=device, dtype=out_dtype)
+    out = bwd_gm.launch_wgrad_tma_parts(parts, dw, config={"TAIL": tail})
+    assert out is dw
+    tol = None if out_dtype == torch.float32 else 1e-2
+    assert_close(dw, expect, tol, "dw")
+    # accumulate: added to what dw holds
+    dw0 = torch.randn(3, N, K, device=device).to(out_dtype)
+    dw = bwd_gm.launch_wgrad_tma_parts(parts, dw0.clone(), accumulate=True)
+    assert_close(dw, dw0.double() + expect, tol, "dw accumulated")
+
+
+def test_parts_kernel_bad_inputs(device):
+    parts, _ = _parts(device, torch.bfloat16, SPECS[:1], 32, 16)
+    dw = torch.empty(3, 16, 32, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at least one"):
+        bwd_gm.launch_wgrad_tma_parts([], dw)
+    with pytest.raises(ValueError, match="TAIL must be 0 or 1"):
+        bwd_gm.launch_wgrad_tma_parts(parts, dw, config={"TAIL": 2})
+    g, x, o = parts[0]
+    with pytest.raises(ValueError, match="bf16/fp16 operands"):
+        bwd_gm.launch_wgrad_tma_parts([(g.float(), x.float(), o)], dw)
+
+
+def _micro_batches(device, n, N=40, K=48, dtype=torch.bfloat16):
+    """``n`` micro-batches ``(rows, layout, d_out)`` over 3 experts with different routings."""
+    out = []
+    for counts, align in SPECS[:n]:
+        rows, layout, real = make_rows(counts, align, K, device, dtype)
+        g = torch.randn(rows.shape[0], N, device=device).to(dtype)
+        g[~real] = 0
+        out.append((rows, layout, g))
+    return out
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-acc", "plain-acc"])
+@pytest.mark.parametrize("preexisting", [False, True], ids=["no-grad", "grad"])
+def test_grouped_mm_defers(device, fused, preexisting, count_calls, fused_on):
+    """``wgrad_micro_batches=3``: the first two backwards stash (``.grad`` untouched, the
+    rows' gradients as usual), the third hands over the sum of all three in one launch."""
+    linghe.set_fused_grad_accumulation(fused)
+    mbs = _micro_batches(device, 3)
+    w = torch.nn.Parameter(torch.randn(3, 40, 48, device=device).to(torch.bfloat16))
+    g0 = torch.randn_like(w) if preexisting else None
+    w.grad = None if g0 is None else g0.clone()
+    calls = count_calls(bwd_gm, "launch_wgrad_tma_parts")
+    expect = 0 if g0 is None else g0.double()
+    for i, (rows, layout, g) in enumerate(mbs):
+        r = rows.clone().requires_grad_(True)
+        linghe.grouped_mm(r, w, layout, wgrad_micro_batches=3).backward(g)
+        expect = expect + _ref_wgrad(g, rows, layout.offsets)
+        # the rows' gradient never waits
+        assert_close(r.grad, ref_grads(rows, w, layout.offsets, g)[1], 1e-2, "d_rows")
+        if i < 2:
+            assert deferred.pending_micro_batches(w) == i + 1
+            assert (w.grad is None) if g0 is None else torch.equal(w.grad, g0)
+    assert deferred.pending_micro_batches(w) == 0 and len(calls) == 1
+    assert_close(w.grad, expect, 1e-2, "deferred dw")
+
+
+def test_grouped_mm_defer_matches_plain(device):
+    """The deferred gradient equals three plain backwards' (one rounding vs three)."""
+    mbs = _micro_batches(device, 3)
+    w0 = torch.randn(3, 40, 48, device=device).to(torch.bfloat16)
+    grads = []
+    for n in (1, 3):
+        w = torch.nn.Parameter(w0.clone())
+        for rows, layout, g in mbs:
+            linghe.grouped_mm(rows, w, layout, wgrad_micro_batches=n).backward(g)
+        grads.append(w.grad)
+    assert_close(grads[1], grads[0].double(), 1e-2, "deferred vs plain")
+
+
+def test_leftover_flushed_by_optimizer_and_clip(device):
+    """Fewer micro-batches than ``wgrad_micro_batches``: any torch.optim step computes the
+    pending ones first (step pre-hook); linghe.optim.clip_grad_norm_ too."""
+    mbs = _micro_batches(device, 2)
+    w0 = torch.randn(3, 40, 48, device=device)
+    expect = sum(_ref_wgrad(g, rows, lay.offsets) for rows, lay, g in mbs)
+
+    w = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([w], lr=1.0)
+    for rows, layout, g in mbs:
+        linghe.grouped_mm(rows.float(), w, layout, wgrad_micro_batches=4).backward(g.float())
+    assert w.grad is None and deferred.pending_micro_batches(w) == 2
+    opt.step()
+    assert deferred.pending_micro_batches(w) == 0
+    assert_close(w.grad, expect, None, "flushed dw")
+    assert_close(w.detach(), w0.double() - expect, None, "stepped weight")
+
+    w = torch.nn.Parameter(w0.clone())
+    w.grad = torch.ones_like(w)
+    for rows, layout, g in mbs:
+        linghe.grouped_mm(rows.float(), w, layout, wgrad_micro_batches=4).backward(g.float())
+    norm = linghe.optim.clip_grad_norm_([w], 1e30)
+    assert_close(w.grad, expect + 1, None, "flushed into .grad")
+    assert_close(norm, (expect + 1).norm(), None, "norm")
+
+    # explicit flush / discard
+    w = torch.nn.Parameter(w0.clone())
+    rows, layout, g = mbs[0]
+    linghe.grouped_mm(rows.float(), w, layout, wgrad_micro_batches=2).backward(g.float())
+    assert linghe.discard_deferred_wgrad([w]) == 1 and w.grad is None
+    assert linghe.flush_deferred_wgrad() == 0
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_steps_aside(device):
+    """autograd.grad, backward(inputs=...) without the weight and create_graph compute
+    their own gradient and leave the stash alone; a weight changed in place while
+    micro-batches are pending raises."""
+    (rows, layout, g1), (rows2, layout2, g2) = _micro_batches(device, 2, dtype=torch.float32)
+    w = torch.nn.Parameter(torch.randn(3, 40, 48, device=device))
+    linghe.grouped_mm(rows, w, layout, wgrad_micro_batches=3).backward(g1)
+    assert deferred.pending_micro_batches(w) == 1
+    (dw,) = torch.autograd.grad(linghe.grouped_mm(rows2, w, layout2, wgrad_micro_batches=3),
+                                w, g2)
+    assert_close(dw, _ref_wgrad(g2, rows2, layout2.offsets), None, "autograd.grad dw")
+    r = rows2.clone().requires_grad_(True)
+    linghe.grouped_mm(r, w, layout2, wgrad_micro_batches=3).backward(g2, inputs=[r])
+    linghe.grouped_mm(rows2, w, layout2, wgrad_micro_batches=3).backward(g2,
+                                                                         create_graph=True)
+    assert deferred.pending_micro_batches(w) == 1
+    assert_close(w.grad, _ref_wgrad(g2, rows2, layout2.offsets), None, "create_graph dw")
+
+    with torch.no_grad():
+        w.mul_(0.5)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        linghe.grouped_mm(rows2, w, layout2, wgrad_micro_batches=3).backward(g2)
+    assert deferred.pending_micro_batches(w) == 0
+
+
+def test_fallback_without_tma(device, monkeypatch):
+    """Where the multi-part TMA kernel cannot run: the first part's wgrad, then
+    accumulating ones (the documented fallback), FP8 rows included."""
+    monkeypatch.setattr(deferred, "tma_capable", lambda t: False)
+    K, N = 200, 24
+    parts, expect = _parts(device, torch.bfloat16, SPECS[:3], K, N)
+    q = linghe.quantize_1x128(parts[1][1], pow2_scale=False)
+    fp8_part = deferred.WgradPart(parts[1][0], q.rowwise_data, q.rowwise_scale, parts[1][2])
+    wparts = [deferred.WgradPart(g, x, None, o) for g, x, o in parts]
+    wparts[1] = fp8_part
+    expect = (expect - _ref_wgrad(*parts[1])
+              + _ref_wgrad(parts[1][0], q.dequantize(dtype=torch.float64), parts[1][2]))
+    dw = deferred.wgrad_parts(wparts, None, out_dtype=torch.float32)
+    assert_close(dw, expect, 1e-2, "fallback dw")
+    dw0 = torch.randn(3, N, K, device=device)
+    dw = deferred.wgrad_parts(wparts, dw0.clone())
+    assert_close(dw, dw0.double() + expect, 1e-2, "fallback dw accumulated")
+
+
+@pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16-rows", "fp8-rows"])
+def test_grouped_swiglu_fp8_defers(monkeypatch, fused_on, fp8_rows, count_calls):
+    """The FP8 expert FFN's high-precision wgrads deferred over 2 micro-batches: the same
+    gradients as without deferral (up to bf16 rounding), one multi-part launch each."""
+    counts, align, H, I = [5, 0, 30], 16, 128, 192
+    rows, probs, w1, w2, layout, real = _expert_inputs(counts, align, H, I)
+    gs = [torch.randn(rows.shape[0], H) for _ in range(2)]
+    for g in gs:
+        g[~real] = 0
+    calls = count_calls(bwd_gm, "launch_wgrad_tma_parts")
+
+    def run(n):
+        p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+        drows = []
+        for i, g in enumerate(gs):
+            r = rows.clone().requires_grad_(True)
+            x = linghe.quantize_tokens(r, pow2_scale=True) if fp8_rows else r
+            out = grouped_swiglu(x, probs, p1, p2, layout, fp8=True, pow2_scale=True,
+                                 wgrad_micro_batches=n)
+            out.backward(g.to(out.dtype))
+            drows.append(r.grad)
+            if n > 1 and i == 0:
+                assert p1.grad is None and p2.grad is None
+        return p1.grad, p2.grad, drows
+
+    d1, d2, dr = run(2)
+    assert len(calls) == 2
+    p1, p2, pr = run(1)
+    assert_close(d1, p1, 1e-2, "d_gate_up deferred vs plain")
+    assert_close(d2, p2, 1e-2, "d_down deferred vs plain")
+    for a, b in zip(dr, pr):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moe_module_defers(device, fp8):
+    """linghe.nn.MoE with ``wgrad_micro_batches=2``: after two micro-batches every
+    gradient equals the undeferred module's; after the first the expert weights have
+    none. extra_repr shows the setting; bad values raise."""
+    torch.manual_seed(0)
+    base = linghe.nn.MoE(128, 4, 2, 64, device=device, dtype=torch.bfloat16)
+    xs = [torch.randn(n, 128, device=device, dtype=torch.bfloat16) for n in (37, 20)]
+
+    def run(n):
+        m = linghe.nn.MoE(128, 4, 2, 64, wgrad_micro_batches=n, device=device,
+                          dtype=torch.bfloat16)
+        m.load_state_dict(base.state_dict())
+        with linghe.TrainingContext(fp8="blockwise" if fp8 else None):
+            for i, x in enumerate(xs):
+                m(x)[0].float().square().mean().backward()
+                if n > 1 and i == 0:
+                    assert m.experts_gate_up.grad is None and m.experts_down.grad is None
+                    assert m.router_weight.grad is not None
+        return m, {k: p.grad.clone() for k, p in m.named_parameters()}
+
+    m, deferred_grads = run(2)
+    assert "wgrad_micro_batches=2" in repr(m)
+    _, plain = run(1)
+    for k in plain:
+        assert_close(deferred_grads[k], plain[k].double(), 1e-2, k)
+    with pytest.raises(ValueError, match="wgrad_micro_batches"):
+        linghe.nn.MoE(128, 4, 2, 64, wgrad_micro_batches=0)
+
+
+def test_bad_settings(device):
+    rows, layout, _ = make_rows([3, 4], 16, 128, device, torch.bfloat16)
+    w = torch.randn(2, 128, 128, device=device).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="int >= 1"):
+        linghe.grouped_mm(rows, w, layout, wgrad_micro_batches=0)
+    with pytest.raises(ValueError, match="cannot be deferred"):
+        linghe.grouped_mm(rows, w, layout, fp8=True, wgrad_micro_batches=2)
