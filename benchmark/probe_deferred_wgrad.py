@@ -45,8 +45,9 @@ def _cfg(bn, bk, br, warps, stages, tail=1):
 
 
 #: Tiles tried besides the default (GPU only).
-CANDIDATES = [_cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 4, 4), _cfg(128, 128, 64, 4, 3, 0),
-              _cfg(128, 256, 64, 8, 3), _cfg(256, 128, 64, 8, 3), _cfg(128, 128, 32, 4, 4)]
+CANDIDATES = [_cfg(128, 128, 64, 4, 3, 1), _cfg(128, 128, 32, 4, 4, 2), _cfg(128, 128, 32, 4, 2, 2),
+              _cfg(128, 128, 32, 4, 3, 1), _cfg(64, 128, 32, 4, 3, 2), _cfg(128, 64, 32, 4, 3, 2),
+              _cfg(64, 128, 32, 4, 4, 2), _cfg(64, 256, 32, 8, 3, 2)]
 
 
 def _operands(T, k, E, align, N, K, M, dev, seed):

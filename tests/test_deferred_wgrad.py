@@ -43,7 +43,7 @@ SPECS = [([5, 0, 20], 16), ([0, 0, 0], 16), ([17, 1, 3], 1), ([33, 2, 0], 8), ([
 
 @pytest.mark.parametrize("n_parts", [1, 2, 6])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tail", [0, 1])
+@pytest.mark.parametrize("tail", [0, 1, 2])
 def test_parts_kernel(device, n_parts, out_dtype, tail):
     K, N = 40, 24  # no multiples of the tiles
     parts, expect = _parts(device, torch.bfloat16, SPECS[:n_parts], K, N)
@@ -63,8 +63,8 @@ def test_parts_kernel_bad_inputs(device):
     dw = torch.empty(3, 16, 32, device=device, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at least one"):
         bwd_gm.launch_wgrad_tma_parts([], dw)
-    with pytest.raises(ValueError, match="TAIL must be 0 or 1"):
-        bwd_gm.launch_wgrad_tma_parts(parts, dw, config={"TAIL": 2})
+    with pytest.raises(ValueError, match="TAIL must be 0, 1 or 2"):
+        bwd_gm.launch_wgrad_tma_parts(parts, dw, config={"TAIL": 3})
     g, x, o = parts[0]
     with pytest.raises(ValueError, match="bf16/fp16 operands"):
         bwd_gm.launch_wgrad_tma_parts([(g.float(), x.float(), o)], dw)

@@ -5,7 +5,7 @@ weight gradients and adds them to ``.grad``. With many experts each one sees few
 per micro-batch (256 experts, 8192 tokens top-8: ~256), so each wgrad GEMM has a short
 contraction and still reads and writes the whole gradient (``[E, N, K]``: 2.1 GB in bf16
 for the gate_up weight of one Ling-mini layer). On an H100, 4 micro-batches cost 8.5 ms
-per layer for that weight; one launch over all four micro-batches' rows costs 4.7 ms
+per layer for that weight; one launch over all four micro-batches' rows costs 4.2 ms
 (``benchmark/probe_deferred_wgrad.py``).
 
 ``wgrad_micro_batches=n`` (:class:`linghe.nn.MoE`'s attribute, the ``grouped_swiglu`` /
