@@ -566,6 +566,19 @@ def wgrad_tma_unsupported(g: torch.Tensor, x: torch.Tensor,
     return None
 
 
+def _wgrad_descriptors(g: torch.Tensor, x: torch.Tensor, cfg: dict) -> tuple:
+    """TMA descriptors of the wgrad operands ``g [R, N]`` and ``x [R, K]``: ``[BR, BN]`` /
+    ``[BR, BK]`` boxes, then the 16-row boxes of ``TAIL=2`` (else the same two again)."""
+    (R, N), K = g.shape, x.shape[1]
+    BN, BK, BR = cfg["BN"], cfg["BK"], cfg["BR"]
+    g_desc = TensorDescriptor(g, [R, N], [g.stride(0), 1], [BR, BN])
+    x_desc = TensorDescriptor(x, [R, K], [x.stride(0), 1], [BR, BK])
+    if cfg["TAIL"] != 2:
+        return g_desc, x_desc, g_desc, x_desc
+    return (g_desc, x_desc, TensorDescriptor(g, [R, N], [g.stride(0), 1], [16, BN]),
+            TensorDescriptor(x, [R, K], [x.stride(0), 1], [16, BK]))
+
+
 def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
                      offsets: torch.Tensor, *, accumulate: bool = False,
                      config: dict | None = None) -> torch.Tensor:
@@ -589,13 +602,7 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     cfg = (_wgrad_tma_default_config(accumulate) if config is None
            else _check_wgrad_tma_config(config))
     BN, BK, BR = cfg["BN"], cfg["BK"], cfg["BR"]
-    g_desc = TensorDescriptor(g, [R, N], [g.stride(0), 1], [BR, BN])
-    x_desc = TensorDescriptor(x, [R, K], [x.stride(0), 1], [BR, BK])
-    if cfg["TAIL"] == 2:
-        g16 = TensorDescriptor(g, [R, N], [g.stride(0), 1], [16, BN])
-        x16 = TensorDescriptor(x, [R, K], [x.stride(0), 1], [16, BK])
-    else:
-        g16, x16 = g_desc, x_desc
+    g_desc, x_desc, g16, x16 = _wgrad_descriptors(g, x, cfg)
     with device_guard(dw):
         launch(_wgrad_tma_kernel, (cdiv(N, BN) * cdiv(K, BK), E), g_desc, x_desc, g16, x16,
                dw, offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
@@ -650,15 +657,7 @@ def launch_wgrad_tma_parts(parts, dw: torch.Tensor, *, accumulate: bool = False,
         chunk = parts[c:c + MAX_PARTS]
         args = []
         for g, x, offsets in chunk:
-            R = g.shape[0]
-            gd = TensorDescriptor(g, [R, N], [g.stride(0), 1], [BR, BN])
-            xd = TensorDescriptor(x, [R, K], [x.stride(0), 1], [BR, BK])
-            if cfg["TAIL"] == 2:
-                g16 = TensorDescriptor(g, [R, N], [g.stride(0), 1], [16, BN])
-                x16 = TensorDescriptor(x, [R, K], [x.stride(0), 1], [16, BK])
-            else:
-                g16, x16 = gd, xd
-            args += [gd, xd, g16, x16, offsets, R]
+            args += [*_wgrad_descriptors(g, x, cfg), offsets, g.shape[0]]
         args += args[:6] * (MAX_PARTS - len(chunk))  # unused parts (never read)
         with device_guard(dw):
             launch(_wgrad_tma_parts_kernel, grid, *args, dw, N, K, dw.stride(0),
