@@ -6,7 +6,9 @@ each, align 16, balanced random routing; GEMMs ``gate_up`` N = K = 2048 and ``do
 2048, K = 1024; bf16) computed three ways:
 
 - ``today``: what a step does without deferral: one fresh ``torch._grouped_mm`` wgrad
-  and ``M - 1`` accumulating TMA wgrads into it (fused accumulation);
+  and ``M - 1`` accumulating TMA wgrads into it (fused accumulation); ``today, acc at
+  parts tiles``: the same with the accumulating launches at the multi-part kernel's
+  default tiles;
 - ``torch concat``: one ``torch._grouped_mm`` over all ``M`` micro-batches' rows in one
   expert-ordered buffer (the bar: what a single GEMM with ``M`` times the contraction
   costs when its operands need no gathering; the buffer is built outside the timing);
@@ -78,6 +80,17 @@ def _measure(parts, E, N, K, M, T, k, align, gpu, timer):
         return d
 
     rows = {"today": timer(today)}
+    if gpu and M > 1:  # the accumulating launches at the multi-part kernel's tiles
+        acc_cfg = bwd_gm._wgrad_tma_parts_default_config()
+
+        def today_parts_tiles():
+            g, x, o = parts[0]
+            d = bwd_gm.grouped_mm_wgrad(g, x, o, backend=backend)
+            for g, x, o in parts[1:]:
+                bwd_gm.launch_wgrad_tma(g, x, d, o, accumulate=True, config=acc_cfg)
+            return d
+
+        rows["today, acc at parts tiles"] = timer(today_parts_tiles)
     if torch_ok:  # one expert-ordered buffer of all parts' rows (built untimed)
         big, real, _, _ = random_routing(M * T, k, E, align, dev, seed=99)
         g4 = torch.randn(real.numel(), N, device=dev, dtype=torch.bfloat16)

@@ -162,6 +162,30 @@ def test_parameters_kept_and_flags(device):
         apply_linghe_kernels(ref)
 
 
+def test_deferred_expert_wgrad(device):
+    """``expert_wgrad_micro_batches=2``: after the first micro-batch the experts have no
+    gradient yet; after the second every gradient matches the unpatched model's
+    accumulated over both (bf16 experts: fp32 here, so tight)."""
+    ref = AutoModelForCausalLM.from_config(_config("qwen3_moe"), dtype=torch.float32).to(device)
+    pat = AutoLinghePatchedModelForCausalLM.from_config(
+        _config("qwen3_moe"), dtype=torch.float32, expert_wgrad_micro_batches=2).to(device)
+    pat.load_state_dict(ref.state_dict())
+    experts = pat.model.layers[0].mlp.experts
+    assert experts.linghe_wgrad_micro_batches == 2
+    batches = [torch.randint(0, V, (2, 5), device=device) for _ in range(2)]
+    for i, ids in enumerate(batches):
+        ref(ids, labels=ids).loss.backward()
+        pat(ids, labels=ids).loss.backward()
+        if i == 0:
+            assert experts.gate_up_proj.grad is None and experts.down_proj.grad is None
+    gr, gp = _grads(ref), _grads(pat)
+    for name in gr:
+        assert_close(gp[name], gr[name], 5e-5, f"d {name}")
+    with pytest.raises(ValueError, match="wgrad_micro_batches"):
+        apply_linghe_kernels(AutoModelForCausalLM.from_config(_config("qwen3_moe")),
+                             expert_wgrad_micro_batches=0)
+
+
 def test_errors():
     gpt2 = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=17)
     with pytest.raises(ValueError, match=r"'llama'.*'qwen2'.*'qwen3'.*'qwen3_moe'.*gpt2"):

@@ -217,6 +217,9 @@ class ExpertsMixin:
 
     #: segment alignment in rows (a multiple of 8 lets bf16 use torch._grouped_mm on Hopper)
     linghe_align: int = 16
+    #: deferred expert weight gradients over this many micro-batches (``grouped_swiglu``'s
+    #: ``wgrad_micro_batches``; ``apply_linghe_kernels(expert_wgrad_micro_batches=...)``)
+    linghe_wgrad_micro_batches: int = 1
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -234,7 +237,8 @@ class ExpertsMixin:
         rows, prow, layout = permute(x, top_k_index, top_k_weights.to(torch.float32),
                                      num_experts=w1.shape[0], align=self.linghe_align)
         y = grouped_swiglu(rows, prow, w1, w2, layout, fp8=fp8, pow2_scale=pow2,
-                           weight_caches=caches)
+                           weight_caches=caches,
+                           wgrad_micro_batches=self.linghe_wgrad_micro_batches)
         return unpermute(y, layout).to(hidden_states.dtype)
 
 

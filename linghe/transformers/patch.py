@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ..fp8.recipe import RECIPES
+from ..functional.grouped_mm import check_wgrad_micro_batches
 from ..nn.convert import convert
 from ..nn.linear import Linear as LingheLinear
 from . import modules as M
@@ -58,7 +59,8 @@ def _swap(module: torch.nn.Module, mixin: type) -> None:
 
 def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope: bool = True,
                          swiglu: bool = True, moe: bool = True, cross_entropy: bool = True,
-                         fp8: str | None = None) -> torch.nn.Module:
+                         fp8: str | None = None,
+                         expert_wgrad_micro_batches: int = 1) -> torch.nn.Module:
     """Patch a Hugging Face Llama, Qwen2, Qwen3 or Qwen3-MoE model in place with linghe's
     kernels; returns ``model``.
 
@@ -92,6 +94,15 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             layer runs inside ``linghe.TrainingContext(fp8="blockwise")`` (unless a context
             is already active): its Linears, dense SwiGLU and MoE grouped GEMMs (when ``2I``
             and ``H`` are multiples of 128) run FP8. Needs compute capability >= 8.9.
+        expert_wgrad_micro_batches: with ``moe``, ``n > 1`` defers the experts' weight
+            gradients over ``n`` backward passes (:mod:`linghe.bwd.deferred`): set it to
+            the Trainer's ``gradient_accumulation_steps``. Each ``n``-th backward computes
+            them over all ``n`` micro-batches' rows in one launch per weight, so
+            ``.grad`` is complete before the clipping and the step. A window of fewer
+            micro-batches (the end of an epoch) is completed before the optimizer's step,
+            but after ``torch.nn.utils.clip_grad_norm_``, whose norm then misses it
+            (call ``linghe.flush_deferred_wgrad()`` first, or use
+            ``linghe.optim.clip_grad_norm_``). ``1``: off.
 
     Sets ``model.linghe_patched`` (how many modules of each kind were swapped, e.g.
     ``{"RMSNorm": 9, "Attention": 2, ...}``) and ``model.linghe_fp8``.
@@ -111,6 +122,7 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
     flags = dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, moe=moe,
                  cross_entropy=cross_entropy)
     _check_options(flags, fp8)
+    check_wgrad_micro_batches(expert_wgrad_micro_batches, fp8_wgrad=False)
     if getattr(model, "linghe_patched", None) is not None:
         raise ValueError(f"model is already patched by linghe ({model.linghe_patched}); "
                          "patch a fresh model instead")
@@ -155,6 +167,8 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
     for _, m in targets:
         mixin = mixin_of[type(m)]
         _swap(m, mixin)
+        if mixin is M.ExpertsMixin and expert_wgrad_micro_batches != 1:
+            m.linghe_wgrad_micro_batches = expert_wgrad_micro_batches
         kind = mixin.__name__.removesuffix("Mixin")
         counts[kind] = counts.get(kind, 0) + 1
 
@@ -198,14 +212,16 @@ def _quantize_attention_input(layer: torch.nn.Module) -> None:
 
 
 def _split_patch_kwargs(kwargs: dict) -> dict:
-    names = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy", "fp8")
+    names = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy", "fp8",
+             "expert_wgrad_micro_batches")
     return {k: kwargs.pop(k) for k in names if k in kwargs}
 
 
 class AutoLinghePatchedModelForCausalLM:
     """``transformers.AutoModelForCausalLM`` that returns the model patched by
     :func:`apply_linghe_kernels` (its keyword arguments ``rms_norm``, ``rope``, ``swiglu``,
-    ``moe``, ``cross_entropy``, ``fp8`` are taken out; the rest goes to Hugging Face).
+    ``moe``, ``cross_entropy``, ``fp8``, ``expert_wgrad_micro_batches`` are taken out; the
+    rest goes to Hugging Face).
     The model type is checked before any weight is built or loaded."""
 
     def __init__(self, *args, **kwargs):
@@ -216,7 +232,8 @@ class AutoLinghePatchedModelForCausalLM:
     def from_config(cls, config, **kwargs) -> torch.nn.Module:
         patch = _split_patch_kwargs(kwargs)
         _model_type(config)
-        _check_options({k: v for k, v in patch.items() if k != "fp8"}, patch.get("fp8"))
+        _check_options({k: v for k, v in patch.items()
+                        if k not in ("fp8", "expert_wgrad_micro_batches")}, patch.get("fp8"))
         model = AutoModelForCausalLM.from_config(config, **kwargs)
         return apply_linghe_kernels(model, **patch)
 
@@ -229,7 +246,8 @@ class AutoLinghePatchedModelForCausalLM:
                                                 trust_remote_code=kwargs.get(
                                                     "trust_remote_code", False))
         _model_type(config)
-        _check_options({k: v for k, v in patch.items() if k != "fp8"}, patch.get("fp8"))
+        _check_options({k: v for k, v in patch.items()
+                        if k not in ("fp8", "expert_wgrad_micro_batches")}, patch.get("fp8"))
         model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args,
                                                      **kwargs)
         return apply_linghe_kernels(model, **patch)
