@@ -330,8 +330,11 @@ def test_default_chunk_size():
     from linghe.functional.loss import default_chunk_size
 
     c = default_chunk_size(8192, 157184, 2)
-    assert c % 64 == 0 and c * 157184 * 2 <= 300 * 2**20 and c < 8192
+    assert c == 2048  # a power of two, 614 MiB of bf16 logits
+    assert default_chunk_size(100_000, 157184, 4) == 1024  # fp32: at most 1 GiB
+    assert default_chunk_size(100_000, 10**7, 4) == 256  # never fewer than 256 rows
     assert default_chunk_size(5, 10, 4) == 5
+    assert default_chunk_size(0, 10, 4) == 1
 
 
 # ------------------------------------------------------------------ GPU, standard shapes
