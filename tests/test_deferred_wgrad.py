@@ -144,6 +144,15 @@ def test_leftover_flushed_by_optimizer_and_clip(device):
     assert_close(w.grad, expect + 1, None, "flushed into .grad")
     assert_close(norm, (expect + 1).norm(), None, "norm")
 
+    # linghe's AdamW is a torch.optim optimizer: the pre-hook runs before its step too
+    w = torch.nn.Parameter(w0.clone())
+    opt = linghe.optim.AdamW([w], lr=1e-3)
+    for rows, layout, g in mbs:
+        linghe.grouped_mm(rows.float(), w, layout, wgrad_micro_batches=4).backward(g.float())
+    opt.step()
+    assert deferred.pending_micro_batches(w) == 0
+    assert_close(w.grad, expect, None, "flushed by linghe.optim.AdamW")
+
     # explicit flush / discard
     w = torch.nn.Parameter(w0.clone())
     rows, layout, g = mbs[0]
@@ -176,6 +185,29 @@ def test_steps_aside(device):
     with pytest.raises(RuntimeError, match="changed in place"):
         linghe.grouped_mm(rows2, w, layout2, wgrad_micro_batches=3).backward(g2)
     assert deferred.pending_micro_batches(w) == 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_steps_aside(device):
+    """Inside a CUDA graph capture nothing is stashed (a replay would not run the
+    bookkeeping): the captured backward computes its own gradient."""
+    if device != "cuda":
+        pytest.skip("needs a GPU")
+    (rows, layout, g), = _micro_batches(device, 1)
+    w = torch.nn.Parameter(torch.randn(3, 40, 48, device=device).to(torch.bfloat16))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (compiles)
+        linghe.grouped_mm(rows, w, layout).backward(g)
+    torch.cuda.current_stream().wait_stream(stream)
+    w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linghe.grouped_mm(rows, w, layout, wgrad_micro_batches=2).backward(g)
+    assert deferred.pending_micro_batches(w) == 0
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(w.grad, _ref_wgrad(g, rows, layout.offsets), 1e-2, "captured dw")
 
 
 def test_fallback_without_tma(device, monkeypatch):
