@@ -410,15 +410,20 @@ def _wgrad_tma_kernel(
     expert with no rows stores zeros. ``ACCUMULATE``: the tile adds the existing ``dW``
     tile (read in the epilogue, fp32 sum, one rounding to ``dW``'s dtype) instead of
     overwriting it."""
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
-    num_k = tl.cdiv(K, BK)
-    n0 = (pid // num_k) * BN
-    k0 = (pid % num_k) * BK
+    e, n0, k0 = _wgrad_tile(K, BN, BK)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     acc = _wgrad_tma_segment(acc, g_desc, x_desc, g16_desc, x16_desc, offsets_ptr, e, R, n0,
                              k0, BR, TAIL)
     _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, BN, BK, ACCUMULATE)
+
+
+@triton.jit
+def _wgrad_tile(K, BN: tl.constexpr, BK: tl.constexpr):
+    """``(e, n0, k0)``: the expert and the ``[BN, BK]`` tile of ``dW_e`` of this program
+    (grid ``(cdiv(N, BN) * cdiv(K, BK), E)``)."""
+    pid = tl.program_id(0)
+    num_k = tl.cdiv(K, BK)
+    return tl.program_id(1), (pid // num_k) * BN, (pid % num_k) * BK
 
 
 @triton.jit
@@ -488,11 +493,7 @@ def _wgrad_tma_parts_kernel(
     One accumulator, one store: a deferred weight gradient
     (:mod:`linghe.bwd.deferred`). ``gs_p``/``xs_p``: part ``p``'s 16-row-box descriptors
     (``TAIL=2``; any descriptors otherwise). The unused parts' arguments are ignored."""
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
-    num_k = tl.cdiv(K, BK)
-    n0 = (pid // num_k) * BN
-    k0 = (pid % num_k) * BK
+    e, n0, k0 = _wgrad_tile(K, BN, BK)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     acc = _wgrad_tma_segment(acc, g0, x0, gs0, xs0, o0, e, R0, n0, k0, BR, TAIL)
     if PARTS > 1:
