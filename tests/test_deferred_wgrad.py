@@ -182,9 +182,14 @@ def test_steps_aside(device):
 
     with torch.no_grad():
         w.mul_(0.5)
-    with pytest.raises(RuntimeError, match="changed in place"):
+    with pytest.raises(RuntimeError, match="changed"):
         linghe.grouped_mm(rows2, w, layout2, wgrad_micro_batches=3).backward(g2)
     assert deferred.pending_micro_batches(w) == 0
+    # a replaced storage (p.data = ...) is caught too
+    linghe.grouped_mm(rows, w, layout, wgrad_micro_batches=3).backward(g1)
+    w.data = w.data.clone()
+    with pytest.raises(RuntimeError, match="replaced"):
+        linghe.flush_deferred_wgrad()
 
 
 @pytest.mark.gpu
@@ -291,6 +296,29 @@ def test_moe_module_defers(device, fp8):
         assert_close(deferred_grads[k], plain[k].double(), 1e-2, k)
     with pytest.raises(ValueError, match="wgrad_micro_batches"):
         linghe.nn.MoE(128, 4, 2, 64, wgrad_micro_batches=0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_moe_under_activation_checkpointing(device, reentrant):
+    """Activation checkpointing (the forward recomputed in backward): the deferred
+    gradients equal the undeferred ones."""
+    torch.manual_seed(0)
+    base = linghe.nn.MoE(64, 4, 2, 48, device=device, dtype=torch.bfloat16)
+    xs = [torch.randn(n, 64, device=device, dtype=torch.bfloat16) for n in (21, 30)]
+    grads = []
+    for n in (1, 2):
+        m = linghe.nn.MoE(64, 4, 2, 48, wgrad_micro_batches=n, device=device,
+                          dtype=torch.bfloat16)
+        m.load_state_dict(base.state_dict())
+        for x in xs:
+            x = x.clone().requires_grad_(True)
+            out = torch.utils.checkpoint.checkpoint(lambda t, m=m: m(t)[0], x,
+                                                    use_reentrant=reentrant)
+            out.float().square().mean().backward()
+        assert deferred.pending_micro_batches(m.experts_gate_up) == 0
+        grads.append({k: p.grad for k, p in m.named_parameters()})
+    for k in grads[0]:
+        assert_close(grads[1][k], grads[0][k].double(), 1e-2, k)
 
 
 def test_bad_settings(device):

@@ -35,8 +35,8 @@ leaves the stash alone) when it cannot hand a gradient to ``.grad`` later: under
 ``torch.autograd.grad`` or ``backward(inputs=...)`` without the weight, with
 ``create_graph``, under ``torch.compile`` / compiled autograd, or while a CUDA graph is
 being captured (a replayed graph does not run this bookkeeping). A stash made before the
-weight changed in place (its version counter moved) raises ``RuntimeError`` instead of
-adding stale products.
+weight changed in place (its version counter moved) or was replaced (``p.data = ...``,
+a move to another device) raises ``RuntimeError`` instead of adding stale products.
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ class WgradPart:
 
 
 class _Stash:
-    __slots__ = ("parts", "version")
+    __slots__ = ("parts", "version", "data_ptr")
 
-    def __init__(self, version: int):
+    def __init__(self, weight: torch.Tensor):
         self.parts: list[WgradPart] = []
-        self.version = version
+        # what the weight was when the first micro-batch was stashed
+        self.version, self.data_ptr = weight._version, weight.data_ptr()
 
 
 #: weight -> its pending micro-batches.
@@ -97,7 +98,7 @@ def defer(weight: torch.Tensor | None, micro_batches: int,
         return [part]
     stash = _STASHES.get(weight)
     if stash is None:
-        stash = _STASHES[weight] = _Stash(weight._version)
+        stash = _STASHES[weight] = _Stash(weight)
     _check_version(weight, stash)
     if len(stash.parts) + 1 < micro_batches:
         stash.parts.append(part)
@@ -114,15 +115,15 @@ def _can_defer(weight: torch.Tensor) -> bool:
 
 
 def _check_version(weight: torch.Tensor, stash: _Stash) -> None:
-    if weight._version != stash.version:
+    if weight._version != stash.version or weight.data_ptr() != stash.data_ptr:
         n = len(stash.parts)
         del _STASHES[weight]
         raise RuntimeError(
-            f"an expert weight changed in place while {n} micro-batch(es) of its deferred "
-            "gradient were pending (wgrad_micro_batches): their products are stale and "
-            "were dropped. Call linghe.flush_deferred_wgrad() before changing the weights "
-            "(torch.optim optimizers do it in step()) or discard_deferred_wgrad() to drop "
-            "them")
+            f"an expert weight changed (in place or replaced) while {n} micro-batch(es) of "
+            "its deferred gradient were pending (wgrad_micro_batches): their products are "
+            "stale and were dropped. Call linghe.flush_deferred_wgrad() before changing the "
+            "weights (torch.optim optimizers do it in step()) or discard_deferred_wgrad() "
+            "to drop them")
 
 
 def pending_micro_batches(weight: torch.Tensor) -> int:
