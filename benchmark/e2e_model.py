@@ -375,6 +375,9 @@ def build_model(cfg: E2EConfig, *, device, dtype=torch.bfloat16, seed: int = 0) 
 #: ``--expert-fp8-wgrad fp8``).
 FP8_WGRAD = True
 EXPERT_FP8_WGRAD = False
+#: The fp8 mode's routed experts in FP8 (``True``) or bf16 (``benchmark.e2e --expert-fp8
+#: bf16``: ``TrainingContext(expert_fp8=False)``; the dense layers stay FP8).
+EXPERT_FP8 = True
 
 
 def fp8_context(mode: str):
@@ -383,7 +386,8 @@ def fp8_context(mode: str):
     PyTorch user runs it (the backward on the autograd engine's device thread)."""
     if mode == "fp8":
         return linghe.TrainingContext(fp8="blockwise", fp8_wgrad=FP8_WGRAD,
-                                      expert_fp8_wgrad=EXPERT_FP8_WGRAD)
+                                      expert_fp8_wgrad=EXPERT_FP8_WGRAD,
+                                      expert_fp8=EXPERT_FP8)
     if mode == "bf16":
         return linghe.TrainingContext(fp8=None)
     return contextlib.nullcontext()

@@ -82,6 +82,13 @@ class TrainingContext:
             activations: with few tokens per expert (8192 tokens over 256 experts) the
             FP8 grouped wgrad's short contraction per output tile loses to the bf16 grouped
             GEMM, and no columnwise copies are made (``benchmark/NOTES.md``).
+        expert_fp8: run the routed experts (:class:`linghe.nn.MoE`, the Hugging Face
+            Qwen3-MoE experts) in FP8 under the blockwise recipe (default). ``False``
+            keeps them in the input's precision while the dense layers (and the shared
+            experts) stay FP8: with few tokens per expert the expert GEMMs are bound by
+            reading the weights, and the FP8 copies of those weights (written once per
+            optimizer step) cost about what the FP8 expert GEMMs save (the e2e
+            benchmark's ``--expert-fp8``; ``benchmark/NOTES.md``).
 
     Use::
 
@@ -103,13 +110,14 @@ class TrainingContext:
     def __init__(self, fp8: str | None = None, *, pow2_scale: bool = True, amax_group=None,
                  history_len: int = 16, amax_compute: str = "max", margin: float = 0,
                  fp8_wgrad: bool = True, expert_fp8_wgrad: bool = False,
-                 caller_thread_backward: bool = True):
+                 expert_fp8: bool = True, caller_thread_backward: bool = True):
         if fp8 is not None and not isinstance(fp8, str):
             raise ValueError(f"fp8 must be None or one of {RECIPES}, got {fp8!r}")
         self.recipe: Fp8Recipe | None = None
         if fp8 is not None:
             self.recipe = Fp8Recipe(fp8, pow2_scale=pow2_scale, fp8_wgrad=fp8_wgrad,
                                     expert_fp8_wgrad=expert_fp8_wgrad,
+                                    expert_fp8=expert_fp8,
                                     history_len=history_len, amax_compute=amax_compute,
                                     margin=margin, amax_group=amax_group)
         self.caller_thread_backward = bool(caller_thread_backward)

@@ -328,6 +328,35 @@ def test_moe_follows_recipe_expert_fp8_wgrad(monkeypatch, fp8_wgrad):
     assert calls == ({"fp8": 2, "hp": 0} if fp8_wgrad else {"fp8": 0, "hp": 2})
 
 
+@pytest.mark.parametrize("expert_fp8", [True, False])
+def test_moe_follows_recipe_expert_fp8(monkeypatch, expert_fp8):
+    """``TrainingContext(expert_fp8=False)`` runs the routed experts in high precision
+    (no FP8 tokens, ``grouped_swiglu(fp8=False)``: the same output as the bf16 module's
+    routed part) while the shared expert stays FP8."""
+    from linghe.nn import moe as nn_moe
+
+    seen = []
+    real = nn_moe.grouped_swiglu
+
+    def spy(*a, **k):
+        seen.append(k["fp8"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(nn_moe, "grouped_swiglu", spy)
+    m = linghe.nn.MoE(128, 4, 2, 64, num_shared_experts=1, align=16, dtype=torch.bfloat16)
+    x = torch.randn(9, 128).to(torch.bfloat16)
+    with linghe.TrainingContext(fp8="blockwise", expert_fp8=expert_fp8):
+        out, _ = m(x)
+        shared_fp8 = m.shared_experts(x)
+    out.float().sum().backward()
+    assert seen == [expert_fp8]
+    assert m.experts_gate_up.grad is not None
+    # the shared expert ran FP8 either way: its output differs from its bf16 output
+    assert not torch.equal(shared_fp8, m.shared_experts(x))
+    with pytest.raises(ValueError, match="expert_fp8"):
+        linghe.TrainingContext(fp8="blockwise", expert_fp8=1)
+
+
 def test_grouped_swiglu_fp8_rows_and_partial_grads():
     """FP8 rows (quantize_tokens -> permute) and gradients for only some inputs."""
     H, I, E, T, k = 128, 64, 3, 7, 2

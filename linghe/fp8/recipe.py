@@ -40,13 +40,14 @@ class Fp8Recipe:
     amax_compute: str = "max"
     margin: float = 0
     expert_fp8_wgrad: bool = False
+    expert_fp8: bool = True
     amax_group: Any = field(default=None, compare=False)
     state: DelayedScalingState | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.name not in RECIPES:
             raise ValueError(f"fp8 recipe must be None or one of {RECIPES}, got {self.name!r}")
-        for opt in ("pow2_scale", "fp8_wgrad", "expert_fp8_wgrad"):
+        for opt in ("pow2_scale", "fp8_wgrad", "expert_fp8_wgrad", "expert_fp8"):
             if not isinstance(getattr(self, opt), bool):
                 raise ValueError(f"{opt} must be a bool, got {getattr(self, opt)!r}")
         hl = self.history_len

@@ -226,7 +226,8 @@ class ExpertsMixin:
         w1, w2 = self.gate_up_proj, self.down_proj
         x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
         x = x.contiguous()
-        fp8 = is_fp8_blockwise() and w1.shape[1] % 128 == 0 and w1.shape[2] % 128 == 0
+        fp8 = (is_fp8_blockwise() and current_recipe().expert_fp8 and w1.shape[1] % 128 == 0
+               and w1.shape[2] % 128 == 0)
         pow2, caches = False, None
         if fp8:
             caches = self.__dict__.get("_linghe_fp8_caches")
