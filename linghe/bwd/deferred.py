@@ -194,6 +194,7 @@ def flush_deferred_wgrad(parameters=None) -> int:
         if (grad is not None and grad.dtype == w.dtype and grad.is_contiguous()
                 and grad.shape == w.shape):
             wgrad_parts(stash.parts, grad)
+            torch.autograd.graph.increment_version(grad)  # (a kernel wrote it in place)
         else:
             new = wgrad_parts(stash.parts, None, out_dtype=w.dtype)
             w.grad = new if grad is None else grad.add_(new)
