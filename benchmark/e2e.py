@@ -991,6 +991,11 @@ def parse_args(argv=None):
     p.add_argument("--expert-fp8", choices=("fp8", "bf16"), default="fp8",
                    help="the fp8 mode's routed experts: FP8 (default) or bf16 with the dense "
                         "layers still FP8 (TrainingContext(expert_fp8=False))")
+    p.add_argument("--norm-from-backward", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="linghe modes, eager: the clipping norm takes the MoE experts' "
+                        "gradient norms from their wgrad kernels "
+                        "(linghe.optim.AdamW(norm_from_backward=True))")
     p.add_argument("--fused-grad-accumulation", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="linghe modes: expert weight gradients added into the existing "
@@ -1066,6 +1071,7 @@ def main(argv=None) -> int:
     e2e_model.FP8_WGRAD = args.fp8_wgrad == "fp8"
     e2e_model.EXPERT_FP8_WGRAD = args.expert_fp8_wgrad == "fp8"
     e2e_model.EXPERT_FP8 = args.expert_fp8 == "fp8"
+    e2e_model.NORM_FROM_BACKWARD = bool(args.norm_from_backward)
     set_fused_grad_accumulation(args.fused_grad_accumulation)
     env = environment()
     print(f"[e2e] {env['device']}; torch {env['torch']}, triton {env['triton']}")
@@ -1075,6 +1081,7 @@ def main(argv=None) -> int:
         result = throughput_job(args, cfg, device)
     result.update(env=env, width=args.width, fp8_wgrad=args.fp8_wgrad,
                   expert_fp8_wgrad=args.expert_fp8_wgrad, expert_fp8=args.expert_fp8,
+                  norm_from_backward=bool(args.norm_from_backward),
                   fused_grad_accumulation=args.fused_grad_accumulation,
                   argv=sys.argv[1:] if argv is None else argv)
     if args.json:

@@ -375,6 +375,9 @@ def build_model(cfg: E2EConfig, *, device, dtype=torch.bfloat16, seed: int = 0) 
 #: ``--expert-fp8-wgrad fp8``).
 FP8_WGRAD = True
 EXPERT_FP8_WGRAD = False
+#: linghe modes, eager: the experts' gradient norms from the wgrad kernels
+#: (``linghe.optim.AdamW(norm_from_backward=True)``; ``benchmark.e2e --norm-from-backward``).
+NORM_FROM_BACKWARD = False
 #: The fp8 mode's routed experts in FP8 (``True``) or bf16 (``benchmark.e2e --expert-fp8
 #: bf16``: ``TrainingContext(expert_fp8=False)``; the dense layers stay FP8).
 EXPERT_FP8 = True
@@ -403,7 +406,9 @@ def make_optimizer(model: nn.Module, lr: float = 1e-3, *, mode: str = "torch",
     * torch: PyTorch's fused AdamW (``fused=True`` on CUDA; the default form on the CPU);
       :func:`update` clips with ``torch.nn.utils.clip_grad_norm_`` first;
     * linghe modes: ``linghe.optim.AdamW(max_grad_norm=max_norm)``: the norm in one
-      launch, the clip coefficient applied inside the update, one update launch per dtype.
+      launch, the clip coefficient applied inside the update, one update launch per dtype
+      (with :data:`NORM_FROM_BACKWARD`, eager only: the experts' gradient norms come from
+      their wgrad kernels).
 
     ``optimizer="torch"`` gives the linghe modes PyTorch's fused AdamW too (clipped with
     ``linghe.optim.clip_grad_norm_``): the setup of the runs before linghe had an
@@ -423,7 +428,8 @@ def make_optimizer(model: nn.Module, lr: float = 1e-3, *, mode: str = "torch",
     lr_arg = torch.tensor(lr, dtype=torch.float32, device=device) if lr_tensor else lr
     if mode != "torch" and optimizer == "auto":
         return linghe.optim.AdamW(model.parameters(), lr=lr_arg, betas=(0.9, 0.95),
-                                  weight_decay=weight_decay, max_grad_norm=max_norm)
+                                  weight_decay=weight_decay, max_grad_norm=max_norm,
+                                  norm_from_backward=NORM_FROM_BACKWARD and not capturable)
     fused = device.type == "cuda"
     return torch.optim.AdamW(model.parameters(), lr=lr_arg, betas=(0.9, 0.95),
                              weight_decay=weight_decay, capturable=capturable,

@@ -49,6 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..fp8.quantize import dequantize_1x128_rows
 from ..fwd.grouped_mm import tma_capable
+from . import grad_norms
 from . import grouped_mm as bwd_gm
 from .accumulate import _accumulate_grad_will_run, _in_compiled_autograd
 
@@ -152,6 +153,14 @@ def wgrad_parts(parts: list[WgradPart], out: torch.Tensor | None, *,
     ``out`` is given). One launch (Hopper, TMA-describable operands: fp32 sum, one
     rounding per up to :data:`~linghe.bwd.grouped_mm.MAX_PARTS` parts); the fallback
     elsewhere: the first part's wgrad, then accumulating wgrads (a rounding per part)."""
+    return wgrad_parts_sq(parts, out, out_dtype=out_dtype, want_sq=False)[0]
+
+
+def wgrad_parts_sq(parts: list[WgradPart], out: torch.Tensor | None, *,
+                   out_dtype: torch.dtype | None = None,
+                   want_sq: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`wgrad_parts`, and with ``want_sq`` the per-tile squared sums of the result
+    (:mod:`linghe.bwd.grad_norms`) where the one-launch kernel ran (else ``None``)."""
     parts = prepare_wgrad_parts(parts)
     g0 = parts[0].d_out
     E, N, K = parts[0].offsets.numel() - 1, g0.shape[1], parts[0].rows.shape[1]
@@ -161,8 +170,11 @@ def wgrad_parts(parts: list[WgradPart], out: torch.Tensor | None, *,
     if (all(p.rows_scale is None for p in parts) and tma_capable(out)
             and all(bwd_gm.wgrad_tma_unsupported(p.d_out, p.rows, out) is None
                     for p in parts)):
-        return bwd_gm.launch_wgrad_tma_parts([(p.d_out, p.rows, p.offsets) for p in parts],
-                                             out, accumulate=not fresh)
+        sq = (torch.empty(bwd_gm.wgrad_sq_size(out), dtype=torch.float32, device=out.device)
+              if want_sq else None)
+        bwd_gm.launch_wgrad_tma_parts([(p.d_out, p.rows, p.offsets) for p in parts], out,
+                                      accumulate=not fresh, sq_out=sq)
+        return out, sq
     for i, p in enumerate(parts):  # fallback: a launch per part
         if i == 0 and fresh:
             x = p.rows
@@ -173,7 +185,7 @@ def wgrad_parts(parts: list[WgradPart], out: torch.Tensor | None, *,
         else:
             bwd_gm.grouped_mm_wgrad_accumulate_(out, p.d_out, p.rows, p.offsets,
                                                 rows_scale=p.rows_scale)
-    return out
+    return out, None
 
 
 @torch.no_grad()
@@ -190,14 +202,17 @@ def flush_deferred_wgrad(parameters=None) -> int:
     for w in weights:
         stash = _STASHES[w]
         _check_version(w, stash)
-        grad = w.grad
+        grad, want = w.grad, grad_norms.watched(w)
         if (grad is not None and grad.dtype == w.dtype and grad.is_contiguous()
                 and grad.shape == w.shape):
-            wgrad_parts(stash.parts, grad)
+            _, sq = wgrad_parts_sq(stash.parts, grad, want_sq=want)
             torch.autograd.graph.increment_version(grad)  # (a kernel wrote it in place)
         else:
-            new = wgrad_parts(stash.parts, None, out_dtype=w.dtype)
-            w.grad = new if grad is None else grad.add_(new)
+            new, sq = wgrad_parts_sq(stash.parts, None, out_dtype=w.dtype,
+                                     want_sq=want and grad is None)
+            w.grad = grad = new if grad is None else grad.add_(new)
+        if sq is not None:
+            grad_norms.record(w, grad, sq)
         del _STASHES[w]
     return len(weights)
 

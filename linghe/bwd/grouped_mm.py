@@ -381,8 +381,8 @@ def _wgrad_tma_step(acc, g_desc, x_desc, r, n0, k0, end, BR: tl.constexpr, MASK:
 @triton.jit
 def _wgrad_tma_kernel(
     g_desc, x_desc, g16_desc, x16_desc, w_ptr, offsets_ptr, N, K, R, stride_we, stride_wn,
-    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    sq_ptr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
+    ACCUMULATE: tl.constexpr, SQ: tl.constexpr = False,
 ):
     """bf16/fp16 ``dW[e, n, k] (+)= sum_{r in seg e} g[r, n] * x[r, k]`` (fp32
     accumulation) with both operands loaded by TMA: ``g_desc`` over ``g [R, N]`` in ``[BR,
@@ -414,7 +414,8 @@ def _wgrad_tma_kernel(
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     acc = _wgrad_tma_segment(acc, g_desc, x_desc, g16_desc, x16_desc, offsets_ptr, e, R, n0,
                              k0, BR, TAIL)
-    _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, BN, BK, ACCUMULATE)
+    _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, sq_ptr, BN, BK,
+                      ACCUMULATE, SQ)
 
 
 @triton.jit
@@ -461,10 +462,13 @@ def _wgrad_tma_segment(acc, g_desc, x_desc, g16_desc, x16_desc, offsets_ptr, e, 
 
 
 @triton.jit
-def _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, BN: tl.constexpr,
-                      BK: tl.constexpr, ACCUMULATE: tl.constexpr):
+def _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, sq_ptr,
+                      BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      SQ: tl.constexpr):
     """Store the ``[BN, BK]`` tile ``acc`` at ``dW[e, n0:, k0:]`` (masked to ``N`` x
-    ``K``); ``ACCUMULATE``: add the existing tile first (fp32 sum, one rounding)."""
+    ``K``); ``ACCUMULATE``: add the existing tile first (fp32 sum, one rounding). ``SQ``:
+    also store the sum of the squares of the stored (rounded) values at ``sq_ptr[e *
+    programs + program]`` (the gradient norm's partial of this tile)."""
     ns = n0 + tl.arange(0, BN)
     ks = k0 + tl.arange(0, BK)
     wmask = (ns < N)[:, None] & (ks < K)[None, :]
@@ -472,7 +476,11 @@ def _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, BN: tl.
               + ks[None, :])
     if ACCUMULATE:
         acc += tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)
-    tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=wmask)
+    out = acc.to(w_ptr.dtype.element_ty)
+    tl.store(w_ptrs, out, mask=wmask)
+    if SQ:
+        v = tl.where(wmask, out.to(tl.float32), 0.0)
+        tl.store(sq_ptr + e * tl.num_programs(0) + tl.program_id(0), tl.sum(tl.sum(v * v, 1), 0))
 
 
 #: Most operand pairs one :func:`_wgrad_tma_parts_kernel` launch walks (more are chunked).
@@ -483,9 +491,9 @@ MAX_PARTS = 4
 def _wgrad_tma_parts_kernel(
     g0, x0, gs0, xs0, o0, R0, g1, x1, gs1, xs1, o1, R1, g2, x2, gs2, xs2, o2, R2,
     g3, x3, gs3, xs3, o3, R3,
-    w_ptr, N, K, stride_we, stride_wn,
+    w_ptr, N, K, stride_we, stride_wn, sq_ptr,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TAIL: tl.constexpr,
-    PARTS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PARTS: tl.constexpr, ACCUMULATE: tl.constexpr, SQ: tl.constexpr = False,
 ):
     """:func:`_wgrad_tma_kernel` summed over ``PARTS`` (1-4) operand pairs, each with
     its own rows and layout (e.g. several micro-batches' ``d_out``/``rows``): ``dW[e]
@@ -502,7 +510,8 @@ def _wgrad_tma_parts_kernel(
         acc = _wgrad_tma_segment(acc, g2, x2, gs2, xs2, o2, e, R2, n0, k0, BR, TAIL)
     if PARTS > 3:
         acc = _wgrad_tma_segment(acc, g3, x3, gs3, xs3, o3, e, R3, n0, k0, BR, TAIL)
-    _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, BN, BK, ACCUMULATE)
+    _wgrad_tile_store(acc, w_ptr, e, n0, k0, N, K, stride_we, stride_wn, sq_ptr, BN, BK,
+                      ACCUMULATE, SQ)
 
 
 @functools.cache
@@ -606,7 +615,7 @@ def launch_wgrad_tma(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
     g_desc, x_desc, g16, x16 = _wgrad_descriptors(g, x, cfg)
     with device_guard(dw):
         launch(_wgrad_tma_kernel, (cdiv(N, BN) * cdiv(K, BK), E), g_desc, x_desc, g16, x16,
-               dw, offsets, N, K, R, dw.stride(0), dw.stride(1), BN=BN, BK=BK, BR=BR,
+               dw, offsets, N, K, R, dw.stride(0), dw.stride(1), dw, BN=BN, BK=BK, BR=BR,
                TAIL=cfg["TAIL"], ACCUMULATE=bool(accumulate), num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"])
     return dw
@@ -628,16 +637,28 @@ def _wgrad_tma_parts_default_config() -> dict:
     return dict(BN=128, BK=128, BR=32, num_warps=4, num_stages=3, TAIL=2)
 
 
+def wgrad_sq_size(dw: torch.Tensor, config: dict | None = None) -> int:
+    """The length of :func:`launch_wgrad_tma_parts`'s ``sq_out``: one float32 per output
+    tile of ``dw [E, N, K]``."""
+    cfg = dict(_wgrad_tma_parts_default_config(), **(config or {}))
+    E, N, K = dw.shape
+    return E * cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"])
+
+
 def launch_wgrad_tma_parts(parts, dw: torch.Tensor, *, accumulate: bool = False,
-                           config: dict | None = None) -> torch.Tensor:
+                           config: dict | None = None,
+                           sq_out: torch.Tensor | None = None) -> torch.Tensor:
     """``dW_e (+)= sum_p g_p,e^T @ x_p,e`` over several operand pairs ``parts = [(g_p
     [R_p, N], x_p [R_p, K], offsets_p [E + 1]), ...]`` (each as
     :func:`launch_wgrad_tma` takes one; their ``R_p`` and layouts may differ), written
     into ``dw [E, N, K]`` with one fp32 accumulator per tile and one rounding per launch
     of up to :data:`MAX_PARTS` parts (more are chunked: the later chunks add to ``dw``).
     ``accumulate=True`` adds to ``dw``'s contents. ``config``: tiles (keys of
-    :func:`_wgrad_tma_default_config`, ``TAIL`` as there). Raises ``ValueError`` for
-    operands TMA cannot describe (:func:`wgrad_tma_unsupported`). Returns ``dw``."""
+    :func:`_wgrad_tma_default_config`, ``TAIL`` as there). ``sq_out``: float32
+    ``[wgrad_sq_size(dw)]`` that receives, per output tile, the sum of the squares of
+    ``dw``'s final (rounded) values: the squared norm of ``dw`` is its sum. Raises
+    ``ValueError`` for operands TMA cannot describe (:func:`wgrad_tma_unsupported`).
+    Returns ``dw``."""
     parts = [p for p in parts]
     if not parts:
         raise ValueError("launch_wgrad_tma_parts needs at least one (g, x, offsets) part")
@@ -650,10 +671,20 @@ def launch_wgrad_tma_parts(parts, dw: torch.Tensor, *, accumulate: bool = False,
         return dw
     cfg = _check_wgrad_tma_config(dict(_wgrad_tma_parts_default_config(), **(config or {})))
     BN, BK, BR = cfg["BN"], cfg["BK"], cfg["BR"]
+    if sq_out is not None and (sq_out.dtype != torch.float32 or not sq_out.is_contiguous()
+                               or sq_out.numel() != wgrad_sq_size(dw, cfg)):
+        raise ValueError(f"sq_out must be a contiguous float32 tensor of "
+                         f"{wgrad_sq_size(dw, cfg)} elements")
     parts = [p for p in parts if p[0].shape[0] > 0]  # (TMA cannot describe an empty tensor)
     if not parts:
-        return dw if accumulate else dw.zero_()
+        if not accumulate:
+            dw.zero_()
+        if sq_out is not None:
+            sq_out.zero_()
+            sq_out[:1] = dw.float().square().sum()
+        return dw
     grid = (cdiv(N, BN) * cdiv(K, BK), E)
+    last = (len(parts) - 1) // MAX_PARTS * MAX_PARTS
     for c in range(0, len(parts), MAX_PARTS):
         chunk = parts[c:c + MAX_PARTS]
         args = []
@@ -661,10 +692,11 @@ def launch_wgrad_tma_parts(parts, dw: torch.Tensor, *, accumulate: bool = False,
             args += [*_wgrad_descriptors(g, x, cfg), offsets, g.shape[0]]
         args += args[:6] * (MAX_PARTS - len(chunk))  # unused parts (never read)
         with device_guard(dw):
+            sq = sq_out is not None and c == last  # (the last chunk stores final values)
             launch(_wgrad_tma_parts_kernel, grid, *args, dw, N, K, dw.stride(0),
-                   dw.stride(1), BN=BN, BK=BK, BR=BR, TAIL=cfg["TAIL"], PARTS=len(chunk),
-                   ACCUMULATE=bool(accumulate or c > 0), num_warps=cfg["num_warps"],
-                   num_stages=cfg["num_stages"])
+                   dw.stride(1), sq_out if sq else dw, BN=BN, BK=BK, BR=BR,
+                   TAIL=cfg["TAIL"], PARTS=len(chunk), ACCUMULATE=bool(accumulate or c > 0),
+                   SQ=sq, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dw
 
 

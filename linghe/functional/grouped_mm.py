@@ -19,9 +19,10 @@ import os
 import torch
 
 from .. import library
+from ..bwd import grad_norms
 from ..bwd import grouped_mm as bwd
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
-from ..bwd.deferred import WgradPart, defer, deferrable, wgrad_parts
+from ..bwd.deferred import WgradPart, defer, deferrable, wgrad_parts, wgrad_parts_sq
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd
@@ -141,6 +142,8 @@ class GroupedMMFunction(torch.autograd.Function):
                                   offsets)
             ctx.w_param = accumulation_param(weight)
             ctx.defer = (deferrable(weight, wgrad_micro_batches), wgrad_micro_batches)
+            # (the optimizer asked for this weight's gradient norm: grad_norms)
+            ctx.norm_w = weight if need_dw and grad_norms.watched(weight) else None
             return out
         a = quantize_1x128(rows, rowwise=True, columnwise=need_dw, pow2_scale=pow2_scale)
         if weight_cache is not None:
@@ -170,7 +173,14 @@ class GroupedMMFunction(torch.autograd.Function):
             # None: stashed, the gradient comes with a later micro-batch's backward
             parts = defer(defer_w, n, WgradPart(d_out, rows, None, offsets)) if need_dw else ()
             grad = grad_to_accumulate(param, d_out.dtype) if parts else None
-            if parts and len(parts) > 1:  # pending micro-batches and this one, one launch
+            norm_w, ctx.norm_w = ctx.norm_w, None
+            if parts and norm_w is not None:  # one launch that also sums the squares
+                d_w, sq = wgrad_parts_sq(parts, grad, out_dtype=rows.dtype)
+                if grad is not None:
+                    d_w = take_grad(param, grad)
+                if sq is not None:
+                    grad_norms.record(norm_w, d_w, sq)
+            elif parts and len(parts) > 1:  # pending micro-batches and this one, one launch
                 if grad is not None:
                     wgrad_parts(parts, grad)
                     d_w = take_grad(param, grad)

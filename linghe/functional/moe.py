@@ -36,10 +36,18 @@ from __future__ import annotations
 import torch
 
 from .. import library
+from ..bwd import grad_norms
 from ..bwd import grouped_mm as bwd_gm
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
 from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant
-from ..bwd.deferred import WgradPart, defer, deferrable, prepare_wgrad_parts, wgrad_parts
+from ..bwd.deferred import (
+    WgradPart,
+    defer,
+    deferrable,
+    prepare_wgrad_parts,
+    wgrad_parts,
+    wgrad_parts_sq,
+)
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fp8.quantize import dequantize_1x128_rows
@@ -170,6 +178,10 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
                       else (None, None))
         ctx.defer = (deferrable(w1, micro_batches), deferrable(w2, micro_batches),
                      micro_batches)
+        # weights whose gradient norm the optimizer asked for (grad_norms; high-precision
+        # wgrad only)
+        ctx.norm_ws = tuple(w if need and not fp8_wgrad and grad_norms.watched(w) else None
+                            for w, need in ((w1, need_w1), (w2, need_w2)))
         hp_rows = need_w1 and not fp8_wgrad and not isinstance(rows, Fp8Tensor)
         ctx.save_for_backward(h if need_da else None, probs, rows if hp_rows else None)
         return y
@@ -183,7 +195,7 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
             grads = _backward_fp8_wgrad(ctx, dy.contiguous(), h, probs)
         else:
             grads = _backward_hp_wgrad(ctx, dy.contiguous(), h, probs, rows)
-        ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = ctx.params = ctx.defer = None
+        ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = ctx.params = ctx.defer = ctx.norm_ws = None
         return (*grads, None, None, None, None, None)
 
 
@@ -237,7 +249,8 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
     # leaves the gradients as they were, as PyTorch's AccumulateGrad would.
     p1, p2 = ctx.params
     defer1, defer2, n = ctx.defer
-    fused = []  # (grad, [WgradPart, ...]): the in-place adds
+    norm_w1, norm_w2 = ctx.norm_ws
+    fused = []  # (grad, [WgradPart, ...], weight to record the norm of): the in-place adds
     a2 = ctx.a2
     # (parts: None when stashed for a later micro-batch (deferred wgrad), else the
     # micro-batches whose gradient is handed over now)
@@ -245,9 +258,9 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
               if need_w2 else None)
     g2 = grad_to_accumulate(p2, dy.dtype) if parts2 else None
     if parts2 and g2 is None:
-        d_w2 = _hp_wgrad(parts2, w2_dtype, backend)
+        d_w2 = _hp_wgrad(parts2, w2_dtype, backend, norm_w2)
     elif g2 is not None:
-        fused.append((g2, prepare_wgrad_parts(parts2)))
+        fused.append((g2, prepare_wgrad_parts(parts2), norm_w2))
     g1 = None
     if need_da:
         dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
@@ -270,12 +283,16 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
                 offsets))
             g1 = grad_to_accumulate(p1, dh.dtype) if parts1 else None
             if parts1 and g1 is None:
-                d_w1 = _hp_wgrad(parts1, w1_dtype, backend)
+                d_w1 = _hp_wgrad(parts1, w1_dtype, backend, norm_w1)
             elif g1 is not None:
-                fused.append((g1, prepare_wgrad_parts(parts1)))
+                fused.append((g1, prepare_wgrad_parts(parts1), norm_w1))
     # every operand is ready: the in-place adds, then the hand-back (no allocation between)
-    for grad, parts in fused:
-        if len(parts) > 1:
+    for grad, parts, norm_w in fused:
+        if norm_w is not None:
+            _, sq = wgrad_parts_sq(parts, grad)
+            if sq is not None:
+                grad_norms.record(norm_w, grad, sq)
+        elif len(parts) > 1:
             wgrad_parts(parts, grad)
         else:
             p = parts[0]
@@ -288,10 +305,17 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
     return d_rows, d_p, d_w1, d_w2
 
 
-def _hp_wgrad(parts: list[WgradPart], out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+def _hp_wgrad(parts: list[WgradPart], out_dtype: torch.dtype, backend: str,
+              norm_w: torch.Tensor | None = None) -> torch.Tensor:
     """A new high-precision weight gradient over ``parts`` (one micro-batch:
     ``grouped_mm_wgrad`` of ``backend`` on its rows, FP8 rows dequantized; several: the
-    deferred wgrad's one launch)."""
+    deferred wgrad's one launch). ``norm_w``: the multi-part kernel, which also records
+    the gradient's squared norm for that weight (:mod:`linghe.bwd.grad_norms`)."""
+    if norm_w is not None:
+        out, sq = wgrad_parts_sq(parts, None, out_dtype=out_dtype)
+        if sq is not None:
+            grad_norms.record(norm_w, out, sq)
+        return out
     if len(parts) > 1:
         return wgrad_parts(parts, None, out_dtype=out_dtype)
     p = parts[0]

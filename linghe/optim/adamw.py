@@ -45,6 +45,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..bwd import grad_norms
 from ..fp8.cache import bound_caches
 from ..fp8.tensor import Fp8Tensor
 from ..utils import check_kernel_device
@@ -150,6 +151,15 @@ class AdamW(torch.optim.Optimizer):
             :class:`~linghe.fp8.WeightCache` inside the step (16-bit weights, 128x128
             blocks; :mod:`linghe.optim.fp8_weights`), so that the next forward does not
             read them again to quantize; False leaves the quantization to the layers.
+        norm_from_backward: with ``max_grad_norm`` and ``norm_type=2``, take the squared
+            norms of the MoE experts' weight gradients from the wgrad kernel that wrote
+            them (:mod:`linghe.bwd.grad_norms`) instead of reading those gradients again
+            (one read of ~90% of a MoE model's gradients). Opt-in because a write to
+            ``.grad`` that does not bump its version counter between the backward and
+            the step goes unseen: ``torch.distributed`` collectives on ``.grad`` or
+            writes through ``.data``. DDP (its buckets), FSDP (DTensor gradients) and
+            PyTorch's in-place ops are seen. A gradient without a valid record is read
+            as usual.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
@@ -158,7 +168,7 @@ class AdamW(torch.optim.Optimizer):
                  foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
                  max_grad_norm: float | None = None, norm_type: float = 2.0,
-                 fp8_weight_copies: bool = True) -> None:
+                 fp8_weight_copies: bool = True, norm_from_backward: bool = False) -> None:
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
                 raise ValueError("Tensor lr must be 1-element")
@@ -181,6 +191,7 @@ class AdamW(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else check_max_norm(max_grad_norm)
         self.norm_type = check_norm_type(norm_type)
         self.fp8_weight_copies = bool(fp8_weight_copies)
+        self.norm_from_backward = bool(norm_from_backward)
         #: The total gradient norm of the last ``step()`` (0-dim float32 tensor on the
         #: device) when ``max_grad_norm`` is set, else None.
         self.grad_norm: torch.Tensor | None = None
@@ -189,9 +200,12 @@ class AdamW(torch.optim.Optimizer):
                         differentiable=False, fused=None)
         self._groups: dict[int, _GroupBuffers] = {}
         super().__init__(params, defaults)
+        if self.norm_from_backward and self.max_grad_norm is not None:
+            grad_norms.watch(p for g in self.param_groups for p in g["params"])
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("fp8_weight_copies", True)
+        state.setdefault("norm_from_backward", False)
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -205,7 +219,8 @@ class AdamW(torch.optim.Optimizer):
 
     def extra_repr(self) -> str:
         return (f"max_grad_norm={self.max_grad_norm}, norm_type={self.norm_type}, "
-                f"fp8_weight_copies={self.fp8_weight_copies}")
+                f"fp8_weight_copies={self.fp8_weight_copies}, "
+                f"norm_from_backward={self.norm_from_backward}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -270,9 +285,21 @@ class AdamW(torch.optim.Optimizer):
         if self.max_grad_norm is None:
             return None
         params = [p for g in self.param_groups for p in g["params"]]
+        extra = None
+        if (self.norm_from_backward and self.norm_type == 2.0
+                and not _capturing({"params": params})):
+            # squared norms recorded by the wgrad kernels; the other gradients are read
+            recorded = []
+            rest = []
+            for p in params:
+                sq = grad_norms.take(p)
+                (rest if sq is None else recorded).append(p if sq is None else sq)
+            if recorded:
+                params = rest
+                extra = torch.cat([sq.reshape(-1) for sq in recorded]).sum().reshape(1)
         prep = prepare(params, None, name="params", grads=True, write=False)
         self.grad_norm, coef = _norm_and_coef(*prep, self.norm_type, torch.float32,
-                                              self.max_grad_norm)
+                                              self.max_grad_norm, extra_sq=extra)
         return coef
 
     def _buffers(self, gi: int, group: dict) -> _GroupBuffers:

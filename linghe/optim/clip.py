@@ -260,9 +260,13 @@ def _prepare_slow(items, group, *, name: str, grads: bool, write: bool):
 
 
 def _norm_and_coef(groups, device, plan, keep, p: float, acc_dtype: torch.dtype,
-                   max_norm: float | None):
+                   max_norm: float | None, extra_sq: torch.Tensor | None = None):
     """Returns ``(norm 0-dim, coef [1] or None)`` from :func:`prepare`'s output; no host
-    sync."""
+    sync. ``extra_sq``: ``p = 2`` only, not distributed: a ``[1]`` float32 sum of squares
+    of gradients outside ``prepare``'s (e.g. recorded by the wgrad kernels,
+    :mod:`linghe.bwd.grad_norms`) that the norm includes."""
+    if extra_sq is not None:
+        return _norm_and_coef_extra(groups, device, plan, p, acc_dtype, max_norm, extra_sq)
     if plan is None:
         return torch.tensor(0.0, dtype=acc_dtype), None
     all_groups = [g for gs in groups for g in gs]
@@ -291,6 +295,25 @@ def _norm_and_coef(groups, device, plan, keep, p: float, acc_dtype: torch.dtype,
         for g in gs:
             torch.distributed.all_reduce(accs[b:b + 1], op=op, group=g)
     K.finish_norm(accs, p, norm_out=norm, coef_out=coef, max_norm=mn)
+    return norm, coef
+
+
+def _norm_and_coef_extra(groups, device, plan, p, acc_dtype, max_norm, extra_sq):
+    """:func:`_norm_and_coef` plus ``extra_sq``: the partials of ``plan`` (if any) reduced
+    to one accumulator, then the accumulators ``[rest, extra_sq]`` finished together."""
+    if p != 2.0 or any(gs for gs in groups):
+        raise ValueError("extra_sq needs norm_type 2 and no process groups")
+    device = extra_sq.device
+    accs = torch.zeros(2, dtype=acc_dtype, device=device)
+    accs[1:].copy_(extra_sq)
+    if plan is not None and plan.launches:
+        partials = K.norm_partials(plan, p, acc_dtype)
+        off, n = plan.buckets[0]
+        K.reduce_partials(partials, off, n, p, acc_out=accs[0:1])
+    norm = empty((), dtype=acc_dtype, device=device)
+    coef = empty(1, dtype=torch.float32, device=device) if max_norm is not None else None
+    K.finish_norm(accs, p, norm_out=norm, coef_out=coef,
+                  max_norm=0.0 if max_norm is None else max_norm)
     return norm, coef
 
 
