@@ -58,6 +58,26 @@ def test_parts_kernel(device, n_parts, out_dtype, tail):
     assert_close(dw, dw0.double() + expect, tol, "dw accumulated")
 
 
+@pytest.mark.parametrize("n_parts", [1, 6])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_parts_kernel_squares(device, n_parts, accumulate):
+    """``sq_out``: per output tile, the squares of the final float32 values summed (the
+    gradient's squared norm, linghe.bwd.grad_norms), also over two launches and with an
+    empty operand list."""
+    K, N = 40, 24
+    parts, _ = _parts(device, torch.bfloat16, SPECS[:n_parts], K, N)
+    dw = torch.randn(3, N, K, device=device)
+    sq = torch.full((bwd_gm.wgrad_sq_size(dw),), float("nan"), device=device)
+    bwd_gm.launch_wgrad_tma_parts(parts, dw, accumulate=accumulate, sq_out=sq)
+    assert_close(sq.sum(), dw.double().square().sum(), 1e-5, "squared norm")
+    bwd_gm.launch_wgrad_tma_parts(parts[:0] + [(parts[0][0][:0], parts[0][1][:0],
+                                                parts[0][2])], dw, accumulate=True,
+                                  sq_out=sq)
+    assert_close(sq.sum(), dw.double().square().sum(), 1e-5, "squared norm, no rows")
+    with pytest.raises(ValueError, match="sq_out"):
+        bwd_gm.launch_wgrad_tma_parts(parts, dw, sq_out=sq[1:])
+
+
 def test_parts_kernel_bad_inputs(device):
     parts, _ = _parts(device, torch.bfloat16, SPECS[:1], 32, 16)
     dw = torch.empty(3, 16, 32, device=device, dtype=torch.bfloat16)
