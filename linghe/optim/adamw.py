@@ -200,7 +200,7 @@ class AdamW(torch.optim.Optimizer):
                         differentiable=False, fused=None)
         self._groups: dict[int, _GroupBuffers] = {}
         super().__init__(params, defaults)
-        if self.norm_from_backward and self.max_grad_norm is not None:
+        if self.norm_from_backward and self.max_grad_norm is not None and self.norm_type == 2:
             grad_norms.watch(p for g in self.param_groups for p in g["params"])
 
     def __setstate__(self, state: dict) -> None:
@@ -285,7 +285,6 @@ class AdamW(torch.optim.Optimizer):
         if self.max_grad_norm is None:
             return None
         params = [p for g in self.param_groups for p in g["params"]]
-        extra = None
         if (self.norm_from_backward and self.norm_type == 2.0
                 and not _capturing({"params": params})):
             # squared norms recorded by the wgrad kernels; the other gradients are read
@@ -295,11 +294,16 @@ class AdamW(torch.optim.Optimizer):
                 sq = grad_norms.take(p)
                 (rest if sq is None else recorded).append(p if sq is None else sq)
             if recorded:
-                params = rest
-                extra = torch.cat([sq.reshape(-1) for sq in recorded]).sum().reshape(1)
+                prep = prepare(rest, None, name="params", grads=True, write=False)
+                if not any(prep[0]):  # (no DTensor gradients, whose norm is all-reduced)
+                    extra = torch.cat([sq.reshape(-1) for sq in recorded]).sum().reshape(1)
+                    self.grad_norm, coef = _norm_and_coef(*prep, 2.0, torch.float32,
+                                                          self.max_grad_norm,
+                                                          extra_sq=extra)
+                    return coef
         prep = prepare(params, None, name="params", grads=True, write=False)
         self.grad_norm, coef = _norm_and_coef(*prep, self.norm_type, torch.float32,
-                                              self.max_grad_norm, extra_sq=extra)
+                                              self.max_grad_norm)
         return coef
 
     def _buffers(self, gi: int, group: dict) -> _GroupBuffers:
