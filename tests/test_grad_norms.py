@@ -110,3 +110,9 @@ def test_records_only_when_watched(device, count_calls):
     assert "norm_from_backward=True" in opt.extra_repr()
     m(torch.randn(9, 128, device=device, dtype=torch.bfloat16))[0].sum().backward()
     assert len(grad_norms._RECORDS) == 2 and len(calls) == 2
+    # the optimizer gone, nothing is watched any more
+    del opt
+    import gc
+
+    gc.collect()
+    assert not grad_norms.watched(m.experts_gate_up) and not grad_norms._RECORDS

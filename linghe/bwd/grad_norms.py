@@ -30,23 +30,31 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-#: weights whose gradients' squared norms are recorded
+#: weights whose gradients' squared norms are recorded -> how many watchers
 _WATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: weight -> (weakref to the gradient's storage, version, shape, per-tile squared sums)
 _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def watch(params) -> None:
-    """Record the gradients' squared norms of these weights from now on."""
+def watch(params, owner=None) -> None:
+    """Record the gradients' squared norms of these weights from now on (until
+    :func:`unwatch`, or until ``owner``, e.g. the optimizer, is garbage-collected)."""
+    params = [p for p in params if isinstance(p, torch.Tensor)]
     for p in params:
-        if isinstance(p, torch.Tensor):
-            _WATCHED[p] = True
+        _WATCHED[p] = _WATCHED.get(p, 0) + 1
+    if owner is not None:
+        weakref.finalize(owner, unwatch, params)
 
 
 def unwatch(params) -> None:
+    """Undo one :func:`watch` of these weights."""
     for p in params:
-        _WATCHED.pop(p, None)
-        _RECORDS.pop(p, None)
+        n = _WATCHED.get(p, 0) - 1
+        if n > 0:
+            _WATCHED[p] = n
+        else:
+            _WATCHED.pop(p, None)
+            _RECORDS.pop(p, None)
 
 
 def watched(weight: torch.Tensor | None) -> bool:

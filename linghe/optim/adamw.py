@@ -159,7 +159,8 @@ class AdamW(torch.optim.Optimizer):
             the step goes unseen: ``torch.distributed`` collectives on ``.grad`` or
             writes through ``.data``. DDP (its buckets), FSDP (DTensor gradients) and
             PyTorch's in-place ops are seen. A gradient without a valid record is read
-            as usual.
+            as usual. Covers the parameters given here (not ``add_param_group``'s),
+            while this optimizer lives.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
@@ -201,7 +202,7 @@ class AdamW(torch.optim.Optimizer):
         self._groups: dict[int, _GroupBuffers] = {}
         super().__init__(params, defaults)
         if self.norm_from_backward and self.max_grad_norm is not None and self.norm_type == 2:
-            grad_norms.watch(p for g in self.param_groups for p in g["params"])
+            grad_norms.watch((p for g in self.param_groups for p in g["params"]), owner=self)
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("fp8_weight_copies", True)
