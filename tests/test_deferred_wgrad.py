@@ -3,9 +3,8 @@ the stash across micro-batches, its hand-over and flushes, and where it steps as
 
 import pytest
 import torch
-from test_grad_accumulation import _ref_wgrad
+from test_grad_accumulation import _ref_wgrad, expert_micro_batches
 from test_grouped_mm import make_rows, ref_grads
-from test_moe import _expert_inputs
 
 import linghe
 from linghe.bwd import deferred
@@ -258,11 +257,7 @@ def test_fallback_without_tma(device, monkeypatch):
 def test_grouped_swiglu_fp8_defers(monkeypatch, fused_on, fp8_rows, count_calls):
     """The FP8 expert FFN's high-precision wgrads deferred over 2 micro-batches: the same
     gradients as without deferral (up to bf16 rounding), one multi-part launch each."""
-    counts, align, H, I = [5, 0, 30], 16, 128, 192
-    rows, probs, w1, w2, layout, real = _expert_inputs(counts, align, H, I)
-    gs = [torch.randn(rows.shape[0], H) for _ in range(2)]
-    for g in gs:
-        g[~real] = 0
+    rows, probs, w1, w2, layout, gs = expert_micro_batches()
     calls = count_calls(bwd_gm, "launch_wgrad_tma_parts")
 
     def run(n):

@@ -89,6 +89,18 @@ def test_wgrad_accumulate_bad_inputs(device):
         bwd_gm.grouped_mm_wgrad_accumulate_(dw, d_out, rows.float(), layout.offsets)
 
 
+def expert_micro_batches(n: int = 2):
+    """The expert FFN's inputs (E = 3 with a zero-row expert, align 16, H 128, I 192) and
+    ``n`` output gradients, zero on padding and tail rows: ``(rows, probs, w1, w2,
+    layout, gs)``."""
+    H = 128
+    rows, probs, w1, w2, layout, real = _expert_inputs([5, 0, 30], 16, H, 192)
+    gs = [torch.randn(rows.shape[0], H) for _ in range(n)]
+    for g in gs:
+        g[~real] = 0
+    return rows, probs, w1, w2, layout, gs
+
+
 def _two_passes(w, rows, layout, gs, hook=None):
     """Two backward passes of ``grouped_mm(rows, w)`` into ``w.grad``; returns the grad
     tensor identities seen after each pass."""
@@ -189,11 +201,7 @@ def test_grouped_swiglu_fp8_accumulates_in_place(monkeypatch, fused_on, fp8_rows
                                                   count_calls):
     """The FP8 expert FFN's high-precision wgrads (the default) add into the weights'
     gradients: the same as the plain path up to one bf16 rounding per micro-batch."""
-    counts, align, H, I = [5, 0, 30], 16, 128, 192
-    rows, probs, w1, w2, layout, real = _expert_inputs(counts, align, H, I)
-    gs = [torch.randn(rows.shape[0], H) for _ in range(2)]
-    for g in gs:
-        g[~real] = 0
+    rows, probs, w1, w2, layout, gs = expert_micro_batches()
     calls = count_calls(bwd_gm, "grouped_mm_wgrad_accumulate_")
 
     def run(fused):

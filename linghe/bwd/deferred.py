@@ -146,21 +146,19 @@ def prepare_wgrad_parts(parts: list[WgradPart]) -> list[WgradPart]:
 
 
 def wgrad_parts(parts: list[WgradPart], out: torch.Tensor | None, *,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None,
+                norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_p dW(parts[p])`` over the parts' segments, added into ``out`` (``[E, N, K]``,
     contiguous) when given, else a new tensor of ``out_dtype``. FP8 rows are dequantized
     first (:func:`prepare_wgrad_parts`; prepared parts allocate nothing more when
     ``out`` is given). One launch (Hopper, TMA-describable operands: fp32 sum, one
     rounding per up to :data:`~linghe.bwd.grouped_mm.MAX_PARTS` parts); the fallback
-    elsewhere: the first part's wgrad, then accumulating wgrads (a rounding per part)."""
-    return wgrad_parts_sq(parts, out, out_dtype=out_dtype, want_sq=False)[0]
+    elsewhere: the first part's wgrad, then accumulating wgrads (a rounding per part).
 
-
-def wgrad_parts_sq(parts: list[WgradPart], out: torch.Tensor | None, *,
-                   out_dtype: torch.dtype | None = None,
-                   want_sq: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`wgrad_parts`, and with ``want_sq`` the per-tile squared sums of the result
-    (:mod:`linghe.bwd.grad_norms`) where the one-launch kernel ran (else ``None``)."""
+    ``norm_weight``: the weight whose gradient the result is (or becomes); the one-launch
+    kernel then also sums its squares and records them for that weight's gradient norm
+    (:mod:`linghe.bwd.grad_norms`; the fallback records nothing). Call it after any other
+    write to ``out``."""
     parts = prepare_wgrad_parts(parts)
     g0 = parts[0].d_out
     E, N, K = parts[0].offsets.numel() - 1, g0.shape[1], parts[0].rows.shape[1]
@@ -171,10 +169,12 @@ def wgrad_parts_sq(parts: list[WgradPart], out: torch.Tensor | None, *,
             and all(bwd_gm.wgrad_tma_unsupported(p.d_out, p.rows, out) is None
                     for p in parts)):
         sq = (torch.empty(bwd_gm.wgrad_sq_size(out), dtype=torch.float32, device=out.device)
-              if want_sq else None)
+              if norm_weight is not None else None)
         bwd_gm.launch_wgrad_tma_parts([(p.d_out, p.rows, p.offsets) for p in parts], out,
                                       accumulate=not fresh, sq_out=sq)
-        return out, sq
+        if sq is not None:
+            grad_norms.record(norm_weight, out, sq)
+        return out
     for i, p in enumerate(parts):  # fallback: a launch per part
         if i == 0 and fresh:
             x = p.rows
@@ -185,7 +185,14 @@ def wgrad_parts_sq(parts: list[WgradPart], out: torch.Tensor | None, *,
         else:
             bwd_gm.grouped_mm_wgrad_accumulate_(out, p.d_out, p.rows, p.offsets,
                                                 rows_scale=p.rows_scale)
-    return out, None
+    return out
+
+
+def _pending(parameters) -> list[torch.Tensor]:
+    """The weights with pending micro-batches among ``parameters`` (``None``: all)."""
+    if parameters is None:
+        return list(_STASHES.keys())
+    return [p for p in parameters if p in _STASHES]
 
 
 @torch.no_grad()
@@ -197,22 +204,22 @@ def flush_deferred_wgrad(parameters=None) -> int:
     :func:`linghe.optim.clip_grad_norm_`."""
     if not _STASHES:
         return 0
-    weights = list(_STASHES.keys()) if parameters is None else [
-        p for p in parameters if p in _STASHES]
+    weights = _pending(parameters)
     for w in weights:
         stash = _STASHES[w]
         _check_version(w, stash)
-        grad, want = w.grad, grad_norms.watched(w)
+        grad = w.grad
+        norm_weight = w if grad_norms.watched(w) else None
         if (grad is not None and grad.dtype == w.dtype and grad.is_contiguous()
                 and grad.shape == w.shape):
-            _, sq = wgrad_parts_sq(stash.parts, grad, want_sq=want)
-            torch.autograd.graph.increment_version(grad)  # (a kernel wrote it in place)
+            # a kernel writes it in place: bump its version (before the norm's record)
+            torch.autograd.graph.increment_version(grad)
+            wgrad_parts(stash.parts, grad, norm_weight=norm_weight)
+        elif grad is None:
+            w.grad = wgrad_parts(stash.parts, None, out_dtype=w.dtype,
+                                 norm_weight=norm_weight)
         else:
-            new, sq = wgrad_parts_sq(stash.parts, None, out_dtype=w.dtype,
-                                     want_sq=want and grad is None)
-            w.grad = grad = new if grad is None else grad.add_(new)
-        if sq is not None:
-            grad_norms.record(w, grad, sq)
+            grad.add_(wgrad_parts(stash.parts, None, out_dtype=w.dtype))
         del _STASHES[w]
     return len(weights)
 
@@ -220,8 +227,7 @@ def flush_deferred_wgrad(parameters=None) -> int:
 def discard_deferred_wgrad(parameters=None) -> int:
     """Drop the pending micro-batches of ``parameters`` (``None``: of every weight)
     without computing them. Returns how many weights had some."""
-    weights = list(_STASHES.keys()) if parameters is None else [
-        p for p in parameters if p in _STASHES]
+    weights = _pending(parameters)
     for w in weights:
         del _STASHES[w]
     return len(weights)

@@ -68,6 +68,12 @@ class Fp8Recipe:
 
     # ------------------------------------------------------------------ formats
     @property
+    def fp8_experts(self) -> bool:
+        """Whether the routed experts' grouped GEMMs run FP8 under this recipe: blockwise
+        only, and ``expert_fp8`` (else they stay in the input's precision)."""
+        return self.name == "blockwise" and self.expert_fp8
+
+    @property
     def act_scaling(self) -> str:
         """Scaling of activations and gradients (``"1x128"`` or ``"tensor"``)."""
         return "1x128" if self.name == "blockwise" else "tensor"

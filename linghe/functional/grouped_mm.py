@@ -22,7 +22,7 @@ from .. import library
 from ..bwd import grad_norms
 from ..bwd import grouped_mm as bwd
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
-from ..bwd.deferred import WgradPart, defer, deferrable, wgrad_parts, wgrad_parts_sq
+from ..bwd.deferred import WgradPart, defer, deferrable, wgrad_parts
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd
@@ -174,18 +174,12 @@ class GroupedMMFunction(torch.autograd.Function):
             parts = defer(defer_w, n, WgradPart(d_out, rows, None, offsets)) if need_dw else ()
             grad = grad_to_accumulate(param, d_out.dtype) if parts else None
             norm_w, ctx.norm_w = ctx.norm_w, None
-            if parts and norm_w is not None:  # one launch that also sums the squares
-                d_w, sq = wgrad_parts_sq(parts, grad, out_dtype=rows.dtype)
+            # the multi-part kernel: pending micro-batches and this one in one launch, or
+            # a gradient whose squared norm the optimizer takes from the kernel
+            if parts and (len(parts) > 1 or norm_w is not None):
+                d_w = wgrad_parts(parts, grad, out_dtype=rows.dtype, norm_weight=norm_w)
                 if grad is not None:
                     d_w = take_grad(param, grad)
-                if sq is not None:
-                    grad_norms.record(norm_w, d_w, sq)
-            elif parts and len(parts) > 1:  # pending micro-batches and this one, one launch
-                if grad is not None:
-                    wgrad_parts(parts, grad)
-                    d_w = take_grad(param, grad)
-                else:
-                    d_w = wgrad_parts(parts, None, out_dtype=rows.dtype)
             elif grad is not None:  # fused accumulation
                 bwd.grouped_mm_wgrad_accumulate_(grad, d_out, rows, offsets)
                 d_w = take_grad(param, grad)

@@ -40,14 +40,7 @@ from ..bwd import grad_norms
 from ..bwd import grouped_mm as bwd_gm
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
 from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant
-from ..bwd.deferred import (
-    WgradPart,
-    defer,
-    deferrable,
-    prepare_wgrad_parts,
-    wgrad_parts,
-    wgrad_parts_sq,
-)
+from ..bwd.deferred import WgradPart, defer, deferrable, prepare_wgrad_parts, wgrad_parts
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fp8.quantize import dequantize_1x128_rows
@@ -288,12 +281,8 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
                 fused.append((g1, prepare_wgrad_parts(parts1), norm_w1))
     # every operand is ready: the in-place adds, then the hand-back (no allocation between)
     for grad, parts, norm_w in fused:
-        if norm_w is not None:
-            _, sq = wgrad_parts_sq(parts, grad)
-            if sq is not None:
-                grad_norms.record(norm_w, grad, sq)
-        elif len(parts) > 1:
-            wgrad_parts(parts, grad)
+        if len(parts) > 1 or norm_w is not None:
+            wgrad_parts(parts, grad, norm_weight=norm_w)
         else:
             p = parts[0]
             bwd_gm.grouped_mm_wgrad_accumulate_(grad, p.d_out, p.rows, p.offsets,
@@ -311,13 +300,8 @@ def _hp_wgrad(parts: list[WgradPart], out_dtype: torch.dtype, backend: str,
     ``grouped_mm_wgrad`` of ``backend`` on its rows, FP8 rows dequantized; several: the
     deferred wgrad's one launch). ``norm_w``: the multi-part kernel, which also records
     the gradient's squared norm for that weight (:mod:`linghe.bwd.grad_norms`)."""
-    if norm_w is not None:
-        out, sq = wgrad_parts_sq(parts, None, out_dtype=out_dtype)
-        if sq is not None:
-            grad_norms.record(norm_w, out, sq)
-        return out
-    if len(parts) > 1:
-        return wgrad_parts(parts, None, out_dtype=out_dtype)
+    if len(parts) > 1 or norm_w is not None:
+        return wgrad_parts(parts, None, out_dtype=out_dtype, norm_weight=norm_w)
     p = parts[0]
     x = p.rows if p.rows_scale is None else dequantize_1x128_rows(p.rows, p.rows_scale,
                                                                   p.d_out.dtype)

@@ -246,7 +246,7 @@ class MoE(nn.Module):
                                      topk_groups=self.topk_groups)
         z_loss = router_z_loss(logits)
         recipe = current_recipe()
-        fp8 = recipe is not None and recipe.name == "blockwise" and recipe.expert_fp8
+        fp8 = recipe is not None and recipe.fp8_experts
         pow2 = fp8 and recipe.pow2_scale
         tokens = x2
         if fp8 and self.ep_size == 1 and not self.dispatcher.fp8_payload:

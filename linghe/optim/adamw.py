@@ -289,11 +289,13 @@ class AdamW(torch.optim.Optimizer):
         if (self.norm_from_backward and self.norm_type == 2.0
                 and not _capturing({"params": params})):
             # squared norms recorded by the wgrad kernels; the other gradients are read
-            recorded = []
-            rest = []
+            recorded, rest = [], []
             for p in params:
                 sq = grad_norms.take(p)
-                (rest if sq is None else recorded).append(p if sq is None else sq)
+                if sq is None:
+                    rest.append(p)
+                else:
+                    recorded.append(sq)
             if recorded:
                 prep = prepare(rest, None, name="params", grads=True, write=False)
                 if not any(prep[0]):  # (no DTensor gradients, whose norm is all-reduced)

@@ -226,14 +226,15 @@ class ExpertsMixin:
         w1, w2 = self.gate_up_proj, self.down_proj
         x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
         x = x.contiguous()
-        fp8 = (is_fp8_blockwise() and current_recipe().expert_fp8 and w1.shape[1] % 128 == 0
+        recipe = current_recipe()
+        fp8 = (recipe is not None and recipe.fp8_experts and w1.shape[1] % 128 == 0
                and w1.shape[2] % 128 == 0)
         pow2, caches = False, None
         if fp8:
             caches = self.__dict__.get("_linghe_fp8_caches")
             if caches is None:  # made here: Hugging Face built the module
                 caches = self._linghe_fp8_caches = (WeightCache(), WeightCache())
-            pow2 = current_recipe().pow2_scale
+            pow2 = recipe.pow2_scale
             x = quantize_tokens(x, pow2_scale=pow2)
         rows, prow, layout = permute(x, top_k_index, top_k_weights.to(torch.float32),
                                      num_experts=w1.shape[0], align=self.linghe_align)

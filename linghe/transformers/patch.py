@@ -119,10 +119,9 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
         raise ValueError("model must be a Hugging Face model (with a .config); supported model "
                          f"types: {_supported_names()}")
     model_type = _model_type(config)
-    flags = dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, moe=moe,
-                 cross_entropy=cross_entropy)
-    _check_options(flags, fp8)
-    check_wgrad_micro_batches(expert_wgrad_micro_batches, fp8_wgrad=False)
+    _check_patch_kwargs(dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, moe=moe,
+                             cross_entropy=cross_entropy, fp8=fp8,
+                             expert_wgrad_micro_batches=expert_wgrad_micro_batches))
     if getattr(model, "linghe_patched", None) is not None:
         raise ValueError(f"model is already patched by linghe ({model.linghe_patched}); "
                          "patch a fresh model instead")
@@ -211,10 +210,19 @@ def _quantize_attention_input(layer: torch.nn.Module) -> None:
         norm.linghe_quantize_output = True
 
 
+_PATCH_FLAGS = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy")
+
+
 def _split_patch_kwargs(kwargs: dict) -> dict:
-    names = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy", "fp8",
-             "expert_wgrad_micro_batches")
+    names = (*_PATCH_FLAGS, "fp8", "expert_wgrad_micro_batches")
     return {k: kwargs.pop(k) for k in names if k in kwargs}
+
+
+def _check_patch_kwargs(patch: dict) -> None:
+    """:func:`apply_linghe_kernels`'s checks of its keyword arguments, run before any
+    weight is built or loaded."""
+    _check_options({k: v for k, v in patch.items() if k in _PATCH_FLAGS}, patch.get("fp8"))
+    check_wgrad_micro_batches(patch.get("expert_wgrad_micro_batches", 1), fp8_wgrad=False)
 
 
 class AutoLinghePatchedModelForCausalLM:
@@ -232,8 +240,7 @@ class AutoLinghePatchedModelForCausalLM:
     def from_config(cls, config, **kwargs) -> torch.nn.Module:
         patch = _split_patch_kwargs(kwargs)
         _model_type(config)
-        _check_options({k: v for k, v in patch.items()
-                        if k not in ("fp8", "expert_wgrad_micro_batches")}, patch.get("fp8"))
+        _check_patch_kwargs(patch)
         model = AutoModelForCausalLM.from_config(config, **kwargs)
         return apply_linghe_kernels(model, **patch)
 
@@ -246,8 +253,7 @@ class AutoLinghePatchedModelForCausalLM:
                                                 trust_remote_code=kwargs.get(
                                                     "trust_remote_code", False))
         _model_type(config)
-        _check_options({k: v for k, v in patch.items()
-                        if k not in ("fp8", "expert_wgrad_micro_batches")}, patch.get("fp8"))
+        _check_patch_kwargs(patch)
         model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args,
                                                      **kwargs)
         return apply_linghe_kernels(model, **patch)
