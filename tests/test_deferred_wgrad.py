@@ -343,3 +343,15 @@ def test_bad_settings(device):
         linghe.grouped_mm(rows, w, layout, wgrad_micro_batches=0)
     with pytest.raises(ValueError, match="cannot be deferred"):
         linghe.grouped_mm(rows, w, layout, fp8=True, wgrad_micro_batches=2)
+
+
+def test_benchmark_case(device):
+    """The ``grouped_mm_deferred`` benchmark case builds and its deferred launch matches
+    the eager per-micro-batch loop (CPU: the tiny shapes; the GPU runs it in benchmarks)."""
+    if device != "cpu":
+        pytest.skip("the benchmark runs the standard shapes on the GPU")
+    import benchmark.cases.grouped_mm  # noqa: F401  (registers the case)
+    from benchmark.harness import Config, cases, max_rel_err
+
+    (bench,) = cases()["grouped_mm_deferred"](Config(device="cpu", quick=True))
+    assert max_rel_err(bench.run["linghe"](), bench.run["eager"]().clone()) <= bench.tol

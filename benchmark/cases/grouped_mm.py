@@ -183,3 +183,62 @@ def grouped_mm_case(cfg: Config):
             benches += _gemm_benches(cfg, layout, real, offs, T * topk, gname, N, K)
         benches += _quant_benches(cfg, layout, real, c["gemms"][0][2])
     return benches
+
+
+@case("grouped_mm_deferred")
+def grouped_mm_deferred_case(cfg: Config):
+    """The expert wgrad of 4 micro-batches (E = 256, 8192 tokens top-8 each, align 16;
+    each its own routing and row buffer) as one deferred launch
+    (:func:`linghe.bwd.deferred.wgrad_parts` over the 4 parts) against ``eager`` (a
+    per-expert ``torch.matmul`` loop per micro-batch, accumulated) and ``torch``
+    (``torch._grouped_mm`` per micro-batch, added as AccumulateGrad does). Bytes: every
+    part's ``d_out`` and rows read once, ``dW`` written once."""
+    from linghe.bwd.deferred import WgradPart, wgrad_parts
+
+    if cfg.cpu:
+        T, topk, E, align, gemms, M = 40, 2, 3, 16, [("gate_up", 64, 48)], 3
+    else:
+        T, topk, E, align, M = 8192, 8, 256, 16, 4
+        gemms = [("gate_up", 2048, 2048), ("down", 2048, 1024)]
+    dev, dt = cfg.device, torch.bfloat16
+    routings = [random_routing(T, topk, E, align, dev, seed=s) for s in range(M)]
+    benches = []
+    for gname, N, K in gemms:
+        parts, offs_list = [], []
+        for layout, real, offs, _ in routings:
+            R = layout.num_rows
+            g = torch.randn(R, N, device=dev, dtype=dt)
+            x = torch.randn(R, K, device=dev, dtype=dt)
+            g[~real] = 0
+            x[~real] = 0
+            parts.append(WgradPart(g, x, None, layout.offsets))
+            offs_list.append(offs)
+        dw = torch.empty(E, N, K, device=dev, dtype=torch.float32)
+
+        def eager(parts=parts, offs_list=offs_list, dw=dw):
+            dw.zero_()
+            for p, offs in zip(parts, offs_list):
+                for e in range(E):
+                    dw[e] += (p.d_out[offs[e]:offs[e + 1]].t().float()
+                              @ p.rows[offs[e]:offs[e + 1]].float())
+            return dw
+
+        def torch_acc(parts=parts):
+            out = bwd_gm.grouped_mm_wgrad(parts[0].d_out, parts[0].rows, parts[0].offsets,
+                                          backend="torch")
+            for p in parts[1:]:
+                out.add_(bwd_gm.grouped_mm_wgrad(p.d_out, p.rows, p.offsets, backend="torch"))
+            return out
+
+        run = {"eager": eager, "linghe": lambda parts=parts: wgrad_parts(parts, None)}
+        if HAS_TORCH_GMM and not cfg.cpu:
+            run["torch"] = torch_acc
+        rows = sum(p.d_out.shape[0] for p in parts)
+        benches.append(Bench(
+            name=f"grouped_mm wgrad deferred, {M} micro-batches E{E} a{align} {gname} "
+                 f"[{M}x{routings[0][0].num_rows},{K}] -> [{E},{N},{K}] bf16",
+            bytes=2 * (rows * (N + K) + E * N * K), run=run, tol=1e-2,
+            flops=2 * M * T * topk * N * K,
+            note="eager: per-expert matmul loop per micro-batch; torch: _grouped_mm per "
+                 "micro-batch + add_"))
+    return benches
