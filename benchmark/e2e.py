@@ -991,6 +991,9 @@ def parse_args(argv=None):
     p.add_argument("--expert-fp8", choices=("fp8", "bf16"), default="fp8",
                    help="the fp8 mode's routed experts: FP8 (default) or bf16 with the dense "
                         "layers still FP8 (TrainingContext(expert_fp8=False))")
+    p.add_argument("--lm-head-fp8", action=argparse.BooleanOptionalAction, default=False,
+                   help="the fp8 mode's LM head: logits and hidden-gradient GEMMs in FP8 "
+                        "(TrainingContext(lm_head_fp8=True); default bf16)")
     p.add_argument("--norm-from-backward", action=argparse.BooleanOptionalAction,
                    default=False,
                    help="linghe modes, eager: the clipping norm takes the MoE experts' "
@@ -1071,6 +1074,7 @@ def main(argv=None) -> int:
     e2e_model.FP8_WGRAD = args.fp8_wgrad == "fp8"
     e2e_model.EXPERT_FP8_WGRAD = args.expert_fp8_wgrad == "fp8"
     e2e_model.EXPERT_FP8 = args.expert_fp8 == "fp8"
+    e2e_model.LM_HEAD_FP8 = bool(args.lm_head_fp8)
     e2e_model.NORM_FROM_BACKWARD = bool(args.norm_from_backward)
     set_fused_grad_accumulation(args.fused_grad_accumulation)
     env = environment()
@@ -1081,6 +1085,7 @@ def main(argv=None) -> int:
         result = throughput_job(args, cfg, device)
     result.update(env=env, width=args.width, fp8_wgrad=args.fp8_wgrad,
                   expert_fp8_wgrad=args.expert_fp8_wgrad, expert_fp8=args.expert_fp8,
+                  lm_head_fp8=bool(args.lm_head_fp8),
                   norm_from_backward=bool(args.norm_from_backward),
                   fused_grad_accumulation=args.fused_grad_accumulation,
                   argv=sys.argv[1:] if argv is None else argv)

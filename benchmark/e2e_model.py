@@ -381,6 +381,9 @@ NORM_FROM_BACKWARD = False
 #: The fp8 mode's routed experts in FP8 (``True``) or bf16 (``benchmark.e2e --expert-fp8
 #: bf16``: ``TrainingContext(expert_fp8=False)``; the dense layers stay FP8).
 EXPERT_FP8 = True
+#: The fp8 mode's LM head (logits and hidden-gradient GEMMs) in FP8 (``benchmark.e2e
+#: --lm-head-fp8``: ``TrainingContext(lm_head_fp8=True)``; default bf16).
+LM_HEAD_FP8 = False
 
 
 def fp8_context(mode: str):
@@ -390,7 +393,7 @@ def fp8_context(mode: str):
     if mode == "fp8":
         return linghe.TrainingContext(fp8="blockwise", fp8_wgrad=FP8_WGRAD,
                                       expert_fp8_wgrad=EXPERT_FP8_WGRAD,
-                                      expert_fp8=EXPERT_FP8)
+                                      expert_fp8=EXPERT_FP8, lm_head_fp8=LM_HEAD_FP8)
     if mode == "bf16":
         return linghe.TrainingContext(fp8=None)
     return contextlib.nullcontext()

@@ -89,6 +89,15 @@ class TrainingContext:
             reading the weights, and the FP8 copies of those weights (written once per
             optimizer step) cost about what the FP8 expert GEMMs save (the e2e
             benchmark's ``--expert-fp8``; ``benchmark/NOTES.md``).
+        lm_head_fp8: run :func:`linghe.linear_cross_entropy`'s logits GEMM and its
+            hidden-gradient GEMM in FP8 (blockwise recipe only; off by default, as FP8
+            recipes keep the output layer in high precision): the hidden states are
+            quantized 1x128, the LM head weight 128x128 (cached per optimizer step, and
+            written by :class:`linghe.optim.AdamW` in its update pass), the logits'
+            gradient 1x128 by the loss kernel that computes it; the weight gradient stays
+            in the input's precision. On an H100 the two GEMMs of the e2e LM head run
+            1.6x faster (``benchmark/probe_fp8_lm_head.py``); check the loss curve of your
+            model before relying on it (``benchmark.e2e --lm-head-fp8``).
 
     Use::
 
@@ -110,14 +119,15 @@ class TrainingContext:
     def __init__(self, fp8: str | None = None, *, pow2_scale: bool = True, amax_group=None,
                  history_len: int = 16, amax_compute: str = "max", margin: float = 0,
                  fp8_wgrad: bool = True, expert_fp8_wgrad: bool = False,
-                 expert_fp8: bool = True, caller_thread_backward: bool = True):
+                 expert_fp8: bool = True, lm_head_fp8: bool = False,
+                 caller_thread_backward: bool = True):
         if fp8 is not None and not isinstance(fp8, str):
             raise ValueError(f"fp8 must be None or one of {RECIPES}, got {fp8!r}")
         self.recipe: Fp8Recipe | None = None
         if fp8 is not None:
             self.recipe = Fp8Recipe(fp8, pow2_scale=pow2_scale, fp8_wgrad=fp8_wgrad,
                                     expert_fp8_wgrad=expert_fp8_wgrad,
-                                    expert_fp8=expert_fp8,
+                                    expert_fp8=expert_fp8, lm_head_fp8=lm_head_fp8,
                                     history_len=history_len, amax_compute=amax_compute,
                                     margin=margin, amax_group=amax_group)
         self.caller_thread_backward = bool(caller_thread_backward)

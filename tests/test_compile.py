@@ -214,6 +214,16 @@ def test_linear_cross_entropy(reduction, bias):
         h, w, labels, bias=b, reduction=reduction, chunk_size=4), h, w, b)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_cross_entropy_fp8_lm_head(reduction):
+    N, H, V = 11, 128, 70
+    h, w = _leaf(N, H), _leaf(V, H)
+    labels = torch.randint(0, V, (N,))
+    with linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True):
+        check_compiles(lambda h, w: linghe.linear_cross_entropy(
+            h, w, labels, reduction=reduction, chunk_size=4), h, w)
+
+
 # ------------------------------------------------------------------------------ Linear
 @pytest.mark.parametrize("recipe,fp8_wgrad,inputs", [("blockwise", True, "both"),
                                                      ("blockwise", False, "fp8"),

@@ -326,6 +326,114 @@ def test_linear_cross_entropy_double_backward_in_grad_output(device):
     assert_close(g.grad, (dh.detach() / 2).sum())
 
 
+# ------------------------------------------------------------------ FP8 LM head
+def test_fused_loss_kernel_writes_the_gradients_fp8_copy(device):
+    """ce_forward(fuse_bwd=True, grad_fp8=...) also writes the 1x128 FP8 copy of the
+    gradient it stores: as quantize_1x128 of that stored gradient (partial last group,
+    ignored rows, both scale modes; scales group-major as cuBLAS reads them)."""
+    from linghe.fp8.quantize import empty_1x128
+    from linghe.fwd.loss import ce_forward
+    from linghe.testing import assert_fp8_close
+
+    for V, dtype, pow2 in [(300, torch.bfloat16, True), (1000, torch.float32, False),
+                           (7, torch.float32, True)]:
+        N = 19
+        x = (torch.randn(N, V, device=device) * 3).to(dtype)
+        lab = _labels(N, V, device)
+        q, sc = empty_1x128(N, V, device, rowwise=True, columnwise=False,
+                            group_major=True)[:2]
+        w = torch.full((1,), 0.25, device=device)
+        ce_forward(x, lab, ignore_index=-100, label_smoothing=0.1, z_loss=1e-3,
+                   fuse_bwd=True, row_weight=w, grad_fp8=(q, sc, pow2))
+        rq, rs = ref.quantize_1x128(x, pow2)  # x now holds the stored gradient
+        assert torch.equal(sc, rs), f"scales differ (V={V})"
+        assert_fp8_close(q, rq)  # (within a step: the interpreter's e4m3 cast)
+        ignored = lab == -100
+        assert bool((q[ignored].float() == 0).all()) and bool((sc[ignored] == 1).all())
+    with pytest.raises(ValueError, match="fuse_bwd"):
+        ce_forward(x, lab, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                   grad_fp8=(q, sc, True))
+
+
+def _check_linear_fp8(device, N, H, V, dtype, reduction, bias, chunk, pow2=True):
+    h = torch.randn(N, H, device=device).to(dtype)
+    w = (torch.randn(V, H, device=device) / H**0.5 * 2).to(dtype)
+    b = torch.randn(V, device=device).to(dtype) if bias else None
+    lab = _labels(N, V, device)
+    # fp32: a float64 reference; bf16: the reference in bf16 (its logits and their
+    # gradient rounded to bf16 before they are quantized, as the kernels do)
+    rdt = torch.float64 if dtype == torch.float32 else dtype
+    hr, wr = h.to(rdt, copy=True).requires_grad_(), w.to(rdt, copy=True).requires_grad_()
+    br = b.to(rdt, copy=True).requires_grad_() if bias else None
+    r = ref.linear_cross_entropy_fp8(hr, wr, lab, br, -100, reduction, 0.1, 1e-3,
+                                     pow2_scale=pow2)
+    hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_()
+    bk = b.clone().requires_grad_() if bias else None
+    with linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True, pow2_scale=pow2):
+        out = linghe.linear_cross_entropy(hk, wk, lab, bias=bk, reduction=reduction,
+                                          label_smoothing=0.1, z_loss=1e-3, chunk_size=chunk)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_close(out, r.float(), tol=tol, name="loss")
+    # grad_output 1 for the reductions (the fused path quantizes the unit-weight gradient;
+    # another grad_output scales its products), per-row weights for "none"
+    g = torch.rand(r.shape, device=device) + 0.5 if r.dim() else torch.tensor(1.0, device=device)
+    r.backward(g.to(rdt))
+    out.backward(g)
+    gtol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert_close(hk.grad, hr.grad, tol=gtol, name="dhidden")
+    assert_close(wk.grad, wr.grad, tol=gtol, name="dweight")
+    if bias:
+        assert_close(bk.grad, br.grad, tol=gtol, name="dbias")
+    assert hk.grad.dtype == dtype and wk.grad.dtype == dtype
+    return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_cross_entropy_fp8_lm_head(device, reduction, bias, dtype):
+    """TrainingContext(lm_head_fp8=True): the logits and dhidden GEMMs in blockwise FP8
+    against reference.linear_cross_entropy_fp8 (V off the 128 grid, a chunk tail)."""
+    _check_linear_fp8(device, 37, 256, 300, dtype, reduction, bias, chunk=16)
+
+
+@pytest.mark.parametrize("N,H,V,chunk,pow2", [(1, 128, 1, None, True), (0, 128, 7, None, True),
+                                               (40, 136, 384, 40, False)])
+def test_linear_cross_entropy_fp8_lm_head_shapes(device, N, H, V, chunk, pow2):
+    _check_linear_fp8(device, N, H, V, torch.float32, "mean", False, chunk, pow2)
+
+
+def test_lm_head_fp8_weight_copy_cached_per_step(device):
+    """The LM head weight is quantized once per optimizer step (a WeightCache per weight,
+    bound so that linghe.optim.AdamW writes the copy in its update), the recipe without
+    lm_head_fp8 leaves the op in the input precision, and lm_head_fp8 needs blockwise."""
+    from linghe.functional.loss import _WEIGHT_CACHES
+
+    N, H, V = 20, 128, 256
+    h = torch.randn(N, H, device=device, dtype=torch.bfloat16)
+    w = torch.nn.Parameter((torch.randn(V, H, device=device) / H**0.5).to(torch.bfloat16))
+    lab = torch.randint(0, V, (N,), device=device)
+    with linghe.TrainingContext(fp8="blockwise"):  # lm_head_fp8 off: unchanged
+        plain = linghe.linear_cross_entropy(h, w, lab)
+    assert_close(plain, ref.linear_cross_entropy(h, w.detach(), lab), tol=1e-5)
+    assert w not in _WEIGHT_CACHES
+    opt = linghe.optim.AdamW([w], lr=1e-3)
+    ctx = linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True)
+    for _ in range(2):  # two micro-batches: one quantization
+        with ctx:
+            linghe.linear_cross_entropy(h, w, lab).backward()
+    cache = _WEIGHT_CACHES[w]
+    assert (cache.misses, cache.hits) == (1, 1)
+    opt.step()  # AdamW writes the new copy: the next forward hits and matches it
+    with ctx:
+        out = linghe.linear_cross_entropy(h, w, lab)
+    assert cache.misses == 1 and cache.hits == 2
+    r = ref.linear_cross_entropy_fp8(h, w.detach(), lab)
+    assert_close(out, r, tol=1e-3, name="loss after the step")
+    with pytest.raises(ValueError, match="lm_head_fp8 needs the 'blockwise' recipe"):
+        linghe.TrainingContext(fp8="tensorwise", lm_head_fp8=True)
+
+
 def test_default_chunk_size():
     from linghe.functional.loss import default_chunk_size
 
@@ -403,11 +511,13 @@ fsig = dict(x_ptr=ptr, stride_x="i32", lab_ptr="*i64", loss_ptr="*fp32", lse_ptr
             V_total="i32",
             ignore_index="i32", eps="fp32", z_loss="fp32", CHUNK="constexpr",
             BLOCK_V="constexpr", SMOOTH="constexpr", SPLIT="constexpr", FUSE_BWD="constexpr",
-            PREFETCH="constexpr")
-for split, fuse in [(False, False), (True, False), (False, True)]:
+            PREFETCH="constexpr", q_ptr="*fp8e4nv", qs_ptr="*fp32", stride_q="i32",
+            stride_qs_m="i32", stride_qs_g="i32", QUANT="constexpr", POW2="constexpr")
+for split, fuse, quant in [(False, False, False), (True, False, False), (False, True, False),
+                           (False, True, True)]:
     comp(F._ce_fwd_kernel, fsig, dict(CHUNK=32768 if split else 4096, BLOCK_V=4096,
                                       SMOOTH=True, SPLIT=split, FUSE_BWD=fuse,
-                                      PREFETCH=True), 4)
+                                      PREFETCH=True, QUANT=quant, POW2=True), 4)
 bsig = dict(x_ptr=ptr, stride_x="i32", dx_ptr=ptr, stride_dx="i32", lab_ptr="*i64",
             lse_ptr="*fp32", go_ptr="*fp32", go_stride="i32", inv_n_ptr="*fp32", N="i32",
             S="i32", V="i32", vocab_start="i32", V_total="i32", ignore_index="i32",

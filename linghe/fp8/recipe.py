@@ -41,13 +41,15 @@ class Fp8Recipe:
     margin: float = 0
     expert_fp8_wgrad: bool = False
     expert_fp8: bool = True
+    lm_head_fp8: bool = False
     amax_group: Any = field(default=None, compare=False)
     state: DelayedScalingState | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.name not in RECIPES:
             raise ValueError(f"fp8 recipe must be None or one of {RECIPES}, got {self.name!r}")
-        for opt in ("pow2_scale", "fp8_wgrad", "expert_fp8_wgrad", "expert_fp8"):
+        for opt in ("pow2_scale", "fp8_wgrad", "expert_fp8_wgrad", "expert_fp8",
+                    "lm_head_fp8"):
             if not isinstance(getattr(self, opt), bool):
                 raise ValueError(f"{opt} must be a bool, got {getattr(self, opt)!r}")
         hl = self.history_len
@@ -59,6 +61,9 @@ class Fp8Recipe:
         m = self.margin
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 0:
             raise ValueError(f"margin must be a number >= 0, got {m!r}")
+        if self.lm_head_fp8 and self.name != "blockwise":
+            raise ValueError("lm_head_fp8 needs the 'blockwise' recipe (1x128 activations "
+                             f"and gradients, 128x128 weights), got fp8={self.name!r}")
         if self.amax_group is not None and self.name != "delayed":
             raise ValueError("amax_group is used only by the 'delayed' recipe, got it with "
                              f"fp8={self.name!r}")
@@ -72,6 +77,12 @@ class Fp8Recipe:
         """Whether the routed experts' grouped GEMMs run FP8 under this recipe: blockwise
         only, and ``expert_fp8`` (else they stay in the input's precision)."""
         return self.name == "blockwise" and self.expert_fp8
+
+    @property
+    def fp8_lm_head(self) -> bool:
+        """Whether :func:`linghe.linear_cross_entropy` runs its logits (fprop) and hidden
+        gradient (dgrad) GEMMs in FP8 under this recipe (``lm_head_fp8``; blockwise only)."""
+        return self.name == "blockwise" and self.lm_head_fp8
 
     @property
     def act_scaling(self) -> str:

@@ -4,9 +4,14 @@ public functions and input validation."""
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import library
 from ..bwd.loss import ce_backward, scale_by_grad_
+from ..context import current_recipe
+from ..fp8 import gemm as fp8_gemm
+from ..fp8.cache import WeightCache
+from ..fp8.quantize import empty_1x128, quantize_1x128_launch
 from ..fwd.loss import ce_forward, ce_partials, ce_reduce, ce_row_weight
 from ..utils import (
     FLOAT_DTYPES,
@@ -203,10 +208,31 @@ def default_chunk_size(N: int, V: int, itemsize: int) -> int:
     return min(N, rows)
 
 
-def _chunk_logits(h, weight, bias):
+def _chunk_logits(h, weight, bias, fp8):
+    """``h · W^T (+ b)`` of one chunk: cuBLAS in the input dtype, or with ``fp8 = (wq,
+    pow2_scale)`` the blockwise FP8 GEMM of ``h`` quantized 1x128 and W's rowwise copy."""
+    if fp8 is not None:
+        wq, pow2 = fp8
+        hq, hs, _, _ = quantize_1x128_launch(h, True, False, pow2, True)
+        return fp8_gemm._gemm(hq, hs, "1x128", wq.rowwise_data, wq.rowwise_scale,
+                              wq.scaling, h.dtype, bias)
     if bias is None:
         return torch.mm(h, weight.t())
     return torch.addmm(bias, h, weight.t())
+
+
+def _chunk_dh(d, weight, fp8, out, dq=None):
+    """``out = d · W`` (the chunk's hidden gradient): cuBLAS, or the FP8 GEMM of ``d``'s
+    1x128 copy ``dq = (q, scale)`` (quantized here when not given) and W's columnwise
+    copy."""
+    if fp8 is None:
+        torch.mm(d, weight, out=out)
+        return
+    wq, pow2 = fp8
+    if dq is None:
+        dq = quantize_1x128_launch(d, True, False, pow2, True)[:2]
+    out.copy_(fp8_gemm._gemm(dq[0], dq[1], "1x128", wq.columnwise_data,
+                             wq.columnwise_scale, wq.scaling, out.dtype, None))
 
 
 def row_weight_in_forward(dtype: torch.dtype) -> bool:
@@ -218,9 +244,12 @@ def row_weight_in_forward(dtype: torch.dtype) -> bool:
 
 
 def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
-                chunk_size, need_grads, vocab, group):
+                chunk_size, need_grads, vocab, group, fp8=None):
     """The chunked forward of :func:`linear_cross_entropy` (also run by its custom op,
     ``linghe.library``). ``vocab``: ``dict(vocab_start=, vocab_total=)`` of this rank.
+    ``fp8``: ``None`` (GEMMs in the input dtype) or ``(wq, pow2_scale)``, the weight's
+    128x128 :class:`~linghe.Fp8Tensor` with both copies: the logits and hidden-gradient
+    GEMMs run blockwise FP8 (the weight gradient stays in the input dtype).
 
     Returns ``(out, inv_n, dh, dw, db, lse)``: with a "mean"/"sum" reduction and a gradient
     needed ("fused"), the gradients ``dh``, ``dw``, ``db`` of the reduced loss (``None``
@@ -254,10 +283,15 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
     for s in range(0, N, chunk_size):
         e = min(N, s + chunk_size)
         h = hidden[s:e]
-        logits = _chunk_logits(h, weight, bias)
+        logits = _chunk_logits(h, weight, bias, fp8)
+        dq = None
         if group is None:
+            if fused and dh is not None and fp8 is not None:  # the loss kernel quantizes
+                dq = empty_1x128(e - s, logits.shape[1], logits.device, rowwise=True,
+                                 columnwise=False, group_major=True)[:2]
             _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
-                                      fuse_bwd=fused, row_weight=row_w, **opts)
+                                      fuse_bwd=fused, row_weight=row_w, **opts,
+                                      grad_fp8=None if dq is None else (*dq, fp8[1]))
         else:
             loss_c, lse = _dist_stats(logits, labels[s:e], group, **opts, **vocab)
             loss_rows[s:e] = loss_c
@@ -267,7 +301,7 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
         lses.append(lse)
         if fused:  # logits now hold d loss / d logits (this rank's columns)
             if dh is not None:
-                torch.mm(logits, weight, out=dh[s:e])
+                _chunk_dh(logits, weight, fp8, dh[s:e], dq)
             if dw is not None:
                 if s == 0:
                     torch.mm(logits.t(), h, out=dw)
@@ -292,11 +326,11 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
 
 
 def lce_backward_none(grad, hidden, weight, bias, labels, lse, ignore_index, label_smoothing,
-                      z_loss, chunk_size, need, vocab, group):
+                      z_loss, chunk_size, need, vocab, group, fp8=None):
     """Backward of :func:`linear_cross_entropy` with a per-row ``grad [N]``
     (``reduction="none"``, or no gradient was known to be needed in the forward): the
-    logits are recomputed chunk by chunk. Returns ``(dhidden, dweight, dbias)`` (``None``
-    where ``need`` says no)."""
+    logits are recomputed chunk by chunk (with the forward's ``fp8``, so they are the same
+    logits). Returns ``(dhidden, dweight, dbias)`` (``None`` where ``need`` says no)."""
     nh, nw, nb = need
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
     N, H = hidden.shape
@@ -308,11 +342,11 @@ def lce_backward_none(grad, hidden, weight, bias, labels, lse, ignore_index, lab
     for s in range(0, N, cs):
         e = min(N, s + cs)
         h = hidden[s:e]
-        logits = _chunk_logits(h, weight, bias)
+        logits = _chunk_logits(h, weight, bias, fp8)
         d = ce_backward(logits, labels[s:e], lse[s:e], grad[s:e], None, **opts, **vocab,
                         inplace=True)
         if gh is not None:
-            torch.mm(d, weight, out=gh[s:e])
+            _chunk_dh(d, weight, fp8, gh[s:e])
         if gw is not None:
             gw.addmm_(d.t(), h)
         if gb is not None:
@@ -330,7 +364,7 @@ def lce_backward_none(grad, hidden, weight, bias, labels, lse, ignore_index, lab
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, label_smoothing,
-                z_loss, chunk_size, need_grads, process_group):
+                z_loss, chunk_size, need_grads, process_group, fp8):
         group = process_group
         V = weight.shape[0]
         if group is None:
@@ -340,7 +374,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vocab = dict(vocab_start=vocab_start, vocab_total=vocab_total)
         out, inv_n, dh, dw, db, lse = lce_forward(
             hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
-            chunk_size, need_grads, vocab, group)
+            chunk_size, need_grads, vocab, group, fp8)
         ctx.fused = lse is None
         ctx.grads_taken = False
         ctx.row_weight_applied = row_weight_in_forward(hidden.dtype)
@@ -353,12 +387,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(dh, dw, db, inv_n)
         else:
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
+            ctx.fp8 = fp8
         return out
 
     @staticmethod
     def backward(ctx, grad):
         nh, nw, nb = ctx.needs_input_grad[:3]
-        none = (None,) * 8
+        none = (None,) * 9
         if ctx.fused:
             # The forward's gradients (row weight applied) times grad_output, in place:
             # handed to autograd once, so a second backward through this node (retain_graph)
@@ -382,8 +417,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # reduction "none" (per-row grad_output): recompute the logits chunk by chunk
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         gh, gw, gb = lce_backward_none(grad, hidden, weight, bias, labels, lse, *ctx.opts,
-                                       ctx.chunk_size, (nh, nw, nb), ctx.vocab, ctx.group)
+                                       ctx.chunk_size, (nh, nw, nb), ctx.vocab, ctx.group,
+                                       ctx.fp8)
+        ctx.fp8 = None
         return (gh, gw, gb, *none)
+
+
+#: LM head weight -> its FP8 copy between optimizer steps (``lm_head_fp8``).
+_WEIGHT_CACHES = WeakIdKeyDictionary()
+
+
+def _lm_head_fp8(weight: torch.Tensor, recipe) -> tuple:
+    """``(wq, pow2_scale)``: the LM head weight's 128x128 FP8 copies (both), cached per
+    weight until it changes (:class:`~linghe.fp8.cache.WeightCache`; bound to the weight,
+    so :class:`linghe.optim.AdamW` writes them in its update pass)."""
+    cache = _WEIGHT_CACHES.get(weight)
+    if cache is None:
+        cache = _WEIGHT_CACHES[weight] = WeightCache()
+    return cache.get_for_recipe(weight, recipe, (weight, "w")), recipe.pow2_scale
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -398,7 +449,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         weight: ``[V, H]`` (the output embedding / LM head), same dtype and device.
         labels: ``[N]`` int64/int32; same rules as :func:`cross_entropy`.
         bias: optional ``[V]``, same dtype.
-        chunk_size: rows per chunk (default: about 256 MiB of logits per chunk, see
+        chunk_size: rows per chunk (default: about 512 MiB of logits per chunk, see
             :func:`default_chunk_size`).
         ignore_index, reduction, label_smoothing, z_loss: as in :func:`cross_entropy`.
 
@@ -424,6 +475,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     hidden gradient is all-reduced (SUM over the slices, in the hidden dtype) so every rank
     gets the full ``dhidden``.
 
+    FP8 (opt-in): under ``linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True)`` the
+    logits GEMM and the hidden-gradient GEMM run blockwise FP8: each chunk of ``hidden``
+    quantized 1x128, the weight 128x128 (both copies, cached per weight until it changes:
+    once per optimizer step, or written by :class:`linghe.optim.AdamW`), and the logits'
+    gradient 1x128 by the loss kernel that writes it. The weight gradient and the loss
+    arithmetic stay in the input's precision. Without that flag the recipe does not
+    change this op.
+
     Returns the loss: fp32 scalar or ``[N]`` fp32 (``"none"``).
     """
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, ndim=2)
@@ -447,12 +506,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     grad_on = torch.is_grad_enabled()
     need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad)
+    recipe = current_recipe()
+    fp8 = recipe is not None and recipe.fp8_lm_head
     if torch.compiler.is_compiling() and process_group is None:
         return library.linear_cross_entropy(
             hidden.contiguous(), weight.contiguous(), bias, labels.contiguous(),
             int(ignore_index), reduction, float(label_smoothing), float(z_loss),
-            int(chunk_size), need)
+            int(chunk_size), need, fp8, fp8 and recipe.pow2_scale)
     return apply_function(_LinearCrossEntropy, hidden.contiguous(), weight.contiguous(), bias,
                           labels.contiguous(), int(ignore_index), reduction,
                           float(label_smoothing), float(z_loss), int(chunk_size),
-                          need, process_group)
+                          need, process_group, _lm_head_fp8(weight, recipe) if fp8 else None)

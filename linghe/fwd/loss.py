@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8.quantize import quant_rows
 from ..utils import INTERPRET, cdiv, device_guard, empty, launch, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -88,7 +89,12 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, w_ptr,
                    vocab_start, V_total, ignore_index, eps, z_loss,
                    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr,
                    SPLIT: tl.constexpr, FUSE_BWD: tl.constexpr,
-                   PREFETCH: tl.constexpr = PREFETCH_DEFAULT):
+                   PREFETCH: tl.constexpr = PREFETCH_DEFAULT,
+                   q_ptr=None, qs_ptr=None, stride_q=0, stride_qs_m=0, stride_qs_g=0,
+                   QUANT: tl.constexpr = False, POW2: tl.constexpr = True):
+    """``QUANT`` (with ``FUSE_BWD``): also write the gradient's FP8 copy in 1x128 groups
+    (``q [N, V]`` e4m3, scales ``qs [N, ceil(V/128)]`` at the given strides), quantized
+    from the stored (rounded) gradient, as ``quantize_1x128`` of it would be."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
     valid, local, in_slice = _row_label(lab_ptr, row, vocab_start, V, V_total, ignore_index)
@@ -162,7 +168,17 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, w_ptr,
                 p = tl.exp2(x * LOG2E - lse2)
                 d = coef * p - smooth - tl.where(cols == local32 - off, hit, 0.0)
                 d = tl.where(valid, d, 0.0)
-                tl.store(base + c, d.to(x_ptr.dtype.element_ty), mask=mask)
+                d = d.to(x_ptr.dtype.element_ty)
+                tl.store(base + c, d, mask=mask)
+                if QUANT:
+                    G: tl.constexpr = 128 if BLOCK_V >= 128 else BLOCK_V
+                    dg = tl.reshape(tl.where(mask, d.to(tl.float32), 0.0),
+                                    (BLOCK_V // G, G))
+                    q, sc = quant_rows(dg, POW2)
+                    tl.store(q_ptr + row * stride_q + c, tl.reshape(q, (BLOCK_V,)), mask=mask)
+                    grp = off // 128 + tl.arange(0, BLOCK_V // G)
+                    tl.store(qs_ptr + row * stride_qs_m + grp * stride_qs_g, sc,
+                             mask=grp * 128 < V)
 
 
 @triton.jit
@@ -242,7 +258,7 @@ def split_v(V: int, BV: int, kind: str = "fwd", target: int | None = None) -> tu
 def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
                label_smoothing: float, z_loss: float, reduction: str = "none",
                loss_out: torch.Tensor | None = None, fuse_bwd: bool = False,
-               row_weight: torch.Tensor | None = None):
+               row_weight: torch.Tensor | None = None, grad_fp8=None):
     """Forward over ``logits [N, V]`` (rows with stride(1) == 1).
 
     Returns ``(loss [N] fp32, lse [N] fp32, out, inv_n)``: per-row losses (0 for ignored
@@ -254,6 +270,9 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
     times ``row_weight`` (a float32 ``[1]`` device tensor, e.g. :func:`ce_row_weight`;
     ``None``: 1) (see the module doc).
     ``loss_out`` (a contiguous fp32 [N] buffer) receives the per-row loss if given.
+    ``grad_fp8 = (q, scale, pow2_scale)`` (with ``fuse_bwd``): the kernel also writes the
+    gradient's 1x128 FP8 copy, ``q [N, V]`` e4m3 (row-major) and ``scale [N, ceil(V/128)]``
+    fp32 (any strides), as :func:`~linghe.fp8.quantize_1x128` of the stored gradient.
     """
     N, V = logits.shape
     dev = logits.device
@@ -268,6 +287,8 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
         return loss, lse, out, inv_n
     BV, warps = block_v(V)
     chunk, S = split_v(V, BV)
+    if grad_fp8 is not None and not fuse_bwd:
+        raise ValueError("grad_fp8 needs fuse_bwd=True")
     if fuse_bwd:
         S = 1
         if row_weight is None:
@@ -275,7 +296,15 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int,
     smooth = label_smoothing != 0.0
     eps, z = float(label_smoothing), float(z_loss)
     with device_guard(logits):
-        if S == 1:
+        if S == 1 and grad_fp8 is not None:
+            q, qs, pow2 = grad_fp8
+            launch(_ce_fwd_kernel, (N,),
+                logits, logits.stride(0), labels, loss, lse, loss, row_weight, N, V, 0, V,
+                ignore_index, eps, z, q_ptr=q, qs_ptr=qs, stride_q=q.stride(0),
+                stride_qs_m=qs.stride(0), stride_qs_g=qs.stride(1), CHUNK=BV, BLOCK_V=BV,
+                SMOOTH=smooth, SPLIT=False, FUSE_BWD=True, QUANT=True, POW2=pow2,
+                num_warps=warps)
+        elif S == 1:
             launch(_ce_fwd_kernel, (N,),
                 logits, logits.stride(0), labels, loss, lse, loss,
                 row_weight if fuse_bwd else loss, N, V, 0, V,

@@ -1,0 +1,144 @@
+"""Probe: the LM head's three GEMMs per ``linear_cross_entropy`` chunk in bf16 against the
+blockwise FP8 GEMMs (``python -m benchmark.probe_fp8_lm_head [--json PATH] [--cpu]``).
+
+One chunk of the e2e LM head: ``h [C, H]`` bf16 (C = 2048 rows, H = 2048), ``W [V, H]``
+(V = 157184), ``dlogits [C, V]``. Rows (profiler kernel µs, L2 flushed):
+
+- fprop ``logits = h · W^T``: bf16 ``torch.mm`` / FP8 (``h`` quantized 1x128, W's
+  128x128 rowwise copy, as the weight cache holds it);
+- dgrad ``dh = dlogits · W``: bf16 / FP8 (dlogits quantized 1x128 along V, W's
+  columnwise copy);
+- wgrad ``dW += dlogits^T · h``: bf16 ``addmm_`` / FP8 (both quantized along the chunk's
+  tokens) into a float32 output plus the add into the bf16 gradient;
+- the quantizations on their own;
+- ``linear_cross_entropy`` forward+backward over ``N`` rows (default chunk) in bf16 and
+  under ``TrainingContext(fp8="blockwise", lm_head_fp8=True)`` (the weight's FP8 copy
+  cached, as within an optimizer step), with the relative difference of (loss, |dh|, |dW|).
+
+The relative error of each FP8 GEMM against the bf16 one is in the last column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+if __name__ == "__main__" and ("--cpu" in sys.argv or not torch.cuda.is_available()):
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import triton  # noqa: E402
+
+from linghe.fp8 import gemm  # noqa: E402
+from linghe.fp8.quantize import quantize_1x128_launch, quantize_128x128_launch  # noqa: E402
+from linghe.testing import rel_err  # noqa: E402
+
+from .harness import device_time_us, fmt, print_columns, wall_us  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--rows", type=int, default=8192, help="N of the linear_cross_entropy rows")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.cpu
+    dev = "cuda" if gpu else "cpu"
+    C, H, V = (args.chunk, 2048, 157184) if gpu else (130, 256, 384)
+    timer = device_time_us if gpu else wall_us
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = (torch.randn(C, H, generator=g) * 0.5).to(dev, torch.bfloat16)
+    w = (torch.randn(V, H, generator=g) * 0.02).to(dev, torch.bfloat16)
+    d = (torch.randn(C, V, generator=g) * 1e-5).to(dev, torch.bfloat16)
+    dw = torch.zeros(V, H, dtype=torch.bfloat16, device=dev)
+    wq, ws, wqt, wst = quantize_128x128_launch(w, True, True)
+
+    def q_rows(x):
+        return quantize_1x128_launch(x, True, False, True, True)[:2]
+
+    def q_cols(x):
+        return quantize_1x128_launch(x, False, True, True, True)[2:]
+
+    hq, hs = q_rows(h)
+    dq, ds = q_rows(d)
+    dqt, dst = q_cols(d)
+    hqt, hst = q_cols(h)
+    bf = torch.bfloat16
+    f32 = torch.float32
+    paths = {
+        "fprop bf16": (lambda: torch.mm(h, w.t()), None),
+        "fprop fp8": (lambda: gemm._gemm(hq, hs, "1x128", wq, ws, "128x128", bf, None),
+                      "fprop bf16"),
+        "fprop fp8 + quant h": (lambda: gemm._gemm(*q_rows(h), "1x128", wq, ws, "128x128",
+                                                   bf, None), "fprop bf16"),
+        "dgrad bf16": (lambda: torch.mm(d, w), None),
+        "dgrad fp8": (lambda: gemm._gemm(dq, ds, "1x128", wqt, wst, "128x128", bf, None),
+                      "dgrad bf16"),
+        "dgrad fp8 + quant dlogits": (lambda: gemm._gemm(*q_rows(d), "1x128", wqt, wst,
+                                                         "128x128", bf, None), "dgrad bf16"),
+        "wgrad bf16 (addmm_)": (lambda: dw.addmm_(d.t(), h), None),
+        "wgrad bf16 (mm)": (lambda: torch.mm(d.t(), h), None),
+        "wgrad fp8 -> bf16": (lambda: gemm._gemm(dqt, dst, "1x128", hqt, hst, "1x128", bf,
+                                                 None), "wgrad bf16 (mm)"),
+        "wgrad fp8 -> f32": (lambda: gemm._gemm(dqt, dst, "1x128", hqt, hst, "1x128", f32,
+                                                None), "wgrad bf16 (mm)"),
+        "quant dlogits rows": (lambda: q_rows(d), None),
+        "quant dlogits cols": (lambda: q_cols(d), None),
+        "quant dlogits rows+cols": (lambda: quantize_1x128_launch(d, True, True, True, True),
+                                    None),
+        "quant W 128x128 both": (lambda: quantize_128x128_launch(w, True, True), None),
+    }
+    import linghe
+
+    N = args.rows if gpu else 200
+    hl = (torch.randn(N, H, generator=g) * 0.5).to(dev, torch.bfloat16).requires_grad_(True)
+    wl = w.clone().requires_grad_(True)
+    lab = torch.randint(0, V, (N,), generator=g).to(dev)
+    fp8_ctx = linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True)
+
+    def lce(fp8):
+        hl.grad = wl.grad = None
+        if fp8:
+            with fp8_ctx:
+                loss = linghe.linear_cross_entropy(hl, wl, lab)
+        else:
+            loss = linghe.linear_cross_entropy(hl, wl, lab)
+        loss.backward()
+        return torch.stack([loss.detach(), hl.grad.float().norm(), wl.grad.float().norm()])
+
+    paths["linear_cross_entropy bf16"] = (lambda: lce(False), None)
+    paths["linear_cross_entropy lm_head_fp8"] = (lambda: lce(True), "linear_cross_entropy bf16")
+    rows = []
+    outs = {}
+    for name, (fn, ref) in paths.items():
+        out = fn()
+        if isinstance(out, torch.Tensor) and not name.startswith("wgrad bf16 (addmm"):
+            outs[name] = out.float()
+        err = rel_err(outs[name], outs[ref]) if ref else None
+        us = timer(fn)
+        rows.append(dict(path=name, us=us, rel_err=err))
+        print(name, us, err, flush=True)
+    env = {"device": torch.cuda.get_device_name() if gpu else "cpu",
+           "torch": torch.__version__, "triton": triton.__version__}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"C": C, "H": H, "V": V, "rows": rows, "env": env}, f, indent=1)
+    flop = 2 * C * H * V
+    print(f"\nLM head GEMMs per chunk, h [{C}, {H}], W [{V}, {H}] "
+          f"({'kernel' if gpu else 'interpreter wall'} us; {env['device']})")
+    def tflops(r):
+        if not r["us"] or r["path"].startswith("quant"):
+            return None
+        return (3 * flop * N / C if r["path"].startswith("linear") else flop) / r["us"] / 1e6
+
+    print_columns(["path", "us", "TFLOP/s", "rel err vs bf16"],
+                  [[r["path"], fmt(r["us"], ".0f"), fmt(tflops(r), ".0f"),
+                    fmt(r["rel_err"], ".1e")] for r in rows])
+
+
+if __name__ == "__main__":
+    main()
