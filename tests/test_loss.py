@@ -372,15 +372,21 @@ def _check_linear_fp8(device, N, H, V, dtype, reduction, bias, chunk, pow2=True)
     with linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True, pow2_scale=pow2):
         out = linghe.linear_cross_entropy(hk, wk, lab, bias=bk, reduction=reduction,
                                           label_smoothing=0.1, z_loss=1e-3, chunk_size=chunk)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    # float32: the products are exact, but Hopper's FP8 tensor cores add them at reduced
+    # precision within each 128-deep block (the kernels promote to float32 per block)
+    tol = 2e-4 if dtype == torch.float32 else 1e-2
     assert_close(out, r.float(), tol=tol, name="loss")
     # grad_output 1 for the reductions (the fused path quantizes the unit-weight gradient;
     # another grad_output scales its products), per-row weights for "none"
     g = torch.rand(r.shape, device=device) + 0.5 if r.dim() else torch.tensor(1.0, device=device)
     r.backward(g.to(rdt))
     out.backward(g)
-    gtol = 1e-5 if dtype == torch.float32 else 3e-2
-    assert_close(hk.grad, hr.grad, tol=gtol, name="dhidden")
+    gtol = 2e-4 if dtype == torch.float32 else 3e-2
+    # dhidden sums FP8 products of a gradient whose rows sum to ~0: the tensor cores'
+    # reduced-precision adds show more there (up to 1.6e-3 on an H100; an unquantized
+    # dgrad would be ~3e-2 off this reference)
+    assert_close(hk.grad, hr.grad, tol=5e-3 if dtype == torch.float32 else 3e-2,
+                 name="dhidden")
     assert_close(wk.grad, wr.grad, tol=gtol, name="dweight")
     if bias:
         assert_close(bk.grad, br.grad, tol=gtol, name="dbias")
