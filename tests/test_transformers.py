@@ -280,6 +280,35 @@ def test_fp8_blockwise(device):
     assert [c.misses for c in pat.model.layers[0].mlp.experts._linghe_fp8_caches] == [1, 1]
 
 
+def test_fp8_lm_head(device):
+    """lm_head_fp8=True: the decoder layers as with fp8="blockwise" alone, and the loss's
+    LM head GEMMs in FP8 (reference.linear_cross_entropy_fp8 of the final hidden states),
+    its weight's FP8 copy cached; it needs fp8 and a *ForCausalLM model."""
+    from linghe import reference as ref
+    from linghe.functional.loss import _WEIGHT_CACHES
+
+    cfg = Qwen3Config(vocab_size=V, hidden_size=128, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=64, max_position_embeddings=64)
+    base = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
+    pat = apply_linghe_kernels(copy.deepcopy(base), fp8="blockwise", lm_head_fp8=True)
+    ids = torch.randint(0, V, (2, 7), device=device)
+    loss = pat(ids, labels=ids).loss
+    hidden = pat.model(ids).last_hidden_state.reshape(-1, 128).detach().requires_grad_()
+    w = pat.lm_head.weight.detach().clone().requires_grad_()
+    labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].reshape(-1)
+    expect = ref.linear_cross_entropy_fp8(hidden.double(), w.double(), labels)
+    assert_close(loss, expect.float(), 2e-4, "loss")
+    loss.backward()
+    expect.backward()
+    assert_close(pat.lm_head.weight.grad, w.grad, 2e-4, "lm_head grad")
+    assert _WEIGHT_CACHES[pat.lm_head.weight].misses == 1
+    with pytest.raises(ValueError, match="lm_head_fp8=True needs fp8='blockwise'"):
+        apply_linghe_kernels(copy.deepcopy(base), lm_head_fp8=True)
+    with pytest.raises(ValueError, match="needs a \\*ForCausalLM"):
+        apply_linghe_kernels(copy.deepcopy(base.model), fp8="blockwise", lm_head_fp8=True)
+
+
 def test_import_linghe_does_not_import_transformers():
     code = "import sys, linghe; assert 'transformers' not in sys.modules, 'imported'"
     env = {**os.environ, "TRITON_INTERPRET": "1"}

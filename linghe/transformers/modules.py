@@ -11,6 +11,7 @@ output recording of router logits) still hold.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -308,10 +309,13 @@ def make_causal_lm_forward(original, output_classes):
                                                  else self.config.output_router_logits)
         outputs = self.model(**arguments, **extra)
         hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
-        loss = causal_lm_loss(hidden, self.lm_head, labels,
-                              num_items_in_batch=extra.get("num_items_in_batch"),
-                              ignore_index=extra.get("ignore_index", -100),
-                              shift_labels=extra.get("shift_labels"))
+        fp8_head = getattr(self, "linghe_lm_head_fp8", False) and current_recipe() is None
+        with (TrainingContext(fp8="blockwise", lm_head_fp8=True) if fp8_head
+              else contextlib.nullcontext()):
+            loss = causal_lm_loss(hidden, self.lm_head, labels,
+                                  num_items_in_batch=extra.get("num_items_in_batch"),
+                                  ignore_index=extra.get("ignore_index", -100),
+                                  shift_labels=extra.get("shift_labels"))
         common = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         if is_moe:

@@ -59,7 +59,7 @@ def _swap(module: torch.nn.Module, mixin: type) -> None:
 
 def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope: bool = True,
                          swiglu: bool = True, moe: bool = True, cross_entropy: bool = True,
-                         fp8: str | None = None,
+                         fp8: str | None = None, lm_head_fp8: bool = False,
                          expert_wgrad_micro_batches: int = 1) -> torch.nn.Module:
     """Patch a Hugging Face Llama, Qwen2, Qwen3 or Qwen3-MoE model in place with linghe's
     kernels; returns ``model``.
@@ -94,6 +94,12 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             layer runs inside ``linghe.TrainingContext(fp8="blockwise")`` (unless a context
             is already active): its Linears, dense SwiGLU and MoE grouped GEMMs (when ``2I``
             and ``H`` are multiples of 128) run FP8. Needs compute capability >= 8.9.
+        lm_head_fp8: with ``fp8="blockwise"`` and ``cross_entropy``, the loss's LM head
+            GEMMs (logits and hidden gradient) run FP8 too
+            (``TrainingContext(lm_head_fp8=True)`` around :func:`linghe.linear_cross_entropy`,
+            unless a context is already active: then that context decides). Off by
+            default: FP8 recipes keep the output layer in high precision; check the loss
+            curve of your model first.
         expert_wgrad_micro_batches: with ``moe``, ``n > 1`` defers the experts' weight
             gradients over ``n`` backward passes (:mod:`linghe.bwd.deferred`): set it to
             the Trainer's ``gradient_accumulation_steps``. Each ``n``-th backward computes
@@ -120,7 +126,7 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
                          f"types: {_supported_names()}")
     model_type = _model_type(config)
     _check_patch_kwargs(dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, moe=moe,
-                             cross_entropy=cross_entropy, fp8=fp8,
+                             cross_entropy=cross_entropy, fp8=fp8, lm_head_fp8=lm_head_fp8,
                              expert_wgrad_micro_batches=expert_wgrad_micro_batches))
     if getattr(model, "linghe_patched", None) is not None:
         raise ValueError(f"model is already patched by linghe ({model.linghe_patched}); "
@@ -130,6 +136,12 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
 
     def hf(name):
         return getattr(mm, prefix + name, None)
+
+    causal_lm = hf("ForCausalLM")
+    is_causal_lm = causal_lm is not None and isinstance(model, causal_lm)
+    if lm_head_fp8 and not is_causal_lm:
+        raise ValueError("lm_head_fp8=True needs a *ForCausalLM model (the LM head's loss), "
+                         f"got {type(model).__name__}")
 
     wanted = []  # (HF class, mixin)
     if rms_norm:
@@ -180,13 +192,13 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
                 counts["Linear"] = counts.get("Linear", 0) + n
                 _quantize_attention_input(layer)
 
-    causal_lm = hf("ForCausalLM")
-    if cross_entropy and causal_lm is not None and isinstance(model, causal_lm):
+    if cross_entropy and is_causal_lm:
         fwd = M.make_causal_lm_forward(type(model).forward,
                                        (CausalLMOutputWithPast, MoeCausalLMOutputWithPast,
                                         getattr(mm, "load_balancing_loss_func", None)))
         model.forward = types.MethodType(fwd, model)
         counts["LinearCrossEntropy"] = 1
+        model.linghe_lm_head_fp8 = lm_head_fp8
     model.linghe_patched = counts
     model.linghe_fp8 = fp8
     return model
@@ -210,7 +222,7 @@ def _quantize_attention_input(layer: torch.nn.Module) -> None:
         norm.linghe_quantize_output = True
 
 
-_PATCH_FLAGS = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy")
+_PATCH_FLAGS = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy", "lm_head_fp8")
 
 
 def _split_patch_kwargs(kwargs: dict) -> dict:
@@ -222,13 +234,18 @@ def _check_patch_kwargs(patch: dict) -> None:
     """:func:`apply_linghe_kernels`'s checks of its keyword arguments, run before any
     weight is built or loaded."""
     _check_options({k: v for k, v in patch.items() if k in _PATCH_FLAGS}, patch.get("fp8"))
+    if patch.get("lm_head_fp8") and (patch.get("fp8") is None
+                                     or not patch.get("cross_entropy", True)):
+        raise ValueError("lm_head_fp8=True needs fp8='blockwise' and cross_entropy=True "
+                         "(the FP8 LM head is linghe.linear_cross_entropy's)")
     check_wgrad_micro_batches(patch.get("expert_wgrad_micro_batches", 1), fp8_wgrad=False)
 
 
 class AutoLinghePatchedModelForCausalLM:
     """``transformers.AutoModelForCausalLM`` that returns the model patched by
     :func:`apply_linghe_kernels` (its keyword arguments ``rms_norm``, ``rope``, ``swiglu``,
-    ``moe``, ``cross_entropy``, ``fp8``, ``expert_wgrad_micro_batches`` are taken out; the
+    ``moe``, ``cross_entropy``, ``fp8``, ``lm_head_fp8``, ``expert_wgrad_micro_batches`` are
+    taken out; the
     rest goes to Hugging Face).
     The model type is checked before any weight is built or loaded."""
 
