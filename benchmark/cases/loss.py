@@ -99,6 +99,26 @@ def linear_cross_entropy_case(cfg: Config):
         note += (f"; peak memory above the inputs (incl. {oe:.0f} MiB of outputs dh, dW): "
                  f"eager {pe:.0f} MiB, linghe {pk:.0f} MiB = {ratio:.1f}x less"
                  + ("" if ratio >= 4 else " (BELOW the 4x target)"))
-    return [Bench(name=f"linear_cross_entropy fwd+bwd N={N} H={H} V={V} bf16",
-                  bytes=2 * 2 * (N * H + V * H) + N * 8, flops=6 * N * H * V, tol=3e-2,
-                  run={"eager": eager, "compile": comp, "linghe": kern}, note=note)]
+    out = [Bench(name=f"linear_cross_entropy fwd+bwd N={N} H={H} V={V} bf16",
+                 bytes=2 * 2 * (N * H + V * H) + N * 8, flops=6 * N * H * V, tol=3e-2,
+                 run={"eager": eager, "compile": comp, "linghe": kern}, note=note)]
+
+    # The FP8 LM head (opt-in): checked against its own reference (the bf16 rows above
+    # are the speed baseline); the weight's FP8 copy is cached, as within a step.
+    fp8_ctx = linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True)
+
+    def kern_fp8():
+        with fp8_ctx:
+            loss = linghe.linear_cross_entropy(h, w, lab)
+        return (loss, *torch.autograd.grad(loss, [h, w]))
+
+    def expected_fp8():
+        loss = ref.linear_cross_entropy_fp8(h, w, lab)
+        return (loss, *torch.autograd.grad(loss, [h, w]))
+
+    out.append(Bench(name=f"linear_cross_entropy fwd+bwd N={N} H={H} V={V} lm_head_fp8",
+                     bytes=2 * 2 * (N * H + V * H) + N * 8, flops=6 * N * H * V, tol=3e-2,
+                     run={"linghe": kern_fp8}, expected=expected_fp8,
+                     note="TrainingContext(lm_head_fp8=True): logits and dh GEMMs FP8, dW "
+                          "bf16; compare its time with the bf16 row"))
+    return out
