@@ -707,7 +707,10 @@ def linear_cross_entropy_fp8(hidden: torch.Tensor, weight: torch.Tensor, labels:
     True)``): the logits are the blockwise FP8 product of ``hidden`` quantized 1x128 and
     ``weight`` 128x128 (exact products, rounded once to the input dtype), the hidden
     gradient the FP8 product of the logits' gradient quantized 1x128 and the same weight;
-    the weight gradient ``dlogits^T · hidden`` is not quantized."""
+    the weight gradient ``dlogits^T · hidden`` is not quantized. (With a "mean"/"sum"
+    reduction linghe quantizes the gradient of the loss itself and scales the GEMMs'
+    results by ``grad_output`` afterwards; this spec quantizes the gradient as it arrives,
+    so the two are equal for ``grad_output = 1``, and within FP8 rounding otherwise.)"""
     logits = _Fp8LMHeadLogits.apply(hidden, weight, pow2_scale)
     if bias is not None:
         logits = logits + bias
