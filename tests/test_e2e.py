@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmark import e2e
+from benchmark import e2e, e2e_model
 from benchmark.e2e_model import (
     MODES,
     ByteBatches,
@@ -492,14 +492,19 @@ def _fp8_ok():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+# the fp8 mode also with the FP8 LM head (benchmark.e2e --lm-head-fp8)
+MODES_GPU = [("bf16", False), ("fp8", False), ("fp8", True)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bf16", "fp8"])
-def test_step_has_no_host_sync(mode):
+@pytest.mark.parametrize("mode,lm_head_fp8", MODES_GPU)
+def test_step_has_no_host_sync(mode, lm_head_fp8, monkeypatch):
     """After warm-up, one eager training step of the linghe modes (forward, backward,
     clip_grad_norm_, capturable AdamW, expert-bias update) never synchronises with the
     host: torch raises on any sync in "error" mode."""
     if mode == "fp8" and not _fp8_ok():
         pytest.skip("FP8 needs compute capability >= 8.9")
+    monkeypatch.setattr(e2e_model, "LM_HEAD_FP8", lm_head_fp8)
     cfg = GPU_CFG
     model = build_model(cfg, device="cuda", seed=0)
     opt = make_optimizer(model, 1e-3, capturable=True)
@@ -517,8 +522,8 @@ def test_step_has_no_host_sync(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bf16", "fp8"])
-def test_cuda_graph_replay_matches_eager(mode):
+@pytest.mark.parametrize("mode,lm_head_fp8", MODES_GPU)
+def test_cuda_graph_replay_matches_eager(mode, lm_head_fp8, monkeypatch):
     """The whole step captured (two graphs: forward + backward, update) and replayed on new
     batches, with a learning rate that changes between replays (a device tensor), gives
     the losses and the weight updates of the same steps run eagerly (up to float atomics'
@@ -526,6 +531,7 @@ def test_cuda_graph_replay_matches_eager(mode):
     barely move them."""
     if mode == "fp8" and not _fp8_ok():
         pytest.skip("FP8 needs compute capability >= 8.9")
+    monkeypatch.setattr(e2e_model, "LM_HEAD_FP8", lm_head_fp8)
     cfg = GPU_CFG
     data = stdlib_corpus(corpus_bytes_needed(cfg, 8))
     warm, n = 2, 4
