@@ -1,6 +1,6 @@
 """A Hugging Face fine-tuning step, unpatched vs patched by ``linghe.transformers``.
 
-``python -m benchmark.hf_step [--steps N] [--json PATH] [--modes hf,linghe,linghe_fp8]``
+``python -m benchmark.hf_step [--steps N] [--json PATH] [--modes hf,linghe,linghe_fp8,...]``
 
 Model: a Qwen3-MoE-shaped ``Qwen3MoeForCausalLM`` of about 1B parameters, random init
 (hidden 1024, 8 layers, 16 query / 4 KV heads of 128 with q/k norms, 64 experts top-8 of
@@ -13,7 +13,9 @@ initial weights and data (the model is rebuilt from the same seed):
   where available, logits materialized for the loss);
 - ``linghe``: ``apply_linghe_kernels(model)``;
 - ``linghe_fp8``: ``apply_linghe_kernels(model, fp8="blockwise")`` (GPU only: FP8 GEMMs
-  need compute capability >= 8.9).
+  need compute capability >= 8.9);
+- ``linghe_fp8_head``: the same with ``lm_head_fp8=True`` (the loss's LM head GEMMs in FP8
+  too; opt-in, not in the default set).
 
 Reported per mode: median step time over ``--steps`` timed steps (after ``--warmup``),
 tokens/s, speedup over ``hf``, peak memory (``torch.cuda.max_memory_allocated`` over the
@@ -52,7 +54,8 @@ CPU_SHAPE = dict(vocab_size=131, hidden_size=64, intermediate_size=96,
                  moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, num_experts=6, num_experts_per_tok=2,
                  batch=2, seq=9)
-MODES = ("hf", "linghe", "linghe_fp8")
+MODES = ("hf", "linghe", "linghe_fp8", "linghe_fp8_head")
+DEFAULT_GPU_MODES = ("hf", "linghe", "linghe_fp8")
 
 
 def build(shape: dict, mode: str, device: str, dtype: torch.dtype, seed: int):
@@ -68,7 +71,9 @@ def build(shape: dict, mode: str, device: str, dtype: torch.dtype, seed: int):
     if mode != "hf":
         from linghe.transformers import apply_linghe_kernels
 
-        apply_linghe_kernels(model, fp8="blockwise" if mode == "linghe_fp8" else None)
+        fp8 = mode.startswith("linghe_fp8")
+        apply_linghe_kernels(model, fp8="blockwise" if fp8 else None,
+                             lm_head_fp8=mode == "linghe_fp8_head")
     return model.train()
 
 
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps first (default 3 on GPU, 1 on CPU)")
     p.add_argument("--modes", default=None,
-                   help=f"comma-separated from {MODES} (default: all on GPU, hf,linghe on CPU)")
+                   help=f"comma-separated from {MODES} (default: "
+                        f"{','.join(DEFAULT_GPU_MODES)} on GPU, hf,linghe on CPU)")
     p.add_argument("--json", default=None, help="write the rows and device facts here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true",
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     dtype = torch.float32 if cpu or args.tiny else torch.bfloat16
     args.steps = args.steps if args.steps is not None else (2 if cpu else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
-    modes = (args.modes or ("hf,linghe" if cpu else ",".join(MODES))).split(",")
+    modes = (args.modes or ("hf,linghe" if cpu else ",".join(DEFAULT_GPU_MODES))).split(",")
     bad = [m for m in modes if m not in MODES]
     if bad or args.steps < 1 or args.warmup < 0:
         p.error(f"--modes must name {MODES}, --steps >= 1, --warmup >= 0")
