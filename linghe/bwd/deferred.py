@@ -188,6 +188,28 @@ def wgrad_parts(parts: list[WgradPart], out: torch.Tensor | None, *,
     return out
 
 
+def parts_wgrad(parts: list[WgradPart], out: torch.Tensor | None, *,
+                out_dtype: torch.dtype | None = None, backend: str = "auto",
+                norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight gradient a backward hands over for ``parts`` (what :func:`defer`
+    returned), added into ``out`` (fused accumulation) or a new tensor of ``out_dtype``:
+    several parts, or a weight whose squared norm is recorded (``norm_weight``), take the
+    one multi-part launch (:func:`wgrad_parts`); a single micro-batch takes its own wgrad
+    (the accumulating kernel into ``out``, else ``grouped_mm_wgrad`` of ``backend`` on its
+    rows, FP8 rows dequantized)."""
+    if len(parts) > 1 or norm_weight is not None:
+        return wgrad_parts(parts, out, out_dtype=out_dtype, norm_weight=norm_weight)
+    p = parts[0]
+    if out is not None:
+        bwd_gm.grouped_mm_wgrad_accumulate_(out, p.d_out, p.rows, p.offsets,
+                                            rows_scale=p.rows_scale)
+        return out
+    x = p.rows if p.rows_scale is None else dequantize_1x128_rows(p.rows, p.rows_scale,
+                                                                  p.d_out.dtype)
+    return bwd_gm.grouped_mm_wgrad(p.d_out, x, p.offsets, out_dtype=out_dtype,
+                                   backend=backend)
+
+
 def _pending(parameters) -> list[torch.Tensor]:
     """The weights with pending micro-batches among ``parameters`` (``None``: all)."""
     if parameters is None:

@@ -22,7 +22,7 @@ from .. import library
 from ..bwd import grad_norms
 from ..bwd import grouped_mm as bwd
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
-from ..bwd.deferred import WgradPart, defer, deferrable, wgrad_parts
+from ..bwd.deferred import WgradPart, defer, deferrable, parts_wgrad
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
 from ..fwd import grouped_mm as fwd
@@ -174,19 +174,12 @@ class GroupedMMFunction(torch.autograd.Function):
             parts = defer(defer_w, n, WgradPart(d_out, rows, None, offsets)) if need_dw else ()
             grad = grad_to_accumulate(param, d_out.dtype) if parts else None
             norm_w, ctx.norm_w = ctx.norm_w, None
-            # the multi-part kernel: pending micro-batches and this one in one launch, or
-            # a gradient whose squared norm the optimizer takes from the kernel
-            if parts and (len(parts) > 1 or norm_w is not None):
-                d_w = wgrad_parts(parts, grad, out_dtype=rows.dtype, norm_weight=norm_w)
-                if grad is not None:
+            if parts:
+                d_w = parts_wgrad(parts, grad, out_dtype=rows.dtype,
+                                  backend="torch" if ctx.backend == _TRITON_ROWS
+                                  else ctx.backend, norm_weight=norm_w)
+                if grad is not None:  # fused accumulation
                     d_w = take_grad(param, grad)
-            elif grad is not None:  # fused accumulation
-                bwd.grouped_mm_wgrad_accumulate_(grad, d_out, rows, offsets)
-                d_w = take_grad(param, grad)
-            elif parts:
-                d_w = bwd.grouped_mm_wgrad(d_out, rows, offsets, out_dtype=rows.dtype,
-                                           backend="torch" if ctx.backend == _TRITON_ROWS
-                                           else ctx.backend)
             return d_rows, d_w, None, None, None, None, None, None
         (offsets,) = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes

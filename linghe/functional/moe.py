@@ -40,10 +40,9 @@ from ..bwd import grad_norms
 from ..bwd import grouped_mm as bwd_gm
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
 from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant
-from ..bwd.deferred import WgradPart, defer, deferrable, prepare_wgrad_parts, wgrad_parts
+from ..bwd.deferred import WgradPart, defer, deferrable, parts_wgrad, prepare_wgrad_parts
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
-from ..fp8.quantize import dequantize_1x128_rows
 from ..fwd import grouped_mm as fwd_gm
 from ..fwd.activation import batch_silu_mul_quant_fwd
 from ..layout import ExpertLayout
@@ -251,7 +250,8 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
               if need_w2 else None)
     g2 = grad_to_accumulate(p2, dy.dtype) if parts2 else None
     if parts2 and g2 is None:
-        d_w2 = _hp_wgrad(parts2, w2_dtype, backend, norm_w2)
+        d_w2 = parts_wgrad(parts2, None, out_dtype=w2_dtype, backend=backend,
+                           norm_weight=norm_w2)
     elif g2 is not None:
         fused.append((g2, prepare_wgrad_parts(parts2), norm_w2))
     g1 = None
@@ -276,37 +276,18 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
                 offsets))
             g1 = grad_to_accumulate(p1, dh.dtype) if parts1 else None
             if parts1 and g1 is None:
-                d_w1 = _hp_wgrad(parts1, w1_dtype, backend, norm_w1)
+                d_w1 = parts_wgrad(parts1, None, out_dtype=w1_dtype, backend=backend,
+                                   norm_weight=norm_w1)
             elif g1 is not None:
                 fused.append((g1, prepare_wgrad_parts(parts1), norm_w1))
     # every operand is ready: the in-place adds, then the hand-back (no allocation between)
     for grad, parts, norm_w in fused:
-        if len(parts) > 1 or norm_w is not None:
-            wgrad_parts(parts, grad, norm_weight=norm_w)
-        else:
-            p = parts[0]
-            bwd_gm.grouped_mm_wgrad_accumulate_(grad, p.d_out, p.rows, p.offsets,
-                                                rows_scale=p.rows_scale)
+        parts_wgrad(parts, grad, norm_weight=norm_w)
     if g1 is not None:
         d_w1 = take_grad(p1, g1)
     if g2 is not None:
         d_w2 = take_grad(p2, g2)
     return d_rows, d_p, d_w1, d_w2
-
-
-def _hp_wgrad(parts: list[WgradPart], out_dtype: torch.dtype, backend: str,
-              norm_w: torch.Tensor | None = None) -> torch.Tensor:
-    """A new high-precision weight gradient over ``parts`` (one micro-batch:
-    ``grouped_mm_wgrad`` of ``backend`` on its rows, FP8 rows dequantized; several: the
-    deferred wgrad's one launch). ``norm_w``: the multi-part kernel, which also records
-    the gradient's squared norm for that weight (:mod:`linghe.bwd.grad_norms`)."""
-    if len(parts) > 1 or norm_w is not None:
-        return wgrad_parts(parts, None, out_dtype=out_dtype, norm_weight=norm_w)
-    p = parts[0]
-    x = p.rows if p.rows_scale is None else dequantize_1x128_rows(p.rows, p.rows_scale,
-                                                                  p.d_out.dtype)
-    return bwd_gm.grouped_mm_wgrad(p.d_out, x, p.offsets, out_dtype=out_dtype,
-                                   backend=backend)
 
 
 def _check(rows, probs_rows, gate_up, down, layout, fp8):

@@ -50,7 +50,13 @@ from ..fp8.cache import bound_caches
 from ..fp8.tensor import Fp8Tensor
 from ..utils import check_kernel_device
 from . import multi_tensor as K
-from .clip import _norm_and_coef, check_max_norm, check_norm_type, prepare
+from .clip import (
+    _norm_and_coef,
+    _norm_and_coef_extra,
+    check_max_norm,
+    check_norm_type,
+    prepare,
+)
 from .fp8_weights import adamw_quant_128_
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -300,9 +306,8 @@ class AdamW(torch.optim.Optimizer):
                 prep = prepare(rest, None, name="params", grads=True, write=False)
                 if not any(prep[0]):  # (no DTensor gradients, whose norm is all-reduced)
                     extra = torch.cat([sq.reshape(-1) for sq in recorded]).sum().reshape(1)
-                    self.grad_norm, coef = _norm_and_coef(*prep, 2.0, torch.float32,
-                                                          self.max_grad_norm,
-                                                          extra_sq=extra)
+                    self.grad_norm, coef = _norm_and_coef_extra(*prep, 2.0, torch.float32,
+                                                                self.max_grad_norm, extra)
                     return coef
         prep = prepare(params, None, name="params", grads=True, write=False)
         self.grad_norm, coef = _norm_and_coef(*prep, self.norm_type, torch.float32,

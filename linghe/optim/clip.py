@@ -260,13 +260,9 @@ def _prepare_slow(items, group, *, name: str, grads: bool, write: bool):
 
 
 def _norm_and_coef(groups, device, plan, keep, p: float, acc_dtype: torch.dtype,
-                   max_norm: float | None, extra_sq: torch.Tensor | None = None):
+                   max_norm: float | None):
     """Returns ``(norm 0-dim, coef [1] or None)`` from :func:`prepare`'s output; no host
-    sync. ``extra_sq``: ``p = 2`` only, not distributed: a ``[1]`` float32 sum of squares
-    of gradients outside ``prepare``'s (e.g. recorded by the wgrad kernels,
-    :mod:`linghe.bwd.grad_norms`) that the norm includes."""
-    if extra_sq is not None:
-        return _norm_and_coef_extra(groups, device, plan, p, acc_dtype, max_norm, extra_sq)
+    sync."""
     if plan is None:
         return torch.tensor(0.0, dtype=acc_dtype), None
     all_groups = [g for gs in groups for g in gs]
@@ -298,9 +294,12 @@ def _norm_and_coef(groups, device, plan, keep, p: float, acc_dtype: torch.dtype,
     return norm, coef
 
 
-def _norm_and_coef_extra(groups, device, plan, p, acc_dtype, max_norm, extra_sq):
-    """:func:`_norm_and_coef` plus ``extra_sq``: the partials of ``plan`` (if any) reduced
-    to one accumulator, then the accumulators ``[rest, extra_sq]`` finished together."""
+def _norm_and_coef_extra(groups, device, plan, keep, p, acc_dtype, max_norm, extra_sq):
+    """:func:`_norm_and_coef` of the gradients :func:`prepare` took plus ``extra_sq``, a
+    ``[1]`` float32 sum of squares of other gradients (e.g. recorded by the wgrad kernels,
+    :mod:`linghe.bwd.grad_norms`); ``p = 2`` only, not distributed. The partials of
+    ``plan`` (if any) are reduced to one accumulator, then the accumulators ``[rest,
+    extra_sq]`` finished together."""
     if p != 2.0 or any(gs for gs in groups):
         raise ValueError("extra_sq needs norm_type 2 and no process groups")
     device = extra_sq.device
