@@ -8,7 +8,7 @@ modules (``linghe.nn``), optimizer-side kernels (``linghe.optim``) and expert pa
 from . import fp8, nn, optim, reference
 from .bwd.accumulate import fused_grad_accumulation, set_fused_grad_accumulation
 from .bwd.deferred import discard_deferred_wgrad, flush_deferred_wgrad
-from .context import TrainingContext, current_recipe
+from .context import TrainingContext, backward_on_caller_thread, current_recipe
 from .fp8 import Fp8Tensor, quantize_1x128, quantize_128x128
 from .fp8.recipe import Fp8Recipe
 from .functional.activation import batch_silu_mul_quant, silu_mul, silu_mul_quant
@@ -35,6 +35,7 @@ __version__ = "0.4.0.dev0"
 
 __all__ = [
     "apply_rope",
+    "backward_on_caller_thread",
     "batch_silu_mul_quant",
     "cross_entropy",
     "current_recipe",

@@ -15,6 +15,7 @@ would see the latest entered one; eager code always reads the per-thread ``Conte
 from __future__ import annotations
 
 import contextvars
+import threading
 
 import torch
 
@@ -172,3 +173,39 @@ class TrainingContext:
     def __repr__(self) -> str:
         return (f"TrainingContext(recipe={self.recipe!r}, caller_thread_backward="
                 f"{self.caller_thread_backward}, active={self.active})")
+
+
+# ---------------------------------------------------------------------------------------
+# Caller-thread backward for a module (when the backward runs outside any TrainingContext
+# block, as in a Hugging Face training loop)
+# ---------------------------------------------------------------------------------------
+
+_THREAD = threading.local()  # .turned_off: a module's forward turned multithreading off
+
+
+def _before_forward(module, args) -> None:
+    if torch.is_grad_enabled():
+        if torch._C._is_multithreading_enabled():
+            torch._C._set_multithreading_enabled(False)
+            _THREAD.turned_off = True
+    elif getattr(_THREAD, "turned_off", False):
+        torch._C._set_multithreading_enabled(True)
+        _THREAD.turned_off = False
+
+
+def backward_on_caller_thread(module: torch.nn.Module):
+    """Run backwards on the thread that calls ``backward()`` once ``module`` has trained.
+
+    What :class:`TrainingContext` does for its block (``caller_thread_backward``), for a
+    model whose backward runs outside any block: a forward of ``module`` with gradients
+    enabled turns ``torch.autograd.set_multithreading_enabled`` off for the calling
+    thread, and a forward without gradients (evaluation, generation) turns it back on if
+    this turned it off. In between, every backward that thread runs runs on it (the same
+    gradients; backwards on several GPUs driven from that thread no longer overlap). It
+    cannot be undone at the end of each backward: PyTorch restores the thread's autograd
+    state when a backward finishes, so a change made inside one does not outlive it.
+
+    Returns the hook's handle (``handle.remove()`` stops it; turn the setting back on
+    yourself if a forward had turned it off).
+    """
+    return module.register_forward_pre_hook(_before_forward)

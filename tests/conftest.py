@@ -260,3 +260,13 @@ def compile_sm90(device):
         assert r.returncode == 0 and "COMPILED" in r.stdout, r.stderr[-3000:]
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _autograd_threading():
+    """Each test starts with PyTorch's default multithreaded backward: a patched Hugging
+    Face model's training forward turns it off for the thread (``caller_thread_backward``)
+    until a forward without gradients, which a test need not run."""
+    torch._C._set_multithreading_enabled(True)
+    yield
+    torch._C._set_multithreading_enabled(True)

@@ -102,6 +102,35 @@ def test_backward_runs_on_the_calling_thread_inside(device):
     assert "caller_thread_backward=True" in repr(linghe.TrainingContext())
 
 
+def test_backward_on_caller_thread(device):
+    """linghe.backward_on_caller_thread: a training forward turns autograd's multithreading
+    off for the thread (same gradients), a forward without gradients turns it back on,
+    and a removed hook does nothing."""
+    enabled = torch._C._is_multithreading_enabled
+    m = torch.nn.Linear(4, 3).to(device)
+    plain = torch.nn.Linear(4, 3).to(device)
+    plain.load_state_dict(m.state_dict())
+    x = torch.randn(2, 4, device=device)
+    handle = linghe.backward_on_caller_thread(m)
+    try:
+        assert enabled()
+        with torch.no_grad():
+            m(x)
+        assert enabled()
+        m(x).square().sum().backward()
+        assert not enabled()
+        plain(x).square().sum().backward()
+        assert torch.equal(m.weight.grad, plain.weight.grad)
+        with torch.no_grad():
+            m(x)
+        assert enabled()
+        handle.remove()
+        m(x)
+        assert enabled()
+    finally:
+        torch._C._set_multithreading_enabled(True)
+
+
 def test_no_module_global_state_but_the_compile_mirror():
     # The state is a ContextVar; the one module global that changes on entry is the
     # mirror that code under torch.compile reads, and exit restores it.

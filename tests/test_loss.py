@@ -404,9 +404,30 @@ def test_linear_cross_entropy_fp8_lm_head(device, reduction, bias, dtype):
 
 
 @pytest.mark.parametrize("N,H,V,chunk,pow2", [(1, 128, 1, None, True), (0, 128, 7, None, True),
-                                               (40, 136, 384, 40, False)])
+                                               (40, 136, 384, 40, False),
+                                               (48, 256, 1152, 32, True)])
 def test_linear_cross_entropy_fp8_lm_head_shapes(device, N, H, V, chunk, pow2):
+    """(On a GPU with cuBLAS's blockwise FP8 GEMM, V = 1152 (9 groups of 128) and V = 300
+    above take the dgrad with K padded to a multiple of 512.)"""
     _check_linear_fp8(device, N, H, V, torch.float32, "mean", False, chunk, pow2)
+
+
+def test_lm_head_fp8_dgrad_with_padded_vocab(device, monkeypatch):
+    """Where cuBLAS takes the dgrad only with K (the vocabulary) padded to a multiple of
+    512, the loss kernel writes the gradient's FP8 copy into a buffer with zero pad
+    columns and the weight's columnwise copy is padded the same way: same result as the
+    reference. (Forced here, so that the CPU runs the padded operands too.)"""
+    from linghe.fp8 import gemm
+
+    asked = []
+
+    def padded(M, N, K, *args):
+        asked.append(K)
+        return -(-K // 512) * 512
+
+    monkeypatch.setattr(gemm, "padded_k", padded)
+    _check_linear_fp8(device, 37, 256, 300, torch.float32, "mean", True, chunk=16)
+    assert asked == [300, 300, 300]  # once per chunk of the fused path
 
 
 def test_lm_head_fp8_weight_copy_cached_per_step(device):

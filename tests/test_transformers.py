@@ -319,6 +319,34 @@ def test_import_linghe_does_not_import_transformers():
     assert r.returncode == 0, r.stderr
 
 
+def test_caller_thread_backward(device):
+    """apply_linghe_kernels runs the backward on the calling thread by default (autograd's
+    multithreading off from a training forward until a forward without gradients), with
+    the same gradients as with PyTorch's default (caller_thread_backward=False)."""
+    enabled = torch._C._is_multithreading_enabled
+    ref = AutoModelForCausalLM.from_config(_config("qwen3_moe"), dtype=torch.float32).to(device)
+    pat = apply_linghe_kernels(copy.deepcopy(ref))
+    off = apply_linghe_kernels(copy.deepcopy(ref), caller_thread_backward=False)
+    ids = torch.randint(0, V, (2, 7), device=device)
+    try:
+        out = pat(ids, labels=ids)
+        assert not enabled()
+        out.loss.backward()
+        with torch.no_grad():
+            pat(ids)
+        assert enabled()
+        out_off = off(ids, labels=ids)
+        assert enabled()
+        out_off.loss.backward()
+    finally:
+        torch._C._set_multithreading_enabled(True)
+    assert torch.equal(out.loss, out_off.loss)
+    for (name, g), g_off in zip(_grads(pat).items(), _grads(off).values()):
+        assert_close(g, g_off, tol=1e-6, name=name)
+    with pytest.raises(TypeError, match="caller_thread_backward must be a bool"):
+        apply_linghe_kernels(copy.deepcopy(ref), caller_thread_backward=1)
+
+
 def test_bf16_and_gradient_checkpointing(device, monkeypatch):
     """bf16 parameters (the training dtype on the GPU), with Hugging Face's gradient
     checkpointing on the patched model only (its recomputed forward runs in backward and

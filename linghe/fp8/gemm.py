@@ -225,6 +225,8 @@ def _torch_b_scale(sb, b_scaling):
     cached on the scale tensor itself (keyed by its ``_version``): no torch ops per GEMM."""
     if b_scaling == "1x128" and sb.stride(0) == 1:
         return sb.t()  # already group-major (quantize_1x128_launch(group_major_scales=True))
+    if b_scaling == "128x128" and sb.shape[1] % 4 == 0 and sb.is_contiguous():
+        return sb.t()  # its rows already are L4 long: the layout itself, no copy
     cached = getattr(sb, "_linghe_cublas", None)
     if cached is not None and cached[0] == sb._version:
         return cached[1]
@@ -261,6 +263,27 @@ def _torch_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias):
     if bias is not None:  # (cuBLAS takes no bias with blockwise scales or an fp32 output)
         out = out + bias.to(out_dtype)
     return out
+
+
+def padded_k(M: int, N: int, K: int, a_scaling: str, b_scaling: str, a_dtype: torch.dtype,
+             b_dtype: torch.dtype, out_dtype: torch.dtype, device: torch.device) -> int:
+    """The K to give :func:`fp8_gemm` for ``[M, K] x [N, K]^T``: ``K`` itself, or ``K``
+    rounded up to a multiple of 512 when ``torch._scaled_mm`` (cuBLAS) declines ``K`` but
+    takes the padded one (its 128x128 B scales want ``K/128`` a multiple of 4 here). Zero
+    columns appended to both operands leave the product unchanged, so a caller that
+    writes its operands anyway (the LM head's gradient, written by the loss kernel) can
+    take cuBLAS instead of the slower Triton GEMM. ``K`` when the Triton backend is chosen,
+    off the GPU, or when neither shape runs on cuBLAS."""
+    if device.type != "cuda" or not (M and N and K) or _backend_choice() == "triton":
+        return K
+    key = (a_scaling, b_scaling, a_dtype, b_dtype, out_dtype)
+    if _torch_shape_ok(M, N, K, a_scaling, b_scaling) and \
+            _probe_torch(device, *key, cdiv(K, 128) % 4 == 0):
+        return K
+    kp = cdiv(K, 512) * 512
+    if _torch_shape_ok(M, N, kp, a_scaling, b_scaling) and _probe_torch(device, *key, True):
+        return kp
+    return K
 
 
 def _probe_torch(device: torch.device, a_scaling, b_scaling, a_dtype, b_dtype,

@@ -11,11 +11,12 @@ from ..bwd.loss import ce_backward, scale_by_grad_
 from ..context import current_recipe
 from ..fp8 import gemm as fp8_gemm
 from ..fp8.cache import WeightCache
-from ..fp8.quantize import empty_1x128, quantize_1x128_launch
+from ..fp8.quantize import FP8_DTYPE, empty_1x128, quantize_1x128_launch
 from ..fwd.loss import ce_forward, ce_partials, ce_reduce, ce_row_weight
 from ..utils import (
     FLOAT_DTYPES,
     apply_function,
+    cdiv,
     check_kernel_device,
     check_same_device,
     check_tensor,
@@ -221,18 +222,62 @@ def _chunk_logits(h, weight, bias, fp8):
     return torch.addmm(bias, h, weight.t())
 
 
-def _chunk_dh(d, weight, fp8, out, dq=None):
+def _chunk_dh(d, weight, fp8, out, operands=None):
     """``out = d · W`` (the chunk's hidden gradient): cuBLAS, or the FP8 GEMM of ``d``'s
-    1x128 copy ``dq = (q, scale)`` (quantized here when not given) and W's columnwise
-    copy."""
+    1x128 copy and W's columnwise copy: ``operands = (a, a_scale, b, b_scale)`` as
+    :func:`_dgrad_fp8_operands` made them, or (when ``None``) ``d`` quantized here."""
     if fp8 is None:
         torch.mm(d, weight, out=out)
         return
     wq, pow2 = fp8
-    if dq is None:
-        dq = quantize_1x128_launch(d, True, False, pow2, True)[:2]
-    out.copy_(fp8_gemm._gemm(dq[0], dq[1], "1x128", wq.columnwise_data,
-                             wq.columnwise_scale, wq.scaling, out.dtype, None))
+    if operands is None:
+        q, sq = quantize_1x128_launch(d, True, False, pow2, True)[:2]
+        operands = (q, sq, wq.columnwise_data, wq.columnwise_scale)
+    a, sa, b, sb = operands
+    out.copy_(fp8_gemm._gemm(a, sa, "1x128", b, sb, wq.scaling, out.dtype, None))
+
+
+#: an LM head weight copy's columnwise data -> (K, its zero-padded copy, padded scales)
+_PADDED_COLUMNWISE = WeakIdKeyDictionary()
+
+
+def _padded_columnwise(wq, k: int):
+    """W's columnwise copy ``[H, V]`` with zero columns up to ``k`` (and scale 1 for the
+    added groups), made once per copy (the copy is new after every weight update)."""
+    data, scale = wq.columnwise_data, wq.columnwise_scale
+    hit = _PADDED_COLUMNWISE.get(data)
+    if hit is not None and hit[0] == k:
+        return hit[1], hit[2]
+    rows, V = data.shape
+    padded = torch.zeros(rows, k, dtype=torch.uint8, device=data.device)
+    padded[:, :V].copy_(data.view(torch.uint8))
+    padded_scale = torch.ones(scale.shape[0], k // 128, dtype=torch.float32,
+                              device=scale.device)
+    padded_scale[:, :scale.shape[1]].copy_(scale)
+    _PADDED_COLUMNWISE[data] = (k, padded.view(data.dtype), padded_scale)
+    return padded.view(data.dtype), padded_scale
+
+
+def _dgrad_fp8_operands(fp8, rows: int, V: int, out_dtype, device):
+    """For one chunk of the fused FP8 path: ``(dq, operands)``, the buffers the loss kernel
+    writes the gradient's 1x128 copy into (``(q [rows, V], scale)``, scales group-major)
+    and the dgrad's operands for :func:`_chunk_dh`. Where cuBLAS declines K = V but takes
+    it padded (:func:`linghe.fp8.gemm.padded_k`: ``V/128`` not a multiple of 4, e.g. the
+    vocabularies 151936 and 128256), the buffers are ``[rows, Vp]`` with zero pad columns
+    (scale 1) and the weight's columnwise copy is padded the same way: cuBLAS instead of
+    the Triton GEMM, 1.7-2x faster at those shapes (``benchmark/probe_fp8_lm_head.py``)."""
+    wq = fp8[0]
+    wcol = wq.columnwise_data
+    k = fp8_gemm.padded_k(rows, wcol.shape[0], V, "1x128", wq.scaling, FP8_DTYPE,
+                          wcol.dtype, out_dtype, device)
+    q, sq, _, _ = empty_1x128(rows, k, device, rowwise=True, columnwise=False,
+                              group_major=True)
+    if k == V:
+        return (q, sq), (q, sq, wcol, wq.columnwise_scale)
+    groups = cdiv(V, 128)
+    q.view(torch.uint8)[:, V:].zero_()
+    sq[:, groups:].fill_(1.0)
+    return (q[:, :V], sq[:, :groups]), (q, sq, *_padded_columnwise(wq, k))
 
 
 def row_weight_in_forward(dtype: torch.dtype) -> bool:
@@ -284,11 +329,11 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
         e = min(N, s + chunk_size)
         h = hidden[s:e]
         logits = _chunk_logits(h, weight, bias, fp8)
-        dq = None
+        dq = dgrad_ops = None
         if group is None:
             if fused and dh is not None and fp8 is not None:  # the loss kernel quantizes
-                dq = empty_1x128(e - s, logits.shape[1], logits.device, rowwise=True,
-                                 columnwise=False, group_major=True)[:2]
+                dq, dgrad_ops = _dgrad_fp8_operands(fp8, e - s, logits.shape[1],
+                                                    hidden.dtype, logits.device)
             _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
                                       fuse_bwd=fused, row_weight=row_w, **opts,
                                       grad_fp8=None if dq is None else (*dq, fp8[1]))
@@ -301,7 +346,7 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
         lses.append(lse)
         if fused:  # logits now hold d loss / d logits (this rank's columns)
             if dh is not None:
-                _chunk_dh(logits, weight, fp8, dh[s:e], dq)
+                _chunk_dh(logits, weight, fp8, dh[s:e], dgrad_ops)
             if dw is not None:
                 if s == 0:
                     torch.mm(logits.t(), h, out=dw)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+from ..context import backward_on_caller_thread
 from ..fp8.recipe import RECIPES
 from ..functional.grouped_mm import check_wgrad_micro_batches
 from ..nn.convert import convert
@@ -60,7 +61,8 @@ def _swap(module: torch.nn.Module, mixin: type) -> None:
 def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope: bool = True,
                          swiglu: bool = True, moe: bool = True, cross_entropy: bool = True,
                          fp8: str | None = None, lm_head_fp8: bool = False,
-                         expert_wgrad_micro_batches: int = 1) -> torch.nn.Module:
+                         expert_wgrad_micro_batches: int = 1,
+                         caller_thread_backward: bool = True) -> torch.nn.Module:
     """Patch a Hugging Face Llama, Qwen2, Qwen3 or Qwen3-MoE model in place with linghe's
     kernels; returns ``model``.
 
@@ -109,6 +111,16 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             but after ``torch.nn.utils.clip_grad_norm_``, whose norm then misses it
             (call ``linghe.flush_deferred_wgrad()`` first, or use
             ``linghe.optim.clip_grad_norm_``). ``1``: off.
+        caller_thread_backward: run the model's backward on the thread that calls
+            ``loss.backward()`` instead of PyTorch's autograd device thread
+            (:func:`linghe.backward_on_caller_thread`: a training forward turns
+            ``torch.autograd.set_multithreading_enabled`` off for the calling thread, and
+            the backward through the model's outputs turns it back on when it ends).
+            linghe's ops are Python autograd Functions, and the hand-off to that thread
+            costs host time per op: on the H200 host the Qwen3-MoE step of
+            ``benchmark.hf_step`` is bound by host time, and this shortens it
+            (``benchmark/NOTES.md``). ``False``: PyTorch's default (e.g. for one process
+            driving several GPUs whose backwards should overlap).
 
     Sets ``model.linghe_patched`` (how many modules of each kind were swapped, e.g.
     ``{"RMSNorm": 9, "Attention": 2, ...}``) and ``model.linghe_fp8``.
@@ -127,7 +139,8 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
     model_type = _model_type(config)
     _check_patch_kwargs(dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, moe=moe,
                              cross_entropy=cross_entropy, fp8=fp8, lm_head_fp8=lm_head_fp8,
-                             expert_wgrad_micro_batches=expert_wgrad_micro_batches))
+                             expert_wgrad_micro_batches=expert_wgrad_micro_batches,
+                             caller_thread_backward=caller_thread_backward))
     if getattr(model, "linghe_patched", None) is not None:
         raise ValueError(f"model is already patched by linghe ({model.linghe_patched}); "
                          "patch a fresh model instead")
@@ -199,6 +212,8 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
         model.forward = types.MethodType(fwd, model)
         counts["LinearCrossEntropy"] = 1
         model.linghe_lm_head_fp8 = lm_head_fp8
+    if caller_thread_backward:
+        backward_on_caller_thread(model)
     model.linghe_patched = counts
     model.linghe_fp8 = fp8
     return model
@@ -222,7 +237,8 @@ def _quantize_attention_input(layer: torch.nn.Module) -> None:
         norm.linghe_quantize_output = True
 
 
-_PATCH_FLAGS = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy", "lm_head_fp8")
+_PATCH_FLAGS = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy", "lm_head_fp8",
+                "caller_thread_backward")
 
 
 def _split_patch_kwargs(kwargs: dict) -> dict:
@@ -244,9 +260,8 @@ def _check_patch_kwargs(patch: dict) -> None:
 class AutoLinghePatchedModelForCausalLM:
     """``transformers.AutoModelForCausalLM`` that returns the model patched by
     :func:`apply_linghe_kernels` (its keyword arguments ``rms_norm``, ``rope``, ``swiglu``,
-    ``moe``, ``cross_entropy``, ``fp8``, ``lm_head_fp8``, ``expert_wgrad_micro_batches`` are
-    taken out; the
-    rest goes to Hugging Face).
+    ``moe``, ``cross_entropy``, ``fp8``, ``lm_head_fp8``, ``expert_wgrad_micro_batches``,
+    ``caller_thread_backward`` are taken out; the rest goes to Hugging Face).
     The model type is checked before any weight is built or loaded."""
 
     def __init__(self, *args, **kwargs):
