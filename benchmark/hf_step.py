@@ -1,13 +1,17 @@
 """A Hugging Face fine-tuning step, unpatched vs patched by ``linghe.transformers``.
 
-``python -m benchmark.hf_step [--steps N] [--json PATH] [--modes hf,linghe,linghe_fp8,...]``
+``python -m benchmark.hf_step [--steps N] [--json PATH] [--modes hf,linghe,linghe_fp8,...]
+[--shape 1b|a3b]``
 
 Model: a Qwen3-MoE-shaped ``Qwen3MoeForCausalLM`` of about 1B parameters, random init
 (hidden 1024, 8 layers, 16 query / 4 KV heads of 128 with q/k norms, 64 experts top-8 of
-intermediate 384 with renormalized softmax routing, vocab 151936, untied LM head), bf16
+intermediate 384 with renormalized softmax routing, vocab 151936, untied LM head), or with
+``--shape a3b`` four layers of Qwen3-30B-A3B's shape (hidden 2048, 32 query / 4 KV
+heads, 128 experts top-8 of intermediate 768; about 3.1B parameters); bf16
 parameters, sequence 2048 x batch 4 (8192 tokens per step), AdamW. One step = forward
 with labels + backward + ``optimizer.step()`` + ``zero_grad``. Modes, each on the same
-initial weights and data (the model is rebuilt from the same seed):
+initial weights and data (the model is rebuilt from the same seed), each in a fresh
+process on the GPU (``--in-process``: all in this one):
 
 - ``hf``: plain transformers (its defaults: SDPA attention, ``torch._grouped_mm`` experts
   where available, logits materialized for the loss);
@@ -15,7 +19,9 @@ initial weights and data (the model is rebuilt from the same seed):
 - ``linghe_fp8``: ``apply_linghe_kernels(model, fp8="blockwise")`` (GPU only: FP8 GEMMs
   need compute capability >= 8.9);
 - ``linghe_fp8_head``: the same with ``lm_head_fp8=True`` (the loss's LM head GEMMs in FP8
-  too; opt-in, not in the default set).
+  too; opt-in, not in the default set);
+- ``linghe_fp8_head_bf16_experts``: the same with ``expert_fp8=False`` (the routed experts
+  in bf16; not in the default set).
 
 Reported per mode: median step time over ``--steps`` timed steps (after ``--warmup``),
 tokens/s, speedup over ``hf``, peak memory (``torch.cuda.max_memory_allocated`` over the
@@ -50,15 +56,23 @@ GPU_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  moe_intermediate_size=384, num_hidden_layers=8, num_attention_heads=16,
                  num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
                  batch=4, seq=2048)
+#: Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query / 4 KV heads, 128 experts of
+#: intermediate 768, top-8) with 4 of its 48 layers (``--shape a3b``).
+A3B_SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                 moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                 batch=4, seq=2048)
+GPU_SHAPES = {"1b": GPU_SHAPE, "a3b": A3B_SHAPE}
 CPU_SHAPE = dict(vocab_size=131, hidden_size=64, intermediate_size=96,
                  moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, num_experts=6, num_experts_per_tok=2,
                  batch=2, seq=9)
-MODES = ("hf", "linghe", "linghe_fp8", "linghe_fp8_head")
+MODES = ("hf", "linghe", "linghe_fp8", "linghe_fp8_head", "linghe_fp8_head_bf16_experts")
 DEFAULT_GPU_MODES = ("hf", "linghe", "linghe_fp8")
 
 
-def build(shape: dict, mode: str, device: str, dtype: torch.dtype, seed: int):
+def build(shape: dict, mode: str, device: str, dtype: torch.dtype, seed: int,
+          micro_batches: int = 1):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig(**{k: v for k, v in shape.items() if k not in ("batch", "seq")},
@@ -73,7 +87,9 @@ def build(shape: dict, mode: str, device: str, dtype: torch.dtype, seed: int):
 
         fp8 = mode.startswith("linghe_fp8")
         apply_linghe_kernels(model, fp8="blockwise" if fp8 else None,
-                             lm_head_fp8=mode == "linghe_fp8_head")
+                             lm_head_fp8=mode.startswith("linghe_fp8_head"),
+                             expert_fp8=not mode.endswith("_bf16_experts"),
+                             expert_wgrad_micro_batches=micro_batches)
     return model.train()
 
 
@@ -87,21 +103,30 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    model = build(shape, mode, device, dtype, args.seed)
+    n_mb = args.micro_batches
+    model = build(shape, mode, device, dtype, args.seed, n_mb)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
-                            **({"fused": True} if device == "cuda" else {}))
+    if args.optimizer == "linghe":
+        import linghe
+
+        opt = linghe.optim.AdamW(model.parameters(), lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
+                                **({"fused": True} if device == "cuda" else {}))
     g = torch.Generator().manual_seed(args.seed + 1)
     B, S, V = shape["batch"], shape["seq"], shape["vocab_size"]
     batches = [torch.randint(0, V, (B, S), generator=g).to(device)
-               for _ in range(min(4, args.warmup + args.steps))]
+               for _ in range(max(n_mb, min(4, args.warmup + args.steps)))]
     losses, times = [], []
     for i in range(args.warmup + args.steps):
-        ids = batches[i % len(batches)]
         _sync(device)
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for j in range(n_mb):  # gradient accumulation: the mean over the micro-batches
+            ids = batches[(i * n_mb + j) % len(batches)]
+            mb_loss = model(input_ids=ids, labels=ids).loss
+            (mb_loss / n_mb if n_mb > 1 else mb_loss).backward()
+            if j == 0:
+                loss = mb_loss
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
@@ -113,8 +138,9 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
               flush=True)
     step_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    row = dict(mode=mode, params=n_params, tokens_per_step=B * S, step_ms=step_s * 1e3,
-               tokens_per_s=B * S / step_s, peak_mem_gib=peak, first_loss=losses[0],
+    row = dict(mode=mode, params=n_params, tokens_per_step=B * S * n_mb,
+               step_ms=step_s * 1e3, tokens_per_s=B * S * n_mb / step_s,
+               peak_mem_gib=peak, first_loss=losses[0],
                last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times])
     del model, opt, batches
     return row
@@ -140,6 +166,24 @@ def print_table(rows: list[dict]) -> None:
         print(fmt(line))
 
 
+def _run_in_subprocess(mode: str, args) -> dict:
+    """One mode in a fresh Python process (its row, from that process's JSON)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, "-m", "benchmark.hf_step", "--modes", mode, "--json", out,
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--seed", str(args.seed), "--shape", args.shape,
+               "--micro-batches", str(args.micro_batches), "--optimizer", args.optimizer]
+        if args.tiny:
+            cmd.append("--tiny")
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            return json.load(f)["rows"][0]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.hf_step",
                                 description=__doc__.splitlines()[0])
@@ -152,6 +196,19 @@ def main(argv=None) -> int:
                         f"{','.join(DEFAULT_GPU_MODES)} on GPU, hf,linghe on CPU)")
     p.add_argument("--json", default=None, help="write the rows and device facts here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", default="1b", choices=sorted(GPU_SHAPES),
+                   help="GPU model shape: 1b (default, hidden 1024, 8 layers) or a3b "
+                        "(Qwen3-30B-A3B's layers, 4 of them)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation: forward+backward passes per optimizer step "
+                        "(the linghe modes defer the experts' weight gradients over them)")
+    p.add_argument("--optimizer", default="torch", choices=("torch", "linghe"),
+                   help="torch.optim.AdamW (fused on the GPU; default) or linghe.optim.AdamW "
+                        "(which writes the FP8 weight copies in its update)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every mode in this process (default on the GPU: one fresh "
+                        "process per mode, as a user runs one; a mode run after the "
+                        "unpatched one measured up to 40%% slower in the same process)")
     p.add_argument("--tiny", action="store_true",
                    help="the tiny CPU config on any device (a smoke test)")
     args = p.parse_args(argv)
@@ -160,30 +217,37 @@ def main(argv=None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = device == "cpu"
-    shape = CPU_SHAPE if cpu or args.tiny else GPU_SHAPE
+    shape = CPU_SHAPE if cpu or args.tiny else GPU_SHAPES[args.shape]
     dtype = torch.float32 if cpu or args.tiny else torch.bfloat16
     args.steps = args.steps if args.steps is not None else (2 if cpu else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
     modes = (args.modes or ("hf,linghe" if cpu else ",".join(DEFAULT_GPU_MODES))).split(",")
     bad = [m for m in modes if m not in MODES]
-    if bad or args.steps < 1 or args.warmup < 0:
-        p.error(f"--modes must name {MODES}, --steps >= 1, --warmup >= 0")
+    if bad or args.steps < 1 or args.warmup < 0 or args.micro_batches < 1:
+        p.error(f"--modes must name {MODES}, --steps >= 1, --warmup >= 0, "
+                "--micro-batches >= 1")
     dev_name = torch.cuda.get_device_name() if not cpu else platform.processor() or "cpu"
     if cpu:
         print("No GPU: tiny config through the Triton interpreter (smoke test; interpreter "
               "timings).", file=sys.stderr)
     print(f"device: {dev_name}; torch {torch.__version__}, triton {triton.__version__}, "
           f"transformers {transformers.__version__}; shape {shape}", file=sys.stderr)
-    rows = [run_mode(m, shape, args, device, dtype) for m in modes]
+    if cpu or args.in_process or len(modes) == 1:
+        rows = [run_mode(m, shape, args, device, dtype) for m in modes]
+    else:
+        rows = [_run_in_subprocess(m, args) for m in modes]
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"benchmark": "hf_step", "device": dev_name, "torch": torch.__version__,
                        "triton": triton.__version__, "transformers": transformers.__version__,
                        "interpreter": cpu, "dtype": str(dtype), "shape": shape,
-                       "steps": args.steps, "warmup": args.warmup, "rows": rows}, f, indent=1)
+                       "steps": args.steps, "warmup": args.warmup,
+                       "micro_batches": args.micro_batches, "optimizer": args.optimizer,
+                       "rows": rows}, f, indent=1)
     print(f"Qwen3-MoE-shaped model, {rows[0]['params'] / 1e6:.1f}M parameters, "
-          f"{rows[0]['tokens_per_step']} tokens/step, {dtype}, AdamW")
+          f"{rows[0]['tokens_per_step']} tokens/step ({args.micro_batches} micro-batch(es)), "
+          f"{dtype}, {args.optimizer} AdamW")
     print_table(rows)
     return 0
 

@@ -280,6 +280,35 @@ def test_fp8_blockwise(device):
     assert [c.misses for c in pat.model.layers[0].mlp.experts._linghe_fp8_caches] == [1, 1]
 
 
+def test_fp8_with_experts_in_input_precision(device):
+    """expert_fp8=False: the Linears run FP8, the routed experts in the input's precision
+    (no FP8 weight copies made); each decoder layer enters one TrainingContext of its own
+    at every forward."""
+    cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=128, intermediate_size=64,
+                         moe_intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=64, num_experts=3,
+                         num_experts_per_tok=2, max_position_embeddings=64)
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
+    pat = apply_linghe_kernels(copy.deepcopy(ref), fp8="blockwise", expert_fp8=False)
+    layer = pat.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, linghe.nn.Linear)
+    recipes = []
+    layer.mlp.experts.register_forward_hook(lambda m, i, o: recipes.append(
+        linghe.current_recipe()))
+    ids = torch.randint(0, V, (2, 5), device=device)
+    lp = pat(ids, labels=ids).loss
+    lr = ref(ids, labels=ids).loss
+    assert abs(lp.item() - lr.item()) < 0.02 * lr.item()
+    lp.backward()
+    assert recipes[0].name == "blockwise" and not recipes[0].fp8_experts
+    assert "_linghe_fp8_caches" not in layer.mlp.experts.__dict__  # no FP8 expert copies
+    assert layer.mlp.experts.gate_up_proj.grad is not None
+    ctx = layer._linghe_context
+    with torch.no_grad():
+        pat(ids)
+    assert layer._linghe_context is ctx and not ctx.active
+
+
 def test_fp8_lm_head(device):
     """lm_head_fp8=True: the decoder layers as with fp8="blockwise" alone, and the loss's
     LM head GEMMs in FP8 (reference.linear_cross_entropy_fp8 of the final hidden states),

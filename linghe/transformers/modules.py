@@ -145,11 +145,19 @@ class DecoderLayerMixin:
     recomputation of gradient checkpointing, which runs during backward, in FP8 too."""
 
     linghe_fp8: str | None = None
+    #: the routed experts in FP8 too (``TrainingContext(expert_fp8=...)``)
+    linghe_expert_fp8: bool = True
 
     def forward(self, *args, **kwargs):
         if self.linghe_fp8 is None or current_recipe() is not None:
             return super().forward(*args, **kwargs)
-        with TrainingContext(fp8=self.linghe_fp8):
+        # One context per layer, entered again at every forward (no recipe built per
+        # call); a new one only if this layer's is active (a re-entrant call).
+        ctx = self.__dict__.get("_linghe_context")
+        if ctx is None or ctx.active:
+            ctx = TrainingContext(fp8=self.linghe_fp8, expert_fp8=self.linghe_expert_fp8)
+            self._linghe_context = ctx
+        with ctx:
             return super().forward(*args, **kwargs)
 
 

@@ -61,7 +61,7 @@ def _swap(module: torch.nn.Module, mixin: type) -> None:
 def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope: bool = True,
                          swiglu: bool = True, moe: bool = True, cross_entropy: bool = True,
                          fp8: str | None = None, lm_head_fp8: bool = False,
-                         expert_wgrad_micro_batches: int = 1,
+                         expert_fp8: bool = True, expert_wgrad_micro_batches: int = 1,
                          caller_thread_backward: bool = True) -> torch.nn.Module:
     """Patch a Hugging Face Llama, Qwen2, Qwen3 or Qwen3-MoE model in place with linghe's
     kernels; returns ``model``.
@@ -102,6 +102,11 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             unless a context is already active: then that context decides). Off by
             default: FP8 recipes keep the output layer in high precision; check the loss
             curve of your model first.
+        expert_fp8: with ``fp8`` and ``moe``, the routed experts run FP8 too (default).
+            ``False`` keeps their GEMMs in the input's precision while the Linears (and the
+            LM head with ``lm_head_fp8``) run FP8 (``TrainingContext(expert_fp8=False)``):
+            with few tokens per expert the expert GEMMs are bound by reading the weights,
+            and their FP8 copies cost about what the FP8 GEMMs save.
         expert_wgrad_micro_batches: with ``moe``, ``n > 1`` defers the experts' weight
             gradients over ``n`` backward passes (:mod:`linghe.bwd.deferred`): set it to
             the Trainer's ``gradient_accumulation_steps``. Each ``n``-th backward computes
@@ -139,6 +144,7 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
     model_type = _model_type(config)
     _check_patch_kwargs(dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, moe=moe,
                              cross_entropy=cross_entropy, fp8=fp8, lm_head_fp8=lm_head_fp8,
+                             expert_fp8=expert_fp8,
                              expert_wgrad_micro_batches=expert_wgrad_micro_batches,
                              caller_thread_backward=caller_thread_backward))
     if getattr(model, "linghe_patched", None) is not None:
@@ -201,6 +207,7 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
         for layer in model.modules():
             if isinstance(layer, layer_cls):
                 layer.linghe_fp8 = fp8
+                layer.linghe_expert_fp8 = expert_fp8
                 n = _convert_linears(layer)
                 counts["Linear"] = counts.get("Linear", 0) + n
                 _quantize_attention_input(layer)
@@ -238,7 +245,7 @@ def _quantize_attention_input(layer: torch.nn.Module) -> None:
 
 
 _PATCH_FLAGS = ("rms_norm", "rope", "swiglu", "moe", "cross_entropy", "lm_head_fp8",
-                "caller_thread_backward")
+                "expert_fp8", "caller_thread_backward")
 
 
 def _split_patch_kwargs(kwargs: dict) -> dict:
@@ -260,8 +267,9 @@ def _check_patch_kwargs(patch: dict) -> None:
 class AutoLinghePatchedModelForCausalLM:
     """``transformers.AutoModelForCausalLM`` that returns the model patched by
     :func:`apply_linghe_kernels` (its keyword arguments ``rms_norm``, ``rope``, ``swiglu``,
-    ``moe``, ``cross_entropy``, ``fp8``, ``lm_head_fp8``, ``expert_wgrad_micro_batches``,
-    ``caller_thread_backward`` are taken out; the rest goes to Hugging Face).
+    ``moe``, ``cross_entropy``, ``fp8``, ``lm_head_fp8``, ``expert_fp8``,
+    ``expert_wgrad_micro_batches``, ``caller_thread_backward`` are taken out; the rest goes
+    to Hugging Face).
     The model type is checked before any weight is built or loaded."""
 
     def __init__(self, *args, **kwargs):
