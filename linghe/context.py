@@ -97,11 +97,11 @@ class TrainingContext:
             written by :class:`linghe.optim.AdamW` in its update pass), the logits'
             gradient 1x128 by the loss kernel that computes it; the weight gradient stays
             in the input's precision. On an H100 the two GEMMs of the e2e LM head (hidden
-            2048, vocab 157184) run 1.6x faster (``benchmark/probe_fp8_lm_head.py``); where
-            cuBLAS declines the hidden-gradient GEMM (vocab / 128 not a multiple of 4, e.g.
-            151936) it falls back to a slower Triton FP8 GEMM and the head gains nothing
-            (``benchmark/NOTES.md``). Measure your shape and check your loss curve before
-            relying on it (``benchmark.e2e --lm-head-fp8``).
+            2048, vocab 157184) run 1.6x faster (``benchmark/probe_fp8_lm_head.py``); at
+            vocabularies cuBLAS takes only padded (vocab / 128 not a multiple of 4, e.g.
+            151936) the gradient's FP8 copy is written zero-padded so that cuBLAS runs
+            that GEMM too. Measure your shape and check your loss curve before relying on
+            it (``benchmark.e2e --lm-head-fp8``, ``benchmark.hf_step``).
 
     Use::
 
