@@ -53,6 +53,13 @@ def _prepare_input(x, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
                                  key=slot)
 
 
+def _ready(x: Fp8Tensor, recipe: Fp8Recipe, need_col: bool) -> bool:
+    """Whether ``x`` has every copy the layer reads, in the recipe's format (then its 2-D
+    components are used as they are, with no new ``Fp8Tensor``)."""
+    return (x.rowwise_data is not None and recipe.accepts(x)
+            and (not need_col or (x.columnwise_data is not None and x.col_segments is None)))
+
+
 def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
     """``t [..., K]`` as ``[M, K]`` with a contiguous last dim (no torch op when it
     already is one)."""
@@ -81,6 +88,10 @@ class _Fp8Linear(torch.autograd.Function):
             xcol = (qt, st, scaling)
             y = gemm._gemm(q, s, scaling, wq.rowwise_data, wq.rowwise_scale, wq.scaling,
                            out_dtype, bias)
+        elif _ready(x, recipe, need_col):  # e.g. from rms_norm_quant: its 2-D components
+            xcol = (x.columnwise_data, x.columnwise_scale, x.scaling)
+            y = gemm._gemm(x.rowwise_data, x.rowwise_scale, x.scaling, wq.rowwise_data,
+                           wq.rowwise_scale, wq.scaling, out_dtype, bias)
         else:
             xq = _prepare_input(x, recipe, need_col, (owner, "x"))
             xcol = (xq.columnwise_data, xq.columnwise_scale, xq.scaling)
