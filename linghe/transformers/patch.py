@@ -118,13 +118,12 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
             ``linghe.optim.clip_grad_norm_``). ``1``: off.
         caller_thread_backward: run the model's backward on the thread that calls
             ``loss.backward()`` instead of PyTorch's autograd device thread
-            (:func:`linghe.backward_on_caller_thread`: a training forward turns
-            ``torch.autograd.set_multithreading_enabled`` off for the calling thread, and
-            the backward through the model's outputs turns it back on when it ends).
-            linghe's ops are Python autograd Functions, and the hand-off to that thread
-            costs host time per op: on the H200 host the Qwen3-MoE step of
-            ``benchmark.hf_step`` is bound by host time, and this shortens it
-            (``benchmark/NOTES.md``). ``False``: PyTorch's default (e.g. for one process
+            (:func:`linghe.backward_on_caller_thread`: a forward with gradients turns
+            ``torch.autograd.set_multithreading_enabled`` off for the calling thread, a
+            forward without gradients turns it back on). linghe's ops are Python autograd
+            Functions, and the hand-off to that thread costs host time per op: on the H200
+            host, ``benchmark.hf_step``'s 1B step took 60.4 instead of 67.4 ms (median,
+            ``benchmark/NOTES.md``). ``False``: PyTorch's default (e.g. for one process
             driving several GPUs whose backwards should overlap).
 
     Sets ``model.linghe_patched`` (how many modules of each kind were swapped, e.g.
