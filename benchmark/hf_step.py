@@ -24,8 +24,10 @@ process on the GPU (``--in-process``: all in this one):
   in bf16; not in the default set).
 
 Reported per mode: median step time over ``--steps`` timed steps (after ``--warmup``),
-tokens/s, speedup over ``hf``, peak memory (``torch.cuda.max_memory_allocated`` over the
-build and the steps), and the loss of the first step (same weights and batch in every
+the GPU-busy time of one more step (on the GPU: ``torch.profiler``'s kernel time; a step
+whose wall time is well above it is bound by host time), tokens/s, speedup over
+``hf``, peak memory (``torch.cuda.max_memory_allocated`` over the build and the steps),
+and the loss of the first step (same weights and batch in every
 mode: a correctness check, ``loss diff`` relative to ``hf``) and of the last. The table is
 printed last.
 
@@ -117,11 +119,11 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
     B, S, V = shape["batch"], shape["seq"], shape["vocab_size"]
     batches = [torch.randint(0, V, (B, S), generator=g).to(device)
                for _ in range(max(n_mb, min(4, args.warmup + args.steps)))]
-    losses, times = [], []
-    for i in range(args.warmup + args.steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        for j in range(n_mb):  # gradient accumulation: the mean over the micro-batches
+
+    def step(i: int) -> torch.Tensor:
+        """One optimizer step over ``n_mb`` micro-batches (gradient accumulation: the mean
+        over them); returns the first micro-batch's loss."""
+        for j in range(n_mb):
             ids = batches[(i * n_mb + j) % len(batches)]
             mb_loss = model(input_ids=ids, labels=ids).loss
             (mb_loss / n_mb if n_mb > 1 else mb_loss).backward()
@@ -129,35 +131,50 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
                 loss = mb_loss
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    losses, times = [], []
+    n_steps = args.warmup + args.steps
+    for i in range(n_steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step(i)
         _sync(device)
         dt = time.perf_counter() - t0
         losses.append(float(loss.detach()))
         if i >= args.warmup:
             times.append(dt)
-        print(f"  {mode} step {i}: loss {losses[-1]:.4f}, {dt * 1e3:.1f} ms", file=sys.stderr,
-              flush=True)
+        mallocs = (f", {torch.cuda.memory_stats().get('num_device_alloc', 0)} cudaMallocs so "
+                   "far" if device == "cuda" else "")
+        print(f"  {mode} step {i}: loss {losses[-1]:.4f}, {dt * 1e3:.1f} ms{mallocs}",
+              file=sys.stderr, flush=True)
     step_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    busy = None
+    if device == "cuda":  # GPU time of one more step: the profiler's kernel sum
+        from .e2e import profile_steps
+
+        busy = profile_steps(step, n_steps, 1)["busy_ms"]
     row = dict(mode=mode, params=n_params, tokens_per_step=B * S * n_mb,
                step_ms=step_s * 1e3, tokens_per_s=B * S * n_mb / step_s,
-               peak_mem_gib=peak, first_loss=losses[0],
+               gpu_busy_ms=busy, peak_mem_gib=peak, first_loss=losses[0],
                last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times])
-    del model, opt, batches
     return row
 
 
 def print_table(rows: list[dict]) -> None:
     base = next((r for r in rows if r["mode"] == "hf"), None)
-    head = ["mode", "step ms", "tokens/s", "vs hf", "peak GiB", "first loss", "loss diff",
-            "last loss"]
+    head = ["mode", "step ms", "GPU-busy ms", "tokens/s", "vs hf", "peak GiB", "first loss",
+            "loss diff", "last loss"]
     lines = []
     for r in rows:
         vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         diff = (f"{abs(r['first_loss'] - base['first_loss']) / abs(base['first_loss']):.1e}"
                 if base else "-")
         mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
-        lines.append([r["mode"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.0f}", vs, mem,
-                      f"{r['first_loss']:.4f}", diff, f"{r['last_loss']:.4f}"])
+        busy = "-" if r.get("gpu_busy_ms") is None else f"{r['gpu_busy_ms']:.1f}"
+        lines.append([r["mode"], f"{r['step_ms']:.1f}", busy, f"{r['tokens_per_s']:.0f}", vs,
+                      mem, f"{r['first_loss']:.4f}", diff, f"{r['last_loss']:.4f}"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))
     print(fmt(head))
