@@ -276,14 +276,19 @@ def padded_k(M: int, N: int, K: int, a_scaling: str, b_scaling: str, a_dtype: to
     off the GPU, or when neither shape runs on cuBLAS."""
     if device.type != "cuda" or not (M and N and K) or _backend_choice() == "triton":
         return K
-    key = (a_scaling, b_scaling, a_dtype, b_dtype, out_dtype)
-    if _torch_shape_ok(M, N, K, a_scaling, b_scaling) and \
-            _probe_torch(device, *key, cdiv(K, 128) % 4 == 0):
+    fmt = (a_scaling, b_scaling, a_dtype, b_dtype, out_dtype)
+    if _cublas_takes(device, M, N, K, *fmt):
         return K
     kp = cdiv(K, 512) * 512
-    if _torch_shape_ok(M, N, kp, a_scaling, b_scaling) and _probe_torch(device, *key, True):
-        return kp
-    return K
+    return kp if _cublas_takes(device, M, N, kp, *fmt) else K
+
+
+def _cublas_takes(device: torch.device, M, N, K, a_scaling, b_scaling, a_dtype, b_dtype,
+                  out_dtype) -> bool:
+    """Whether ``torch._scaled_mm`` runs this shape and format here: its alignment, and the
+    probe of the scaling pair (with K/128 a multiple of 4 or not)."""
+    return _torch_shape_ok(M, N, K, a_scaling, b_scaling) and _probe_torch(
+        device, a_scaling, b_scaling, a_dtype, b_dtype, out_dtype, cdiv(K, 128) % 4 == 0)
 
 
 def _probe_torch(device: torch.device, a_scaling, b_scaling, a_dtype, b_dtype,
@@ -416,11 +421,12 @@ def _gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias, choice=None):
     use_torch = _decision_cache.get(key)
     if use_torch is None:
         use_torch = False
-        if choice != "triton" and a.device.type == "cuda" and M and N and K:
-            shape_ok = _torch_shape_ok(M, N, K, a_scaling, b_scaling)
-            use_torch = shape_ok and (choice == "torch" or _probe_torch(
-                a.device, a_scaling, b_scaling, a.dtype, b.dtype, out_dtype,
-                cdiv(K, 128) % 4 == 0))
+        if a.device.type == "cuda" and M and N and K:
+            if choice == "torch":
+                use_torch = _torch_shape_ok(M, N, K, a_scaling, b_scaling)
+            elif choice == "auto":
+                use_torch = _cublas_takes(a.device, M, N, K, a_scaling, b_scaling, a.dtype,
+                                          b.dtype, out_dtype)
         _decision_cache[key] = use_torch
     if use_torch:
         return _torch_gemm(a, sa, a_scaling, b, sb, b_scaling, out_dtype, bias)

@@ -24,40 +24,41 @@ def _as_2d(t: Fp8Tensor) -> Fp8Tensor:
                      columnwise_data=t.columnwise_data, columnwise_scale=t.columnwise_scale)
 
 
-def _prepare_input(x, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
-    """An Fp8Tensor input ``x [..., K]`` as a 2-D Fp8Tensor in the recipe's format with the
-    rowwise copy and, when ``need_col``, the columnwise copy (plain tensors take
-    :meth:`Fp8Recipe.quantize_input_parts` instead)."""
-    if isinstance(x, Fp8Tensor):
-        x2 = _as_2d(x)
-        if recipe.accepts(x2):
-            has_row = x2.rowwise_data is not None
-            # A columnwise copy grouped by expert segments is not what the dense wgrad
-            # reads: treat it as missing (requantized from the rowwise copy below).
-            has_col = x2.columnwise_data is not None and x2.col_segments is None
-            if has_row and (has_col or not need_col):
-                return x2
-            # Quantize the missing copy from the one we have (dequantize follows
-            # col_segments, so a segment-grouped copy is read right).
-            hp = x2.dequantize(columnwise=not has_row)
-            fill = recipe.quantize_input(hp, rowwise=not has_row, columnwise=need_col and
-                                         not has_col, key=slot)
-            return x2.with_components(
-                **({} if has_row else {"rowwise_data": fill.rowwise_data,
-                                       "rowwise_scale": fill.rowwise_scale}),
-                **({} if (has_col or not need_col) else
-                   {"columnwise_data": fill.columnwise_data,
-                    "columnwise_scale": fill.columnwise_scale}))
-        x = x2.dequantize(columnwise=x2.rowwise_data is None)  # another recipe's format
-    return recipe.quantize_input(_rows(x, x.shape[-1]), rowwise=True, columnwise=need_col,
-                                 key=slot)
+def _has_dense_col(x: Fp8Tensor) -> bool:
+    """Whether ``x`` has a columnwise copy the dense wgrad can read (one grouped by expert
+    segments is not: it counts as missing)."""
+    return x.columnwise_data is not None and x.col_segments is None
 
 
 def _ready(x: Fp8Tensor, recipe: Fp8Recipe, need_col: bool) -> bool:
     """Whether ``x`` has every copy the layer reads, in the recipe's format (then its 2-D
     components are used as they are, with no new ``Fp8Tensor``)."""
     return (x.rowwise_data is not None and recipe.accepts(x)
-            and (not need_col or (x.columnwise_data is not None and x.col_segments is None)))
+            and (not need_col or _has_dense_col(x)))
+
+
+def _prepare_input(x: Fp8Tensor, recipe: Fp8Recipe, need_col: bool, slot) -> Fp8Tensor:
+    """An Fp8Tensor input ``x [..., K]`` that is not :func:`_ready` as a 2-D Fp8Tensor in
+    the recipe's format with the rowwise copy and, when ``need_col``, the columnwise copy:
+    the missing copy quantized from the one present, or another format requantized."""
+    x2 = _as_2d(x)
+    if recipe.accepts(x2):
+        has_row = x2.rowwise_data is not None
+        has_col = _has_dense_col(x2)
+        # Quantize the missing copy from the one we have (dequantize follows
+        # col_segments, so a segment-grouped copy is read right).
+        hp = x2.dequantize(columnwise=not has_row)
+        fill = recipe.quantize_input(hp, rowwise=not has_row, columnwise=need_col and
+                                     not has_col, key=slot)
+        return x2.with_components(
+            **({} if has_row else {"rowwise_data": fill.rowwise_data,
+                                   "rowwise_scale": fill.rowwise_scale}),
+            **({} if (has_col or not need_col) else
+               {"columnwise_data": fill.columnwise_data,
+                "columnwise_scale": fill.columnwise_scale}))
+    hp = x2.dequantize(columnwise=x2.rowwise_data is None)  # another recipe's format
+    return recipe.quantize_input(_rows(hp, hp.shape[-1]), rowwise=True, columnwise=need_col,
+                                 key=slot)
 
 
 def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
