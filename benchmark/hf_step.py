@@ -25,7 +25,9 @@ process on the GPU (``--in-process``: all in this one):
 
 Reported per mode: median step time over ``--steps`` timed steps (after ``--warmup``),
 the GPU-busy time of one more step (on the GPU: ``torch.profiler``'s kernel time; a step
-whose wall time is well above it is bound by host time), tokens/s, speedup over
+whose wall time is well above it is bound by host time), the time Python's cyclic garbage
+collector ran per timed step (median/max; ``--gc-freeze`` takes the objects alive after
+the warm-up out of its scans), tokens/s, speedup over
 ``hf``, peak memory (``torch.cuda.max_memory_allocated`` over the build and the steps),
 and the loss of the first step (same weights and batch in every
 mode: a correctness check, ``loss diff`` relative to ``hf``) and of the last. The table is
@@ -133,10 +135,15 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         opt.zero_grad(set_to_none=True)
         return loss
 
-    losses, times = [], []
+    losses, times, gc_ms = [], [], []
+    gc_log = _GcLog()
     n_steps = args.warmup + args.steps
     for i in range(n_steps):
+        if args.gc_freeze and i == args.warmup:
+            gc.collect()
+            gc.freeze()  # the model's objects out of every later collection's scan
         _sync(device)
+        gc_log.reset()
         t0 = time.perf_counter()
         loss = step(i)
         _sync(device)
@@ -144,10 +151,14 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         losses.append(float(loss.detach()))
         if i >= args.warmup:
             times.append(dt)
+            gc_ms.append(gc_log.ms)
         mallocs = (f", {torch.cuda.memory_stats().get('num_device_alloc', 0)} cudaMallocs so "
                    "far" if device == "cuda" else "")
-        print(f"  {mode} step {i}: loss {losses[-1]:.4f}, {dt * 1e3:.1f} ms{mallocs}",
-              file=sys.stderr, flush=True)
+        print(f"  {mode} step {i}: loss {losses[-1]:.4f}, {dt * 1e3:.1f} ms{mallocs}, "
+              f"{gc_log}", file=sys.stderr, flush=True)
+    gc_log.close()
+    if args.gc_freeze:
+        gc.unfreeze()
     step_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     busy = None
@@ -158,14 +169,42 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
     row = dict(mode=mode, params=n_params, tokens_per_step=B * S * n_mb,
                step_ms=step_s * 1e3, tokens_per_s=B * S * n_mb / step_s,
                gpu_busy_ms=busy, peak_mem_gib=peak, first_loss=losses[0],
-               last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times])
+               last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times],
+               gc_ms_all=gc_ms)
     return row
+
+
+class _GcLog:
+    """Python's cyclic garbage collections since :meth:`reset`: how many of each
+    generation and their time (``gc.callbacks``), to tell collector pauses from other
+    host stalls."""
+
+    def __init__(self):
+        self.ms, self.counts, self._t0 = 0.0, [0, 0, 0], None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.counts[info["generation"]] += 1
+            self._t0 = None
+
+    def reset(self) -> None:
+        self.ms, self.counts = 0.0, [0, 0, 0]
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def __str__(self) -> str:
+        return f"gc {self.ms:.1f} ms (collections by generation {self.counts})"
 
 
 def print_table(rows: list[dict]) -> None:
     base = next((r for r in rows if r["mode"] == "hf"), None)
-    head = ["mode", "step ms", "GPU-busy ms", "tokens/s", "vs hf", "peak GiB", "first loss",
-            "loss diff", "last loss"]
+    head = ["mode", "step ms", "GPU-busy ms", "gc ms", "tokens/s", "vs hf", "peak GiB",
+            "first loss", "loss diff", "last loss"]
     lines = []
     for r in rows:
         vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
@@ -173,7 +212,10 @@ def print_table(rows: list[dict]) -> None:
                 if base else "-")
         mem = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
         busy = "-" if r.get("gpu_busy_ms") is None else f"{r['gpu_busy_ms']:.1f}"
-        lines.append([r["mode"], f"{r['step_ms']:.1f}", busy, f"{r['tokens_per_s']:.0f}", vs,
+        gc_ms = (f"{statistics.median(r['gc_ms_all']):.1f}/{max(r['gc_ms_all']):.1f}"
+                 if r.get("gc_ms_all") else "-")
+        lines.append([r["mode"], f"{r['step_ms']:.1f}", busy, gc_ms,
+                      f"{r['tokens_per_s']:.0f}", vs,
                       mem, f"{r['first_loss']:.4f}", diff, f"{r['last_loss']:.4f}"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))
@@ -196,6 +238,8 @@ def _run_in_subprocess(mode: str, args) -> dict:
                "--micro-batches", str(args.micro_batches), "--optimizer", args.optimizer]
         if args.tiny:
             cmd.append("--tiny")
+        if args.gc_freeze:
+            cmd.append("--gc-freeze")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)["rows"][0]
@@ -226,6 +270,9 @@ def main(argv=None) -> int:
                    help="run every mode in this process (default on the GPU: one fresh "
                         "process per mode, as a user runs one; a mode run after the "
                         "unpatched one measured up to 40%% slower in the same process)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() after the warm-up steps: the objects alive then (the "
+                        "model, the optimizer) leave the cyclic collector's scans")
     p.add_argument("--tiny", action="store_true",
                    help="the tiny CPU config on any device (a smoke test)")
     args = p.parse_args(argv)
