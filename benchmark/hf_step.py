@@ -27,7 +27,8 @@ Reported per mode: median step time over ``--steps`` timed steps (after ``--warm
 the GPU-busy time of one more step (on the GPU: ``torch.profiler``'s kernel time; a step
 whose wall time is well above it is bound by host time), the time Python's cyclic garbage
 collector ran per timed step (median/max; ``--gc-freeze`` takes the objects alive after
-the warm-up out of its scans), tokens/s, speedup over
+the warm-up out of its scans; the per-step log also times a fixed pure-Python loop before
+each step, a canary of the host CPU's own speed), tokens/s, speedup over
 ``hf``, peak memory (``torch.cuda.max_memory_allocated`` over the build and the steps),
 and the loss of the first step (same weights and batch in every
 mode: a correctness check, ``loss diff`` relative to ``hf``) and of the last. The table is
@@ -135,7 +136,7 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         opt.zero_grad(set_to_none=True)
         return loss
 
-    losses, times, gc_ms = [], [], []
+    losses, times, gc_ms, canary_ms = [], [], [], []
     gc_log = _GcLog()
     n_steps = args.warmup + args.steps
     for i in range(n_steps):
@@ -143,6 +144,7 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
             gc.collect()
             gc.freeze()  # the model's objects out of every later collection's scan
         _sync(device)
+        canary_ms.append(_host_canary_ms())
         gc_log.reset()
         t0 = time.perf_counter()
         loss = step(i)
@@ -155,7 +157,7 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         mallocs = (f", {torch.cuda.memory_stats().get('num_device_alloc', 0)} cudaMallocs so "
                    "far" if device == "cuda" else "")
         print(f"  {mode} step {i}: loss {losses[-1]:.4f}, {dt * 1e3:.1f} ms{mallocs}, "
-              f"{gc_log}", file=sys.stderr, flush=True)
+              f"{gc_log}, host canary {canary_ms[-1]:.2f} ms", file=sys.stderr, flush=True)
     gc_log.close()
     if args.gc_freeze:
         gc.unfreeze()
@@ -170,8 +172,19 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
                step_ms=step_s * 1e3, tokens_per_s=B * S * n_mb / step_s,
                gpu_busy_ms=busy, peak_mem_gib=peak, first_loss=losses[0],
                last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times],
-               gc_ms_all=gc_ms)
+               gc_ms_all=gc_ms, host_canary_ms_all=canary_ms[args.warmup:])
     return row
+
+
+def _host_canary_ms() -> float:
+    """The time of a fixed pure-Python loop (about 1 ms on a fast core), taken before
+    each step: when a host-bound step is slow and this is slow too, the host's CPU was
+    (a noisy neighbour, frequency, scheduling), not the step's own work."""
+    t0 = time.perf_counter()
+    acc = 0
+    for i in range(20000):
+        acc += i * i
+    return (time.perf_counter() - t0) * 1e3
 
 
 class _GcLog:
