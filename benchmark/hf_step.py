@@ -1,7 +1,7 @@
 """A Hugging Face fine-tuning step, unpatched vs patched by ``linghe.transformers``.
 
 ``python -m benchmark.hf_step [--steps N] [--json PATH] [--modes hf,linghe,linghe_fp8,...]
-[--shape 1b|a3b]``
+[--shape 1b|a3b] [--compile]``
 
 Model: a Qwen3-MoE-shaped ``Qwen3MoeForCausalLM`` of about 1B parameters, random init
 (hidden 1024, 8 layers, 16 query / 4 KV heads of 128 with q/k norms, 64 experts top-8 of
@@ -22,6 +22,10 @@ process on the GPU (``--in-process``: all in this one):
   too; opt-in, not in the default set);
 - ``linghe_fp8_head_bf16_experts``: the same with ``expert_fp8=False`` (the routed experts
   in bf16; not in the default set).
+
+``--compile`` runs every mode with each decoder layer under ``torch.compile`` (inductor;
+rows named ``<mode>+compile``): ``hf+compile`` is the baseline a user who compiles
+compares with, and the patched layers trace without graph breaks.
 
 Reported per mode: median step time over ``--steps`` timed steps (after ``--warmup``),
 the GPU-busy time of one more step (on the GPU: ``torch.profiler``'s kernel time; a step
@@ -111,6 +115,11 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
     n_mb = args.micro_batches
     model = build(shape, mode, device, dtype, args.seed, n_mb)
     n_params = sum(p.numel() for p in model.parameters())
+    if args.compile:
+        # As TorchTitan does: each decoder layer compiled (one graph serves every layer);
+        # embedding, final norm and loss stay eager.
+        for layer in model.model.layers:
+            layer.compile()
     if args.optimizer == "linghe":
         import linghe
 
@@ -168,7 +177,8 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         from .e2e import profile_steps
 
         busy = profile_steps(step, n_steps, 1)["busy_ms"]
-    row = dict(mode=mode, params=n_params, tokens_per_step=B * S * n_mb,
+    row = dict(mode=mode + ("+compile" if args.compile else ""), params=n_params,
+               tokens_per_step=B * S * n_mb,
                step_ms=step_s * 1e3, tokens_per_s=B * S * n_mb / step_s,
                gpu_busy_ms=busy, peak_mem_gib=peak, first_loss=losses[0],
                last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times],
@@ -215,7 +225,7 @@ class _GcLog:
 
 
 def print_table(rows: list[dict]) -> None:
-    base = next((r for r in rows if r["mode"] == "hf"), None)
+    base = next((r for r in rows if r["mode"].split("+")[0] == "hf"), None)
     head = ["mode", "step ms", "GPU-busy ms", "gc ms", "tokens/s", "vs hf", "peak GiB",
             "first loss", "loss diff", "last loss"]
     lines = []
@@ -253,6 +263,8 @@ def _run_in_subprocess(mode: str, args) -> dict:
             cmd.append("--tiny")
         if args.gc_freeze:
             cmd.append("--gc-freeze")
+        if args.compile:
+            cmd.append("--compile")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)["rows"][0]
@@ -283,6 +295,9 @@ def main(argv=None) -> int:
                    help="run every mode in this process (default on the GPU: one fresh "
                         "process per mode, as a user runs one; a mode run after the "
                         "unpatched one measured up to 40%% slower in the same process)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (default inductor backend; the "
+                        "warm-up steps include the compilation), in every mode")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() after the warm-up steps: the objects alive then (the "
                         "model, the optimizer) leave the cyclic collector's scans")

@@ -10,6 +10,9 @@ the ``ContextVar`` by every enter and exit. Dynamo guards on the mirror's value:
 function called under another recipe (or none) recompiles. The one limit: the mirror is
 per process, so threads that run compiled code under different contexts at the same time
 would see the latest entered one; eager code always reads the per-thread ``ContextVar``.
+A context created and entered inside code being compiled sets and restores only the
+mirror, and leaves the autograd threading setting alone (:func:`swap_compiled_recipe` does
+the same for a context made outside, which Dynamo cannot enter).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ _RECIPE: contextvars.ContextVar[Fp8Recipe | None] = contextvars.ContextVar(
 
 #: The innermost active recipe, mirrored for code under ``torch.compile`` (module docstring).
 _compiled_recipe: Fp8Recipe | None = None
+#: ``TrainingContext._token`` of a context entered inside a compiled region.
+_COMPILED_TOKEN = object()
 
 
 def current_recipe() -> Fp8Recipe | None:
@@ -35,6 +40,16 @@ def current_recipe() -> Fp8Recipe | None:
     if torch.compiler.is_compiling():
         return _compiled_recipe
     return _RECIPE.get()
+
+
+def swap_compiled_recipe(recipe: Fp8Recipe | None) -> Fp8Recipe | None:
+    """Set the mirror that code under ``torch.compile`` reads as the current recipe (see
+    the module docstring); returns the previous value, to restore afterwards. For code
+    being compiled that must switch recipes without entering a :class:`TrainingContext`
+    (Dynamo enters only a context created inside the compiled region)."""
+    global _compiled_recipe
+    outer, _compiled_recipe = _compiled_recipe, recipe
+    return outer
 
 
 def check_fp8_device() -> None:
@@ -147,9 +162,15 @@ class TrainingContext:
         if self._token is not None:
             raise RuntimeError("this TrainingContext is already active; nest a new "
                                "TrainingContext(...) instead of re-entering one")
+        global _compiled_recipe
+        if torch.compiler.is_compiling():
+            # Entered inside a compiled region: the mirror only, which Dynamo traces as a
+            # global (a ContextVar or the autograd threading switch would break the graph).
+            self._token = _COMPILED_TOKEN
+            self._outer_mirror = swap_compiled_recipe(self.recipe)
+            return self
         if self.recipe is not None:
             check_fp8_device()
-        global _compiled_recipe
         self._token = _RECIPE.set(self.recipe)
         self._outer_mirror, _compiled_recipe = _compiled_recipe, self.recipe
         if self.caller_thread_backward:
@@ -160,6 +181,10 @@ class TrainingContext:
     def __exit__(self, exc_type, exc, tb) -> None:
         global _compiled_recipe
         token, self._token = self._token, None
+        if token is _COMPILED_TOKEN:
+            swap_compiled_recipe(self._outer_mirror)
+            self._outer_mirror = None
+            return
         try:
             _RECIPE.reset(token)  # raises if exited in another contextvars.Context
         finally:
@@ -184,6 +209,8 @@ _THREAD = threading.local()  # .turned_off: a module's forward turned multithrea
 
 
 def _before_forward(module, args) -> None:
+    if torch.compiler.is_compiling():  # a compiled backward is one autograd node: one hand-off
+        return
     if torch.is_grad_enabled():
         if torch._C._is_multithreading_enabled():
             torch._C._set_multithreading_enabled(False)

@@ -19,7 +19,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from ..context import TrainingContext, current_recipe
+from ..context import TrainingContext, current_recipe, swap_compiled_recipe
 from ..fp8.cache import WeightCache
 from ..functional.activation import silu_mul, silu_mul_quant
 from ..functional.linear import fp8_linear
@@ -94,6 +94,15 @@ class RMSNormMixin:
 # original function.
 _LINGHE_ROPE: contextvars.ContextVar[bool] = contextvars.ContextVar("linghe_hf_rope",
                                                                     default=False)
+#: The flag for code under ``torch.compile``, which cannot trace a ``ContextVar`` (as
+#: :mod:`linghe.context` mirrors its recipe): a global that Dynamo traces and guards on.
+_compiled_rope: bool = False
+
+
+def _in_patched_attention() -> bool:
+    if torch.compiler.is_compiling():
+        return _compiled_rope
+    return _LINGHE_ROPE.get()
 
 
 def install_rope(modeling_module) -> None:
@@ -106,7 +115,7 @@ def install_rope(modeling_module) -> None:
 
     @functools.wraps(original)
     def dispatch(q, k, cos, sin, *args, **kwargs):
-        if _LINGHE_ROPE.get() and rope_fits(q, k, cos, args, kwargs):
+        if _in_patched_attention() and rope_fits(q, k, cos, args, kwargs):
             return apply_rope(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
@@ -131,6 +140,13 @@ class AttentionMixin:
     :func:`linghe.apply_rope` (see :func:`install_rope`)."""
 
     def forward(self, *args, **kwargs):
+        global _compiled_rope
+        if torch.compiler.is_compiling():
+            outer, _compiled_rope = _compiled_rope, True
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                _compiled_rope = outer
         token = _LINGHE_ROPE.set(True)
         try:
             return super().forward(*args, **kwargs)
@@ -157,6 +173,12 @@ class DecoderLayerMixin:
         if ctx is None or ctx.active:
             ctx = TrainingContext(fp8=self.linghe_fp8, expert_fp8=self.linghe_expert_fp8)
             self._linghe_context = ctx
+        if torch.compiler.is_compiling():  # Dynamo cannot enter a context made outside
+            outer = swap_compiled_recipe(ctx.recipe)
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                swap_compiled_recipe(outer)
         with ctx:
             return super().forward(*args, **kwargs)
 
