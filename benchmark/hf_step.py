@@ -119,7 +119,9 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         # As TorchTitan does: each decoder layer compiled (one graph serves every layer);
         # embedding, final norm and loss stay eager.
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(mode=args.compile_mode)
+    graphs = args.compile and args.compile_mode in ("reduce-overhead",
+                                                    "max-autotune")
     if args.optimizer == "linghe":
         import linghe
 
@@ -136,6 +138,8 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         """One optimizer step over ``n_mb`` micro-batches (gradient accumulation: the mean
         over them); returns the first micro-batch's loss."""
         for j in range(n_mb):
+            if graphs:  # CUDA graphs of the compiled layers: a new iteration starts
+                torch.compiler.cudagraph_mark_step_begin()
             ids = batches[(i * n_mb + j) % len(batches)]
             mb_loss = model(input_ids=ids, labels=ids).loss
             (mb_loss / n_mb if n_mb > 1 else mb_loss).backward()
@@ -177,7 +181,9 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         from .e2e import profile_steps
 
         busy = profile_steps(step, n_steps, 1)["busy_ms"]
-    row = dict(mode=mode + ("+compile" if args.compile else ""), params=n_params,
+    suffix = "" if not args.compile else (
+        "+compile" if args.compile_mode == "default" else f"+compile({args.compile_mode})")
+    row = dict(mode=mode + suffix, params=n_params,
                tokens_per_step=B * S * n_mb,
                step_ms=step_s * 1e3, tokens_per_s=B * S * n_mb / step_s,
                gpu_busy_ms=busy, peak_mem_gib=peak, first_loss=losses[0],
@@ -264,7 +270,7 @@ def _run_in_subprocess(mode: str, args) -> dict:
         if args.gc_freeze:
             cmd.append("--gc-freeze")
         if args.compile:
-            cmd.append("--compile")
+            cmd += ["--compile", "--compile-mode", args.compile_mode]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)["rows"][0]
@@ -298,6 +304,10 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (default inductor backend; the "
                         "warm-up steps include the compilation), in every mode")
+    p.add_argument("--compile-mode", default="default",
+                   choices=("default", "reduce-overhead", "max-autotune"),
+                   help="torch.compile's mode with --compile (reduce-overhead: the compiled "
+                        "layers replay as CUDA graphs)")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() after the warm-up steps: the objects alive then (the "
                         "model, the optimizer) leave the cyclic collector's scans")
