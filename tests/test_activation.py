@@ -483,6 +483,33 @@ def test_batch_quant_fwd_packed_store(device, monkeypatch, case, n, warps, pow2)
     assert torch.all(got[2][:, ~real].float() == 0)
 
 
+@pytest.mark.parametrize("pow2", [True, False])
+def test_batch_quant_fwd_cvt4_same_bits(device, monkeypatch, pow2):
+    """The columnwise copy cast a word (4 tokens) at a time (``BATCH_QUANT_CVT4``, the
+    default) and through Triton's cast of the tile give the same bits, which match the
+    reference: full tiles (segments of 300 and 129 rows) beside partial ones, zero-token
+    experts and a tail, 2 column blocks."""
+    from linghe.fwd import activation as A
+
+    counts, tail, n = [0, 300, 37, 129, 0, 5], 16, 256
+    x, probs, c, real, R = _batch_inputs(counts, tail, 16, n, torch.bfloat16, device)
+    outs = {}
+    for cvt4 in (True, False):
+        monkeypatch.setattr(A, "BATCH_QUANT_CVT4", cvt4)
+        outs[cvt4] = A.batch_silu_mul_quant_fwd(x, probs, c, 16, columnwise=True,
+                                                pow2_scale=pow2)
+    q, s, qt, st, g_ref = ref.batch_silu_mul_quant(x.double(), probs.double(), counts, 16,
+                                                   pow2_scale=pow2)
+    got = outs[True]
+    _check_scales(got[1], s, "rowwise scale")
+    _check_scales(got[3], st, "columnwise scale")
+    _fp8_exact_or_nan_free(got[0], q, "rowwise data")
+    _fp8_exact_or_nan_free(got[2], qt, "columnwise data")
+    for i, (a, b) in enumerate(zip(outs[True], outs[False])):
+        bits = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+        assert a.shape == b.shape and torch.equal(bits(a), bits(b)), i
+
+
 @pytest.mark.gpu_subset(knobs=[dict(BATCH_QUANT_ROW_NUM_WARPS=8)])
 @pytest.mark.parametrize("knobs", [dict(BATCH_QUANT_ROW_NUM_WARPS=8),
                                    dict(BATCH_QUANT_ROW_ORDER="cols"),
@@ -911,11 +938,12 @@ bq = dict(x_ptr="*bf16", p_ptr="*fp32", map_ptr="*i32", q_ptr="*fp8e4nv", s_ptr=
           qt_ptr="*fp8e4nv", st_ptr="*fp32", M="i32", N="i32", stride_x="i32", NG="i32",
           NPC="i32", COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr",
           ALIGN16="constexpr", NCOL="constexpr", ROWS_FIRST="constexpr", PACK="constexpr",
-          RPT="constexpr")
+          RPT="constexpr", CVT4="constexpr")
 for warps, ncol, rows_first in ((4, 1, True), (4, 2, False), (8, 1, False), (16, 1, True)):
     ptx = comp(F._batch_silu_mul_quant_fwd_kernel, bq,
                dict(COLWISE=True, POW2=True, HAS_P=True, ALIGN16=True, NCOL=ncol,
-                    ROWS_FIRST=rows_first, PACK=False, RPT=8), warps, ("M", "N", "stride_x"))
+                    ROWS_FIRST=rows_first, PACK=False, RPT=8, CVT4=False), warps,
+               ("M", "N", "stride_x"))
     # 16-byte loads and stores (the batch form needs ALIGN16 for the transposed ones),
     # one MUFU op each for silu's exp2 and reciprocal (silu_ftz).
     assert "st.global.b8" not in ptx and "st.global.v4" in ptx, (warps, ncol)
@@ -923,13 +951,14 @@ for warps, ncol, rows_first in ((4, 1, True), (4, 2, False), (8, 1, False), (16,
     assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx, (warps, ncol)
 # The packed columnwise store (q_t as int32 words): 16-byte stores, no byte stores.
 bqp = dict(bq, qt_ptr="*i32")
-for warps, pow2 in ((4, True), (4, False), (8, True)):
+for warps, pow2, cvt4 in ((4, True, True), (4, False, True), (8, True, True),
+                          (4, True, False)):
     ptx = comp(F._batch_silu_mul_quant_fwd_kernel, bqp,
                dict(COLWISE=True, POW2=pow2, HAS_P=True, ALIGN16=True, NCOL=1,
-                    ROWS_FIRST=True, PACK=True, RPT=max(4, 32 // warps)), warps,
-               ("M", "N", "stride_x"))
-    assert "st.global.b8" not in ptx and "st.shared.b8" not in ptx, (warps, pow2)
-    assert "st.global.v4" in ptx, (warps, pow2)
+                    ROWS_FIRST=True, PACK=True, RPT=max(4, 32 // warps), CVT4=cvt4),
+               warps, ("M", "N", "stride_x"))
+    assert "st.global.b8" not in ptx and "st.shared.b8" not in ptx, (warps, pow2, cvt4)
+    assert "st.global.v4" in ptx, (warps, pow2, cvt4)
 comp(F._batch_tile_map_kernel, dict(cnt_ptr="*i32", map_ptr="*i32", off_ptr="*i32", E="i32",
      R="i32", G="i32", ALIGN="i32", EP2="constexpr", BT="constexpr"), dict(EP2=256, BT=128),
      4, ())
