@@ -129,6 +129,13 @@ def apply_linghe_kernels(model: torch.nn.Module, *, rms_norm: bool = True, rope:
     Sets ``model.linghe_patched`` (how many modules of each kind were swapped, e.g.
     ``{"RMSNorm": 9, "Attention": 2, ...}``) and ``model.linghe_fp8``.
 
+    The patched model (or each decoder layer) traces under ``torch.compile(...,
+    fullgraph=True)`` without graph breaks; ``layer.compile(mode="reduce-overhead")`` per
+    decoder layer replays its forward and backward as CUDA graphs, which removes the host
+    time that bounds small models (README, "Hugging Face models"). Compiled, FP8 weights
+    are quantized in every call, the experts' weight gradients are not deferred, and the
+    fused FP8 expert FFN runs as its unfused FP8 path (``linghe.library``).
+
     Raises ``ValueError`` for an unsupported model type (naming the supported ones), a model
     patched already, experts stored in a layout other than Qwen3-MoE's (concatenated
     gate/up, not transposed) or a model sharded by Hugging Face's expert parallelism;
