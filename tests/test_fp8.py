@@ -171,6 +171,42 @@ def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
         assert _same_bits(a, b)
 
 
+@pytest.mark.parametrize("shape,dtype", [((160, 384), torch.bfloat16),
+                                         ((256, 200), torch.float32),
+                                         ((2, 72, 130), torch.float16),
+                                         ((129, 128), torch.bfloat16)],
+                         ids=["160x384-bf16", "256x200-f32", "2x72x130-f16", "129x128-bf16"])
+@pytest.mark.parametrize("mode,config", [
+    ("split", dict(bm=128, bn=64, warps=4, pack=True)),
+    ("split", dict(bm=128, bn=64, warps=4, pack=True, rpt=16)),
+    ("tiles", dict(bm=128, bn=128, warps=8, k_fast=False, pack=True, rpt=4)),
+], ids=["split", "split-rpt16", "tiles-w8"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_1x128_packed_store(device, monkeypatch, shape, dtype, mode, config, pow2):
+    """The packed columnwise store (``TILE_CONFIGS`` ``pack``: 4 tokens cast into a 32-bit
+    word at once; the default of "split") gives the plain store's bits, at the rows per
+    thread Triton's layouts give and at others (slower, same bits), for every input dtype,
+    with NaN and all-zero groups; ``M`` not a multiple of 16 (2 x 72, 129) takes the plain
+    store."""
+    from linghe.fp8 import quantize as Q
+
+    x = (torch.randn(shape, device=device) * 4).to(dtype)
+    x2 = x.view(-1, shape[-1])
+    x2[0, 0] = float("nan")
+    x2[:128, 128:256] = 0  # all-zero groups (scale 1), both copies
+    key = "split" if mode == "split" else "rc"
+    monkeypatch.setattr(Q, "ROWCOL_MODE", mode)
+    plain = dict(config, pack=False)
+    monkeypatch.setattr(Q, "TILE_CONFIGS", dict(Q.TILE_CONFIGS, **{key: plain}))
+    want = linghe.quantize_1x128(x, columnwise=True, pow2_scale=pow2)
+    monkeypatch.setattr(Q, "TILE_CONFIGS", dict(Q.TILE_CONFIGS, **{key: config}))
+    t = linghe.quantize_1x128(x, columnwise=True, pow2_scale=pow2)
+    for a, b in zip(_components(t), _components(want)):
+        assert _same_bits(a, b)
+    packed = Q.pack_rows_per_thread(x2, config, t.columnwise_data, mode == "tiles") > 0
+    assert packed == (x2.shape[0] % 16 == 0)
+
+
 def test_quantize_1x128_group_major_scales(device):
     """Group-major scales (the FP8 Linear's layout) hold the same values."""
     from linghe.fp8.quantize import quantize_1x128_launch

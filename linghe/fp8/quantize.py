@@ -19,6 +19,11 @@ Kernels of the 1x128 format (``quantize_1x128`` and, with an RMSNorm prologue,
 - :func:`_quantize_split_kernel`: both copies in one launch of row programs and
   columnwise tiles, chunk by chunk (the default for both copies).
 
+The columnwise copy of a tile leaves through transposed addresses, or (``TILE_CONFIGS``
+``pack``, the default of "split") cast 4 tokens at a time into 32-bit words
+(:func:`store_cols_cvt4`), which makes Triton's transposing layout conversion 32-bit
+instead of byte-wide (the same helpers serve ``batch_silu_mul_quant``).
+
 Elements are multiplied by the reciprocal of their group's scale (one division per group,
 not per element: per-element IEEE division ran 2.5x slower on an H200, and even a precise
 per-group reciprocal cost 40% in the columnwise path). The reference does the same; on the
@@ -265,16 +270,111 @@ def _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM: tl.con
 
 
 @triton.jit
+def packed_row_order(RPT: tl.constexpr):
+    """``[128]`` int32: the tile row (0..127) that logical row ``i`` of a packed-store tile
+    loads, ``(i % L) * RPT + i // L`` with ``L = 128 // RPT``. Triton holds a ``[128, 128]``
+    tile of the quantizing kernels in row repetitions ``i = l + L * k`` (``l`` over lanes
+    and warps, ``k`` over a thread's registers: ``L = 16`` at 4 warps, sm_90, triton 3.6 and
+    3.9), so with this order the ``RPT`` rows a thread holds are consecutive tokens and its
+    columnwise fp8 values pack into whole 32-bit words without leaving the thread
+    (:func:`store_cols_packed`). Any order gives the same results; this one is fast."""
+    L: tl.constexpr = 128 // RPT
+    i = tl.arange(0, 128)
+    return (i % L) * RPT + i // L
+
+
+@triton.jit
+def store_cols_packed(qt, qt32_ptr, tile_start, cols, cmask, stop, M,
+                      RPT: tl.constexpr):
+    """Store the columnwise fp8 tile ``qt [128, C]`` (logical rows in
+    :func:`packed_row_order`, tile rows from ``tile_start``) transposed into ``q_t [N, M]``,
+    given as int32 words (``qt32_ptr``; ``M`` and ``tile_start`` multiples of 16). The 4
+    tokens of a word are packed in registers (byte ``k`` = token ``4 j + k``) and the tile
+    leaves as ``[C, 32]`` words, a 128-byte row of ``q_t`` per column, through a 32-bit
+    layout conversion instead of an 8-bit one (which Triton writes to shared memory a byte
+    at a time, 8-way bank conflicted). Tokens ``>= stop`` (a multiple of 16) are not
+    written."""
+    C: tl.constexpr = qt.shape[1]
+    L: tl.constexpr = 128 // RPT
+    b = tl.reshape(qt.to(tl.uint8, bitcast=True).to(tl.int32), [RPT // 4, 4, L, C])
+    sh = tl.arange(0, 4) * 8
+    w = tl.sum(b << sh[None, :, None, None], axis=1)  # disjoint bytes: the sum is an OR
+    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 32])  # word j = l * RPT // 4 + k // 4
+    _store_col_words(w, qt32_ptr, tile_start, cols, cmask, stop, M)
+
+
+@triton.jit
+def _store_col_words(w, qt32_ptr, tile_start, cols, cmask, stop, M):
+    """Store ``w [C, 32]`` int32 (word ``j`` of column ``c``: tokens ``tile_start + 4 j``
+    .. ``+ 3``) into ``q_t [N, M]`` given as int32 words: a 128-byte row per column.
+    Tokens ``>= stop`` (a multiple of 16) are not written."""
+    j = tl.arange(0, 32)
+    # (M // 16 * 4 == M // 4 and tile_start // 16 * 4 == tile_start // 4 for multiples of
+    # 16, written so that the compiler sees 16-byte aligned rows of 4 words.)
+    ptr = (qt32_ptr + cols.to(tl.int64)[:, None] * (M // 16 * 4)
+           + (tile_start // 16 * 4 + j)[None, :])
+    nw = (stop - tile_start) // 16 * 4  # words in range, in whole 16-byte vectors
+    tl.store(ptr, w, mask=cmask[:, None] & (j < nw)[None, :])
+
+
+@triton.jit
+def e4m3x4(a, b, c, d):
+    """int32 words of the e4m3 casts of fp32 ``a, b, c, d`` (byte 0 = ``a`` .. byte 3 =
+    ``d``), bit for bit :func:`to_e4m3`: two
+    ``cvt.rn.satfinite.e4m3x2.f32`` (Triton's own cast; the first source goes to the high
+    byte) merged into one word."""
+    if _INTERPRET_C:
+        w = to_e4m3(a).to(tl.uint8, bitcast=True).to(tl.int32)
+        w = w | (to_e4m3(b).to(tl.uint8, bitcast=True).to(tl.int32) << 8)
+        w = w | (to_e4m3(c).to(tl.uint8, bitcast=True).to(tl.int32) << 16)
+        return w | (to_e4m3(d).to(tl.uint8, bitcast=True).to(tl.int32) << 24)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,f,f,f,f", [a, b, c, d], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def store_cols_cvt4(y, qt32_ptr, tile_start, cols, cmask, stop, M, RPT: tl.constexpr,
+                    POW2: tl.constexpr):
+    """``quant_cols(y)`` of fp32 ``y [128, C]`` (logical rows in :func:`packed_row_order`)
+    stored as :func:`store_cols_packed` stores it (the same words); returns the scales
+    ``[C]``. Each word is cast from its 4 tokens at once (:func:`e4m3x4`): a thread's
+    ``RPT`` rows are consecutive tokens, so splitting the row axis into (word, token pair,
+    token) only relabels registers, where Triton's cast of the tile pairs two *columns* of
+    a token and the bytes are then moved between words (~3 integer ops per byte, sm_90)."""
+    C: tl.constexpr = y.shape[1]
+    L: tl.constexpr = 128 // RPT
+    scale = fp8_block_scale(tl.max(tl.abs(y), axis=0), POW2)
+    v = y * inv_scale(scale, POW2)[None, :]
+    # logical row i = k * L + l holds token l * RPT + k, k = 4 * wd + 2 * b1 + b0
+    v = tl.reshape(v, [RPT // 4, 2, 2, L, C])                 # (wd, b1, b0, l, c)
+    ev, od = tl.split(tl.permute(v, (0, 1, 3, 4, 2)))         # b0 = 0 / 1
+    t0, t2 = tl.split(tl.permute(ev, (0, 2, 3, 1)))           # (wd, l, c), b1 = 0 / 1
+    t1, t3 = tl.split(tl.permute(od, (0, 2, 3, 1)))
+    w = e4m3x4(t0, t1, t2, t3)                                # [RPT // 4, L, C]
+    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 32])         # word j = l * RPT // 4 + wd
+    _store_col_words(w, qt32_ptr, tile_start, cols, cmask, stop, M)
+    return scale
+
+
+@triton.jit
 def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
                stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE: tl.constexpr,
-               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr):
+               COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
+               PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
     """Quantize the tile ``x [BM, BN]`` (rows ``rows`` int64 of row block ``pid_m``,
     columns ``cols`` of column block ``pid_k`` of an ``[M, K]`` tensor; zeros out of
     range), with ``NORM`` first ``y = x * rstd[:, None] * w[None, :]`` in fp32, and store
     it in the 1x128 layout: with ``ROWWISE`` (``BN == 128``) data ``[M, K]`` and scales
     ``s[m, k // 128]``; with ``COLWISE`` (``BM == 128``) the transposed data ``[K, M]``
     (``q_t[k, m]``: each column's 128 tokens are one 128-byte row of ``q_t``) and scales
-    ``s_t[k, m // 128]`` (scale strides as given)."""
+    ``s_t[k, m // 128]`` (scale strides as given). ``PACK`` (``COLWISE``; rows in
+    :func:`packed_row_order` of ``RPT``, ``M`` a multiple of 16, ``qt_ptr`` as int32): the
+    columnwise data is cast and stored 4 tokens a word (:func:`store_cols_cvt4`)."""
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
@@ -286,8 +386,11 @@ def quant_tile(x, rstd, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_pt
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, s, mask=rmask)
     if COLWISE:
-        qt, st = quant_cols(y, POW2)
-        tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
+        if PACK:
+            st = store_cols_cvt4(y, qt_ptr, pid_m * 128, cols, cmask, M, M, RPT, POW2)
+        else:
+            qt, st = quant_cols(y, POW2)
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], qt, mask=mask)
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stg, st, mask=cmask)
 
 
@@ -296,29 +399,34 @@ def _quantize_1x128_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
                            stride_xm, stride_sm, stride_sg, stride_stk, stride_stg,
                            BM: tl.constexpr, BN: tl.constexpr, ROWWISE: tl.constexpr,
                            COLWISE: tl.constexpr, NORM: tl.constexpr, POW2: tl.constexpr,
-                           K_FAST: tl.constexpr, REVERSE: tl.constexpr):
+                           K_FAST: tl.constexpr, REVERSE: tl.constexpr,
+                           PACK: tl.constexpr = False, RPT: tl.constexpr = 8):
     """1x128 quantization of ``x [M, K]`` (optionally RMS-normalized: ``NORM``) in
-    ``[BM, BN]`` tiles (see :func:`quant_tile`), one tile per program in the order of
-    :func:`_tile_coords`."""
+    ``[BM, BN]`` tiles (see :func:`quant_tile`; ``PACK``: its packed columnwise store), one
+    tile per program in the order of :func:`_tile_coords`."""
     nm = tl.cdiv(M, BM)
     nk = tl.cdiv(K, BN)
     pid_m, pid_k, rows, cols = _tile_coords(tl.program_id(0), nm * nk, nm, nk, BM, BN,
                                             K_FAST, REVERSE)
+    if PACK:
+        rows = pid_m.to(tl.int64) * BM + packed_row_order(RPT)
     x, r, w = _load_tile(x_ptr, w_ptr, rstd_ptr, rows, cols, M, K, stride_xm, NORM)
     quant_tile(x, r, w, rows, cols, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2)
+               stride_sm, stride_sg, stride_stk, stride_stg, ROWWISE, COLWISE, NORM, POW2,
+               PACK, RPT)
 
 
 @triton.jit
 def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_sm,
                            stride_sg, stride_stk, stride_stg, RB: tl.constexpr,
                            BK: tl.constexpr, SINGLE: tl.constexpr, BN: tl.constexpr,
-                           POW2: tl.constexpr):
+                           POW2: tl.constexpr, PACK: tl.constexpr = False,
+                           RPT: tl.constexpr = 8):
     """Both 1x128 copies of ``x [M, K]`` in one launch of two kinds of independent
     programs, per 128-row chunk in program-id order: ``128 // RB`` row programs
     (:func:`rows_program`: the rowwise copy of ``RB`` whole rows), then ``cdiv(K, BN)``
-    column tiles (:func:`quant_tile`, columnwise only), which re-read the chunk the row
-    programs just read, from L2."""
+    column tiles (:func:`quant_tile`, columnwise only; ``PACK``: its packed store), which
+    re-read the chunk the row programs just read, from L2."""
     NR: tl.constexpr = 128 // RB
     nk = tl.cdiv(K, BN)
     pid = tl.program_id(0)
@@ -328,11 +436,15 @@ def _quantize_split_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
         rows_program(x_ptr, x_ptr, q_ptr, s_ptr, s_ptr, c * 128 + i * RB, M, K, stride_xm,
                      stride_sm, stride_sg, 0.0, RB, BK, SINGLE, False, True, POW2)
     else:
-        rows = c.to(tl.int64) * 128 + tl.arange(0, 128)
+        if PACK:
+            rows = c.to(tl.int64) * 128 + packed_row_order(RPT)
+        else:
+            rows = c.to(tl.int64) * 128 + tl.arange(0, 128)
         cols = (i - NR) * BN + tl.arange(0, BN)
         x, r, w = _load_tile(x_ptr, x_ptr, x_ptr, rows, cols, M, K, stride_xm, False)
         quant_tile(x, r, w, rows, cols, c, i - NR, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2)
+                   stride_sm, stride_sg, stride_stk, stride_stg, False, True, False, POW2,
+                   PACK, RPT)
 
 
 @triton.jit
@@ -370,13 +482,20 @@ def _quantize_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_w
 #: knobs; ``benchmark/probe_tilequant.py`` sweeps them), by the copies asked for: "rc"
 #: rowwise + columnwise, "r" rowwise, "c" columnwise. Keys: ``bm``/``bn`` the tile (``bn``
 #: 128 with the rowwise copy, ``bm`` 128 with the columnwise one); ``warps``; ``k_fast``
-#: the tile order (:func:`_tile_coords`).
+#: the tile order (:func:`_tile_coords`); ``pack`` (entries with the columnwise copy):
+#: the columnwise data cast and stored 4 tokens a 32-bit word (:func:`store_cols_cvt4`)
+#: where ``M`` is a multiple of 16 (the plain fp8 store otherwise; same bits), ``rpt``
+#: overrides :func:`pack_rows_per_thread`. "split" packs: H200, [8192, 2048] bf16, both
+#: copies 24.3 -> 22.9 us (``h200_probe_small_bw_not_kept_2026-11-26_s10``: the store
+#: through Triton's tile cast and byte-wide transposing conversion was the difference; the
+#: helper branch's packing of Triton's casts without the 4-token cast failed the GPU
+#: tests for fp32 inputs and was not kept).
 TILE_CONFIGS = {
     "rc": dict(bm=128, bn=128, warps=4, k_fast=False),
     "r": dict(bm=32, bn=128, warps=8, k_fast=False),
     "c": dict(bm=128, bn=64, warps=4, k_fast=False),
     # the columnwise tiles (``bn``) and the warps of ROWCOL_MODE "split"
-    "split": dict(bm=128, bn=64, warps=4),
+    "split": dict(bm=128, bn=64, warps=4, pack=True),
 }
 #: Launch configuration of :func:`_quantize_rows_kernel` for ``quantize_1x128``: at most
 #: ``rows`` rows and ``elems`` elements per program, ``warps``, widest row held in one
@@ -427,6 +546,25 @@ def launch_1x128_rows(x2: torch.Tensor, q, s, config: dict, *, pow2_scale: bool,
                PERSIST=per_sm > 0, num_warps=config["warps"])
 
 
+def pack_rows_per_thread(x2: torch.Tensor, config: dict, qt, rowwise: bool) -> int:
+    """``RPT`` of the packed columnwise store (:func:`packed_row_order`) for ``config``'s
+    ``[128, bn]`` tiles of ``x2`` (``rowwise``: the tile also stores the rowwise copy), or
+    0 for the plain store (``config["pack"]`` off, no columnwise copy ``qt``, or ``M`` not
+    a multiple of 16); ``config["rpt"]`` overrides it. Triton lays the tile out in 16-byte
+    vectors along its columns (of the rowwise fp8 store where there is one, else of the
+    load), lanes first along the columns, then the remaining lanes and the warps along the
+    rows, so one repetition covers ``L`` rows and a thread holds ``128 // L`` of them (any
+    ``RPT`` gives the same bits; the right one avoids shuffles)."""
+    if qt is None or not config.get("pack") or x2.shape[0] % 16:
+        return 0
+    if config.get("rpt"):
+        return config["rpt"]
+    vec = 16 if rowwise else 16 // x2.element_size()
+    lanes_k = min(32, max(1, config["bn"] // vec))
+    rows_per_rep = min(BLOCK, 32 // lanes_k * config["warps"])
+    return max(4, BLOCK // rows_per_rep)
+
+
 def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_scale: bool,
                        weight: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
                        reverse: bool = False) -> None:
@@ -443,12 +581,14 @@ def launch_1x128_tiles(x2: torch.Tensor, q, s, qt, st, config: dict, *, pow2_sca
         raise ValueError(f"tile {bm}x{bn} does not hold whole 1x128 groups")
     ssm, ssg = s.stride() if s is not None else (0, 0)
     sstk, sstg = st.stride() if st is not None else (0, 0)
+    rpt = pack_rows_per_thread(x2, config, qt, q is not None)
     with device_guard(x2):
         launch(_quantize_1x128_kernel, (cdiv(M, bm) * cdiv(K, bn),),
-               x2, weight, rstd, q, s, qt, st, M, K, x2.stride(0), ssm, ssg, sstk, sstg,
+               x2, weight, rstd, q, s, qt.view(torch.int32) if rpt else qt, st, M, K,
+               x2.stride(0), ssm, ssg, sstk, sstg,
                BM=bm, BN=bn, ROWWISE=q is not None, COLWISE=qt is not None,
                NORM=weight is not None, POW2=pow2_scale, K_FAST=config.get("k_fast", False),
-               REVERSE=reverse, num_warps=config["warps"])
+               REVERSE=reverse, PACK=rpt > 0, RPT=rpt or 8, num_warps=config["warps"])
 
 
 def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
@@ -462,10 +602,12 @@ def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
     rb = min(rb, BLOCK)
     bn = tile_config["bn"]
     grid = cdiv(M, BLOCK) * (BLOCK // rb + cdiv(K, bn))
+    rpt = pack_rows_per_thread(x2, tile_config, qt, False)
     with device_guard(x2):
-        launch(_quantize_split_kernel, (grid,), x2, q, s, qt, st, M, K, x2.stride(0),
-               s.stride(0), s.stride(1), st.stride(0), st.stride(1), RB=rb, BK=bk,
-               SINGLE=single, BN=bn, POW2=pow2_scale, num_warps=tile_config["warps"])
+        launch(_quantize_split_kernel, (grid,), x2, q, s, qt.view(torch.int32) if rpt else qt,
+               st, M, K, x2.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
+               RB=rb, BK=bk, SINGLE=single, BN=bn, POW2=pow2_scale, PACK=rpt > 0,
+               RPT=rpt or 8, num_warps=tile_config["warps"])
 
 
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,

@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.quantize import FP8_DTYPE, fp8_block_scale, inv_scale, quant_cols, quant_rows, to_e4m3
+from ..fp8.quantize import (
+    FP8_DTYPE,
+    packed_row_order,
+    quant_cols,
+    quant_rows,
+    store_cols_cvt4,
+    store_cols_packed,
+)
 from ..utils import _INTERPRET_C, cdiv, device_guard, empty, launch, next_power_of_2
 
 BLOCK = 128
@@ -315,98 +322,6 @@ def _batch_tile_map_kernel(cnt_ptr, map_ptr, off_ptr, E, R, G, ALIGN, EP2: tl.co
         tl.store(map_ptr + t * 4, seg_start + k * 128, mask=m)
         tl.store(map_ptr + t * 4 + 1, real_end + k * 0, mask=m)
         tl.store(map_ptr + t * 4 + 2, seg_stop + k * 0, mask=m)
-
-
-@triton.jit
-def packed_row_order(RPT: tl.constexpr):
-    """``[128]`` int32: the tile row (0..127) that logical row ``i`` of a packed-store tile
-    loads, ``(i % L) * RPT + i // L`` with ``L = 128 // RPT``. Triton holds a ``[128, 128]``
-    tile of the quantizing kernels in row repetitions ``i = l + L * k`` (``l`` over lanes
-    and warps, ``k`` over a thread's registers: ``L = 16`` at 4 warps, sm_90, triton 3.6 and
-    3.9), so with this order the ``RPT`` rows a thread holds are consecutive tokens and its
-    columnwise fp8 values pack into whole 32-bit words without leaving the thread
-    (:func:`store_cols_packed`). Any order gives the same results; this one is fast."""
-    L: tl.constexpr = 128 // RPT
-    i = tl.arange(0, 128)
-    return (i % L) * RPT + i // L
-
-
-@triton.jit
-def store_cols_packed(qt, qt32_ptr, tile_start, cols, cmask, stop, M,
-                      RPT: tl.constexpr):
-    """Store the columnwise fp8 tile ``qt [128, C]`` (logical rows in
-    :func:`packed_row_order`, tile rows from ``tile_start``) transposed into ``q_t [N, M]``,
-    given as int32 words (``qt32_ptr``; ``M`` and ``tile_start`` multiples of 16). The 4
-    tokens of a word are packed in registers (byte ``k`` = token ``4 j + k``) and the tile
-    leaves as ``[C, 32]`` words, a 128-byte row of ``q_t`` per column, through a 32-bit
-    layout conversion instead of an 8-bit one (which Triton writes to shared memory a byte
-    at a time, 8-way bank conflicted). Tokens ``>= stop`` (a multiple of 16) are not
-    written."""
-    C: tl.constexpr = qt.shape[1]
-    L: tl.constexpr = 128 // RPT
-    b = tl.reshape(qt.to(tl.uint8, bitcast=True).to(tl.int32), [RPT // 4, 4, L, C])
-    sh = tl.arange(0, 4) * 8
-    w = tl.sum(b << sh[None, :, None, None], axis=1)  # disjoint bytes: the sum is an OR
-    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 32])  # word j = l * RPT // 4 + k // 4
-    _store_col_words(w, qt32_ptr, tile_start, cols, cmask, stop, M)
-
-
-@triton.jit
-def _store_col_words(w, qt32_ptr, tile_start, cols, cmask, stop, M):
-    """Store ``w [C, 32]`` int32 (word ``j`` of column ``c``: tokens ``tile_start + 4 j``
-    .. ``+ 3``) into ``q_t [N, M]`` given as int32 words: a 128-byte row per column.
-    Tokens ``>= stop`` (a multiple of 16) are not written."""
-    j = tl.arange(0, 32)
-    # (M // 16 * 4 == M // 4 and tile_start // 16 * 4 == tile_start // 4 for multiples of
-    # 16, written so that the compiler sees 16-byte aligned rows of 4 words.)
-    ptr = (qt32_ptr + cols.to(tl.int64)[:, None] * (M // 16 * 4)
-           + (tile_start // 16 * 4 + j)[None, :])
-    nw = (stop - tile_start) // 16 * 4  # words in range, in whole 16-byte vectors
-    tl.store(ptr, w, mask=cmask[:, None] & (j < nw)[None, :])
-
-
-@triton.jit
-def e4m3x4(a, b, c, d):
-    """int32 words of the e4m3 casts of fp32 ``a, b, c, d`` (byte 0 = ``a`` .. byte 3 =
-    ``d``), bit for bit :func:`~linghe.fp8.quantize.to_e4m3`: two
-    ``cvt.rn.satfinite.e4m3x2.f32`` (Triton's own cast; the first source goes to the high
-    byte) merged into one word."""
-    if _INTERPRET_C:
-        w = to_e4m3(a).to(tl.uint8, bitcast=True).to(tl.int32)
-        w = w | (to_e4m3(b).to(tl.uint8, bitcast=True).to(tl.int32) << 8)
-        w = w | (to_e4m3(c).to(tl.uint8, bitcast=True).to(tl.int32) << 16)
-        return w | (to_e4m3(d).to(tl.uint8, bitcast=True).to(tl.int32) << 24)
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-            "mov.b32 $0, {lo, hi}; }",
-            "=r,f,f,f,f", [a, b, c, d], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def store_cols_cvt4(y, qt32_ptr, tile_start, cols, cmask, stop, M, RPT: tl.constexpr,
-                    POW2: tl.constexpr):
-    """``quant_cols(y)`` of fp32 ``y [128, C]`` (logical rows in :func:`packed_row_order`)
-    stored as :func:`store_cols_packed` stores it (the same words); returns the scales
-    ``[C]``. Each word is cast from its 4 tokens at once (:func:`e4m3x4`): a thread's
-    ``RPT`` rows are consecutive tokens, so splitting the row axis into (word, token pair,
-    token) only relabels registers, where Triton's cast of the tile pairs two *columns* of
-    a token and the bytes are then moved between words (~3 integer ops per byte, sm_90)."""
-    C: tl.constexpr = y.shape[1]
-    L: tl.constexpr = 128 // RPT
-    scale = fp8_block_scale(tl.max(tl.abs(y), axis=0), POW2)
-    v = y * inv_scale(scale, POW2)[None, :]
-    # logical row i = k * L + l holds token l * RPT + k, k = 4 * wd + 2 * b1 + b0
-    v = tl.reshape(v, [RPT // 4, 2, 2, L, C])                 # (wd, b1, b0, l, c)
-    ev, od = tl.split(tl.permute(v, (0, 1, 3, 4, 2)))         # b0 = 0 / 1
-    t0, t2 = tl.split(tl.permute(ev, (0, 2, 3, 1)))           # (wd, l, c), b1 = 0 / 1
-    t1, t3 = tl.split(tl.permute(od, (0, 2, 3, 1)))
-    w = e4m3x4(t0, t1, t2, t3)                                # [RPT // 4, L, C]
-    w = tl.reshape(tl.permute(w, (2, 1, 0)), [C, 32])         # word j = l * RPT // 4 + wd
-    _store_col_words(w, qt32_ptr, tile_start, cols, cmask, stop, M)
-    return scale
 
 
 @triton.jit
