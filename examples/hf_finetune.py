@@ -3,6 +3,7 @@
     python examples/hf_finetune.py                        # Qwen3-MoE; CPU: 15 steps
     python examples/hf_finetune.py --arch llama --steps 100 --save /tmp/tiny-llama
     python examples/hf_finetune.py --fp8 blockwise        # GPU with compute capability >= 8.9
+    python examples/hf_finetune.py --compile reduce-overhead   # GPU: layers as CUDA graphs
 
 The model is built from its config class (no download) by
 ``linghe.transformers.AutoLinghePatchedModelForCausalLM.from_config``: RMSNorm, RoPE,
@@ -12,6 +13,12 @@ is counting: each sequence starts at a random token and continues ``+stride mod 
 every next token is determined by the current one and the loss falls from ``ln V`` towards
 0 within a few dozen steps. On CPU the kernels run through the Triton interpreter (slow:
 a small model and few steps by default).
+
+``--compile MODE`` compiles each decoder layer (``torch.compile`` mode ``default`` or
+``reduce-overhead``; the patched layers trace without graph breaks). ``reduce-overhead``
+replays each layer's forward and backward as CUDA graphs, which removes the host time that
+bounds small models; a new step then starts with ``torch.compiler.cudagraph_mark_step_begin()``.
+On CPU the layers compile with the ``aot_eager`` backend (the mode is ignored).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default 15 (GPU: 200)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--fp8", default=None, choices=(None, "blockwise"))
+    p.add_argument("--compile", default=None, choices=(None, "default", "reduce-overhead"),
+                   help="torch.compile each decoder layer in this mode")
     p.add_argument("--save", default=None, help="save_pretrained the result here")
     args = p.parse_args()
 
@@ -72,11 +81,20 @@ def main() -> None:
     model.to(device).train()
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
           f"parameters on {device}; patched: {model.linghe_patched}")
+    if args.compile:
+        for layer in model.model.layers:
+            if gpu:
+                layer.compile(mode=args.compile)
+            else:
+                layer.compile(backend="aot_eager")
+    graphs = gpu and args.compile == "reduce-overhead"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     t0 = time.perf_counter()
     for step in range(steps):
         ids = batch(vocab, bsz, seq, stride=7, device=device)
+        if graphs:  # the layers' CUDA graphs may overwrite the last step's buffers now
+            torch.compiler.cudagraph_mark_step_begin()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
