@@ -7,7 +7,7 @@ import torch
 import linghe
 import linghe.nn
 from linghe import reference as ref
-from linghe.bwd.activation import silu_mul_bwd, silu_mul_bwd_quant
+from linghe.bwd.activation import silu_mul_bwd, silu_mul_bwd_quant, silu_mul_bwd_rowwise_fp8
 from linghe.layout import make_expert_layout
 from linghe.testing import assert_close, assert_fp8_close, rel_err
 
@@ -243,6 +243,38 @@ def test_bwd_quant_kernel_batch(device, monkeypatch, case, n, mode):
     assert_close(dp, torch.where(real, want[1], 0.0))
     with pytest.raises(ValueError, match="needs segments"):
         silu_mul_bwd_quant(dy, x, probs, counts=c, align=align)
+
+
+@pytest.mark.parametrize("case", [([3, 0, 140], 5), ([0, 0], 3), ([37], 0)],
+                         ids=lambda c: f"E{len(c[0])}")
+@pytest.mark.parametrize("n", [128, 256, 192])  # 192: the two-kernel fallback
+@pytest.mark.parametrize("with_probs", [True, False])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_bwd_rowwise_fp8_same_bits(device, case, n, with_probs, pow2):
+    """``silu_mul_bwd_rowwise_fp8`` (one kernel: dx and its rowwise FP8 copy) returns the
+    bits of ``silu_mul_bwd`` followed by ``quantize_grouped_fwd`` (what the FP8 MoE's
+    high-precision-wgrad backward ran before), padding/tail rows (NaN inputs) included."""
+    from linghe.fwd.grouped_mm import quantize_grouped_fwd
+
+    counts, tail = case
+    x, probs, c, real, R = _batch_inputs(counts, tail, 16, n, torch.bfloat16, device)
+    probs = probs if with_probs else None
+    dy = torch.randn(R, n, device=device, dtype=torch.bfloat16)
+    dy[~real] = float("nan")
+    dx, q, s, dp = silu_mul_bwd_rowwise_fp8(dy, x, probs, need_dprobs=with_probs,
+                                            counts=c, align=16, pow2_scale=pow2)
+    dx0, dp0 = silu_mul_bwd(dy, x, probs, need_dprobs=with_probs, counts=c, align=16)
+    q0, s0, _, _ = quantize_grouped_fwd(dx0, c, 16, rowwise=True, columnwise=False,
+                                        pow2_scale=pow2)
+    assert torch.equal(dx, dx0)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+    assert torch.equal(s, s0)
+    assert (dp is None) == (not with_probs)
+    if with_probs:
+        assert torch.equal(dp, dp0)
+    want = _ref_grads(torch.where(real[:, None], x, 0.0), probs,
+                      torch.where(real[:, None], dy, 0.0))[0]
+    assert_close(dx, torch.where(real[:, None], want, 0.0), name="dx")
 
 
 def test_bwd_quant_kernel_rowwise_only(device):

@@ -244,8 +244,11 @@ def test_grouped_swiglu_fp8_vs_reference(case, fp8_wgrad):
     assert all(c.misses == 1 for c in caches)
 
 
+# I = 128: the SwiGLU backward's one-kernel dh + FP8 copy (silu_mul_bwd_rowwise_fp8);
+# I = 64, 192: its two-kernel fallback.
 @pytest.mark.parametrize("case", [([5, 0, 30], 16, 128, 192), ([0, 17, 1], 8, 256, 64),
-                                  ([0, 0], 16, 128, 64), ([3, 6, 0], 4, 128, 64)],
+                                  ([0, 0], 16, 128, 64), ([3, 6, 0], 4, 128, 64),
+                                  ([7, 0, 20], 16, 128, 128)],
                          ids=lambda c: f"E{len(c[0])}-a{c[1]}-H{c[2]}-I{c[3]}")
 @pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16-rows", "fp8-rows"])
 def test_grouped_swiglu_fp8_high_precision_wgrad(case, fp8_rows):

@@ -6,6 +6,8 @@ With ``h = silu(g) * u`` and ``y = p * h`` (``p = 1`` without probs), for an inc
 
 - :func:`silu_mul_bwd`: plain ``dx [M, 2N]`` (x's dtype) and ``dprobs``; with expert
   ``counts`` it zeroes the gradient of padding/tail rows of a grouped buffer.
+- :func:`silu_mul_bwd_rowwise_fp8`: ``dx`` and its rowwise 1x128 FP8 copy from one kernel
+  (a high-precision wgrad and an FP8 dgrad of the same gradient).
 - :func:`silu_mul_bwd_quant`: the same ``dx`` emitted already quantized to 1x128 FP8
   (rowwise and columnwise) for an FP8 linear layer's dgrad/wgrad GEMMs.
 """
@@ -16,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
+from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_row_groups, quant_rows
 from ..fp8.tensor import Fp8Tensor
 from ..fwd import activation as _fwd
 from ..fwd.activation import rows_valid, silu_f32
@@ -39,10 +41,16 @@ def _silu_mul_grads(g, u, dy, p, HAS_P: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_bwd_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, dx_ptr, dp_ptr, M, N, E,
+def _silu_mul_bwd_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, dx_ptr, dp_ptr, q_ptr, s_ptr, M, N, E,
                          stride_dy, stride_x, stride_dx, ALIGN,
                          BM: tl.constexpr, BN: tl.constexpr, HAS_P: tl.constexpr,
-                         NEED_DP: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr):
+                         NEED_DP: tl.constexpr, BATCH: tl.constexpr, EP2: tl.constexpr,
+                         QUANT: tl.constexpr = False, POW2: tl.constexpr = False):
+    """``dx`` (and ``dprobs``) of a ``[BM]``-row tile, ``BN`` columns of each half at a
+    time. ``QUANT`` (``N % BN == 0``, ``BN`` a multiple of 128): also ``dx``'s rowwise
+    1x128 FP8 copy (``q [M, 2N]``, ``s [M, 2N / 128]``), quantized from the values as
+    stored in ``dx``'s dtype: the bits ``quantize_grouped_fwd(dx)`` gives, without reading
+    ``dx`` back."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < M
@@ -68,8 +76,15 @@ def _silu_mul_bwd_kernel(dy_ptr, x_ptr, p_ptr, cnt_ptr, dx_ptr, dp_ptr, M, N, E,
             acc += tl.sum(dyh, 1)
         sm = rmask[:, None] & cmask[None, :]
         dxp = dx_ptr + rows[:, None] * stride_dx + cols[None, :]
-        tl.store(dxp, dg.to(dx_ptr.dtype.element_ty), mask=sm)
-        tl.store(dxp + N, du.to(dx_ptr.dtype.element_ty), mask=sm)
+        dg = dg.to(dx_ptr.dtype.element_ty)
+        du = du.to(dx_ptr.dtype.element_ty)
+        tl.store(dxp, dg, mask=sm)
+        tl.store(dxp + N, du, mask=sm)
+        if QUANT:
+            quant_row_groups(dg.to(tl.float32), rows, n0, q_ptr, s_ptr, M, 2 * N,
+                             2 * N // 128, 1, BN, POW2)
+            quant_row_groups(du.to(tl.float32), rows, N + n0, q_ptr, s_ptr, M, 2 * N,
+                             2 * N // 128, 1, BN, POW2)
     if NEED_DP:
         tl.store(dp_ptr + rows, acc.to(dp_ptr.dtype.element_ty), mask=rmask)
 
@@ -209,20 +224,55 @@ def silu_mul_bwd(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, 
     ``align``, :mod:`linghe.layout`): padding and tail rows get ``dx = 0`` and
     ``dprobs = 0`` whatever ``dy`` holds there.
     """
+    dx, dp, _q, _s = _launch_silu_mul_bwd(dy, x, probs, need_dprobs, counts, align)
+    return dx, dp
+
+
+def _launch_silu_mul_bwd(dy, x, probs, need_dprobs, counts, align, quant=False, pow2=False):
     M, N = x.shape[0], x.shape[1] // 2
     dx = empty(M, 2 * N, dtype=x.dtype, device=x.device)
     need_dprobs = need_dprobs and probs is not None
     dp = empty(M, dtype=probs.dtype, device=x.device) if need_dprobs else None
+    q = s = None
+    if quant:
+        q = empty(M, 2 * N, dtype=FP8_DTYPE, device=x.device)
+        s = empty(M, cdiv(2 * N, BLOCK), dtype=torch.float32, device=x.device)
     if M > 0:
         BM, BN, warps = _fwd.tile_config(M, max(N, 1))
         E = counts.numel() if counts is not None else 0
         with device_guard(x):
             launch(_silu_mul_bwd_kernel, (cdiv(M, BM),),
-                dy, x, probs, counts, dx, dp, M, N, E, dy.stride(0), x.stride(0),
+                dy, x, probs, counts, dx, dp, q, s, M, N, E, dy.stride(0), x.stride(0),
                 dx.stride(0), align, BM=BM, BN=BN, HAS_P=probs is not None,
                 NEED_DP=need_dprobs, BATCH=counts is not None,
-                EP2=max(next_power_of_2(E), 2), num_warps=warps)
-    return dx, dp
+                EP2=max(next_power_of_2(E), 2), QUANT=quant, POW2=pow2, num_warps=warps)
+    return dx, dp, q, s
+
+
+def silu_mul_bwd_rowwise_fp8(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None,
+                             *, need_dprobs: bool, counts: torch.Tensor, align: int,
+                             pow2_scale: bool = False):
+    """:func:`silu_mul_bwd` of rows grouped by expert that also returns ``dx``'s rowwise
+    1x128 FP8 copy: what a high-precision weight gradient (``dx`` in x's dtype) and an
+    FP8 dgrad GEMM (the FP8 copy) both take (kernel-level API).
+
+    Returns ``(dx [M, 2N] in x's dtype, q [M, 2N] e4m3, s [M, cdiv(2N, 128)] float32,
+    dprobs [M] or None)``; ``(q, s)`` are the bits ``quantize_grouped_fwd(dx, counts,
+    align, columnwise=False)`` returns (padding and tail rows: zeros, scale 1). One
+    kernel where the column tiles hold whole 1x128 groups of one half (``N`` a power of
+    two >= 128, or a multiple of 1024; dx is never read back); otherwise (documented
+    fallback) ``silu_mul_bwd`` then ``quantize_grouped_fwd``.
+    """
+    N = x.shape[1] // 2
+    BN = _fwd.tile_config(max(x.shape[0], 1), max(N, 1))[1]
+    if N > 0 and N % BN == 0 and BN % BLOCK == 0:  # (whole 1x128 groups in every tile)
+        dx, dp, q, s = _launch_silu_mul_bwd(dy, x, probs, need_dprobs, counts, align,
+                                            quant=True, pow2=pow2_scale)
+        return dx, q, s, dp
+    dx, dp = silu_mul_bwd(dy, x, probs, need_dprobs=need_dprobs, counts=counts, align=align)
+    q, s, _qt, _st = quantize_grouped_fwd(dx, counts, align, rowwise=True, columnwise=False,
+                                          pow2_scale=pow2_scale)
+    return dx, q, s, dp
 
 
 def silu_mul_bwd_quant(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None = None,

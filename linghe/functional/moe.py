@@ -39,7 +39,7 @@ from .. import library
 from ..bwd import grad_norms
 from ..bwd import grouped_mm as bwd_gm
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
-from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant
+from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant, silu_mul_bwd_rowwise_fp8
 from ..bwd.deferred import WgradPart, defer, deferrable, parts_wgrad, prepare_wgrad_parts
 from ..fp8 import Fp8Tensor, quantize_1x128
 from ..fp8.cache import WeightCache
@@ -260,14 +260,18 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
             dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
         da = bwd_gm.grouped_mm_fp8_dgrad(dyq, ctx.w2, offsets, out_dtype=h.dtype)
         del dyq
-        dh, d_p = silu_mul_bwd(da, h, probs, need_dprobs=need_p, counts=counts,
-                               align=align)
-        del da
-        if need_rows:
-            dhq = _Parts(dh.shape, *fwd_gm.quantize_grouped_fwd(
-                dh, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
-            d_rows = bwd_gm.grouped_mm_fp8_dgrad(dhq, ctx.w1, offsets, out_dtype=x_dtype)
-            del dhq
+        if need_rows:  # dh for the wgrad and its FP8 copy for the dgrad: one kernel
+            dh, q, s, d_p = silu_mul_bwd_rowwise_fp8(da, h, probs, need_dprobs=need_p,
+                                                     counts=counts, align=align,
+                                                     pow2_scale=pow2)
+            del da
+            d_rows = bwd_gm.grouped_mm_fp8_dgrad(_Parts(dh.shape, q, s), ctx.w1, offsets,
+                                                 out_dtype=x_dtype)
+            del q, s
+        else:
+            dh, d_p = silu_mul_bwd(da, h, probs, need_dprobs=need_p, counts=counts,
+                                   align=align)
+            del da
         if need_w1:
             a1 = ctx.a1 if ctx.a1 is not None else rows
             fp8_a1 = isinstance(a1, _Parts)  # FP8 rows: what the gate_up GEMM multiplied
