@@ -17,27 +17,18 @@ the output order), ``COS_SIN_APPROX`` and the weight-gradient reduction's ``DW_B
 / ``DW_BLOCK_N``. Variant rows are skipped once the run passes ``--max-seconds`` (default
 70).
 
-``BWD_SAVED_RSTD`` (``rstd:on``/``rstd:off`` in the knobs column) is timed both ways in
-every run, ``--quick`` included, right after the default rows: the forward with and
-without writing the per-head rstd (float32 ``[T, H + Hkv]``: 0.66 MB at the standard
-shape), the backward reading it or recomputing it from qkv. Those rows' ``vs default``
-column counts the elements that differ from the default row (0 everywhere: the two
-backwards are bit-identical).
-
 Times per call: ``kernel µs`` is the profiler's kernel time (sum of the kernels one call
 launches, each call after an L2 flush: the number the benchmark reports), ``graph µs``
 (main and default rows) the median of ``triton.testing.do_bench_cudagraph``, ``host µs``
 (main and default rows) the launcher's host time per call behind a GPU spin. GB/s count
 the fewest bytes (forward: read qkv, write q/k/v; backward: read dq/dk/dv and the q/k part
-of qkv, write dqkv; plus the angle table, and the rstd rows where written or read),
-``% copy`` is against a 1 GiB device-to-device copy, ``% size`` against a copy of the
-same number of bytes (a uint8 ``copy_`` of half of them: what moving that many bytes
-costs at this size).
+of qkv, write dqkv; plus the angle table), ``% copy`` is against a 1 GiB device-to-device
+copy, ``% size`` against a copy of the same number of bytes (a uint8 ``copy_`` of half
+of them: what moving that many bytes costs at this size).
 
 Checks, in the same run: every output of every row against main's kernels (elements that
-differ, max abs difference), variant rows against the default row, and every row against
-:func:`linghe.reference.qk_norm_rope` in float32 (forward outputs and the saved rstd, and
-dqkv/dweights by autograd through the reference); outputs are
+differ, max abs difference) and against :func:`linghe.reference.qk_norm_rope` in float32
+(forward outputs, and dqkv/dweights by autograd through the reference); outputs are
 NaN-poisoned before each checked launch (``linghe.utils.set_poison_outputs``), so an
 unwritten element fails.
 
@@ -144,19 +135,16 @@ def _load_old(old_dir: str | None, rev: str):
 
 # ------------------------------------------------------------------------ knobs
 def _defaults(F, B):
-    saved = bool(getattr(F, "BWD_SAVED_RSTD", False))
     return (dict(tokens=F.FWD_TOKENS, warps=F.FWD_NUM_WARPS, approx=F.COS_SIN_APPROX,
-                 row=F.ROW_ORDER, saved=saved),
+                 row=F.ROW_ORDER),
             dict(tokens=F.BWD_TOKENS, warps=F.BWD_NUM_WARPS, stages=F.BWD_STAGES,
-                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, saved=saved,
-                 dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
+                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
 
 
-# ``saved``: the forward writes rstd / the backward reads it (one switch for both).
 _NAMES = {"fwd": dict(tokens="FWD_TOKENS", warps="FWD_NUM_WARPS", approx="COS_SIN_APPROX",
-                      row="ROW_ORDER", saved="BWD_SAVED_RSTD"),
+                      row="ROW_ORDER"),
           "bwd": dict(tokens="BWD_TOKENS", warps="BWD_NUM_WARPS", stages="BWD_STAGES",
-                      approx="COS_SIN_APPROX", row="ROW_ORDER", saved="BWD_SAVED_RSTD")}
+                      approx="COS_SIN_APPROX", row="ROW_ORDER")}
 
 
 @contextlib.contextmanager
@@ -186,8 +174,6 @@ def _knob_str(kn):
     s += " mufu" if kn["approx"] else " poly"
     if kn.get("row"):
         s += " row"
-    if "saved" in kn:
-        s += " rstd:on" if kn["saved"] else " rstd:off"
     if "dw" in kn:
         s += f" dw{kn['dw'][0]}x{kn['dw'][1]}"
     return s
@@ -211,14 +197,6 @@ def _inputs(p, dev):
     kw = (torch.rand(D, generator=g) + 0.5).to(dev, dt)
     grads = [torch.randn(B, S, n, D, generator=g).to(dev, dt) for n in (H, Hkv, Hkv)]
     return qkv, freqs, qw, kw, grads
-
-
-def _rstd_reference(qkv, opts):
-    """float32 ``[B*S, H + Hkv]`` rstd of the q and k heads (Megatron-interleaved)."""
-    H, Hkv, D = opts["num_heads"], opts["num_kv_heads"], opts["head_dim"]
-    x = qkv.float().transpose(0, 1).reshape(-1, Hkv, H // Hkv + 2, D)  # "sbh" -> b*S + s
-    qk = torch.cat([x[:, :, :-2].reshape(-1, H, D), x[:, :, -2]], 1)
-    return torch.rsqrt(qk.pow(2).mean(-1) + opts["eps"])
 
 
 def _reference(qkv, freqs, qw, kw, grads, opts):
@@ -289,7 +267,6 @@ def main(argv=None) -> int:
     table = p["S"] * p["R"] // 2 * 4
     fwd_bytes = 2 * T * W * 2 + table
     bwd_bytes = 2 * T * W * 2 + T * (p["H"] + p["Hkv"]) * p["D"] * 2 + table
-    rstd_bytes = T * (p["H"] + p["Hkv"]) * 4  # written by the forward, read by the backward
     copy = None if cpu else copy_bandwidth_gbps(Config("cuda", quick=False))
     size_us = {} if cpu else {op: size_matched_copy_us(n, dev) for op, n in
                               (("fwd", fwd_bytes), ("bwd", bwd_bytes))}
@@ -299,34 +276,20 @@ def main(argv=None) -> int:
           f"{size_us}; torch {torch.__version__}, triton {triton.__version__}",
           file=sys.stderr, flush=True)
     ref_fwd, ref_bwd = _reference(qkv, freqs, qw, kw, grads, opts)
-    ref_fwd.append(_rstd_reference(qkv, opts))
-    # the rstd the backward reads (BWD_SAVED_RSTD on): the forward's, written once here
-    saved_rstd = F.qk_norm_rope_fwd(qkv, freqs, None, qw, kw, save_rstd=True, **opts)[3]
 
     def fwd_of(mod):
-        if mod is not F:  # main's launcher (no rstd)
-            return lambda: mod.qk_norm_rope_fwd(qkv, freqs, None, qw, kw, **opts)
-        # the switch is read at call time: the _knobs block of the row sets it
-        return lambda: mod.qk_norm_rope_fwd(qkv, freqs, None, qw, kw,
-                                            save_rstd=F.BWD_SAVED_RSTD, **opts)
+        return lambda: mod.qk_norm_rope_fwd(qkv, freqs, None, qw, kw, **opts)
 
     def bwd_of(mod):
-        if mod is not B:
-            return lambda: mod.qk_norm_rope_bwd(*grads, qkv, freqs, None, qw, kw, **opts)
-        return lambda: mod.qk_norm_rope_bwd(*grads, qkv, freqs, None, qw, kw, **opts,
-                                            rstd=saved_rstd if F.BWD_SAVED_RSTD else None)
+        return lambda: mod.qk_norm_rope_bwd(*grads, qkv, freqs, None, qw, kw, **opts)
 
     rows = []
     old_out = {}
-    dflt_out = {}
 
-    def row(op, kn, fn, nbytes, refs, names, default=False, always=False):
-        """``always``: a row run (and timed in full) whatever the time budget."""
+    def row(op, kn, fn, nbytes, refs, names, default=False):
         r = {"op": op, "impl": "main" if kn is None else "new", "knobs": kn,
              "default": default, "ok": False, "error": None}
-        main_or_default = default or kn is None or always
-        if kn is not None and kn.get("saved"):
-            nbytes += rstd_bytes
+        main_or_default = default or kn is None
         if not main_or_default and not cpu and time.perf_counter() - t_start > args.max_seconds:
             r.update(ok=True, skipped=True)  # over the time budget: not run
             print(f"  {op} {_knob_str(kn):<32} skipped (time budget)", file=sys.stderr)
@@ -348,10 +311,6 @@ def main(argv=None) -> int:
                 old_out[op] = out
             elif op in old_out:
                 r["vs_old"] = _vs_old(out, old_out[op], names)
-            if default:
-                dflt_out[op] = out
-            elif kn is not None and op in dflt_out:
-                r["vs_default"] = _vs_old(out, dflt_out[op], names)
             if cpu:
                 r["interp_us"] = first
             else:
@@ -371,7 +330,7 @@ def main(argv=None) -> int:
               f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
         rows.append(r)
 
-    fnames, bnames = ["q", "k", "v", "rstd"], ["dqkv", "dq_norm_weight", "dk_norm_weight"]
+    fnames, bnames = ["q", "k", "v"], ["dqkv", "dq_norm_weight", "dk_norm_weight"]
     if oldF is not None:
         row("fwd", None, fwd_of(oldF), fwd_bytes, ref_fwd, fnames)
         row("bwd", None, bwd_of(oldB), bwd_bytes, ref_bwd, bnames)
@@ -381,14 +340,6 @@ def main(argv=None) -> int:
             ("bwd", dflt_b, bwd_of, B, bwd_bytes, ref_bwd, bnames)):
         with _knobs(F, B, kind, dflt):
             row(kind, dflt, make(mod), nbytes, want, names, default=True)
-    # the saved-rstd switch flipped, in every run: forward with/without the rstd store,
-    # backward recomputing/reading rstd (vs the default row: the bit check)
-    for kind, dflt, make, mod, nbytes, want, names in (
-            ("fwd", dflt_f, fwd_of, F, fwd_bytes, ref_fwd, fnames),
-            ("bwd", dflt_b, bwd_of, B, bwd_bytes, ref_bwd, bnames)):
-        kn = dict(dflt, saved=not dflt["saved"])
-        with _knobs(F, B, kind, kn):
-            row(kind, kn, make(mod), nbytes, want, names, always=True)
     fk, bk = (_CPU_FWD_KNOBS, _CPU_BWD_KNOBS) if cpu else (_FWD_KNOBS, _BWD_KNOBS)
     sweep = [] if args.quick else [  # forward and backward variants alternate
         (kind, kn) for i in range(max(len(fk), len(bk)))
@@ -406,10 +357,9 @@ def main(argv=None) -> int:
     report = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
               "interpreter": cpu, "copy_gbps": copy, "size_matched_copy_us": size_us,
               "old": args.old or args.old_rev, "shape": p, "fwd_bytes": fwd_bytes,
-              "bwd_bytes": bwd_bytes, "rstd_bytes": rstd_bytes,
-              "seconds": time.perf_counter() - t_start,
+              "bwd_bytes": bwd_bytes, "seconds": time.perf_counter() - t_start,
               "rows": rows}
-    _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes, rstd_bytes)
+    _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes)
     paths = [args.json] if args.json else []
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -427,17 +377,15 @@ def main(argv=None) -> int:
 
 
 
-def _vs_str(vo):
-    return "; ".join(f"{n} {d['differ']}/{d['max_abs']:.2g}" for n, d in vo.items()) if vo else ""
-
-
-def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes, rstd_bytes):
+def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes):
     head = ["op", "knobs", "kernel µs", "graph µs", "host µs", "GB/s", "% copy", "% size",
-            "vs main (elems differ / max abs)", "vs default", "ref rel err"]
+            "vs main (elems differ / max abs)", "ref rel err"]
     lines = []
     for r in rows:
         kn = _knob_str(r["knobs"]) + (" *" if r["default"] else "")
-        vs, vd = _vs_str(r.get("vs_old")), _vs_str(r.get("vs_default"))
+        vo = r.get("vs_old")
+        vs = ("; ".join(f"{n} {d['differ']}/{d['max_abs']:.2g}" for n, d in vo.items())
+              if vo else "")
         if r.get("skipped"):
             chk = "skipped (time budget)"
         else:
@@ -445,13 +393,11 @@ def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes, rstd_bytes
                 "" if r["ok"] else " FAIL " + (r["error"] or "")[:60])
         lines.append([r["op"], kn, fmt(r.get("kernel_us"), ".1f"), fmt(r.get("graph_us"), ".1f"),
                       fmt(r.get("host_us"), ".1f"), fmt(r.get("gbps"), ".0f"),
-                      fmt(r.get("pct_copy"), ".1f"), fmt(r.get("pct_size"), ".1f"), vs, vd,
-                      chk])
+                      fmt(r.get("pct_copy"), ".1f"), fmt(r.get("pct_size"), ".1f"), vs, chk])
     print(f"{dev_name}; copy 1 GiB {copy or 0:.0f} GB/s; size-matched copies: fwd "
           f"{fwd_bytes / 1e6:.1f} MB {fmt(size_us.get('fwd'), '.1f')} µs, bwd "
-          f"{bwd_bytes / 1e6:.1f} MB {fmt(size_us.get('bwd'), '.1f')} µs (rstd rows "
-          f"+{rstd_bytes / 1e6:.2f} MB where written/read); GB/s from the fewest bytes over "
-          "kernel µs")
+          f"{bwd_bytes / 1e6:.1f} MB {fmt(size_us.get('bwd'), '.1f')} µs; GB/s from the "
+          "fewest bytes over kernel µs")
     print_columns(head, lines)
     for r in rows:
         if r.get("kernels_us"):
@@ -564,22 +510,19 @@ def sass_stats(compiled) -> dict:
             "loop_lds": sum(1 for t in body if re.search(r"\bLDS\b", t))}
 
 
-def kernel_args(saved_rstd: bool = True) -> tuple[dict, dict, dict]:
+def kernel_args(new: bool = True) -> tuple[dict, dict, dict]:
     """``(fwd args, bwd args, constexprs)`` of the kernels at the standard shape for
-    :func:`compile_sm90` (both kernel generations' parameter names; ``saved_rstd``: the
-    forward stores rstd and the backward reads it)."""
+    :func:`compile_sm90` (both kernel generations' parameter names)."""
     p = _shape(False)
     T, S, H, HKV, D, R = p["B"] * p["S"], p["S"], p["H"], p["Hkv"], p["D"], p["R"]
     W = (H + 2 * HKV) * D
     common = dict(freqs_ptr="fp32", pos_ptr="fp32", qw_ptr="bf16", kw_ptr="bf16", T=T, S=S,
                   NBATCH=p["B"], H=H, HKV=HKV, D=D, HALF=R // 2, R=R, NPOS=S, stride_b=W,
                   stride_s=2 * W, eps=1e-6)
-    fargs = dict(common, qkv_ptr="bf16", q_ptr="bf16", k_ptr="bf16", v_ptr="bf16",
-                 rstd_ptr="fp32")
+    fargs = dict(common, qkv_ptr="bf16", q_ptr="bf16", k_ptr="bf16", v_ptr="bf16")
     bargs = dict(common, qkv_ptr="bf16", dq_ptr="bf16", dk_ptr="bf16", dv_ptr="bf16",
-                 dqkv_ptr="bf16", dw_ptr="fp32", rstd_ptr="fp32", dstride_b=W, dstride_s=2 * W)
-    base = dict(INTERLEAVED=True, HAS_POS=False, NORM_Q=True, NORM_K=True,
-                STORE_RSTD=saved_rstd, SAVED_RSTD=saved_rstd)
+                 dqkv_ptr="bf16", dw_ptr="fp32", dstride_b=W, dstride_s=2 * W)
+    base = dict(INTERLEAVED=True, HAS_POS=False, NORM_Q=True, NORM_K=True)
     return fargs, bargs, base
 
 
@@ -600,7 +543,6 @@ def sass_table(args) -> int:
         cfg = F.launch_config(H, HKV, D, R, T, kn["tokens"], kn["warps"], kn["approx"],
                               "sbh", p["B"])
         cfg["ROW_ORDER"] = bool(kn.get("row"))
-        cfg["STORE_RSTD" if op == "fwd" else "SAVED_RSTD"] = bool(kn["saved"])
         if op == "bwd":
             cfg["STAGES"] = kn["stages"]
         return cfg
@@ -614,7 +556,7 @@ def sass_table(args) -> int:
     dflt_f, dflt_b = _defaults(F, B)
     for op, dflt, sweep, kernel in (("fwd", dflt_f, _FWD_KNOBS, F._qk_norm_rope_fwd_kernel),
                                     ("bwd", dflt_b, _BWD_KNOBS, B._qk_norm_rope_bwd_kernel)):
-        for i, kn in enumerate([{}, dict(saved=not dflt["saved"])] + sweep):
+        for i, kn in enumerate([{}] + sweep):
             kn = dict(dflt, **kn)
             if i and kn == dflt:
                 continue

@@ -140,81 +140,6 @@ def test_qk_norm_rope_several_head_blocks(device, monkeypatch, interleaved, norm
                         dtype=torch.float32)
 
 
-def _rstd_ref(qkv, layout, H, Hkv, D, interleaved, eps):
-    """float32 ``[B*S, H + Hkv]`` per-head rstd of the q and k heads (tokens ``b*S + s``)."""
-    x = qkv.float().transpose(0, 1) if layout == "sbh" else qkv.float()
-    x = x.reshape(-1, H + 2 * Hkv, D)
-    if interleaved:
-        g = x.view(x.shape[0], Hkv, H // Hkv + 2, D)
-        q, k = g[:, :, :-2].reshape(-1, H, D), g[:, :, -2]
-    else:
-        q, k = x[:, :H], x[:, H:H + Hkv]
-    return torch.rsqrt(torch.cat([q, k], 1).pow(2).mean(-1) + eps)
-
-
-@pytest.mark.parametrize("B,S,layout,interleaved,norm,packed,tokens,D,R,cap", [
-    (3, 29, "sbh", True, "both", True, (1, 1), 16, 8, None),    # standard path, sbh rows
-    (2, 7, "bsh", False, "both", False, (2, 4), 12, 8, None),   # 14 tokens, blocks of 4
-    (1, 1, "sbh", True, "q", False, (4, 2), 6, 2, None),        # 1 token, q norm only
-    (2, 5, "bsh", True, "k", True, (1, 2), 8, 8, None),         # k only, no rest part
-    (1, 3, "bsh", False, "both", False, (2, 1), 256, 128, 4096),  # several head blocks
-])
-def test_qk_norm_rope_saved_rstd(device, monkeypatch, B, S, layout, interleaved, norm,
-                                 packed, tokens, D, R, cap):
-    """The backward reading the forward's saved rstd (BWD_SAVED_RSTD) gives the same
-    gradients, bit for bit, as the one recomputing rstd from qkv: the forward computes it
-    with the same code (head_rstd). Token counts that the token blocks do not divide, a
-    single token, both layouts and orders, q- or k-only norms, the head-block loops. The
-    saved rstd matches float32 torch; a call that records no autograd writes none."""
-    from linghe.bwd import rope as bwd_rope
-    from linghe.functional import rope as fn_rope
-    from linghe.fwd import rope as fwd_rope
-
-    H, Hkv = (17, 1) if cap else (4, 2)
-    monkeypatch.setattr(fwd_rope, "FWD_TOKENS", tokens[0])
-    monkeypatch.setattr(fwd_rope, "BWD_TOKENS", tokens[1])
-    monkeypatch.setattr(bwd_rope, "PROGRAMS_PER_SM", 1)  # fewer programs than blocks
-    if cap:
-        monkeypatch.setattr(fwd_rope, "TILE_CAP", cap)
-    qkv = _qkv(layout, B, S, H, Hkv, D, torch.bfloat16, device)
-    freqs = linghe.rope_freqs(S + 2, R, device=device)
-    qw = (torch.rand(D, device=device) + 0.5) if norm in ("both", "q") else None
-    kw = torch.randn(D, device=device) if norm in ("both", "k") else None
-    pos = torch.randint(0, S + 2, (B, S), device=device) if packed else None
-    kw_args = dict(num_heads=H, num_kv_heads=Hkv, rotary_dim=R, layout=layout,
-                   interleaved=interleaved, position_ids=pos)
-    grads = [torch.randn(B, S, n, D, device=device).to(torch.bfloat16) for n in (H, Hkv, Hkv)]
-    calls = []
-    real_fwd = fn_rope.qk_norm_rope_fwd
-
-    def spy(*a, **k):
-        out = real_fwd(*a, **k)
-        calls.append(out[3] if k.get("save_rstd") else None)
-        return out
-
-    monkeypatch.setattr(fn_rope, "qk_norm_rope_fwd", spy)
-    results = []
-    for saved in (False, True):
-        monkeypatch.setattr(fwd_rope, "BWD_SAVED_RSTD", saved)
-        x = qkv.detach().clone().requires_grad_()
-        ws = [w.detach().clone().requires_grad_() for w in (qw, kw) if w is not None]
-        out = linghe.qk_norm_rope(x, freqs, q_norm_weight=ws[0] if qw is not None else None,
-                                  k_norm_weight=ws[-1] if kw is not None else None, **kw_args)
-        g = torch.autograd.grad(out, [x, *ws], grads)
-        results.append([o.detach() for o in out] + list(g))
-        assert (calls[-1] is not None) == saved
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-    rstd = calls[-1]
-    ref_rstd = _rstd_ref(qkv, layout, H, Hkv, D, interleaved, 1e-6)
-    cols = ([*range(H)] if qw is not None else []) + \
-        ([*range(H, H + Hkv)] if kw is not None else [])
-    torch.testing.assert_close(rstd[:, cols], ref_rstd[:, cols], rtol=2e-6, atol=0)
-    with torch.no_grad():  # inference: no rstd written
-        linghe.qk_norm_rope(qkv, freqs, q_norm_weight=qw, k_norm_weight=kw, **kw_args)
-    assert calls[-1] is None
-
-
 def test_qk_norm_rope_default_rotary_dim(device):
     H, Hkv, D = 2, 1, 6
     qkv = _qkv("sbh", 2, 4, H, Hkv, D, torch.float32, device)
@@ -495,30 +420,23 @@ from benchmark.probe_rope import compile_sm90, kernel_args
 from linghe.bwd import rope as B
 from linghe.fwd import rope as F
 
+fargs, bargs, base = kernel_args()
 cfg = dict(F.launch_config(16, 4, 128, 64, 8192, 1, 4, True, "sbh", 2))
 nw = cfg.pop("num_warps")
 assert cfg["EVEN"] and cfg["SAME"], cfg
-for saved in (False, True):  # inference forward / training forward writing rstd
-    fargs, bargs, base = kernel_args(saved)
-    ptx = compile_sm90(F._qk_norm_rope_fwd_kernel, fargs, dict(base, **cfg), nw).asm["ptx"]
-    # The rotation partner is in-thread, the per-head sums stay in a warp (no shared
-    # memory, no barrier), cos/sin are MUFU ops, the pieces move in 8-byte vectors at
-    # 4 warps, token indices are int32 (no 64-bit division) and no store is masked.
-    assert "cos.approx" in ptx and "sin.approx" in ptx
-    assert "ld.global.v2" in ptx and "st.global.v2" in ptx
+ptx = compile_sm90(F._qk_norm_rope_fwd_kernel, fargs, dict(base, **cfg), nw).asm["ptx"]
+# The rotation partner is in-thread, the per-head sums stay in a warp (no shared
+# memory, no barrier), cos/sin are MUFU ops, the pieces move in 8-byte vectors at
+# 4 warps, token indices are int32 (no 64-bit division) and no store is masked.
+assert "bar.sync" not in ptx and "cos.approx" in ptx and "sin.approx" in ptx
+assert "ld.global.v2" in ptx and "st.global.v2" in ptx
+assert "div.s64" not in ptx and "div.u64" not in ptx
+assert not [ln for ln in ptx.splitlines() if "st.global" in ln and "@" in ln]
+for stages in (1, 2):
+    ptx = compile_sm90(B._qk_norm_rope_bwd_kernel, bargs, dict(base, STAGES=stages, **cfg),
+                       nw).asm["ptx"]
+    assert ("cp.async" in ptx) == (stages > 1), stages
     assert "div.s64" not in ptx and "div.u64" not in ptx
-    masked = [ln for ln in ptx.splitlines() if "st.global" in ln and "@" in ln]
-    if saved:
-        # but the rstd store: 4-byte stores by one lane per head (Triton moves the
-        # reduced values to the store's layout through shared memory)
-        assert masked and all("st.global.b32" in ln for ln in masked), masked
-    else:
-        assert "bar.sync" not in ptx and not masked
-    for stages in (1, 2):
-        ptx = compile_sm90(B._qk_norm_rope_bwd_kernel, bargs,
-                           dict(base, STAGES=stages, **cfg), nw).asm["ptx"]
-        assert ("cp.async" in ptx) == (stages > 1), stages
-        assert "div.s64" not in ptx and "div.u64" not in ptx
 print("COMPILED")
 '''
 
@@ -526,9 +444,8 @@ print("COMPILED")
 def test_qk_norm_rope_compiles_for_sm90(compile_sm90):
     """The qk_norm_rope kernels compile for an H100/H200 (sm_90) without a GPU, with the
     properties the tile layout is for (see linghe/fwd/rope.py): no shared-memory
-    exchange in the forward (but for the saved rstd's store), MUFU cos/sin, vector
-    accesses, int32 token math, a cp.async-pipelined backward loop when BWD_STAGES > 1;
-    with and without the saved rstd."""
+    exchange in the forward, MUFU cos/sin, vector accesses, int32 token math, a
+    cp.async-pipelined backward loop when BWD_STAGES > 1."""
     compile_sm90(_ROPE_COMPILE_SCRIPT)
 
 

@@ -1,9 +1,8 @@
 """Backward kernels of split + qk-norm + RoPE + transpose (HF-layout RoPE's backward is the
 same kernel as its forward, see :func:`linghe.fwd.rope.hf_rope`).
 
-The backward reads ``qkv`` for the norm gradient (``xhat = x * rstd``); the per-head rstd
-is either the forward's saved one (``rstd`` of :func:`qk_norm_rope_bwd`, see
-:data:`linghe.fwd.rope.BWD_SAVED_RSTD`) or recomputed from ``qkv``.
+Nothing but the inputs is saved: the per-head rstd is recomputed from ``qkv``, which the
+backward reads anyway for the norm gradient.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from ..fwd.rope import (
     head_sum,
     launch_config,
     load_head,
-    load_if,
     load_weight,
     rope_cos_sin,
     store_head,
@@ -39,27 +37,12 @@ from .resident import learn_resident, resident_programs
 
 
 @triton.jit
-def load_rstd(r_row, h, m, NORM: tl.constexpr, SAVED: tl.constexpr, EVEN: tl.constexpr):
-    """The forward's rstd ``[BH,BT,1]`` of heads ``h`` at the rstd rows ``r_row [1,BT,1]``
-    (this kind's first column), 0 for masked lanes (their x is 0: xhat stays 0); a
-    placeholder unless ``NORM`` and ``SAVED``."""
-    if NORM and SAVED:
-        r = load_if(r_row + h, m, EVEN)
-    else:
-        r = 0.0
-    return r
-
-
-@triton.jit
 def norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2, w3, w4, a1, a2, a3, a4, cos, sin,
-                  rs, D, eps, NORM: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr,
-                  SAVED_RSTD: tl.constexpr):
+                  D, eps, NORM: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr):
     """RoPE backward ``dn = (g1*cos + g2*sin, g2*cos - g1*sin)`` (the rest passes), then
     the RMSNorm backward ``dx = rstd * (dn*w - xhat * mean(dn*w*xhat))`` with ``dw +=
     dn * xhat`` accumulated elementwise in the fp32 tiles ``a1..a4`` (reduced once, after
-    the token loop). ``rstd`` is ``rs`` (the forward's, ``SAVED_RSTD``) or recomputed
-    from x (a second per-head reduction before the gradient's). Returns ``(dx1, dx2,
-    dx3, dx4, a1, a2, a3, a4)`` (fp32)."""
+    the token loop). Returns ``(dx1, dx2, dx3, dx4, a1, a2, a3, a4)`` (fp32)."""
     u1 = g1.to(tl.float32)
     u2 = g2.to(tl.float32)
     d1 = u1 * cos + u2 * sin
@@ -71,10 +54,7 @@ def norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2, w3, w4, a1, a2, a3, a4
         x2 = x2.to(tl.float32)
         x3 = x3.to(tl.float32)
         x4 = x4.to(tl.float32)
-        if SAVED_RSTD:
-            rstd = rs
-        else:
-            rstd = head_rstd(x1, x2, x3, x4, D, eps, HAS_REST, SAME)
+        rstd = head_rstd(x1, x2, x3, x4, D, eps, HAS_REST, SAME)
         # xhat = 0 where x = 0: a padded head (x loaded as 0) has rstd = inf when eps = 0,
         # and 0 * inf would put NaN into the weight-gradient sums
         x1 = tl.where(x1 == 0, 0.0, x1 * rstd)
@@ -114,14 +94,14 @@ def store_dw(dw_row, a1, a2, a3, a4, HALF, R, RH, HAS_REST: tl.constexpr,
 
 
 @triton.jit
-def bwd_heads(dy_row, x_row, dx_row, r_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, cos,
-              sin, w1, w2, w3, w4, a1, a2, a3, a4, G: tl.constexpr, KIND: tl.constexpr,
+def bwd_heads(dy_row, x_row, dx_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, cos, sin,
+              w1, w2, w3, w4, a1, a2, a3, a4, G: tl.constexpr, KIND: tl.constexpr,
               INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_REST: tl.constexpr,
-              SAME: tl.constexpr, SAVED_RSTD: tl.constexpr, EVEN: tl.constexpr,
-              BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+              SAME: tl.constexpr, EVEN: tl.constexpr, BLOCK_H: tl.constexpr,
+              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
     """One head block of q (``KIND`` 0) or k (1) of a token block: load the gradient (the
-    ``[T, NH, D]`` rows ``dy_row``), the input and (``SAVED_RSTD``) the rstd (rows
-    ``r_row``), store dx into dqkv, return the updated accumulators."""
+    ``[T, NH, D]`` rows ``dy_row``) and the input, store dx into dqkv, return the updated
+    accumulators."""
     h, m, col = head_block(h0, live, NH, H, HKV, D, G, KIND, INTERLEAVED, BLOCK_H)
     g1, g2, g3, g4 = load_head(dy_row, h * D, m, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
                                BLOCK_RH)
@@ -130,10 +110,9 @@ def bwd_heads(dy_row, x_row, dx_row, r_row, live, h0, NH, H, HKV, D, HALF, R, RH
                                    BLOCK_RH)
     else:
         x1, x2, x3, x4 = g1, g2, g3, g4
-    rs = load_rstd(r_row, h, m, NORM, SAVED_RSTD, EVEN)
     y1, y2, y3, y4, a1, a2, a3, a4 = norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2,
-                                                   w3, w4, a1, a2, a3, a4, cos, sin, rs, D,
-                                                   eps, NORM, HAS_REST, SAME, SAVED_RSTD)
+                                                   w3, w4, a1, a2, a3, a4, cos, sin, D, eps,
+                                                   NORM, HAS_REST, SAME)
     store_head(dx_row, col, m, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
                BLOCK_RH)
     return a1, a2, a3, a4
@@ -141,14 +120,13 @@ def bwd_heads(dy_row, x_row, dx_row, r_row, live, h0, NH, H, HKV, D, HALF, R, RH
 
 @triton.jit
 def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_ptr, pos_ptr,
-                             qw_ptr, kw_ptr, dw_ptr, rstd_ptr, T, S, NBATCH, NPOS, stride_b,
-                             stride_s, dstride_b, dstride_s, eps, H: tl.constexpr,
-                             HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                             R: tl.constexpr, RH: tl.constexpr, G: tl.constexpr,
-                             INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
-                             NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
-                             HAS_REST: tl.constexpr, SAME: tl.constexpr,
-                             SAVED_RSTD: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                             qw_ptr, kw_ptr, dw_ptr, T, S, NBATCH, NPOS, stride_b, stride_s,
+                             dstride_b, dstride_s, eps, H: tl.constexpr, HKV: tl.constexpr,
+                             D: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
+                             RH: tl.constexpr, G: tl.constexpr, INTERLEAVED: tl.constexpr,
+                             HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
+                             NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
+                             SAME: tl.constexpr, ONE_BLOCK: tl.constexpr,
                              EVEN: tl.constexpr, APPROX: tl.constexpr,
                              ROW_ORDER: tl.constexpr, STAGES: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
@@ -157,11 +135,9 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
     """Persistent: program ``pid`` handles token blocks ``pid, pid + P, ...`` of
     ``BLOCK_T`` tokens (a loop software-pipelined over ``STAGES`` stages) and writes one
     float32 partial row ``[dq_norm_weight | dk_norm_weight]`` (``2*D``) at ``dw_ptr``.
-    ``SAVED_RSTD``: the rstd are read from the forward's ``[T, H + HKV]`` rows at
-    ``rstd_ptr`` instead of recomputed. The weight-gradient terms stay elementwise in
-    registers until the end (no cross-warp reduction per token). (Loading the k pieces a
-    loop step ahead by hand, beside the pipeliner: H100 59.0 µs vs 58.7 without,
-    removed.)"""
+    The weight-gradient terms stay elementwise in registers until the end (no cross-warp
+    reduction per token). (Loading the k pieces a loop step ahead by hand, beside the
+    pipeliner: H100 59.0 µs vs 58.7 without, removed.)"""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     NB = tl.cdiv(T, BLOCK_T)
@@ -185,8 +161,6 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
         dq_row = dq_ptr + t3 * (H * D)
         dk_row = dk_ptr + t3 * (HKV * D)
         dv_row = dv_ptr + t3 * (HKV * D)
-        rq_row = rstd_ptr + t3 * (H + HKV)  # the forward's rstd rows: q heads, then k
-        rk_row = rq_row + H
         if ONE_BLOCK:
             # every load of the token block is issued before any math
             hq, mq, cq = head_block(0, live, H, H, HKV, D, G, 0, INTERLEAVED, BLOCK_HQ)
@@ -206,19 +180,17 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
                                                BLOCK_HALF, BLOCK_RH)
             else:
                 xk1, xk2, xk3, xk4 = gk1, gk2, gk3, gk4
-            rq = load_rstd(rq_row, hq, mq, NORM_Q, SAVED_RSTD, EVEN)
-            rk = load_rstd(rk_row, hk, mk, NORM_K, SAVED_RSTD, EVEN)
             copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
             cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
                                     EVEN, APPROX, BLOCK_HALF)
             y1, y2, y3, y4, aq1, aq2, aq3, aq4 = norm_rope_bwd(
                 gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, wq1, wq2, wq3, wq4, aq1, aq2, aq3,
-                aq4, cos, sin, rq, D, eps, NORM_Q, HAS_REST, SAME, SAVED_RSTD)
+                aq4, cos, sin, D, eps, NORM_Q, HAS_REST, SAME)
             store_head(dx_row, cq, mq, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
                        BLOCK_HALF, BLOCK_RH)
             y1, y2, y3, y4, ak1, ak2, ak3, ak4 = norm_rope_bwd(
                 gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4, wk1, wk2, wk3, wk4, ak1, ak2, ak3,
-                ak4, cos, sin, rk, D, eps, NORM_K, HAS_REST, SAME, SAVED_RSTD)
+                ak4, cos, sin, D, eps, NORM_K, HAS_REST, SAME)
             store_head(dx_row, ck, mk, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
                        BLOCK_HALF, BLOCK_RH)
         else:
@@ -226,14 +198,14 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
                                     EVEN, APPROX, BLOCK_HALF)
             for h0 in range(0, H, BLOCK_HQ):
                 aq1, aq2, aq3, aq4 = bwd_heads(
-                    dq_row, x_row, dx_row, rq_row, live, h0, H, H, HKV, D, HALF, R, RH, eps,
-                    cos, sin, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, G, 0, INTERLEAVED,
-                    NORM_Q, HAS_REST, SAME, SAVED_RSTD, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
+                    dq_row, x_row, dx_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, cos,
+                    sin, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, G, 0, INTERLEAVED, NORM_Q,
+                    HAS_REST, SAME, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
             for h0 in range(0, HKV, BLOCK_HK):
                 ak1, ak2, ak3, ak4 = bwd_heads(
-                    dk_row, x_row, dx_row, rk_row, live, h0, HKV, H, HKV, D, HALF, R, RH,
-                    eps, cos, sin, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, G, 1, INTERLEAVED,
-                    NORM_K, HAS_REST, SAME, SAVED_RSTD, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
+                    dk_row, x_row, dx_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, cos,
+                    sin, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, G, 1, INTERLEAVED, NORM_K,
+                    HAS_REST, SAME, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
                 hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
                                         BLOCK_HK)
                 copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
@@ -269,20 +241,17 @@ DW_BLOCK_N = 8
 
 def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *,
                      num_heads, num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps,
-                     qkv_shape=None, qkv_dtype=None, rstd=None):
+                     qkv_shape=None, qkv_dtype=None):
     """Returns ``(dqkv, dq_norm_weight, dk_norm_weight)``; ``dq/dk/dv`` contiguous
     ``[B, S, H|Hkv, D]``. ``dqkv`` is contiguous in ``qkv``'s layout and dtype; weight
     gradients are float32 partial rows (one per program, ``[P, 2*D]``) summed by one small
     launch (float32, then cast to the weight's dtype; ``None`` where there is no weight).
     Without norm weights ``qkv`` is not read and may be ``None`` (then
-    ``qkv_shape``/``qkv_dtype`` are given). ``rstd``: the forward's (``qk_norm_rope_fwd(...,
-    save_rstd=True)``, float32 ``[B*S, H + Hkv]``), read instead of recomputed; ``None``:
-    recomputed from ``qkv``."""
+    ``qkv_shape``/``qkv_dtype`` are given)."""
     from ..fwd import rope as fwd
 
     H, Hkv, D = num_heads, num_kv_heads, head_dim
     nq, nk = q_norm_weight is not None, k_norm_weight is not None
-    saved = rstd is not None and (nq or nk)
     if qkv is None:
         assert not (nq or nk), "qkv is needed for the norm backward"
         dqkv = empty(qkv_shape, dtype=qkv_dtype, device=dq.device)
@@ -297,14 +266,11 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
         return (dqkv, torch.zeros_like(q_norm_weight) if nq else None,
                 torch.zeros_like(k_norm_weight) if nk else None)
     fwd.check_tokens(T)
-    if saved:
-        assert (rstd.dtype == torch.float32 and rstd.is_contiguous()
-                and tuple(rstd.shape) == (T, H + Hkv)), "rstd: the forward's [T, H + Hkv]"
     cfg = launch_config(H, Hkv, D, rotary_dim, T, fwd.BWD_TOKENS, fwd.BWD_NUM_WARPS,
                         fwd.COS_SIN_APPROX, layout, B)
     stages = max(1, int(fwd.BWD_STAGES))
     dev = qkv.device
-    key = ("qk_norm_rope_bwd", dev.index, qkv.dtype, nq, nk, saved, interleaved,
+    key = ("qk_norm_rope_bwd", dev.index, qkv.dtype, nq, nk, interleaved,
            position_ids is not None, H, Hkv, D, rotary_dim, stages, *cfg.values())
     blocks = -(-T // cfg["BLOCK_T"])
     P = max(1, min(blocks, num_sms(dev) * resident_programs(key, PROGRAMS_PER_SM)))
@@ -314,9 +280,9 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
         ck = launch(_qk_norm_rope_bwd_kernel, (P,),
             qkv, dq, dk, dv, dqkv, freqs, position_ids if position_ids is not None else freqs,
             q_norm_weight if nq else freqs, k_norm_weight if nk else freqs, partial,
-            rstd if saved else freqs, T, S, B, freqs.shape[0], stride_b, stride_s, dstride_b,
-            dstride_s, eps, INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
-            NORM_Q=nq, NORM_K=nk, SAVED_RSTD=saved, STAGES=stages, **cfg)
+            T, S, B, freqs.shape[0], stride_b, stride_s, dstride_b, dstride_s, eps,
+            INTERLEAVED=interleaved,
+            HAS_POS=position_ids is not None, NORM_Q=nq, NORM_K=nk, STAGES=stages, **cfg)
     learn_resident(key, ck, cfg["num_warps"], MAX_PROGRAMS_PER_SM)
     gq = gk = None
     if nq and nk and q_norm_weight.dtype == k_norm_weight.dtype:

@@ -7,11 +7,9 @@ import torch
 
 from .. import library, reference
 from ..bwd.rope import qk_norm_rope_bwd
-from ..fwd import rope as _fwd_rope
 from ..fwd.rope import hf_rope, qk_norm_rope_fwd
 from ..utils import (
     FLOAT_DTYPES,
-    _NoGradCtx,
     apply_function,
     check_kernel_device,
     check_tensor,
@@ -43,23 +41,18 @@ def _check_positions(position_ids: torch.Tensor, max_pos: int) -> None:
 class _QKNormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, freqs, position_ids, qw, kw, opts):
+        q, k, v = qk_norm_rope_fwd(qkv, freqs, position_ids, qw, kw, **opts)
         norm = qw is not None or kw is not None
-        # The norm backward reads qkv (for xhat), so qkv is saved only when a norm weight
-        # is given. The per-head rstd is written by the forward only when a backward
-        # will read it (a recording call, the BWD_SAVED_RSTD switch on); else the backward
-        # recomputes it from qkv.
-        save_rstd = norm and _fwd_rope.BWD_SAVED_RSTD and not isinstance(ctx, _NoGradCtx)
-        out = qk_norm_rope_fwd(qkv, freqs, position_ids, qw, kw, save_rstd=save_rstd, **opts)
-        q, k, v = out[:3]
-        ctx.save_for_backward(qkv if norm else None, freqs, position_ids, qw, kw,
-                              out[3] if save_rstd else None)
+        # The norm backward recomputes rstd from qkv (read anyway for dw), so qkv is saved
+        # only when a norm weight is given; no activation is saved otherwise.
+        ctx.save_for_backward(qkv if norm else None, freqs, position_ids, qw, kw)
         ctx.meta = (qkv.shape, qkv.dtype, qkv.device)
         ctx.opts = opts
         return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        qkv, freqs, position_ids, qw, kw, rstd = ctx.saved_tensors
+        qkv, freqs, position_ids, qw, kw = ctx.saved_tensors
         shape, dtype, device = ctx.meta
         dq = dq.contiguous() if dq is not None else None
         dk = dk.contiguous() if dk is not None else None
@@ -73,8 +66,7 @@ class _QKNormRope(torch.autograd.Function):
         if dv is None:
             dv = torch.zeros(B, S, Hkv, D, dtype=dtype, device=device)
         dqkv, dqw, dkw = qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, qw, kw,
-                                          qkv_shape=shape, qkv_dtype=dtype, rstd=rstd,
-                                          **ctx.opts)
+                                          qkv_shape=shape, qkv_dtype=dtype, **ctx.opts)
         return dqkv, None, None, dqw, dkw, None
 
 
@@ -110,12 +102,8 @@ def qk_norm_rope(qkv: torch.Tensor, freqs: torch.Tensor, *, num_heads: int,
 
     Backward: ``dqkv`` (contiguous, ``qkv``'s shape/layout/dtype) and the norm weights'
     gradients (float32 accumulation, per-program partials summed in float32). Saved for
-    backward: references to ``qkv`` (only when a norm weight is given), ``freqs``,
-    ``position_ids`` and the weights, and with a norm weight the per-head rstd the
-    forward computed (float32 ``[B*S, H + Hkv]``, 4 bytes per q/k head and token; the
-    backward reads it instead of recomputing it from ``qkv``; not under
-    ``LINGHE_ROPE_SAVED_RSTD=0``, nor under ``torch.compile``, whose backward
-    recomputes it).
+    backward: references to ``qkv`` (only when a norm weight is given; the per-head rstd
+    is recomputed from it), ``freqs``, ``position_ids`` and the weights; no new buffer.
     """
     check_tensor("qkv", qkv, dtypes=FLOAT_DTYPES, ndim=3, last_dim_contiguous=True)
     check_kernel_device("qkv", qkv)

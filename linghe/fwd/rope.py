@@ -8,7 +8,6 @@ The qk_norm_rope helpers (``token_block``, ``rope_cos_sin``, ``head_block``, ``c
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -303,20 +302,16 @@ def head_rstd(a1, a2, a3, a4, D, eps, HAS_REST: tl.constexpr, SAME: tl.constexpr
 
 
 @triton.jit
-def norm_rope_fwd(x1, x2, x3, x4, w1, w2, w3, w4, cos, sin, D, eps, r_ptr, m,
-                  NORM: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr,
-                  STORE_RSTD: tl.constexpr, EVEN: tl.constexpr):
+def norm_rope_fwd(x1, x2, x3, x4, w1, w2, w3, w4, cos, sin, D, eps, NORM: tl.constexpr,
+                  HAS_REST: tl.constexpr, SAME: tl.constexpr):
     """(RMSNorm), then rotate-half RoPE ``(x1*cos - x2*sin, x2*cos + x1*sin)``: fp32
-    ``(y1, y2, y3, y4)``. ``STORE_RSTD`` (with ``NORM``): also store the per-head rstd
-    at ``r_ptr [BH,BT,1]`` (mask ``m``) for the backward."""
+    ``(y1, y2, y3, y4)``."""
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
     a3 = x3.to(tl.float32)
     a4 = x4.to(tl.float32)
     if NORM:
         rstd = head_rstd(a1, a2, a3, a4, D, eps, HAS_REST, SAME)
-        if STORE_RSTD:
-            store_if(r_ptr, rstd, m, EVEN)
         a1 = a1 * rstd * w1
         a2 = a2 * rstd * w2
         if HAS_REST:
@@ -326,34 +321,32 @@ def norm_rope_fwd(x1, x2, x3, x4, w1, w2, w3, w4, cos, sin, D, eps, r_ptr, m,
 
 
 @triton.jit
-def fwd_heads(row, out_row, r_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, w1, w2, w3,
-              w4, cos, sin, G: tl.constexpr, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
+def fwd_heads(row, out_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, w1, w2, w3, w4,
+              cos, sin, G: tl.constexpr, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
               NORM: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr,
-              STORE_RSTD: tl.constexpr, EVEN: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+              EVEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+              BLOCK_RH: tl.constexpr):
     """One head block of q (``KIND`` 0) or k (1): load from the fused projection rows
     ``row [1,BT,1]``, normalize and rotate, store into the output rows ``out_row``
-    (``[T, NH, D]``) and (``STORE_RSTD``) the rstd into ``r_row [1,BT,1]`` (this kind's
-    first column of the rstd rows)."""
+    (``[T, NH, D]``)."""
     h, m, col = head_block(h0, live, NH, H, HKV, D, G, KIND, INTERLEAVED, BLOCK_H)
     x1, x2, x3, x4 = load_head(row, col, m, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
                                BLOCK_RH)
-    y1, y2, y3, y4 = norm_rope_fwd(x1, x2, x3, x4, w1, w2, w3, w4, cos, sin, D, eps,
-                                   r_row + h, m, NORM, HAS_REST, SAME, STORE_RSTD, EVEN)
+    y1, y2, y3, y4 = norm_rope_fwd(x1, x2, x3, x4, w1, w2, w3, w4, cos, sin, D, eps, NORM,
+                                   HAS_REST, SAME)
     store_head(out_row, h * D, m, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
                BLOCK_RH)
 
 
 @triton.jit
-def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, rstd_ptr, T, S, NBATCH,
-              H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4,
-              wk1, wk2, wk3, wk4, G: tl.constexpr, INTERLEAVED: tl.constexpr,
-              HAS_POS: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
-              HAS_REST: tl.constexpr, SAME: tl.constexpr, STORE_RSTD: tl.constexpr,
-              ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr, APPROX: tl.constexpr,
-              ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
-              BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
-              BLOCK_D: tl.constexpr):
+def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H, HKV,
+              D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2,
+              wk3, wk4, G: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+              NORM_Q: tl.constexpr, NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
+              SAME: tl.constexpr, ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr,
+              APPROX: tl.constexpr, ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+              BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token block ``blk`` of the forward: all heads of each kind in one tile
     (``ONE_BLOCK``: every load is issued before any math) or in head blocks."""
     t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
@@ -362,8 +355,6 @@ def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, rstd_ptr, T
     q_row = q_ptr + t3 * (H * D)
     k_row = k_ptr + t3 * (HKV * D)
     v_row = v_ptr + t3 * (HKV * D)
-    rq_row = rstd_ptr + t3 * (H + HKV)  # rstd rows [T, H + HKV]: q heads, then k heads
-    rk_row = rq_row + H
     if ONE_BLOCK:
         hq, mq, cq = head_block(0, live, H, H, HKV, D, G, 0, INTERLEAVED, BLOCK_HQ)
         hk, mk, ck = head_block(0, live, HKV, H, HKV, D, G, 1, INTERLEAVED, BLOCK_HK)
@@ -376,26 +367,24 @@ def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, rstd_ptr, T
         cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
                                 EVEN, APPROX, BLOCK_HALF)
         y1, y2, y3, y4 = norm_rope_fwd(xq1, xq2, xq3, xq4, wq1, wq2, wq3, wq4, cos, sin,
-                                       D, eps, rq_row + hq, mq, NORM_Q, HAS_REST, SAME,
-                                       STORE_RSTD, EVEN)
+                                       D, eps, NORM_Q, HAS_REST, SAME)
         store_head(q_row, hq * D, mq, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
                    BLOCK_HALF, BLOCK_RH)
         y1, y2, y3, y4 = norm_rope_fwd(xk1, xk2, xk3, xk4, wk1, wk2, wk3, wk4, cos, sin,
-                                       D, eps, rk_row + hk, mk, NORM_K, HAS_REST, SAME,
-                                       STORE_RSTD, EVEN)
+                                       D, eps, NORM_K, HAS_REST, SAME)
         store_head(k_row, hk * D, mk, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
                    BLOCK_HALF, BLOCK_RH)
     else:
         cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
                                 EVEN, APPROX, BLOCK_HALF)
         for h0 in range(0, H, BLOCK_HQ):
-            fwd_heads(row, q_row, rq_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, wq1,
-                      wq2, wq3, wq4, cos, sin, G, 0, INTERLEAVED, NORM_Q, HAS_REST, SAME,
-                      STORE_RSTD, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
+            fwd_heads(row, q_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, wq1, wq2,
+                      wq3, wq4, cos, sin, G, 0, INTERLEAVED, NORM_Q, HAS_REST, SAME,
+                      EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
         for h0 in range(0, HKV, BLOCK_HK):
-            fwd_heads(row, k_row, rk_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, wk1,
-                      wk2, wk3, wk4, cos, sin, G, 1, INTERLEAVED, NORM_K, HAS_REST, SAME,
-                      STORE_RSTD, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
+            fwd_heads(row, k_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, wk1, wk2,
+                      wk3, wk4, cos, sin, G, 1, INTERLEAVED, NORM_K, HAS_REST, SAME,
+                      EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
             hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
                                     BLOCK_HK)
             copy_heads(row + cv, v_row + hv * D, mv, D, EVEN, BLOCK_D)
@@ -403,31 +392,29 @@ def fwd_block(blk, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, rstd_ptr, T
 
 @triton.jit
 def _qk_norm_rope_fwd_kernel(qkv_ptr, freqs_ptr, pos_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
-                             v_ptr, rstd_ptr, T, S, NBATCH, NPOS, stride_b, stride_s, eps,
+                             v_ptr, T, S, NBATCH, NPOS, stride_b, stride_s, eps,
                              H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                              HALF: tl.constexpr, R: tl.constexpr, RH: tl.constexpr,
                              G: tl.constexpr, INTERLEAVED: tl.constexpr,
                              HAS_POS: tl.constexpr, NORM_Q: tl.constexpr,
                              NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
-                             SAME: tl.constexpr, STORE_RSTD: tl.constexpr,
-                             ONE_BLOCK: tl.constexpr,
+                             SAME: tl.constexpr, ONE_BLOCK: tl.constexpr,
                              EVEN: tl.constexpr, APPROX: tl.constexpr,
                              ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
                              BLOCK_D: tl.constexpr):
-    """One token block of ``BLOCK_T`` tokens per program (:func:`fwd_block`);
-    ``STORE_RSTD``: also the normalized heads' rstd (float32 ``[T, H + HKV]``)."""
+    """One token block of ``BLOCK_T`` tokens per program (:func:`fwd_block`)."""
     pid = tl.program_id(0)
     wq1, wq2, wq3, wq4 = load_weight(qw_ptr, HALF, R, RH, NORM_Q, HAS_REST, BLOCK_HALF,
                                      BLOCK_RH)
     wk1, wk2, wk3, wk4 = load_weight(kw_ptr, HALF, R, RH, NORM_K, HAS_REST, BLOCK_HALF,
                                      BLOCK_RH)
-    fwd_block(pid, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, rstd_ptr, T, S, NBATCH,
-              H, HKV, D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4, wk1,
-              wk2, wk3, wk4, G, INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME,
-              STORE_RSTD, ONE_BLOCK, EVEN, APPROX, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK,
-              BLOCK_HALF, BLOCK_RH, BLOCK_D)
+    fwd_block(pid, qkv_ptr, freqs_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, T, S, NBATCH, H, HKV,
+              D, HALF, R, RH, NPOS, stride_b, stride_s, eps, wq1, wq2, wq3, wq4, wk1, wk2,
+              wk3, wk4, G, INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, SAME, ONE_BLOCK,
+              EVEN, APPROX, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH,
+              BLOCK_D)
 
 
 #: Tokens per program and warps of the forward, and the backward's tokens per loop step
@@ -456,16 +443,6 @@ COS_SIN_APPROX = True
 ROW_ORDER = True
 #: Elements of one kind's head tile (all its tokens and heads, full head width) at most.
 TILE_CAP = 8192
-#: A forward that records autograd (training) also writes each normalized head's rstd
-#: (float32 ``[T, H + Hkv]``, 4 bytes per q/k head and token) and the backward loads it
-#: instead of recomputing it from qkv, which leaves the norm backward one reduction per
-#: head instead of two (``LINGHE_ROPE_SAVED_RSTD=0``: recompute, nothing extra saved).
-#: The forward computes rstd with the backward's code (:func:`head_rstd`) on the same tile
-#: layout (at FWD_TOKENS = BWD_TOKENS and equal warps), so the two ways give the same
-#: gradients bit for bit (the interpreter's do; probe_rope checks the GPU's). The store
-#: costs the forward a small layout conversion through shared memory (Triton moves the
-#: reduced values to the store's layout; a few barriers per program).
-BWD_SAVED_RSTD = os.environ.get("LINGHE_ROPE_SAVED_RSTD", "1") == "1"
 
 
 @functools.cache  # per-shape decision, cached (host time)
@@ -536,23 +513,17 @@ def token_strides(qkv: torch.Tensor, layout: str):
 
 
 def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, num_heads,
-                     num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps,
-                     save_rstd=False):
-    """Launch the forward; inputs are validated by ``functional.rope``. Returns (q, k, v);
-    with ``save_rstd`` (q, k, v, rstd): ``rstd [B*S, H + Hkv]`` float32 (tokens in the
-    output order ``b*S + s``; q heads, then k heads; the columns of a kind without norm
-    weight are not written), ``None`` without any norm weight."""
+                     num_kv_heads, head_dim, rotary_dim, layout, interleaved, eps):
+    """Launch the forward; inputs are validated by ``functional.rope``. Returns (q, k, v)."""
     H, Hkv, D = num_heads, num_kv_heads, head_dim
     B, S, stride_b, stride_s = token_strides(qkv, layout)
     dev = qkv.device
-    T = B * S
     q = empty(B, S, H, D, dtype=qkv.dtype, device=dev)
     k = empty(B, S, Hkv, D, dtype=qkv.dtype, device=dev)
     v = empty(B, S, Hkv, D, dtype=qkv.dtype, device=dev)
-    store = save_rstd and (q_norm_weight is not None or k_norm_weight is not None)
-    rstd = empty(T, H + Hkv, dtype=torch.float32, device=dev) if store else None
+    T = B * S
     if T == 0:
-        return (q, k, v, rstd) if save_rstd else (q, k, v)
+        return q, k, v
     check_tokens(T)
     cfg = launch_config(H, Hkv, D, rotary_dim, T, FWD_TOKENS, FWD_NUM_WARPS, COS_SIN_APPROX,
                         layout, B)
@@ -561,11 +532,10 @@ def qk_norm_rope_fwd(qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *, 
             qkv, freqs, position_ids if position_ids is not None else freqs,
             q_norm_weight if q_norm_weight is not None else freqs,
             k_norm_weight if k_norm_weight is not None else freqs,
-            q, k, v, rstd if store else freqs, T, S, B, freqs.shape[0], stride_b, stride_s,
-            eps, INTERLEAVED=interleaved, HAS_POS=position_ids is not None,
-            NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None,
-            STORE_RSTD=store, **cfg)
-    return (q, k, v, rstd) if save_rstd else (q, k, v)
+            q, k, v, T, S, B, freqs.shape[0], stride_b, stride_s, eps, INTERLEAVED=interleaved,
+            HAS_POS=position_ids is not None, NORM_Q=q_norm_weight is not None,
+            NORM_K=k_norm_weight is not None, **cfg)
+    return q, k, v
 
 
 # --------------------------------------------------------------------------------------
