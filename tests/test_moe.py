@@ -280,7 +280,11 @@ def test_grouped_swiglu_fp8_high_precision_wgrad(case, fp8_rows):
         assert torch.equal(rg, rg8)
     else:
         assert torch.equal(grads[0], grads8[0])
-    assert torch.equal(grads[1], grads8[1])
+    if I % 128 == 0:
+        # the one-kernel dh + FP8 copy sums dprobs' rows in another order on the GPU
+        torch.testing.assert_close(grads[1], grads8[1], rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(grads[1], grads8[1])
     # d_down against the float64 product of the gradient and the FP8 SwiGLU output the
     # forward multiplied (rebuilt from the public kernel-level ops).
     w1q = linghe.quantize_grouped_weight(w1, pow2_scale=True)
