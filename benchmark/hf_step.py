@@ -176,17 +176,20 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
         gc.unfreeze()
     step_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    busy = None
+    busy = prof = None
     if device == "cuda":  # GPU time of one more step: the profiler's kernel sum
         from .e2e import profile_steps
 
-        busy = profile_steps(step, n_steps, 1)["busy_ms"]
+        prof = profile_steps(step, n_steps, 1, top=25)
+        busy = prof["busy_ms"]
     suffix = "" if not args.compile else (
         "+compile" if args.compile_mode == "default" else f"+compile({args.compile_mode})")
     row = dict(mode=mode + suffix, params=n_params,
                tokens_per_step=B * S * n_mb,
                step_ms=step_s * 1e3, tokens_per_s=B * S * n_mb / step_s,
-               gpu_busy_ms=busy, peak_mem_gib=peak, first_loss=losses[0],
+               gpu_busy_ms=busy, gpu_families_ms=prof["families_ms"] if busy else None,
+               top_kernels=prof["top_kernels"] if busy else None,
+               peak_mem_gib=peak, first_loss=losses[0],
                last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times],
                gc_ms_all=gc_ms, host_canary_ms_all=canary_ms[args.warmup:])
     return row
@@ -228,6 +231,21 @@ class _GcLog:
 
     def __str__(self) -> str:
         return f"gc {self.ms:.1f} ms (collections by generation {self.counts})"
+
+
+def print_families(rows: list[dict]) -> None:
+    """GPU ms per step by op family (the profiled step's kernels), one column per mode."""
+    rows = [r for r in rows if r.get("gpu_families_ms")]
+    if not rows:
+        return
+    fams = [f for f in rows[0]["gpu_families_ms"]
+            if any(r["gpu_families_ms"].get(f, 0.0) > 0.005 for r in rows)]
+    print("GPU time per step by op family (ms, torch.profiler kernel time):")
+    print(f"{'family':>20s} | " + " | ".join(f"{r['mode']:>16s}" for r in rows))
+    for f in fams:
+        print(f"{f:>20s} | " + " | ".join(f"{r['gpu_families_ms'].get(f, 0.0):16.2f}"
+                                          for r in rows))
+    print()
 
 
 def print_table(rows: list[dict]) -> None:
@@ -350,6 +368,7 @@ def main(argv=None) -> int:
     print(f"Qwen3-MoE-shaped model, {rows[0]['params'] / 1e6:.1f}M parameters, "
           f"{rows[0]['tokens_per_step']} tokens/step ({args.micro_batches} micro-batch(es)), "
           f"{dtype}, {args.optimizer} AdamW")
+    print_families(rows)
     print_table(rows)
     return 0
 
