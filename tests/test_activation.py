@@ -247,7 +247,7 @@ def test_bwd_quant_kernel_batch(device, monkeypatch, case, n, mode):
 
 @pytest.mark.parametrize("case", [([3, 0, 140], 5), ([0, 0], 3), ([37], 0)],
                          ids=lambda c: f"E{len(c[0])}")
-@pytest.mark.parametrize("n", [128, 256, 192])  # 192: the two-kernel fallback
+@pytest.mark.parametrize("n", [128, 256, 384, 192])  # 384: 3 column tiles; 192: fallback
 @pytest.mark.parametrize("with_probs", [True, False])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_bwd_rowwise_fp8_same_bits(device, case, n, with_probs, pow2):

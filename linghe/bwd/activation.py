@@ -239,6 +239,10 @@ def _launch_silu_mul_bwd(dy, x, probs, need_dprobs, counts, align, quant=False, 
         s = empty(M, cdiv(2 * N, BLOCK), dtype=torch.float32, device=x.device)
     if M > 0:
         BM, BN, warps = _fwd.tile_config(M, max(N, 1))
+        if quant:  # column tiles of whole 1x128 groups of one half: BN divides N
+            BN = BLOCK * min((N // BLOCK) & -(N // BLOCK), 1024 // BLOCK)
+            BM = max(1, min(_fwd.TILE_ELEMS // BN, next_power_of_2(M)))
+            warps = 4 if BM * BN <= 4096 else 8
         E = counts.numel() if counts is not None else 0
         with device_guard(x):
             launch(_silu_mul_bwd_kernel, (cdiv(M, BM),),
@@ -259,13 +263,12 @@ def silu_mul_bwd_rowwise_fp8(dy: torch.Tensor, x: torch.Tensor, probs: torch.Ten
     Returns ``(dx [M, 2N] in x's dtype, q [M, 2N] e4m3, s [M, cdiv(2N, 128)] float32,
     dprobs [M] or None)``; ``(q, s)`` are the bits ``quantize_grouped_fwd(dx, counts,
     align, columnwise=False)`` returns (padding and tail rows: zeros, scale 1). One
-    kernel where the column tiles hold whole 1x128 groups of one half (``N`` a power of
-    two >= 128, or a multiple of 1024; dx is never read back); otherwise (documented
-    fallback) ``silu_mul_bwd`` then ``quantize_grouped_fwd``.
+    kernel where ``N`` is a multiple of 128 (its column tiles are whole 1x128 groups of
+    one half; dx is never read back); otherwise (documented fallback) ``silu_mul_bwd``
+    then ``quantize_grouped_fwd``.
     """
     N = x.shape[1] // 2
-    BN = _fwd.tile_config(max(x.shape[0], 1), max(N, 1))[1]
-    if N > 0 and N % BN == 0 and BN % BLOCK == 0:  # (whole 1x128 groups in every tile)
+    if N > 0 and N % BLOCK == 0:
         dx, dp, q, s = _launch_silu_mul_bwd(dy, x, probs, need_dprobs, counts, align,
                                             quant=True, pow2=pow2_scale)
         return dx, q, s, dp
