@@ -90,7 +90,7 @@ from .e2e_model import (  # noqa: E402
     train_step,
     update,
 )
-from .harness import GpuClockLog, fmt  # noqa: E402
+from .harness import GpuClockLog, fmt, host_canary_ms  # noqa: E402
 
 #: Dense tensor-core peaks (TFLOP/s, without sparsity) of SXM parts: (bf16, fp8).
 PEAK_TFLOPS = {"H200": (989.4, 1978.9), "H100": (989.4, 1978.9)}
@@ -290,11 +290,14 @@ def measure(cfg: E2EConfig, mode: str, *, device, graph: bool, steps: int, warmu
         _sync(device)
         row["warmup_s"] = time.perf_counter() - t0
         losses = []
+        canary = [host_canary_ms()]
         t0, e0 = time.perf_counter(), time.time()
         for i in range(steps):
             losses.append(step(warmup + i))
         _sync(device)
         wall = (time.perf_counter() - t0) / steps
+        canary.append(host_canary_ms())
+        row["host_canary_ms"] = canary  # before and after the timed steps (harness)
         row["clocks"] = clocks.summary(e0, time.time()) if clocks is not None else None
         row["step_ms"] = wall * 1e3
         row["losses"] = torch.stack(losses).float().cpu().tolist()
@@ -398,6 +401,12 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
             f"{_label(r)} SM {c['sm_mhz']:.0f} MHz (min {c['sm_mhz_min']:.0f}), memory "
             f"{c['mem_mhz']:.0f} MHz, {c['power_w']:.0f} W (max {c['power_w_max']:.0f}), "
             f"max {c['temp_c_max']:.0f} C" for r, c in clk), file=file)
+    canaries = [r for r in rows if not r["error"] and r.get("host_canary_ms")]
+    if canaries:
+        print("Host canary (a fixed pure-Python loop, ~1 ms on a fast core; a slow one "
+              "means a slow host CPU, not linghe) before/after the timed steps: "
+              + "; ".join(f"{_label(r)} " + "/".join(f"{c:.2f}" for c in r["host_canary_ms"])
+                          + " ms" for r in canaries), file=file)
     loads = [r for r in rows if not r["error"] and r.get("routing_load")]
     if loads:
         print("Expert loads after the timed steps (busiest expert / mean, worst layer; "

@@ -218,6 +218,17 @@ def device_time_us(fn: Callable[[], Any], reps: int = 10) -> float | None:
         return None
 
 
+def host_canary_ms() -> float:
+    """The time of a fixed pure-Python loop (about 1 ms on a fast core): taken beside a
+    step, it tells a slow host CPU (a noisy neighbour, frequency, scheduling) from the
+    step's own host work when a host-bound step is slow."""
+    t0 = time.perf_counter()
+    acc = 0
+    for i in range(20000):
+        acc += i * i
+    return (time.perf_counter() - t0) * 1e3
+
+
 def wall_us(fn: Callable[[], Any], reps: int = 3) -> float:
     """Wall µs per call of ``fn`` (after one warm-up call): the probes' timer on the CPU
     interpreter, where there are no kernel times."""

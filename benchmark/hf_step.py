@@ -61,6 +61,8 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
+from .harness import host_canary_ms  # noqa: E402
+
 GPU_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  moe_intermediate_size=384, num_hidden_layers=8, num_attention_heads=16,
                  num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
@@ -157,7 +159,7 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
             gc.collect()
             gc.freeze()  # the model's objects out of every later collection's scan
         _sync(device)
-        canary_ms.append(_host_canary_ms())
+        canary_ms.append(host_canary_ms())
         gc_log.reset()
         t0 = time.perf_counter()
         loss = step(i)
@@ -193,17 +195,6 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
                last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times],
                gc_ms_all=gc_ms, host_canary_ms_all=canary_ms[args.warmup:])
     return row
-
-
-def _host_canary_ms() -> float:
-    """The time of a fixed pure-Python loop (about 1 ms on a fast core), taken before
-    each step: when a host-bound step is slow and this is slow too, the host's CPU was
-    (a noisy neighbour, frequency, scheduling), not the step's own work."""
-    t0 = time.perf_counter()
-    acc = 0
-    for i in range(20000):
-        acc += i * i
-    return (time.perf_counter() - t0) * 1e3
 
 
 class _GcLog:

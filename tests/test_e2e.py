@@ -245,6 +245,7 @@ def test_cli_torch_mode(tmp_path):
     res = json.loads(out.read_text())
     (row,) = res["rows"]
     assert row["error"] is None and row["mode"] == "torch" and row["step_ms"] > 0
+    assert len(row["host_canary_ms"]) == 2 and min(row["host_canary_ms"]) > 0
     assert res["config"]["layers"] == 1 and res["flops_per_step"]["total"] > 0
     assert res["targets"]["fp8 vs bf16 final loss gap"] == {
         "value": -0.004, "target": "|gap| <= 0.01", "met": True}
