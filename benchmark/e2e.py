@@ -956,6 +956,11 @@ def parse_args(argv=None):
                         "default), tiny (CPU default)")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts per layer (default: the preset's, 256 for "
+                        "ling-mini); e.g. 32, the experts one GPU holds at expert "
+                        "parallelism 8, each seeing 8x the rows: an EP-8 step's expert "
+                        "GEMMs on one GPU, without its all-to-all")
     p.add_argument("--balance-routing", action=argparse.BooleanOptionalAction, default=True,
                    help="throughput runs: route by random logits (linghe.nn.MoE."
                         "force_balanced_routing, as Megatron-LM's benchmark option), so "
@@ -1042,7 +1047,8 @@ def config_from_args(args, device) -> E2EConfig:
     on_gpu = torch.device(device).type == "cuda"
     if args.width is None:
         args.width = ("small" if args.train_steps else "ling-mini") if on_gpu else "tiny"
-    over = {k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None}
+    over = {k: v for k, v in (("seq", args.seq), ("batch", args.batch),
+                              ("experts", args.experts)) if v is not None}
     cfg = preset(args.width, **over)
     if args.layers == "auto":
         mem = (torch.cuda.get_device_properties(device).total_memory if on_gpu else 8 << 30)

@@ -650,6 +650,18 @@ def test_cli_micro_batches(tmp_path):
                   "--cuda-graph"])
 
 
+def test_cli_experts(tmp_path):
+    """``--experts`` overrides the preset's routed experts (an EP-8 GPU's share)."""
+    out = tmp_path / "x.json"
+    rc = e2e.main(["--mode", "bf16", "--width", "tiny", "--layers", "1", "--steps", "1",
+                   "--warmup", "0", "--profile-steps", "0", "--experts", "6",
+                   "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["experts"] == 6 and res["rows"][0]["error"] is None
+    assert res["params"] == total_params(preset("tiny", layers=1, experts=6))
+
+
 def test_forced_balanced_routing_is_even_and_trains_the_router():
     from benchmark.e2e_model import force_balanced_routing, load_stats, routing_load
 
