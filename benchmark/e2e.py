@@ -1050,6 +1050,15 @@ def config_from_args(args, device) -> E2EConfig:
     over = {k: v for k, v in (("seq", args.seq), ("batch", args.batch),
                               ("experts", args.experts)) if v is not None}
     cfg = preset(args.width, **over)
+    if args.micro_batches < 1:
+        raise SystemExit("--micro-batches must be >= 1")
+    if args.micro_batches > 1:
+        if args.train_steps or args.cuda_graph:
+            raise SystemExit("--micro-batches > 1 is for eager throughput runs (no "
+                             "--train-steps, no --cuda-graph)")
+        cfg = replace(cfg, micro_batches=args.micro_batches,
+                      deferred_wgrad=bool(args.deferred_wgrad))
+    # (the micro-batch settings first: the layer estimate counts the deferred stash)
     if args.layers == "auto":
         mem = (torch.cuda.get_device_properties(device).total_memory if on_gpu else 8 << 30)
         n = estimate_layers(cfg, mem, args.mode)
@@ -1059,14 +1068,6 @@ def config_from_args(args, device) -> E2EConfig:
         cfg = replace(cfg, layers=int(args.layers))
     elif args.width == "ling-mini":
         cfg = replace(cfg, layers=4)
-    if args.micro_batches < 1:
-        raise SystemExit("--micro-batches must be >= 1")
-    if args.micro_batches > 1:
-        if args.train_steps or args.cuda_graph:
-            raise SystemExit("--micro-batches > 1 is for eager throughput runs (no "
-                             "--train-steps, no --cuda-graph)")
-        cfg = replace(cfg, micro_batches=args.micro_batches,
-                      deferred_wgrad=bool(args.deferred_wgrad))
     if args.lr is None:
         args.lr = 2e-3 if args.train_steps else 1e-3
     return cfg

@@ -165,8 +165,10 @@ def estimate_layers(cfg: E2EConfig, memory_bytes: int, modes=MODES) -> int:
     a step: bf16 weights, gradients and AdamW's two moments (8 bytes per parameter), the
     FP8 copies of the weights in FP8 mode (2 bytes per parameter), the saved activations
     of a layer (the MoE rows, the expert GEMM outputs, the attention tensors; doubled for
-    the torch mode, whose reference ops keep float32 copies) and a fixed part (embedding,
-    LM head, the logits of the torch mode's cross entropy and workspace). 10% headroom."""
+    the torch mode, whose reference ops keep float32 copies), the deferred expert wgrad's
+    stash (``deferred_wgrad``: each micro-batch but the last keeps both expert GEMMs'
+    ``d_out`` and rows, counted in bf16) and a fixed part (embedding, LM head, the logits
+    of the torch mode's cross entropy and workspace). 10% headroom."""
     H, T = cfg.hidden, cfg.tokens
     one = replace(cfg, layers=1)
     layer_params = total_params(one) - total_params(replace(cfg, layers=0))
@@ -176,6 +178,10 @@ def estimate_layers(cfg: E2EConfig, memory_bytes: int, modes=MODES) -> int:
                       + 3 * cfg.shared_experts * cfg.moe_intermediate))
     per_byte = 10 if "fp8" in modes else 8
     per_layer = layer_params * per_byte + act * (2 if "torch" in modes else 1)
+    if cfg.deferred_wgrad and cfg.micro_batches > 1:
+        # gate_up: d_out [rows, 2I], rows [rows, H]; down: d_out [rows, H], a [rows, I]
+        I = cfg.moe_intermediate
+        per_layer += (cfg.micro_batches - 1) * rows * (3 * I + 2 * H) * 2
     logits = T * cfg.vocab * (2 + 4 + 4) if "torch" in modes else 0
     fixed = 2 * cfg.vocab * H * 8 + logits + (4 << 30)
     return max(2, int((0.9 * memory_bytes - fixed) // per_layer))
