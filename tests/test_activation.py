@@ -548,6 +548,30 @@ def test_batch_quant_fwd_cvt4_same_bits(device, monkeypatch, pow2):
         assert a.shape == b.shape and torch.equal(bits(a), bits(b)), i
 
 
+@pytest.mark.parametrize("n", [256, 200])
+def test_batch_quant_fwd_bf16_bits_same_bits(device, monkeypatch, n):
+    """The batch forward's bf16 inputs widened by bit operations (``BATCH_QUANT_BF16_BITS``,
+    the default for both copies) give Triton's cast's bits: both copies with pow2 and
+    exact scales, in both program orders, full tiles beside partial ones, zero-token
+    experts, a tail, NaN in the rows not read."""
+    from linghe.fwd import activation as A
+
+    counts, tail = [0, 300, 37, 129, 0, 5], 16
+    x, probs, c, real, R = _batch_inputs(counts, tail, 16, n, torch.bfloat16, device)
+    bits = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+    for pow2, order in ((True, "cols"), (False, "rows")):
+        monkeypatch.setattr(A, "BATCH_QUANT_ORDER", order)
+        outs = []
+        for on in (True, False):
+            monkeypatch.setattr(A, "BATCH_QUANT_BF16_BITS", on)
+            outs.append(A.batch_silu_mul_quant_fwd(x, probs, c, 16, columnwise=True,
+                                                   pow2_scale=pow2))
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert (a is None) == (b is None), (pow2, i)
+            if a is not None:
+                assert a.shape == b.shape and torch.equal(bits(a), bits(b)), (pow2, i)
+
+
 @pytest.mark.gpu_subset(knobs=[dict(BATCH_QUANT_ROW_NUM_WARPS=8)])
 @pytest.mark.parametrize("knobs", [dict(BATCH_QUANT_ROW_NUM_WARPS=8),
                                    dict(BATCH_QUANT_ROW_ORDER="cols"),

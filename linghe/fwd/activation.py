@@ -80,6 +80,14 @@ BATCH_QUANT_PACK = True
 #: ``h200_probe_batch_quant_2026-11-26_s10``. sm_90 SASS (triton 3.6): 3200 -> 2896
 #: instructions per tile, spills 8 -> 0 bytes.
 BATCH_QUANT_CVT4 = True
+#: the batch forward with both copies widens its bf16 inputs by bit operations
+#: (:func:`bf16x2_to_f32`: 2 SASS instructions per pair instead of Triton's 3). Same bits.
+#: H200, E = 32, both copies: 122.0 -> 117.1 us (pow2), 128.5 -> 116.9 (exact); E = 256
+#: 134.1 -> 125.1 (with int32 row offsets); H100 158.9 -> 157.7 (pow2), 161.7 -> 158.2
+#: (``h200_probe_batch_quant_isa_2026-11-27_s11``, ``h100_..._not_kept_...``). The
+#: rowwise-only launch keeps Triton's cast: with int32 row offsets it was 12-14% slower
+#: on the H200 and 4% on the H100 (alone it was not timed).
+BATCH_QUANT_BF16_BITS = True
 #: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy):
 #: 16 for its non-batch form, 530 against 623 µs with 8 at [69376, 2048] on an H100 (the
 #: batch form, when ``QUANT_BWD_MODE = "fused"``, preferred 8: 766 against 848).
@@ -132,6 +140,20 @@ def silu_ftz(g):
         s = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e],
                                       dtype=tl.float32, is_pure=True, pack=1)
     return g * s
+
+
+@triton.jit
+def bf16x2_to_f32(x):
+    """``x.to(tl.float32)`` for bf16 ``x``: a pair of bf16 in one 32-bit register widens to
+    ``w << 16`` and ``w & 0xFFFF0000``, one instruction each. The same bits (widening bf16
+    is exact; sm_90 ptxas lowers ``cvt.f32.bf16`` to the same shift, after extracting the
+    high half first: 3 instructions a pair)."""
+    if _INTERPRET_C:
+        return x.to(tl.float32)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ shl.b32 $0, $2, 16;\n and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [x],
+            dtype=tl.float32, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -233,18 +255,24 @@ def _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr, q
                      st_ptr, M, N, stride_x, NG, BM: tl.constexpr, COLWISE: tl.constexpr,
                      POW2: tl.constexpr, HAS_P: tl.constexpr, FAST_SILU: tl.constexpr,
                      tile_start=0, stop=0, PACK: tl.constexpr = False,
-                     RPT: tl.constexpr = 4, CVT4: tl.constexpr = False):
+                     RPT: tl.constexpr = 4, CVT4: tl.constexpr = False,
+                     BF16_BITS: tl.constexpr = False):
     """One [BM, 128] output block (columns ``pid_n * 128 ..``) of the quantizing forward
     (``FAST_SILU``: :func:`silu_ftz`, else :func:`silu_f32`). ``PACK`` (the batch kernel;
     rows in :func:`packed_row_order`, ``BM = 128``): the columnwise copy leaves through
     :func:`store_cols_packed` (tile rows from ``tile_start``, tokens below ``stop``), or
-    :func:`store_cols_cvt4` with ``CVT4``."""
+    :func:`store_cols_cvt4` with ``CVT4``. ``BF16_BITS`` (bf16 ``x``): the inputs widen by
+    :func:`bf16x2_to_f32`."""
     cols = pid_n * 128 + tl.arange(0, 128)
     cmask = cols < N
     mask = lmask[:, None] & cmask[None, :]
     xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
-    g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(xp, mask=mask, other=0.0)
+    u = tl.load(xp + N, mask=mask, other=0.0)
+    if BF16_BITS:
+        g, u = bf16x2_to_f32(g), bf16x2_to_f32(u)
+    else:
+        g, u = g.to(tl.float32), u.to(tl.float32)
     if FAST_SILU:
         silu = silu_ftz(g)
     else:
@@ -330,7 +358,8 @@ def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr
                                      POW2: tl.constexpr, HAS_P: tl.constexpr,
                                      ALIGN16: tl.constexpr, NCOL: tl.constexpr,
                                      ROWS_FIRST: tl.constexpr, PACK: tl.constexpr = False,
-                                     RPT: tl.constexpr = 8, CVT4: tl.constexpr = False):
+                                     RPT: tl.constexpr = 8, CVT4: tl.constexpr = False,
+                                     BF16_BITS: tl.constexpr = False):
     # Program pid takes row tile pid_m (from the tile map: it starts at its segment's
     # start, so columnwise groups never cross segments) and the 128-column blocks
     # [pid_c * NCOL, pid_c * NCOL + NCOL), in turn; NPC column programs per row tile.
@@ -375,12 +404,13 @@ def _batch_silu_mul_quant_fwd_kernel(x_ptr, p_ptr, map_ptr, q_ptr, s_ptr, qt_ptr
         if NCOL == 1:
             _quant_fwd_block(pid_m, pid_c, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
                              qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2, HAS_P,
-                             True, tile_start, stop, PACK, RPT, CVT4)
+                             True, tile_start, stop, PACK, RPT, CVT4, BF16_BITS)
         else:
             for pid_n in tl.range(n0, n1, num_stages=1):
                 _quant_fwd_block(pid_m, pid_n, rows, lmask, smask, p, x_ptr, q_ptr, s_ptr,
                                  qt_ptr, st_ptr, M, N, stride_x, NG, 128, COLWISE, POW2,
-                                 HAS_P, True, tile_start, stop, PACK, RPT, CVT4)
+                                 HAS_P, True, tile_start, stop, PACK, RPT, CVT4,
+                                 BF16_BITS)
 
 
 _TILE_CONFIGS: dict = {}
@@ -511,5 +541,8 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
                    x.stride(0), G, npc, COLWISE=columnwise, POW2=pow2_scale,
                    HAS_P=probs is not None, ALIGN16=align % 16 == 0, NCOL=ncol,
                    ROWS_FIRST=order == "rows", PACK=pack, RPT=max(4, 32 // warps),
-                   CVT4=pack and BATCH_QUANT_CVT4, num_warps=warps, **opts)
+                   CVT4=pack and BATCH_QUANT_CVT4,
+                   BF16_BITS=(BATCH_QUANT_BF16_BITS and columnwise
+                              and x.dtype == torch.bfloat16),
+                   num_warps=warps, **opts)
     return q, s, qt, st, g_off, seg_off
