@@ -1000,12 +1000,12 @@ bq = dict(x_ptr="*bf16", p_ptr="*fp32", map_ptr="*i32", q_ptr="*fp8e4nv", s_ptr=
           qt_ptr="*fp8e4nv", st_ptr="*fp32", M="i32", N="i32", stride_x="i32", NG="i32",
           NPC="i32", COLWISE="constexpr", POW2="constexpr", HAS_P="constexpr",
           ALIGN16="constexpr", NCOL="constexpr", ROWS_FIRST="constexpr", PACK="constexpr",
-          RPT="constexpr", CVT4="constexpr")
+          RPT="constexpr", CVT4="constexpr", BF16_BITS="constexpr")
 for warps, ncol, rows_first in ((4, 1, True), (4, 2, False), (8, 1, False), (16, 1, True)):
     ptx = comp(F._batch_silu_mul_quant_fwd_kernel, bq,
                dict(COLWISE=True, POW2=True, HAS_P=True, ALIGN16=True, NCOL=ncol,
-                    ROWS_FIRST=rows_first, PACK=False, RPT=8, CVT4=False), warps,
-               ("M", "N", "stride_x"))
+                    ROWS_FIRST=rows_first, PACK=False, RPT=8, CVT4=False,
+                    BF16_BITS=ncol == 2), warps, ("M", "N", "stride_x"))
     # 16-byte loads and stores (the batch form needs ALIGN16 for the transposed ones),
     # one MUFU op each for silu's exp2 and reciprocal (silu_ftz).
     assert "st.global.b8" not in ptx and "st.global.v4" in ptx, (warps, ncol)
@@ -1013,14 +1013,16 @@ for warps, ncol, rows_first in ((4, 1, True), (4, 2, False), (8, 1, False), (16,
     assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx, (warps, ncol)
 # The packed columnwise store (q_t as int32 words): 16-byte stores, no byte stores.
 bqp = dict(bq, qt_ptr="*i32")
-for warps, pow2, cvt4 in ((4, True, True), (4, False, True), (8, True, True),
-                          (4, True, False)):
+for warps, pow2, cvt4, bits in ((4, True, True, True), (4, False, True, True),
+                                (8, True, True, False), (4, True, False, False)):
     ptx = comp(F._batch_silu_mul_quant_fwd_kernel, bqp,
                dict(COLWISE=True, POW2=pow2, HAS_P=True, ALIGN16=True, NCOL=1,
-                    ROWS_FIRST=True, PACK=True, RPT=max(4, 32 // warps), CVT4=cvt4),
-               warps, ("M", "N", "stride_x"))
+                    ROWS_FIRST=True, PACK=True, RPT=max(4, 32 // warps), CVT4=cvt4,
+                    BF16_BITS=bits), warps, ("M", "N", "stride_x"))
     assert "st.global.b8" not in ptx and "st.shared.b8" not in ptx, (warps, pow2, cvt4)
     assert "st.global.v4" in ptx, (warps, pow2, cvt4)
+    # BF16_BITS: the inputs widen by shift and mask (no cvt.f32.bf16), 16-byte loads kept
+    assert (not bits or "cvt.f32.bf16" not in ptx) and "ld.global.v4" in ptx, (warps, bits)
 comp(F._batch_tile_map_kernel, dict(cnt_ptr="*i32", map_ptr="*i32", off_ptr="*i32", E="i32",
      R="i32", G="i32", ALIGN="i32", EP2="constexpr", BT="constexpr"), dict(EP2=256, BT=128),
      4, ())
