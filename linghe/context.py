@@ -162,37 +162,34 @@ class TrainingContext:
         if self._token is not None:
             raise RuntimeError("this TrainingContext is already active; nest a new "
                                "TrainingContext(...) instead of re-entering one")
-        global _compiled_recipe
         if torch.compiler.is_compiling():
             # Entered inside a compiled region: the mirror only, which Dynamo traces as a
             # global (a ContextVar or the autograd threading switch would break the graph).
             self._token = _COMPILED_TOKEN
-            self._outer_mirror = swap_compiled_recipe(self.recipe)
-            return self
-        if self.recipe is not None:
-            check_fp8_device()
-        self._token = _RECIPE.set(self.recipe)
-        self._outer_mirror, _compiled_recipe = _compiled_recipe, self.recipe
-        if self.caller_thread_backward:
-            self._outer_multithreading = torch._C._is_multithreading_enabled()
-            torch._C._set_multithreading_enabled(False)
+        else:
+            if self.recipe is not None:
+                check_fp8_device()
+            self._token = _RECIPE.set(self.recipe)
+            if self.caller_thread_backward:
+                self._outer_multithreading = torch._C._is_multithreading_enabled()
+                torch._C._set_multithreading_enabled(False)
+        self._outer_mirror = swap_compiled_recipe(self.recipe)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        global _compiled_recipe
         token, self._token = self._token, None
-        if token is _COMPILED_TOKEN:
+        compiled = token is _COMPILED_TOKEN
+        try:
+            if not compiled:
+                _RECIPE.reset(token)  # raises if exited in another contextvars.Context
+        finally:
             swap_compiled_recipe(self._outer_mirror)
             self._outer_mirror = None
-            return
-        try:
-            _RECIPE.reset(token)  # raises if exited in another contextvars.Context
-        finally:
-            _compiled_recipe, self._outer_mirror = self._outer_mirror, None
             if self._outer_multithreading is not None:
                 torch._C._set_multithreading_enabled(self._outer_multithreading)
                 self._outer_multithreading = None
-        if exc_type is None and self.recipe is not None and self.recipe.state is not None:
+        if (not compiled and exc_type is None and self.recipe is not None
+                and self.recipe.state is not None):
             self.recipe.state.update()
 
     def __repr__(self) -> str:
