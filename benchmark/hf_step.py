@@ -189,8 +189,8 @@ def run_mode(mode: str, shape: dict, args, device: str, dtype: torch.dtype) -> d
     row = dict(mode=mode + suffix, params=n_params,
                tokens_per_step=B * S * n_mb,
                step_ms=step_s * 1e3, tokens_per_s=B * S * n_mb / step_s,
-               gpu_busy_ms=busy, gpu_families_ms=prof["families_ms"] if busy else None,
-               top_kernels=prof["top_kernels"] if busy else None,
+               gpu_busy_ms=busy, gpu_families_ms=prof["families_ms"] if prof else None,
+               top_kernels=prof["top_kernels"] if prof else None,
                peak_mem_gib=peak, first_loss=losses[0],
                last_loss=losses[-1], step_ms_all=[t * 1e3 for t in times],
                gc_ms_all=gc_ms, host_canary_ms_all=canary_ms[args.warmup:])
@@ -225,17 +225,12 @@ class _GcLog:
 
 
 def print_families(rows: list[dict]) -> None:
-    """GPU ms per step by op family (the profiled step's kernels), one column per mode."""
-    rows = [r for r in rows if r.get("gpu_families_ms")]
-    if not rows:
-        return
-    fams = [f for f in rows[0]["gpu_families_ms"]
-            if any(r["gpu_families_ms"].get(f, 0.0) > 0.005 for r in rows)]
-    print("GPU time per step by op family (ms, torch.profiler kernel time):")
-    print(f"{'family':>20s} | " + " | ".join(f"{r['mode']:>16s}" for r in rows))
-    for f in fams:
-        print(f"{f:>20s} | " + " | ".join(f"{r['gpu_families_ms'].get(f, 0.0):16.2f}"
-                                          for r in rows))
+    """GPU ms per step by op family (the profiled step's kernels), one column per mode:
+    the e2e benchmark's table."""
+    from .e2e import print_breakdown
+
+    print_breakdown([dict(mode=r["mode"], families_ms=r["gpu_families_ms"],
+                          busy_ms=r["gpu_busy_ms"]) for r in rows if r.get("gpu_families_ms")])
     print()
 
 
