@@ -235,6 +235,16 @@ def test_stdlib_corpus_and_batches():
     assert not torch.equal(t0, tok)
 
 
+def _cli_throughput(tmp_path, *args) -> dict:
+    """``benchmark.e2e``'s throughput job on one tiny layer, one step, no warm-up or
+    profile (plus ``args``): its JSON."""
+    out = tmp_path / "r.json"
+    rc = e2e.main(["--width", "tiny", "--layers", "1", "--steps", "1", "--warmup", "0",
+                   "--profile-steps", "0", *args, "--json", str(out)])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
 def test_cli_torch_mode(tmp_path):
     """The CLI end to end on the cheap mode: throughput JSON (with a loss-curve JSON's gap
     joining the targets), then loss-curve CSV and JSON. ``--width tiny`` on every device
@@ -243,11 +253,7 @@ def test_cli_torch_mode(tmp_path):
     out = tmp_path / "r.json"
     loss_json = tmp_path / "loss.json"
     loss_json.write_text(json.dumps({"fp8_vs_bf16_rel_gap": -0.004}))
-    rc = e2e.main(["--mode", "torch", "--width", "tiny", "--layers", "1", "--steps", "1",
-                   "--warmup", "0", "--profile-steps", "0", "--loss-json", str(loss_json),
-                   "--json", str(out)])
-    assert rc == 0
-    res = json.loads(out.read_text())
+    res = _cli_throughput(tmp_path, "--mode", "torch", "--loss-json", str(loss_json))
     (row,) = res["rows"]
     assert row["error"] is None and row["mode"] == "torch" and row["step_ms"] > 0
     assert len(row["host_canary_ms"]) == 2 and min(row["host_canary_ms"]) > 0
@@ -641,12 +647,7 @@ def test_deferred_expert_wgrad_matches_per_micro_batch():
 
 
 def test_cli_micro_batches(tmp_path):
-    out = tmp_path / "m.json"
-    rc = e2e.main(["--mode", "torch", "--width", "tiny", "--layers", "1", "--steps", "1",
-                   "--warmup", "0", "--profile-steps", "0", "--micro-batches", "2",
-                   "--json", str(out)])
-    assert rc == 0
-    res = json.loads(out.read_text())
+    res = _cli_throughput(tmp_path, "--mode", "torch", "--micro-batches", "2")
     assert res["config"]["micro_batches"] == 2
     one = step_flops(preset("tiny", layers=1))["total"]
     assert res["flops_per_step"]["total"] == 2 * one
@@ -657,12 +658,7 @@ def test_cli_micro_batches(tmp_path):
 
 def test_cli_experts(tmp_path):
     """``--experts`` overrides the preset's routed experts (an EP-8 GPU's share)."""
-    out = tmp_path / "x.json"
-    rc = e2e.main(["--mode", "bf16", "--width", "tiny", "--layers", "1", "--steps", "1",
-                   "--warmup", "0", "--profile-steps", "0", "--experts", "6",
-                   "--json", str(out)])
-    assert rc == 0
-    res = json.loads(out.read_text())
+    res = _cli_throughput(tmp_path, "--mode", "bf16", "--experts", "6")
     assert res["config"]["experts"] == 6 and res["rows"][0]["error"] is None
     assert res["params"] == total_params(preset("tiny", layers=1, experts=6))
 
