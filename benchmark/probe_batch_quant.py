@@ -92,6 +92,7 @@ RC_VARIANTS = [
 RC_EXACT_VARIANTS = RC_VARIANTS[:1] + RC_VARIANTS[2:6]
 # rowwise only: 4 warps 168 registers (3 programs per SM), 8 warps 80 (3).
 R_VARIANTS = [
+    {"BATCH_QUANT_ROW_BF16_BITS": True},
     {"BATCH_QUANT_ROW_NUM_WARPS": 8},
     {"BATCH_QUANT_ROW_ORDER": "cols"},
     {"BATCH_QUANT_ROW_NUM_WARPS": 8, "BATCH_QUANT_ROW_ORDER": "cols"},
@@ -112,6 +113,9 @@ def _parse(argv):
                    "probe_batch_quant.json")
     p.add_argument("--cpu", action="store_true", help="tiny shapes, Triton interpreter")
     p.add_argument("--quick", action="store_true", help="old and default rows only")
+    p.add_argument("--variants", choices=("all", "rc", "r"), default="all",
+                   help="which launch's knob variants to time: row+col, rowwise-only or "
+                        "both (default)")
     p.add_argument("--old", default=None, help="folder holding main's activation.py (in it, "
                    "in fwd/ or in linghe/fwd/; or the file itself), for a copy of the tree "
                    "without .git")
@@ -292,10 +296,11 @@ def main(argv=None) -> int:
                 else (platform.processor() or "cpu") + " (Triton interpreter)")
     print(f"device: {dev_name}; copy {copy or 0:.0f} GB/s; torch {torch.__version__}, "
           f"triton {triton.__version__}", file=sys.stderr, flush=True)
-    rc_v = [] if args.quick else (_CPU_RC if cpu else RC_VARIANTS)
-    r_v = [] if args.quick else (_CPU_R if cpu else R_VARIANTS)
-    rc_x = [] if args.quick else (_CPU_RC if cpu else RC_EXACT_VARIANTS)
-    e256_v = [] if args.quick else (_CPU_RC[:1] if cpu else E256_VARIANTS)
+    no_rc = args.quick or args.variants == "r"
+    rc_v = [] if no_rc else (_CPU_RC if cpu else RC_VARIANTS)
+    r_v = [] if args.quick or args.variants == "rc" else (_CPU_R if cpu else R_VARIANTS)
+    rc_x = [] if no_rc else (_CPU_RC if cpu else RC_EXACT_VARIANTS)
+    e256_v = [] if no_rc else (_CPU_RC[:1] if cpu else E256_VARIANTS)
 
     def call(mod, inp, colwise, pow2):
         return mod.batch_silu_mul_quant_fwd(inp["x"], inp["probs"], inp["counts"],

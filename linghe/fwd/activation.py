@@ -88,6 +88,8 @@ BATCH_QUANT_CVT4 = True
 #: rowwise-only launch keeps Triton's cast: with int32 row offsets it was 12-14% slower
 #: on the H200 and 4% on the H100 (alone it was not timed).
 BATCH_QUANT_BF16_BITS = True
+#: the same widening in the rowwise-only launch (off until timed alone on a GPU).
+BATCH_QUANT_ROW_BF16_BITS = False
 #: warps of the quantized-dx backward kernel (more live 128x128 fp32 tiles: g, u, dy):
 #: 16 for its non-batch form, 530 against 623 µs with 8 at [69376, 2048] on an H100 (the
 #: batch form, when ``QUANT_BWD_MODE = "fused"``, preferred 8: 766 against 848).
@@ -542,7 +544,8 @@ def batch_silu_mul_quant_fwd(x: torch.Tensor, probs: torch.Tensor | None,
                    HAS_P=probs is not None, ALIGN16=align % 16 == 0, NCOL=ncol,
                    ROWS_FIRST=order == "rows", PACK=pack, RPT=max(4, 32 // warps),
                    CVT4=pack and BATCH_QUANT_CVT4,
-                   BF16_BITS=(BATCH_QUANT_BF16_BITS and columnwise
-                              and x.dtype == torch.bfloat16),
+                   BF16_BITS=(x.dtype == torch.bfloat16
+                              and (BATCH_QUANT_BF16_BITS if columnwise
+                                   else BATCH_QUANT_ROW_BF16_BITS)),
                    num_warps=warps, **opts)
     return q, s, qt, st, g_off, seg_off
