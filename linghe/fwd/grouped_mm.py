@@ -66,6 +66,7 @@ from ..utils import (
     tma_capable,
 )
 from .activation import aligned16, batch_col_groups, expert_tile
+from .grouped_mm_ws import FP8_WS, WS_CONFIG, launch_fp8_rows_ws, ws_capable
 
 BLOCK = 128  # FP8 group / block size
 
@@ -470,7 +471,7 @@ def _check_fp8_config(config: dict) -> dict:
     ``num_warps``, ``num_stages``; optional ``GROUP_M`` (8), ``RESCALE``
     (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``BK`` (128 only)), checked: no
     other keys; ``BN`` divides 128 or is a multiple of it."""
-    known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA"}
+    known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA", "WS"}
     if set(config) - known or config.get("BK", BLOCK) != BLOCK:
         raise ValueError(f"FP8 grouped GEMM config: keys {sorted(known)} (BK = 128), got "
                          f"{config}")
@@ -480,9 +481,13 @@ def _check_fp8_config(config: dict) -> dict:
                          f"got {bn}")
     rescale = bool(config.get("RESCALE", FP8_RESCALE))
     tma = bool(config.get("TMA", FP8_TMA and not rescale))
+    ws = bool(config.get("WS", False))
+    if ws and (rescale or config["BM"] != 128 or bn > 128):
+        raise ValueError(f"FP8 grouped GEMM: the warp-specialized kernel (WS) promotes, with "
+                         f"BM = 128 and BN <= 128, got {config}")
     return dict(BM=config["BM"], BN=bn, BK=BLOCK, GROUP_M=config.get("GROUP_M", 8),
                 num_warps=config["num_warps"], num_stages=config["num_stages"],
-                RESCALE=rescale, TMA=tma)
+                RESCALE=rescale, TMA=tma, WS=ws)
 
 
 #: Load the FP8 rows kernel's operands with TMA (:func:`_grouped_rows_tma_kernel`)
@@ -579,13 +584,23 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     EP2 = max(16, triton.next_power_of_2(E))
     as_t = a_scale.t().contiguous() if fp8 else offsets  # [GK, R]
     cfg = None
+    ws = False
     if config is not None:
         cfg = _check_fp8_config(config) if fp8 else _check_rows_config(config, f32)
         tma = cfg.pop("TMA")
+        ws = cfg.pop("WS", False) and ws_capable(a)
     elif fp8:
         tma = FP8_TMA and tma_capable(a)
+        ws = FP8_WS and ws_capable(a)
     else:
         tma = BF16_TMA and a.element_size() == 2 and tma_capable(a)
+    if ws:
+        wcfg = dict(WS_CONFIG) if cfg is None else dict(
+            WS_CONFIG, BN=cfg["BN"], STAGES=cfg["num_stages"], GROUP_M=cfg["GROUP_M"])
+        ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, wcfg["BM"],
+                            wcfg["BN"])
+        if ops is not None:
+            return launch_fp8_rows_ws(ops, out, as_t, b_scale, offsets, bs_strides, wcfg)
     if tma:
         tcfg = cfg or _mm_config(R, E, J, fp8, block_m, tma=True)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, tcfg["BM"],
