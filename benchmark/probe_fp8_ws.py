@@ -4,13 +4,15 @@ against the Triton rows kernel and ``torch._grouped_mm`` bf16:
 
 The MoE experts' forward and dgrad GEMMs (gate_up: N = K = 2048; down: N = 2048, K =
 1024; 8192 tokens top-8 at random over E experts, segments padded to 16) at E = 256 and
-32, each timed as: ``bf16`` (``torch._grouped_mm``), ``triton`` (the default FP8 rows
-kernel: promoting, TMA, 64x128 tiles), ``tmar`` (its rescaled 128x128 form), and the
-warp-specialized kernel at a few stage / group settings. Every FP8 output is checked in
-the same run: ``= triton`` (bit-equal to the default kernel; the promotion arithmetic
-is the same) and ``rel err`` against the float32 product of the bf16 operands. An
-untimed edge pass first (zero-token experts, partial tiles, K = 384, a tail) compares
-the warp-specialized kernel with the Triton kernel bit for bit. Times: profiler kernel
+32, each timed as: ``bf16`` (``torch._grouped_mm``), ``triton`` (the Triton FP8 rows
+kernel: promoting, TMA, 64x128 tiles), ``default`` (what the launcher picks: the
+warp-specialized kernel with :func:`~linghe.fwd.grouped_mm_ws.ws_config`'s tiles on
+sm_90) and the warp-specialized kernel at fixed tiles / stages / groups. Every FP8
+output is checked in the same run: ``= triton`` (bit-equal to the Triton kernel; the
+promotion arithmetic is the same) and ``rel err`` against the float32 product of the
+bf16 operands. An untimed edge pass first (zero-token experts, partial tiles, K = 384,
+N = 384 with 256-column tiles, a tail) compares every variant with the Triton kernel
+bit for bit. Times: profiler kernel
 µs (L2 flushed). GPU (sm_90) only; the table is printed last.
 """
 
@@ -34,11 +36,12 @@ from .harness import device_time_us, print_columns, random_routing
 CASES = [(E, name, N, K) for E in (256, 32)
          for name, N, K in (("gate_up", 2048, 2048), ("down", 2048, 1024))]
 VARIANTS = {
-    "triton": None,
-    "tmar": dict(BM=128, BN=128, num_warps=8, num_stages=3, RESCALE=True),
-    "ws4": dict(BM=128, BN=128, num_warps=4, num_stages=4, WS=True),
-    "ws5": dict(BM=128, BN=128, num_warps=4, num_stages=5, WS=True),
-    "ws4_g16": dict(BM=128, BN=128, num_warps=4, num_stages=4, GROUP_M=16, WS=True),
+    "triton": dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False),
+    "default": None,
+    "ws_128x128": dict(BM=128, BN=128, num_warps=4, num_stages=4, WS=True),
+    "ws_128x256": dict(BM=128, BN=256, num_warps=4, num_stages=3, WS=True),
+    "ws_128x256_s4": dict(BM=128, BN=256, num_warps=4, num_stages=4, WS=True),
+    "ws_128x256_g16": dict(BM=128, BN=256, num_warps=4, num_stages=3, GROUP_M=16, WS=True),
 }
 
 
@@ -67,12 +70,15 @@ def _edge_pass(dev) -> list:
         layout = make_expert_layout(counts.to(dev), 16, R)
         x, w, xq, wq, dy, dyq = _operands(layout, R, N, K, dev)
         for name in ("fwd", "dgrad"):
-            ref = _gemm(name, xq, wq, dyq, layout.offsets, None)
-            got = _gemm(name, xq, wq, dyq, layout.offsets, VARIANTS["ws4"])
-            if not torch.equal(ref, got):
-                fails.append(dict(R=R, K=K, N=N, gemm=name,
-                                  max_diff=(ref.float() - got.float()).abs().max().item(),
-                                  nan=bool(got.isnan().any())))
+            ref = _gemm(name, xq, wq, dyq, layout.offsets, VARIANTS["triton"])
+            for key, cfg in VARIANTS.items():
+                if key == "triton":
+                    continue
+                got = _gemm(name, xq, wq, dyq, layout.offsets, cfg)
+                if not torch.equal(ref, got):
+                    fails.append(dict(R=R, K=K, N=N, gemm=name, variant=key,
+                                      max_diff=(ref.float() - got.float()).abs().max().item(),
+                                      nan=bool(got.isnan().any())))
     return fails
 
 
@@ -92,9 +98,9 @@ def _row(E: int, name: str, N: int, K: int, quick: bool) -> list[dict]:
             ref[bounds[e]:bounds[e + 1]] = a[bounds[e]:bounds[e + 1]].float() @ b[e].float()
         row = dict(E=E, gemm=name, dir=direction, R=R, N=N, K=K)
         row["bf16_us"] = device_time_us(partial(torch._grouped_mm, a, b, offs=offs))
-        base = run(None)
+        base = run(VARIANTS["triton"])
         for key, cfg in VARIANTS.items():
-            if quick and key not in ("triton", "ws4"):
+            if quick and key not in ("triton", "default"):
                 continue
             y = run(cfg)
             row[key + "_err"] = ((y.float() - ref)[real].norm() / ref[real].norm()).item()
@@ -107,7 +113,7 @@ def _row(E: int, name: str, N: int, K: int, quick: bool) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.probe_fp8_ws")
     p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--quick", action="store_true", help="triton and ws4 only")
+    p.add_argument("--quick", action="store_true", help="triton and default only")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or not ws_capable(torch.empty(1, device="cuda")):
         raise SystemExit("probe_fp8_ws needs an sm_90 GPU and Gluon")

@@ -932,6 +932,120 @@ def test_tma_only_where_the_device_has_it(device, monkeypatch):
     assert_close(out, want)
 
 
+# ------------------------------------------------- warp-specialized FP8 rows kernel
+
+from linghe.fwd import grouped_mm_ws as ws_mod  # noqa: E402
+
+WS_CASES = [
+    # (counts, align, K, N, tail): the forward contracts K into N, the dgrad N into K
+    ([0, 37, 300, 0, 129, 1, 64], 16, 384, 256, 0),  # zero-row experts, partial tiles
+    ([5, 0, 140], 16, 256, 384, 50),                  # N = 384: half of a 256-column tile
+    ([700], 16, 128, 128, 9),                         # one expert, several row tiles, K = 128
+    ([3, 0, 0], 16, 1024, 256, 130),                  # mostly tail (zero tiles past offsets[E])
+]
+
+
+def _ws_operands(case, device):
+    counts, align, K, N, tail = case
+    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16, tail=tail)
+    w = (torch.randn(len(counts), N, K, device=device) / 11).to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], N, device=device).to(torch.bfloat16)
+    dy[~real] = 0
+    return (linghe.quantize_1x128(x, pow2_scale=True),
+            linghe.quantize_grouped_weight(w, columnwise=True, pow2_scale=True),
+            linghe.quantize_1x128(dy), layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
+@pytest.mark.parametrize("tiles", ws_mod.WS_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_fp8_ws_kernel_matches_triton(device, case, tiles):
+    """The warp-specialized FP8 rows kernel (sm_90) gives the Triton rows kernel's bits
+    (same promotion arithmetic), forward and dgrad, at every tile shape it takes: zero-row
+    experts, partial row and column tiles, tails that are all zeros, NaN-poisoned outputs."""
+    if not ws_mod.ws_capable(torch.empty(1, device=device)):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    xq, wq, dyq, layout = _ws_operands(case, device)
+    bm, bn = tiles
+    ws = dict(BM=bm, BN=bn, num_warps=4, num_stages=3 if bn == 256 else 4, WS=True)
+    tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
+    for run in (lambda c: fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=c),
+                lambda c: bwd_gm.grouped_mm_fp8_dgrad(dyq, wq, layout.offsets, config=c)):
+        want = run(tri)
+        linghe.utils.set_poison_outputs(True)
+        try:
+            got = run(ws)
+        finally:
+            linghe.utils.set_poison_outputs(False)
+        assert not got.isnan().any()
+        assert torch.equal(got, want)
+
+
+def test_fp8_ws_dispatch(device, monkeypatch):
+    """Where the warp-specialized kernel cannot run (CPU interpreter, other GPUs, no
+    Gluon), a launch that asks for it gets the Triton rows kernel, same result (the
+    documented fallback); tile choice by shape; invalid WS tiles are refused."""
+    names = _spy_launches(monkeypatch)
+    xq, wq, dyq, layout = _ws_operands(WS_CASES[0], device)
+    monkeypatch.setattr(fwd_gm, "ws_capable", lambda t: False)
+    ws = dict(BM=128, BN=256, num_warps=4, num_stages=3, WS=True)
+    tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
+    out = fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=ws)
+    assert "_grouped_rows_tma_kernel" in names
+    assert torch.equal(out, fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=tri))
+    with pytest.raises(ValueError, match="warp-specialized"):
+        fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=dict(ws, BN=64))
+    with pytest.raises(ValueError, match="warp-specialized"):
+        fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=dict(ws, RESCALE=True))
+    # 256 experts' gate_up forward keeps 128-column tiles, everything else takes 256
+    assert ws_mod.ws_config(69632, 256, 2048, 2048)["BN"] == 128
+    assert ws_mod.ws_config(69632, 256, 1024, 2048)["BN"] == 256
+    assert ws_mod.ws_config(65536, 32, 2048, 2048)["BN"] == 256
+    for bm, bn in ws_mod.WS_TILES:
+        assert bm in (64, 128) and bn in (128, 256)
+
+
+_WS_COMPILE_SCRIPT = r'''
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from linghe.fwd import grouped_mm_ws as W
+
+for bm, bn, stages in W.WS_TILES_STAGES:
+    lay = lambda rows: repr(gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv))
+    sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{lay(bm)}>",
+               b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lay(bn)}>",
+               c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", offsets_ptr="*i32",
+               tile_off_ptr="*i32", tile_expert_ptr="*i32", R="i32", I="i32", J="i32",
+               E="i32", b_row_e="i32", b_col_e="i32", stride_cm="i32", stride_ask="i32",
+               bs_se="i32", bs_si="i32", bs_sj="i32", BM="constexpr", BN="constexpr",
+               BK="constexpr", GROUP_M="constexpr", STAGES="constexpr", SPLIT_N="constexpr",
+               CONSUMER_REGS="constexpr", num_warps="constexpr")
+    const = dict(BM=bm, BN=bn, BK=128, GROUP_M=8, STAGES=stages, SPLIT_N=bm == 64,
+                 CONSUMER_REGS=232, num_warps=4)
+    k = triton.compile(GluonASTSource(fn=W._fp8_rows_ws_kernel, signature=sig,
+                                      constexprs=const),
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, maxnreg=W.WS_CONFIG["MAXNREG"]))
+    ptx = k.asm["ptx"]
+    # TMA loads into wgmma, warp specialization with register reallocation, and the
+    # promotion waiting for each step's MMA (no accumulator carried across steps in flight)
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, (bm, bn)
+    assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx, (bm, bn)
+    assert "wgmma.wait_group.sync.aligned 0" in ptx, (bm, bn)
+    assert k.metadata.shared >= stages * (bm + bn) * 128, (bm, bn, stages)
+print("COMPILED")
+'''
+
+
+def test_fp8_ws_kernel_compiles_for_sm90(compile_sm90):
+    """The warp-specialized FP8 rows kernel compiled for sm_90 with this triton, at every
+    tile shape (Gluon's API moves between triton versions: this catches it on CPU)."""
+    compile_sm90(_WS_COMPILE_SCRIPT)
+
+
 # --------------------------------------------------------- bf16/fp16 TMA wgrad kernel
 
 TMA_WGRAD_CASES = [

@@ -66,7 +66,14 @@ from ..utils import (
     tma_capable,
 )
 from .activation import aligned16, batch_col_groups, expert_tile
-from .grouped_mm_ws import FP8_WS, WS_CONFIG, launch_fp8_rows_ws, ws_capable
+from .grouped_mm_ws import (
+    FP8_WS,
+    WS_CONFIG,
+    WS_TILES,
+    launch_fp8_rows_ws,
+    ws_capable,
+    ws_config,
+)
 
 BLOCK = 128  # FP8 group / block size
 
@@ -471,7 +478,8 @@ def _check_fp8_config(config: dict) -> dict:
     ``num_warps``, ``num_stages``; optional ``GROUP_M`` (8), ``RESCALE``
     (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``BK`` (128 only)), checked: no
     other keys; ``BN`` divides 128 or is a multiple of it."""
-    known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA", "WS"}
+    known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA", "WS",
+             "MAXNREG"}
     if set(config) - known or config.get("BK", BLOCK) != BLOCK:
         raise ValueError(f"FP8 grouped GEMM config: keys {sorted(known)} (BK = 128), got "
                          f"{config}")
@@ -482,12 +490,13 @@ def _check_fp8_config(config: dict) -> dict:
     rescale = bool(config.get("RESCALE", FP8_RESCALE))
     tma = bool(config.get("TMA", FP8_TMA and not rescale))
     ws = bool(config.get("WS", False))
-    if ws and (rescale or config["BM"] != 128 or bn > 128):
+    if ws and (rescale or (config["BM"], bn) not in WS_TILES):
         raise ValueError(f"FP8 grouped GEMM: the warp-specialized kernel (WS) promotes, with "
-                         f"BM = 128 and BN <= 128, got {config}")
+                         f"(BM, BN) in {WS_TILES}, got {config}")
     return dict(BM=config["BM"], BN=bn, BK=BLOCK, GROUP_M=config.get("GROUP_M", 8),
                 num_warps=config["num_warps"], num_stages=config["num_stages"],
-                RESCALE=rescale, TMA=tma, WS=ws)
+                RESCALE=rescale, TMA=tma, WS=ws,
+                **({"MAXNREG": config["MAXNREG"]} if "MAXNREG" in config else {}))
 
 
 #: Load the FP8 rows kernel's operands with TMA (:func:`_grouped_rows_tma_kernel`)
@@ -595,8 +604,9 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     else:
         tma = BF16_TMA and a.element_size() == 2 and tma_capable(a)
     if ws:
-        wcfg = dict(WS_CONFIG) if cfg is None else dict(
-            WS_CONFIG, BN=cfg["BN"], STAGES=cfg["num_stages"], GROUP_M=cfg["GROUP_M"])
+        wcfg = ws_config(R, E, I, J) if cfg is None else dict(
+            WS_CONFIG, BM=cfg["BM"], BN=cfg["BN"], STAGES=cfg["num_stages"],
+            GROUP_M=cfg["GROUP_M"], MAXNREG=cfg.get("MAXNREG", WS_CONFIG["MAXNREG"]))
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, wcfg["BM"],
                             wcfg["BN"])
         if ops is not None:

@@ -45,15 +45,36 @@ try:  # Gluon: triton >= 3.5
 except ImportError:  # pragma: no cover - older triton
     gluon = None
 
-from ..utils import INTERPRET, cdiv, cuda_capability, device_guard, num_sms
+from ..utils import INTERPRET, cdiv, cuda_capability, device_guard, launch, num_sms
 
 #: Take the warp-specialized kernel for FP8 rows GEMMs where it can run
 #: (:func:`ws_capable`); ``LINGHE_FP8_WS=0`` keeps the Triton kernel everywhere.
-FP8_WS: bool = os.environ.get("LINGHE_FP8_WS", "0") == "1"
+FP8_WS: bool = os.environ.get("LINGHE_FP8_WS", "1") == "1"
 
-#: Default tiles: 128 rows (64 per consumer warpgroup) x 128 columns, 4 stages
-#: (32 KiB each), consumer warpgroups at 232 registers, the loader warp at 40.
-WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232)
+#: Base settings: 128 rows (64 per consumer warpgroup) x 128 columns, 4 stages (32 KiB
+#: each), the second consumer warpgroup at 232 registers, the loader warp at 40 (the
+#: first, Gluon's default partition, gets what ``MAXNREG`` x 12 warps leaves: 208 at
+#: 160). :func:`ws_config` picks the tiles by shape.
+WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG=160)
+#: The tiles it takes: 128-row tiles split by rows between the two consumer warpgroups,
+#: 64-row tiles split by columns.
+WS_TILES = ((128, 128), (128, 256), (64, 128), (64, 256))
+#: (BM, BN, STAGES) that fit shared memory (ring + the epilogue's layout conversion).
+WS_TILES_STAGES = ((128, 128, 4), (128, 256, 3), (64, 128, 5), (64, 256, 4))
+
+
+def ws_config(R: int, E: int, I: int, J: int) -> dict:
+    """Tiles by shape (``R`` rows, ``E`` experts, contraction ``I``, output columns ``J``):
+    128x256 (each consumer warpgroup 64x256 as two 128-column MMAs; 3 stages), except
+    with few rows per expert, a long contraction and a wide output (256 experts' gate_up
+    forward), where 128x128. H100, 8192 tokens top-8, µs (vs ``torch._grouped_mm`` bf16;
+    Triton rows kernel): E = 32 gate_up fwd 504 (1.58x; Triton 721), dgrad 504 (1.58x;
+    736), down fwd 287 (1.50x; 383), dgrad 271 (1.54x; 368); E = 256 gate_up fwd 798 at
+    128x128 (1.52x; 858; 893 at 128x256), dgrad 812 (1.48x; 873), down fwd 396 (1.66x;
+    480), dgrad 409 (1.53x; 446); ``benchmark/results/h100_probe_fp8_ws_tiles_*``."""
+    if R < 512 * E and I >= 2048 and J >= 2048:
+        return dict(WS_CONFIG)
+    return dict(WS_CONFIG, BN=256, STAGES=3)
 
 
 def ws_capable(t: torch.Tensor) -> bool:
@@ -115,45 +136,75 @@ if gluon is not None:
     def _ws_consume(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
                     tile_off_ptr, tile_expert_ptr, R, I, J, E, stride_cm, stride_ask, bs_se,
                     bs_si, bs_sj, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                    BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        """Consumer warpgroup ``WG``: rows ``WG * BM/2 ..`` of each tile; MMA, release,
-        promote per K step, then the masked bf16 store of its rows."""
-        HALF: gl.constexpr = BM // 2
+                    BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    SPLIT_N: gl.constexpr):
+        """Consumer warpgroup ``WG`` of each tile's ``[WM, WN]`` part: rows ``WG * BM/2``
+        on (``SPLIT_N`` off: ``WM = BM/2``, ``WN = BN``) or columns ``WG * BN/2`` on
+        (``SPLIT_N``: ``WM = BM``, ``WN = BN/2``). Per K step: MMA, wait, release, promote,
+        in sub-MMAs of at most 128 columns (each with its weight scale and accumulator,
+        so no more than one ``WM x 128`` product tile is live); then the masked store."""
+        WM: gl.constexpr = BM if SPLIT_N else BM // 2
+        WN: gl.constexpr = BN // 2 if SPLIT_N else BN
+        SUB: gl.constexpr = 128 if WN > 128 else WN
+        TWO: gl.constexpr = WN // SUB == 2
+        R_OFF: gl.constexpr = 0 if SPLIT_N else WG * WM
+        C_OFF: gl.constexpr = WG * WN if SPLIT_N else 0
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BN, 32])
-        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        zero = gl.zeros((HALF, BN), gl.float32, mma)
+                                                      instr_shape=[16, SUB, 32])
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB, SUB // 8], [4, 1],
+                                               [1, 0])
         n_m, num_n = _num_tiles(offsets_ptr, tile_off_ptr, R, J, E, BM, BN)
         it = 0
         for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
             ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, offsets_ptr,
                                                    tile_off_ptr, tile_expert_ptr, R, I, E,
                                                    BM, BK, GROUP_M)
-            row0 = start + WG * HALF
-            rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
+            row0 = start + R_OFF
+            col0 = pid_n * BN + C_OFF
+            rows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
             rmask = (rows < end) & (rows < R)
             sa_ptrs = as_ptr + rows
-            sb_ptr = bs_ptr + ec.to(gl.int64) * bs_se + ((pid_n * BN) // 128) * bs_sj
-            acc = gl.zeros((HALF, BN), gl.float32, mma)
+            sb_ptr = bs_ptr + ec.to(gl.int64) * bs_se + (col0 // 128) * bs_sj
+            acc0 = gl.zeros((WM, SUB), gl.float32, mma)
+            acc1 = gl.zeros((WM, SUB), gl.float32, mma)
             for kk in range(k_tiles):
                 st = it % STAGES
-                s = (gl.load(sa_ptrs + kk * stride_ask, mask=rmask, other=1.0)
-                     * gl.load(sb_ptr + kk * bs_si))
+                sa = gl.load(sa_ptrs + kk * stride_ask, mask=rmask, other=1.0)
+                sb0 = gl.load(sb_ptr + kk * bs_si)
                 mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-                prod = warpgroup_mma(a_bufs.index(st).slice(WG * HALF, HALF),
-                                     b_bufs.index(st).permute((1, 0)), zero, use_acc=False,
+                a_view = a_bufs.index(st)
+                if not SPLIT_N:
+                    a_view = a_view.slice(R_OFF, WM)
+                b_view = b_bufs.index(st)
+                # use_acc=False: the accumulator operand only gives the result's layout
+                prod = warpgroup_mma(a_view, b_view.slice(C_OFF, SUB).permute((1, 0)),
+                                     gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
                                      is_async=True)
                 prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
-                mbarrier.arrive(empty.index(st), count=1)
-                acc = acc + prod * gl.expand_dims(s, 1)
+                if TWO:
+                    acc0 = acc0 + prod * gl.expand_dims(sa * sb0, 1)
+                    # (the second sub-tile may lie past J: its scale block may not exist)
+                    sb1 = gl.load(sb_ptr + bs_sj + kk * bs_si, mask=col0 + SUB < J, other=1.0)
+                    prod = warpgroup_mma(a_view, b_view.slice(C_OFF + SUB, SUB).permute((1, 0)),
+                                         gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
+                                         is_async=True)
+                    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
+                    mbarrier.arrive(empty.index(st), count=1)
+                    acc1 = acc1 + prod * gl.expand_dims(sa * sb1, 1)
+                else:
+                    mbarrier.arrive(empty.index(st), count=1)
+                    acc0 = acc0 + prod * gl.expand_dims(sa * sb0, 1)
                 it += 1
-            out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_l)
-            orows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_l))
-            ocols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-            omask = (gl.expand_dims((orows < end) & (orows < R), 1)
-                     & gl.expand_dims(ocols < J, 0))
-            gl.store(c_ptr + gl.expand_dims(orows.to(gl.int64) * stride_cm, 1)
-                     + gl.expand_dims(ocols, 0), out, mask=omask)
+            orows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
+            ocols = col0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, out_l))
+            optrs = (c_ptr + gl.expand_dims(orows.to(gl.int64) * stride_cm, 1)
+                     + gl.expand_dims(ocols, 0))
+            rm = gl.expand_dims((orows < end) & (orows < R), 1)
+            gl.store(optrs, gl.convert_layout(acc0.to(c_ptr.dtype.element_ty), out_l),
+                     mask=rm & gl.expand_dims(ocols < J, 0))
+            if TWO:
+                gl.store(optrs + SUB, gl.convert_layout(acc1.to(c_ptr.dtype.element_ty), out_l),
+                         mask=rm & gl.expand_dims(ocols + SUB < J, 0))
 
     @gluon.jit
     def _fp8_rows_ws_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr, tile_off_ptr,
@@ -161,7 +212,8 @@ if gluon is not None:
                             stride_ask, bs_se, bs_si, bs_sj,
                             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                            SPLIT_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 rows GEMM (see the module docstring).
         ``num_warps`` = 4: the first consumer warpgroup (the default partition)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
@@ -179,21 +231,27 @@ if gluon is not None:
         gl.warp_specialize([
             (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
                            tile_off_ptr, tile_expert_ptr, R, I, J, E, stride_cm, stride_ask,
-                           bs_se, bs_si, bs_sj, WG0, BM, BN, BK, GROUP_M, STAGES)),
+                           bs_se, bs_si, bs_sj, WG0, BM, BN, BK, GROUP_M, STAGES, SPLIT_N)),
             (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
                            tile_off_ptr, tile_expert_ptr, R, I, J, E, stride_cm, stride_ask,
-                           bs_se, bs_si, bs_sj, WG1, BM, BN, BK, GROUP_M, STAGES)),
+                           bs_se, bs_si, bs_sj, WG1, BM, BN, BK, GROUP_M, STAGES, SPLIT_N)),
             (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr,
                         tile_off_ptr, tile_expert_ptr, R, I, J, E, b_row_e, b_col_e, BM, BN,
                         BK, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
 
-def _gluon_descriptor(desc, dtype) -> GluonDescriptor:
-    """A Gluon tensor descriptor (NVMMA shared layout) for a ``triton.tools`` one."""
-    layout = gl.NVMMASharedLayout.get_default_for(list(desc.block_shape), dtype)
-    return GluonDescriptor(desc.base, list(desc.shape), list(desc.strides),
-                           list(desc.block_shape), layout)
+_LAYOUTS: dict = {}  # fp8 box shape -> its NVMMA shared layout
+
+
+def _gluon_descriptor(desc) -> GluonDescriptor:
+    """A Gluon tensor descriptor (NVMMA shared layout) for a ``triton.tools`` one over
+    FP8 data."""
+    box = tuple(desc.block_shape)
+    layout = _LAYOUTS.get(box)
+    if layout is None:
+        layout = _LAYOUTS[box] = gl.NVMMASharedLayout.get_default_for(list(box), gl.float8e4nv)
+    return GluonDescriptor(desc.base, desc.shape, desc.strides, list(box), layout)
 
 
 def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torch.Tensor,
@@ -212,10 +270,11 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
     tile_off, tile_expert, bound = tile_map(offsets, R, cfg["BM"])
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
     with device_guard(out):
-        _fp8_rows_ws_kernel[grid](
-            _gluon_descriptor(a_desc, gl.float8e4nv), _gluon_descriptor(b_desc, gl.float8e4nv),
+        launch(
+            _fp8_rows_ws_kernel, grid, _gluon_descriptor(a_desc), _gluon_descriptor(b_desc),
             out, as_t, b_scale, offsets, tile_off, tile_expert, R, I, J, E, b_row_e, b_col_e,
             out.stride(0), as_t.stride(0), *bs_strides, BM=cfg["BM"], BN=cfg["BN"], BK=128,
-            GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
-            num_warps=4, maxnreg=168)
+            GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
+            CONSUMER_REGS=cfg["CONSUMER_REGS"],
+            num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
