@@ -878,6 +878,7 @@ def test_fp8_autotuned_launch_path(device, monkeypatch):
     import triton
 
     monkeypatch.setattr(fwd_gm, "FP8_TMA", False)
+    monkeypatch.setattr(fwd_gm, "FP8_WS", False)
     monkeypatch.setattr(fwd_gm, "AUTOTUNE_MIN_ROWS", 0)
     monkeypatch.setattr(bwd_gm, "AUTOTUNE_MIN_ROWS", 0)
     monkeypatch.setattr(fwd_gm, "_autotune_enabled", lambda: True)
