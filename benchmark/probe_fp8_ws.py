@@ -3,7 +3,8 @@ against the Triton rows kernel and ``torch._grouped_mm`` bf16:
 ``python -m benchmark.probe_fp8_ws [--json PATH] [--quick]``.
 
 The MoE experts' forward and dgrad GEMMs (gate_up: N = K = 2048; down: N = 2048, K =
-1024; 8192 tokens top-8 at random over E experts, segments padded to 16) at E = 256 and
+1024; 8192 tokens top-8 at random over E experts, segments padded to 16) and their
+weight gradients (FP8 from segment-group columnwise copies, the MoE path) at E = 256 and
 32, each timed as: ``bf16`` (``torch._grouped_mm``), ``triton`` (the Triton FP8 rows
 kernel: promoting, TMA, 64x128 tiles), ``default`` (what the launcher picks: the
 warp-specialized kernel with :func:`~linghe.fwd.grouped_mm_ws.ws_config`'s tiles on
@@ -25,7 +26,11 @@ from functools import partial
 import torch
 
 import linghe
-from linghe.bwd.grouped_mm import grouped_mm_fp8_dgrad
+from linghe.bwd.grouped_mm import (
+    grouped_mm_fp8_dgrad,
+    grouped_mm_fp8_wgrad,
+    grouped_mm_wgrad,
+)
 from linghe.fwd.grouped_mm import grouped_mm_fp8_fwd
 from linghe.fwd.grouped_mm_ws import ws_capable
 from linghe.layout import make_expert_layout
@@ -55,19 +60,71 @@ def _operands(layout, R, N, K, dev):
     return x, w, xq, wq, dy, dyq
 
 
+#: The wgrad (segment groups: the MoE path): the Triton kernel at its default tiles, the
+#: launcher's default (warp-specialized on sm_90), and WS stage counts.
+WGRAD_VARIANTS = {
+    "triton": dict(BN=128, BK=128, num_warps=8, num_stages=4),
+    "default": None,
+    "ws_s3": dict(WS=True, STAGES=3),
+    "ws_s4": dict(WS=True, STAGES=4),
+}
+
+
 def _gemm(direction, xq, wq, dyq, offsets, config):
     if direction == "fwd":
         return grouped_mm_fp8_fwd(xq, wq, offsets, config=config)
     return grouped_mm_fp8_dgrad(dyq, wq, offsets, config=config)
 
 
+def _wgrad(gs, xs, offsets, config):
+    return grouped_mm_fp8_wgrad(gs, xs, offsets, segments=True, align=16, config=config)
+
+
+def _wgrad_operands(layout, R, N, K, dev, real=None):
+    x = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
+    g = torch.randn(R, N, device=dev, dtype=torch.bfloat16)
+    if real is not None:
+        x[~real] = 0
+        g[~real] = 0
+    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
+    return x, g, qg(x, layout, rowwise=False), qg(g, layout, rowwise=False)
+
+
+def _wgrad_row(E, name, N, K, quick) -> dict:
+    layout, real, bounds, _ = random_routing(8192, 8, E, 16, "cuda")
+    R = real.numel()
+    x, g, xs, gs = _wgrad_operands(layout, R, N, K, "cuda", real)
+    ref = torch.stack([g[bounds[e]:bounds[e + 1]].float().t() @ x[bounds[e]:bounds[e + 1]]
+                       .float() for e in range(E)])
+    row = dict(E=E, gemm=name, dir="wgrad", R=R, N=N, K=K)
+    row["bf16_us"] = device_time_us(partial(grouped_mm_wgrad, g, x, layout.offsets,
+                                            backend="torch"))
+    base = _wgrad(gs, xs, layout.offsets, WGRAD_VARIANTS["triton"])
+    for key, cfg in WGRAD_VARIANTS.items():
+        if quick and key not in ("triton", "default"):
+            continue
+        y = _wgrad(gs, xs, layout.offsets, cfg)
+        row[key + "_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+        row[key + "_same"] = bool(torch.equal(y, base))
+        row[key + "_us"] = device_time_us(partial(_wgrad, gs, xs, layout.offsets, cfg))
+    return row
+
+
 def _edge_pass(dev) -> list:
     """WS vs the Triton kernel, bit for bit, on awkward segments (untimed)."""
     fails = []
     counts = torch.tensor([0, 37, 300, 0, 129, 1, 64], dtype=torch.int32)
-    for R_extra, K, N in ((0, 384, 256), (50, 256, 384)):
+    for R_extra, K, N in ((0, 384, 256), (48, 256, 384)):
         R = int(((counts + 15) // 16 * 16).sum()) + R_extra
         layout = make_expert_layout(counts.to(dev), 16, R)
+        _, _, xs, gs = _wgrad_operands(layout, R, N, K, dev)
+        want = _wgrad(gs, xs, layout.offsets, WGRAD_VARIANTS["triton"])
+        for key, cfg in WGRAD_VARIANTS.items():
+            got = _wgrad(gs, xs, layout.offsets, cfg)
+            if key != "triton" and not torch.equal(want, got):
+                fails.append(dict(R=R, K=K, N=N, gemm="wgrad", variant=key,
+                                  max_diff=(want.float() - got.float()).abs().max().item(),
+                                  nan=bool(got.isnan().any())))
         x, w, xq, wq, dy, dyq = _operands(layout, R, N, K, dev)
         for name in ("fwd", "dgrad"):
             ref = _gemm(name, xq, wq, dyq, layout.offsets, VARIANTS["triton"])
@@ -119,12 +176,12 @@ def main(argv=None) -> int:
         raise SystemExit("probe_fp8_ws needs an sm_90 GPU and Gluon")
     edge = _edge_pass("cuda")
     print(f"edge pass (WS vs Triton, bit for bit): {'ok' if not edge else edge}", flush=True)
-    rows = [r for c in CASES for r in _row(*c, args.quick)]
+    rows = [r for c in CASES for r in _row(*c, args.quick) + [_wgrad_row(*c, args.quick)]]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "edge_failures": edge, "rows": rows}, f, indent=1)
-    keys = [k for k in VARIANTS if any(k + "_us" in r for r in rows)]
+    keys = [k for k in {**VARIANTS, **WGRAD_VARIANTS} if any(k + "_us" in r for r in rows)]
 
     def cell(r, k):
         us = r.get(k + "_us")

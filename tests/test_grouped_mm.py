@@ -982,6 +982,38 @@ def test_fp8_ws_kernel_matches_triton(device, case, tiles):
         assert torch.equal(got, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [([0, 37, 300, 0, 129, 1, 64], 16, 384, 256, 0),
+                                  ([5, 0, 140], 16, 256, 384, 48),
+                                  ([700], 16, 128, 128, 16)],
+                         ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype):
+    """The warp-specialized FP8 wgrad over segment groups gives the Triton wgrad's bits:
+    partial last groups masked to their segment, zero-token experts (zeros), N and K
+    tails, a tail of rows past the segments."""
+    if not ws_mod.ws_capable(torch.empty(1, device=device)):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    counts, align, K, N, tail = case
+    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16, tail=tail)
+    g = torch.randn(x.shape[0], N, device=device).to(torch.bfloat16)
+    g[~real] = 0
+    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
+    xs, gs = qg(x, layout, rowwise=False), qg(g, layout, rowwise=False)
+    assert ws_mod.wgrad_ws_operands_ok(gs.columnwise_data, xs.columnwise_data)
+    tri = dict(BN=128, BK=128, num_warps=8, num_stages=4)
+    want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, out_dtype, segments=True,
+                                       align=16, config=tri)
+    linghe.utils.set_poison_outputs(True)
+    try:
+        got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, out_dtype, segments=True,
+                                          align=16, config=dict(WS=True))
+    finally:
+        linghe.utils.set_poison_outputs(False)
+    assert not got.isnan().any()
+    assert torch.equal(got, want)
+
+
 def test_fp8_ws_dispatch(device, monkeypatch):
     """Where the warp-specialized kernel cannot run (CPU interpreter, other GPUs, no
     Gluon), a launch that asks for it gets the Triton rows kernel, same result (the
@@ -998,6 +1030,13 @@ def test_fp8_ws_dispatch(device, monkeypatch):
         fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=dict(ws, BN=64))
     with pytest.raises(ValueError, match="warp-specialized"):
         fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=dict(ws, RESCALE=True))
+    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
+    x, layout2, _ = make_rows([5, 0, 40], 16, 128, device, torch.bfloat16, tail=0)
+    xs = qg(x, layout2, rowwise=False)
+    wg = bwd_gm.grouped_mm_fp8_wgrad(xs, xs, layout2.offsets, segments=True, align=16,
+                                     config=dict(WS=True))
+    assert torch.equal(wg, bwd_gm.grouped_mm_fp8_wgrad(xs, xs, layout2.offsets, segments=True,
+                                                       align=16))
     # 256 experts' gate_up forward keeps 128-column tiles, everything else takes 256
     assert ws_mod.ws_config(69632, 256, 2048, 2048)["BN"] == 128
     assert ws_mod.ws_config(69632, 256, 1024, 2048)["BN"] == 256

@@ -35,6 +35,7 @@ from ..fwd.grouped_mm import (
     torch_grouped_mm_ok,
     zero_tail,
 )
+from ..fwd.grouped_mm_ws import launch_fp8_wgrad_ws, wgrad_ws_operands_ok
 from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, launch, next_power_of_2
 
 # --------------------------------------------------------------------------------------
@@ -801,7 +802,13 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.T
     ``config``: pinned tiles instead of the autotuner/heuristic (keys ``BN``, ``BK``,
     ``num_warps``, ``num_stages``; optional ``RESCALE``, default
     :data:`~linghe.fwd.grouped_mm.FP8_RESCALE`, and ``VEC_MASK``, default
-    :data:`WGRAD_VEC_MASK`)."""
+    :data:`WGRAD_VEC_MASK`), or ``{"WS": True, ...}`` with the warp-specialized
+    kernel's keys (:data:`~linghe.fwd.grouped_mm_ws.WGRAD_WS_CONFIG`).
+
+    On sm_90, segment groups run the warp-specialized Gluon kernel
+    (:func:`~linghe.fwd.grouped_mm_ws.launch_fp8_wgrad_ws`; same promotion, same
+    result) where TMA can read the copies (``R`` a multiple of 16); the Triton kernel
+    everywhere else."""
     gq, gs = dout_fp8.columnwise_data, dout_fp8.columnwise_scale  # [N, R], [N, G]
     xq, xs = a_fp8.columnwise_data, a_fp8.columnwise_scale  # [K, R], [K, G]
     N, R = gq.shape
@@ -813,6 +820,12 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.T
     # Scales transposed to [G, N] / [G, K] (small copies): each 128-token step then reads
     # a tile's scales with one contiguous load instead of BN strided ones.
     gs_t, xs_t = gs.t().contiguous(), xs.t().contiguous()
+    ws = config.get("WS", False) if config is not None else _fwd_gm.FP8_WS
+    if segments and ws and _fwd_gm.ws_capable(gq) and wgrad_ws_operands_ok(gq, xq):
+        ws_cfg = None if config is None else {k: v for k, v in config.items() if k != "WS"}
+        return launch_fp8_wgrad_ws(gq, xq, gs_t, xs_t, dw, offsets, ws_cfg)
+    if config is not None and config.get("WS"):
+        config = None  # asked for the warp-specialized kernel where it cannot run
     args = (gq, xq, dw, gs_t, xs_t, offsets, N, K, R, E, gq.stride(0), xq.stride(0),
             gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1))
     align16 = segments and align % 16 == 0

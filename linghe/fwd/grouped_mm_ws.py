@@ -33,6 +33,7 @@ try:  # Gluon: triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -241,17 +242,143 @@ if gluon is not None:
         ], [4, 1], [CONSUMER_REGS, 40])
 
 
+if gluon is not None:
+
+    # ---------------------------------------------------------------- FP8 wgrad
+
+    @gluon.jit
+    def _wg_tile(tile, nN, nK, offsets_ptr, goff_ptr, R):
+        """wgrad tile ``tile`` -> ``(expert, n tile, k tile, first token, token end, token
+        groups, the expert's first scale group)``; an expert's tiles are adjacent (its
+        tokens stay in L2 while they are read)."""
+        per_e = nN * nK
+        e = tile // per_e
+        pid_n = (tile % per_e) // nK
+        pid_k = tile % nK
+        end = gl.minimum(gl.load(offsets_ptr + e + 1), R)
+        start = gl.maximum(gl.minimum(gl.load(offsets_ptr + e), end), 0)
+        return e, pid_n, pid_k, start, end, gl.cdiv(end - start, 128), gl.load(goff_ptr + e)
+
+    @gluon.jit
+    def _wg_load(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, goff_ptr, N, K,
+                 R, E, BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr):
+        """Loader warp of the wgrad: per token group, the ``[BNW, 128]`` box of ``g``'s
+        columnwise copy and the ``[BKW, 128]`` box of ``x``'s."""
+        nN = gl.cdiv(N, BNW)
+        nK = gl.cdiv(K, BKW)
+        it = 0
+        for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
+            e, pid_n, pid_k, start, end, n_groups, gbase = _wg_tile(tile, nN, nK,
+                                                                    offsets_ptr, goff_ptr, R)
+            for i in range(n_groups):
+                st = it % STAGES
+                mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(st)
+                mbarrier.expect(bar, g_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                _tma_load(g_desc, [pid_n * BNW, start + i * 128], bar, g_bufs.index(st))
+                _tma_load(x_desc, [pid_k * BKW, start + i * 128], bar, x_bufs.index(st))
+                it += 1
+
+    @gluon.jit
+    def _wg_consume(g_bufs, x_bufs, ready, empty, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
+                    goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+                    WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
+                    STAGES: gl.constexpr):
+        """Consumer warpgroup ``WG`` of the wgrad: rows ``n`` ``WG * BNW/2 ..`` of each
+        ``dW_e`` tile. Per token group: MMA, wait, release, promote with the group's
+        scales of both operands (``acc += prod * sg[n] * sx[k]``). The segment's partial
+        last group first zeroes this warpgroup's ``g`` tokens past the segment in shared
+        memory (they belong to the next expert)."""
+        WM: gl.constexpr = BNW // 2
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BKW, 32])
+        tok_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        out_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BKW, BKW // 4], [4, 1],
+                                               [1, 0])
+        nN = gl.cdiv(N, BNW)
+        nK = gl.cdiv(K, BKW)
+        toks = gl.arange(0, 128, layout=gl.SliceLayout(0, tok_l))
+        it = 0
+        for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
+            e, pid_n, pid_k, start, end, n_groups, gbase = _wg_tile(tile, nN, nK,
+                                                                    offsets_ptr, goff_ptr, R)
+            rows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
+            cols = pid_k * BKW + gl.arange(0, BKW, layout=gl.SliceLayout(0, mma))
+            nmask = rows < N
+            kmask = cols < K
+            acc = gl.zeros((WM, BKW), gl.float32, mma)
+            for i in range(n_groups):
+                st = it % STAGES
+                sg = gl.load(gs_ptr + (gbase + i) * stride_gs + rows, mask=nmask, other=1.0)
+                sx = gl.load(xs_ptr + (gbase + i) * stride_xs + cols, mask=kmask, other=1.0)
+                valid = end - (start + i * 128)
+                mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+                a_view = g_bufs.index(st).slice(WG * WM, WM)
+                if valid < 128:  # zero this warpgroup's tokens past the segment in place
+                    a = a_view.load(tok_l).to(gl.int8, bitcast=True)
+                    a = gl.where(gl.expand_dims(toks < valid, 0), a, gl.zeros_like(a))
+                    a_view.store(a.to(gl.float8e4nv, bitcast=True))
+                    fence_async_shared()
+                prod = warpgroup_mma(a_view, x_bufs.index(st).permute((1, 0)),
+                                     gl.zeros((WM, BKW), gl.float32, mma), use_acc=False,
+                                     is_async=True)
+                prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
+                mbarrier.arrive(empty.index(st), count=1)
+                acc = acc + prod * gl.expand_dims(sg, 1) * gl.expand_dims(sx, 0)
+                it += 1
+            orows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
+            ocols = pid_k * BKW + gl.arange(0, BKW, layout=gl.SliceLayout(0, out_l))
+            gl.store(w_ptr + e.to(gl.int64) * stride_we
+                     + gl.expand_dims(orows.to(gl.int64) * stride_wn, 1)
+                     + gl.expand_dims(ocols, 0),
+                     gl.convert_layout(acc.to(w_ptr.dtype.element_ty), out_l),
+                     mask=gl.expand_dims(orows < N, 1) & gl.expand_dims(ocols < K, 0))
+
+    @gluon.jit
+    def _fp8_wgrad_ws_kernel(g_desc, x_desc, w_ptr, gs_ptr, xs_ptr, offsets_ptr, goff_ptr,
+                             N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+                             BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """Persistent warp-specialized FP8 wgrad over segment groups (see
+        :func:`launch_fp8_wgrad_ws`)."""
+        g_bufs = gl.allocate_shared_memory(g_desc.dtype, [STAGES] + g_desc.block_type.shape,
+                                           g_desc.layout)
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
+                                           x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize([
+            (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
+                           goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+                           WG0, BNW, BKW, STAGES)),
+            (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
+                           goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+                           WG1, BNW, BKW, STAGES)),
+            (_wg_load, (g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, goff_ptr,
+                        N, K, R, E, BNW, BKW, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 40])
+
+
 _LAYOUTS: dict = {}  # fp8 box shape -> its NVMMA shared layout
+
+
+def _layout(box: tuple):
+    layout = _LAYOUTS.get(box)
+    if layout is None:
+        layout = _LAYOUTS[box] = gl.NVMMASharedLayout.get_default_for(list(box), gl.float8e4nv)
+    return layout
 
 
 def _gluon_descriptor(desc) -> GluonDescriptor:
     """A Gluon tensor descriptor (NVMMA shared layout) for a ``triton.tools`` one over
     FP8 data."""
     box = tuple(desc.block_shape)
-    layout = _LAYOUTS.get(box)
-    if layout is None:
-        layout = _LAYOUTS[box] = gl.NVMMASharedLayout.get_default_for(list(box), gl.float8e4nv)
-    return GluonDescriptor(desc.base, desc.shape, desc.strides, list(box), layout)
+    return GluonDescriptor(desc.base, desc.shape, desc.strides, list(box), _layout(box))
 
 
 def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torch.Tensor,
@@ -278,3 +405,50 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
             CONSUMER_REGS=cfg["CONSUMER_REGS"],
             num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
+
+
+#: The wgrad's tiles: ``dW_e`` in ``[BNW, BKW]`` tiles (``BNW / 2`` rows per consumer
+#: warpgroup), ``STAGES`` 128-token groups in flight.
+WGRAD_WS_CONFIG = dict(BNW=128, BKW=128, STAGES=5, CONSUMER_REGS=232, MAXNREG=168)
+
+
+def wgrad_ws_operands_ok(gq: torch.Tensor, xq: torch.Tensor) -> bool:
+    """Whether TMA can read the columnwise copies ``gq [N, R]`` / ``xq [K, R]``: tokens
+    contiguous, 16-byte aligned bases and row strides."""
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (gq, xq))
+
+
+def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
+                        xs_t: torch.Tensor, dw: torch.Tensor, offsets: torch.Tensor,
+                        config: dict | None = None) -> torch.Tensor:
+    """FP8 ``dW[e] = g_e^T x_e`` over segment groups (the MoE layout: each expert's tokens
+    in 128-token groups from its segment start, scale group ``g_off[e] + i``) with the
+    warp-specialized kernel: ``gq [N, R]`` / ``xq [K, R]`` the columnwise copies (see
+    :func:`wgrad_ws_operands_ok`), ``gs_t [G, N]`` / ``xs_t [G, K]`` their scales
+    transposed, ``dw [E, N, K]`` written (every element; an expert without tokens gets
+    zeros). Same promotion per token group as the Triton wgrad (``acc += dot * sg[n] *
+    sx[k]``); the partial last group of a segment is masked to it."""
+    from .grouped_mm import tile_map
+
+    cfg = dict(WGRAD_WS_CONFIG, **(config or {}))
+    N, R = gq.shape
+    K = xq.shape[0]
+    E = offsets.numel() - 1
+    bnw, bkw = cfg["BNW"], cfg["BKW"]
+    # g_off[e] = sum over earlier experts of ceil(segment / 128): the tile map's offsets
+    goff = tile_map(offsets, R, 128)[0]
+    g_desc = GluonDescriptor(gq, [N, R], [gq.stride(0), 1], [bnw, 128],
+                             _layout((bnw, 128)))
+    x_desc = GluonDescriptor(xq, [K, R], [xq.stride(0), 1], [bkw, 128],
+                             _layout((bkw, 128)))
+    # fp32 dW: the epilogue's layout conversion takes twice the shared memory
+    stages = min(cfg["STAGES"], 4) if dw.element_size() == 4 else cfg["STAGES"]
+    tiles = E * cdiv(N, bnw) * cdiv(K, bkw)
+    grid = (max(1, min(num_sms(dw.device), tiles)),)
+    with device_guard(dw):
+        launch(_fp8_wgrad_ws_kernel, grid, g_desc, x_desc, dw, gs_t, xs_t, offsets, goff, N,
+               K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1),
+               BNW=bnw, BKW=bkw, STAGES=stages, CONSUMER_REGS=cfg["CONSUMER_REGS"],
+               num_warps=4, maxnreg=cfg["MAXNREG"])
+    return dw
