@@ -65,8 +65,8 @@ def _operands(layout, R, N, K, dev):
 WGRAD_VARIANTS = {
     "triton": dict(BN=128, BK=128, num_warps=8, num_stages=4),
     "default": None,
-    "ws_s3": dict(WS=True, STAGES=3),
     "ws_s4": dict(WS=True, STAGES=4),
+    "ws_regstore": dict(WS=True, TMA_STORE=False),
 }
 
 

@@ -988,7 +988,8 @@ def test_fp8_ws_kernel_matches_triton(device, case, tiles):
                                   ([700], 16, 128, 128, 16)],
                          ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype):
+@pytest.mark.parametrize("tma_store", [True, False])
+def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store):
     """The warp-specialized FP8 wgrad over segment groups gives the Triton wgrad's bits:
     partial last groups masked to their segment, zero-token experts (zeros), N and K
     tails, a tail of rows past the segments."""
@@ -1007,7 +1008,8 @@ def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype):
     linghe.utils.set_poison_outputs(True)
     try:
         got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, out_dtype, segments=True,
-                                          align=16, config=dict(WS=True))
+                                          align=16, config=dict(WS=True,
+                                                                TMA_STORE=tma_store))
     finally:
         linghe.utils.set_poison_outputs(False)
     assert not got.isnan().any()
@@ -1076,13 +1078,38 @@ for bm, bn, stages in W.WS_TILES_STAGES:
     assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx, (bm, bn)
     assert "wgmma.wait_group.sync.aligned 0" in ptx, (bm, bn)
     assert k.metadata.shared >= stages * (bm + bn) * 128, (bm, bn, stages)
+# the wgrad, with the TMA-store epilogue (bf16 and fp32 dW) and without
+lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))
+for out, dt, tma_store in (("bf16", gl.bfloat16, True), ("fp32", gl.float32, True),
+                           ("bf16", gl.bfloat16, False)):
+    wd = (f"tensordesc<{out}[64, 128],{lay(64, 128, dt)}>" if tma_store
+          else f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>")
+    sig = dict(g_desc=f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>",
+               x_desc=f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>",
+               w_ptr=f"*{out}", w_desc=wd, gs_ptr="*fp32", xs_ptr="*fp32",
+               offsets_ptr="*i32", goff_ptr="*i32", N="i32", K="i32", R="i32", E="i32",
+               stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
+               BNW="constexpr", BKW="constexpr", STAGES="constexpr", TMA_STORE="constexpr",
+               CONSUMER_REGS="constexpr", num_warps="constexpr")
+    const = dict(BNW=128, BKW=128, STAGES=4, TMA_STORE=tma_store, CONSUMER_REGS=232,
+                 num_warps=4)
+    k = triton.compile(GluonASTSource(fn=W._fp8_wgrad_ws_kernel, signature=sig,
+                                      constexprs=const),
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, maxnreg=W.WGRAD_WS_CONFIG["MAXNREG"]))
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, (out, tma_store)
+    # TMA loads; and the TMA store exactly when asked for
+    assert ptx.count("cp.async.bulk.tensor") >= 2 + tma_store, (out, tma_store)
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store, (out, tma_store)
 print("COMPILED")
 '''
 
 
 def test_fp8_ws_kernel_compiles_for_sm90(compile_sm90):
-    """The warp-specialized FP8 rows kernel compiled for sm_90 with this triton, at every
-    tile shape (Gluon's API moves between triton versions: this catches it on CPU)."""
+    """The warp-specialized FP8 rows kernel (every tile shape) and wgrad (both
+    epilogues) compiled for sm_90 with this triton (Gluon's API moves between triton
+    versions: this catches it on CPU)."""
     compile_sm90(_WS_COMPILE_SCRIPT)
 
 

@@ -41,8 +41,10 @@ try:  # Gluon: triton >= 3.5
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    # the TMA load is ``async_load`` from triton 3.7 on (3.6: async_copy_global_to_shared)
+    # the TMA copies are ``async_load``/``async_store`` from triton 3.7 on (3.6:
+    # async_copy_global_to_shared / async_copy_shared_to_global)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 except ImportError:  # pragma: no cover - older triton
     gluon = None
 
@@ -280,10 +282,10 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _wg_consume(g_bufs, x_bufs, ready, empty, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
-                    goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
-                    WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
-                    STAGES: gl.constexpr):
+    def _wg_consume(g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
+                    offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
+                    stride_wn, WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
+                    STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
         """Consumer warpgroup ``WG`` of the wgrad: rows ``n`` ``WG * BNW/2 ..`` of each
         ``dW_e`` tile. Per token group: MMA, wait, release, promote with the group's
         scales of both operands (``acc += prod * sg[n] * sx[k]``). The segment's partial
@@ -293,6 +295,7 @@ if gluon is not None:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BKW, 32])
         tok_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         out_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BKW, BKW // 4], [4, 1],
                                                [1, 0])
         nN = gl.cdiv(N, BNW)
@@ -303,14 +306,17 @@ if gluon is not None:
             e, pid_n, pid_k, start, end, n_groups, gbase = _wg_tile(tile, nN, nK,
                                                                     offsets_ptr, goff_ptr, R)
             rows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
-            cols = pid_k * BKW + gl.arange(0, BKW, layout=gl.SliceLayout(0, mma))
+            cols1 = pid_k * BKW + gl.arange(0, BKW, layout=vec_l)
             nmask = rows < N
-            kmask = cols < K
             acc = gl.zeros((WM, BKW), gl.float32, mma)
             for i in range(n_groups):
                 st = it % STAGES
                 sg = gl.load(gs_ptr + (gbase + i) * stride_gs + rows, mask=nmask, other=1.0)
-                sx = gl.load(xs_ptr + (gbase + i) * stride_xs + cols, mask=kmask, other=1.0)
+                # one scale per thread, then to the MMA's column layout (a load in that
+                # layout needs 32 addresses a thread: spills)
+                sx = gl.convert_layout(gl.load(xs_ptr + (gbase + i) * stride_xs + cols1,
+                                               mask=cols1 < K, other=1.0),
+                                       gl.SliceLayout(0, mma))
                 valid = end - (start + i * 128)
                 mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                 a_view = g_bufs.index(st).slice(WG * WM, WM)
@@ -326,21 +332,34 @@ if gluon is not None:
                 mbarrier.arrive(empty.index(st), count=1)
                 acc = acc + prod * gl.expand_dims(sg, 1) * gl.expand_dims(sx, 0)
                 it += 1
-            orows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
-            ocols = pid_k * BKW + gl.arange(0, BKW, layout=gl.SliceLayout(0, out_l))
-            gl.store(w_ptr + e.to(gl.int64) * stride_we
-                     + gl.expand_dims(orows.to(gl.int64) * stride_wn, 1)
-                     + gl.expand_dims(ocols, 0),
-                     gl.convert_layout(acc.to(w_ptr.dtype.element_ty), out_l),
-                     mask=gl.expand_dims(orows < N, 1) & gl.expand_dims(ocols < K, 0))
+            if TMA_STORE:  # asynchronous: overlaps the next tile's K loop
+                c_buf = c_bufs.index(WG)
+                tma.store_wait(0)  # this buffer's previous store has left
+                c_buf.store(acc.to(w_ptr.dtype.element_ty))
+                fence_async_shared()
+                _tma_store(w_desc, [e * N + pid_n * BNW + WG * WM, pid_k * BKW], c_buf)
+            else:
+                orows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
+                ocols = pid_k * BKW + gl.arange(0, BKW, layout=gl.SliceLayout(0, out_l))
+                gl.store(w_ptr + e.to(gl.int64) * stride_we
+                         + gl.expand_dims(orows.to(gl.int64) * stride_wn, 1)
+                         + gl.expand_dims(ocols, 0),
+                         gl.convert_layout(acc.to(w_ptr.dtype.element_ty), out_l),
+                         mask=gl.expand_dims(orows < N, 1) & gl.expand_dims(ocols < K, 0))
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit
-    def _fp8_wgrad_ws_kernel(g_desc, x_desc, w_ptr, gs_ptr, xs_ptr, offsets_ptr, goff_ptr,
-                             N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+    def _fp8_wgrad_ws_kernel(g_desc, x_desc, w_ptr, w_desc, gs_ptr, xs_ptr, offsets_ptr,
+                             goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
                              BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                             TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 wgrad over segment groups (see
-        :func:`launch_fp8_wgrad_ws`)."""
+        :func:`launch_fp8_wgrad_ws`). ``TMA_STORE``: each consumer stores its ``dW`` tile
+        through shared memory and a TMA copy (``w_desc`` over ``dW`` as ``[E*N, K]`` with
+        ``[BNW/2, BKW]`` boxes; needs ``N`` a multiple of ``BNW``), which overlaps the
+        next tile; else masked stores from registers (``w_desc`` unused)."""
         g_bufs = gl.allocate_shared_memory(g_desc.dtype, [STAGES] + g_desc.block_type.shape,
                                            g_desc.layout)
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
@@ -350,15 +369,20 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
+        if TMA_STORE:
+            c_bufs = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape,
+                                               w_desc.layout)
+        else:
+            c_bufs = g_bufs  # unused
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
-                           goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
-                           WG0, BNW, BKW, STAGES)),
-            (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, gs_ptr, xs_ptr, offsets_ptr,
-                           goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
-                           WG1, BNW, BKW, STAGES)),
+            (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
+                           offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
+                           stride_wn, WG0, BNW, BKW, STAGES, TMA_STORE)),
+            (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
+                           offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
+                           stride_wn, WG1, BNW, BKW, STAGES, TMA_STORE)),
             (_wg_load, (g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, goff_ptr,
                         N, K, R, E, BNW, BKW, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 40])
@@ -409,7 +433,8 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
 
 #: The wgrad's tiles: ``dW_e`` in ``[BNW, BKW]`` tiles (``BNW / 2`` rows per consumer
 #: warpgroup), ``STAGES`` 128-token groups in flight.
-WGRAD_WS_CONFIG = dict(BNW=128, BKW=128, STAGES=5, CONSUMER_REGS=232, MAXNREG=168)
+WGRAD_WS_CONFIG = dict(BNW=128, BKW=128, STAGES=5, TMA_STORE=True, CONSUMER_REGS=232,
+                       MAXNREG=168)
 
 
 def wgrad_ws_operands_ok(gq: torch.Tensor, xq: torch.Tensor) -> bool:
@@ -442,13 +467,23 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
                              _layout((bnw, 128)))
     x_desc = GluonDescriptor(xq, [K, R], [xq.stride(0), 1], [bkw, 128],
                              _layout((bkw, 128)))
-    # fp32 dW: the epilogue's layout conversion takes twice the shared memory
+    # fp32 dW: the epilogue's shared-memory tiles are twice the size
     stages = min(cfg["STAGES"], 4) if dw.element_size() == 4 else cfg["STAGES"]
+    # TMA store: tiles within one expert's rows, 16-byte rows; else masked stores
+    tma_store = (cfg["TMA_STORE"] and N % bnw == 0 and dw.is_contiguous()
+                 and (K * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0)
+    if tma_store:
+        dt = {torch.float32: gl.float32, torch.float16: gl.float16}.get(dw.dtype, gl.bfloat16)
+        box = [bnw // 2, bkw]
+        w_desc = GluonDescriptor(dw.view(E * N, K), [E * N, K], [K, 1], box,
+                                 gl.NVMMASharedLayout.get_default_for(box, dt))
+    else:
+        w_desc = g_desc  # unused
     tiles = E * cdiv(N, bnw) * cdiv(K, bkw)
     grid = (max(1, min(num_sms(dw.device), tiles)),)
     with device_guard(dw):
-        launch(_fp8_wgrad_ws_kernel, grid, g_desc, x_desc, dw, gs_t, xs_t, offsets, goff, N,
-               K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1),
-               BNW=bnw, BKW=bkw, STAGES=stages, CONSUMER_REGS=cfg["CONSUMER_REGS"],
-               num_warps=4, maxnreg=cfg["MAXNREG"])
+        launch(_fp8_wgrad_ws_kernel, grid, g_desc, x_desc, dw, w_desc, gs_t, xs_t, offsets,
+               goff, N, K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1),
+               BNW=bnw, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
+               CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return dw
