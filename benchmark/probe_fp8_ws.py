@@ -65,8 +65,9 @@ def _operands(layout, R, N, K, dev):
 WGRAD_VARIANTS = {
     "triton": dict(BN=128, BK=128, num_warps=8, num_stages=4),
     "default": None,
-    "ws_s4": dict(WS=True, STAGES=4),
-    "ws_regstore": dict(WS=True, TMA_STORE=False),
+    "ws_sxdirect": dict(WS=True, SX_DIRECT=True),
+    "ws_sxdirect_s4": dict(WS=True, SX_DIRECT=True, STAGES=4),
+    "ws_regstore_sxdirect": dict(WS=True, TMA_STORE=False, SX_DIRECT=True),
 }
 
 

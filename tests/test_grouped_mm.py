@@ -1090,9 +1090,9 @@ for out, dt, tma_store in (("bf16", gl.bfloat16, True), ("fp32", gl.float32, Tru
                offsets_ptr="*i32", goff_ptr="*i32", N="i32", K="i32", R="i32", E="i32",
                stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
                BNW="constexpr", BKW="constexpr", STAGES="constexpr", TMA_STORE="constexpr",
-               CONSUMER_REGS="constexpr", num_warps="constexpr")
-    const = dict(BNW=128, BKW=128, STAGES=4, TMA_STORE=tma_store, CONSUMER_REGS=232,
-                 num_warps=4)
+               SX_DIRECT="constexpr", CONSUMER_REGS="constexpr", num_warps="constexpr")
+    const = dict(BNW=128, BKW=128, STAGES=4, TMA_STORE=tma_store, SX_DIRECT=not tma_store,
+                 CONSUMER_REGS=232, num_warps=4)
     k = triton.compile(GluonASTSource(fn=W._fp8_wgrad_ws_kernel, signature=sig,
                                       constexprs=const),
                        target=GPUTarget("cuda", 90, 32),

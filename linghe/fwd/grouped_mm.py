@@ -610,7 +610,7 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     else:
         tma = BF16_TMA and a.element_size() == 2 and tma_capable(a)
     if ws:
-        wcfg = ws_config(R, E, I, J) if cfg is None else dict(
+        wcfg = ws_config(R, E, I, J, a.device) if cfg is None else dict(
             WS_CONFIG, BM=cfg["BM"], BN=cfg["BN"], STAGES=cfg["num_stages"],
             GROUP_M=cfg["GROUP_M"], MAXNREG=cfg.get("MAXNREG", WS_CONFIG["MAXNREG"]))
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, wcfg["BM"],

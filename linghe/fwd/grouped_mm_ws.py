@@ -66,18 +66,34 @@ WS_TILES = ((128, 128), (128, 256), (64, 128), (64, 256))
 WS_TILES_STAGES = ((128, 128, 4), (128, 256, 3), (64, 128, 5), (64, 256, 4))
 
 
-def ws_config(R: int, E: int, I: int, J: int) -> dict:
+def ws_config(R: int, E: int, I: int, J: int, device: torch.device | None = None) -> dict:
     """Tiles by shape (``R`` rows, ``E`` experts, contraction ``I``, output columns ``J``):
     128x256 (each consumer warpgroup 64x256 as two 128-column MMAs; 3 stages), except
     with few rows per expert, a long contraction and a wide output (256 experts' gate_up
-    forward), where 128x128. H100, 8192 tokens top-8, µs (vs ``torch._grouped_mm`` bf16;
+    forward) on an H100-class GPU, where 128x128 (:func:`_large_memory`). H100, 8192
+    tokens top-8, µs (vs ``torch._grouped_mm`` bf16;
     Triton rows kernel): E = 32 gate_up fwd 504 (1.58x; Triton 721), dgrad 504 (1.58x;
     736), down fwd 287 (1.50x; 383), dgrad 271 (1.54x; 368); E = 256 gate_up fwd 798 at
     128x128 (1.52x; 858; 893 at 128x256), dgrad 812 (1.48x; 873), down fwd 396 (1.66x;
     480), dgrad 409 (1.53x; 446); ``benchmark/results/h100_probe_fp8_ws_tiles_*``."""
-    if R < 512 * E and I >= 2048 and J >= 2048:
+    if R < 512 * E and I >= 2048 and J >= 2048 and not _large_memory(device):
         return dict(WS_CONFIG)
     return dict(WS_CONFIG, BN=256, STAGES=3)
+
+
+def _large_memory(device) -> bool:
+    """An H200-class GPU (>= 100 GiB: HBM3e, 4.8 TB/s), where 128x256 tiles win at 256
+    experts' gate_up too (691 against 762 µs; on the H100, 80 GiB, 890 against 804)."""
+    if device is None or device.type != "cuda":
+        return False
+    large = _LARGE_MEMORY.get(device)
+    if large is None:
+        large = _LARGE_MEMORY[device] = (
+            torch.cuda.get_device_properties(device).total_memory >= 100 << 30)
+    return large
+
+
+_LARGE_MEMORY: dict = {}
 
 
 def ws_capable(t: torch.Tensor) -> bool:
@@ -285,7 +301,7 @@ if gluon is not None:
     def _wg_consume(g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
                     offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
                     stride_wn, WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
-                    STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+                    STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr):
         """Consumer warpgroup ``WG`` of the wgrad: rows ``n`` ``WG * BNW/2 ..`` of each
         ``dW_e`` tile. Per token group: MMA, wait, release, promote with the group's
         scales of both operands (``acc += prod * sg[n] * sx[k]``). The segment's partial
@@ -307,16 +323,19 @@ if gluon is not None:
                                                                     offsets_ptr, goff_ptr, R)
             rows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
             cols1 = pid_k * BKW + gl.arange(0, BKW, layout=vec_l)
+            cols = pid_k * BKW + gl.arange(0, BKW, layout=gl.SliceLayout(0, mma))
             nmask = rows < N
             acc = gl.zeros((WM, BKW), gl.float32, mma)
             for i in range(n_groups):
                 st = it % STAGES
                 sg = gl.load(gs_ptr + (gbase + i) * stride_gs + rows, mask=nmask, other=1.0)
-                # one scale per thread, then to the MMA's column layout (a load in that
-                # layout needs 32 addresses a thread: spills)
-                sx = gl.convert_layout(gl.load(xs_ptr + (gbase + i) * stride_xs + cols1,
-                                               mask=cols1 < K, other=1.0),
-                                       gl.SliceLayout(0, mma))
+                if SX_DIRECT:  # in the MMA's column layout: 32 addresses a thread
+                    sx = gl.load(xs_ptr + (gbase + i) * stride_xs + cols, mask=cols < K,
+                                 other=1.0)
+                else:  # one scale per thread, then moved to that layout (no spills)
+                    sx = gl.convert_layout(gl.load(xs_ptr + (gbase + i) * stride_xs + cols1,
+                                                   mask=cols1 < K, other=1.0),
+                                           gl.SliceLayout(0, mma))
                 valid = end - (start + i * 128)
                 mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                 a_view = g_bufs.index(st).slice(WG * WM, WM)
@@ -353,8 +372,8 @@ if gluon is not None:
     def _fp8_wgrad_ws_kernel(g_desc, x_desc, w_ptr, w_desc, gs_ptr, xs_ptr, offsets_ptr,
                              goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
                              BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-                             TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 wgrad over segment groups (see
         :func:`launch_fp8_wgrad_ws`). ``TMA_STORE``: each consumer stores its ``dW`` tile
         through shared memory and a TMA copy (``w_desc`` over ``dW`` as ``[E*N, K]`` with
@@ -379,10 +398,10 @@ if gluon is not None:
         gl.warp_specialize([
             (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
                            offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
-                           stride_wn, WG0, BNW, BKW, STAGES, TMA_STORE)),
+                           stride_wn, WG0, BNW, BKW, STAGES, TMA_STORE, SX_DIRECT)),
             (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
                            offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
-                           stride_wn, WG1, BNW, BKW, STAGES, TMA_STORE)),
+                           stride_wn, WG1, BNW, BKW, STAGES, TMA_STORE, SX_DIRECT)),
             (_wg_load, (g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, goff_ptr,
                         N, K, R, E, BNW, BKW, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 40])
@@ -433,8 +452,14 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
 
 #: The wgrad's tiles: ``dW_e`` in ``[BNW, BKW]`` tiles (``BNW / 2`` rows per consumer
 #: warpgroup), ``STAGES`` 128-token groups in flight.
-WGRAD_WS_CONFIG = dict(BNW=128, BKW=128, STAGES=5, TMA_STORE=True, CONSUMER_REGS=232,
-                       MAXNREG=168)
+#: H200 (``benchmark/results/h200_probe_fp8_ws_wgrad_*``), µs against the Triton wgrad /
+#: ``torch._grouped_mm`` bf16: E = 256 gate_up 1486 / 2428 / 1372, down 777 / 1248 / 700;
+#: E = 32 gate_up 878 / 1082 / 779, down 453 / 566 / 397. The column scales loaded in
+#: the MMA's layout (``SX_DIRECT``; ptxas spills ~70 bytes) beat moving them there from
+#: one-per-thread loads (1646 / 953 µs); the TMA-store epilogue beats register stores
+#: (1849 / 925 µs).
+WGRAD_WS_CONFIG = dict(BNW=128, BKW=128, STAGES=5, TMA_STORE=True, SX_DIRECT=True,
+                       CONSUMER_REGS=232, MAXNREG=168)
 
 
 def wgrad_ws_operands_ok(gq: torch.Tensor, xq: torch.Tensor) -> bool:
@@ -485,5 +510,6 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
         launch(_fp8_wgrad_ws_kernel, grid, g_desc, x_desc, dw, w_desc, gs_t, xs_t, offsets,
                goff, N, K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1),
                BNW=bnw, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
-               CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
+               SX_DIRECT=cfg["SX_DIRECT"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
+               maxnreg=cfg["MAXNREG"])
     return dw
