@@ -1055,6 +1055,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from linghe.fwd import grouped_mm_ws as W
 
+
+def sm90(fn, sig, const, maxnreg):
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=maxnreg))
+
+
 for bm, bn, stages in W.WS_TILES_STAGES:
     lay = lambda rows: repr(gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv))
     sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{lay(bm)}>",
@@ -1067,10 +1074,7 @@ for bm, bn, stages in W.WS_TILES_STAGES:
                CONSUMER_REGS="constexpr", num_warps="constexpr")
     const = dict(BM=bm, BN=bn, BK=128, GROUP_M=8, STAGES=stages, SPLIT_N=bm == 64,
                  CONSUMER_REGS=232, num_warps=4)
-    k = triton.compile(GluonASTSource(fn=W._fp8_rows_ws_kernel, signature=sig,
-                                      constexprs=const),
-                       target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, maxnreg=W.WS_CONFIG["MAXNREG"]))
+    k = sm90(W._fp8_rows_ws_kernel, sig, const, W.WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     # TMA loads into wgmma, warp specialization with register reallocation, and the
     # promotion waiting for each step's MMA (no accumulator carried across steps in flight)
@@ -1093,10 +1097,7 @@ for out, dt, tma_store in (("bf16", gl.bfloat16, True), ("fp32", gl.float32, Tru
                SX_DIRECT="constexpr", CONSUMER_REGS="constexpr", num_warps="constexpr")
     const = dict(BNW=128, BKW=128, STAGES=4, TMA_STORE=tma_store, SX_DIRECT=not tma_store,
                  CONSUMER_REGS=232, num_warps=4)
-    k = triton.compile(GluonASTSource(fn=W._fp8_wgrad_ws_kernel, signature=sig,
-                                      constexprs=const),
-                       target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, maxnreg=W.WGRAD_WS_CONFIG["MAXNREG"]))
+    k = sm90(W._fp8_wgrad_ws_kernel, sig, const, W.WGRAD_WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, (out, tma_store)
     # TMA loads; and the TMA store exactly when asked for

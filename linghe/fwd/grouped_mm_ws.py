@@ -106,6 +106,22 @@ def ws_capable(t: torch.Tensor) -> bool:
 if gluon is not None:
 
     @gluon.jit
+    def _ring(a_desc, b_desc, STAGES: gl.constexpr):
+        """The operand ring: ``STAGES`` boxes of each operand in shared memory and their
+        barriers, ``ready`` (the loader's TMA copies landed) and ``empty`` (both
+        consumer warpgroups are done with the stage: two arrivals)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
+                                           b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        return a_bufs, b_bufs, ready, empty
+
+    @gluon.jit
     def _num_tiles(offsets_ptr, tile_off_ptr, R, J, E, BM: gl.constexpr, BN: gl.constexpr):
         """(row tiles: the experts' tiles then the tail's, column tiles)."""
         n_m = gl.load(tile_off_ptr + E) + gl.cdiv(R - gl.load(offsets_ptr + E), BM)
@@ -235,15 +251,7 @@ if gluon is not None:
                             num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 rows GEMM (see the module docstring).
         ``num_warps`` = 4: the first consumer warpgroup (the default partition)."""
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
-                                           a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
-                                           b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         # (worker arguments are spelled out: tuples built by concatenation lose constexprs)
@@ -379,15 +387,7 @@ if gluon is not None:
         through shared memory and a TMA copy (``w_desc`` over ``dW`` as ``[E*N, K]`` with
         ``[BNW/2, BKW]`` boxes; needs ``N`` a multiple of ``BNW``), which overlaps the
         next tile; else masked stores from registers (``w_desc`` unused)."""
-        g_bufs = gl.allocate_shared_memory(g_desc.dtype, [STAGES] + g_desc.block_type.shape,
-                                           g_desc.layout)
-        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
-                                           x_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
+        g_bufs, x_bufs, ready, empty = _ring(g_desc, x_desc, STAGES)
         if TMA_STORE:
             c_bufs = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape,
                                                w_desc.layout)
