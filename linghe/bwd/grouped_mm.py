@@ -8,7 +8,9 @@ program owns one ``[BN, BK]`` tile of ``dW_e`` and loops over expert ``e``'s row
 Rows are walked in chunks aligned to *global* multiples of the chunk size and masked to the
 segment, so with FP8 each chunk is exactly one 128-token group of the columnwise copies
 (``quantize_1x128(columnwise=True)`` of the whole buffer) whatever ``align`` is: a group
-straddling two experts is used by both, each masking the other's rows.
+straddling two experts is used by both, each masking the other's rows. On sm_90 the FP8
+wgrad over segment groups (the MoE path) runs as a warp-specialized Gluon kernel
+(:mod:`linghe.fwd.grouped_mm_ws`), same result.
 """
 
 from __future__ import annotations

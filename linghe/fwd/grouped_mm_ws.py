@@ -1,4 +1,5 @@
-"""Warp-specialized FP8 blockwise grouped rows GEMM for sm_90 (Gluon).
+"""Warp-specialized FP8 blockwise grouped GEMMs for sm_90 (Gluon): the rows GEMM
+(forward and dgrad) and the wgrad over segment groups.
 
 The same product as :func:`linghe.fwd.grouped_mm.launch_grouped_rows` with FP8
 operands (``out[r] = a[r] @ B_e`` over expert segments, 1x128 row scales, 128x128
@@ -18,9 +19,11 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
   a promoted 128-row tile).
 
 Same tile schedule as the Triton kernel (``tile_map``: expert tiles, then tail tiles
-that store zeros), same promotion arithmetic. Gluon kernels do not run in the CPU
-interpreter: the Triton rows kernel is the fallback there and on other GPUs
-(:func:`ws_capable`), and the GPU tests compare this kernel with it.
+that store zeros), same promotion arithmetic. The wgrad (:func:`launch_fp8_wgrad_ws`)
+is built the same way over ``dW_e`` tiles, one 128-token group per step. Gluon kernels
+do not run in the CPU interpreter: the Triton kernels are the fallback there and on
+other GPUs (:func:`ws_capable`), and the GPU tests compare these kernels with them bit
+for bit.
 """
 
 from __future__ import annotations
