@@ -1016,6 +1016,50 @@ def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store):
     assert torch.equal(got, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("sms", [1, 3])
+def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
+    """Each program of the persistent warp-specialized kernels walks several tiles (the
+    grid capped at ``sms`` programs: the operand ring's stages and phases, the tail
+    tiles after the expert tiles, the wgrad's store buffer reused across tiles), with
+    contraction and output tails that are not multiples of 128 and every output dtype;
+    bit-equal to the Triton kernels."""
+    if not ws_mod.ws_capable(torch.empty(1, device=device)):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    monkeypatch.setattr(ws_mod, "num_sms", lambda dev: sms)
+    counts, K, N = [0, 37, 300, 0, 129, 1, 64], 336, 384
+    x, layout, real = make_rows(counts, 16, K, device, torch.bfloat16, tail=21)
+    w = (torch.randn(len(counts), N, K, device=device) / 11).to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], N, device=device).to(torch.bfloat16)
+    dy[~real] = 0
+    xq = linghe.quantize_1x128(x, pow2_scale=True)
+    wq = linghe.quantize_grouped_weight(w, columnwise=True, pow2_scale=True)
+    dyq = linghe.quantize_1x128(dy)
+    tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
+    for bn in (128, 256):
+        ws = dict(BM=128, BN=bn, num_warps=4, num_stages=3, WS=True)
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            for run in (lambda c, dt=dt: fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets,
+                                                                   dt, config=c),
+                        lambda c, dt=dt: bwd_gm.grouped_mm_fp8_dgrad(dyq, wq, layout.offsets,
+                                                                     dt, config=c)):
+                assert torch.equal(run(ws), run(tri)), (bn, dt)
+    # wgrad: N = 320 is not a multiple of its 128-row tiles (masked register stores), K = 336
+    counts = [0, 37, 300, 0, 129, 1, 64]
+    x, layout, real = make_rows(counts, 16, 336, device, torch.bfloat16, tail=16)
+    g = torch.randn(x.shape[0], 320, device=device).to(torch.bfloat16)
+    g[~real] = 0
+    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
+    xs, gs = qg(x, layout, rowwise=False), qg(g, layout, rowwise=False)
+    tri_w = dict(BN=128, BK=128, num_warps=8, num_stages=4)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
+                                           align=16, config=tri_w)
+        got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
+                                          align=16, config=dict(WS=True))
+        assert torch.equal(got, want), dt
+
+
 def test_fp8_ws_dispatch(device, monkeypatch):
     """Where the warp-specialized kernel cannot run (CPU interpreter, other GPUs, no
     Gluon), a launch that asks for it gets the Triton rows kernel, same result (the
@@ -1039,6 +1083,32 @@ def test_fp8_ws_dispatch(device, monkeypatch):
                                      config=dict(WS=True))
     assert torch.equal(wg, bwd_gm.grouped_mm_fp8_wgrad(xs, xs, layout2.offsets, segments=True,
                                                        align=16))
+    # a WS config whose kernel cannot run gets the Triton kernel at its own tiles (no
+    # WS-only keys reach it)
+    del names[:]
+    out = fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=dict(ws, MAXNREG=160))
+    assert names == ["_grouped_rows_tma_kernel"]
+    assert torch.equal(out, fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets))
+    # where it can run: the default takes it, not with FP8_RESCALE or a pinned block_m
+    rows_calls, wgrad_calls = [], []
+    monkeypatch.setattr(fwd_gm, "ws_capable", lambda t: True)
+    monkeypatch.setattr(fwd_gm, "launch_fp8_rows_ws",
+                        lambda ops, out, *a: rows_calls.append(a[-1]) or out)
+    monkeypatch.setattr(bwd_gm, "launch_fp8_wgrad_ws",
+                        lambda gq, xq, gs, xs, dw, off, cfg: wgrad_calls.append(cfg) or dw)
+    fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets)
+    assert len(rows_calls) == 1 and rows_calls[0]["BM"] == 128
+    fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, block_m=64)
+    bwd_gm.grouped_mm_fp8_wgrad(xs, xs, layout2.offsets, segments=True, align=16)
+    assert len(rows_calls) == 1 and len(wgrad_calls) == 1
+    monkeypatch.setattr(fwd_gm, "FP8_RESCALE", True)
+    fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets)
+    bwd_gm.grouped_mm_fp8_wgrad(xs, xs, layout2.offsets, segments=True, align=16)
+    assert len(rows_calls) == 1 and len(wgrad_calls) == 1
+    monkeypatch.setattr(fwd_gm, "FP8_RESCALE", False)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        ws_mod.launch_fp8_wgrad_ws(xs.columnwise_data, xs.columnwise_data, None, None, None,
+                                   layout2.offsets, dict(BNW=64))
     # 256 experts' gate_up forward keeps 128-column tiles, everything else takes 256
     assert ws_mod.ws_config(69632, 256, 2048, 2048)["BN"] == 128
     assert ws_mod.ws_config(69632, 256, 1024, 2048)["BN"] == 256

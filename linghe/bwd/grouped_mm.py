@@ -822,7 +822,8 @@ def grouped_mm_fp8_wgrad(dout_fp8: Fp8Tensor, a_fp8: Fp8Tensor, offsets: torch.T
     # Scales transposed to [G, N] / [G, K] (small copies): each 128-token step then reads
     # a tile's scales with one contiguous load instead of BN strided ones.
     gs_t, xs_t = gs.t().contiguous(), xs.t().contiguous()
-    ws = config.get("WS", False) if config is not None else _fwd_gm.FP8_WS
+    ws = (config.get("WS", False) if config is not None
+          else _fwd_gm.FP8_WS and not _fwd_gm.FP8_RESCALE)
     if segments and ws and _fwd_gm.ws_capable(gq) and wgrad_ws_operands_ok(gq, xq):
         ws_cfg = None if config is None else {k: v for k, v in config.items() if k != "WS"}
         return launch_fp8_wgrad_ws(gq, xq, gs_t, xs_t, dw, offsets, ws_cfg)

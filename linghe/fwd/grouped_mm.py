@@ -482,8 +482,11 @@ _PLANS: dict = {}  # (R, E, J, fp8, f32, block_m) -> (config, grid)
 def _check_fp8_config(config: dict) -> dict:
     """The FP8 rows kernel's tiles from a ``config`` override (keys ``BM``, ``BN``,
     ``num_warps``, ``num_stages``; optional ``GROUP_M`` (8), ``RESCALE``
-    (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``BK`` (128 only)), checked: no
-    other keys; ``BN`` divides 128 or is a multiple of it."""
+    (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``BK`` (128 only), ``WS`` (the
+    warp-specialized kernel on sm_90, ``(BM, BN)`` in
+    :data:`~linghe.fwd.grouped_mm_ws.WS_TILES`, ``num_stages`` its ring depth) and
+    ``MAXNREG`` (its register cap)), checked: no other keys; ``BN`` divides 128 or is a
+    multiple of it."""
     known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA", "WS",
              "MAXNREG"}
     if set(config) - known or config.get("BK", BLOCK) != BLOCK:
@@ -493,9 +496,9 @@ def _check_fp8_config(config: dict) -> dict:
     if not (128 % bn == 0 or bn % 128 == 0):
         raise ValueError(f"FP8 grouped GEMM: BN must divide 128 or be a multiple of 128, "
                          f"got {bn}")
-    rescale = bool(config.get("RESCALE", FP8_RESCALE))
-    tma = bool(config.get("TMA", FP8_TMA and not rescale))
     ws = bool(config.get("WS", False))
+    rescale = bool(config.get("RESCALE", FP8_RESCALE and not ws))
+    tma = bool(config.get("TMA", FP8_TMA and not rescale))
     if ws and (rescale or (config["BM"], bn) not in WS_TILES):
         raise ValueError(f"FP8 grouped GEMM: the warp-specialized kernel (WS) promotes, with "
                          f"(BM, BN) in {WS_TILES}, got {config}")
@@ -585,10 +588,14 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     form) and operand loads instead of the defaults (:func:`_check_fp8_config`,
     :func:`_check_rows_config`).
 
-    By default the TMA kernel (:data:`FP8_TMA` promoting form / :data:`BF16_TMA` bf16 and
-    fp16; fixed tiles from :func:`_mm_config`) where :func:`_tma_operands` can describe
-    the operands, else the pointer kernel (FP8: autotuned from ``AUTOTUNE_MIN_ROWS`` rows
-    on). float32 always runs the pointer kernel (IEEE products)."""
+    By default, FP8 on sm_90: the warp-specialized Gluon kernel (:data:`FP8_WS`, tiles
+    from :func:`~linghe.fwd.grouped_mm_ws.ws_config`; not with ``block_m`` or
+    :data:`FP8_RESCALE`); elsewhere the TMA kernel (:data:`FP8_TMA` promoting form /
+    :data:`BF16_TMA` bf16 and fp16; fixed tiles from :func:`_mm_config`) where
+    :func:`_tma_operands` can describe the operands, else the pointer kernel (FP8:
+    autotuned from ``AUTOTUNE_MIN_ROWS`` rows on). float32 always runs the pointer
+    kernel (IEEE products). A ``config`` with ``WS`` where that kernel cannot run gets
+    the Triton kernel at its default tiles."""
     R, I = a.shape
     J = out.shape[1]
     E = offsets.numel() - 1
@@ -599,24 +606,32 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     EP2 = max(16, triton.next_power_of_2(E))
     as_t = a_scale.t().contiguous() if fp8 else offsets  # [GK, R]
     cfg = None
-    ws = False
+    want_ws = False
     if config is not None:
         cfg = _check_fp8_config(config) if fp8 else _check_rows_config(config, f32)
         tma = cfg.pop("TMA")
-        ws = cfg.pop("WS", False) and ws_capable(a)
+        want_ws = cfg.pop("WS", False)
+        maxnreg = cfg.pop("MAXNREG", WS_CONFIG["MAXNREG"])
     elif fp8:
         tma = FP8_TMA and tma_capable(a)
-        ws = FP8_WS and ws_capable(a)
+        # (the warp-specialized kernel promotes: LINGHE_FP8_RESCALE=1 keeps Triton's form;
+        # a pinned block_m asks for the Triton kernel's tiles)
+        want_ws = FP8_WS and not FP8_RESCALE and block_m is None
     else:
         tma = BF16_TMA and a.element_size() == 2 and tma_capable(a)
-    if ws:
+    if want_ws and ws_capable(a):
         wcfg = ws_config(R, E, I, J, a.device) if cfg is None else dict(
             WS_CONFIG, BM=cfg["BM"], BN=cfg["BN"], STAGES=cfg["num_stages"],
-            GROUP_M=cfg["GROUP_M"], MAXNREG=cfg.get("MAXNREG", WS_CONFIG["MAXNREG"]))
+            GROUP_M=cfg["GROUP_M"], MAXNREG=maxnreg)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, wcfg["BM"],
                             wcfg["BN"])
         if ops is not None:
             return launch_fp8_rows_ws(ops, out, as_t, b_scale, offsets, bs_strides, wcfg)
+    if want_ws and cfg is not None:
+        # asked for the warp-specialized kernel where it cannot run: the Triton kernel at
+        # its own default tiles (the WS tiles do not suit it)
+        cfg = None
+        tma = FP8_TMA and tma_capable(a)
     if tma:
         tcfg = cfg or _mm_config(R, E, J, fp8, block_m, tma=True)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, tcfg["BM"],

@@ -11,12 +11,12 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
 - a loader warp issues the TMA copies of each K step's ``[BM, 128]`` rows box and
   ``[BN, 128]`` weight box into a ring of ``STAGES`` shared-memory buffers (mbarriers
   ``ready``/``empty``), running ahead across K steps and tiles;
-- two consumer warpgroups each take ``BM / 2`` rows of the box: issue the step's
-  ``wgmma``, wait for it, release the buffer and promote. The two run out of phase, so
-  one's promotion (fp32 FMAs on the CUDA cores) overlaps the other's MMA, and each holds
-  only a ``BM/2 x BN`` accumulator and product tile (128 rows share each weight box:
-  half the weight traffic of 64-row tiles, without Triton's one-program-per-SM limit for
-  a promoted 128-row tile).
+- two consumer warpgroups each take ``BM / 2`` rows of the box (64-row tiles: half the
+  columns each): issue the step's ``wgmma``, wait for it, release the buffer and
+  promote. The two run out of phase, so one's promotion (fp32 FMAs on the CUDA cores)
+  overlaps the other's MMA, and each holds only its half of the accumulator and one
+  ``64 x 128`` product tile (128 rows share each weight box: half the weight traffic of
+  64-row tiles, without Triton's one-program-per-SM limit for a promoted 128-row tile).
 
 Same tile schedule as the Triton kernel (``tile_map``: expert tiles, then tail tiles
 that store zeros), same promotion arithmetic. The wgrad (:func:`launch_fp8_wgrad_ws`)
@@ -48,13 +48,14 @@ try:  # Gluon: triton >= 3.5
     # async_copy_global_to_shared / async_copy_shared_to_global)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-except ImportError:  # pragma: no cover - older triton
+except (ImportError, AttributeError):  # pragma: no cover - triton without (this) Gluon
     gluon = None
 
 from ..utils import INTERPRET, cdiv, cuda_capability, device_guard, launch, num_sms
 
-#: Take the warp-specialized kernel for FP8 rows GEMMs where it can run
-#: (:func:`ws_capable`); ``LINGHE_FP8_WS=0`` keeps the Triton kernel everywhere.
+#: Take the warp-specialized kernels for the FP8 rows GEMMs and the segment-group wgrad
+#: where they can run (:func:`ws_capable`); ``LINGHE_FP8_WS=0`` keeps the Triton kernels
+#: everywhere. (Read through ``linghe.fwd.grouped_mm.FP8_WS``, which re-exports it.)
 FP8_WS: bool = os.environ.get("LINGHE_FP8_WS", "1") == "1"
 
 #: Base settings: 128 rows (64 per consumer warpgroup) x 128 columns, 4 stages (32 KiB
@@ -208,7 +209,8 @@ if gluon is not None:
             for kk in range(k_tiles):
                 st = it % STAGES
                 sa = gl.load(sa_ptrs + kk * stride_ask, mask=rmask, other=1.0)
-                sb0 = gl.load(sb_ptr + kk * bs_si)
+                # (a column-split tile's second half may start past J: no scale block)
+                sb0 = gl.load(sb_ptr + kk * bs_si, mask=col0 < J, other=1.0)
                 mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                 a_view = a_bufs.index(st)
                 if not SPLIT_N:
@@ -269,9 +271,6 @@ if gluon is not None:
                         tile_off_ptr, tile_expert_ptr, R, I, J, E, b_row_e, b_col_e, BM, BN,
                         BK, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 40])
-
-
-if gluon is not None:
 
     # ---------------------------------------------------------------- FP8 wgrad
 
@@ -485,6 +484,9 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
     from .grouped_mm import tile_map
 
     cfg = dict(WGRAD_WS_CONFIG, **(config or {}))
+    if set(cfg) != set(WGRAD_WS_CONFIG) or (cfg["BNW"], cfg["BKW"]) != (128, 128):
+        raise ValueError(f"FP8 wgrad (warp-specialized): keys {sorted(WGRAD_WS_CONFIG)} "
+                         f"with 128x128 tiles, got {config}")
     N, R = gq.shape
     K = xq.shape[0]
     E = offsets.numel() - 1
