@@ -68,6 +68,10 @@ class HostCase:
     #: run the backward on the calling thread (``torch.autograd.set_multithreading_enabled
     #: (False)``) instead of the autograd engine's device thread
     caller_thread: bool = False
+    #: back-to-back calls for this row on a GPU (rows that launch many kernels per call
+    #: need fewer to stay under the launch queue's depth); ``None``: ``--calls`` or
+    #: ``--calls-bwd``
+    calls: int | None = None
 
 
 def _cases(device: str, small: bool) -> list[HostCase]:
@@ -176,7 +180,29 @@ def _cases(device: str, small: bool) -> list[HostCase]:
             HostCase("  torch._scaled_mm fprop", lambda: torch._scaled_mm(
                 xq.rowwise_data, wq.rowwise_data.t(), sx_cublas, sw_cublas,
                 out_dtype=torch.bfloat16)) if device == "cuda" else None]
+    out += _moe_cases(device, small)
     return [c for c in out if c is not None]
+
+
+def _moe_cases(device: str, small: bool) -> list[HostCase]:
+    """``linghe.nn.MoE`` forward+backward, bf16 and FP8, at an EP-8 GPU's share of the
+    Ling-mini layer (32 experts top-8, intermediate 1024, 8192 tokens): the layer whose
+    host time decides whether the FP8 step keeps ahead of its GPU work."""
+    T, H, E, k, In = (64, 256, 8, 2, 128) if small else (8192, 2048, 32, 8, 1024)
+    torch.manual_seed(0)
+    moe = linghe.nn.MoE(H, E, k, In, device=device, dtype=torch.bfloat16)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ctx = linghe.TrainingContext(fp8="blockwise")
+
+    def fp8_moe():
+        with ctx:
+            return moe(x)
+
+    # ~60 launches per fwd+bwd: 10 calls stay under the launch queue's depth
+    return [HostCase(f"nn.MoE bf16 fwd+bwd (E{E} top{k})", lambda: moe(x), backward=True,
+                     caller_thread=True, calls=10),
+            HostCase(f"nn.MoE fp8 fwd+bwd (E{E} top{k})", fp8_moe, backward=True,
+                     caller_thread=True, calls=10)]
 
 
 class _FakeCtx:
@@ -375,8 +401,12 @@ def main(argv=None) -> int:
         cases = [c for c in cases if any(s in c.name for s in args.case)]
 
     def calls_of(c: HostCase) -> int:
+        if device != "cuda":
+            return calls
+        if c.calls is not None:
+            return c.calls
         many = c.backward or "backward body" in c.name
-        return args.calls_bwd if many and device == "cuda" else calls
+        return args.calls_bwd if many else calls
 
     if args.loop:
         c = cases[0]
