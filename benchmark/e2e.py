@@ -114,9 +114,7 @@ _RULES = [
                   r"|foreach|lpnorm"),
     ("activation", r"silu|swiglu|glu_|act_and_mul"),
     ("grouped_gemm", r"_grouped_rows|_fp8_rows_ws|_fp8_wgrad_ws|_wgrad_kernel|_wgrad_tma"
-                     r"|_wgrad_fp8|_tile_map"
-                     r"|_zero_tail"
-                     r"|groupproblemshape|grouped"),
+                     r"|_wgrad_fp8|_tile_map|_zero_tail|groupproblemshape|grouped"),
     ("quantize", r"quantize|_amax|fp8_cast|to_fp8"),
     ("embedding", r"embedding"),
     ("moe_routing_permute", r"_mm_kernel|_dw_kernel|_dx_kernel|topk|_zloss|router|permute"

@@ -957,6 +957,16 @@ def _ws_operands(case, device):
             linghe.quantize_1x128(dy), layout)
 
 
+def _ws_wgrad_operands(counts, K, N, tail, device):
+    """The wgrad's segment-group columnwise copies of ``g [R, N]`` and ``x [R, K]``
+    (rows grouped by ``counts``, aligned to 16; padding and tail rows zero)."""
+    x, layout, real = make_rows(counts, 16, K, device, torch.bfloat16, tail=tail)
+    g = torch.randn(x.shape[0], N, device=device).to(torch.bfloat16)
+    g[~real] = 0
+    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
+    return qg(g, layout, rowwise=False), qg(x, layout, rowwise=False), layout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
 @pytest.mark.parametrize("tiles", ws_mod.WS_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
@@ -996,11 +1006,7 @@ def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store):
     if not ws_mod.ws_capable(torch.empty(1, device=device)):
         pytest.skip("needs an sm_90 GPU and Gluon")
     counts, align, K, N, tail = case
-    x, layout, real = make_rows(counts, align, K, device, torch.bfloat16, tail=tail)
-    g = torch.randn(x.shape[0], N, device=device).to(torch.bfloat16)
-    g[~real] = 0
-    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
-    xs, gs = qg(x, layout, rowwise=False), qg(g, layout, rowwise=False)
+    gs, xs, layout = _ws_wgrad_operands(counts, K, N, tail, device)
     assert ws_mod.wgrad_ws_operands_ok(gs.columnwise_data, xs.columnwise_data)
     tri = dict(BN=128, BK=128, num_warps=8, num_stages=4)
     want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, out_dtype, segments=True,
@@ -1027,14 +1033,8 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
     if not ws_mod.ws_capable(torch.empty(1, device=device)):
         pytest.skip("needs an sm_90 GPU and Gluon")
     monkeypatch.setattr(ws_mod, "num_sms", lambda dev: sms)
-    counts, K, N = [0, 37, 300, 0, 129, 1, 64], 336, 384
-    x, layout, real = make_rows(counts, 16, K, device, torch.bfloat16, tail=21)
-    w = (torch.randn(len(counts), N, K, device=device) / 11).to(torch.bfloat16)
-    dy = torch.randn(x.shape[0], N, device=device).to(torch.bfloat16)
-    dy[~real] = 0
-    xq = linghe.quantize_1x128(x, pow2_scale=True)
-    wq = linghe.quantize_grouped_weight(w, columnwise=True, pow2_scale=True)
-    dyq = linghe.quantize_1x128(dy)
+    counts = [0, 37, 300, 0, 129, 1, 64]
+    xq, wq, dyq, layout = _ws_operands((counts, 16, 336, 384, 21), device)
     tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
     for bn in (128, 256):
         ws = dict(BM=128, BN=bn, num_warps=4, num_stages=3, WS=True)
@@ -1045,12 +1045,7 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
                                                                      dt, config=c)):
                 assert torch.equal(run(ws), run(tri)), (bn, dt)
     # wgrad: N = 320 is not a multiple of its 128-row tiles (masked register stores), K = 336
-    counts = [0, 37, 300, 0, 129, 1, 64]
-    x, layout, real = make_rows(counts, 16, 336, device, torch.bfloat16, tail=16)
-    g = torch.randn(x.shape[0], 320, device=device).to(torch.bfloat16)
-    g[~real] = 0
-    qg = linghe.functional.grouped_mm.quantize_grouped_1x128
-    xs, gs = qg(x, layout, rowwise=False), qg(g, layout, rowwise=False)
+    gs, xs, layout = _ws_wgrad_operands(counts, 336, 320, 16, device)
     tri_w = dict(BN=128, BK=128, num_warps=8, num_stages=4)
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,

@@ -409,13 +409,16 @@ if gluon is not None:
         ], [4, 1], [CONSUMER_REGS, 40])
 
 
-_LAYOUTS: dict = {}  # fp8 box shape -> its NVMMA shared layout
+_LAYOUTS: dict = {}  # (box shape, dtype) -> its NVMMA shared layout
 
 
-def _layout(box: tuple):
-    layout = _LAYOUTS.get(box)
+def _layout(box: tuple, dtype=None):
+    """The NVMMA shared layout of a TMA box (``dtype``: a Gluon dtype, fp8 e4m3 by
+    default), made once per box and dtype."""
+    dtype = gl.float8e4nv if dtype is None else dtype
+    layout = _LAYOUTS.get((box, dtype))
     if layout is None:
-        layout = _LAYOUTS[box] = gl.NVMMASharedLayout.get_default_for(list(box), gl.float8e4nv)
+        layout = _LAYOUTS[box, dtype] = gl.NVMMASharedLayout.get_default_for(list(box), dtype)
     return layout
 
 
@@ -504,9 +507,9 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
                  and (K * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0)
     if tma_store:
         dt = {torch.float32: gl.float32, torch.float16: gl.float16}.get(dw.dtype, gl.bfloat16)
-        box = [bnw // 2, bkw]
-        w_desc = GluonDescriptor(dw.view(E * N, K), [E * N, K], [K, 1], box,
-                                 gl.NVMMASharedLayout.get_default_for(box, dt))
+        box = (bnw // 2, bkw)
+        w_desc = GluonDescriptor(dw.view(E * N, K), [E * N, K], [K, 1], list(box),
+                                 _layout(box, dt))
     else:
         w_desc = g_desc  # unused
     tiles = E * cdiv(N, bnw) * cdiv(K, bkw)
