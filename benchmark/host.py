@@ -368,12 +368,15 @@ def _profiled_calls(c: HostCase, calls: int, device: str, profiler):
 
 
 def profile(c: HostCase, calls: int, device: str) -> None:
-    """cProfile's top entries (the calling thread only)."""
+    """cProfile's top entries by own time, then by cumulative time (the calling thread
+    only: rows with ``caller_thread`` run their backward there too)."""
     import cProfile
     import pstats
 
     pr = _profiled_calls(c, calls, device, cProfile.Profile())
-    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(pr)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
 
 
 def torch_profile(c: HostCase, calls: int, device: str) -> None:

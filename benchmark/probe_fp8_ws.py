@@ -45,8 +45,6 @@ VARIANTS = {
     "default": None,
     "ws_128x128": dict(BM=128, BN=128, num_warps=4, num_stages=4, WS=True),
     "ws_128x256": dict(BM=128, BN=256, num_warps=4, num_stages=3, WS=True),
-    "ws_128x256_s4": dict(BM=128, BN=256, num_warps=4, num_stages=4, WS=True),
-    "ws_128x256_g16": dict(BM=128, BN=256, num_warps=4, num_stages=3, GROUP_M=16, WS=True),
 }
 
 
@@ -61,13 +59,11 @@ def _operands(layout, R, N, K, dev):
 
 
 #: The wgrad (segment groups: the MoE path): the Triton kernel at its default tiles, the
-#: launcher's default (warp-specialized on sm_90), and WS stage counts.
+#: launcher's default (warp-specialized on sm_90), and WS tiles and settings.
 WGRAD_VARIANTS = {
     "triton": dict(BN=128, BK=128, num_warps=8, num_stages=4),
     "default": None,
-    "ws_sxdirect": dict(WS=True, SX_DIRECT=True),
-    "ws_sxdirect_s4": dict(WS=True, SX_DIRECT=True, STAGES=4),
-    "ws_regstore_sxdirect": dict(WS=True, TMA_STORE=False, SX_DIRECT=True),
+    "ws_128x128": dict(WS=True, BKW=128, SX_DIRECT=True, CONSUMER_REGS=232, LOADER_REGS=40),
 }
 
 
@@ -172,12 +168,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.probe_fp8_ws")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--quick", action="store_true", help="triton and default only")
+    p.add_argument("--wgrad-only", action="store_true", help="the wgrad rows only")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or not ws_capable(torch.empty(1, device="cuda")):
         raise SystemExit("probe_fp8_ws needs an sm_90 GPU and Gluon")
     edge = _edge_pass("cuda")
     print(f"edge pass (WS vs Triton, bit for bit): {'ok' if not edge else edge}", flush=True)
-    rows = [r for c in CASES for r in _row(*c, args.quick) + [_wgrad_row(*c, args.quick)]]
+    rows = [r for c in CASES
+            for r in ([] if args.wgrad_only else _row(*c, args.quick))
+            + [_wgrad_row(*c, args.quick)]]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

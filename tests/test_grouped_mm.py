@@ -999,10 +999,12 @@ def test_fp8_ws_kernel_matches_triton(device, case, tiles):
                          ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tma_store", [True, False])
-def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store):
-    """The warp-specialized FP8 wgrad over segment groups gives the Triton wgrad's bits:
-    partial last groups masked to their segment, zero-token experts (zeros), N and K
-    tails, a tail of rows past the segments."""
+@pytest.mark.parametrize("bkw", [128, 256])
+def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store, bkw):
+    """The warp-specialized FP8 wgrad over segment groups gives the Triton wgrad's bits
+    at both tiles (128x256: two sub-MMAs a consumer): partial last groups masked to their
+    segment, zero-token experts (zeros), N and K tails (K = 384 at 256 columns: a tile
+    half past K), a tail of rows past the segments."""
     if not ws_mod.ws_capable(torch.empty(1, device=device)):
         pytest.skip("needs an sm_90 GPU and Gluon")
     counts, align, K, N, tail = case
@@ -1014,7 +1016,7 @@ def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store):
     linghe.utils.set_poison_outputs(True)
     try:
         got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, out_dtype, segments=True,
-                                          align=16, config=dict(WS=True,
+                                          align=16, config=dict(WS=True, BKW=bkw,
                                                                 TMA_STORE=tma_store))
     finally:
         linghe.utils.set_poison_outputs(False)
@@ -1050,9 +1052,10 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
                                            align=16, config=tri_w)
-        got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
-                                          align=16, config=dict(WS=True))
-        assert torch.equal(got, want), dt
+        for bkw in (128, 256):
+            got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
+                                              align=16, config=dict(WS=True, BKW=bkw))
+            assert torch.equal(got, want), (dt, bkw)
 
 
 def test_fp8_ws_dispatch(device, monkeypatch):
@@ -1132,13 +1135,13 @@ for bm, bn, stages in W.WS_TILES_STAGES:
     sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{lay(bm)}>",
                b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lay(bn)}>",
                c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", offsets_ptr="*i32",
-               tile_off_ptr="*i32", tile_expert_ptr="*i32", R="i32", I="i32", J="i32",
-               E="i32", b_row_e="i32", b_col_e="i32", stride_cm="i32", stride_ask="i32",
-               bs_se="i32", bs_si="i32", bs_sj="i32", BM="constexpr", BN="constexpr",
-               BK="constexpr", GROUP_M="constexpr", STAGES="constexpr", SPLIT_N="constexpr",
+               R="i32", I="i32", J="i32", E="i32", b_row_e="i32", b_col_e="i32",
+               stride_cm="i32", stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32",
+               BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
+               STAGES="constexpr", SPLIT_N="constexpr", EP2="constexpr",
                CONSUMER_REGS="constexpr", num_warps="constexpr")
     const = dict(BM=bm, BN=bn, BK=128, GROUP_M=8, STAGES=stages, SPLIT_N=bm == 64,
-                 CONSUMER_REGS=232, num_warps=4)
+                 EP2=256, CONSUMER_REGS=232, num_warps=4)
     k = sm90(W._fp8_rows_ws_kernel, sig, const, W.WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     # TMA loads into wgmma, warp specialization with register reallocation, and the
@@ -1147,27 +1150,35 @@ for bm, bn, stages in W.WS_TILES_STAGES:
     assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx, (bm, bn)
     assert "wgmma.wait_group.sync.aligned 0" in ptx, (bm, bn)
     assert k.metadata.shared >= stages * (bm + bn) * 128, (bm, bn, stages)
-# the wgrad, with the TMA-store epilogue (bf16 and fp32 dW) and without
+# the wgrad, with the TMA-store epilogue (bf16 and fp32 dW) and without, at both tiles
 lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))
-for out, dt, tma_store in (("bf16", gl.bfloat16, True), ("fp32", gl.float32, True),
-                           ("bf16", gl.bfloat16, False)):
+for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
+                                ("fp32", gl.float32, True, 128),
+                                ("bf16", gl.bfloat16, False, 128),
+                                ("bf16", gl.bfloat16, True, 256),
+                                ("fp32", gl.float32, False, 256)):
     wd = (f"tensordesc<{out}[64, 128],{lay(64, 128, dt)}>" if tma_store
           else f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>")
     sig = dict(g_desc=f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>",
-               x_desc=f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>",
+               x_desc=f"tensordesc<fp8e4nv[{bkw}, 128],{lay(bkw, 128, gl.float8e4nv)}>",
                w_ptr=f"*{out}", w_desc=wd, gs_ptr="*fp32", xs_ptr="*fp32",
-               offsets_ptr="*i32", goff_ptr="*i32", N="i32", K="i32", R="i32", E="i32",
+               offsets_ptr="*i32", N="i32", K="i32", R="i32", E="i32",
                stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
                BNW="constexpr", BKW="constexpr", STAGES="constexpr", TMA_STORE="constexpr",
-               SX_DIRECT="constexpr", CONSUMER_REGS="constexpr", num_warps="constexpr")
-    const = dict(BNW=128, BKW=128, STAGES=4, TMA_STORE=tma_store, SX_DIRECT=not tma_store,
-                 CONSUMER_REGS=232, num_warps=4)
+               SX_DIRECT="constexpr", EP2="constexpr", CONSUMER_REGS="constexpr",
+               LOADER_REGS="constexpr", num_warps="constexpr")
+    stages = W._wgrad_stages(5, 128, bkw, 4 if out == "fp32" else 2, tma_store)
+    const = dict(BNW=128, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
+                 SX_DIRECT=not tma_store, EP2=256, CONSUMER_REGS=240, LOADER_REGS=24,
+                 num_warps=4)
     k = sm90(W._fp8_wgrad_ws_kernel, sig, const, W.WGRAD_WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, (out, tma_store)
-    # TMA loads; and the TMA store exactly when asked for
-    assert ptx.count("cp.async.bulk.tensor") >= 2 + tma_store, (out, tma_store)
-    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store, (out, tma_store)
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, (out, tma_store, bkw)
+    # TMA loads; and the TMA store exactly when asked for (one a 128-column sub-tile)
+    assert ptx.count("cp.async.bulk.tensor") >= 2 + tma_store * bkw // 128, (out, bkw)
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store, (out, bkw)
+    # the ring and the epilogue's tiles fit sm_90's 227 KiB of shared memory
+    assert k.metadata.shared <= 227 << 10, (out, tma_store, bkw, k.metadata.shared)
 print("COMPILED")
 '''
 

@@ -18,8 +18,9 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
   ``64 x 128`` product tile (128 rows share each weight box: half the weight traffic of
   64-row tiles, without Triton's one-program-per-SM limit for a promoted 128-row tile).
 
-Same tile schedule as the Triton kernel (``tile_map``: expert tiles, then tail tiles
-that store zeros), same promotion arithmetic. The wgrad (:func:`launch_fp8_wgrad_ws`)
+Same tile schedule as the Triton kernel (expert tiles, then tail tiles that store zeros),
+computed the same way inside each program from ``offsets`` (no launch of its own), same
+promotion arithmetic. The wgrad (:func:`launch_fp8_wgrad_ws`)
 is built the same way over ``dW_e`` tiles, one 128-token group per step. Gluon kernels
 do not run in the CPU interpreter: the Triton kernels are the fallback there and on
 other GPUs (:func:`ws_capable`), and the GPU tests compare these kernels with them bit
@@ -51,7 +52,7 @@ try:  # Gluon: triton >= 3.5
 except (ImportError, AttributeError):  # pragma: no cover - triton without (this) Gluon
     gluon = None
 
-from ..utils import INTERPRET, cdiv, cuda_capability, device_guard, launch, num_sms
+from ..utils import INTERPRET, cdiv, cuda_capability, device_guard, launch, next_power_of_2, num_sms
 
 #: Take the warp-specialized kernels for the FP8 rows GEMMs and the segment-group wgrad
 #: where they can run (:func:`ws_capable`); ``LINGHE_FP8_WS=0`` keeps the Triton kernels
@@ -126,40 +127,57 @@ if gluon is not None:
         return a_bufs, b_bufs, ready, empty
 
     @gluon.jit
-    def _num_tiles(offsets_ptr, tile_off_ptr, R, J, E, BM: gl.constexpr, BN: gl.constexpr):
-        """(row tiles: the experts' tiles then the tail's, column tiles)."""
-        n_m = gl.load(tile_off_ptr + E) + gl.cdiv(R - gl.load(offsets_ptr + E), BM)
-        return n_m, gl.cdiv(J, BN)
+    def _add(a, b):
+        return a + b
 
     @gluon.jit
-    def _tile(tile, n_m, num_n, offsets_ptr, tile_off_ptr, tile_expert_ptr, R, I, E,
-              BM: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr):
+    def _schedule(offsets_ptr, R, E, BM: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
+        """The expert tile schedule, made by each partition (``NW`` warps) of each program
+        from ``offsets`` (``E + 1`` int32, L2-resident; no launch of its own): ``(tiles,
+        cum, n_m)``, ``tiles[e] = cdiv(segment_e, BM)``, ``cum`` their inclusive sum, and
+        the row tiles: the experts' then the tail's past ``offsets[E]`` (zeros stored).
+        The Triton kernel's :func:`~linghe.fwd.grouped_mm.tile_schedule`, same order."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        idx = gl.arange(0, EP2, layout=lay)
+        m = idx < E
+        lo = gl.load(offsets_ptr + idx, mask=m, other=0)
+        hi = gl.load(offsets_ptr + idx + 1, mask=m, other=0)
+        tiles = gl.where(m, (hi - lo + (BM - 1)) // BM, 0)
+        cum = gl.associative_scan(tiles, 0, _add)
+        n_m = gl.sum(tiles, 0) + gl.cdiv(R - gl.load(offsets_ptr + E), BM)
+        return tiles, cum, n_m
+
+    @gluon.jit
+    def _tile(tile, n_m, num_n, tiles, cum, offsets_ptr, R, I, E, BM: gl.constexpr,
+              BK: gl.constexpr, GROUP_M: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
         """Output tile ``tile`` (grouped order) -> ``(expert, column tile, first row, row
-        end, K steps)``; a tail tile (expert ``E``) has no K steps and ends at ``R``."""
+        end, K steps)``; a tail tile (expert ``E``) has no K steps and ends at ``R``. The
+        row tile's expert: the experts whose tiles all come before it, counted."""
         width = GROUP_M * num_n
         first_m = (tile // width) * GROUP_M
         size_m = gl.minimum(n_m - first_m, GROUP_M)
         t = first_m + (tile % width) % size_m
         pid_n = (tile % width) // size_m
-        e = gl.load(tile_expert_ptr + t)
+        idx = gl.arange(0, EP2, layout=gl.BlockedLayout([1], [32], [NW], [0]))
+        e = gl.sum(((cum <= t) & (idx < E)).to(gl.int32), 0)
+        first = gl.sum(gl.where(idx < e, tiles, 0), 0)
         valid = e < E
-        start = gl.load(offsets_ptr + e) + (t - gl.load(tile_off_ptr + e)) * BM
+        start = gl.load(offsets_ptr + e) + (t - first) * BM
         end = gl.where(valid, gl.load(offsets_ptr + gl.minimum(e + 1, E)), R)
         k_tiles = gl.where(valid, gl.cdiv(I, BK), 0)
         return gl.minimum(e, E - 1), pid_n, start, end, k_tiles
 
     @gluon.jit
-    def _ws_load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, tile_off_ptr,
-                 tile_expert_ptr, R, I, J, E, b_row_e, b_col_e,
-                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr):
+    def _ws_load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
+                 b_row_e, b_col_e, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, EP2: gl.constexpr):
         """Loader warp: the TMA copies of every K step of this program's tiles."""
-        n_m, num_n = _num_tiles(offsets_ptr, tile_off_ptr, R, J, E, BM, BN)
+        tiles, cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 1)
+        num_n = gl.cdiv(J, BN)
         it = 0
         for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
-            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, offsets_ptr,
-                                                   tile_off_ptr, tile_expert_ptr, R, I, E,
-                                                   BM, BK, GROUP_M)
+            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, tiles, cum, offsets_ptr,
+                                                   R, I, E, BM, BK, GROUP_M, EP2, 1)
             b_row = ec * b_row_e + pid_n * BN
             b_col = ec * b_col_e
             for kk in range(k_tiles):
@@ -172,11 +190,11 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _ws_consume(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-                    tile_off_ptr, tile_expert_ptr, R, I, J, E, stride_cm, stride_ask, bs_se,
-                    bs_si, bs_sj, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                    BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    SPLIT_N: gl.constexpr):
+    def _ws_consume(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J,
+                    E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
+                    EP2: gl.constexpr):
         """Consumer warpgroup ``WG`` of each tile's ``[WM, WN]`` part: rows ``WG * BM/2``
         on (``SPLIT_N`` off: ``WM = BM/2``, ``WN = BN``) or columns ``WG * BN/2`` on
         (``SPLIT_N``: ``WM = BM``, ``WN = BN/2``). Per K step: MMA, wait, release, promote,
@@ -192,12 +210,12 @@ if gluon is not None:
                                                       instr_shape=[16, SUB, 32])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB, SUB // 8], [4, 1],
                                                [1, 0])
-        n_m, num_n = _num_tiles(offsets_ptr, tile_off_ptr, R, J, E, BM, BN)
+        tiles, cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)
+        num_n = gl.cdiv(J, BN)
         it = 0
         for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
-            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, offsets_ptr,
-                                                   tile_off_ptr, tile_expert_ptr, R, I, E,
-                                                   BM, BK, GROUP_M)
+            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, tiles, cum, offsets_ptr,
+                                                   R, I, E, BM, BK, GROUP_M, EP2, 4)
             row0 = start + R_OFF
             col0 = pid_n * BN + C_OFF
             rows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
@@ -247,13 +265,12 @@ if gluon is not None:
                          mask=rm & gl.expand_dims(ocols + SUB < J, 0))
 
     @gluon.jit
-    def _fp8_rows_ws_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr, tile_off_ptr,
-                            tile_expert_ptr, R, I, J, E, b_row_e, b_col_e, stride_cm,
-                            stride_ask, bs_se, bs_si, bs_sj,
+    def _fp8_rows_ws_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J, E,
+                            b_row_e, b_col_e, stride_cm, stride_ask, bs_se, bs_si, bs_sj,
                             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                            SPLIT_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            SPLIT_N: gl.constexpr, EP2: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 rows GEMM (see the module docstring).
         ``num_warps`` = 4: the first consumer warpgroup (the default partition)."""
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
@@ -262,42 +279,53 @@ if gluon is not None:
         # (worker arguments are spelled out: tuples built by concatenation lose constexprs)
         gl.warp_specialize([
             (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-                           tile_off_ptr, tile_expert_ptr, R, I, J, E, stride_cm, stride_ask,
-                           bs_se, bs_si, bs_sj, WG0, BM, BN, BK, GROUP_M, STAGES, SPLIT_N)),
+                           R, I, J, E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG0, BM,
+                           BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
             (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-                           tile_off_ptr, tile_expert_ptr, R, I, J, E, stride_cm, stride_ask,
-                           bs_se, bs_si, bs_sj, WG1, BM, BN, BK, GROUP_M, STAGES, SPLIT_N)),
-            (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr,
-                        tile_off_ptr, tile_expert_ptr, R, I, J, E, b_row_e, b_col_e, BM, BN,
-                        BK, GROUP_M, STAGES)),
+                           R, I, J, E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG1, BM,
+                           BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
+            (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
+                        b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
     # ---------------------------------------------------------------- FP8 wgrad
 
     @gluon.jit
-    def _wg_tile(tile, nN, nK, offsets_ptr, goff_ptr, R):
+    def _wg_tile(tile, nN, nK, offsets_ptr, R):
         """wgrad tile ``tile`` -> ``(expert, n tile, k tile, first token, token end, token
-        groups, the expert's first scale group)``; an expert's tiles are adjacent (its
-        tokens stay in L2 while they are read)."""
+        groups)``; an expert's tiles are adjacent (its tokens stay in L2 while they are
+        read)."""
         per_e = nN * nK
         e = tile // per_e
         pid_n = (tile % per_e) // nK
         pid_k = tile % nK
         end = gl.minimum(gl.load(offsets_ptr + e + 1), R)
         start = gl.maximum(gl.minimum(gl.load(offsets_ptr + e), end), 0)
-        return e, pid_n, pid_k, start, end, gl.cdiv(end - start, 128), gl.load(goff_ptr + e)
+        return e, pid_n, pid_k, start, end, gl.cdiv(end - start, 128)
 
     @gluon.jit
-    def _wg_load(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, goff_ptr, N, K,
-                 R, E, BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr):
+    def _wg_first_group(offsets_ptr, e, E, EP2: gl.constexpr):
+        """Expert ``e``'s first scale group: the 128-token groups of the experts before it,
+        ``sum cdiv(segment, 128)``, summed from ``offsets`` (L1) by each warp of a
+        consumer warpgroup on its own (a ``[1, EP2]`` row replicated over the warps: no
+        cross-warp reduction), for each tile rather than kept in registers across tiles."""
+        row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [4, 1], [1, 0])
+        idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
+        m = idx < gl.minimum(e, E)
+        lo = gl.load(offsets_ptr + idx, mask=m, other=0)
+        hi = gl.load(offsets_ptr + idx + 1, mask=m, other=0)
+        return gl.sum(gl.sum((hi - lo + 127) // 128, 1), 0)
+
+    @gluon.jit
+    def _wg_load(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, N, K, R, E,
+                 BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr):
         """Loader warp of the wgrad: per token group, the ``[BNW, 128]`` box of ``g``'s
         columnwise copy and the ``[BKW, 128]`` box of ``x``'s."""
         nN = gl.cdiv(N, BNW)
         nK = gl.cdiv(K, BKW)
         it = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
-            e, pid_n, pid_k, start, end, n_groups, gbase = _wg_tile(tile, nN, nK,
-                                                                    offsets_ptr, goff_ptr, R)
+            e, pid_n, pid_k, start, end, n_groups = _wg_tile(tile, nN, nK, offsets_ptr, R)
             for i in range(n_groups):
                 st = it % STAGES
                 mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
@@ -309,89 +337,130 @@ if gluon is not None:
 
     @gluon.jit
     def _wg_consume(g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
-                    offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
-                    stride_wn, WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
-                    STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr):
+                    offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+                    WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
+                    STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr,
+                    EP2: gl.constexpr):
         """Consumer warpgroup ``WG`` of the wgrad: rows ``n`` ``WG * BNW/2 ..`` of each
         ``dW_e`` tile. Per token group: MMA, wait, release, promote with the group's
-        scales of both operands (``acc += prod * sg[n] * sx[k]``). The segment's partial
-        last group first zeroes this warpgroup's ``g`` tokens past the segment in shared
-        memory (they belong to the next expert)."""
+        scales of both operands (``acc += prod * sg[n] * sx[k]``), in sub-MMAs of at most
+        128 columns (``BKW`` = 256: two, each with its own accumulator and column scales,
+        so one ``BNW/2 x 128`` product tile is live). The segment's partial last group
+        first zeroes this warpgroup's ``g`` tokens past the segment in shared memory
+        (they belong to the next expert)."""
         WM: gl.constexpr = BNW // 2
+        SUB: gl.constexpr = 128 if BKW > 128 else BKW
+        TWO: gl.constexpr = BKW // SUB == 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BKW, 32])
+                                                      instr_shape=[16, SUB, 32])
         tok_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        out_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BKW, BKW // 4], [4, 1],
+        out_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // SUB, SUB // 4], [4, 1],
                                                [1, 0])
         nN = gl.cdiv(N, BNW)
         nK = gl.cdiv(K, BKW)
-        toks = gl.arange(0, 128, layout=gl.SliceLayout(0, tok_l))
         it = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
-            e, pid_n, pid_k, start, end, n_groups, gbase = _wg_tile(tile, nN, nK,
-                                                                    offsets_ptr, goff_ptr, R)
+            e, pid_n, pid_k, start, end, n_groups = _wg_tile(tile, nN, nK, offsets_ptr, R)
+            gbase = _wg_first_group(offsets_ptr, e, E, EP2)
             rows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
-            cols1 = pid_k * BKW + gl.arange(0, BKW, layout=vec_l)
-            cols = pid_k * BKW + gl.arange(0, BKW, layout=gl.SliceLayout(0, mma))
+            cols1 = pid_k * BKW + gl.arange(0, SUB, layout=vec_l)
+            cols = pid_k * BKW + gl.arange(0, SUB, layout=gl.SliceLayout(0, mma))
             nmask = rows < N
-            acc = gl.zeros((WM, BKW), gl.float32, mma)
+            acc0 = gl.zeros((WM, SUB), gl.float32, mma)
+            acc1 = gl.zeros((WM, SUB), gl.float32, mma)
             for i in range(n_groups):
                 st = it % STAGES
-                sg = gl.load(gs_ptr + (gbase + i) * stride_gs + rows, mask=nmask, other=1.0)
-                if SX_DIRECT:  # in the MMA's column layout: 32 addresses a thread
-                    sx = gl.load(xs_ptr + (gbase + i) * stride_xs + cols, mask=cols < K,
-                                 other=1.0)
-                else:  # one scale per thread, then moved to that layout (no spills)
-                    sx = gl.convert_layout(gl.load(xs_ptr + (gbase + i) * stride_xs + cols1,
-                                                   mask=cols1 < K, other=1.0),
-                                           gl.SliceLayout(0, mma))
+                sg = gl.expand_dims(gl.load(gs_ptr + (gbase + i) * stride_gs + rows,
+                                            mask=nmask, other=1.0), 1)
+                xs_row = xs_ptr + (gbase + i) * stride_xs
+                sx0 = _col_scales(xs_row, cols, cols1, K, mma, SX_DIRECT)
                 valid = end - (start + i * 128)
                 mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                 a_view = g_bufs.index(st).slice(WG * WM, WM)
                 if valid < 128:  # zero this warpgroup's tokens past the segment in place
+                    # (the token index made here, not kept across the loop: registers)
+                    toks = gl.arange(0, 128, layout=gl.SliceLayout(0, tok_l))
                     a = a_view.load(tok_l).to(gl.int8, bitcast=True)
                     a = gl.where(gl.expand_dims(toks < valid, 0), a, gl.zeros_like(a))
                     a_view.store(a.to(gl.float8e4nv, bitcast=True))
                     fence_async_shared()
-                prod = warpgroup_mma(a_view, x_bufs.index(st).permute((1, 0)),
-                                     gl.zeros((WM, BKW), gl.float32, mma), use_acc=False,
+                x_view = x_bufs.index(st)
+                # use_acc=False: the accumulator operand only gives the result's layout
+                prod = warpgroup_mma(a_view, x_view.slice(0, SUB).permute((1, 0)),
+                                     gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
                                      is_async=True)
                 prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
-                mbarrier.arrive(empty.index(st), count=1)
-                acc = acc + prod * gl.expand_dims(sg, 1) * gl.expand_dims(sx, 0)
+                if TWO:
+                    acc0 = acc0 + prod * sg * gl.expand_dims(sx0, 0)
+                    sx1 = _col_scales(xs_row, cols + SUB, cols1 + SUB, K, mma, SX_DIRECT)
+                    prod = warpgroup_mma(a_view, x_view.slice(SUB, SUB).permute((1, 0)),
+                                         gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
+                                         is_async=True)
+                    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
+                    mbarrier.arrive(empty.index(st), count=1)
+                    acc1 = acc1 + prod * sg * gl.expand_dims(sx1, 0)
+                else:
+                    mbarrier.arrive(empty.index(st), count=1)
+                    acc0 = acc0 + prod * sg * gl.expand_dims(sx0, 0)
                 it += 1
+            row0 = e * N + pid_n * BNW + WG * WM  # in dW viewed as [E * N, K]
             if TMA_STORE:  # asynchronous: overlaps the next tile's K loop
-                c_buf = c_bufs.index(WG)
-                tma.store_wait(0)  # this buffer's previous store has left
-                c_buf.store(acc.to(w_ptr.dtype.element_ty))
+                NSUB: gl.constexpr = 2 if TWO else 1
+                tma.store_wait(0)  # this warpgroup's buffers' previous stores have left
+                c_buf = c_bufs.index(WG * NSUB)
+                c_buf.store(acc0.to(w_ptr.dtype.element_ty))
+                if TWO:
+                    c_buf1 = c_bufs.index(WG * NSUB + 1)
+                    c_buf1.store(acc1.to(w_ptr.dtype.element_ty))
                 fence_async_shared()
-                _tma_store(w_desc, [e * N + pid_n * BNW + WG * WM, pid_k * BKW], c_buf)
+                _tma_store(w_desc, [row0, pid_k * BKW], c_buf)
+                if TWO:  # (TMA clips the columns past K)
+                    _tma_store(w_desc, [row0, pid_k * BKW + SUB], c_buf1)
             else:
                 orows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
-                ocols = pid_k * BKW + gl.arange(0, BKW, layout=gl.SliceLayout(0, out_l))
-                gl.store(w_ptr + e.to(gl.int64) * stride_we
+                ocols = pid_k * BKW + gl.arange(0, SUB, layout=gl.SliceLayout(0, out_l))
+                optrs = (w_ptr + e.to(gl.int64) * stride_we
                          + gl.expand_dims(orows.to(gl.int64) * stride_wn, 1)
-                         + gl.expand_dims(ocols, 0),
-                         gl.convert_layout(acc.to(w_ptr.dtype.element_ty), out_l),
-                         mask=gl.expand_dims(orows < N, 1) & gl.expand_dims(ocols < K, 0))
+                         + gl.expand_dims(ocols, 0))
+                rm = gl.expand_dims(orows < N, 1)
+                gl.store(optrs, gl.convert_layout(acc0.to(w_ptr.dtype.element_ty), out_l),
+                         mask=rm & gl.expand_dims(ocols < K, 0))
+                if TWO:
+                    gl.store(optrs + SUB,
+                             gl.convert_layout(acc1.to(w_ptr.dtype.element_ty), out_l),
+                             mask=rm & gl.expand_dims(ocols + SUB < K, 0))
         if TMA_STORE:
             tma.store_wait(0)
 
     @gluon.jit
-    def _fp8_wgrad_ws_kernel(g_desc, x_desc, w_ptr, w_desc, gs_ptr, xs_ptr, offsets_ptr,
-                             goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+    def _col_scales(xs_row, cols, cols1, K, mma: gl.constexpr, SX_DIRECT: gl.constexpr):
+        """One token group's column scales ``sx[cols]`` in the MMA's column layout:
+        loaded there directly (``SX_DIRECT``: as many addresses a thread as it holds
+        columns), or one per thread and then moved (no spills, a shuffle)."""
+        if SX_DIRECT:
+            sx = gl.load(xs_row + cols, mask=cols < K, other=1.0)
+        else:
+            sx = gl.convert_layout(gl.load(xs_row + cols1, mask=cols1 < K, other=1.0),
+                                   gl.SliceLayout(0, mma))
+        return sx
+
+    @gluon.jit
+    def _fp8_wgrad_ws_kernel(g_desc, x_desc, w_ptr, w_desc, gs_ptr, xs_ptr, offsets_ptr, N, K,
+                             R, E, stride_gs, stride_xs, stride_we, stride_wn,
                              BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-                             TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                             TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr, EP2: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                             num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 wgrad over segment groups (see
         :func:`launch_fp8_wgrad_ws`). ``TMA_STORE``: each consumer stores its ``dW`` tile
         through shared memory and a TMA copy (``w_desc`` over ``dW`` as ``[E*N, K]`` with
-        ``[BNW/2, BKW]`` boxes; needs ``N`` a multiple of ``BNW``), which overlaps the
+        ``[BNW/2, min(BKW, 128)]`` boxes; needs ``N`` a multiple of ``BNW``), which overlaps the
         next tile; else masked stores from registers (``w_desc`` unused)."""
         g_bufs, x_bufs, ready, empty = _ring(g_desc, x_desc, STAGES)
-        if TMA_STORE:
-            c_bufs = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape,
+        if TMA_STORE:  # per consumer warpgroup, one [BNW/2, 128] tile a 128-column sub-MMA
+            NBUF: gl.constexpr = 4 if BKW > 128 else 2
+            c_bufs = gl.allocate_shared_memory(w_desc.dtype, [NBUF] + w_desc.block_type.shape,
                                                w_desc.layout)
         else:
             c_bufs = g_bufs  # unused
@@ -399,14 +468,14 @@ if gluon is not None:
         WG1: gl.constexpr = 1
         gl.warp_specialize([
             (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
-                           offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
-                           stride_wn, WG0, BNW, BKW, STAGES, TMA_STORE, SX_DIRECT)),
+                           offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+                           WG0, BNW, BKW, STAGES, TMA_STORE, SX_DIRECT, EP2)),
             (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
-                           offsets_ptr, goff_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
-                           stride_wn, WG1, BNW, BKW, STAGES, TMA_STORE, SX_DIRECT)),
-            (_wg_load, (g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, goff_ptr,
-                        N, K, R, E, BNW, BKW, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 40])
+                           offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
+                           WG1, BNW, BKW, STAGES, TMA_STORE, SX_DIRECT, EP2)),
+            (_wg_load, (g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, N, K, R, E,
+                        BNW, BKW, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 _LAYOUTS: dict = {}  # (box shape, dtype) -> its NVMMA shared layout
@@ -435,36 +504,55 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
     from :func:`linghe.fwd.grouped_mm._tma_operands` with ``[BM, 128]`` / ``[BN, 128]``
     boxes (the descriptors' boxes must match ``config``); ``as_t [GK, R]`` the row
     scales transposed; ``b_scale`` and ``bs_strides`` as for the Triton kernel."""
-    from .grouped_mm import tile_map
+    from .grouped_mm import row_tile_bound
 
     cfg = dict(WS_CONFIG, **(config or {}))
     a_desc, b_desc, b_row_e, b_col_e = ops
     R, I = a_desc.shape
     J = out.shape[1]
     E = offsets.numel() - 1
-    tile_off, tile_expert, bound = tile_map(offsets, R, cfg["BM"])
+    # (the row tiles' count is known on the GPU only: the programs walk up to it)
+    bound = row_tile_bound(R, E, cfg["BM"])
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
     with device_guard(out):
         launch(
             _fp8_rows_ws_kernel, grid, _gluon_descriptor(a_desc), _gluon_descriptor(b_desc),
-            out, as_t, b_scale, offsets, tile_off, tile_expert, R, I, J, E, b_row_e, b_col_e,
-            out.stride(0), as_t.stride(0), *bs_strides, BM=cfg["BM"], BN=cfg["BN"], BK=128,
+            out, as_t, b_scale, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
+            as_t.stride(0), *bs_strides, BM=cfg["BM"], BN=cfg["BN"], BK=128,
             GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
-            CONSUMER_REGS=cfg["CONSUMER_REGS"],
+            EP2=max(128, next_power_of_2(E)), CONSUMER_REGS=cfg["CONSUMER_REGS"],
             num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
 
 
 #: The wgrad's tiles: ``dW_e`` in ``[BNW, BKW]`` tiles (``BNW / 2`` rows per consumer
-#: warpgroup), ``STAGES`` 128-token groups in flight.
-#: H200 (``benchmark/results/h200_probe_fp8_ws_wgrad_*``), µs against the Triton wgrad /
-#: ``torch._grouped_mm`` bf16: E = 256 gate_up 1486 / 2428 / 1372, down 777 / 1248 / 700;
-#: E = 32 gate_up 878 / 1082 / 779, down 453 / 566 / 397. The column scales loaded in
-#: the MMA's layout (``SX_DIRECT``; ptxas spills ~70 bytes) beat moving them there from
-#: one-per-thread loads (1646 / 953 µs); the TMA-store epilogue beats register stores
-#: (1849 / 925 µs).
-WGRAD_WS_CONFIG = dict(BNW=128, BKW=128, STAGES=5, TMA_STORE=True, SX_DIRECT=True,
-                       CONSUMER_REGS=232, MAXNREG=168)
+#: warpgroup; ``BKW`` = 256 as two 128-column sub-MMAs), ``STAGES`` 128-token groups in
+#: flight (fewer where shared memory is short: :func:`_wgrad_stages`). At 128x256 the
+#: column scales are loaded one per thread and moved to the MMA's layout (loaded there
+#: directly, 32 a thread, ptxas spills ~2 KB) and the consumers get 240 registers, the
+#: loader 24 (ptxas still spills ~50 bytes). H100, 8192 tokens top-8, µs (128x128
+#: before; ``torch._grouped_mm`` bf16; ``benchmark/results/h100_probe_fp8_ws_wgrad_*``):
+#: E = 256 gate_up 1453 (1538; 1440), down 775 (798; 745); E = 32 gate_up 818 (932;
+#: 776), down 430 (472; 394). At 128x128 (H200, ``h200_probe_fp8_ws_wgrad_*_s12``): the
+#: scales loaded in the MMA's layout beat the move (1486 / 1646 µs), the TMA-store
+#: epilogue beats register stores (1486 / 1849 µs).
+WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, STAGES=5, TMA_STORE=True, SX_DIRECT=False,
+                       CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
+#: The wgrad's tiles: ``BKW`` = 256 runs two 128-column sub-MMAs per consumer warpgroup.
+WGRAD_WS_TILES = ((128, 128), (128, 256))
+#: Shared memory the ring and the store tiles may take (sm_90: 227 KiB a block, less the
+#: barriers and the compiler's scratch).
+_WGRAD_SMEM = 216 << 10
+
+
+def _wgrad_stages(stages: int, bnw: int, bkw: int, out_bytes: int, tma_store: bool) -> int:
+    """The ring's depth: ``stages`` or as many as fit :data:`_WGRAD_SMEM` beside the
+    epilogue's ``[bnw / 2, 128]`` tiles of ``out_bytes`` elements: per consumer warpgroup
+    one a 128-column sub-tile (the TMA store's buffers) or one (the register store's
+    layout conversion, reused)."""
+    tiles = 2 * (max(1, bkw // 128) if tma_store else 1)
+    store = tiles * (bnw // 2) * min(bkw, 128) * out_bytes
+    return max(1, min(stages, (_WGRAD_SMEM - store) // ((bnw + bkw) * 128)))
 
 
 def wgrad_ws_operands_ok(gq: torch.Tensor, xq: torch.Tensor) -> bool:
@@ -484,30 +572,29 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
     transposed, ``dw [E, N, K]`` written (every element; an expert without tokens gets
     zeros). Same promotion per token group as the Triton wgrad (``acc += dot * sg[n] *
     sx[k]``); the partial last group of a segment is masked to it."""
-    from .grouped_mm import tile_map
-
     cfg = dict(WGRAD_WS_CONFIG, **(config or {}))
-    if set(cfg) != set(WGRAD_WS_CONFIG) or (cfg["BNW"], cfg["BKW"]) != (128, 128):
+    if set(cfg) != set(WGRAD_WS_CONFIG) or (cfg["BNW"], cfg["BKW"]) not in WGRAD_WS_TILES:
         raise ValueError(f"FP8 wgrad (warp-specialized): keys {sorted(WGRAD_WS_CONFIG)} "
-                         f"with 128x128 tiles, got {config}")
+                         f"with (BNW, BKW) in {WGRAD_WS_TILES}, got {config}")
     N, R = gq.shape
     K = xq.shape[0]
     E = offsets.numel() - 1
     bnw, bkw = cfg["BNW"], cfg["BKW"]
-    # g_off[e] = sum over earlier experts of ceil(segment / 128): the tile map's offsets
-    goff = tile_map(offsets, R, 128)[0]
+    sub = min(bkw, 128)
     g_desc = GluonDescriptor(gq, [N, R], [gq.stride(0), 1], [bnw, 128],
                              _layout((bnw, 128)))
     x_desc = GluonDescriptor(xq, [K, R], [xq.stride(0), 1], [bkw, 128],
                              _layout((bkw, 128)))
-    # fp32 dW: the epilogue's shared-memory tiles are twice the size
-    stages = min(cfg["STAGES"], 4) if dw.element_size() == 4 else cfg["STAGES"]
     # TMA store: tiles within one expert's rows, 16-byte rows; else masked stores
     tma_store = (cfg["TMA_STORE"] and N % bnw == 0 and dw.is_contiguous()
                  and (K * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0)
+    stages = _wgrad_stages(cfg["STAGES"], bnw, bkw, dw.element_size(), tma_store)
+    if tma_store and stages < 3:  # (fp32 dW at 128x256) the ring matters more
+        tma_store = False
+        stages = _wgrad_stages(cfg["STAGES"], bnw, bkw, dw.element_size(), False)
     if tma_store:
         dt = {torch.float32: gl.float32, torch.float16: gl.float16}.get(dw.dtype, gl.bfloat16)
-        box = (bnw // 2, bkw)
+        box = (bnw // 2, sub)
         w_desc = GluonDescriptor(dw.view(E * N, K), [E * N, K], [K, 1], list(box),
                                  _layout(box, dt))
     else:
@@ -516,8 +603,9 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
     grid = (max(1, min(num_sms(dw.device), tiles)),)
     with device_guard(dw):
         launch(_fp8_wgrad_ws_kernel, grid, g_desc, x_desc, dw, w_desc, gs_t, xs_t, offsets,
-               goff, N, K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1),
+               N, K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1),
                BNW=bnw, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
-               SX_DIRECT=cfg["SX_DIRECT"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
-               maxnreg=cfg["MAXNREG"])
+               EP2=max(128, next_power_of_2(E)),
+               SX_DIRECT=cfg["SX_DIRECT"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+               LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return dw
