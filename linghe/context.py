@@ -23,7 +23,7 @@ import threading
 import torch
 
 from .fp8.recipe import RECIPES, Fp8Recipe
-from .utils import INTERPRET
+from .utils import INTERPRET, cuda_capability
 
 _RECIPE: contextvars.ContextVar[Fp8Recipe | None] = contextvars.ContextVar(
     "linghe_fp8_recipe", default=None)
@@ -56,7 +56,9 @@ def check_fp8_device() -> None:
     """Raise ``RuntimeError`` unless FP8 GEMMs can run here: a CUDA GPU of compute
     capability >= 8.9 (Ada, Hopper or newer), or the CPU Triton interpreter."""
     if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
+        # (cached per device: a driver query costs tens of µs, and a context is entered
+        # once per micro-batch)
+        cap = cuda_capability(torch.device("cuda", torch.cuda.current_device()))
         if tuple(cap) < (8, 9):
             name = torch.cuda.get_device_name()
             raise RuntimeError(

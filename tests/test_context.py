@@ -175,7 +175,9 @@ def test_bad_options(kwargs, match):
 
 def test_fp8_on_old_gpu_raises_at_entry(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # (the capability is read once per device and cached: cuda_capability)
+    monkeypatch.setattr(context_mod, "cuda_capability", lambda dev: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
     ctx = linghe.TrainingContext(fp8="blockwise")  # construction is fine
     with pytest.raises(RuntimeError, match="compute capability >= 8.9.*A100 has 8.0"):
@@ -184,7 +186,7 @@ def test_fp8_on_old_gpu_raises_at_entry(monkeypatch):
     assert linghe.current_recipe() is None and not ctx.active
     with linghe.TrainingContext(fp8=None):  # high precision is always allowed
         pass
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(context_mod, "cuda_capability", lambda dev: (9, 0))
     with linghe.TrainingContext(fp8="blockwise"):
         pass
 
