@@ -63,7 +63,7 @@ def _operands(layout, R, N, K, dev):
 WGRAD_VARIANTS = {
     "triton": dict(BN=128, BK=128, num_warps=8, num_stages=4),
     "default": None,
-    "ws_128x128": dict(WS=True, BKW=128, SX_DIRECT=True, CONSUMER_REGS=232, LOADER_REGS=40),
+    "ws_128x128": dict(WS=True, BKW=128),
 }
 
 

@@ -943,6 +943,8 @@ WS_CASES = [
     ([5, 0, 140], 16, 256, 384, 50),                  # N = 384: half of a 256-column tile
     ([700], 16, 128, 128, 9),                         # one expert, several row tiles, K = 128
     ([3, 0, 0], 16, 1024, 256, 130),                  # mostly tail (zero tiles past offsets[E])
+    # 300 experts, nearly all without rows: the in-kernel schedule over EP2 = 512 slots
+    ([0] * 150 + [70] + [0] * 120 + [200] + [0] * 28, 16, 256, 128, 3),
 ]
 
 
@@ -995,7 +997,8 @@ def test_fp8_ws_kernel_matches_triton(device, case, tiles):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [([0, 37, 300, 0, 129, 1, 64], 16, 384, 256, 0),
                                   ([5, 0, 140], 16, 256, 384, 48),
-                                  ([700], 16, 128, 128, 16)],
+                                  ([700], 16, 128, 128, 16),
+                                  ([0] * 200 + [90] + [0] * 99, 16, 256, 128, 5)],
                          ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tma_store", [True, False])
@@ -1004,7 +1007,9 @@ def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store, bkw):
     """The warp-specialized FP8 wgrad over segment groups gives the Triton wgrad's bits
     at both tiles (128x256: two sub-MMAs a consumer): partial last groups masked to their
     segment, zero-token experts (zeros), N and K tails (K = 384 at 256 columns: a tile
-    half past K), a tail of rows past the segments."""
+    half past K), a tail of rows past the segments, 300 experts (the first scale group
+    summed over 512 slots). fp32 ``dW`` at 256 columns asked for the TMA store takes the
+    register store (its store tiles would leave the ring under 3 stages)."""
     if not ws_mod.ws_capable(torch.empty(1, device=device)):
         pytest.skip("needs an sm_90 GPU and Gluon")
     counts, align, K, N, tail = case
@@ -1046,16 +1051,18 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
                         lambda c, dt=dt: bwd_gm.grouped_mm_fp8_dgrad(dyq, wq, layout.offsets,
                                                                      dt, config=c)):
                 assert torch.equal(run(ws), run(tri)), (bn, dt)
-    # wgrad: N = 320 is not a multiple of its 128-row tiles (masked register stores), K = 336
-    gs, xs, layout = _ws_wgrad_operands(counts, 336, 320, 16, device)
+    # wgrad: N = 320 is not a multiple of its 128-row tiles (masked register stores);
+    # N = 256 takes the TMA store, its buffers reused from tile to tile; K = 336
     tri_w = dict(BN=128, BK=128, num_warps=8, num_stages=4)
-    for dt in (torch.bfloat16, torch.float16, torch.float32):
-        want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
-                                           align=16, config=tri_w)
-        for bkw in (128, 256):
-            got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
-                                              align=16, config=dict(WS=True, BKW=bkw))
-            assert torch.equal(got, want), (dt, bkw)
+    for N in (320, 256):
+        gs, xs, layout = _ws_wgrad_operands(counts, 336, N, 16, device)
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
+                                               align=16, config=tri_w)
+            for bkw in (128, 256):
+                got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
+                                                  align=16, config=dict(WS=True, BKW=bkw))
+                assert torch.equal(got, want), (N, dt, bkw)
 
 
 def test_fp8_ws_dispatch(device, monkeypatch):
@@ -1107,6 +1114,17 @@ def test_fp8_ws_dispatch(device, monkeypatch):
     with pytest.raises(ValueError, match="warp-specialized"):
         ws_mod.launch_fp8_wgrad_ws(xs.columnwise_data, xs.columnwise_data, None, None, None,
                                    layout2.offsets, dict(BNW=64))
+    # the wgrad's settings: 256 columns by default with that width's registers and scale
+    # load, 128 where K <= 128 (and its own settings), validated
+    cfg = ws_mod.wgrad_ws_config(2048)
+    assert (cfg["BKW"], cfg["SX_DIRECT"], cfg["CONSUMER_REGS"]) == (256, False, 240)
+    cfg = ws_mod.wgrad_ws_config(96)
+    assert (cfg["BKW"], cfg["SX_DIRECT"], cfg["CONSUMER_REGS"]) == (128, True, 232)
+    assert ws_mod.wgrad_ws_config(2048, dict(BKW=128))["LOADER_REGS"] == 40
+    for bad in (dict(CONSUMER_REGS=250), dict(LOADER_REGS=16), dict(STAGES=0),
+                dict(BKW=64), dict(NOPE=1)):
+        with pytest.raises(ValueError, match="warp-specialized"):
+            ws_mod.wgrad_ws_config(2048, bad)
     # 256 experts' gate_up forward keeps 128-column tiles, everything else takes 256
     assert ws_mod.ws_config(69632, 256, 2048, 2048)["BN"] == 128
     assert ws_mod.ws_config(69632, 256, 1024, 2048)["BN"] == 256
@@ -1130,7 +1148,7 @@ def sm90(fn, sig, const, maxnreg):
                           options=dict(num_warps=4, maxnreg=maxnreg))
 
 
-for bm, bn, stages in W.WS_TILES_STAGES:
+for bm, bn, stages, ep2 in [(*t, 256) for t in W.WS_TILES_STAGES] + [(128, 256, 3, 512)]:
     lay = lambda rows: repr(gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv))
     sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{lay(bm)}>",
                b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lay(bn)}>",
@@ -1141,7 +1159,7 @@ for bm, bn, stages in W.WS_TILES_STAGES:
                STAGES="constexpr", SPLIT_N="constexpr", EP2="constexpr",
                CONSUMER_REGS="constexpr", num_warps="constexpr")
     const = dict(BM=bm, BN=bn, BK=128, GROUP_M=8, STAGES=stages, SPLIT_N=bm == 64,
-                 EP2=256, CONSUMER_REGS=232, num_warps=4)
+                 EP2=ep2, CONSUMER_REGS=232, num_warps=4)
     k = sm90(W._fp8_rows_ws_kernel, sig, const, W.WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     # TMA loads into wgmma, warp specialization with register reallocation, and the
@@ -1174,9 +1192,11 @@ for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
     k = sm90(W._fp8_wgrad_ws_kernel, sig, const, W.WGRAD_WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, (out, tma_store, bkw)
-    # TMA loads; and the TMA store exactly when asked for (one a 128-column sub-tile)
-    assert ptx.count("cp.async.bulk.tensor") >= 2 + tma_store * bkw // 128, (out, bkw)
-    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store, (out, bkw)
+    # TMA loads (the loader's two); the TMA store exactly when asked for: one a 128-column
+    # sub-tile in each of the two consumer warpgroups
+    stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
+    assert ptx.count("cp.async.bulk.tensor") - stores >= 2, (out, bkw)
+    assert stores == 2 * tma_store * (bkw // 128), (out, tma_store, bkw, stores)
     # the ring and the epilogue's tiles fit sm_90's 227 KiB of shared memory
     assert k.metadata.shared <= 227 << 10, (out, tma_store, bkw, k.metadata.shared)
 print("COMPILED")
@@ -1184,8 +1204,9 @@ print("COMPILED")
 
 
 def test_fp8_ws_kernel_compiles_for_sm90(compile_sm90):
-    """The warp-specialized FP8 rows kernel (every tile shape) and wgrad (both
-    epilogues) compiled for sm_90 with this triton (Gluon's API moves between triton
+    """The warp-specialized FP8 rows kernel (every tile shape; the schedule over 256 and
+    512 expert slots) and wgrad (both tile widths, both epilogues) compiled for sm_90
+    with this triton (Gluon's API moves between triton
     versions: this catches it on CPU)."""
     compile_sm90(_WS_COMPILE_SCRIPT)
 

@@ -132,35 +132,39 @@ if gluon is not None:
 
     @gluon.jit
     def _schedule(offsets_ptr, R, E, BM: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
-        """The expert tile schedule, made by each partition (``NW`` warps) of each program
-        from ``offsets`` (``E + 1`` int32, L2-resident; no launch of its own): ``(tiles,
-        cum, n_m)``, ``tiles[e] = cdiv(segment_e, BM)``, ``cum`` their inclusive sum, and
-        the row tiles: the experts' then the tail's past ``offsets[E]`` (zeros stored).
-        The Triton kernel's :func:`~linghe.fwd.grouped_mm.tile_schedule`, same order."""
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        idx = gl.arange(0, EP2, layout=lay)
+        """The expert tile schedule, made by a partition of ``NW`` warps from ``offsets``
+        (``E + 1`` int32, L2-resident; no launch of its own): ``(cum, n_m)``, ``cum [1,
+        EP2]`` the inclusive sum of the experts' ``cdiv(segment, BM)`` row tiles, held
+        whole by each warp (``EP2 / 32`` a thread: scan and sums within the warp, no
+        cross-warp step), and the row tiles: the experts' then the tail's past
+        ``offsets[E]`` (zeros stored). The Triton kernel's
+        :func:`~linghe.fwd.grouped_mm.tile_schedule`, same order."""
+        gl.static_assert(EP2 >= 32, "EP2: at least one expert slot a lane")
+        row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [NW, 1], [1, 0])
+        idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
         m = idx < E
         lo = gl.load(offsets_ptr + idx, mask=m, other=0)
         hi = gl.load(offsets_ptr + idx + 1, mask=m, other=0)
-        tiles = gl.where(m, (hi - lo + (BM - 1)) // BM, 0)
-        cum = gl.associative_scan(tiles, 0, _add)
-        n_m = gl.sum(tiles, 0) + gl.cdiv(R - gl.load(offsets_ptr + E), BM)
-        return tiles, cum, n_m
+        cum = gl.associative_scan(gl.where(m, (hi - lo + (BM - 1)) // BM, 0), 1, _add)
+        n_m = gl.max(gl.max(cum, 1), 0) + gl.cdiv(R - gl.load(offsets_ptr + E), BM)
+        return cum, n_m
 
     @gluon.jit
-    def _tile(tile, n_m, num_n, tiles, cum, offsets_ptr, R, I, E, BM: gl.constexpr,
+    def _tile(tile, n_m, num_n, cum, offsets_ptr, R, I, E, BM: gl.constexpr,
               BK: gl.constexpr, GROUP_M: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
         """Output tile ``tile`` (grouped order) -> ``(expert, column tile, first row, row
         end, K steps)``; a tail tile (expert ``E``) has no K steps and ends at ``R``. The
-        row tile's expert: the experts whose tiles all come before it, counted."""
+        row tile's expert: the experts whose tiles all come before it, counted; its first
+        tile: the last of those experts' running sum (``cum`` does not decrease)."""
         width = GROUP_M * num_n
         first_m = (tile // width) * GROUP_M
         size_m = gl.minimum(n_m - first_m, GROUP_M)
         t = first_m + (tile % width) % size_m
         pid_n = (tile % width) // size_m
-        idx = gl.arange(0, EP2, layout=gl.BlockedLayout([1], [32], [NW], [0]))
-        e = gl.sum(((cum <= t) & (idx < E)).to(gl.int32), 0)
-        first = gl.sum(gl.where(idx < e, tiles, 0), 0)
+        row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [NW, 1], [1, 0])
+        idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
+        e = gl.sum(gl.sum(((cum <= t) & (idx < E)).to(gl.int32), 1), 0)
+        first = gl.max(gl.max(gl.where(idx < e, cum, 0), 1), 0)
         valid = e < E
         start = gl.load(offsets_ptr + e) + (t - first) * BM
         end = gl.where(valid, gl.load(offsets_ptr + gl.minimum(e + 1, E)), R)
@@ -172,12 +176,12 @@ if gluon is not None:
                  b_row_e, b_col_e, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, EP2: gl.constexpr):
         """Loader warp: the TMA copies of every K step of this program's tiles."""
-        tiles, cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 1)
+        cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 1)
         num_n = gl.cdiv(J, BN)
         it = 0
         for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
-            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, tiles, cum, offsets_ptr,
-                                                   R, I, E, BM, BK, GROUP_M, EP2, 1)
+            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, cum, offsets_ptr, R, I,
+                                                   E, BM, BK, GROUP_M, EP2, 1)
             b_row = ec * b_row_e + pid_n * BN
             b_col = ec * b_col_e
             for kk in range(k_tiles):
@@ -210,12 +214,15 @@ if gluon is not None:
                                                       instr_shape=[16, SUB, 32])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB, SUB // 8], [4, 1],
                                                [1, 0])
-        tiles, cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)
+        n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)[1]
         num_n = gl.cdiv(J, BN)
         it = 0
         for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
-            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, tiles, cum, offsets_ptr,
-                                                   R, I, E, BM, BK, GROUP_M, EP2, 4)
+            # (made again for each tile, from L1, while the accumulators are free: kept
+            # across the K loop it would cost registers that the promotion needs)
+            cum = _schedule(offsets_ptr, R, E, BM, EP2, 4)[0]
+            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, cum, offsets_ptr, R, I,
+                                                   E, BM, BK, GROUP_M, EP2, 4)
             row0 = start + R_OFF
             col0 = pid_n * BN + C_OFF
             rows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
@@ -309,6 +316,7 @@ if gluon is not None:
         ``sum cdiv(segment, 128)``, summed from ``offsets`` (L1) by each warp of a
         consumer warpgroup on its own (a ``[1, EP2]`` row replicated over the warps: no
         cross-warp reduction), for each tile rather than kept in registers across tiles."""
+        gl.static_assert(EP2 >= 32, "EP2: at least one expert slot a lane")
         row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [4, 1], [1, 0])
         idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
         m = idx < gl.minimum(e, E)
@@ -404,9 +412,9 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(st), count=1)
                     acc0 = acc0 + prod * sg * gl.expand_dims(sx0, 0)
                 it += 1
-            row0 = e * N + pid_n * BNW + WG * WM  # in dW viewed as [E * N, K]
             if TMA_STORE:  # asynchronous: overlaps the next tile's K loop
                 NSUB: gl.constexpr = 2 if TWO else 1
+                row0 = e * N + pid_n * BNW + WG * WM  # in dW viewed as [E * N, K]
                 tma.store_wait(0)  # this warpgroup's buffers' previous stores have left
                 c_buf = c_bufs.index(WG * NSUB)
                 c_buf.store(acc0.to(w_ptr.dtype.element_ty))
@@ -525,19 +533,26 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
     return out
 
 
-#: The wgrad's tiles: ``dW_e`` in ``[BNW, BKW]`` tiles (``BNW / 2`` rows per consumer
-#: warpgroup; ``BKW`` = 256 as two 128-column sub-MMAs), ``STAGES`` 128-token groups in
-#: flight (fewer where shared memory is short: :func:`_wgrad_stages`). At 128x256 the
-#: column scales are loaded one per thread and moved to the MMA's layout (loaded there
-#: directly, 32 a thread, ptxas spills ~2 KB) and the consumers get 240 registers, the
-#: loader 24 (ptxas still spills ~50 bytes). H100, 8192 tokens top-8, µs (128x128
-#: before; ``torch._grouped_mm`` bf16; ``benchmark/results/h100_probe_fp8_ws_wgrad_*``):
-#: E = 256 gate_up 1453 (1538; 1440), down 775 (798; 745); E = 32 gate_up 818 (932;
-#: 776), down 430 (472; 394). At 128x128 (H200, ``h200_probe_fp8_ws_wgrad_*_s12``): the
-#: scales loaded in the MMA's layout beat the move (1486 / 1646 µs), the TMA-store
-#: epilogue beats register stores (1486 / 1849 µs).
+#: The wgrad's settings: ``dW_e`` in ``[BNW, BKW]`` tiles (``BNW / 2`` rows per consumer
+#: warpgroup; ``BKW`` = 256 as two 128-column sub-MMAs, 128 where ``K <= 128``),
+#: ``STAGES`` 128-token groups in flight at most (:func:`_wgrad_stages` fits the ring to
+#: shared memory: 5 at 128x128 with bf16 ``dW``, 3 at 128x256), and the per-tile settings
+#: of :data:`WGRAD_WS_TILE_SETTINGS` unless the config names them. H100, 8192 tokens
+#: top-8, µs (128x128; ``torch._grouped_mm`` bf16; ``benchmark/results/
+#: h100_probe_fp8_ws_wgrad_*_s13``): E = 256 gate_up 1505 (1529-1612; 1448), down 795
+#: (782-818; 746); E = 32 gate_up 825 (929; 764), down 434 (468; 395).
 WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, STAGES=5, TMA_STORE=True, SX_DIRECT=False,
                        CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
+#: Per tile width: at 128x256 the column scales are loaded one per thread and moved to
+#: the MMA's layout (loaded there directly, 32 a thread, ptxas spills ~2 KB: 2565 µs at
+#: E = 256 gate_up on the H100, against 1914 moved) and the consumers get 240 registers,
+#: the loader 24 (1453 µs; ptxas still spills 100-200 bytes, by CUDA version); at 128x128
+#: the direct load wins (H200: 1486 / 1646 µs) at 232 / 40 registers, and there the
+#: TMA-store epilogue beats register stores (1486 / 1849 µs).
+WGRAD_WS_TILE_SETTINGS = {
+    256: dict(SX_DIRECT=False, CONSUMER_REGS=240, LOADER_REGS=24),
+    128: dict(SX_DIRECT=True, CONSUMER_REGS=232, LOADER_REGS=40),
+}
 #: The wgrad's tiles: ``BKW`` = 256 runs two 128-column sub-MMAs per consumer warpgroup.
 WGRAD_WS_TILES = ((128, 128), (128, 256))
 #: Shared memory the ring and the store tiles may take (sm_90: 227 KiB a block, less the
@@ -546,13 +561,31 @@ _WGRAD_SMEM = 216 << 10
 
 
 def _wgrad_stages(stages: int, bnw: int, bkw: int, out_bytes: int, tma_store: bool) -> int:
-    """The ring's depth: ``stages`` or as many as fit :data:`_WGRAD_SMEM` beside the
-    epilogue's ``[bnw / 2, 128]`` tiles of ``out_bytes`` elements: per consumer warpgroup
-    one a 128-column sub-tile (the TMA store's buffers) or one (the register store's
-    layout conversion, reused)."""
+    """The ring's depth: ``stages``, or as many as fit :data:`_WGRAD_SMEM` beside the
+    epilogue's ``[bnw / 2, 128]`` tiles of ``out_bytes`` elements (TMA store: one tile
+    per 128-column sub-MMA per consumer warpgroup; register store: one per consumer
+    warpgroup, the layout conversion's scratch)."""
     tiles = 2 * (max(1, bkw // 128) if tma_store else 1)
     store = tiles * (bnw // 2) * min(bkw, 128) * out_bytes
     return max(1, min(stages, (_WGRAD_SMEM - store) // ((bnw + bkw) * 128)))
+
+
+def wgrad_ws_config(K: int, config: dict | None = None) -> dict:
+    """The wgrad's full settings for contraction width ``K`` (``x``'s features): the
+    defaults, ``BKW`` 128 where ``K <= 128`` (the second sub-MMA would multiply zeros),
+    that tile's :data:`WGRAD_WS_TILE_SETTINGS`, then ``config``'s keys; validated."""
+    config = dict(config or {})
+    bkw = config.get("BKW", 128 if K <= 128 else WGRAD_WS_CONFIG["BKW"])
+    cfg = dict(WGRAD_WS_CONFIG, BKW=bkw, **WGRAD_WS_TILE_SETTINGS.get(bkw, {}))
+    cfg.update(config)
+    regs_ok = all(isinstance(cfg[k], int) and 24 <= cfg[k] <= 256 and cfg[k] % 8 == 0
+                  for k in ("CONSUMER_REGS", "LOADER_REGS"))
+    if (set(cfg) != set(WGRAD_WS_CONFIG) or (cfg["BNW"], cfg["BKW"]) not in WGRAD_WS_TILES
+            or not regs_ok or not (isinstance(cfg["STAGES"], int) and cfg["STAGES"] >= 1)):
+        raise ValueError(f"FP8 wgrad (warp-specialized): keys {sorted(WGRAD_WS_CONFIG)} "
+                         f"with (BNW, BKW) in {WGRAD_WS_TILES}, STAGES >= 1 and register "
+                         f"counts multiples of 8 in [24, 256], got {config}")
+    return cfg
 
 
 def wgrad_ws_operands_ok(gq: torch.Tensor, xq: torch.Tensor) -> bool:
@@ -566,18 +599,17 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
                         xs_t: torch.Tensor, dw: torch.Tensor, offsets: torch.Tensor,
                         config: dict | None = None) -> torch.Tensor:
     """FP8 ``dW[e] = g_e^T x_e`` over segment groups (the MoE layout: each expert's tokens
-    in 128-token groups from its segment start, scale group ``g_off[e] + i``) with the
-    warp-specialized kernel: ``gq [N, R]`` / ``xq [K, R]`` the columnwise copies (see
-    :func:`wgrad_ws_operands_ok`), ``gs_t [G, N]`` / ``xs_t [G, K]`` their scales
+    in 128-token groups from its segment start, scale group ``g_off[e] + i`` with
+    ``g_off[e] = sum cdiv(segment, 128)`` over the experts before, summed in the kernel)
+    with the warp-specialized kernel: ``gq [N, R]`` / ``xq [K, R]`` the columnwise copies
+    (see :func:`wgrad_ws_operands_ok`), ``gs_t [G, N]`` / ``xs_t [G, K]`` their scales
     transposed, ``dw [E, N, K]`` written (every element; an expert without tokens gets
     zeros). Same promotion per token group as the Triton wgrad (``acc += dot * sg[n] *
-    sx[k]``); the partial last group of a segment is masked to it."""
-    cfg = dict(WGRAD_WS_CONFIG, **(config or {}))
-    if set(cfg) != set(WGRAD_WS_CONFIG) or (cfg["BNW"], cfg["BKW"]) not in WGRAD_WS_TILES:
-        raise ValueError(f"FP8 wgrad (warp-specialized): keys {sorted(WGRAD_WS_CONFIG)} "
-                         f"with (BNW, BKW) in {WGRAD_WS_TILES}, got {config}")
+    sx[k]``); the partial last group of a segment is masked to it. ``config``: keys of
+    :data:`WGRAD_WS_CONFIG` (:func:`wgrad_ws_config`)."""
     N, R = gq.shape
     K = xq.shape[0]
+    cfg = wgrad_ws_config(K, config)
     E = offsets.numel() - 1
     bnw, bkw = cfg["BNW"], cfg["BKW"]
     sub = min(bkw, 128)
@@ -588,10 +620,11 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
     # TMA store: tiles within one expert's rows, 16-byte rows; else masked stores
     tma_store = (cfg["TMA_STORE"] and N % bnw == 0 and dw.is_contiguous()
                  and (K * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0)
-    stages = _wgrad_stages(cfg["STAGES"], bnw, bkw, dw.element_size(), tma_store)
-    if tma_store and stages < 3:  # (fp32 dW at 128x256) the ring matters more
+    # (fp32 dW at 128x256: the store tiles would leave the ring under 3 stages, which
+    # matters more; the depth that fits is compared, not a config's own small STAGES)
+    if tma_store and _wgrad_stages(1 << 10, bnw, bkw, dw.element_size(), True) < 3:
         tma_store = False
-        stages = _wgrad_stages(cfg["STAGES"], bnw, bkw, dw.element_size(), False)
+    stages = _wgrad_stages(cfg["STAGES"], bnw, bkw, dw.element_size(), tma_store)
     if tma_store:
         dt = {torch.float32: gl.float32, torch.float16: gl.float16}.get(dw.dtype, gl.bfloat16)
         box = (bnw // 2, sub)
