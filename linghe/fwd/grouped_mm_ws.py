@@ -132,44 +132,47 @@ if gluon is not None:
 
     @gluon.jit
     def _schedule(offsets_ptr, R, E, BM: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
-        """The expert tile schedule, made by a partition of ``NW`` warps from ``offsets``
-        (``E + 1`` int32, L2-resident; no launch of its own): ``(cum, n_m)``, ``cum [1,
-        EP2]`` the inclusive sum of the experts' ``cdiv(segment, BM)`` row tiles, held
-        whole by each warp (``EP2 / 32`` a thread: scan and sums within the warp, no
-        cross-warp step), and the row tiles: the experts' then the tail's past
-        ``offsets[E]`` (zeros stored). The Triton kernel's
+        """The expert tile schedule, made once by each partition (``NW`` warps) of each
+        program from ``offsets`` (``E + 1`` int32, L2-resident; no launch of its own):
+        ``(cum, n_m)``, ``cum [EP2]`` the inclusive sum of the experts' ``cdiv(segment,
+        BM)`` row tiles (``EP2 / 32 / NW`` registers a thread), and the row tiles: the
+        experts' then the tail's past ``offsets[E]`` (zeros stored). The Triton kernel's
         :func:`~linghe.fwd.grouped_mm.tile_schedule`, same order."""
-        gl.static_assert(EP2 >= 32, "EP2: at least one expert slot a lane")
-        row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [NW, 1], [1, 0])
-        idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
+        gl.static_assert(EP2 >= 32 * NW, "EP2: at least one expert slot a thread")
+        idx = gl.arange(0, EP2, layout=gl.BlockedLayout([1], [32], [NW], [0]))
         m = idx < E
         lo = gl.load(offsets_ptr + idx, mask=m, other=0)
         hi = gl.load(offsets_ptr + idx + 1, mask=m, other=0)
-        cum = gl.associative_scan(gl.where(m, (hi - lo + (BM - 1)) // BM, 0), 1, _add)
-        n_m = gl.max(gl.max(cum, 1), 0) + gl.cdiv(R - gl.load(offsets_ptr + E), BM)
+        # (past E: the total, which no row tile t < total reaches)
+        cum = gl.associative_scan(gl.where(m, (hi - lo + (BM - 1)) // BM, 0), 0, _add)
+        n_m = gl.max(cum, 0) + gl.cdiv(R - gl.load(offsets_ptr + E), BM)
         return cum, n_m
 
     @gluon.jit
     def _tile(tile, n_m, num_n, cum, offsets_ptr, R, I, E, BM: gl.constexpr,
-              BK: gl.constexpr, GROUP_M: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
+              BK: gl.constexpr, GROUP_M: gl.constexpr):
         """Output tile ``tile`` (grouped order) -> ``(expert, column tile, first row, row
         end, K steps)``; a tail tile (expert ``E``) has no K steps and ends at ``R``. The
-        row tile's expert: the experts whose tiles all come before it, counted; its first
-        tile: the last of those experts' running sum (``cum`` does not decrease)."""
+        row tile ``t``'s expert: the experts whose tiles all come before it, counted
+        (``cum <= t``); its first tile: the largest such running sum (``cum`` does not
+        decrease); both in one reduction."""
         width = GROUP_M * num_n
         first_m = (tile // width) * GROUP_M
         size_m = gl.minimum(n_m - first_m, GROUP_M)
         t = first_m + (tile % width) % size_m
         pid_n = (tile % width) // size_m
-        row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [NW, 1], [1, 0])
-        idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
-        e = gl.sum(gl.sum(((cum <= t) & (idx < E)).to(gl.int32), 1), 0)
-        first = gl.max(gl.max(gl.where(idx < e, cum, 0), 1), 0)
+        before = cum <= t
+        e, first = gl.reduce((before.to(gl.int32), gl.where(before, cum, 0)), 0, _count_max)
+        e = gl.minimum(e, E)  # (slots past E hold the total: counted only for a tail tile)
         valid = e < E
         start = gl.load(offsets_ptr + e) + (t - first) * BM
         end = gl.where(valid, gl.load(offsets_ptr + gl.minimum(e + 1, E)), R)
         k_tiles = gl.where(valid, gl.cdiv(I, BK), 0)
         return gl.minimum(e, E - 1), pid_n, start, end, k_tiles
+
+    @gluon.jit
+    def _count_max(n0, c0, n1, c1):
+        return n0 + n1, gl.maximum(c0, c1)
 
     @gluon.jit
     def _ws_load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
@@ -181,7 +184,7 @@ if gluon is not None:
         it = 0
         for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
             ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, cum, offsets_ptr, R, I,
-                                                   E, BM, BK, GROUP_M, EP2, 1)
+                                                   E, BM, BK, GROUP_M)
             b_row = ec * b_row_e + pid_n * BN
             b_col = ec * b_col_e
             for kk in range(k_tiles):
@@ -214,15 +217,12 @@ if gluon is not None:
                                                       instr_shape=[16, SUB, 32])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB, SUB // 8], [4, 1],
                                                [1, 0])
-        n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)[1]
+        cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)
         num_n = gl.cdiv(J, BN)
         it = 0
         for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
-            # (made again for each tile, from L1, while the accumulators are free: kept
-            # across the K loop it would cost registers that the promotion needs)
-            cum = _schedule(offsets_ptr, R, E, BM, EP2, 4)[0]
             ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, cum, offsets_ptr, R, I,
-                                                   E, BM, BK, GROUP_M, EP2, 4)
+                                                   E, BM, BK, GROUP_M)
             row0 = start + R_OFF
             col0 = pid_n * BN + C_OFF
             rows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
