@@ -1018,15 +1018,16 @@ def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store, bkw):
     tri = dict(BN=128, BK=128, num_warps=8, num_stages=4)
     want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, out_dtype, segments=True,
                                        align=16, config=tri)
-    linghe.utils.set_poison_outputs(True)
-    try:
-        got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, out_dtype, segments=True,
-                                          align=16, config=dict(WS=True, BKW=bkw,
-                                                                TMA_STORE=tma_store))
-    finally:
-        linghe.utils.set_poison_outputs(False)
-    assert not got.isnan().any()
-    assert torch.equal(got, want)
+    for scales_tma in (False, True):
+        linghe.utils.set_poison_outputs(True)
+        try:
+            got = bwd_gm.grouped_mm_fp8_wgrad(
+                gs, xs, layout.offsets, out_dtype, segments=True, align=16,
+                config=dict(WS=True, BKW=bkw, TMA_STORE=tma_store, SCALES_TMA=scales_tma))
+        finally:
+            linghe.utils.set_poison_outputs(False)
+        assert not got.isnan().any(), scales_tma
+        assert torch.equal(got, want), scales_tma
 
 
 @pytest.mark.gpu
@@ -1059,10 +1060,11 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
                                                align=16, config=tri_w)
-            for bkw in (128, 256):
-                got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
-                                                  align=16, config=dict(WS=True, BKW=bkw))
-                assert torch.equal(got, want), (N, dt, bkw)
+            for bkw, scales_tma in ((128, False), (256, False), (256, True)):
+                got = bwd_gm.grouped_mm_fp8_wgrad(
+                    gs, xs, layout.offsets, dt, segments=True, align=16,
+                    config=dict(WS=True, BKW=bkw, SCALES_TMA=scales_tma))
+                assert torch.equal(got, want), (N, dt, bkw, scales_tma)
 
 
 def test_fp8_ws_dispatch(device, monkeypatch):
@@ -1117,9 +1119,11 @@ def test_fp8_ws_dispatch(device, monkeypatch):
     # the wgrad's settings: 256 columns by default with that width's registers and scale
     # load, 128 where K <= 128 (and its own settings), validated
     cfg = ws_mod.wgrad_ws_config(2048)
-    assert (cfg["BKW"], cfg["SX_DIRECT"], cfg["CONSUMER_REGS"]) == (256, False, 240)
+    assert (cfg["BKW"], cfg["SX_DIRECT"], cfg["SCALES_TMA"], cfg["CONSUMER_REGS"]) == (
+        256, False, True, 240)
     cfg = ws_mod.wgrad_ws_config(96)
-    assert (cfg["BKW"], cfg["SX_DIRECT"], cfg["CONSUMER_REGS"]) == (128, True, 232)
+    assert (cfg["BKW"], cfg["SX_DIRECT"], cfg["SCALES_TMA"], cfg["CONSUMER_REGS"]) == (
+        128, True, False, 232)
     assert ws_mod.wgrad_ws_config(2048, dict(BKW=128))["LOADER_REGS"] == 40
     for bad in (dict(CONSUMER_REGS=250), dict(LOADER_REGS=16), dict(STAGES=0),
                 dict(BKW=64), dict(NOPE=1)):
@@ -1177,25 +1181,30 @@ for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
                                 ("fp32", gl.float32, False, 256)):
     wd = (f"tensordesc<{out}[64, 128],{lay(64, 128, dt)}>" if tma_store
           else f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>")
+    sl = repr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     sig = dict(g_desc=f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>",
                x_desc=f"tensordesc<fp8e4nv[{bkw}, 128],{lay(bkw, 128, gl.float8e4nv)}>",
+               gs_desc=f"tensordesc<fp32[1, 128],{sl}>",
+               xs_desc=f"tensordesc<fp32[1, {bkw}],{sl}>",
                w_ptr=f"*{out}", w_desc=wd, gs_ptr="*fp32", xs_ptr="*fp32",
                offsets_ptr="*i32", N="i32", K="i32", R="i32", E="i32",
                stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
                BNW="constexpr", BKW="constexpr", STAGES="constexpr", TMA_STORE="constexpr",
-               SX_DIRECT="constexpr", EP2="constexpr", CONSUMER_REGS="constexpr",
-               LOADER_REGS="constexpr", num_warps="constexpr")
-    stages = W._wgrad_stages(5, 128, bkw, 4 if out == "fp32" else 2, tma_store)
+               SX_DIRECT="constexpr", SCALES_TMA="constexpr", EP2="constexpr",
+               CONSUMER_REGS="constexpr", LOADER_REGS="constexpr", num_warps="constexpr")
+    # (the scale rows by TMA where the register store takes the column scales directly)
+    scales_tma = tma_store and bkw == 256
+    stages = W._wgrad_stages(5, 128, bkw, 4 if out == "fp32" else 2, tma_store, scales_tma)
     const = dict(BNW=128, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
-                 SX_DIRECT=not tma_store, EP2=256, CONSUMER_REGS=240, LOADER_REGS=24,
-                 num_warps=4)
+                 SX_DIRECT=not tma_store, SCALES_TMA=scales_tma, EP2=256,
+                 CONSUMER_REGS=240, LOADER_REGS=24, num_warps=4)
     k = sm90(W._fp8_wgrad_ws_kernel, sig, const, W.WGRAD_WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, (out, tma_store, bkw)
     # TMA loads (the loader's two); the TMA store exactly when asked for: one a 128-column
     # sub-tile in each of the two consumer warpgroups
     stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
-    assert ptx.count("cp.async.bulk.tensor") - stores >= 2, (out, bkw)
+    assert ptx.count("cp.async.bulk.tensor") - stores >= 2 + 2 * scales_tma, (out, bkw)
     assert stores == 2 * tma_store * (bkw // 128), (out, tma_store, bkw, stores)
     # the ring and the epilogue's tiles fit sm_90's 227 KiB of shared memory
     assert k.metadata.shared <= 227 << 10, (out, tma_store, bkw, k.metadata.shared)

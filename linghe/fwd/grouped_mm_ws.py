@@ -311,13 +311,13 @@ if gluon is not None:
         return e, pid_n, pid_k, start, end, gl.cdiv(end - start, 128)
 
     @gluon.jit
-    def _wg_first_group(offsets_ptr, e, E, EP2: gl.constexpr):
+    def _wg_first_group(offsets_ptr, e, E, EP2: gl.constexpr, NW: gl.constexpr):
         """Expert ``e``'s first scale group: the 128-token groups of the experts before it,
         ``sum cdiv(segment, 128)``, summed from ``offsets`` (L1) by each warp of a
         consumer warpgroup on its own (a ``[1, EP2]`` row replicated over the warps: no
         cross-warp reduction), for each tile rather than kept in registers across tiles."""
         gl.static_assert(EP2 >= 32, "EP2: at least one expert slot a lane")
-        row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [4, 1], [1, 0])
+        row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [NW, 1], [1, 0])
         idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
         m = idx < gl.minimum(e, E)
         lo = gl.load(offsets_ptr + idx, mask=m, other=0)
@@ -325,30 +325,41 @@ if gluon is not None:
         return gl.sum(gl.sum((hi - lo + 127) // 128, 1), 0)
 
     @gluon.jit
-    def _wg_load(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, N, K, R, E,
-                 BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr):
+    def _wg_load(g_desc, x_desc, gs_desc, xs_desc, g_bufs, x_bufs, gs_bufs, xs_bufs, ready,
+                 empty, offsets_ptr, N, K, R, E, BNW: gl.constexpr, BKW: gl.constexpr,
+                 STAGES: gl.constexpr, SCALES_TMA: gl.constexpr, EP2: gl.constexpr):
         """Loader warp of the wgrad: per token group, the ``[BNW, 128]`` box of ``g``'s
-        columnwise copy and the ``[BKW, 128]`` box of ``x``'s."""
+        columnwise copy and the ``[BKW, 128]`` box of ``x``'s (``SCALES_TMA``: and the
+        group's rows of their scales, ``[1, BNW]`` / ``[1, BKW]``)."""
         nN = gl.cdiv(N, BNW)
         nK = gl.cdiv(K, BKW)
+        SCALE_BYTES: gl.constexpr = (gs_desc.block_type.nbytes + xs_desc.block_type.nbytes
+                                     if SCALES_TMA else 0)
+        NBYTES: gl.constexpr = (g_desc.block_type.nbytes + x_desc.block_type.nbytes
+                                + SCALE_BYTES)
         it = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
             e, pid_n, pid_k, start, end, n_groups = _wg_tile(tile, nN, nK, offsets_ptr, R)
+            if SCALES_TMA:
+                gbase = _wg_first_group(offsets_ptr, e, E, EP2, 1)
             for i in range(n_groups):
                 st = it % STAGES
                 mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(st)
-                mbarrier.expect(bar, g_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                mbarrier.expect(bar, NBYTES)
                 _tma_load(g_desc, [pid_n * BNW, start + i * 128], bar, g_bufs.index(st))
                 _tma_load(x_desc, [pid_k * BKW, start + i * 128], bar, x_bufs.index(st))
+                if SCALES_TMA:
+                    _tma_load(gs_desc, [gbase + i, pid_n * BNW], bar, gs_bufs.index(st))
+                    _tma_load(xs_desc, [gbase + i, pid_k * BKW], bar, xs_bufs.index(st))
                 it += 1
 
     @gluon.jit
-    def _wg_consume(g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
-                    offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
-                    WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
+    def _wg_consume(g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, w_ptr, w_desc, c_bufs,
+                    gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
+                    stride_wn, WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
                     STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr,
-                    EP2: gl.constexpr):
+                    SCALES_TMA: gl.constexpr, EP2: gl.constexpr):
         """Consumer warpgroup ``WG`` of the wgrad: rows ``n`` ``WG * BNW/2 ..`` of each
         ``dW_e`` tile. Per token group: MMA, wait, release, promote with the group's
         scales of both operands (``acc += prod * sg[n] * sx[k]``), in sub-MMAs of at most
@@ -370,7 +381,7 @@ if gluon is not None:
         it = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
             e, pid_n, pid_k, start, end, n_groups = _wg_tile(tile, nN, nK, offsets_ptr, R)
-            gbase = _wg_first_group(offsets_ptr, e, E, EP2)
+            gbase = _wg_first_group(offsets_ptr, e, E, EP2, 4)
             rows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
             cols1 = pid_k * BKW + gl.arange(0, SUB, layout=vec_l)
             cols = pid_k * BKW + gl.arange(0, SUB, layout=gl.SliceLayout(0, mma))
@@ -379,12 +390,17 @@ if gluon is not None:
             acc1 = gl.zeros((WM, SUB), gl.float32, mma)
             for i in range(n_groups):
                 st = it % STAGES
-                sg = gl.expand_dims(gl.load(gs_ptr + (gbase + i) * stride_gs + rows,
-                                            mask=nmask, other=1.0), 1)
                 xs_row = xs_ptr + (gbase + i) * stride_xs
-                sx0 = _col_scales(xs_row, cols, cols1, K, mma, SX_DIRECT)
+                if SCALES_TMA:  # the group's scale rows came with its boxes
+                    mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+                    sg = gs_bufs.index(st).slice(WG * WM, WM, dim=1).permute((1, 0)).load(mma)
+                    sx0 = xs_bufs.index(st).slice(0, SUB, dim=1).load(mma)
+                else:
+                    sg = gl.expand_dims(gl.load(gs_ptr + (gbase + i) * stride_gs + rows,
+                                                mask=nmask, other=1.0), 1)
+                    sx0 = gl.expand_dims(_col_scales(xs_row, cols, cols1, K, mma, SX_DIRECT), 0)
+                    mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                 valid = end - (start + i * 128)
-                mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                 a_view = g_bufs.index(st).slice(WG * WM, WM)
                 if valid < 128:  # zero this warpgroup's tokens past the segment in place
                     # (the token index made here, not kept across the loop: registers)
@@ -400,17 +416,21 @@ if gluon is not None:
                                      is_async=True)
                 prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
                 if TWO:
-                    acc0 = acc0 + prod * sg * gl.expand_dims(sx0, 0)
-                    sx1 = _col_scales(xs_row, cols + SUB, cols1 + SUB, K, mma, SX_DIRECT)
+                    acc0 = acc0 + prod * sg * sx0
+                    if SCALES_TMA:
+                        sx1 = xs_bufs.index(st).slice(SUB, SUB, dim=1).load(mma)
+                    else:
+                        sx1 = gl.expand_dims(_col_scales(xs_row, cols + SUB, cols1 + SUB, K,
+                                                         mma, SX_DIRECT), 0)
                     prod = warpgroup_mma(a_view, x_view.slice(SUB, SUB).permute((1, 0)),
                                          gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
                                          is_async=True)
                     prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
                     mbarrier.arrive(empty.index(st), count=1)
-                    acc1 = acc1 + prod * sg * gl.expand_dims(sx1, 0)
+                    acc1 = acc1 + prod * sg * sx1
                 else:
                     mbarrier.arrive(empty.index(st), count=1)
-                    acc0 = acc0 + prod * sg * gl.expand_dims(sx0, 0)
+                    acc0 = acc0 + prod * sg * sx0
                 it += 1
             if TMA_STORE:  # asynchronous: overlaps the next tile's K loop
                 NSUB: gl.constexpr = 2 if TWO else 1
@@ -454,18 +474,33 @@ if gluon is not None:
         return sx
 
     @gluon.jit
-    def _fp8_wgrad_ws_kernel(g_desc, x_desc, w_ptr, w_desc, gs_ptr, xs_ptr, offsets_ptr, N, K,
-                             R, E, stride_gs, stride_xs, stride_we, stride_wn,
-                             BNW: gl.constexpr, BKW: gl.constexpr, STAGES: gl.constexpr,
-                             TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr, EP2: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                             num_warps: gl.constexpr):
+    def _fp8_wgrad_ws_kernel(g_desc, x_desc, gs_desc, xs_desc, w_ptr, w_desc, gs_ptr, xs_ptr,
+                             offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
+                             stride_wn, BNW: gl.constexpr, BKW: gl.constexpr,
+                             STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+                             SX_DIRECT: gl.constexpr, SCALES_TMA: gl.constexpr,
+                             EP2: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 wgrad over segment groups (see
         :func:`launch_fp8_wgrad_ws`). ``TMA_STORE``: each consumer stores its ``dW`` tile
         through shared memory and a TMA copy (``w_desc`` over ``dW`` as ``[E*N, K]`` with
-        ``[BNW/2, min(BKW, 128)]`` boxes; needs ``N`` a multiple of ``BNW``), which overlaps the
-        next tile; else masked stores from registers (``w_desc`` unused)."""
+        ``[BNW/2, min(BKW, 128)]`` boxes; needs ``N`` a multiple of ``BNW``), which overlaps
+        the next tile; else masked stores from registers (``w_desc`` unused).
+        ``SCALES_TMA``: the loader also copies each group's scale rows (``gs_desc`` /
+        ``xs_desc`` over the transposed scales, ``[1, BNW]`` / ``[1, BKW]`` boxes) into
+        the ring, and the consumers read them from shared memory in the MMA's layout;
+        else the consumers load them (``gs_ptr`` / ``xs_ptr``; the descriptors unused)."""
         g_bufs, x_bufs, ready, empty = _ring(g_desc, x_desc, STAGES)
+        if SCALES_TMA:
+            gs_bufs = gl.allocate_shared_memory(gs_desc.dtype,
+                                                [STAGES] + gs_desc.block_type.shape,
+                                                gs_desc.layout)
+            xs_bufs = gl.allocate_shared_memory(xs_desc.dtype,
+                                                [STAGES] + xs_desc.block_type.shape,
+                                                xs_desc.layout)
+        else:
+            gs_bufs = g_bufs  # unused
+            xs_bufs = g_bufs
         if TMA_STORE:  # per consumer warpgroup, one [BNW/2, 128] tile a 128-column sub-MMA
             NBUF: gl.constexpr = 4 if BKW > 128 else 2
             c_bufs = gl.allocate_shared_memory(w_desc.dtype, [NBUF] + w_desc.block_type.shape,
@@ -475,14 +510,17 @@ if gluon is not None:
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
-                           offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
-                           WG0, BNW, BKW, STAGES, TMA_STORE, SX_DIRECT, EP2)),
-            (_wg_consume, (g_bufs, x_bufs, ready, empty, w_ptr, w_desc, c_bufs, gs_ptr, xs_ptr,
-                           offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we, stride_wn,
-                           WG1, BNW, BKW, STAGES, TMA_STORE, SX_DIRECT, EP2)),
-            (_wg_load, (g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, N, K, R, E,
-                        BNW, BKW, STAGES)),
+            (_wg_consume, (g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, w_ptr, w_desc,
+                           c_bufs, gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs,
+                           stride_xs, stride_we, stride_wn, WG0, BNW, BKW, STAGES, TMA_STORE,
+                           SX_DIRECT, SCALES_TMA, EP2)),
+            (_wg_consume, (g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, w_ptr, w_desc,
+                           c_bufs, gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs,
+                           stride_xs, stride_we, stride_wn, WG1, BNW, BKW, STAGES, TMA_STORE,
+                           SX_DIRECT, SCALES_TMA, EP2)),
+            (_wg_load, (g_desc, x_desc, gs_desc, xs_desc, g_bufs, x_bufs, gs_bufs, xs_bufs,
+                        ready, empty, offsets_ptr, N, K, R, E, BNW, BKW, STAGES, SCALES_TMA,
+                        EP2)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -496,6 +534,15 @@ def _layout(box: tuple, dtype=None):
     layout = _LAYOUTS.get((box, dtype))
     if layout is None:
         layout = _LAYOUTS[box, dtype] = gl.NVMMASharedLayout.get_default_for(list(box), dtype)
+    return layout
+
+
+def _scale_layout():
+    """The shared layout of a ``[1, n]`` fp32 box of scales (no swizzle: a plain row)."""
+    layout = _LAYOUTS.get("scales")
+    if layout is None:
+        layout = _LAYOUTS["scales"] = gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                           element_bitwidth=32, rank=2)
     return layout
 
 
@@ -537,21 +584,26 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
 #: warpgroup; ``BKW`` = 256 as two 128-column sub-MMAs, 128 where ``K <= 128``),
 #: ``STAGES`` 128-token groups in flight at most (:func:`_wgrad_stages` fits the ring to
 #: shared memory: 5 at 128x128 with bf16 ``dW``, 3 at 128x256), and the per-tile settings
-#: of :data:`WGRAD_WS_TILE_SETTINGS` unless the config names them. H100, 8192 tokens
-#: top-8, µs (128x128; ``torch._grouped_mm`` bf16; ``benchmark/results/
-#: h100_probe_fp8_ws_wgrad_*_s13``): E = 256 gate_up 1505 (1529-1612; 1448), down 795
-#: (782-818; 746); E = 32 gate_up 825 (929; 764), down 434 (468; 395).
+#: of :data:`WGRAD_WS_TILE_SETTINGS` unless the config names them. H200, 8192 tokens
+#: top-8, µs (128x256 with the scale rows loaded from global memory; 128x128;
+#: ``torch._grouped_mm`` bf16; ``benchmark/results/h200_probe_fp8_ws_wgrad_*_s13``):
+#: E = 256 gate_up **1241** (1435; 1564; 1379), down **638** (757; 806; 702); E = 32
+#: gate_up **751** (792; 876; 765), down **401** (421; 451; 392).
 WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, STAGES=5, TMA_STORE=True, SX_DIRECT=False,
-                       CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
-#: Per tile width: at 128x256 the column scales are loaded one per thread and moved to
-#: the MMA's layout (loaded there directly, 32 a thread, ptxas spills ~2 KB: 2565 µs at
-#: E = 256 gate_up on the H100, against 1914 moved) and the consumers get 240 registers,
-#: the loader 24 (1453 µs; ptxas still spills 100-200 bytes, by CUDA version); at 128x128
-#: the direct load wins (H200: 1486 / 1646 µs) at 232 / 40 registers, and there the
-#: TMA-store epilogue beats register stores (1486 / 1849 µs).
+                       SCALES_TMA=True, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
+#: Per tile width. At 128x256 the loader copies each group's scale rows into the ring
+#: with its boxes (``SCALES_TMA``) and the consumers read them in the MMA's layout from
+#: shared memory (13-16% faster at 256 experts than loading them: no global loads, no
+#: layout conversion through shared memory and its barrier on the promotion's path);
+#: where TMA cannot read the scales, they are loaded one per thread and moved to the
+#: MMA's layout (loaded there directly, 32 a thread, ptxas spills ~2 KB: 2565 µs at
+#: E = 256 gate_up on the H100, against 1914 moved); the consumers get 240 registers,
+#: the loader 24 (ptxas still spills ~100-300 bytes, by CUDA version; 232 / 40: 1469
+#: against 1241 µs). At 128x128 the direct load wins (H200: 1486 / 1646 µs) at 232 / 40
+#: registers, and there the TMA-store epilogue beats register stores (1486 / 1849 µs).
 WGRAD_WS_TILE_SETTINGS = {
-    256: dict(SX_DIRECT=False, CONSUMER_REGS=240, LOADER_REGS=24),
-    128: dict(SX_DIRECT=True, CONSUMER_REGS=232, LOADER_REGS=40),
+    256: dict(SX_DIRECT=False, SCALES_TMA=True, CONSUMER_REGS=240, LOADER_REGS=24),
+    128: dict(SX_DIRECT=True, SCALES_TMA=False, CONSUMER_REGS=232, LOADER_REGS=40),
 }
 #: The wgrad's tiles: ``BKW`` = 256 runs two 128-column sub-MMAs per consumer warpgroup.
 WGRAD_WS_TILES = ((128, 128), (128, 256))
@@ -560,14 +612,16 @@ WGRAD_WS_TILES = ((128, 128), (128, 256))
 _WGRAD_SMEM = 216 << 10
 
 
-def _wgrad_stages(stages: int, bnw: int, bkw: int, out_bytes: int, tma_store: bool) -> int:
+def _wgrad_stages(stages: int, bnw: int, bkw: int, out_bytes: int, tma_store: bool,
+                  scales_tma: bool = False) -> int:
     """The ring's depth: ``stages``, or as many as fit :data:`_WGRAD_SMEM` beside the
     epilogue's ``[bnw / 2, 128]`` tiles of ``out_bytes`` elements (TMA store: one tile
     per 128-column sub-MMA per consumer warpgroup; register store: one per consumer
     warpgroup, the layout conversion's scratch)."""
     tiles = 2 * (max(1, bkw // 128) if tma_store else 1)
     store = tiles * (bnw // 2) * min(bkw, 128) * out_bytes
-    return max(1, min(stages, (_WGRAD_SMEM - store) // ((bnw + bkw) * 128)))
+    stage = (bnw + bkw) * (128 + 4 * scales_tma)  # (the scale rows: fp32)
+    return max(1, min(stages, (_WGRAD_SMEM - store) // stage))
 
 
 def wgrad_ws_config(K: int, config: dict | None = None) -> dict:
@@ -620,11 +674,22 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
     # TMA store: tiles within one expert's rows, 16-byte rows; else masked stores
     tma_store = (cfg["TMA_STORE"] and N % bnw == 0 and dw.is_contiguous()
                  and (K * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0)
+    # the scale rows by TMA: 16-byte aligned rows of the transposed scales
+    scales_tma = cfg["SCALES_TMA"] and all(
+        t.is_contiguous() and (t.shape[1] * 4) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (gs_t, xs_t))
     # (fp32 dW at 128x256: the store tiles would leave the ring under 3 stages, which
     # matters more; the depth that fits is compared, not a config's own small STAGES)
-    if tma_store and _wgrad_stages(1 << 10, bnw, bkw, dw.element_size(), True) < 3:
+    if tma_store and _wgrad_stages(1 << 10, bnw, bkw, dw.element_size(), True,
+                                   scales_tma) < 3:
         tma_store = False
-    stages = _wgrad_stages(cfg["STAGES"], bnw, bkw, dw.element_size(), tma_store)
+    stages = _wgrad_stages(cfg["STAGES"], bnw, bkw, dw.element_size(), tma_store, scales_tma)
+    if scales_tma:
+        G = gs_t.shape[0]
+        gs_desc = GluonDescriptor(gs_t, [G, N], [N, 1], [1, bnw], _scale_layout())
+        xs_desc = GluonDescriptor(xs_t, [G, K], [K, 1], [1, bkw], _scale_layout())
+    else:
+        gs_desc = xs_desc = g_desc  # unused
     if tma_store:
         dt = {torch.float32: gl.float32, torch.float16: gl.float16}.get(dw.dtype, gl.bfloat16)
         box = (bnw // 2, sub)
@@ -635,10 +700,10 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
     tiles = E * cdiv(N, bnw) * cdiv(K, bkw)
     grid = (max(1, min(num_sms(dw.device), tiles)),)
     with device_guard(dw):
-        launch(_fp8_wgrad_ws_kernel, grid, g_desc, x_desc, dw, w_desc, gs_t, xs_t, offsets,
-               N, K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0), dw.stride(1),
-               BNW=bnw, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
-               EP2=max(128, next_power_of_2(E)),
-               SX_DIRECT=cfg["SX_DIRECT"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+        launch(_fp8_wgrad_ws_kernel, grid, g_desc, x_desc, gs_desc, xs_desc, dw, w_desc,
+               gs_t, xs_t, offsets, N, K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0),
+               dw.stride(1), BNW=bnw, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
+               SX_DIRECT=cfg["SX_DIRECT"], SCALES_TMA=scales_tma,
+               EP2=max(128, next_power_of_2(E)), CONSUMER_REGS=cfg["CONSUMER_REGS"],
                LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return dw
