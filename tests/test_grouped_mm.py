@@ -972,7 +972,7 @@ def _ws_wgrad_operands(counts, K, N, tail, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
 @pytest.mark.parametrize("tiles", ws_mod.WS_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
-def test_fp8_ws_kernel_matches_triton(device, case, tiles):
+def test_fp8_ws_kernel_matches_triton(device, monkeypatch, case, tiles):
     """The warp-specialized FP8 rows kernel (sm_90) gives the Triton rows kernel's bits
     (same promotion arithmetic), forward and dgrad, at every tile shape it takes: zero-row
     experts, partial row and column tiles, tails that are all zeros, NaN-poisoned outputs."""
@@ -982,14 +982,11 @@ def test_fp8_ws_kernel_matches_triton(device, case, tiles):
     bm, bn = tiles
     ws = dict(BM=bm, BN=bn, num_warps=4, num_stages=3 if bn == 256 else 4, WS=True)
     tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
+    monkeypatch.setattr(linghe.utils, "_poison", True)  # (restored after the test)
     for run in (lambda c: fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=c),
                 lambda c: bwd_gm.grouped_mm_fp8_dgrad(dyq, wq, layout.offsets, config=c)):
         want = run(tri)
-        linghe.utils.set_poison_outputs(True)
-        try:
-            got = run(ws)
-        finally:
-            linghe.utils.set_poison_outputs(False)
+        got = run(ws)
         assert not got.isnan().any()
         assert torch.equal(got, want)
 
@@ -1003,7 +1000,7 @@ def test_fp8_ws_kernel_matches_triton(device, case, tiles):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tma_store", [True, False])
 @pytest.mark.parametrize("bkw", [128, 256])
-def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store, bkw):
+def test_fp8_ws_wgrad_matches_triton(device, monkeypatch, case, out_dtype, tma_store, bkw):
     """The warp-specialized FP8 wgrad over segment groups gives the Triton wgrad's bits
     at both tiles (128x256: two sub-MMAs a consumer): partial last groups masked to their
     segment, zero-token experts (zeros), N and K tails (K = 384 at 256 columns: a tile
@@ -1018,14 +1015,11 @@ def test_fp8_ws_wgrad_matches_triton(device, case, out_dtype, tma_store, bkw):
     tri = dict(BN=128, BK=128, num_warps=8, num_stages=4)
     want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, out_dtype, segments=True,
                                        align=16, config=tri)
+    monkeypatch.setattr(linghe.utils, "_poison", True)  # (restored after the test)
     for scales_tma in (False, True):
-        linghe.utils.set_poison_outputs(True)
-        try:
-            got = bwd_gm.grouped_mm_fp8_wgrad(
-                gs, xs, layout.offsets, out_dtype, segments=True, align=16,
-                config=dict(WS=True, BKW=bkw, TMA_STORE=tma_store, SCALES_TMA=scales_tma))
-        finally:
-            linghe.utils.set_poison_outputs(False)
+        got = bwd_gm.grouped_mm_fp8_wgrad(
+            gs, xs, layout.offsets, out_dtype, segments=True, align=16,
+            config=dict(WS=True, BKW=bkw, TMA_STORE=tma_store, SCALES_TMA=scales_tma))
         assert not got.isnan().any(), scales_tma
         assert torch.equal(got, want), scales_tma
 
@@ -1036,11 +1030,22 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
     """Each program of the persistent warp-specialized kernels walks several tiles (the
     grid capped at ``sms`` programs: the operand ring's stages and phases, the tail
     tiles after the expert tiles, the wgrad's store buffer reused across tiles), with
-    contraction and output tails that are not multiples of 128 and every output dtype;
-    bit-equal to the Triton kernels."""
+    contraction and output tails that are not multiples of 128 and every output dtype,
+    NaN-poisoned outputs; bit-equal to the Triton kernels. The wgrad's scale rows go by
+    TMA where asked and their rows are 16-byte aligned, else (K = 98) by the loads."""
     if not ws_mod.ws_capable(torch.empty(1, device=device)):
         pytest.skip("needs an sm_90 GPU and Gluon")
     monkeypatch.setattr(ws_mod, "num_sms", lambda dev: sms)
+    monkeypatch.setattr(linghe.utils, "_poison", True)
+    scales_tma_runs = []
+    real_launch = ws_mod.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "SCALES_TMA" in kwargs:
+            scales_tma_runs.append(kwargs["SCALES_TMA"])
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(ws_mod, "launch", spy)
     counts = [0, 37, 300, 0, 129, 1, 64]
     xq, wq, dyq, layout = _ws_operands((counts, 16, 336, 384, 21), device)
     tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
@@ -1065,6 +1070,15 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
                     gs, xs, layout.offsets, dt, segments=True, align=16,
                     config=dict(WS=True, BKW=bkw, SCALES_TMA=scales_tma))
                 assert torch.equal(got, want), (N, dt, bkw, scales_tma)
+                assert scales_tma_runs.pop() == scales_tma, (N, dt, bkw)
+    # K = 98: the transposed x scales' rows are 392 bytes (not 16-byte aligned), so the
+    # default (scale TMA) falls back to the loads
+    gs, xs, layout = _ws_wgrad_operands(counts, 98, 256, 16, device)
+    want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, torch.bfloat16,
+                                       segments=True, align=16, config=tri_w)
+    got = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, torch.bfloat16, segments=True,
+                                      align=16, config=dict(WS=True, BKW=256))
+    assert torch.equal(got, want) and scales_tma_runs.pop() is False
 
 
 def test_fp8_ws_dispatch(device, monkeypatch):
@@ -1192,7 +1206,8 @@ for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
                BNW="constexpr", BKW="constexpr", STAGES="constexpr", TMA_STORE="constexpr",
                SX_DIRECT="constexpr", SCALES_TMA="constexpr", EP2="constexpr",
                CONSUMER_REGS="constexpr", LOADER_REGS="constexpr", num_warps="constexpr")
-    # (the scale rows by TMA where the register store takes the column scales directly)
+    # (the scale rows by TMA in the TMA-store cases at 256 columns; the register-store
+    # cases load the column scales directly, SX_DIRECT)
     scales_tma = tma_store and bkw == 256
     stages = W._wgrad_stages(5, 128, bkw, 4 if out == "fp32" else 2, tma_store, scales_tma)
     const = dict(BNW=128, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
@@ -1201,10 +1216,10 @@ for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
     k = sm90(W._fp8_wgrad_ws_kernel, sig, const, W.WGRAD_WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, (out, tma_store, bkw)
-    # TMA loads (the loader's two); the TMA store exactly when asked for: one a 128-column
-    # sub-tile in each of the two consumer warpgroups
+    # TMA loads (the loader's two boxes, and the two scale rows with SCALES_TMA); the TMA
+    # store exactly when asked for: one a 128-column sub-tile in each consumer warpgroup
     stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
-    assert ptx.count("cp.async.bulk.tensor") - stores >= 2 + 2 * scales_tma, (out, bkw)
+    assert ptx.count("cp.async.bulk.tensor") - stores == 2 + 2 * scales_tma, (out, bkw)
     assert stores == 2 * tma_store * (bkw // 128), (out, tma_store, bkw, stores)
     # the ring and the epilogue's tiles fit sm_90's 227 KiB of shared memory
     assert k.metadata.shared <= 227 << 10, (out, tma_store, bkw, k.metadata.shared)

@@ -172,6 +172,7 @@ if gluon is not None:
 
     @gluon.jit
     def _count_max(n0, c0, n1, c1):
+        """Combine of :func:`_tile`'s reduction: count the flags, keep the largest sum."""
         return n0 + n1, gl.maximum(c0, c1)
 
     @gluon.jit
@@ -314,8 +315,9 @@ if gluon is not None:
     def _wg_first_group(offsets_ptr, e, E, EP2: gl.constexpr, NW: gl.constexpr):
         """Expert ``e``'s first scale group: the 128-token groups of the experts before it,
         ``sum cdiv(segment, 128)``, summed from ``offsets`` (L1) by each warp of a
-        consumer warpgroup on its own (a ``[1, EP2]`` row replicated over the warps: no
-        cross-warp reduction), for each tile rather than kept in registers across tiles."""
+        partition of ``NW`` warps on its own (a ``[1, EP2]`` row replicated over the
+        warps: no cross-warp reduction), for each tile rather than kept in registers
+        across tiles (the consumers; the loader too with ``SCALES_TMA``)."""
         gl.static_assert(EP2 >= 32, "EP2: at least one expert slot a lane")
         row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [NW, 1], [1, 0])
         idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
@@ -585,10 +587,11 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
 #: ``STAGES`` 128-token groups in flight at most (:func:`_wgrad_stages` fits the ring to
 #: shared memory: 5 at 128x128 with bf16 ``dW``, 3 at 128x256), and the per-tile settings
 #: of :data:`WGRAD_WS_TILE_SETTINGS` unless the config names them. H200, 8192 tokens
-#: top-8, µs (128x256 with the scale rows loaded from global memory; 128x128;
-#: ``torch._grouped_mm`` bf16; ``benchmark/results/h200_probe_fp8_ws_wgrad_*_s13``):
-#: E = 256 gate_up **1241** (1435; 1564; 1379), down **638** (757; 806; 702); E = 32
-#: gate_up **751** (792; 876; 765), down **401** (421; 451; 392).
+#: top-8, µs, the default (128x256, scale rows by TMA) first, then in brackets 128x256
+#: with the scale rows loaded from global memory; 128x128; ``torch._grouped_mm`` bf16
+#: (``benchmark/results/h200_probe_fp8_ws_wgrad_*_s13``): E = 256 gate_up 1241 (1435;
+#: 1564; 1379), down 638 (757; 806; 702); E = 32 gate_up 751 (792; 876; 765), down 401
+#: (421; 451; 392).
 WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, STAGES=5, TMA_STORE=True, SX_DIRECT=False,
                        SCALES_TMA=True, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
 #: Per tile width. At 128x256 the loader copies each group's scale rows into the ring
@@ -600,7 +603,8 @@ WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, STAGES=5, TMA_STORE=True, SX_DIRECT=Fal
 #: E = 256 gate_up on the H100, against 1914 moved); the consumers get 240 registers,
 #: the loader 24 (ptxas still spills ~100-300 bytes, by CUDA version; 232 / 40: 1469
 #: against 1241 µs). At 128x128 the direct load wins (H200: 1486 / 1646 µs) at 232 / 40
-#: registers, and there the TMA-store epilogue beats register stores (1486 / 1849 µs).
+#: registers, and there the TMA-store epilogue beats register stores (1486 / 1849 µs);
+#: the scale TMA was not measured at 128x128 (off there).
 WGRAD_WS_TILE_SETTINGS = {
     256: dict(SX_DIRECT=False, SCALES_TMA=True, CONSUMER_REGS=240, LOADER_REGS=24),
     128: dict(SX_DIRECT=True, SCALES_TMA=False, CONSUMER_REGS=232, LOADER_REGS=40),
@@ -617,7 +621,8 @@ def _wgrad_stages(stages: int, bnw: int, bkw: int, out_bytes: int, tma_store: bo
     """The ring's depth: ``stages``, or as many as fit :data:`_WGRAD_SMEM` beside the
     epilogue's ``[bnw / 2, 128]`` tiles of ``out_bytes`` elements (TMA store: one tile
     per 128-column sub-MMA per consumer warpgroup; register store: one per consumer
-    warpgroup, the layout conversion's scratch)."""
+    warpgroup, the layout conversion's scratch); a stage holds the two operand boxes
+    and, with ``scales_tma``, their groups' fp32 scale rows."""
     tiles = 2 * (max(1, bkw // 128) if tma_store else 1)
     store = tiles * (bnw // 2) * min(bkw, 128) * out_bytes
     stage = (bnw + bkw) * (128 + 4 * scales_tma)  # (the scale rows: fp32)
@@ -657,10 +662,11 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
     ``g_off[e] = sum cdiv(segment, 128)`` over the experts before, summed in the kernel)
     with the warp-specialized kernel: ``gq [N, R]`` / ``xq [K, R]`` the columnwise copies
     (see :func:`wgrad_ws_operands_ok`), ``gs_t [G, N]`` / ``xs_t [G, K]`` their scales
-    transposed, ``dw [E, N, K]`` written (every element; an expert without tokens gets
-    zeros). Same promotion per token group as the Triton wgrad (``acc += dot * sg[n] *
-    sx[k]``); the partial last group of a segment is masked to it. ``config``: keys of
-    :data:`WGRAD_WS_CONFIG` (:func:`wgrad_ws_config`)."""
+    transposed (``G`` at least the segments' groups, ``sum cdiv(segment, 128)``: as the
+    quantizer makes them), ``dw [E, N, K]`` written (every element; an expert without
+    tokens gets zeros). Same promotion per token group as the Triton wgrad (``acc += dot
+    * sg[n] * sx[k]``); the partial last group of a segment is masked to it. ``config``:
+    keys of :data:`WGRAD_WS_CONFIG` (:func:`wgrad_ws_config`)."""
     N, R = gq.shape
     K = xq.shape[0]
     cfg = wgrad_ws_config(K, config)
@@ -674,10 +680,11 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
     # TMA store: tiles within one expert's rows, 16-byte rows; else masked stores
     tma_store = (cfg["TMA_STORE"] and N % bnw == 0 and dw.is_contiguous()
                  and (K * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0)
-    # the scale rows by TMA: 16-byte aligned rows of the transposed scales
+    # the scale rows by TMA: fp32 rows of the transposed scales, unit column stride,
+    # 16-byte aligned base and row stride
     scales_tma = cfg["SCALES_TMA"] and all(
-        t.is_contiguous() and (t.shape[1] * 4) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (gs_t, xs_t))
+        t.dtype == torch.float32 and t.stride(1) == 1 and (t.stride(0) * 4) % 16 == 0
+        and t.data_ptr() % 16 == 0 for t in (gs_t, xs_t))
     # (fp32 dW at 128x256: the store tiles would leave the ring under 3 stages, which
     # matters more; the depth that fits is compared, not a config's own small STAGES)
     if tma_store and _wgrad_stages(1 << 10, bnw, bkw, dw.element_size(), True,
@@ -685,9 +692,10 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
         tma_store = False
     stages = _wgrad_stages(cfg["STAGES"], bnw, bkw, dw.element_size(), tma_store, scales_tma)
     if scales_tma:
-        G = gs_t.shape[0]
-        gs_desc = GluonDescriptor(gs_t, [G, N], [N, 1], [1, bnw], _scale_layout())
-        xs_desc = GluonDescriptor(xs_t, [G, K], [K, 1], [1, bkw], _scale_layout())
+        gs_desc = GluonDescriptor(gs_t, [gs_t.shape[0], N], [gs_t.stride(0), 1], [1, bnw],
+                                  _scale_layout())
+        xs_desc = GluonDescriptor(xs_t, [xs_t.shape[0], K], [xs_t.stride(0), 1], [1, bkw],
+                                  _scale_layout())
     else:
         gs_desc = xs_desc = g_desc  # unused
     if tma_store:
