@@ -64,8 +64,8 @@ WGRAD_VARIANTS = {
     "triton": dict(BN=128, BK=128, num_warps=8, num_stages=4),
     "default": None,
     "ws_128x128": dict(WS=True, BKW=128),
-    "ws_scales_tma": dict(WS=True, SCALES_TMA=True),
-    "ws_scales_tma_r232": dict(WS=True, SCALES_TMA=True, CONSUMER_REGS=232, LOADER_REGS=40),
+    "ws_scales_loaded": dict(WS=True, SCALES_TMA=False),
+    "ws_r232": dict(WS=True, CONSUMER_REGS=232, LOADER_REGS=40),
 }
 
 
