@@ -317,7 +317,7 @@ if gluon is not None:
         ``sum cdiv(segment, 128)``, summed from ``offsets`` (L1) by each warp of a
         partition of ``NW`` warps on its own (a ``[1, EP2]`` row replicated over the
         warps: no cross-warp reduction), for each tile rather than kept in registers
-        across tiles (the consumers; the loader too with ``SCALES_TMA``)."""
+        across tiles (the consumers, or with ``SCALES_TMA`` the loader)."""
         gl.static_assert(EP2 >= 32, "EP2: at least one expert slot a lane")
         row: gl.constexpr = gl.BlockedLayout([1, EP2 // 32], [1, 32], [NW, 1], [1, 0])
         idx = gl.expand_dims(gl.arange(0, EP2, layout=gl.SliceLayout(0, row)), 0)
@@ -383,21 +383,22 @@ if gluon is not None:
         it = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
             e, pid_n, pid_k, start, end, n_groups = _wg_tile(tile, nN, nK, offsets_ptr, R)
-            gbase = _wg_first_group(offsets_ptr, e, E, EP2, 4)
-            rows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
-            cols1 = pid_k * BKW + gl.arange(0, SUB, layout=vec_l)
-            cols = pid_k * BKW + gl.arange(0, SUB, layout=gl.SliceLayout(0, mma))
-            nmask = rows < N
+            if not SCALES_TMA:  # this warpgroup loads the scale rows itself
+                gbase = _wg_first_group(offsets_ptr, e, E, EP2, 4)
+                rows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
+                cols1 = pid_k * BKW + gl.arange(0, SUB, layout=vec_l)
+                cols = pid_k * BKW + gl.arange(0, SUB, layout=gl.SliceLayout(0, mma))
+                nmask = rows < N
             acc0 = gl.zeros((WM, SUB), gl.float32, mma)
             acc1 = gl.zeros((WM, SUB), gl.float32, mma)
             for i in range(n_groups):
                 st = it % STAGES
-                xs_row = xs_ptr + (gbase + i) * stride_xs
                 if SCALES_TMA:  # the group's scale rows came with its boxes
                     mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                     sg = gs_bufs.index(st).slice(WG * WM, WM, dim=1).permute((1, 0)).load(mma)
                     sx0 = xs_bufs.index(st).slice(0, SUB, dim=1).load(mma)
                 else:
+                    xs_row = xs_ptr + (gbase + i) * stride_xs
                     sg = gl.expand_dims(gl.load(gs_ptr + (gbase + i) * stride_gs + rows,
                                                 mask=nmask, other=1.0), 1)
                     sx0 = gl.expand_dims(_col_scales(xs_row, cols, cols1, K, mma, SX_DIRECT), 0)
