@@ -32,7 +32,7 @@ from linghe.bwd.grouped_mm import (
     grouped_mm_wgrad,
 )
 from linghe.fwd.grouped_mm import grouped_mm_fp8_fwd
-from linghe.fwd.grouped_mm_ws import ws_capable, ws_config
+from linghe.fwd.grouped_mm_ws import ws_capable
 from linghe.layout import make_expert_layout
 
 from .harness import device_time_us, print_columns, random_routing
@@ -45,9 +45,6 @@ VARIANTS = {
     "default": None,
     "ws_128x128": dict(BM=128, BN=128, num_warps=4, num_stages=4, WS=True),
     "ws_128x256": dict(BM=128, BN=256, num_warps=4, num_stages=3, WS=True),
-    # the default tiles with the consumers taking turns at the MMAs (issued / done)
-    "turns_issued": dict(TURNS=1),
-    "turns_done": dict(TURNS=2),
 }
 
 
@@ -69,24 +66,10 @@ WGRAD_VARIANTS = {
     "ws_128x128": dict(WS=True, BKW=128),
     "ws_scales_loaded": dict(WS=True, SCALES_TMA=False),
     "ws_r232": dict(WS=True, CONSUMER_REGS=232, LOADER_REGS=40),
-    "ws_turns_issued": dict(WS=True, TURNS=1),
-    "ws_turns_done": dict(WS=True, TURNS=2),
 }
 
 
-def _with_default_tiles(config, R, E, I, J):
-    """A variant that names only WS settings (``TURNS``): at :func:`ws_config`'s tiles."""
-    if config is None or "BM" in config:
-        return config
-    w = ws_config(R, E, I, J, torch.device("cuda"))
-    return dict(BM=w["BM"], BN=w["BN"], num_warps=4, num_stages=w["STAGES"], WS=True,
-                **config)
-
-
 def _gemm(direction, xq, wq, dyq, offsets, config):
-    R, E = xq.shape[0], offsets.numel() - 1
-    N, K = wq.shape[1], wq.shape[2]
-    config = _with_default_tiles(config, R, E, *((K, N) if direction == "fwd" else (N, K)))
     if direction == "fwd":
         return grouped_mm_fp8_fwd(xq, wq, offsets, config=config)
     return grouped_mm_fp8_dgrad(dyq, wq, offsets, config=config)

@@ -972,19 +972,15 @@ def _ws_wgrad_operands(counts, K, N, tail, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
 @pytest.mark.parametrize("tiles", ws_mod.WS_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
-@pytest.mark.parametrize("turns", [0, 1, 2])
-def test_fp8_ws_kernel_matches_triton(device, monkeypatch, case, tiles, turns):
+def test_fp8_ws_kernel_matches_triton(device, monkeypatch, case, tiles):
     """The warp-specialized FP8 rows kernel (sm_90) gives the Triton rows kernel's bits
-    (same promotion arithmetic), forward and dgrad, at every tile shape it takes, with
-    and without its consumers taking turns at the MMAs (``TURNS``: after the issue or
-    the completion): zero-row experts, partial row and column tiles, tails that are all
-    zeros, NaN-poisoned outputs."""
+    (same promotion arithmetic), forward and dgrad, at every tile shape it takes: zero-row
+    experts, partial row and column tiles, tails that are all zeros, NaN-poisoned outputs."""
     if not ws_mod.ws_capable(torch.empty(1, device=device)):
         pytest.skip("needs an sm_90 GPU and Gluon")
     xq, wq, dyq, layout = _ws_operands(case, device)
     bm, bn = tiles
-    ws = dict(BM=bm, BN=bn, num_warps=4, num_stages=3 if bn == 256 else 4, WS=True,
-              TURNS=turns)
+    ws = dict(BM=bm, BN=bn, num_warps=4, num_stages=3 if bn == 256 else 4, WS=True)
     tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
     monkeypatch.setattr(linghe.utils, "_poison", True)  # (restored after the test)
     for run in (lambda c: fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=c),
@@ -1021,13 +1017,11 @@ def test_fp8_ws_wgrad_matches_triton(device, monkeypatch, case, out_dtype, tma_s
                                        align=16, config=tri)
     monkeypatch.setattr(linghe.utils, "_poison", True)  # (restored after the test)
     for scales_tma in (False, True):
-        for turns in (0, 1, 2):  # the consumers' MMA turns: none, after issue, after done
-            got = bwd_gm.grouped_mm_fp8_wgrad(
-                gs, xs, layout.offsets, out_dtype, segments=True, align=16,
-                config=dict(WS=True, BKW=bkw, TMA_STORE=tma_store, SCALES_TMA=scales_tma,
-                            TURNS=turns))
-            assert not got.isnan().any(), (scales_tma, turns)
-            assert torch.equal(got, want), (scales_tma, turns)
+        got = bwd_gm.grouped_mm_fp8_wgrad(
+            gs, xs, layout.offsets, out_dtype, segments=True, align=16,
+            config=dict(WS=True, BKW=bkw, TMA_STORE=tma_store, SCALES_TMA=scales_tma))
+        assert not got.isnan().any(), scales_tma
+        assert torch.equal(got, want), scales_tma
 
 
 @pytest.mark.gpu
@@ -1055,14 +1049,14 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
     counts = [0, 37, 300, 0, 129, 1, 64]
     xq, wq, dyq, layout = _ws_operands((counts, 16, 336, 384, 21), device)
     tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
-    for bn, turns in ((128, 0), (256, 0), (128, 2), (256, 1)):
-        ws = dict(BM=128, BN=bn, num_warps=4, num_stages=3, WS=True, TURNS=turns)
+    for bn in (128, 256):
+        ws = dict(BM=128, BN=bn, num_warps=4, num_stages=3, WS=True)
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             for run in (lambda c, dt=dt: fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets,
                                                                    dt, config=c),
                         lambda c, dt=dt: bwd_gm.grouped_mm_fp8_dgrad(dyq, wq, layout.offsets,
                                                                      dt, config=c)):
-                assert torch.equal(run(ws), run(tri)), (bn, turns, dt)
+                assert torch.equal(run(ws), run(tri)), (bn, dt)
     # wgrad: N = 320 is not a multiple of its 128-row tiles (masked register stores);
     # N = 256 takes the TMA store, its buffers reused from tile to tile; K = 336
     tri_w = dict(BN=128, BK=128, num_warps=8, num_stages=4)
@@ -1071,12 +1065,11 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             want = bwd_gm.grouped_mm_fp8_wgrad(gs, xs, layout.offsets, dt, segments=True,
                                                align=16, config=tri_w)
-            for bkw, scales_tma, turns in ((128, False, 0), (256, False, 0), (256, True, 0),
-                                           (128, False, 2), (256, True, 1)):
+            for bkw, scales_tma in ((128, False), (256, False), (256, True)):
                 got = bwd_gm.grouped_mm_fp8_wgrad(
                     gs, xs, layout.offsets, dt, segments=True, align=16,
-                    config=dict(WS=True, BKW=bkw, SCALES_TMA=scales_tma, TURNS=turns))
-                assert torch.equal(got, want), (N, dt, bkw, scales_tma, turns)
+                    config=dict(WS=True, BKW=bkw, SCALES_TMA=scales_tma))
+                assert torch.equal(got, want), (N, dt, bkw, scales_tma)
                 assert scales_tma_runs.pop() == scales_tma, (N, dt, bkw)
     # K = 98: the transposed x scales' rows are 392 bytes (not 16-byte aligned), so the
     # default (scale TMA) falls back to the loads
@@ -1104,11 +1097,6 @@ def test_fp8_ws_dispatch(device, monkeypatch):
         fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=dict(ws, BN=64))
     with pytest.raises(ValueError, match="warp-specialized"):
         fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=dict(ws, RESCALE=True))
-    with pytest.raises(ValueError, match="warp-specialized"):
-        fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=dict(ws, TURNS=3))
-    # (a WS-only setting does not reach the Triton kernel it falls back to)
-    assert torch.equal(out, fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets,
-                                                      config=dict(ws, TURNS=1)))
     qg = linghe.functional.grouped_mm.quantize_grouped_1x128
     x, layout2, _ = make_rows([5, 0, 40], 16, 128, device, torch.bfloat16, tail=0)
     xs = qg(x, layout2, rowwise=False)
@@ -1152,7 +1140,7 @@ def test_fp8_ws_dispatch(device, monkeypatch):
         128, True, False, 232)
     assert ws_mod.wgrad_ws_config(2048, dict(BKW=128))["LOADER_REGS"] == 40
     for bad in (dict(CONSUMER_REGS=250), dict(LOADER_REGS=16), dict(STAGES=0),
-                dict(BKW=64), dict(NOPE=1), dict(TURNS=3)):
+                dict(BKW=64), dict(NOPE=1)):
         with pytest.raises(ValueError, match="warp-specialized"):
             ws_mod.wgrad_ws_config(2048, bad)
     # 256 experts' gate_up forward keeps 128-column tiles, everything else takes 256
@@ -1172,18 +1160,13 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from linghe.fwd import grouped_mm_ws as W
 
 
-turn_free = {}  # (bm, bn) -> mbarrier waits in the PTX without TURNS
-
-
 def sm90(fn, sig, const, maxnreg):
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=maxnreg))
 
 
-for bm, bn, stages, ep2, turns in ([(*t, 256, 0) for t in W.WS_TILES_STAGES]
-                                   + [(128, 256, 3, 512, 0), (128, 256, 3, 256, 1),
-                                      (128, 128, 4, 256, 2)]):
+for bm, bn, stages, ep2 in [(*t, 256) for t in W.WS_TILES_STAGES] + [(128, 256, 3, 512)]:
     lay = lambda rows: repr(gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv))
     sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{lay(bm)}>",
                b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lay(bn)}>",
@@ -1192,9 +1175,9 @@ for bm, bn, stages, ep2, turns in ([(*t, 256, 0) for t in W.WS_TILES_STAGES]
                stride_cm="i32", stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32",
                BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
                STAGES="constexpr", SPLIT_N="constexpr", EP2="constexpr",
-               TURNS="constexpr", CONSUMER_REGS="constexpr", num_warps="constexpr")
+               CONSUMER_REGS="constexpr", num_warps="constexpr")
     const = dict(BM=bm, BN=bn, BK=128, GROUP_M=8, STAGES=stages, SPLIT_N=bm == 64,
-                 EP2=ep2, TURNS=turns, CONSUMER_REGS=232, num_warps=4)
+                 EP2=ep2, CONSUMER_REGS=232, num_warps=4)
     k = sm90(W._fp8_rows_ws_kernel, sig, const, W.WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     # TMA loads into wgmma, warp specialization with register reallocation, and the
@@ -1203,23 +1186,13 @@ for bm, bn, stages, ep2, turns in ([(*t, 256, 0) for t in W.WS_TILES_STAGES]
     assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx, (bm, bn)
     assert "wgmma.wait_group.sync.aligned 0" in ptx, (bm, bn)
     assert k.metadata.shared >= stages * (bm + bn) * 128, (bm, bn, stages)
-    # TURNS: each MMA waits for its turn and hands it over (arrive), after its issue or
-    # its completion; no turn barriers without
-    n_wait = ptx.count("mbarrier.try_wait")
-    assert ("mbarrier.arrive" in ptx) and (n_wait > 2 if turns else True), (bm, bn, turns)
-    if turns:
-        base = turn_free.get((bm, bn))
-        assert base is None or n_wait > base, (bm, bn, turns, n_wait, base)
-    else:
-        turn_free.setdefault((bm, bn), n_wait)
 # the wgrad, with the TMA-store epilogue (bf16 and fp32 dW) and without, at both tiles
 lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))
-for out, dt, tma_store, bkw, turns in (("bf16", gl.bfloat16, True, 128, 0),
-                                       ("fp32", gl.float32, True, 128, 0),
-                                       ("bf16", gl.bfloat16, False, 128, 0),
-                                       ("bf16", gl.bfloat16, True, 256, 0),
-                                       ("bf16", gl.bfloat16, True, 256, 1),
-                                       ("fp32", gl.float32, False, 256, 2)):
+for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
+                                ("fp32", gl.float32, True, 128),
+                                ("bf16", gl.bfloat16, False, 128),
+                                ("bf16", gl.bfloat16, True, 256),
+                                ("fp32", gl.float32, False, 256)):
     wd = (f"tensordesc<{out}[64, 128],{lay(64, 128, dt)}>" if tma_store
           else f"tensordesc<fp8e4nv[128, 128],{lay(128, 128, gl.float8e4nv)}>")
     sl = repr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
@@ -1232,14 +1205,13 @@ for out, dt, tma_store, bkw, turns in (("bf16", gl.bfloat16, True, 128, 0),
                stride_gs="i32", stride_xs="i32", stride_we="i32", stride_wn="i32",
                BNW="constexpr", BKW="constexpr", STAGES="constexpr", TMA_STORE="constexpr",
                SX_DIRECT="constexpr", SCALES_TMA="constexpr", EP2="constexpr",
-               TURNS="constexpr", CONSUMER_REGS="constexpr", LOADER_REGS="constexpr",
-               num_warps="constexpr")
+               CONSUMER_REGS="constexpr", LOADER_REGS="constexpr", num_warps="constexpr")
     # (the scale rows by TMA in the TMA-store cases at 256 columns; the register-store
     # cases load the column scales directly, SX_DIRECT)
     scales_tma = tma_store and bkw == 256
     stages = W._wgrad_stages(5, 128, bkw, 4 if out == "fp32" else 2, tma_store, scales_tma)
     const = dict(BNW=128, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
-                 SX_DIRECT=not tma_store, SCALES_TMA=scales_tma, EP2=256, TURNS=turns,
+                 SX_DIRECT=not tma_store, SCALES_TMA=scales_tma, EP2=256,
                  CONSUMER_REGS=240, LOADER_REGS=24, num_warps=4)
     k = sm90(W._fp8_wgrad_ws_kernel, sig, const, W.WGRAD_WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]

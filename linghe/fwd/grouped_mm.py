@@ -74,7 +74,6 @@ from ..utils import (
 from .activation import aligned16, batch_col_groups, expert_tile
 from .grouped_mm_ws import (
     FP8_WS,
-    TURNS_MODES,
     WS_CONFIG,
     WS_TILES,
     launch_fp8_rows_ws,
@@ -486,11 +485,10 @@ def _check_fp8_config(config: dict) -> dict:
     (:data:`FP8_RESCALE`), ``TMA`` (:data:`FP8_TMA`), ``BK`` (128 only), ``WS`` (the
     warp-specialized kernel on sm_90, ``(BM, BN)`` in
     :data:`~linghe.fwd.grouped_mm_ws.WS_TILES`, ``num_stages`` its ring depth) and
-    ``MAXNREG`` (its register cap) and ``TURNS`` (its consumers' MMA turns,
-    :data:`~linghe.fwd.grouped_mm_ws.WS_CONFIG`)), checked: no other keys; ``BN`` divides
-    128 or is a multiple of it."""
+    ``MAXNREG`` (its register cap)), checked: no other keys; ``BN`` divides 128 or is a
+    multiple of it."""
     known = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages", "RESCALE", "TMA", "WS",
-             "MAXNREG", "TURNS"}
+             "MAXNREG"}
     if set(config) - known or config.get("BK", BLOCK) != BLOCK:
         raise ValueError(f"FP8 grouped GEMM config: keys {sorted(known)} (BK = 128), got "
                          f"{config}")
@@ -501,14 +499,13 @@ def _check_fp8_config(config: dict) -> dict:
     ws = bool(config.get("WS", False))
     rescale = bool(config.get("RESCALE", FP8_RESCALE and not ws))
     tma = bool(config.get("TMA", FP8_TMA and not rescale))
-    if ws and (rescale or (config["BM"], bn) not in WS_TILES
-               or config.get("TURNS", 0) not in TURNS_MODES):
+    if ws and (rescale or (config["BM"], bn) not in WS_TILES):
         raise ValueError(f"FP8 grouped GEMM: the warp-specialized kernel (WS) promotes, with "
-                         f"(BM, BN) in {WS_TILES} and TURNS in {TURNS_MODES}, got {config}")
+                         f"(BM, BN) in {WS_TILES}, got {config}")
     return dict(BM=config["BM"], BN=bn, BK=BLOCK, GROUP_M=config.get("GROUP_M", 8),
                 num_warps=config["num_warps"], num_stages=config["num_stages"],
                 RESCALE=rescale, TMA=tma, WS=ws,
-                **{k: config[k] for k in ("MAXNREG", "TURNS") if k in config})
+                **({"MAXNREG": config["MAXNREG"]} if "MAXNREG" in config else {}))
 
 
 #: Load the FP8 rows kernel's operands with TMA (:func:`_grouped_rows_tma_kernel`)
@@ -615,7 +612,6 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
         tma = cfg.pop("TMA")
         want_ws = cfg.pop("WS", False)
         maxnreg = cfg.pop("MAXNREG", WS_CONFIG["MAXNREG"])
-        turns = cfg.pop("TURNS", WS_CONFIG["TURNS"])
     elif fp8:
         tma = FP8_TMA and tma_capable(a)
         # (the warp-specialized kernel promotes: LINGHE_FP8_RESCALE=1 keeps Triton's form;
@@ -626,7 +622,7 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     if want_ws and ws_capable(a):
         wcfg = ws_config(R, E, I, J, a.device) if cfg is None else dict(
             WS_CONFIG, BM=cfg["BM"], BN=cfg["BN"], STAGES=cfg["num_stages"],
-            GROUP_M=cfg["GROUP_M"], MAXNREG=maxnreg, TURNS=turns)
+            GROUP_M=cfg["GROUP_M"], MAXNREG=maxnreg)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, wcfg["BM"],
                             wcfg["BN"])
         if ops is not None:

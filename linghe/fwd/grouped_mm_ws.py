@@ -63,12 +63,7 @@ FP8_WS: bool = os.environ.get("LINGHE_FP8_WS", "1") == "1"
 #: each), the second consumer warpgroup at 232 registers, the loader warp at 40 (the
 #: first, Gluon's default partition, gets what ``MAXNREG`` x 12 warps leaves: 208 at
 #: 160). :func:`ws_config` picks the tiles by shape.
-WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG=160,
-                 TURNS=0)
-#: ``TURNS``: 0, the two consumer warpgroups issue their MMAs as they come (one
-#: ``ready`` barrier starts both together); 1 / 2, they take turns, each handing the turn
-#: over once its MMA is issued / done (:func:`_mma_turn`).
-TURNS_MODES = (0, 1, 2)
+WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG=160)
 #: The tiles it takes: 128-row tiles split by rows between the two consumer warpgroups,
 #: 64-row tiles split by columns.
 WS_TILES = ((128, 128), (128, 256), (64, 128), (64, 256))
@@ -130,37 +125,6 @@ if gluon is not None:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
         return a_bufs, b_bufs, ready, empty
-
-    @gluon.jit
-    def _turns_init(TURNS: gl.constexpr):
-        """The two consumer warpgroups' MMA turns (``TURNS``): one barrier each, arrived
-        by the other warpgroup when its MMA is issued (``TURNS`` = 1) or done (2)."""
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        if TURNS:
-            mbarrier.init(turns.index(0), count=1)
-            mbarrier.init(turns.index(1), count=1)
-        return turns
-
-    @gluon.jit
-    def _mma_turn(turns, it, SUB_I: gl.constexpr, TWO: gl.constexpr, WG: gl.constexpr,
-                  TURNS: gl.constexpr):
-        """Wait for this warpgroup's turn to issue the MMA of K step ``it``'s sub-tile
-        ``SUB_I`` (``TWO``: two sub-MMAs a step, ``TURNS``): the two
-        consumers take turns, so one's promotion runs while the other's MMA does, instead
-        of both issuing at once (one ``ready`` barrier starts them together) and then
-        both promoting with the tensor cores idle. The first warpgroup goes first (a
-        fresh barrier passes the wait on the other parity)."""
-        if TURNS:
-            # (the turn barriers complete a phase every MMA: with two a step, the
-            # parity is the sub-tile's)
-            j = SUB_I if TWO else it & 1
-            mbarrier.wait(turns.index(WG), j ^ (1 - WG))
-
-    @gluon.jit
-    def _pass_turn(turns, WG: gl.constexpr, TURNS: gl.constexpr, WHEN: gl.constexpr):
-        """Hand the turn to the other warpgroup at point ``WHEN`` (1: issued, 2: done)."""
-        if TURNS == WHEN:
-            mbarrier.arrive(turns.index(1 - WG), count=1)
 
     @gluon.jit
     def _add(a, b):
@@ -234,11 +198,11 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _ws_consume(a_bufs, b_bufs, ready, empty, turns, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-                    R, I, J, E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG: gl.constexpr,
+    def _ws_consume(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J,
+                    E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
-                    EP2: gl.constexpr, TURNS: gl.constexpr):
+                    EP2: gl.constexpr):
         """Consumer warpgroup ``WG`` of each tile's ``[WM, WN]`` part: rows ``WG * BM/2``
         on (``SPLIT_N`` off: ``WM = BM/2``, ``WN = BN``) or columns ``WG * BN/2`` on
         (``SPLIT_N``: ``WM = BM``, ``WN = BN/2``). Per K step: MMA, wait, release, promote,
@@ -278,25 +242,19 @@ if gluon is not None:
                 if not SPLIT_N:
                     a_view = a_view.slice(R_OFF, WM)
                 b_view = b_bufs.index(st)
-                _mma_turn(turns, it, 0, TWO, WG, TURNS)
                 # use_acc=False: the accumulator operand only gives the result's layout
                 prod = warpgroup_mma(a_view, b_view.slice(C_OFF, SUB).permute((1, 0)),
                                      gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
                                      is_async=True)
-                _pass_turn(turns, WG, TURNS, 1)
                 prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
-                _pass_turn(turns, WG, TURNS, 2)
                 if TWO:
                     acc0 = acc0 + prod * gl.expand_dims(sa * sb0, 1)
                     # (the second sub-tile may lie past J: its scale block may not exist)
                     sb1 = gl.load(sb_ptr + bs_sj + kk * bs_si, mask=col0 + SUB < J, other=1.0)
-                    _mma_turn(turns, it, 1, TWO, WG, TURNS)
                     prod = warpgroup_mma(a_view, b_view.slice(C_OFF + SUB, SUB).permute((1, 0)),
                                          gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
                                          is_async=True)
-                    _pass_turn(turns, WG, TURNS, 1)
                     prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
-                    _pass_turn(turns, WG, TURNS, 2)
                     mbarrier.arrive(empty.index(st), count=1)
                     acc1 = acc1 + prod * gl.expand_dims(sa * sb1, 1)
                 else:
@@ -319,23 +277,21 @@ if gluon is not None:
                             b_row_e, b_col_e, stride_cm, stride_ask, bs_se, bs_si, bs_sj,
                             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                            SPLIT_N: gl.constexpr, EP2: gl.constexpr, TURNS: gl.constexpr,
+                            SPLIT_N: gl.constexpr, EP2: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 rows GEMM (see the module docstring).
-        ``num_warps`` = 4: the first consumer warpgroup (the default partition).
-        ``TURNS``: the consumers take turns at the MMAs (:func:`_mma_turn`)."""
+        ``num_warps`` = 4: the first consumer warpgroup (the default partition)."""
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
-        turns = _turns_init(TURNS)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         # (worker arguments are spelled out: tuples built by concatenation lose constexprs)
         gl.warp_specialize([
-            (_ws_consume, (a_bufs, b_bufs, ready, empty, turns, c_ptr, as_ptr, bs_ptr,
-                           offsets_ptr, R, I, J, E, stride_cm, stride_ask, bs_se, bs_si,
-                           bs_sj, WG0, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2, TURNS)),
-            (_ws_consume, (a_bufs, b_bufs, ready, empty, turns, c_ptr, as_ptr, bs_ptr,
-                           offsets_ptr, R, I, J, E, stride_cm, stride_ask, bs_se, bs_si,
-                           bs_sj, WG1, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2, TURNS)),
+            (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
+                           R, I, J, E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG0, BM,
+                           BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
+            (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
+                           R, I, J, E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG1, BM,
+                           BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
             (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
                         b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2)),
         ], [4, 1], [CONSUMER_REGS, 40])
@@ -401,12 +357,11 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _wg_consume(g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, turns, w_ptr, w_desc,
-                    c_bufs, gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs, stride_xs,
-                    stride_we, stride_wn, WG: gl.constexpr, BNW: gl.constexpr,
-                    BKW: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                    SX_DIRECT: gl.constexpr, SCALES_TMA: gl.constexpr, EP2: gl.constexpr,
-                    TURNS: gl.constexpr):
+    def _wg_consume(g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, w_ptr, w_desc, c_bufs,
+                    gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs, stride_xs, stride_we,
+                    stride_wn, WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
+                    STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SX_DIRECT: gl.constexpr,
+                    SCALES_TMA: gl.constexpr, EP2: gl.constexpr):
         """Consumer warpgroup ``WG`` of the wgrad: rows ``n`` ``WG * BNW/2 ..`` of each
         ``dW_e`` tile. Per token group: MMA, wait, release, promote with the group's
         scales of both operands (``acc += prod * sg[n] * sx[k]``), in sub-MMAs of at most
@@ -438,8 +393,9 @@ if gluon is not None:
             acc1 = gl.zeros((WM, SUB), gl.float32, mma)
             for i in range(n_groups):
                 st = it % STAGES
-                if SCALES_TMA:  # the group's scale rows came with its boxes: read after
-                    # the MMA (not live across it: registers)
+                if SCALES_TMA:  # the group's scale rows came with its boxes: read from
+                    # shared memory after the MMA (not live across it: ptxas spilled
+                    # ~250 bytes in the K loop when they were)
                     mbarrier.wait(ready.index(st), (it // STAGES) & 1)
                 else:
                     xs_row = xs_ptr + (gbase + i) * stride_xs
@@ -457,14 +413,11 @@ if gluon is not None:
                     a_view.store(a.to(gl.float8e4nv, bitcast=True))
                     fence_async_shared()
                 x_view = x_bufs.index(st)
-                _mma_turn(turns, it, 0, TWO, WG, TURNS)
                 # use_acc=False: the accumulator operand only gives the result's layout
                 prod = warpgroup_mma(a_view, x_view.slice(0, SUB).permute((1, 0)),
                                      gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
                                      is_async=True)
-                _pass_turn(turns, WG, TURNS, 1)
                 prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
-                _pass_turn(turns, WG, TURNS, 2)
                 if SCALES_TMA:
                     sg = gs_bufs.index(st).slice(WG * WM, WM, dim=1).permute((1, 0)).load(mma)
                     sx0 = xs_bufs.index(st).slice(0, SUB, dim=1).load(mma)
@@ -473,14 +426,11 @@ if gluon is not None:
                     if not SCALES_TMA:
                         sx1 = gl.expand_dims(_col_scales(xs_row, cols + SUB, cols1 + SUB, K,
                                                          mma, SX_DIRECT), 0)
-                    _mma_turn(turns, it, 1, TWO, WG, TURNS)
                     prod = warpgroup_mma(a_view, x_view.slice(SUB, SUB).permute((1, 0)),
                                          gl.zeros((WM, SUB), gl.float32, mma), use_acc=False,
                                          is_async=True)
-                    _pass_turn(turns, WG, TURNS, 1)
                     prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod, ))
-                    _pass_turn(turns, WG, TURNS, 2)
-                    if SCALES_TMA:
+                    if SCALES_TMA:  # (read before the stage is released)
                         sx1 = xs_bufs.index(st).slice(SUB, SUB, dim=1).load(mma)
                     mbarrier.arrive(empty.index(st), count=1)
                     acc1 = acc1 + prod * sg * sx1
@@ -535,9 +485,8 @@ if gluon is not None:
                              stride_wn, BNW: gl.constexpr, BKW: gl.constexpr,
                              STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
                              SX_DIRECT: gl.constexpr, SCALES_TMA: gl.constexpr,
-                             EP2: gl.constexpr, TURNS: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             EP2: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 wgrad over segment groups (see
         :func:`launch_fp8_wgrad_ws`). ``TMA_STORE``: each consumer stores its ``dW`` tile
         through shared memory and a TMA copy (``w_desc`` over ``dW`` as ``[E*N, K]`` with
@@ -548,7 +497,6 @@ if gluon is not None:
         the ring, and the consumers read them from shared memory in the MMA's layout;
         else the consumers load them (``gs_ptr`` / ``xs_ptr``; the descriptors unused)."""
         g_bufs, x_bufs, ready, empty = _ring(g_desc, x_desc, STAGES)
-        turns = _turns_init(TURNS)
         if SCALES_TMA:
             gs_bufs = gl.allocate_shared_memory(gs_desc.dtype,
                                                 [STAGES] + gs_desc.block_type.shape,
@@ -568,14 +516,14 @@ if gluon is not None:
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_wg_consume, (g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, turns, w_ptr,
-                           w_desc, c_bufs, gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs,
+            (_wg_consume, (g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, w_ptr, w_desc,
+                           c_bufs, gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs,
                            stride_xs, stride_we, stride_wn, WG0, BNW, BKW, STAGES, TMA_STORE,
-                           SX_DIRECT, SCALES_TMA, EP2, TURNS)),
-            (_wg_consume, (g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, turns, w_ptr,
-                           w_desc, c_bufs, gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs,
+                           SX_DIRECT, SCALES_TMA, EP2)),
+            (_wg_consume, (g_bufs, x_bufs, gs_bufs, xs_bufs, ready, empty, w_ptr, w_desc,
+                           c_bufs, gs_ptr, xs_ptr, offsets_ptr, N, K, R, E, stride_gs,
                            stride_xs, stride_we, stride_wn, WG1, BNW, BKW, STAGES, TMA_STORE,
-                           SX_DIRECT, SCALES_TMA, EP2, TURNS)),
+                           SX_DIRECT, SCALES_TMA, EP2)),
             (_wg_load, (g_desc, x_desc, gs_desc, xs_desc, g_bufs, x_bufs, gs_bufs, xs_bufs,
                         ready, empty, offsets_ptr, N, K, R, E, BNW, BKW, STAGES, SCALES_TMA,
                         EP2)),
@@ -633,8 +581,8 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
             out, as_t, b_scale, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
             as_t.stride(0), *bs_strides, BM=cfg["BM"], BN=cfg["BN"], BK=128,
             GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
-            EP2=max(128, next_power_of_2(E)), TURNS=cfg["TURNS"],
-            CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
+            EP2=max(128, next_power_of_2(E)), CONSUMER_REGS=cfg["CONSUMER_REGS"],
+            num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
 
 
@@ -642,24 +590,25 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
 #: warpgroup; ``BKW`` = 256 as two 128-column sub-MMAs, 128 where ``K <= 128``),
 #: ``STAGES`` 128-token groups in flight at most (:func:`_wgrad_stages` fits the ring to
 #: shared memory: 5 at 128x128 with bf16 ``dW``, 3 at 128x256), and the per-tile settings
-#: of :data:`WGRAD_WS_TILE_SETTINGS` unless the config names them. H200, 8192 tokens
-#: top-8, µs, the default (128x256, scale rows by TMA) first, then in brackets 128x256
-#: with the scale rows loaded from global memory; 128x128; ``torch._grouped_mm`` bf16
-#: (``benchmark/results/h200_probe_fp8_ws_wgrad_*_s13``): E = 256 gate_up 1241 (1435;
-#: 1564; 1379), down 638 (757; 806; 702); E = 32 gate_up 751 (792; 876; 765), down 401
-#: (421; 451; 392).
+#: of :data:`WGRAD_WS_TILE_SETTINGS` unless the config names them. H100, 8192 tokens
+#: top-8, µs, the default (128x256, scale rows by TMA, read after the MMA) first, then
+#: in brackets the same with the scale rows read before the MMA (the thirteenth
+#: session's form); with the scale rows loaded from global memory; 128x128;
+#: ``torch._grouped_mm`` bf16 (``benchmark/results/h100_probe_fp8_ws_2026-11-27_s14``):
+#: E = 256 gate_up 1113 (1639; 1512; 1608; 1445), down 590 (778; 791; 816; 748); E = 32
+#: gate_up 695 (824; 827; 936; 790), down 369 (433; 432; 472; 400).
 WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, STAGES=5, TMA_STORE=True, SX_DIRECT=False,
-                       SCALES_TMA=True, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168,
-                       TURNS=0)
+                       SCALES_TMA=True, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
 #: Per tile width. At 128x256 the loader copies each group's scale rows into the ring
 #: with its boxes (``SCALES_TMA``) and the consumers read them in the MMA's layout from
-#: shared memory (13-16% faster at 256 experts than loading them: no global loads, no
-#: layout conversion through shared memory and its barrier on the promotion's path);
+#: shared memory once the MMA is done (no global loads, no layout conversion through
+#: shared memory and its barrier on the promotion's path; 26% faster at 256 experts
+#: than loading them);
 #: where TMA cannot read the scales, they are loaded one per thread and moved to the
 #: MMA's layout (loaded there directly, 32 a thread, ptxas spills ~2 KB: 2565 µs at
 #: E = 256 gate_up on the H100, against 1914 moved); the consumers get 240 registers,
-#: the loader 24 (ptxas still spills ~100-300 bytes, by CUDA version; 232 / 40: 1469
-#: against 1241 µs). At 128x128 the direct load wins (H200: 1486 / 1646 µs) at 232 / 40
+#: the loader 24 (ptxas spills 8 bytes with CUDA 13's; H100, 232 / 40: 1152 against
+#: 1113 µs). At 128x128 the direct load wins (H200: 1486 / 1646 µs) at 232 / 40
 #: registers, and there the TMA-store epilogue beats register stores (1486 / 1849 µs);
 #: the scale TMA was not measured at 128x128 (off there).
 WGRAD_WS_TILE_SETTINGS = {
@@ -697,12 +646,10 @@ def wgrad_ws_config(K: int, config: dict | None = None) -> dict:
     regs_ok = all(isinstance(cfg[k], int) and 24 <= cfg[k] <= 256 and cfg[k] % 8 == 0
                   for k in ("CONSUMER_REGS", "LOADER_REGS"))
     if (set(cfg) != set(WGRAD_WS_CONFIG) or (cfg["BNW"], cfg["BKW"]) not in WGRAD_WS_TILES
-            or not regs_ok or not (isinstance(cfg["STAGES"], int) and cfg["STAGES"] >= 1)
-            or cfg["TURNS"] not in TURNS_MODES):
+            or not regs_ok or not (isinstance(cfg["STAGES"], int) and cfg["STAGES"] >= 1)):
         raise ValueError(f"FP8 wgrad (warp-specialized): keys {sorted(WGRAD_WS_CONFIG)} "
-                         f"with (BNW, BKW) in {WGRAD_WS_TILES}, STAGES >= 1, TURNS in "
-                         f"{TURNS_MODES} and register counts multiples of 8 in [24, 256], "
-                         f"got {config}")
+                         f"with (BNW, BKW) in {WGRAD_WS_TILES}, STAGES >= 1 and register "
+                         f"counts multiples of 8 in [24, 256], got {config}")
     return cfg
 
 
@@ -771,7 +718,6 @@ def launch_fp8_wgrad_ws(gq: torch.Tensor, xq: torch.Tensor, gs_t: torch.Tensor,
                gs_t, xs_t, offsets, N, K, R, E, gs_t.stride(0), xs_t.stride(0), dw.stride(0),
                dw.stride(1), BNW=bnw, BKW=bkw, STAGES=stages, TMA_STORE=tma_store,
                SX_DIRECT=cfg["SX_DIRECT"], SCALES_TMA=scales_tma,
-               EP2=max(128, next_power_of_2(E)), TURNS=cfg["TURNS"],
-               CONSUMER_REGS=cfg["CONSUMER_REGS"], LOADER_REGS=cfg["LOADER_REGS"],
-               num_warps=4, maxnreg=cfg["MAXNREG"])
+               EP2=max(128, next_power_of_2(E)), CONSUMER_REGS=cfg["CONSUMER_REGS"],
+               LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return dw
