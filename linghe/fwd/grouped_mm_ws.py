@@ -13,10 +13,14 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
   ``ready``/``empty``), running ahead across K steps and tiles;
 - two consumer warpgroups each take ``BM / 2`` rows of the box (64-row tiles: half the
   columns each): issue the step's ``wgmma``, wait for it, release the buffer and
-  promote. The two run out of phase, so one's promotion (fp32 FMAs on the CUDA cores)
-  overlaps the other's MMA, and each holds only its half of the accumulator and one
-  ``64 x 128`` product tile (128 rows share each weight box: half the weight traffic of
-  64-row tiles, without Triton's one-program-per-SM limit for a promoted 128-row tile).
+  promote. One's promotion (fp32 FMAs on the CUDA cores) can overlap the other's MMA;
+  each holds only its half of the accumulator and one ``64 x 128`` product tile (128
+  rows share each weight box: half the weight traffic of 64-row tiles, without Triton's
+  one-program-per-SM limit for a promoted 128-row tile). Forcing the two to take turns
+  at the MMAs (an mbarrier pair, handed over at the issue or at the completion) was
+  slower in every measured case, and so was promoting one step while the next step's
+  MMA runs (ptxas then serializes the wgmma: C7514, an accumulator read inside the
+  pipeline stage), so each step stays MMA, wait, promote.
 
 Same tile schedule as the Triton kernel (expert tiles, then tail tiles that store zeros),
 computed the same way inside each program from ``offsets`` (no launch of its own), same
