@@ -18,9 +18,9 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
   rows share each weight box: half the weight traffic of 64-row tiles, without Triton's
   one-program-per-SM limit for a promoted 128-row tile). Forcing the two to take turns
   at the MMAs (an mbarrier pair, handed over at the issue or at the completion) was
-  slower in every measured case, and so was promoting one step while the next step's
-  MMA runs (ptxas then serializes the wgmma: C7514, an accumulator read inside the
-  pipeline stage), so each step stays MMA, wait, promote.
+  nowhere faster (the wgrad 16-24% slower); promoting one step while the next step's
+  MMA runs cannot overlap (ptxas serializes the wgmma: C7514, an accumulator read inside
+  the pipeline stage). So each step stays MMA, wait, promote.
 
 Same tile schedule as the Triton kernel (expert tiles, then tail tiles that store zeros),
 computed the same way inside each program from ``offsets`` (no launch of its own), same
@@ -606,7 +606,7 @@ WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, STAGES=5, TMA_STORE=True, SX_DIRECT=Fal
 #: Per tile width. At 128x256 the loader copies each group's scale rows into the ring
 #: with its boxes (``SCALES_TMA``) and the consumers read them in the MMA's layout from
 #: shared memory once the MMA is done (no global loads, no layout conversion through
-#: shared memory and its barrier on the promotion's path; 26% faster at 256 experts
+#: shared memory and its barrier on the promotion's path; at 256 experts 26% less time
 #: than loading them);
 #: where TMA cannot read the scales, they are loaded one per thread and moved to the
 #: MMA's layout (loaded there directly, 32 a thread, ptxas spills ~2 KB: 2565 µs at
