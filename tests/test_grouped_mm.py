@@ -294,6 +294,7 @@ def test_auto_rows_on_triton_rule(device, monkeypatch):
         return f
 
     monkeypatch.setattr(F.fwd, "torch_grouped_mm_ok", lambda *t: True)
+    monkeypatch.setattr(F.fwd, "hp_ws_preferred", lambda t: False)  # (sm_90: below)
     monkeypatch.setattr(F.fwd, "grouped_mm_fwd", spy("fwd", fwd_gm.grouped_mm_fwd))
     monkeypatch.setattr(F.bwd, "grouped_mm_dgrad", spy("dgrad", bwd_gm.grouped_mm_dgrad))
     monkeypatch.setattr(F.bwd, "grouped_mm_wgrad", spy("wgrad", bwd_gm.grouped_mm_wgrad))
@@ -320,6 +321,10 @@ def test_auto_rows_on_triton_rule(device, monkeypatch):
     assert run(18, lay=layout.offsets) == dict(fwd="triton", dgrad="triton", wgrad="triton")
     monkeypatch.setattr(fwd_gm, "BF16_TMA", False)
     assert run(18) == dict(fwd="torch", dgrad="torch", wgrad="torch")
+    # sm_90 (the warp-specialized rows kernel available): forward and dgrad on it, the
+    # wgrad on torch, whatever the knob says
+    monkeypatch.setattr(F.fwd, "hp_ws_preferred", lambda t: True)
+    assert run(0) == dict(fwd="triton", dgrad="triton", wgrad="torch")
 
 
 # ------------------------------------------------------------------------------------ FP8
@@ -1081,6 +1086,75 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
     assert torch.equal(got, want) and scales_tma_runs.pop() is False
 
 
+HP_WS_CASES = [
+    # (counts, align, K, N, tail): the forward contracts K into N, the dgrad N into K
+    ([0, 37, 300, 0, 129, 1, 64], 16, 384, 256, 0),  # zero-row experts, partial tiles
+    ([5, 0, 140], 16, 200, 384, 50),                  # K = 200: a partial K step; N = 384
+    ([700], 16, 64, 128, 9),                          # one expert, several row tiles
+    ([3, 0, 0], 16, 1024, 320, 130),                  # mostly tail; N = 320 (column tail)
+    ([0] * 150 + [70] + [0] * 120 + [200] + [0] * 28, 16, 256, 128, 3),  # EP2 = 512
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HP_WS_CASES, ids=lambda c: f"E{len(c[0])}-K{c[2]}-N{c[3]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sms", [None, 3])
+def test_hp_ws_rows_matches_reference(device, monkeypatch, case, dtype, sms):
+    """The warp-specialized bf16/fp16 rows kernel (sm_90; forward, and the dgrad through
+    ``[BK, BN]`` weight boxes) against the fp32 product: zero-row experts, partial row,
+    column and K tiles, tails of zeros, 300 experts, NaN-poisoned outputs; with the grid
+    capped at 3 programs each walks many tiles. The launches are checked to be the WS
+    kernel's."""
+    if not ws_mod.ws_capable(torch.empty(1, device=device)):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    counts, align, K, N, tail = case
+    names = _spy_launches(monkeypatch, ws_mod)
+    if sms is not None:
+        monkeypatch.setattr(ws_mod, "num_sms", lambda dev: sms)
+    monkeypatch.setattr(linghe.utils, "_poison", True)
+    x, layout, real = make_rows(counts, align, K, device, dtype, tail=tail)
+    w = (torch.randn(len(counts), N, K, device=device) / K ** 0.5).to(dtype)
+    dy = torch.randn(x.shape[0], N, device=device).to(dtype)
+    off = layout.offsets.tolist()
+    for direction in ("fwd", "dgrad"):
+        del names[:]
+        if direction == "fwd":
+            got = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
+            want = torch.zeros(x.shape[0], N, device=device)
+        else:
+            got = bwd_gm.grouped_mm_dgrad(dy, w, layout.offsets, backend="triton")
+            want = torch.zeros(x.shape[0], K, device=device)
+        for e in range(len(counts)):
+            a = (x if direction == "fwd" else dy)[off[e]:off[e + 1]].float()
+            want[off[e]:off[e + 1]] = a @ (w[e].float().t() if direction == "fwd"
+                                           else w[e].float())
+        assert names == ["_hp_rows_ws_kernel"], (direction, names)
+        assert not got.isnan().any(), direction
+        assert torch.all(got[off[-1]:] == 0), direction
+        assert_close(got, want.to(dtype), tol=1e-2, name=direction)
+
+
+def test_hp_ws_dispatch(device, monkeypatch):
+    """The bf16/fp16 rows GEMMs take the warp-specialized kernel only where it runs and
+    TMA can describe the operands (``LINGHE_HP_WS=0`` turns it off); elsewhere the Triton
+    kernels, with the same results within rounding (the documented fallback)."""
+    names = _spy_launches(monkeypatch)
+    x, layout, real = make_rows([5, 0, 40], 16, 64, device, torch.bfloat16)
+    w = (torch.randn(3, 48, 64, device=device) / 8).to(torch.bfloat16)
+    monkeypatch.setattr(fwd_gm, "ws_capable", lambda t: False)
+    want = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
+    assert "_hp_rows_ws_kernel" not in names and names  # a Triton kernel ran
+    assert not fwd_gm.hp_ws_preferred(x) or device == "cuda"
+    monkeypatch.setattr(fwd_gm, "HP_WS", False)
+    assert not fwd_gm.hp_ws_preferred(x)
+    assert not fwd_gm.hp_ws_preferred(x.float())
+    del names[:]
+    got = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
+    assert "_hp_rows_ws_kernel" not in names
+    assert torch.equal(got, want)
+
+
 def test_fp8_ws_dispatch(device, monkeypatch):
     """Where the warp-specialized kernel cannot run (CPU interpreter, other GPUs, no
     Gluon), a launch that asks for it gets the Triton rows kernel, same result (the
@@ -1186,6 +1260,25 @@ for bm, bn, stages, ep2 in [(*t, 256) for t in W.WS_TILES_STAGES] + [(128, 256, 
     assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx, (bm, bn)
     assert "wgmma.wait_group.sync.aligned 0" in ptx, (bm, bn)
     assert k.metadata.shared >= stages * (bm + bn) * 128, (bm, bn, stages)
+# the bf16 rows kernel: weight boxes K-major (forward) and N-major (dgrad), 128- and
+# 64-row tiles; one wgmma group in flight, no spilled accumulator
+for bm, bn, nmajor in ((128, 256, False), (128, 256, True), (64, 256, True)):
+    hl = lambda r, c: repr(gl.NVMMASharedLayout.get_default_for([r, c], gl.bfloat16))
+    box_b = [64, bn] if nmajor else [bn, 64]
+    sig = dict(a_desc=f"tensordesc<bf16[{bm}, 64],{hl(bm, 64)}>",
+               b_desc=f"tensordesc<bf16[{box_b[0]}, {box_b[1]}],{hl(*box_b)}>",
+               c_ptr="*bf16", offsets_ptr="*i32", R="i32", I="i32", J="i32", E="i32",
+               b_row_e="i32", b_col_e="i32", stride_cm="i32",
+               BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
+               STAGES="constexpr", SPLIT_N="constexpr", EP2="constexpr",
+               B_NMAJOR="constexpr", CONSUMER_REGS="constexpr", num_warps="constexpr")
+    const = dict(BM=bm, BN=bn, BK=64, GROUP_M=8, STAGES=3, SPLIT_N=bm == 64, EP2=256,
+                 B_NMAJOR=nmajor, CONSUMER_REGS=232, num_warps=4)
+    k = sm90(W._hp_rows_ws_kernel, sig, const, W.HP_WS_CONFIG["MAXNREG"])
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n" in ptx and ".bf16.bf16" in ptx, (bm, nmajor)
+    assert "wgmma.wait_group.sync.aligned 1" in ptx, (bm, nmajor)
+    assert k.metadata.shared <= 227 << 10, (bm, nmajor, k.metadata.shared)
 # the wgrad, with the TMA-store epilogue (bf16 and fp32 dW) and without, at both tiles
 lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))
 for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),

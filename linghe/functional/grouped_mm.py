@@ -200,13 +200,17 @@ def _rows_backend(backend: str) -> str:
 def _auto_backend(rows: torch.Tensor, weight: torch.Tensor, layout) -> str:
     """``backend="auto"`` for high-precision operands: ``"torch"`` where
     ``torch._grouped_mm`` can run them (and the layout promises 8-row aligned segments),
-    then :data:`ROWS_TRITON_MAX_ROWS_PER_EXPERT`'s rule (``"triton_rows"``), else
-    ``"triton"``."""
+    except on sm_90, where the forward and dgrad take the warp-specialized kernel
+    (:func:`~linghe.fwd.grouped_mm.hp_ws_preferred`: ``"triton_rows"``, the wgrad stays
+    torch's); then :data:`ROWS_TRITON_MAX_ROWS_PER_EXPERT`'s rule (``"triton_rows"``),
+    else ``"triton"``."""
     # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
     # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
     aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
     if not (aligned and fwd.torch_grouped_mm_ok(rows, weight)):
         return "triton"
+    if fwd.hp_ws_preferred(rows):
+        return _TRITON_ROWS
     E, N, _ = weight.shape
     limit = ROWS_TRITON_MAX_ROWS_PER_EXPERT
     if limit > 0 and fwd.BF16_TMA and rows.shape[0] <= limit * E and N % 64 == 0:

@@ -74,9 +74,12 @@ from ..utils import (
 from .activation import aligned16, batch_col_groups, expert_tile
 from .grouped_mm_ws import (
     FP8_WS,
+    HP_WS,
+    HP_WS_CONFIG,
     WS_CONFIG,
     WS_TILES,
     launch_fp8_rows_ws,
+    launch_hp_rows_ws,
     ws_capable,
     ws_config,
 )
@@ -627,6 +630,13 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
                             wcfg["BN"])
         if ops is not None:
             return launch_fp8_rows_ws(ops, out, as_t, b_scale, offsets, bs_strides, wcfg)
+    if (not fp8 and not f32 and cfg is None and block_m is None and HP_WS
+            and ws_capable(a)):
+        # bf16/fp16 on sm_90: the warp-specialized kernel (fp32 accumulation)
+        ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj,
+                            HP_WS_CONFIG["BM"], HP_WS_CONFIG["BN"], HP_WS_CONFIG["BK"])
+        if ops is not None:
+            return launch_hp_rows_ws(ops, out, offsets, stride_bi != 1)
     if want_ws and cfg is not None:
         # asked for the warp-specialized kernel where it cannot run: the Triton kernel at
         # its own default tiles (the WS tiles do not suit it)
@@ -677,6 +687,18 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
 # --------------------------------------------------------------------------------------
 # torch._grouped_mm (cuBLAS/CUTLASS grouped GEMM) detection
 # --------------------------------------------------------------------------------------
+
+
+def hp_ws_preferred(t: torch.Tensor) -> bool:
+    """Whether ``backend="auto"`` takes the warp-specialized bf16/fp16 rows kernel
+    (:func:`~linghe.fwd.grouped_mm_ws.launch_hp_rows_ws`, forward and dgrad) over
+    ``torch._grouped_mm``: on sm_90 with Gluon, 16-bit ``t``, :data:`HP_WS` on. H200, 8192
+    tokens top-8, µs against ``torch._grouped_mm`` (with its tail zeroing): E = 256
+    gate_up fwd 1067 (1138) / dgrad 1038 (1125), down 556 (613) / 527 (577); E = 32
+    gate_up 747 (773) / 748 (773), down 399 (424) / 380 (407)
+    (``benchmark/results/h200_probe_bf16_ws_rows_2026-11-27_s14``). Operands TMA cannot
+    describe take the Triton kernels."""
+    return HP_WS and t.dtype in (torch.bfloat16, torch.float16) and ws_capable(t)
 
 
 def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
@@ -741,12 +763,15 @@ def grouped_mm_fwd(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
                    backend: str = "auto", block_m: int | None = None) -> torch.Tensor:
     """``out [R, N] = rows_e @ W_e^T`` per segment (high-precision operands).
 
-    ``backend``: ``"auto"`` (``torch._grouped_mm`` when :func:`torch_grouped_mm_ok`, else
-    Triton), ``"triton"`` or ``"torch"``. Inputs are validated by the caller.
+    ``backend``: ``"auto"`` (on sm_90 the warp-specialized kernel, :func:`hp_ws_preferred`;
+    else ``torch._grouped_mm`` when :func:`torch_grouped_mm_ok`, else Triton),
+    ``"triton"`` (the warp-specialized kernel where it runs, else the Triton kernels) or
+    ``"torch"``. Inputs are validated by the caller.
     """
     R, K = rows.shape
     E, N, _ = weight.shape
-    use_torch = backend == "torch" or (backend == "auto" and torch_grouped_mm_ok(rows, weight))
+    use_torch = backend == "torch" or (backend == "auto" and not hp_ws_preferred(rows)
+                                       and torch_grouped_mm_ok(rows, weight))
     if use_torch and R > 0 and N > 0:
         out = torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets[1:])
         return zero_tail(out, offsets)

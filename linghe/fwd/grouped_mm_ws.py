@@ -62,6 +62,9 @@ from ..utils import INTERPRET, cdiv, cuda_capability, device_guard, launch, next
 #: where they can run (:func:`ws_capable`); ``LINGHE_FP8_WS=0`` keeps the Triton kernels
 #: everywhere. (Read through ``linghe.fwd.grouped_mm.FP8_WS``, which re-exports it.)
 FP8_WS: bool = os.environ.get("LINGHE_FP8_WS", "1") == "1"
+#: The same for the bf16/fp16 rows GEMMs of the Triton backend (forward and dgrad):
+#: ``LINGHE_HP_WS=0`` keeps the Triton TMA kernel there.
+HP_WS: bool = os.environ.get("LINGHE_HP_WS", "1") == "1"
 
 #: Base settings: 128 rows (64 per consumer warpgroup) x 128 columns, 4 stages (32 KiB
 #: each), the second consumer warpgroup at 232 registers, the loader warp at 40 (the
@@ -182,8 +185,10 @@ if gluon is not None:
     @gluon.jit
     def _ws_load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
                  b_row_e, b_col_e, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, EP2: gl.constexpr):
-        """Loader warp: the TMA copies of every K step of this program's tiles."""
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, EP2: gl.constexpr,
+                 B_NMAJOR: gl.constexpr):
+        """Loader warp: the TMA copies of every K step of this program's tiles
+        (``B_NMAJOR``: ``b`` as ``[E*I, J]``, ``[BK, BN]`` boxes, output dim contiguous)."""
         cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 1)
         num_n = gl.cdiv(J, BN)
         it = 0
@@ -198,7 +203,11 @@ if gluon is not None:
                 bar = ready.index(st)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
                 _tma_load(a_desc, [start, kk * BK], bar, a_bufs.index(st))
-                _tma_load(b_desc, [b_row, b_col + kk * BK], bar, b_bufs.index(st))
+                if B_NMAJOR:
+                    _tma_load(b_desc, [ec * b_row_e + kk * BK, pid_n * BN], bar,
+                              b_bufs.index(st))
+                else:
+                    _tma_load(b_desc, [b_row, b_col + kk * BK], bar, b_bufs.index(st))
                 it += 1
 
     @gluon.jit
@@ -297,7 +306,82 @@ if gluon is not None:
                            R, I, J, E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG1, BM,
                            BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
             (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
-                        b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2)),
+                        b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, False)),
+        ], [4, 1], [CONSUMER_REGS, 40])
+
+    # ------------------------------------------------------- bf16 / fp16 rows GEMM
+
+    @gluon.jit
+    def _ws_consume_hp(a_bufs, b_bufs, ready, empty, c_ptr, offsets_ptr, R, I, J, E,
+                       stride_cm, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                       BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       SPLIT_N: gl.constexpr, EP2: gl.constexpr, B_NMAJOR: gl.constexpr):
+        """Consumer warpgroup ``WG`` of the 16-bit rows GEMM: one ``[WM, WN]`` wgmma a K
+        step into one accumulator, the next step issued before the previous one is
+        waited for (one in flight), its stage released once it is done."""
+        WM: gl.constexpr = BM if SPLIT_N else BM // 2
+        WN: gl.constexpr = BN // 2 if SPLIT_N else BN
+        R_OFF: gl.constexpr = 0 if SPLIT_N else WG * WM
+        C_OFF: gl.constexpr = WG * WN if SPLIT_N else 0
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, WN, 16])
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // WN, WN // 8], [4, 1],
+                                               [1, 0])
+        cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)
+        num_n = gl.cdiv(J, BN)
+        it = 0
+        for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
+            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, cum, offsets_ptr, R, I,
+                                                   E, BM, BK, GROUP_M)
+            row0 = start + R_OFF
+            col0 = pid_n * BN + C_OFF
+            acc = gl.zeros((WM, WN), gl.float32, mma)
+            for kk in range(k_tiles):
+                st = it % STAGES
+                mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+                a_view = a_bufs.index(st)
+                if not SPLIT_N:
+                    a_view = a_view.slice(R_OFF, WM)
+                if B_NMAJOR:  # [BK, BN] boxes: the columns of this warpgroup
+                    b_view = b_bufs.index(st).slice(C_OFF, WN, dim=1)
+                else:  # [BN, BK] boxes: its rows, transposed
+                    b_view = b_bufs.index(st).slice(C_OFF, WN).permute((1, 0))
+                acc = warpgroup_mma(a_view, b_view, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if kk > 0:  # the previous step's MMA is done: release its stage
+                    mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if k_tiles > 0:
+                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+            orows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
+            ocols = col0 + gl.arange(0, WN, layout=gl.SliceLayout(0, out_l))
+            optrs = (c_ptr + gl.expand_dims(orows.to(gl.int64) * stride_cm, 1)
+                     + gl.expand_dims(ocols, 0))
+            rm = gl.expand_dims((orows < end) & (orows < R), 1)
+            gl.store(optrs, gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_l),
+                     mask=rm & gl.expand_dims(ocols < J, 0))
+
+    @gluon.jit
+    def _hp_rows_ws_kernel(a_desc, b_desc, c_ptr, offsets_ptr, R, I, J, E, b_row_e, b_col_e,
+                           stride_cm, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                           GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                           SPLIT_N: gl.constexpr, EP2: gl.constexpr, B_NMAJOR: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """Persistent warp-specialized bf16/fp16 rows GEMM (fp32 accumulation): the FP8
+        kernel's ring, loader and schedule without the promotion."""
+        a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize([
+            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, c_ptr, offsets_ptr, R, I, J, E,
+                              stride_cm, WG0, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2,
+                              B_NMAJOR)),
+            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, c_ptr, offsets_ptr, R, I, J, E,
+                              stride_cm, WG1, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2,
+                              B_NMAJOR)),
+            (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
+                        b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, B_NMAJOR)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
     # ---------------------------------------------------------------- FP8 wgrad
@@ -556,11 +640,16 @@ def _scale_layout():
     return layout
 
 
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 def _gluon_descriptor(desc) -> GluonDescriptor:
     """A Gluon tensor descriptor (NVMMA shared layout) for a ``triton.tools`` one over
-    FP8 data."""
+    FP8, bf16 or fp16 data."""
     box = tuple(desc.block_shape)
-    return GluonDescriptor(desc.base, desc.shape, desc.strides, list(box), _layout(box))
+    name = _GL_DTYPES.get(desc.base.dtype)
+    return GluonDescriptor(desc.base, desc.shape, desc.strides, list(box),
+                           _layout(box, getattr(gl, name) if name else None))
 
 
 def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torch.Tensor,
@@ -587,6 +676,40 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
             GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
             EP2=max(128, next_power_of_2(E)), CONSUMER_REGS=cfg["CONSUMER_REGS"],
             num_warps=4, maxnreg=cfg["MAXNREG"])
+    return out
+
+
+#: The 16-bit rows GEMM's settings: 128x256 tiles (each consumer warpgroup one 64x256
+#: wgmma a 64-deep K step), 3 stages (48 KiB each). H200, 8192 tokens top-8, forward,
+#: µs against ``torch._grouped_mm``: E = 256 gate_up 1070 (1136), down 556 (609); E = 32
+#: gate_up 750 (771), down 402 (422) (``h200_probe_bf16_ws_rows_fwd_2026-11-27_s14``).
+HP_WS_CONFIG = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, CONSUMER_REGS=232,
+                    MAXNREG=160)
+
+
+def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: bool,
+                      config: dict | None = None) -> torch.Tensor:
+    """Launch :func:`_hp_rows_ws_kernel` (bf16/fp16 operands, fp32 accumulation).
+    ``ops``: ``(a_desc, b_desc, b_row_e, b_col_e)`` from
+    :func:`linghe.fwd.grouped_mm._tma_operands` at ``config``'s ``BM``, ``BN``, ``BK``
+    (``b_nmajor``: ``b``'s output dim contiguous, ``[BK, BN]`` boxes); writes every row
+    of ``out`` (zeros past ``offsets[E]``)."""
+    from .grouped_mm import row_tile_bound
+
+    cfg = dict(HP_WS_CONFIG, **(config or {}))
+    a_desc, b_desc, b_row_e, b_col_e = ops
+    R, I = a_desc.shape
+    J = out.shape[1]
+    E = offsets.numel() - 1
+    bound = row_tile_bound(R, E, cfg["BM"])
+    grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
+    with device_guard(out):
+        launch(_hp_rows_ws_kernel, grid, _gluon_descriptor(a_desc),
+               _gluon_descriptor(b_desc), out, offsets, R, I, J, E, b_row_e, b_col_e,
+               out.stride(0), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+               GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
+               EP2=max(128, next_power_of_2(E)), B_NMAJOR=b_nmajor,
+               CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
 
 
