@@ -188,6 +188,7 @@ def test_bf16_tma_kernel(device, monkeypatch, case, dtype):
     zero-row experts, tail rows, K and N tails, and against the pointer kernel at the
     same tiles. A dgrad whose contraction (N) is no multiple of BK runs the pointer
     kernel (a K box would reach the next expert's rows)."""
+    monkeypatch.setattr(fwd_gm, "HP_WS", False)  # (sm_90: the WS kernel's tests are below)
     counts, align, K, N = case
     E = len(counts)
     x, layout, real = make_rows(counts, align, K, device, dtype, tail=7)
@@ -232,7 +233,8 @@ def test_bf16_tma_fallback_and_config(device, monkeypatch):
     """Operands TMA cannot describe (rows of 66 bytes; experts not one 2-D matrix) run
     the pointer kernel with the same result; float32 never takes TMA; bad configs are
     refused with a ValueError; ``BF16_TMA = False`` restores the pointer kernel as the
-    default."""
+    default. (The sm_90 warp-specialized kernel is off here: its own tests below.)"""
+    monkeypatch.setattr(fwd_gm, "HP_WS", False)
     names = _spy_launches(monkeypatch)
     x, layout, real = make_rows([7, 0, 20], 8, 33, device, torch.bfloat16)
     w = (torch.randn(3, 16, 33, device=device) / 6).to(torch.bfloat16)
@@ -912,7 +914,7 @@ def test_fp8_autotuned_launch_path(device, monkeypatch):
 def test_tma_only_where_the_device_has_it(device, monkeypatch):
     """The default launches take the TMA kernel on sm_90+ (and in the interpreter) only:
     older GPUs (an A100's 164 KiB of shared memory, no tensor-memory copies) keep the
-    pointer kernel, with the same result."""
+    pointer kernel, with the same result. (sm_90's warp-specialized kernel off here.)"""
     from types import SimpleNamespace
 
     import linghe.utils as lu
@@ -924,6 +926,7 @@ def test_tma_only_where_the_device_has_it(device, monkeypatch):
     assert fwd_gm.tma_capable(SimpleNamespace(device=torch.device("cuda", 6)))
     assert not fwd_gm.tma_capable(torch.empty(1))          # a CPU tensor off the interpreter
     monkeypatch.undo()
+    monkeypatch.setattr(fwd_gm, "HP_WS", False)
     names = _spy_launches(monkeypatch)
     x, layout, real = make_rows([5, 0, 21], 16, 64, device, torch.bfloat16)
     w = (torch.randn(3, 64, 64, device=device) / 8).to(torch.bfloat16)
