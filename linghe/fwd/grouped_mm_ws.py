@@ -1,5 +1,5 @@
-"""Warp-specialized FP8 blockwise grouped GEMMs for sm_90 (Gluon): the rows GEMM
-(forward and dgrad) and the wgrad over segment groups.
+"""Warp-specialized grouped GEMMs for sm_90 (Gluon): the FP8 blockwise rows GEMM
+(forward and dgrad) and wgrad over segment groups, and the bf16/fp16 rows GEMM.
 
 The same product as :func:`linghe.fwd.grouped_mm.launch_grouped_rows` with FP8
 operands (``out[r] = a[r] @ B_e`` over expert segments, 1x128 row scales, 128x128
@@ -25,7 +25,10 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
 Same tile schedule as the Triton kernel (expert tiles, then tail tiles that store zeros),
 computed the same way inside each program from ``offsets`` (no launch of its own), same
 promotion arithmetic. The wgrad (:func:`launch_fp8_wgrad_ws`)
-is built the same way over ``dW_e`` tiles, one 128-token group per step. Gluon kernels
+is built the same way over ``dW_e`` tiles, one 128-token group per step, and the
+bf16/fp16 rows GEMM (:func:`launch_hp_rows_ws`, forward and dgrad) is the rows kernel
+without the promotion: each consumer's ``64 x BN`` wgmma chains into one accumulator,
+one K step in flight while the previous one's stage is released. Gluon kernels
 do not run in the CPU interpreter: the Triton kernels are the fallback there and on
 other GPUs (:func:`ws_capable`), and the GPU tests compare these kernels with them bit
 for bit.
