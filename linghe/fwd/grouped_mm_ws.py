@@ -277,16 +277,25 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(st), count=1)
                     acc0 = acc0 + prod * gl.expand_dims(sa * sb0, 1)
                 it += 1
-            orows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
-            ocols = col0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, out_l))
-            optrs = (c_ptr + gl.expand_dims(orows.to(gl.int64) * stride_cm, 1)
-                     + gl.expand_dims(ocols, 0))
-            rm = gl.expand_dims((orows < end) & (orows < R), 1)
-            gl.store(optrs, gl.convert_layout(acc0.to(c_ptr.dtype.element_ty), out_l),
-                     mask=rm & gl.expand_dims(ocols < J, 0))
-            if TWO:
-                gl.store(optrs + SUB, gl.convert_layout(acc1.to(c_ptr.dtype.element_ty), out_l),
-                         mask=rm & gl.expand_dims(ocols + SUB < J, 0))
+            _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM, SUB, TWO,
+                        out_l)
+
+    @gluon.jit
+    def _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM: gl.constexpr,
+                    W: gl.constexpr, TWO: gl.constexpr, out_l: gl.constexpr):
+        """A consumer's masked epilogue: ``acc0`` (and, ``TWO``, ``acc1`` beside it) of
+        ``[WM, W]`` into ``c`` rows ``row0..`` (those before the segment's ``end`` and
+        ``R``) and columns ``col0..`` (before ``J``), in ``c``'s dtype."""
+        orows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
+        ocols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, out_l))
+        optrs = (c_ptr + gl.expand_dims(orows.to(gl.int64) * stride_cm, 1)
+                 + gl.expand_dims(ocols, 0))
+        rm = gl.expand_dims((orows < end) & (orows < R), 1)
+        gl.store(optrs, gl.convert_layout(acc0.to(c_ptr.dtype.element_ty), out_l),
+                 mask=rm & gl.expand_dims(ocols < J, 0))
+        if TWO:
+            gl.store(optrs + W, gl.convert_layout(acc1.to(c_ptr.dtype.element_ty), out_l),
+                     mask=rm & gl.expand_dims(ocols + W < J, 0))
 
     @gluon.jit
     def _fp8_rows_ws_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J, E,
@@ -357,13 +366,8 @@ if gluon is not None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if k_tiles > 0:
                 mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-            orows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
-            ocols = col0 + gl.arange(0, WN, layout=gl.SliceLayout(0, out_l))
-            optrs = (c_ptr + gl.expand_dims(orows.to(gl.int64) * stride_cm, 1)
-                     + gl.expand_dims(ocols, 0))
-            rm = gl.expand_dims((orows < end) & (orows < R), 1)
-            gl.store(optrs, gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_l),
-                     mask=rm & gl.expand_dims(ocols < J, 0))
+            _store_rows(c_ptr, acc, acc, row0, col0, end, R, J, stride_cm, WM, WN, False,
+                        out_l)
 
     @gluon.jit
     def _hp_rows_ws_kernel(a_desc, b_desc, c_ptr, offsets_ptr, R, I, J, E, b_row_e, b_col_e,
