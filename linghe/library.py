@@ -1342,7 +1342,8 @@ def unpermute(rows: Tensor, layout: ExpertLayout, probs: Tensor | None) -> Tenso
 @custom_op("linghe::grouped_mm_fwd", mutates_args=())
 def grouped_mm_fwd(rows: Tensor, weight: Tensor, offsets: Tensor, backend: str) -> Tensor:
     """``out [R, N] = rows_e @ weight[e]^T`` per segment; ``backend`` "auto" picks
-    ``torch._grouped_mm`` when the operands allow it (decided at run time)."""
+    linghe's warp-specialized kernel on sm_90, else ``torch._grouped_mm`` when the
+    operands allow it (decided at run time)."""
     return _fwd_gmm.grouped_mm_fwd(rows, weight, offsets, backend=backend).contiguous()
 
 

@@ -296,7 +296,7 @@ def test_auto_rows_on_triton_rule(device, monkeypatch):
         return f
 
     monkeypatch.setattr(F.fwd, "torch_grouped_mm_ok", lambda *t: True)
-    monkeypatch.setattr(F.fwd, "hp_ws_preferred", lambda t: False)  # (sm_90: below)
+    monkeypatch.setattr(F.fwd, "hp_ws_preferred", lambda t, n=None: False)  # (sm_90: below)
     monkeypatch.setattr(F.fwd, "grouped_mm_fwd", spy("fwd", fwd_gm.grouped_mm_fwd))
     monkeypatch.setattr(F.bwd, "grouped_mm_dgrad", spy("dgrad", bwd_gm.grouped_mm_dgrad))
     monkeypatch.setattr(F.bwd, "grouped_mm_wgrad", spy("wgrad", bwd_gm.grouped_mm_wgrad))
@@ -325,7 +325,7 @@ def test_auto_rows_on_triton_rule(device, monkeypatch):
     assert run(18) == dict(fwd="torch", dgrad="torch", wgrad="torch")
     # sm_90 (the warp-specialized rows kernel available): forward and dgrad on it, the
     # wgrad on torch, whatever the knob says
-    monkeypatch.setattr(F.fwd, "hp_ws_preferred", lambda t: True)
+    monkeypatch.setattr(F.fwd, "hp_ws_preferred", lambda t, n=None: True)
     assert run(0) == dict(fwd="triton", dgrad="triton", wgrad="torch")
 
 
@@ -1145,17 +1145,52 @@ def test_hp_ws_dispatch(device, monkeypatch):
     names = _spy_launches(monkeypatch)
     x, layout, real = make_rows([5, 0, 40], 16, 64, device, torch.bfloat16)
     w = (torch.randn(3, 48, 64, device=device) / 8).to(torch.bfloat16)
+    # (sm_90 with Gluon pretended: the preference itself; N-major dgrad weights need N a
+    # multiple of BK = 64, and float32 never takes it)
+    monkeypatch.setattr(fwd_gm, "ws_capable", lambda t: True)
+    assert fwd_gm.hp_ws_preferred(x) and fwd_gm.hp_ws_preferred(x, 128)
+    assert not fwd_gm.hp_ws_preferred(x, 72)
+    assert not fwd_gm.hp_ws_preferred(x.float())
     monkeypatch.setattr(fwd_gm, "ws_capable", lambda t: False)
+    assert not fwd_gm.hp_ws_preferred(x)
     want = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
     assert "_hp_rows_ws_kernel" not in names and names  # a Triton kernel ran
-    assert not fwd_gm.hp_ws_preferred(x) or device == "cuda"
     monkeypatch.setattr(fwd_gm, "HP_WS", False)
+    monkeypatch.setattr(fwd_gm, "ws_capable", lambda t: True)
     assert not fwd_gm.hp_ws_preferred(x)
-    assert not fwd_gm.hp_ws_preferred(x.float())
+    monkeypatch.setattr(fwd_gm, "ws_capable", lambda t: False)
     del names[:]
     got = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
     assert "_hp_rows_ws_kernel" not in names
     assert torch.equal(got, want)
+    # a config it cannot run is refused before anything is launched
+    for bad in (dict(STAGES=1), dict(BM=64, BN=128), dict(BK=32)):
+        with pytest.raises(ValueError, match="warp-specialized"):
+            ws_mod.launch_hp_rows_ws(None, None, None, False, bad)
+
+
+@pytest.mark.gpu
+def test_hp_ws_is_the_auto_choice_on_sm90(device, monkeypatch):
+    """On sm_90 ``linghe.grouped_mm(backend="auto")`` on bf16 runs its forward and dgrad
+    on the warp-specialized kernel and the wgrad on ``torch._grouped_mm``; a weight whose
+    ``N`` is no multiple of 64 (the dgrad could not read it by TMA) keeps torch's kernels
+    for all three. Results against the float64 reference."""
+    if not ws_mod.ws_capable(torch.empty(1, device=device)):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    names = _spy_launches(monkeypatch, ws_mod)
+    x, layout, real = make_rows([9, 0, 150, 33], 16, 128, device, torch.bfloat16)
+    for N, want_names in ((128, ["_hp_rows_ws_kernel"] * 2), (72, [])):
+        w = (torch.randn(4, N, 128, device=device) / 11).to(torch.bfloat16).requires_grad_()
+        xi = x.clone().requires_grad_()
+        g = torch.randn(x.shape[0], N, device=device, dtype=torch.bfloat16)
+        del names[:]
+        out = linghe.grouped_mm(xi, w, layout)
+        out.backward(g)
+        assert names == want_names, (N, names)
+        r, dx, dw = ref_grads(x, w, layout.offsets, g)
+        assert_close(out, r, name=f"out N={N}")
+        assert_close(xi.grad, dx, name=f"d_rows N={N}")
+        assert_close(w.grad, dw, name=f"d_weight N={N}")
 
 
 def test_fp8_ws_dispatch(device, monkeypatch):

@@ -52,7 +52,7 @@ def grouped_mm_dgrad(d_out: torch.Tensor, weight: torch.Tensor, offsets: torch.T
     ``offsets[E]``)."""
     R, N = d_out.shape
     E, _, K = weight.shape
-    use_torch = backend == "torch" or (backend == "auto" and not hp_ws_preferred(d_out)
+    use_torch = backend == "torch" or (backend == "auto" and not hp_ws_preferred(d_out, N)
                                        and torch_grouped_mm_ok(d_out, weight))
     if use_torch and R > 0 and K > 0:
         return zero_tail(torch._grouped_mm(d_out, weight, offs=offsets[1:]), offsets)

@@ -39,7 +39,9 @@ from ..utils import (
 BACKENDS = ("auto", "triton", "torch")
 
 #: A proposed ``backend="auto"`` rule for bf16/fp16, off by default (0; not yet timed in
-#: a training step): where ``torch._grouped_mm`` would run, the forward and dgrad take
+#: a training step; on sm_90 it matters only with ``LINGHE_HP_WS=0`` or without Gluon,
+#: since the warp-specialized kernel already takes the forward and dgrad there): where
+#: ``torch._grouped_mm`` would run, the forward and dgrad take
 #: linghe's TMA rows kernel instead when the layout averages at most this many rows per
 #: expert (``num_rows / E``: e.g. ~271 for 256 experts at 8192 tokens top-8, where
 #: CUTLASS's grouped GEMM is weak), and ``N`` is a multiple of 64 (the dgrad's TMA
@@ -209,9 +211,9 @@ def _auto_backend(rows: torch.Tensor, weight: torch.Tensor, layout) -> str:
     aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0
     if not (aligned and fwd.torch_grouped_mm_ok(rows, weight)):
         return "triton"
-    if fwd.hp_ws_preferred(rows):
-        return _TRITON_ROWS
     E, N, _ = weight.shape
+    if fwd.hp_ws_preferred(rows, N):
+        return _TRITON_ROWS
     limit = ROWS_TRITON_MAX_ROWS_PER_EXPERT
     if limit > 0 and fwd.BF16_TMA and rows.shape[0] <= limit * E and N % 64 == 0:
         return _TRITON_ROWS
@@ -257,7 +259,10 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
         backend: ``"auto"`` uses ``torch._grouped_mm`` for bf16 on CUDA sm90 when ``N``
             and ``K`` are multiples of 8 and ``layout`` is an ExpertLayout whose ``align``
             is a multiple of 8 (its wgrad needs 16-byte aligned segments; raw offsets
-            carry no such promise), else the Triton kernels (with
+            carry no such promise), except that there, with Gluon and ``N`` a multiple of
+            64, the forward and dgrad take linghe's warp-specialized kernel (faster;
+            ``LINGHE_HP_WS=0`` turns it off) and only the wgrad torch's; else the Triton
+            kernels (with
             :data:`ROWS_TRITON_MAX_ROWS_PER_EXPERT` set, off by default: the forward and
             dgrad of layouts with few rows per expert on Triton, the wgrad on torch);
             ``"triton"`` / ``"torch"`` force one (``"torch"``: the caller guarantees

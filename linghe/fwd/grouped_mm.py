@@ -40,12 +40,15 @@ Triton kernel, 1.48-1.67x ``torch._grouped_mm`` bf16 at the MoE shapes on an H10
 Triton kernels remain the path everywhere else (CPU interpreter, other GPUs, operands
 TMA cannot describe, ``config`` without ``WS``).
 
-**bf16/fp16 (Triton backend).** The same TMA kernel on bf16/fp16 descriptors (no
-scales, ``BK = 64``: 128-byte rows) runs the high-precision forward and dgrad wherever
-:func:`_tma_operands` can describe the operands (:data:`BF16_TMA`; the dgrad's weight
-``W_e [N, K]`` is read N-major, so it needs ``N`` a multiple of ``BK``); elsewhere, and
-for float32, the pointer kernel. A launcher's ``config`` pins its tiles or asks for the
-pointer kernel (``TMA=False``; :func:`_check_rows_config`).
+**bf16/fp16 (Triton backend).** On sm_90 the warp-specialized kernel
+(:func:`~linghe.fwd.grouped_mm_ws.launch_hp_rows_ws`, :data:`HP_WS`; also what
+``backend="auto"`` takes there, :func:`hp_ws_preferred`); elsewhere the same TMA kernel
+on bf16/fp16 descriptors (no scales, ``BK = 64``: 128-byte rows) runs the
+high-precision forward and dgrad wherever :func:`_tma_operands` can describe the
+operands (:data:`BF16_TMA`; the dgrad's weight ``W_e [N, K]`` is read N-major, so both
+need ``N`` a multiple of ``BK``); elsewhere, and for float32, the pointer kernel. A
+launcher's ``config`` pins its tiles or asks for the pointer kernel (``TMA=False``;
+:func:`_check_rows_config`).
 """
 
 from __future__ import annotations
@@ -519,7 +522,8 @@ FP8_TMA: bool = os.environ.get("LINGHE_FP8_TMA", "1") == "1"
 #: The same for bf16/fp16 operands (the Triton backend of :func:`grouped_mm_fwd` and the
 #: dgrad): :func:`_grouped_rows_tma_kernel` on bf16/fp16 descriptors where
 #: :func:`_tma_operands` can describe the operands. ``LINGHE_BF16_TMA=0``: the pointer
-#: kernel everywhere (main's bf16 path before the TMA loads).
+#: kernel everywhere the warp-specialized kernel does not run (on sm_90 also set
+#: ``LINGHE_HP_WS=0``; main's bf16 path before the TMA loads).
 BF16_TMA: bool = os.environ.get("LINGHE_BF16_TMA", "1") == "1"
 
 
@@ -593,7 +597,8 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
 
     By default, FP8 on sm_90: the warp-specialized Gluon kernel (:data:`FP8_WS`, tiles
     from :func:`~linghe.fwd.grouped_mm_ws.ws_config`; not with ``block_m`` or
-    :data:`FP8_RESCALE`); elsewhere the TMA kernel (:data:`FP8_TMA` promoting form /
+    :data:`FP8_RESCALE`), bf16/fp16 on sm_90 its 16-bit form (:data:`HP_WS`, not with
+    ``block_m`` or ``config``); elsewhere the TMA kernel (:data:`FP8_TMA` promoting form /
     :data:`BF16_TMA` bf16 and fp16; fixed tiles from :func:`_mm_config`) where
     :func:`_tma_operands` can describe the operands, else the pointer kernel (FP8:
     autotuned from ``AUTOTUNE_MIN_ROWS`` rows on). float32 always runs the pointer
@@ -689,15 +694,20 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
 # --------------------------------------------------------------------------------------
 
 
-def hp_ws_preferred(t: torch.Tensor) -> bool:
+def hp_ws_preferred(t: torch.Tensor, dgrad_contraction: int | None = None) -> bool:
     """Whether ``backend="auto"`` takes the warp-specialized bf16/fp16 rows kernel
     (:func:`~linghe.fwd.grouped_mm_ws.launch_hp_rows_ws`, forward and dgrad) over
-    ``torch._grouped_mm``: on sm_90 with Gluon, 16-bit ``t``, :data:`HP_WS` on. H200, 8192
+    ``torch._grouped_mm``: on sm_90 with Gluon, 16-bit ``t``, :data:`HP_WS` on, and, for a
+    dgrad (or a layer that runs one), its contraction ``dgrad_contraction`` (the weight's
+    ``N``, read N-major) a multiple of the kernel's ``BK``: otherwise TMA cannot read the
+    weight and torch's kernel beats the pointer kernel left. H200, 8192
     tokens top-8, µs against ``torch._grouped_mm`` (with its tail zeroing): E = 256
     gate_up fwd 1067 (1138) / dgrad 1038 (1125), down 556 (613) / 527 (577); E = 32
     gate_up 747 (773) / 748 (773), down 399 (424) / 380 (407)
     (``benchmark/results/h200_probe_bf16_ws_rows_2026-11-27_s14``). Operands TMA cannot
     describe take the Triton kernels."""
+    if dgrad_contraction is not None and dgrad_contraction % HP_WS_CONFIG["BK"]:
+        return False
     return HP_WS and t.dtype in (torch.bfloat16, torch.float16) and ws_capable(t)
 
 

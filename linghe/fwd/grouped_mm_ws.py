@@ -30,8 +30,9 @@ bf16/fp16 rows GEMM (:func:`launch_hp_rows_ws`, forward and dgrad) is the rows k
 without the promotion: each consumer's ``64 x BN`` wgmma chains into one accumulator,
 one K step in flight while the previous one's stage is released. Gluon kernels
 do not run in the CPU interpreter: the Triton kernels are the fallback there and on
-other GPUs (:func:`ws_capable`), and the GPU tests compare these kernels with them bit
-for bit.
+other GPUs (:func:`ws_capable`), and the GPU tests compare the FP8 kernels with them
+bit for bit (the 16-bit kernel, whose fp32 sums run in another order, against the fp32
+product).
 """
 
 from __future__ import annotations
@@ -692,6 +693,8 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
 #: gate_up 750 (771), down 402 (422) (``h200_probe_bf16_ws_rows_fwd_2026-11-27_s14``).
 HP_WS_CONFIG = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, CONSUMER_REGS=232,
                     MAXNREG=160)
+#: Its tiles (128 rows split by rows between the consumers, 64 by columns).
+HP_WS_TILES = ((128, 256), (128, 128), (64, 256))
 
 
 def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: bool,
@@ -704,6 +707,10 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
     from .grouped_mm import row_tile_bound
 
     cfg = dict(HP_WS_CONFIG, **(config or {}))
+    if (cfg["BM"], cfg["BN"]) not in HP_WS_TILES or cfg["STAGES"] < 2 or cfg["BK"] != 64:
+        # (a consumer holds two stages before it releases one: one stage would deadlock)
+        raise ValueError(f"16-bit warp-specialized rows GEMM: (BM, BN) in {HP_WS_TILES}, "
+                         f"BK = 64 and STAGES >= 2, got {config}")
     a_desc, b_desc, b_row_e, b_col_e = ops
     R, I = a_desc.shape
     J = out.shape[1]
