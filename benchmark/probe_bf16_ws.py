@@ -66,12 +66,47 @@ def _rows(E: int, name: str, N: int, K: int) -> list[dict]:
     return out_rows
 
 
+def _wgrad_row(E: int, name: str, N: int, K: int) -> dict:
+    """WIP: the warp-specialized wgrad against ``torch._grouped_mm``'s (branch only)."""
+    from linghe.fwd.grouped_mm_ws import launch_hp_wgrad_ws
+
+    layout, real, bounds, _ = random_routing(8192, 8, E, 16, "cuda")
+    R = real.numel()
+    x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(R, N, device="cuda", dtype=torch.bfloat16)
+    x[~real] = 0
+    g[~real] = 0
+    off = layout.offsets
+    ref = torch.stack([g[bounds[e]:bounds[e + 1]].float().t() @ x[bounds[e]:bounds[e + 1]]
+                       .float() for e in range(E)])
+    offs = off[1:].to(torch.int32)
+    row = dict(E=E, gemm=name, dir="wgrad", R=R, N=N, K=K)
+    t = torch._grouped_mm(g.t(), x, offs=offs)
+    row["torch_err"] = ((t.float() - ref).norm() / ref.norm()).item()
+    row["torch_us"] = device_time_us(partial(torch._grouped_mm, g.t(), x, offs=offs))
+    dw = torch.full((E, N, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+    launch_hp_wgrad_ws(g, x, dw, off)
+    row["ws_err"] = ((dw.float() - ref).norm() / ref.norm()).item()
+    row["ws_nan"] = bool(dw.isnan().any())
+    row["ws_us"] = device_time_us(partial(launch_hp_wgrad_ws, g, x, dw, off))
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.probe_bf16_ws")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--wgrad", action="store_true", help="WIP: the wgrad rows only")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or not ws_capable(torch.empty(1, device="cuda")):
         raise SystemExit("probe_bf16_ws needs an sm_90 GPU and Gluon")
+    if args.wgrad:
+        wrows = [_wgrad_row(*c) for c in CASES]
+        for r in wrows:
+            print(r, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": wrows}, f, indent=1)
+        return 0
     rows = [r for c in CASES for r in _rows(*c)]
     if args.json:
         with open(args.json, "w") as f:

@@ -392,6 +392,91 @@ if gluon is not None:
                         b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, B_NMAJOR)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
+    # ------------------------------------------------ bf16 / fp16 wgrad (WIP, branch)
+
+    @gluon.jit
+    def _hw_load(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, N, K, R, E,
+                 BNW: gl.constexpr, BKW: gl.constexpr, BT: gl.constexpr,
+                 STAGES: gl.constexpr):
+        """Loader warp of the 16-bit wgrad: per ``BT``-token step of an expert's segment,
+        the ``[BT, BNW]`` box of ``g`` and the ``[BT, BKW]`` box of ``x`` (rows = tokens)."""
+        nN = gl.cdiv(N, BNW)
+        nK = gl.cdiv(K, BKW)
+        it = 0
+        for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
+            e, pid_n, pid_k, start, end, _g = _wg_tile(tile, nN, nK, offsets_ptr, R)
+            for i in range(gl.cdiv(end - start, BT)):
+                st = it % STAGES
+                mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(st)
+                mbarrier.expect(bar, g_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                _tma_load(g_desc, [start + i * BT, pid_n * BNW], bar, g_bufs.index(st))
+                _tma_load(x_desc, [start + i * BT, pid_k * BKW], bar, x_bufs.index(st))
+                it += 1
+
+    @gluon.jit
+    def _hw_consume(g_bufs, x_bufs, ready, empty, w_ptr, offsets_ptr, N, K, R, E, stride_we,
+                    stride_wn, WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
+                    BT: gl.constexpr, STAGES: gl.constexpr):
+        """Consumer warpgroup ``WG``: rows ``WG * BNW/2 ..`` of each ``dW_e`` tile; per
+        token step one ``[BNW/2, BKW]`` wgmma (both operands read token-major), one step
+        in flight; the segment's partial last step first zeroes this warpgroup's ``g``
+        tokens past the segment in shared memory (they belong to the next expert)."""
+        WM: gl.constexpr = BNW // 2
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BKW, 16])
+        tok_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BKW, BKW // 8], [4, 1],
+                                               [1, 0])
+        nN = gl.cdiv(N, BNW)
+        nK = gl.cdiv(K, BKW)
+        it = 0
+        for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
+            e, pid_n, pid_k, start, end, _g = _wg_tile(tile, nN, nK, offsets_ptr, R)
+            n_steps = gl.cdiv(end - start, BT)
+            acc = gl.zeros((WM, BKW), gl.float32, mma)
+            for i in range(n_steps):
+                st = it % STAGES
+                mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+                g_view = g_bufs.index(st).slice(WG * WM, WM, dim=1)  # [BT, WM]
+                valid = end - (start + i * BT)
+                if valid < BT:  # zero this warpgroup's tokens past the segment in place
+                    toks = gl.arange(0, BT, layout=gl.SliceLayout(1, tok_l))
+                    a = g_view.load(tok_l)
+                    a = gl.where(gl.expand_dims(toks < valid, 1), a, gl.zeros_like(a))
+                    g_view.store(a)
+                    fence_async_shared()
+                acc = warpgroup_mma(g_view.permute((1, 0)), x_bufs.index(st), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if i > 0:  # the previous step's MMA is done: release its stage
+                    mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if n_steps > 0:
+                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+            _store_rows(w_ptr + e.to(gl.int64) * stride_we, acc, acc, pid_n * BNW + WG * WM,
+                        pid_k * BKW, N, N, K, stride_wn, WM, BKW, False, out_l)
+
+    @gluon.jit
+    def _hp_wgrad_ws_kernel(g_desc, x_desc, w_ptr, offsets_ptr, N, K, R, E, stride_we,
+                            stride_wn, BNW: gl.constexpr, BKW: gl.constexpr,
+                            BT: gl.constexpr, STAGES: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """Persistent warp-specialized bf16/fp16 wgrad over expert segments (WIP):
+        ``dW[e] = g_e^T x_e`` in ``[BNW, BKW]`` tiles, fp32 accumulation."""
+        g_bufs, x_bufs, ready, empty = _ring(g_desc, x_desc, STAGES)
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize([
+            (_hw_consume, (g_bufs, x_bufs, ready, empty, w_ptr, offsets_ptr, N, K, R, E,
+                           stride_we, stride_wn, WG0, BNW, BKW, BT, STAGES)),
+            (_hw_consume, (g_bufs, x_bufs, ready, empty, w_ptr, offsets_ptr, N, K, R, E,
+                           stride_we, stride_wn, WG1, BNW, BKW, BT, STAGES)),
+            (_hw_load, (g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, N, K, R, E,
+                        BNW, BKW, BT, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 40])
+
     # ---------------------------------------------------------------- FP8 wgrad
 
     @gluon.jit
@@ -725,6 +810,28 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
                EP2=max(128, next_power_of_2(E)), B_NMAJOR=b_nmajor,
                CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
+
+
+def launch_hp_wgrad_ws(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
+                       offsets: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """WIP (branch): ``dW[e] = g_e^T x_e`` for bf16/fp16 ``g [R, N]``, ``x [R, K]`` (rows
+    grouped by ``offsets``), ``dw [E, N, K]`` written (zeros for experts without rows)."""
+    cfg = dict(BNW=128, BKW=256, BT=64, STAGES=3, CONSUMER_REGS=232, MAXNREG=160)
+    cfg.update(config or {})
+    R, N = g.shape
+    K = x.shape[1]
+    E = offsets.numel() - 1
+    dt = gl.bfloat16 if g.dtype == torch.bfloat16 else gl.float16
+    bt, bnw, bkw = cfg["BT"], cfg["BNW"], cfg["BKW"]
+    g_desc = GluonDescriptor(g, [R, N], [g.stride(0), 1], [bt, bnw], _layout((bt, bnw), dt))
+    x_desc = GluonDescriptor(x, [R, K], [x.stride(0), 1], [bt, bkw], _layout((bt, bkw), dt))
+    tiles = E * cdiv(N, bnw) * cdiv(K, bkw)
+    grid = (max(1, min(num_sms(dw.device), tiles)),)
+    with device_guard(dw):
+        launch(_hp_wgrad_ws_kernel, grid, g_desc, x_desc, dw, offsets, N, K, R, E,
+               dw.stride(0), dw.stride(1), BNW=bnw, BKW=bkw, BT=bt, STAGES=cfg["STAGES"],
+               CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
+    return dw
 
 
 #: The wgrad's settings: ``dW_e`` in ``[BNW, BKW]`` tiles (``BNW / 2`` rows per consumer
