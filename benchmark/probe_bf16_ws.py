@@ -19,8 +19,11 @@ from functools import partial
 import torch
 
 import linghe.fwd.grouped_mm as fgm
+import linghe.fwd.grouped_mm_ws as W
+from linghe.bwd import grouped_mm as bwd_gm
 from linghe.bwd.grouped_mm import grouped_mm_dgrad
 from linghe.fwd.grouped_mm_ws import ws_capable
+from linghe.testing import rel_err
 
 from .harness import device_time_us, print_columns, random_routing
 
@@ -66,46 +69,98 @@ def _rows(E: int, name: str, N: int, K: int) -> list[dict]:
     return out_rows
 
 
-def _wgrad_row(E: int, name: str, N: int, K: int) -> dict:
-    """WIP: the warp-specialized wgrad against ``torch._grouped_mm``'s (branch only)."""
-    from linghe.fwd.grouped_mm_ws import launch_hp_wgrad_ws
+def _wgrad_parts(E: int, N: int, K: int, M: int, seed: int) -> list:
+    """``M`` micro-batches' wgrad operands ``(g, x, offsets)`` (routed rows only non-zero)."""
+    parts = []
+    for m in range(M):
+        layout, real, _, _ = random_routing(8192, 8, E, 16, "cuda", seed=seed + m)
+        R = real.numel()
+        g = torch.randn(R, N, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
+        g[~real] = 0
+        x[~real] = 0
+        parts.append((g, x, layout.offsets))
+    return parts
 
-    layout, real, bounds, _ = random_routing(8192, 8, E, 16, "cuda")
-    R = real.numel()
-    x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(R, N, device="cuda", dtype=torch.bfloat16)
-    x[~real] = 0
-    g[~real] = 0
-    off = layout.offsets
-    ref = torch.stack([g[bounds[e]:bounds[e + 1]].float().t() @ x[bounds[e]:bounds[e + 1]]
-                       .float() for e in range(E)])
-    offs = off[1:].to(torch.int32)
-    row = dict(E=E, gemm=name, dir="wgrad", R=R, N=N, K=K)
-    t = torch._grouped_mm(g.t(), x, offs=offs)
-    row["torch_err"] = ((t.float() - ref).norm() / ref.norm()).item()
-    row["torch_us"] = device_time_us(partial(torch._grouped_mm, g.t(), x, offs=offs))
-    dw = torch.full((E, N, K), float("nan"), device="cuda", dtype=torch.bfloat16)
-    launch_hp_wgrad_ws(g, x, dw, off)
-    row["ws_err"] = ((dw.float() - ref).norm() / ref.norm()).item()
-    row["ws_nan"] = bool(dw.isnan().any())
-    row["ws_us"] = device_time_us(partial(launch_hp_wgrad_ws, g, x, dw, off))
-    return row
+
+def _wgrad_rows(E: int, name: str, N: int, K: int, M: int) -> list[dict]:
+    """The wgrad of one and of ``M`` micro-batches: ``torch._grouped_mm`` (one part; its
+    ``M`` launches summed, and one launch over all parts' rows in one buffer: the bar),
+    the Triton TMA kernels, and the warp-specialized kernel at its settings."""
+    parts = _wgrad_parts(E, N, K, M, seed=7)
+    ref1 = torch._grouped_mm(parts[0][0].t(), parts[0][1], offs=parts[0][2][1:]).float()
+    refm = ref1 + sum(torch._grouped_mm(g.t(), x, offs=o[1:]).float() for g, x, o in parts[1:])
+    dw = torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16)
+    old = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+
+    def check(row, key, fn, ref, start=None, sq=None):
+        if start is None:
+            dw.fill_(float("nan"))
+        else:
+            dw.copy_(start)
+        fn()
+        want = ref if start is None else ref + start.float()
+        row[key + "_err"] = rel_err(dw.float(), want)
+        if sq is not None:
+            row[key + "_sq_err"] = rel_err(sq.sum(), dw.float().square().sum())
+        row[key + "_us"] = device_time_us(fn)
+
+    out = []
+    g, x, o = parts[0]
+    row = dict(E=E, gemm=name, case="1 part", N=N, K=K)
+    row["torch_us"] = device_time_us(partial(torch._grouped_mm, g.t(), x, offs=o[1:]))
+    check(row, "triton_tma", partial(bwd_gm.launch_wgrad_tma, g, x, dw, o), ref1)
+    for key, cfg in WGRAD_VARIANTS:
+        check(row, key, partial(W.launch_hp_wgrad_ws, [parts[0]], dw, config=cfg), ref1)
+    out.append(row)
+    row = dict(E=E, gemm=name, case="1 part, accumulate", N=N, K=K)
+    check(row, "triton_tma", partial(bwd_gm.launch_wgrad_tma, g, x, dw, o, accumulate=True),
+          ref1, start=old)
+    for key, cfg in WGRAD_VARIANTS[:2]:
+        check(row, key, partial(W.launch_hp_wgrad_ws, [parts[0]], dw, accumulate=True,
+                                config=cfg), ref1, start=old)
+    out.append(row)
+    row = dict(E=E, gemm=name, case=f"{M} parts + sq", N=N, K=K)
+    row["torch_sum_us"] = sum(device_time_us(partial(torch._grouped_mm, g.t(), x, offs=o[1:]))
+                              for g, x, o in parts)
+    big, real, _, _ = random_routing(M * 8192, 8, E, 16, "cuda", seed=99)
+    gb = torch.randn(real.numel(), N, device="cuda", dtype=torch.bfloat16)
+    xb = torch.randn(real.numel(), K, device="cuda", dtype=torch.bfloat16)
+    row["torch_concat_us"] = device_time_us(
+        partial(torch._grouped_mm, gb.t(), xb, offs=big.offsets[1:]))
+    del gb, xb
+    sq = torch.empty(bwd_gm.wgrad_sq_size(dw), device="cuda")
+    check(row, "triton_parts", partial(bwd_gm.launch_wgrad_tma_parts, parts, dw, sq_out=sq),
+          refm, sq=sq)
+    for key, cfg in WGRAD_VARIANTS:
+        sq = torch.empty(W.hp_wgrad_ws_sq_size(dw, cfg), device="cuda")
+        check(row, key, partial(W.launch_hp_wgrad_ws, parts, dw, sq_out=sq, config=cfg),
+              refm, sq=sq)
+    out.append(row)
+    return out
+
+
+#: (column, config) of the warp-specialized wgrad
+WGRAD_VARIANTS = (("ws", None), ("ws_regstore", dict(TMA_STORE=False)),
+                  ("ws_bt32", dict(BT=32, STAGES=6)))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.probe_bf16_ws")
     p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--wgrad", action="store_true", help="WIP: the wgrad rows only")
+    p.add_argument("--wgrad", action="store_true",
+                   help="the wgrad (one part, accumulating, --micro-batches parts)")
+    p.add_argument("--micro-batches", type=int, default=4)
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or not ws_capable(torch.empty(1, device="cuda")):
         raise SystemExit("probe_bf16_ws needs an sm_90 GPU and Gluon")
     if args.wgrad:
-        wrows = [_wgrad_row(*c) for c in CASES]
-        for r in wrows:
-            print(r, flush=True)
+        wrows = [r for c in CASES for r in _wgrad_rows(*c, args.micro_batches)]
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "rows": wrows}, f, indent=1)
+        for r in wrows:
+            print({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()})
         return 0
     rows = [r for c in CASES for r in _rows(*c)]
     if args.json:

@@ -392,89 +392,199 @@ if gluon is not None:
                         b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, B_NMAJOR)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
-    # ------------------------------------------------ bf16 / fp16 wgrad (WIP, branch)
+    # ------------------------------------------------------------ bf16 / fp16 wgrad
 
     @gluon.jit
-    def _hw_load(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, N, K, R, E,
-                 BNW: gl.constexpr, BKW: gl.constexpr, BT: gl.constexpr,
-                 STAGES: gl.constexpr):
-        """Loader warp of the 16-bit wgrad: per ``BT``-token step of an expert's segment,
-        the ``[BT, BNW]`` box of ``g`` and the ``[BT, BKW]`` box of ``x`` (rows = tokens)."""
+    def _segment(offsets_ptr, e, R):
+        """Expert ``e``'s rows ``start .. end`` of one operand pair (clipped to ``R``)."""
+        end = gl.minimum(gl.load(offsets_ptr + e + 1), R)
+        return gl.maximum(gl.minimum(gl.load(offsets_ptr + e), end), 0), end
+
+    @gluon.jit
+    def _hw_load_part(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, R, e, n0,
+                      k0, it, BT: gl.constexpr, STAGES: gl.constexpr):
+        """The loader's TMA copies of one part's segment of expert ``e``: per ``BT``-token
+        step the ``[BT, BNW]`` box of ``g`` and the ``[BT, BKW]`` box of ``x``."""
+        start, end = _segment(offsets_ptr, e, R)
+        for i in range(gl.cdiv(end - start, BT)):
+            st = it % STAGES
+            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(st)
+            mbarrier.expect(bar, g_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            _tma_load(g_desc, [start + i * BT, n0], bar, g_bufs.index(st))
+            _tma_load(x_desc, [start + i * BT, k0], bar, x_bufs.index(st))
+            it += 1
+        return it
+
+    @gluon.jit
+    def _hw_load(g0, x0, o0, R0, g1, x1, o1, R1, g2, x2, o2, R2, g3, x3, o3, R3, g_bufs,
+                 x_bufs, ready, empty, N, K, E, BNW: gl.constexpr, BKW: gl.constexpr,
+                 BT: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):
+        """Loader warp of the 16-bit wgrad: each tile's parts' segments in turn."""
         nN = gl.cdiv(N, BNW)
         nK = gl.cdiv(K, BKW)
         it = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
-            e, pid_n, pid_k, start, end, _g = _wg_tile(tile, nN, nK, offsets_ptr, R)
-            for i in range(gl.cdiv(end - start, BT)):
-                st = it % STAGES
-                mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-                bar = ready.index(st)
-                mbarrier.expect(bar, g_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                _tma_load(g_desc, [start + i * BT, pid_n * BNW], bar, g_bufs.index(st))
-                _tma_load(x_desc, [start + i * BT, pid_k * BKW], bar, x_bufs.index(st))
-                it += 1
+            e = tile // (nN * nK)
+            n0 = ((tile % (nN * nK)) // nK) * BNW
+            k0 = (tile % nK) * BKW
+            it = _hw_load_part(g0, x0, g_bufs, x_bufs, ready, empty, o0, R0, e, n0, k0, it,
+                               BT, STAGES)
+            if PARTS > 1:
+                it = _hw_load_part(g1, x1, g_bufs, x_bufs, ready, empty, o1, R1, e, n0, k0,
+                                   it, BT, STAGES)
+            if PARTS > 2:
+                it = _hw_load_part(g2, x2, g_bufs, x_bufs, ready, empty, o2, R2, e, n0, k0,
+                                   it, BT, STAGES)
+            if PARTS > 3:
+                it = _hw_load_part(g3, x3, g_bufs, x_bufs, ready, empty, o3, R3, e, n0, k0,
+                                   it, BT, STAGES)
 
     @gluon.jit
-    def _hw_consume(g_bufs, x_bufs, ready, empty, w_ptr, offsets_ptr, N, K, R, E, stride_we,
-                    stride_wn, WG: gl.constexpr, BNW: gl.constexpr, BKW: gl.constexpr,
-                    BT: gl.constexpr, STAGES: gl.constexpr):
-        """Consumer warpgroup ``WG``: rows ``WG * BNW/2 ..`` of each ``dW_e`` tile; per
-        token step one ``[BNW/2, BKW]`` wgmma (both operands read token-major), one step
-        in flight; the segment's partial last step first zeroes this warpgroup's ``g``
-        tokens past the segment in shared memory (they belong to the next expert)."""
+    def _hw_consume_part(acc, it, it0, g_bufs, x_bufs, ready, empty, offsets_ptr, R, e,
+                         WG: gl.constexpr, WM: gl.constexpr, BT: gl.constexpr,
+                         STAGES: gl.constexpr):
+        """One part's steps of a consumer warpgroup: per step one ``[WM, BKW]`` wgmma
+        (``g``'s box read transposed, ``x``'s as it is), one step in flight (the previous
+        one's stage released once it is done: any step of this tile since ``it0``). The
+        segment's partial last step first zeroes this warpgroup's ``g`` tokens past the
+        segment in shared memory (they belong to the next expert, or another part's rows
+        past ``R`` that TMA zero-filled)."""
+        tok_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        start, end = _segment(offsets_ptr, e, R)
+        for i in range(gl.cdiv(end - start, BT)):
+            st = it % STAGES
+            mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+            g_view = g_bufs.index(st).slice(WG * WM, WM, dim=1)  # [BT, WM]
+            valid = end - (start + i * BT)
+            if valid < BT:
+                toks = gl.arange(0, BT, layout=gl.SliceLayout(1, tok_l))
+                a = g_view.load(tok_l)
+                a = gl.where(gl.expand_dims(toks < valid, 1), a, gl.zeros_like(a))
+                g_view.store(a)
+                fence_async_shared()
+            acc = warpgroup_mma(g_view.permute((1, 0)), x_bufs.index(st), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if it > it0:
+                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+            it += 1
+        return acc, it
+
+    @gluon.jit
+    def _hw_consume(g_bufs, x_bufs, c_bufs, c_bars, ready, empty, w_ptr, w_desc, sq_ptr, o0,
+                    R0, o1,
+                    R1, o2, R2, o3, R3, N, K, E, stride_we, stride_wn, WG: gl.constexpr,
+                    BNW: gl.constexpr, BKW: gl.constexpr, BT: gl.constexpr,
+                    STAGES: gl.constexpr, PARTS: gl.constexpr, ACCUMULATE: gl.constexpr,
+                    SQ: gl.constexpr, TMA_STORE: gl.constexpr):
+        """Consumer warpgroup ``WG``: rows ``WG * BNW/2 ..`` of each ``dW_e`` tile, summed
+        over the parts in one fp32 accumulator; then the epilogue (see
+        :func:`_hp_wgrad_ws_kernel`)."""
         WM: gl.constexpr = BNW // 2
+        F32_OUT: gl.constexpr = w_ptr.dtype.element_ty == gl.float32
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BKW, 16])
-        tok_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BKW, BKW // 8], [4, 1],
                                                [1, 0])
         nN = gl.cdiv(N, BNW)
         nK = gl.cdiv(K, BKW)
         it = 0
+        phase = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
-            e, pid_n, pid_k, start, end, _g = _wg_tile(tile, nN, nK, offsets_ptr, R)
-            n_steps = gl.cdiv(end - start, BT)
+            e = tile // (nN * nK)
+            n0 = ((tile % (nN * nK)) // nK) * BNW + WG * WM
+            k0 = (tile % nK) * BKW
+            if TMA_STORE:
+                c_buf = c_bufs.index(WG)
+                tma.store_wait(0)  # the buffer's previous store has been read out
+                if ACCUMULATE:  # the existing tile, on its way during the K loop
+                    mbarrier.expect(c_bars.index(WG), w_desc.block_type.nbytes)
+                    _tma_load(w_desc, [e * N + n0, k0], c_bars.index(WG), c_buf)
+            it0 = it
             acc = gl.zeros((WM, BKW), gl.float32, mma)
-            for i in range(n_steps):
-                st = it % STAGES
-                mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-                g_view = g_bufs.index(st).slice(WG * WM, WM, dim=1)  # [BT, WM]
-                valid = end - (start + i * BT)
-                if valid < BT:  # zero this warpgroup's tokens past the segment in place
-                    toks = gl.arange(0, BT, layout=gl.SliceLayout(1, tok_l))
-                    a = g_view.load(tok_l)
-                    a = gl.where(gl.expand_dims(toks < valid, 1), a, gl.zeros_like(a))
-                    g_view.store(a)
-                    fence_async_shared()
-                acc = warpgroup_mma(g_view.permute((1, 0)), x_bufs.index(st), acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                if i > 0:  # the previous step's MMA is done: release its stage
-                    mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-                it += 1
+            acc, it = _hw_consume_part(acc, it, it0, g_bufs, x_bufs, ready, empty, o0, R0, e,
+                                       WG, WM, BT, STAGES)
+            if PARTS > 1:
+                acc, it = _hw_consume_part(acc, it, it0, g_bufs, x_bufs, ready, empty, o1, R1,
+                                           e, WG, WM, BT, STAGES)
+            if PARTS > 2:
+                acc, it = _hw_consume_part(acc, it, it0, g_bufs, x_bufs, ready, empty, o2, R2,
+                                           e, WG, WM, BT, STAGES)
+            if PARTS > 3:
+                acc, it = _hw_consume_part(acc, it, it0, g_bufs, x_bufs, ready, empty, o3, R3,
+                                           e, WG, WM, BT, STAGES)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            if n_steps > 0:
+            if it > it0:
                 mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-            _store_rows(w_ptr + e.to(gl.int64) * stride_we, acc, acc, pid_n * BNW + WG * WM,
-                        pid_k * BKW, N, N, K, stride_wn, WM, BKW, False, out_l)
+            if TMA_STORE:  # asynchronous: overlaps the next tile's steps
+                if ACCUMULATE:
+                    mbarrier.wait(c_bars.index(WG), phase)
+                    phase ^= 1
+                    acc += c_buf.load(mma).to(gl.float32)
+                c_buf.store(acc.to(w_ptr.dtype.element_ty))
+                fence_async_shared()
+                _tma_store(w_desc, [e * N + n0, k0], c_buf)  # (TMA clips columns past K)
+                if SQ:  # (zeros outside N x K: TMA zero-filled the operands)
+                    gl.store(sq_ptr + 2 * tile + WG, gl.sum(gl.sum(acc * acc, 1), 0))
+            else:
+                # 16-bit: loads and stores row-contiguous (coalesced, few addresses),
+                # moved to and from the MMA's layout through shared memory; fp32: in the
+                # MMA's layout (a thread's column pairs fill whole 32-byte sectors; the
+                # fp32 tile would not fit shared memory beside the ring)
+                io_l: gl.constexpr = mma if F32_OUT else out_l
+                rows = n0 + gl.arange(0, WM, layout=gl.SliceLayout(1, io_l))
+                cols = k0 + gl.arange(0, BKW, layout=gl.SliceLayout(0, io_l))
+                ptrs = (w_ptr + e.to(gl.int64) * stride_we
+                        + gl.expand_dims(rows.to(gl.int64) * stride_wn, 1)
+                        + gl.expand_dims(cols, 0))
+                mask = gl.expand_dims(rows < N, 1) & gl.expand_dims(cols < K, 0)
+                if ACCUMULATE:
+                    acc += gl.convert_layout(gl.load(ptrs, mask=mask, other=0.0),
+                                             mma).to(gl.float32)
+                if SQ:
+                    gl.store(sq_ptr + 2 * tile + WG, gl.sum(gl.sum(acc * acc, 1), 0))
+                gl.store(ptrs, gl.convert_layout(acc.to(w_ptr.dtype.element_ty), io_l),
+                         mask=mask)
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit
-    def _hp_wgrad_ws_kernel(g_desc, x_desc, w_ptr, offsets_ptr, N, K, R, E, stride_we,
-                            stride_wn, BNW: gl.constexpr, BKW: gl.constexpr,
-                            BT: gl.constexpr, STAGES: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """Persistent warp-specialized bf16/fp16 wgrad over expert segments (WIP):
-        ``dW[e] = g_e^T x_e`` in ``[BNW, BKW]`` tiles, fp32 accumulation."""
-        g_bufs, x_bufs, ready, empty = _ring(g_desc, x_desc, STAGES)
+    def _hp_wgrad_ws_kernel(g0, x0, o0, R0, g1, x1, o1, R1, g2, x2, o2, R2, g3, x3, o3, R3,
+                            w_ptr, w_desc, sq_ptr, N, K, E, stride_we, stride_wn,
+                            BNW: gl.constexpr, BKW: gl.constexpr, BT: gl.constexpr,
+                            STAGES: gl.constexpr, PARTS: gl.constexpr,
+                            ACCUMULATE: gl.constexpr, SQ: gl.constexpr,
+                            TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            num_warps: gl.constexpr):
+        """Persistent warp-specialized bf16/fp16 wgrad over expert segments, summed over
+        ``PARTS`` (1-4) operand pairs (see :func:`launch_hp_wgrad_ws`): ``dW[e] (+)= sum_p
+        g_p,e^T x_p,e`` in ``[BNW, BKW]`` tiles, fp32 accumulation, one rounding.
+        Epilogue: ``TMA_STORE`` (a fresh 16-bit ``dW``, ``N`` a multiple of ``BNW``):
+        through shared memory and a TMA copy (``w_desc``: ``dW`` as ``[E*N, K]``, ``[BNW/2,
+        BKW]`` boxes), overlapping the next tile; else masked stores from registers,
+        ``ACCUMULATE`` adding the existing values first. ``SQ``: each consumer also stores
+        the sum of the squares of its half tile's final fp32 values at ``sq_ptr[2 * tile +
+        WG]``."""
+        g_bufs, x_bufs, ready, empty = _ring(g0, x0, STAGES)
+        if TMA_STORE:  # per consumer warpgroup: its tile, and a barrier for its loads
+            c_bufs = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape,
+                                               w_desc.layout)
+        else:
+            c_bufs = g_bufs  # unused
+        c_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(c_bars.index(i), count=1)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_hw_consume, (g_bufs, x_bufs, ready, empty, w_ptr, offsets_ptr, N, K, R, E,
-                           stride_we, stride_wn, WG0, BNW, BKW, BT, STAGES)),
-            (_hw_consume, (g_bufs, x_bufs, ready, empty, w_ptr, offsets_ptr, N, K, R, E,
-                           stride_we, stride_wn, WG1, BNW, BKW, BT, STAGES)),
-            (_hw_load, (g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, N, K, R, E,
-                        BNW, BKW, BT, STAGES)),
+            (_hw_consume, (g_bufs, x_bufs, c_bufs, c_bars, ready, empty, w_ptr, w_desc, sq_ptr, o0,
+                           R0, o1, R1, o2, R2, o3, R3, N, K, E, stride_we, stride_wn, WG0,
+                           BNW, BKW, BT, STAGES, PARTS, ACCUMULATE, SQ, TMA_STORE)),
+            (_hw_consume, (g_bufs, x_bufs, c_bufs, c_bars, ready, empty, w_ptr, w_desc, sq_ptr, o0,
+                           R0, o1, R1, o2, R2, o3, R3, N, K, E, stride_we, stride_wn, WG1,
+                           BNW, BKW, BT, STAGES, PARTS, ACCUMULATE, SQ, TMA_STORE)),
+            (_hw_load, (g0, x0, o0, R0, g1, x1, o1, R1, g2, x2, o2, R2, g3, x3, o3, R3, g_bufs,
+                        x_bufs, ready, empty, N, K, E, BNW, BKW, BT, STAGES, PARTS)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
     # ---------------------------------------------------------------- FP8 wgrad
@@ -812,25 +922,94 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
     return out
 
 
-def launch_hp_wgrad_ws(g: torch.Tensor, x: torch.Tensor, dw: torch.Tensor,
-                       offsets: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """WIP (branch): ``dW[e] = g_e^T x_e`` for bf16/fp16 ``g [R, N]``, ``x [R, K]`` (rows
-    grouped by ``offsets``), ``dw [E, N, K]`` written (zeros for experts without rows)."""
-    cfg = dict(BNW=128, BKW=256, BT=64, STAGES=3, CONSUMER_REGS=232, MAXNREG=160)
-    cfg.update(config or {})
-    R, N = g.shape
-    K = x.shape[1]
-    E = offsets.numel() - 1
-    dt = gl.bfloat16 if g.dtype == torch.bfloat16 else gl.float16
+#: The 16-bit wgrad's settings: ``dW_e`` in ``[BNW, BKW]`` tiles (each consumer
+#: warpgroup ``BNW / 2`` rows, one ``[BNW / 2, BKW]`` wgmma per ``BT``-token step),
+#: ``STAGES`` steps in flight, the TMA-store epilogue where it applies
+#: (:func:`launch_hp_wgrad_ws`). ``BKW`` 128 where ``K <= 128``.
+HP_WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, BT=64, STAGES=3, TMA_STORE=True,
+                          CONSUMER_REGS=232, MAXNREG=160)
+#: Its tiles.
+HP_WGRAD_WS_TILES = ((128, 256), (128, 128))
+#: Most operand pairs one launch of :func:`_hp_wgrad_ws_kernel` sums (more are chunked).
+HP_WGRAD_WS_MAX_PARTS = 4
+
+
+def hp_wgrad_ws_config(K: int, config: dict | None = None) -> dict:
+    """The 16-bit wgrad's settings for contraction width ``K``: the defaults, ``BKW`` 128
+    where ``K <= 128``, then ``config``'s keys; validated."""
+    config = dict(config or {})
+    cfg = dict(HP_WGRAD_WS_CONFIG, BKW=128 if K <= 128 else HP_WGRAD_WS_CONFIG["BKW"])
+    cfg.update(config)
+    if (set(cfg) != set(HP_WGRAD_WS_CONFIG) or (cfg["BNW"], cfg["BKW"]) not in HP_WGRAD_WS_TILES
+            or cfg["BT"] not in (32, 64) or not isinstance(cfg["STAGES"], int)
+            or cfg["STAGES"] < 2):
+        # (a consumer holds two stages before it releases one: one stage would deadlock)
+        raise ValueError(f"16-bit wgrad (warp-specialized): keys "
+                         f"{sorted(HP_WGRAD_WS_CONFIG)} with (BNW, BKW) in "
+                         f"{HP_WGRAD_WS_TILES}, BT 32 or 64 and STAGES >= 2, got {config}")
+    return cfg
+
+
+def hp_wgrad_ws_sq_size(dw: torch.Tensor, config: dict | None = None) -> int:
+    """The length of :func:`launch_hp_wgrad_ws`'s ``sq_out``: one float32 per consumer
+    warpgroup's half of each output tile of ``dw [E, N, K]``."""
+    E, N, K = dw.shape
+    cfg = hp_wgrad_ws_config(K, config)
+    return 2 * E * cdiv(N, cfg["BNW"]) * cdiv(K, cfg["BKW"])
+
+
+def launch_hp_wgrad_ws(parts, dw: torch.Tensor, *, accumulate: bool = False,
+                       sq_out: torch.Tensor | None = None,
+                       config: dict | None = None) -> torch.Tensor:
+    """``dW[e] (+)= sum_p g_p,e^T x_p,e`` with the warp-specialized kernel, over operand
+    pairs ``parts = [(g_p [R_p, N], x_p [R_p, K], offsets_p [E + 1]), ...]`` (bf16/fp16
+    of one dtype, rows grouped by expert; part ``p``'s expert ``e`` has rows
+    ``offsets_p[e] .. min(offsets_p[e+1], R_p)``; each TMA-describable, as
+    :func:`linghe.bwd.grouped_mm.wgrad_tma_unsupported` checks, and ``R_p > 0``), into
+    ``dw [E, N, K]`` (contiguous, bf16/fp16/fp32): one fp32 accumulator per tile and one
+    rounding per launch of up to :data:`HP_WGRAD_WS_MAX_PARTS` parts (more are chunked:
+    later chunks add). ``accumulate``: add to ``dw``'s contents. ``sq_out``: float32
+    ``[hp_wgrad_ws_sq_size(dw)]`` that receives the sums of the squares of ``dw``'s final
+    fp32 values per half tile. An expert without rows gets zeros (or keeps its values).
+    ``config``: keys of :data:`HP_WGRAD_WS_CONFIG`. The caller validates; returns ``dw``."""
+    E, N, K = dw.shape
+    cfg = hp_wgrad_ws_config(K, config)
     bt, bnw, bkw = cfg["BT"], cfg["BNW"], cfg["BKW"]
-    g_desc = GluonDescriptor(g, [R, N], [g.stride(0), 1], [bt, bnw], _layout((bt, bnw), dt))
-    x_desc = GluonDescriptor(x, [R, K], [x.stride(0), 1], [bt, bkw], _layout((bt, bkw), dt))
+    dt = gl.bfloat16 if parts[0][0].dtype == torch.bfloat16 else gl.float16
+    descs = []
+    for g, x, offsets in parts:
+        R = g.shape[0]
+        descs.append([
+            GluonDescriptor(g, [R, N], [g.stride(0), 1], [bt, bnw], _layout((bt, bnw), dt)),
+            GluonDescriptor(x, [R, K], [x.stride(0), 1], [bt, bkw], _layout((bt, bkw), dt)),
+            offsets, R])
     tiles = E * cdiv(N, bnw) * cdiv(K, bkw)
     grid = (max(1, min(num_sms(dw.device), tiles)),)
-    with device_guard(dw):
-        launch(_hp_wgrad_ws_kernel, grid, g_desc, x_desc, dw, offsets, N, K, R, E,
-               dw.stride(0), dw.stride(1), BNW=bnw, BKW=bkw, BT=bt, STAGES=cfg["STAGES"],
-               CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
+    last = (len(descs) - 1) // HP_WGRAD_WS_MAX_PARTS * HP_WGRAD_WS_MAX_PARTS
+    for c in range(0, len(descs), HP_WGRAD_WS_MAX_PARTS):
+        chunk = descs[c:c + HP_WGRAD_WS_MAX_PARTS]
+        acc = bool(accumulate or c > 0)
+        sq = sq_out is not None and c == last  # (the last chunk stores the final values)
+        # TMA store (and load, accumulating): a 16-bit dW whose tiles stay inside one
+        # expert's rows, 16-byte aligned rows and base
+        tma_store = (cfg["TMA_STORE"] and dw.dtype != torch.float32
+                     and N % bnw == 0 and (K * dw.element_size()) % 16 == 0
+                     and dw.data_ptr() % 16 == 0)
+        if tma_store:
+            box = [bnw // 2, bkw]
+            w_dt = gl.bfloat16 if dw.dtype == torch.bfloat16 else gl.float16
+            w_desc = GluonDescriptor(dw.view(E * N, K), [E * N, K], [K, 1], box,
+                                     _layout(tuple(box), w_dt))
+        else:
+            w_desc = chunk[0][0]  # unused
+        args = [a for p in chunk for a in p]
+        args += chunk[0] * (HP_WGRAD_WS_MAX_PARTS - len(chunk))  # unused parts (never read)
+        with device_guard(dw):
+            launch(_hp_wgrad_ws_kernel, grid, *args, dw, w_desc, sq_out if sq else dw, N, K,
+                   E, dw.stride(0), dw.stride(1), BNW=bnw, BKW=bkw, BT=bt,
+                   STAGES=cfg["STAGES"], PARTS=len(chunk), ACCUMULATE=acc, SQ=sq,
+                   TMA_STORE=tma_store, CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
+                   maxnreg=cfg["MAXNREG"])
     return dw
 
 
