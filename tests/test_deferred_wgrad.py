@@ -4,12 +4,14 @@ the stash across micro-batches, its hand-over and flushes, and where it steps as
 import pytest
 import torch
 from test_grad_accumulation import _ref_wgrad, expert_micro_batches
-from test_grouped_mm import make_rows, ref_grads
+from test_grouped_mm import _spy_launches, make_rows, ref_grads
 
 import linghe
 from linghe.bwd import deferred
 from linghe.bwd import grouped_mm as bwd_gm
 from linghe.functional.moe import grouped_swiglu
+from linghe.fwd import grouped_mm as fwd_gm
+from linghe.fwd import grouped_mm_ws as ws_mod
 from linghe.testing import assert_close
 
 pytestmark = pytest.mark.usefixtures("on_test_device")
@@ -89,6 +91,116 @@ def test_parts_kernel_bad_inputs(device):
         bwd_gm.launch_wgrad_tma_parts([(g.float(), x.float(), o)], dw)
 
 
+# ---------------------------------------------- the warp-specialized 16-bit wgrad (sm_90)
+
+# (parts' (counts, align) over E = 4 experts, K, N): N a multiple of the 128-row tile
+# (TMA-store epilogue) or not (register stores), K past one 256-column tile with a tail,
+# K <= 128 (128-column tiles); zero-row experts, an empty part, unaligned segments, rows
+# past a segment belonging to the next expert, the last one ending at R (TMA zero fill);
+# five parts: two launches (4 a launch)
+WS_SPECS = [([5, 0, 150, 40], 16), ([0, 0, 0, 0], 16), ([17, 1, 3, 70], 1),
+            ([33, 2, 0, 9], 8), ([1, 1, 1, 1], 16)]
+WS_CASES = [(1, 200, 96), (2, 296, 256), (5, 136, 128), (3, 40, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"P{c[0]}-K{c[1]}-N{c[2]}")
+def test_ws_wgrad_matches_reference(device, monkeypatch, case, out_dtype):
+    """The warp-specialized bf16 wgrad (through :func:`launch_wgrad_parts`, the deferred
+    path's launch, and ``grouped_mm_wgrad`` / ``grouped_mm_wgrad_accumulate_`` for one
+    part) against the float64 sum of the parts' wgrads: fresh into a NaN-poisoned ``dW``,
+    accumulating onto random values, with the squared norm; the grid capped at 3
+    programs so each walks many tiles (the accumulating epilogue's barrier phases)."""
+    if not ws_mod.ws_capable(torch.empty(1, device=device)):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    n_parts, K, N = case
+    monkeypatch.setattr(ws_mod, "num_sms", lambda dev: 3)
+    names = _spy_launches(monkeypatch, ws_mod)
+    parts, expect = _parts(device, torch.bfloat16, WS_SPECS[:n_parts], K, N)
+    tol = None if out_dtype == torch.float32 else 1e-2
+    dw = torch.full((4, N, K), float("nan"), device=device, dtype=out_dtype)
+    out, sq = bwd_gm.launch_wgrad_parts(parts, dw)
+    assert out is dw and sq is None
+    assert_close(dw, expect, tol, "dw")
+    launches = len(names)
+    assert names == ["_hp_wgrad_ws_kernel"] * launches and launches == (2 if n_parts > 4
+                                                                      else 1)
+    dw0 = torch.randn(4, N, K, device=device).to(out_dtype)
+    dw = dw0.clone()
+    _, sq = bwd_gm.launch_wgrad_parts(parts, dw, accumulate=True, norm_sq=True)
+    assert_close(dw, dw0.double() + expect, tol, "dw accumulated")
+    assert_close(sq.sum(), dw.double().square().sum(), 1e-5, "squared norm")
+    if n_parts == 1:  # the single-part entry points
+        g, x, o = parts[0]
+        del names[:]
+        got = bwd_gm.grouped_mm_wgrad(g, x, o, out_dtype=out_dtype)
+        assert_close(got, expect, tol, "grouped_mm_wgrad")
+        got = bwd_gm.grouped_mm_wgrad_accumulate_(dw0.clone(), g, x, o)
+        assert_close(got, dw0.double() + expect, tol, "grouped_mm_wgrad_accumulate_")
+        assert names == ["_hp_wgrad_ws_kernel"] * 2
+
+
+@pytest.mark.gpu
+def test_ws_wgrad_fp16_and_int64_offsets(device, monkeypatch):
+    """fp16 operands and ``dW``, int64 offsets, a single expert."""
+    if not ws_mod.ws_capable(torch.empty(1, device=device)):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    parts, expect = _parts(device, torch.float16, [([77], 1), ([0], 16), ([130], 16)], 264,
+                           128)
+    parts = [(g, x, o.long()) for g, x, o in parts]
+    dw = torch.full((1, 128, 264), float("nan"), device=device, dtype=torch.float16)
+    ws_mod.launch_hp_wgrad_ws([p for p in parts if p[0].shape[0] > 0], dw)
+    assert_close(dw, expect, 1e-2, "dw fp16")
+
+
+def test_ws_wgrad_dispatch(device, monkeypatch):
+    """Where the warp-specialized wgrad runs (pretended here: sm_90 with Gluon),
+    ``grouped_mm_wgrad`` (``"auto"`` and ``"triton"``), the fused accumulation and the
+    multi-part launch take it, with its own squares' length; ``LINGHE_HP_WS=0``, operands
+    TMA cannot describe, ``backend="torch"`` and empty parts do not; settings are
+    validated."""
+    calls = []
+
+    def fake(parts, dw, *, accumulate=False, sq_out=None, config=None):
+        calls.append((len(parts), accumulate, None if sq_out is None else sq_out.numel()))
+        return dw
+
+    monkeypatch.setattr(bwd_gm, "launch_hp_wgrad_ws", fake)
+    monkeypatch.setattr(fwd_gm, "ws_capable", lambda t: True)
+    parts, _ = _parts(device, torch.bfloat16, SPECS[:3], 40, 24)
+    g, x, o = parts[0]
+    dw = torch.zeros(3, 24, 40, device=device, dtype=torch.bfloat16)
+    bwd_gm.grouped_mm_wgrad(g, x, o)
+    bwd_gm.grouped_mm_wgrad(g, x, o, backend="triton")
+    bwd_gm.grouped_mm_wgrad_accumulate_(dw, g, x, o)
+    _, sq = bwd_gm.launch_wgrad_parts(parts + [(g[:0], x[:0], o)], dw, norm_sq=True)
+    # (the part without rows is left out; 2 half tiles x 3 experts x 1 x 1 tiles)
+    assert calls == [(1, False, None), (1, False, None), (1, True, None), (3, False, 6)]
+    assert sq.numel() == ws_mod.hp_wgrad_ws_sq_size(dw) == 6
+    del calls[:]
+    bwd_gm.grouped_mm_wgrad(g.float(), x.float(), o)            # fp32 operands: no TMA
+    bwd_gm.grouped_mm_wgrad(g[:0], x[:0], o)                     # no rows
+    x33 = torch.randn(x.shape[0], 33, device=device, dtype=torch.bfloat16)
+    bwd_gm.grouped_mm_wgrad(g, x33, o)                           # 66-byte rows: no TMA
+    monkeypatch.setattr(fwd_gm, "HP_WS", False)
+    bwd_gm.grouped_mm_wgrad(g, x, o)
+    _, sq = bwd_gm.launch_wgrad_parts(parts, dw, norm_sq=True)
+    assert not calls and sq.numel() == bwd_gm.wgrad_sq_size(dw)
+    # the settings: 128 columns where K <= 128; bad ones refused
+    assert ws_mod.hp_wgrad_ws_config(96)["BKW"] == 128
+    assert ws_mod.hp_wgrad_ws_config(2048)["BKW"] == 256
+    for bad in (dict(STAGES=1), dict(BT=16), dict(BNW=64), dict(FOO=1)):
+        with pytest.raises(ValueError, match="warp-specialized"):
+            ws_mod.hp_wgrad_ws_config(2048, bad)
+    # the ring's depth fits shared memory beside the epilogue's tiles
+    cfg = ws_mod.hp_wgrad_ws_config(2048)
+    assert ws_mod._hp_wgrad_stages(cfg, 2, 2) == 6
+    assert ws_mod._hp_wgrad_stages(dict(cfg, BT=64), 2, 2) == 3
+    with pytest.raises(ValueError, match="at least one"):
+        bwd_gm.launch_wgrad_parts([], dw)
+
+
 def _micro_batches(device, n, N=40, K=48, dtype=torch.bfloat16):
     """``n`` micro-batches ``(rows, layout, d_out)`` over 3 experts with different routings."""
     out = []
@@ -110,7 +222,7 @@ def test_grouped_mm_defers(device, fused, preexisting, count_calls, fused_on):
     w = torch.nn.Parameter(torch.randn(3, 40, 48, device=device).to(torch.bfloat16))
     g0 = torch.randn_like(w) if preexisting else None
     w.grad = None if g0 is None else g0.clone()
-    calls = count_calls(bwd_gm, "launch_wgrad_tma_parts")
+    calls = count_calls(bwd_gm, "launch_wgrad_parts")
     expect = 0 if g0 is None else g0.double()
     for i, (rows, layout, g) in enumerate(mbs):
         r = rows.clone().requires_grad_(True)
@@ -258,7 +370,7 @@ def test_grouped_swiglu_fp8_defers(monkeypatch, fused_on, fp8_rows, count_calls)
     """The FP8 expert FFN's high-precision wgrads deferred over 2 micro-batches: the same
     gradients as without deferral (up to bf16 rounding), one multi-part launch each."""
     rows, probs, w1, w2, layout, gs = expert_micro_batches()
-    calls = count_calls(bwd_gm, "launch_wgrad_tma_parts")
+    calls = count_calls(bwd_gm, "launch_wgrad_parts")
 
     def run(n):
         p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())

@@ -1167,15 +1167,16 @@ def test_hp_ws_dispatch(device, monkeypatch):
 
 @pytest.mark.gpu
 def test_hp_ws_is_the_auto_choice_on_sm90(device, monkeypatch):
-    """On sm_90 ``linghe.grouped_mm(backend="auto")`` on bf16 runs its forward and dgrad
-    on the warp-specialized kernel and the wgrad on ``torch._grouped_mm``; a weight whose
-    ``N`` is no multiple of 64 (the dgrad could not read it by TMA) keeps torch's kernels
-    for all three. Results against the float64 reference."""
+    """On sm_90 ``linghe.grouped_mm(backend="auto")`` on bf16 runs its forward, dgrad and
+    wgrad on the warp-specialized kernels; a weight whose ``N`` is no multiple of 64 (the
+    dgrad could not read it by TMA) keeps torch's kernels for all three. Results against
+    the float64 reference."""
     if not ws_mod.ws_capable(torch.empty(1, device=device)):
         pytest.skip("needs an sm_90 GPU and Gluon")
     names = _spy_launches(monkeypatch, ws_mod)
     x, layout, real = make_rows([9, 0, 150, 33], 16, 128, device, torch.bfloat16)
-    for N, want_names in ((128, ["_hp_rows_ws_kernel"] * 2), (72, [])):
+    want_ws = ["_hp_rows_ws_kernel", "_hp_rows_ws_kernel", "_hp_wgrad_ws_kernel"]
+    for N, want_names in ((128, want_ws), (72, [])):
         w = (torch.randn(4, N, 128, device=device) / 11).to(torch.bfloat16).requires_grad_()
         xi = x.clone().requires_grad_()
         g = torch.randn(x.shape[0], N, device=device, dtype=torch.bfloat16)
@@ -1350,13 +1351,45 @@ for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
     assert stores == 2 * tma_store * (bkw // 128), (out, tma_store, bkw, stores)
     # the ring and the epilogue's tiles fit sm_90's 227 KiB of shared memory
     assert k.metadata.shared <= 227 << 10, (out, tma_store, bkw, k.metadata.shared)
+# the 16-bit wgrad over 1-4 operand pairs: TMA-store epilogue (fresh and accumulating, with
+# the squares), register epilogues (bf16, fp32 dW), both tile widths, both step sizes, at
+# the ring depth the launcher picks; one 64xBKW wgmma chain a consumer, one in flight
+for out, bkw, bt, parts, acc, sq, tma_store in (
+        ("bf16", 256, 32, 1, False, False, True), ("bf16", 256, 32, 4, True, True, True),
+        ("bf16", 256, 64, 3, False, True, False), ("fp32", 256, 32, 2, True, True, False),
+        ("bf16", 128, 32, 4, False, False, True)):
+    cfg = W.hp_wgrad_ws_config(2048 if bkw == 256 else 96, dict(BT=bt))
+    stages = W._hp_wgrad_stages(cfg, 2, 4 if out == "fp32" else 2)
+    sig = {}
+    for p in range(4):
+        sig.update({f"g{p}": f"tensordesc<bf16[{bt}, 128],{lay(bt, 128, gl.bfloat16)}>",
+                    f"x{p}": f"tensordesc<bf16[{bt}, {bkw}],{lay(bt, bkw, gl.bfloat16)}>",
+                    f"o{p}": "*i32", f"R{p}": "i32"})
+    sig.update(w_ptr=f"*{out}", sq_ptr="*fp32", N="i32", K="i32", E="i32",
+               stride_we="i32", stride_wn="i32")
+    sig["w_desc"] = (f"tensordesc<bf16[64, {bkw}],{lay(64, bkw, gl.bfloat16)}>" if tma_store
+                     else sig["g0"])
+    sig = {k: sig[k] for k in [f"{n}{p}" for p in range(4) for n in "gxoR"]
+           + ["w_ptr", "w_desc", "sq_ptr", "N", "K", "E", "stride_we", "stride_wn"]}
+    const = dict(BNW=128, BKW=bkw, BT=bt, STAGES=stages, PARTS=parts, ACCUMULATE=acc,
+                 SQ=sq, TMA_STORE=tma_store, CONSUMER_REGS=232, num_warps=4)
+    sig.update({c: "constexpr" for c in const})
+    k = sm90(W._hp_wgrad_ws_kernel, sig, const, W.HP_WGRAD_WS_CONFIG["MAXNREG"])
+    ptx = k.asm["ptx"]
+    case = (out, bkw, bt, parts, acc, tma_store)
+    assert f"wgmma.mma_async.sync.aligned.m64n{bkw}k16" in ptx, case
+    assert "wgmma.wait_group.sync.aligned 1" in ptx and "setmaxnreg" in ptx, case
+    # (TMA copies of boxes wider than the 128-byte swizzle are split into several)
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma_store, case
+    assert k.metadata.shared <= 227 << 10, (case, k.metadata.shared)
 print("COMPILED")
 '''
 
 
 def test_fp8_ws_kernel_compiles_for_sm90(compile_sm90):
     """The warp-specialized FP8 rows kernel (every tile shape; the schedule over 256 and
-    512 expert slots) and wgrad (both tile widths, both epilogues) compiled for sm_90
+    512 expert slots) and wgrad (both tile widths, both epilogues), and the 16-bit rows
+    kernel and wgrad (its epilogues, 1-4 parts), compiled for sm_90
     with this triton (Gluon's API moves between triton
     versions: this catches it on CPU)."""
     compile_sm90(_WS_COMPILE_SCRIPT)
@@ -1453,9 +1486,10 @@ def test_wgrad_tma_limits_and_routing(device, monkeypatch):
     assert torch.all(bwd_gm.launch_wgrad_tma(e0, e1, dw.fill_(float("nan")), empty_off) == 0)
     assert torch.all(bwd_gm.launch_wgrad_tma(e0, e1, dw.fill_(2.0), empty_off,
                                              accumulate=True) == 2)
-    # routing (LINGHE_WGRAD_TMA=1)
+    # routing (LINGHE_WGRAD_TMA=1; the warp-specialized wgrad, sm_90's default, off)
     names = _spy_launches(monkeypatch, bwd_gm)
     monkeypatch.setattr(bwd_gm, "WGRAD_TMA", True)
+    monkeypatch.setattr(fwd_gm, "HP_WS", False)
     w = torch.randn(3, 16, 32, device=device, dtype=torch.bfloat16)
     _, _, r_dw = ref_grads(x, w, off, g)
     got = bwd_gm.grouped_mm_wgrad(g, x, off, backend="triton")

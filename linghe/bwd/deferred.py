@@ -15,7 +15,7 @@ per layer for that weight; one launch over all four micro-batches' rows costs 4.
    them: FP8 rows stay FP8 until used) in the weight's stash instead of computing the
    gradient, and returns no gradient for the weight;
 2. the ``n``-th backward since the last hand-over computes the gradient of all pending
-   micro-batches and its own in one launch (:func:`launch_wgrad_tma_parts`; elsewhere a
+   micro-batches and its own in one launch (:func:`launch_wgrad_parts`; elsewhere a
    documented fallback: one wgrad, then accumulating ones) and hands it over as any
    backward does (added into ``.grad`` by the wgrad kernel where
    :mod:`linghe.bwd.accumulate` allows, else by ``AccumulateGrad``; hooks run then).
@@ -168,10 +168,9 @@ def wgrad_parts(parts: list[WgradPart], out: torch.Tensor | None, *,
     if (all(p.rows_scale is None for p in parts) and tma_capable(out)
             and all(bwd_gm.wgrad_tma_unsupported(p.d_out, p.rows, out) is None
                     for p in parts)):
-        sq = (torch.empty(bwd_gm.wgrad_sq_size(out), dtype=torch.float32, device=out.device)
-              if norm_weight is not None else None)
-        bwd_gm.launch_wgrad_tma_parts([(p.d_out, p.rows, p.offsets) for p in parts], out,
-                                      accumulate=not fresh, sq_out=sq)
+        _, sq = bwd_gm.launch_wgrad_parts([(p.d_out, p.rows, p.offsets) for p in parts], out,
+                                          accumulate=not fresh,
+                                          norm_sq=norm_weight is not None)
         if sq is not None:
             grad_norms.record(norm_weight, out, sq)
         return out

@@ -49,7 +49,8 @@ BACKENDS = ("auto", "triton", "torch")
 #: (e.g. 512). See ``benchmark/probe_grouped_bf16.py``.
 ROWS_TRITON_MAX_ROWS_PER_EXPERT: int = int(os.environ.get("LINGHE_GROUPED_MM_ROWS_TRITON_MAX",
                                                           "0"))
-#: The resolved backend of that rule (internal): Triton fwd/dgrad, torch wgrad.
+#: The resolved backend of that rule and of sm_90's (internal): linghe's fwd/dgrad, the
+#: wgrad by ``grouped_mm_wgrad``'s ``"auto"``.
 _TRITON_ROWS = "triton_rows"
 
 __all__ = ["grouped_mm", "grouped_mm_fp8", "grouped_mm_fp8_dgrad", "grouped_mm_fp8_wgrad",
@@ -177,8 +178,9 @@ class GroupedMMFunction(torch.autograd.Function):
             grad = grad_to_accumulate(param, d_out.dtype) if parts else None
             norm_w, ctx.norm_w = ctx.norm_w, None
             if parts:
+                # (the rows rule's wgrad: its own auto choice, torch's or the WS kernel)
                 d_w = parts_wgrad(parts, grad, out_dtype=rows.dtype,
-                                  backend="torch" if ctx.backend == _TRITON_ROWS
+                                  backend="auto" if ctx.backend == _TRITON_ROWS
                                   else ctx.backend, norm_weight=norm_w)
                 if grad is not None:  # fused accumulation
                     d_w = take_grad(param, grad)
@@ -203,9 +205,10 @@ def _auto_backend(rows: torch.Tensor, weight: torch.Tensor, layout) -> str:
     """``backend="auto"`` for high-precision operands: ``"torch"`` where
     ``torch._grouped_mm`` can run them (and the layout promises 8-row aligned segments),
     except on sm_90, where the forward and dgrad take the warp-specialized kernel
-    (:func:`~linghe.fwd.grouped_mm.hp_ws_preferred`: ``"triton_rows"``, the wgrad stays
-    torch's); then :data:`ROWS_TRITON_MAX_ROWS_PER_EXPERT`'s rule (``"triton_rows"``),
-    else ``"triton"``."""
+    (:func:`~linghe.fwd.grouped_mm.hp_ws_preferred`: ``"triton_rows"``, the wgrad
+    ``grouped_mm_wgrad``'s own ``"auto"``: the warp-specialized wgrad there); then
+    :data:`ROWS_TRITON_MAX_ROWS_PER_EXPERT`'s rule (``"triton_rows"``: the wgrad
+    ``"auto"``, torch's off sm_90), else ``"triton"``."""
     # torch._grouped_mm's wgrad needs every segment to start on a multiple of 8 rows
     # (16 bytes of bf16): only an ExpertLayout's align tells us without a host sync.
     aligned = isinstance(layout, ExpertLayout) and layout.align % 8 == 0

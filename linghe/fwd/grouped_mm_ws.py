@@ -396,9 +396,10 @@ if gluon is not None:
 
     @gluon.jit
     def _segment(offsets_ptr, e, R):
-        """Expert ``e``'s rows ``start .. end`` of one operand pair (clipped to ``R``)."""
-        end = gl.minimum(gl.load(offsets_ptr + e + 1), R)
-        return gl.maximum(gl.minimum(gl.load(offsets_ptr + e), end), 0), end
+        """Expert ``e``'s rows ``start .. end`` of one operand pair (clipped to ``R``;
+        int32, the TMA coordinates' type, whatever the offsets' dtype)."""
+        end = gl.minimum(gl.load(offsets_ptr + e + 1).to(gl.int32), R)
+        return gl.maximum(gl.minimum(gl.load(offsets_ptr + e).to(gl.int32), end), 0), end
 
     @gluon.jit
     def _hw_load_part(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, R, e, n0,
@@ -923,10 +924,18 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
 
 
 #: The 16-bit wgrad's settings: ``dW_e`` in ``[BNW, BKW]`` tiles (each consumer
-#: warpgroup ``BNW / 2`` rows, one ``[BNW / 2, BKW]`` wgmma per ``BT``-token step),
-#: ``STAGES`` steps in flight, the TMA-store epilogue where it applies
-#: (:func:`launch_hp_wgrad_ws`). ``BKW`` 128 where ``K <= 128``.
-HP_WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, BT=64, STAGES=3, TMA_STORE=True,
+#: warpgroup ``BNW / 2`` rows, one ``[BNW / 2, BKW]`` wgmma per ``BT``-token step; ``BKW``
+#: 128 where ``K <= 128``), at most ``STAGES`` steps in flight (fewer where shared memory
+#: holds fewer: :func:`_hp_wgrad_stages`), the TMA-store epilogue where it applies
+#: (:func:`launch_hp_wgrad_ws`). H200, 8192 tokens top-8, µs, 32-token steps (64-token
+#: steps, 3 stages; 64-token steps with register stores) against ``torch._grouped_mm``
+#: and the Triton TMA kernel: E = 256 gate_up 1095 (1171; 1197) vs 1369 / 1718, down 561
+#: (604; 613) vs 699 / 892; E = 32 gate_up 731 (735; 745) vs 766 / 829, down 365 (371;
+#: 375) vs 401 / 417. Four micro-batches' parts summed (with the squares): E = 256
+#: gate_up 3259 (3484; 3612) vs the Triton parts kernel 4151 (one ``torch._grouped_mm``
+#: over all rows in one buffer, the bar: 3475), down 1673 (1780; 1791) vs 2111 (1738)
+#: (``benchmark/results/h200_probe_bf16_ws_wgrad_2026-11-27_s15``).
+HP_WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, BT=32, STAGES=6, TMA_STORE=True,
                           CONSUMER_REGS=232, MAXNREG=160)
 #: Its tiles.
 HP_WGRAD_WS_TILES = ((128, 256), (128, 128))
@@ -948,6 +957,16 @@ def hp_wgrad_ws_config(K: int, config: dict | None = None) -> dict:
                          f"{sorted(HP_WGRAD_WS_CONFIG)} with (BNW, BKW) in "
                          f"{HP_WGRAD_WS_TILES}, BT 32 or 64 and STAGES >= 2, got {config}")
     return cfg
+
+
+def _hp_wgrad_stages(cfg: dict, elem_bytes: int, out_bytes: int) -> int:
+    """The ring's depth: ``cfg["STAGES"]``, or as many as fit :data:`_WGRAD_SMEM` beside
+    the epilogue's two ``[BNW / 2, BKW]`` 16-bit tiles (the TMA store's buffers or the
+    register store's layout conversion; none for an fp32 ``dW``). At least 2."""
+    bnw, bkw = cfg["BNW"], cfg["BKW"]
+    store = bnw * bkw * out_bytes if out_bytes < 4 else 0
+    stage = cfg["BT"] * (bnw + bkw) * elem_bytes
+    return max(2, min(cfg["STAGES"], (_WGRAD_SMEM - store) // stage))
 
 
 def hp_wgrad_ws_sq_size(dw: torch.Tensor, config: dict | None = None) -> int:
@@ -975,6 +994,7 @@ def launch_hp_wgrad_ws(parts, dw: torch.Tensor, *, accumulate: bool = False,
     E, N, K = dw.shape
     cfg = hp_wgrad_ws_config(K, config)
     bt, bnw, bkw = cfg["BT"], cfg["BNW"], cfg["BKW"]
+    stages = _hp_wgrad_stages(cfg, parts[0][0].element_size(), dw.element_size())
     dt = gl.bfloat16 if parts[0][0].dtype == torch.bfloat16 else gl.float16
     descs = []
     for g, x, offsets in parts:
@@ -1007,7 +1027,7 @@ def launch_hp_wgrad_ws(parts, dw: torch.Tensor, *, accumulate: bool = False,
         with device_guard(dw):
             launch(_hp_wgrad_ws_kernel, grid, *args, dw, w_desc, sq_out if sq else dw, N, K,
                    E, dw.stride(0), dw.stride(1), BNW=bnw, BKW=bkw, BT=bt,
-                   STAGES=cfg["STAGES"], PARTS=len(chunk), ACCUMULATE=acc, SQ=sq,
+                   STAGES=stages, PARTS=len(chunk), ACCUMULATE=acc, SQ=sq,
                    TMA_STORE=tma_store, CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
                    maxnreg=cfg["MAXNREG"])
     return dw
