@@ -130,7 +130,9 @@ def test_ws_wgrad_matches_reference(device, monkeypatch, case, out_dtype):
     dw = dw0.clone()
     _, sq = bwd_gm.launch_wgrad_parts(parts, dw, accumulate=True, norm_sq=True)
     assert_close(dw, dw0.double() + expect, tol, "dw accumulated")
-    assert_close(sq.sum(), dw.double().square().sum(), 1e-5, "squared norm")
+    # (the squares of the fp32 values before their rounding to dW's dtype)
+    sq_tol = 1e-5 if out_dtype == torch.float32 else 1e-4
+    assert_close(sq.sum(), dw.double().square().sum(), sq_tol, "squared norm")
     if n_parts == 1:  # the single-part entry points
         g, x, o = parts[0]
         del names[:]
@@ -180,7 +182,7 @@ def test_ws_wgrad_dispatch(device, monkeypatch):
     assert sq.numel() == ws_mod.hp_wgrad_ws_sq_size(dw) == 6
     del calls[:]
     bwd_gm.grouped_mm_wgrad(g.float(), x.float(), o)            # fp32 operands: no TMA
-    bwd_gm.grouped_mm_wgrad(g[:0], x[:0], o)                     # no rows
+    bwd_gm.grouped_mm_wgrad(g[:0], x[:0], torch.zeros_like(o))   # no rows
     x33 = torch.randn(x.shape[0], 33, device=device, dtype=torch.bfloat16)
     bwd_gm.grouped_mm_wgrad(g, x33, o)                           # 66-byte rows: no TMA
     monkeypatch.setattr(fwd_gm, "HP_WS", False)

@@ -281,7 +281,8 @@ def test_bf16_tma_fallback_and_config(device, monkeypatch):
 def test_auto_rows_on_triton_rule(device, monkeypatch):
     """``ROWS_TRITON_MAX_ROWS_PER_EXPERT`` (off by default): where ``backend="auto"``
     would take ``torch._grouped_mm``, layouts with at most that many rows per expert run
-    the forward and dgrad on Triton and the wgrad on torch; more rows per expert, N no
+    the forward and dgrad on Triton and the wgrad on its own ``"auto"`` (torch's there,
+    the warp-specialized kernel on sm_90); more rows per expert, N no
     multiple of 64, or the knob at 0 keep torch for all three. (torch._grouped_mm is
     pretended available and every call runs the Triton kernels: only the choice is
     checked here.)"""
@@ -317,16 +318,17 @@ def test_auto_rows_on_triton_rule(device, monkeypatch):
         return dict(seen)
 
     assert run(0) == dict(fwd="torch", dgrad="torch", wgrad="torch")
-    assert run(18) == dict(fwd="triton", dgrad="triton", wgrad="torch")  # 53 <= 18 * 3
+    assert run(18) == dict(fwd="triton", dgrad="triton", wgrad="auto")  # 53 <= 18 * 3
     assert run(17) == dict(fwd="torch", dgrad="torch", wgrad="torch")
     assert run(18, N=48) == dict(fwd="torch", dgrad="torch", wgrad="torch")
     assert run(18, lay=layout.offsets) == dict(fwd="triton", dgrad="triton", wgrad="triton")
     monkeypatch.setattr(fwd_gm, "BF16_TMA", False)
     assert run(18) == dict(fwd="torch", dgrad="torch", wgrad="torch")
     # sm_90 (the warp-specialized rows kernel available): forward and dgrad on it, the
-    # wgrad on torch, whatever the knob says
+    # wgrad on grouped_mm_wgrad's "auto" (the warp-specialized wgrad there), whatever the
+    # knob says
     monkeypatch.setattr(F.fwd, "hp_ws_preferred", lambda t, n=None: True)
-    assert run(0) == dict(fwd="triton", dgrad="triton", wgrad="torch")
+    assert run(0) == dict(fwd="triton", dgrad="triton", wgrad="auto")
 
 
 # ------------------------------------------------------------------------------------ FP8
