@@ -113,7 +113,8 @@ _RULES = [
     ("optimizer", r"adam|multi_tensor|_norm_partials|_norm_reduce|_norm_finish|_scale_kernel"
                   r"|foreach|lpnorm"),
     ("activation", r"silu|swiglu|glu_|act_and_mul"),
-    ("grouped_gemm", r"_grouped_rows|_fp8_rows_ws|_fp8_wgrad_ws|_wgrad_kernel|_wgrad_tma"
+    ("grouped_gemm", r"_grouped_rows|_fp8_rows_ws|_fp8_wgrad_ws|_hp_rows_ws|_hp_wgrad_ws"
+                     r"|_wgrad_kernel|_wgrad_tma"
                      r"|_wgrad_fp8|_tile_map|_zero_tail|groupproblemshape|grouped"),
     ("quantize", r"quantize|_amax|fp8_cast|to_fp8"),
     ("embedding", r"embedding"),

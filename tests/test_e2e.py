@@ -192,6 +192,8 @@ def test_flops_and_params_ling_mini():
     ("_grouped_rows_kernel", "grouped_gemm"),
     ("_fp8_rows_ws_kernel", "grouped_gemm"),
     ("_fp8_wgrad_ws_kernel", "grouped_gemm"),
+    ("_hp_rows_ws_kernel", "grouped_gemm"),
+    ("_hp_wgrad_ws_kernel", "grouped_gemm"),
     ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm"
      "::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int>>",
      "grouped_gemm"),
