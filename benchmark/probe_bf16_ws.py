@@ -142,7 +142,7 @@ def _wgrad_rows(E: int, name: str, N: int, K: int, M: int) -> list[dict]:
 
 #: (column, config) of the warp-specialized wgrad
 WGRAD_VARIANTS = (("ws", None), ("ws_regstore", dict(TMA_STORE=False)),
-                  ("ws_bt32", dict(BT=32, STAGES=6)))
+                  ("ws_bt64", dict(BT=64, STAGES=3)))
 
 
 def main(argv=None) -> int:

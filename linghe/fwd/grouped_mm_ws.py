@@ -497,8 +497,9 @@ if gluon is not None:
             k0 = (tile % nK) * BKW
             if TMA_STORE:
                 c_buf = c_bufs.index(WG)
-                tma.store_wait(0)  # the buffer's previous store has been read out
-                if ACCUMULATE:  # the existing tile, on its way during the K loop
+                if ACCUMULATE:  # the existing tile, on its way during the K loop (once
+                    # the buffer's previous store has been read out)
+                    tma.store_wait(0)
                     mbarrier.expect(c_bars.index(WG), w_desc.block_type.nbytes)
                     _tma_load(w_desc, [e * N + n0, k0], c_bars.index(WG), c_buf)
             it0 = it
@@ -522,6 +523,8 @@ if gluon is not None:
                     mbarrier.wait(c_bars.index(WG), phase)
                     phase ^= 1
                     acc += c_buf.load(mma).to(gl.float32)
+                else:  # (waited here, a K loop after it was issued: no stall)
+                    tma.store_wait(0)
                 c_buf.store(acc.to(w_ptr.dtype.element_ty))
                 fence_async_shared()
                 _tma_store(w_desc, [e * N + n0, k0], c_buf)  # (TMA clips columns past K)
