@@ -931,13 +931,14 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
 #: 128 where ``K <= 128``), at most ``STAGES`` steps in flight (fewer where shared memory
 #: holds fewer: :func:`_hp_wgrad_stages`), the TMA-store epilogue where it applies
 #: (:func:`launch_hp_wgrad_ws`). H200, 8192 tokens top-8, µs, 32-token steps (64-token
-#: steps, 3 stages; 64-token steps with register stores) against ``torch._grouped_mm``
-#: and the Triton TMA kernel: E = 256 gate_up 1095 (1171; 1197) vs 1369 / 1718, down 561
-#: (604; 613) vs 699 / 892; E = 32 gate_up 731 (735; 745) vs 766 / 829, down 365 (371;
-#: 375) vs 401 / 417. Four micro-batches' parts summed (with the squares): E = 256
-#: gate_up 3259 (3484; 3612) vs the Triton parts kernel 4151 (one ``torch._grouped_mm``
-#: over all rows in one buffer, the bar: 3475), down 1673 (1780; 1791) vs 2111 (1738)
-#: (``benchmark/results/h200_probe_bf16_ws_wgrad_2026-11-27_s15``).
+#: steps, 3 stages; 32-token steps with register stores) against ``torch._grouped_mm``
+#: and the Triton TMA kernel: E = 256 gate_up 1040 (1095; 1115) vs 1366 / 1720, down 536
+#: (564; 570) vs 703 / 894; E = 32 gate_up 720 (723; 746) vs 767 / 839, down 360 (363;
+#: 376) vs 395 / 415. Four micro-batches' parts summed, with the squares: E = 256 gate_up
+#: 3235 vs the Triton parts kernel 4163 (one ``torch._grouped_mm`` over all their rows
+#: in one buffer, the bar: 3502), down 1624 vs 2109 (1741). Accumulating: E = 256
+#: gate_up 1394 vs the Triton kernel 2095
+#: (``benchmark/results/h200_probe_bf16_ws_wgrad_final_2026-11-27_s15``).
 HP_WGRAD_WS_CONFIG = dict(BNW=128, BKW=256, BT=32, STAGES=6, TMA_STORE=True,
                           CONSUMER_REGS=232, MAXNREG=160)
 #: Its tiles.
