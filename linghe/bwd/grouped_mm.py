@@ -656,6 +656,19 @@ def wgrad_sq_size(dw: torch.Tensor, config: dict | None = None) -> int:
     return E * cdiv(N, cfg["BN"]) * cdiv(K, cfg["BK"])
 
 
+def _checked_parts(parts, dw: torch.Tensor, caller: str) -> list:
+    """``parts`` as a list, each ``(g, x, offsets)`` TMA-describable against ``dw``
+    (:func:`wgrad_tma_unsupported`), at least one; else ``ValueError``."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError(f"{caller} needs at least one (g, x, offsets) part")
+    for g, x, _ in parts:
+        why = wgrad_tma_unsupported(g, x, dw)
+        if why is not None:
+            raise ValueError(f"{caller}: {why}")
+    return parts
+
+
 def launch_wgrad_tma_parts(parts, dw: torch.Tensor, *, accumulate: bool = False,
                            config: dict | None = None,
                            sq_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -671,13 +684,7 @@ def launch_wgrad_tma_parts(parts, dw: torch.Tensor, *, accumulate: bool = False,
     squared norm of ``dw`` is its sum. Raises
     ``ValueError`` for operands TMA cannot describe (:func:`wgrad_tma_unsupported`).
     Returns ``dw``."""
-    parts = [p for p in parts]
-    if not parts:
-        raise ValueError("launch_wgrad_tma_parts needs at least one (g, x, offsets) part")
-    for g, x, _ in parts:
-        why = wgrad_tma_unsupported(g, x, dw)
-        if why is not None:
-            raise ValueError(f"launch_wgrad_tma_parts: {why}")
+    parts = _checked_parts(parts, dw, "launch_wgrad_tma_parts")
     E, N, K = dw.shape
     if E == 0 or N == 0 or K == 0:
         return dw
@@ -727,17 +734,11 @@ def launch_wgrad_parts(parts, dw: torch.Tensor, *, accumulate: bool = False,
     """``dW_e (+)= sum_p g_p,e^T @ x_p,e`` over operand pairs ``parts = [(g_p [R_p, N],
     x_p [R_p, K], offsets_p [E + 1]), ...]`` (bf16/fp16, as :func:`launch_wgrad_tma_parts`
     takes them) into ``dw [E, N, K]``: the warp-specialized kernel on sm_90
-    (:func:`hp_wgrad_ws_ok`; 1.27x the Triton kernel at 256 experts and 4 micro-batches on
+    (:func:`hp_wgrad_ws_ok`; 1.29x the Triton kernel at 256 experts and 4 micro-batches on
     an H200), else :func:`launch_wgrad_tma_parts`. ``norm_sq``: also return float32
     partial sums of the squares of ``dw``'s final values (their sum is its squared norm),
     else ``None``. Returns ``(dw, sums)``."""
-    parts = list(parts)
-    if not parts:
-        raise ValueError("launch_wgrad_parts needs at least one (g, x, offsets) part")
-    for g, x, _ in parts:
-        why = wgrad_tma_unsupported(g, x, dw)
-        if why is not None:
-            raise ValueError(f"launch_wgrad_parts: {why}")
+    parts = _checked_parts(parts, dw, "launch_wgrad_parts")
     live = [p for p in parts if p[0].shape[0] > 0]  # (TMA cannot describe an empty tensor)
     if (live and dw.numel() > 0 and all(p[0].dtype == live[0][0].dtype for p in live)
             and hp_wgrad_ws_ok(live[0][0], live[0][1], dw.dtype)):
