@@ -52,6 +52,13 @@ def print_table(rows, file=sys.stdout):
         print(fmt_line(line), file=file)
 
 
+def select_cases(names: list[str], wanted: list[str]) -> list[str]:
+    """The cases ``wanted`` picks from ``names``: each argument the case it names exactly
+    (``grouped_mm``, not ``grouped_mm_deferred`` too), else every case whose name
+    contains it."""
+    return [n for n in names if any(n == c or (c not in names and c in n) for c in wanted)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark", description=__doc__)
     p.add_argument("--case", nargs="*", default=None,
@@ -71,9 +78,7 @@ def main(argv=None) -> int:
         return 0
     names = sorted(all_cases)
     if args.case:
-        # a case named exactly runs alone (grouped_mm, not grouped_mm_deferred too)
-        names = ([n for n in names if n in args.case]
-                 or [n for n in names if any(c in n for c in args.case)])
+        names = select_cases(names, args.case)
         if not names:
             print(f"no case matches {args.case}; --list shows them", file=sys.stderr)
             return 2

@@ -24,3 +24,15 @@ def test_host_benchmark_moe_rows(device):
     assert [c.name.split(" (")[0] for c in cases] == ["nn.MoE bf16 fwd+bwd",
                                                         "nn.MoE fp8 fwd+bwd"]
     assert all(c.backward and c.caller_thread and c.calls * 60 < 1000 for c in cases)
+
+
+def test_case_selection():
+    """``python -m benchmark --case``: an exact name runs alone, other arguments match as
+    substrings, each on its own."""
+    from benchmark.__main__ import select_cases
+
+    names = ["grouped_mm", "grouped_mm_deferred", "rms_norm", "rms_norm_quant"]
+    assert select_cases(names, ["grouped_mm"]) == ["grouped_mm"]
+    assert select_cases(names, ["grouped"]) == ["grouped_mm", "grouped_mm_deferred"]
+    assert select_cases(names, ["grouped_mm", "quant"]) == ["grouped_mm", "rms_norm_quant"]
+    assert select_cases(names, ["nothing"]) == []

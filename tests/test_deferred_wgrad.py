@@ -120,7 +120,9 @@ def test_ws_wgrad_matches_reference(device, monkeypatch, case, out_dtype):
     parts, expect = _parts(device, torch.bfloat16, WS_SPECS[:n_parts], K, N)
     tol = None if out_dtype == torch.float32 else 1e-2
     dw = torch.full((4, N, K), float("nan"), device=device, dtype=out_dtype)
-    out, sq = bwd_gm.launch_wgrad_parts(parts, dw)
+    g0, x0, o0 = parts[0]
+    empty_part = (g0[:0], x0[:0], torch.zeros_like(o0))  # no rows: left out of the launch
+    out, sq = bwd_gm.launch_wgrad_parts(parts + [empty_part], dw)
     assert out is dw and sq is None
     assert_close(dw, expect, tol, "dw")
     launches = len(names)
@@ -160,8 +162,8 @@ def test_ws_wgrad_dispatch(device, monkeypatch):
     """Where the warp-specialized wgrad runs (pretended here: sm_90 with Gluon),
     ``grouped_mm_wgrad`` (``"auto"`` and ``"triton"``), the fused accumulation and the
     multi-part launch take it, with its own squares' length; ``LINGHE_HP_WS=0``, operands
-    TMA cannot describe, ``backend="torch"`` and empty parts do not; settings are
-    validated."""
+    TMA cannot describe, ``backend="torch"`` and empty parts do not; settings, offsets
+    and the launcher's own arguments are validated."""
     calls = []
 
     def fake(parts, dw, *, accumulate=False, sq_out=None, config=None):
@@ -181,6 +183,11 @@ def test_ws_wgrad_dispatch(device, monkeypatch):
     assert calls == [(1, False, None), (1, False, None), (1, True, None), (3, False, 6)]
     assert sq.numel() == ws_mod.hp_wgrad_ws_sq_size(dw) == 6
     del calls[:]
+    torch_calls = []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: torch_calls.append(1)
+                        or torch.zeros(3, 24, 40, device=device, dtype=torch.bfloat16))
+    bwd_gm.grouped_mm_wgrad(g, x, o, backend="torch")
+    assert torch_calls == [1]
     bwd_gm.grouped_mm_wgrad(g.float(), x.float(), o)            # fp32 operands: no TMA
     bwd_gm.grouped_mm_wgrad(g[:0], x[:0], torch.zeros_like(o))   # no rows
     x33 = torch.randn(x.shape[0], 33, device=device, dtype=torch.bfloat16)
@@ -201,6 +208,19 @@ def test_ws_wgrad_dispatch(device, monkeypatch):
     assert ws_mod._hp_wgrad_stages(dict(cfg, BT=64), 2, 2) == 3
     with pytest.raises(ValueError, match="at least one"):
         bwd_gm.launch_wgrad_parts([], dw)
+    for bad_o in (o[:-1], o.float(), o.repeat_interleave(2)[::2]):
+        with pytest.raises(ValueError, match="offsets must be"):
+            bwd_gm.launch_wgrad_parts([(g, x, bad_o)], dw)
+    # the launcher's own checks, before any descriptor or launch
+    monkeypatch.setattr(fwd_gm, "HP_WS", True)
+    with pytest.raises(ValueError, match="contiguous bf16/fp16/fp32"):
+        ws_mod.launch_hp_wgrad_ws(parts[:1], dw.transpose(1, 2))
+    with pytest.raises(ValueError, match="sq_out"):
+        ws_mod.launch_hp_wgrad_ws(parts[:1], dw, sq_out=torch.empty(5, device=device))
+    with pytest.raises(ValueError, match="each with rows"):
+        ws_mod.launch_hp_wgrad_ws([(g[:0], x[:0], o)], dw)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        ws_mod.hp_wgrad_ws_config(2048, dict(CONSUMER_REGS=230))
 
 
 def _micro_batches(device, n, N=40, K=48, dtype=torch.bfloat16):

@@ -1358,7 +1358,8 @@ for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
 # the ring depth the launcher picks; one 64xBKW wgmma chain a consumer, one in flight
 for out, bkw, bt, parts, acc, sq, tma_store in (
         ("bf16", 256, 32, 1, False, False, True), ("bf16", 256, 32, 4, True, True, True),
-        ("bf16", 256, 64, 3, False, True, False), ("fp32", 256, 32, 2, True, True, False),
+        ("bf16", 256, 64, 3, False, True, False), ("bf16", 256, 32, 2, True, False, False),
+        ("fp32", 256, 32, 2, True, True, False),
         ("bf16", 128, 32, 4, False, False, True)):
     cfg = W.hp_wgrad_ws_config(2048 if bkw == 256 else 96, dict(BT=bt))
     stages = W._hp_wgrad_stages(cfg, 2, 4 if out == "fp32" else 2)

@@ -2,7 +2,7 @@
 
 Gradient clipping reads every gradient once to compute the total norm (on the e2e model,
 4.75 ms of a ~105 ms step, 90% of it the routed experts' gradients). The expert wgrad
-kernel (:func:`~linghe.bwd.grouped_mm.launch_wgrad_tma_parts`) can sum the squares of the
+kernel (:func:`~linghe.bwd.grouped_mm.launch_wgrad_parts`) can sum the squares of the
 values it stores, so the clipping need not read those gradients again. Opt-in:
 ``linghe.optim.AdamW(max_grad_norm=..., norm_from_backward=True)``.
 

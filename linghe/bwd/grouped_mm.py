@@ -571,7 +571,7 @@ def wgrad_tma_unsupported(g: torch.Tensor, x: torch.Tensor,
     if g.shape[0] != x.shape[0] or g.device != x.device:
         return f"d_out {tuple(g.shape)} and rows {tuple(x.shape)}: rows or device differ"
     for name, t in (("d_out", g), ("rows", x)):
-        if t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) != 1:
+        if t.shape[1] > 1 and t.stride(1) != 1:  # (even one row: TMA assumes unit stride)
             return f"{name} must be contiguous along its last dim"
         if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return (f"{name}: TMA needs 16-byte aligned rows (row stride "
@@ -658,12 +658,19 @@ def wgrad_sq_size(dw: torch.Tensor, config: dict | None = None) -> int:
 
 def _checked_parts(parts, dw: torch.Tensor, caller: str) -> list:
     """``parts`` as a list, each ``(g, x, offsets)`` TMA-describable against ``dw``
-    (:func:`wgrad_tma_unsupported`), at least one; else ``ValueError``."""
+    (:func:`wgrad_tma_unsupported`) with ``offsets`` a contiguous int32/int64 ``[E + 1]``
+    on ``dw``'s device, at least one; else ``ValueError``."""
     parts = list(parts)
     if not parts:
         raise ValueError(f"{caller} needs at least one (g, x, offsets) part")
-    for g, x, _ in parts:
+    E = dw.shape[0] if dw.dim() == 3 else -1
+    for g, x, o in parts:
         why = wgrad_tma_unsupported(g, x, dw)
+        if why is None and (o.dim() != 1 or o.numel() != E + 1 or o.stride(0) != 1
+                            or o.dtype not in (torch.int32, torch.int64)
+                            or o.device != dw.device):
+            why = (f"offsets must be a contiguous int32/int64 [E + 1] = [{E + 1}] tensor on "
+                   f"{dw.device}, got {o.dtype} {tuple(o.shape)} on {o.device}")
         if why is not None:
             raise ValueError(f"{caller}: {why}")
     return parts

@@ -263,9 +263,8 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, layout, *, fp8: bool = 
             and ``K`` are multiples of 8 and ``layout`` is an ExpertLayout whose ``align``
             is a multiple of 8 (its wgrad needs 16-byte aligned segments; raw offsets
             carry no such promise), except that there, with Gluon and ``N`` a multiple of
-            64, the forward and dgrad take linghe's warp-specialized kernel (faster;
-            ``LINGHE_HP_WS=0`` turns it off) and only the wgrad torch's; else the Triton
-            kernels (with
+            64, the forward, dgrad and wgrad take linghe's warp-specialized kernels
+            (faster; ``LINGHE_HP_WS=0`` turns them off); else the Triton kernels (with
             :data:`ROWS_TRITON_MAX_ROWS_PER_EXPERT` set, off by default: the forward and
             dgrad of layouts with few rows per expert on Triton, the wgrad on torch);
             ``"triton"`` / ``"torch"`` force one (``"torch"``: the caller guarantees

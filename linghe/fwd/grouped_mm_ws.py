@@ -1,5 +1,6 @@
 """Warp-specialized grouped GEMMs for sm_90 (Gluon): the FP8 blockwise rows GEMM
-(forward and dgrad) and wgrad over segment groups, and the bf16/fp16 rows GEMM.
+(forward and dgrad) and wgrad over segment groups, and the bf16/fp16 rows GEMM and wgrad
+(over one or several operand pairs: :func:`launch_hp_wgrad_ws`).
 
 The same product as :func:`linghe.fwd.grouped_mm.launch_grouped_rows` with FP8
 operands (``out[r] = a[r] @ B_e`` over expert segments, 1x128 row scales, 128x128
@@ -66,8 +67,8 @@ from ..utils import INTERPRET, cdiv, cuda_capability, device_guard, launch, next
 #: where they can run (:func:`ws_capable`); ``LINGHE_FP8_WS=0`` keeps the Triton kernels
 #: everywhere. (Read through ``linghe.fwd.grouped_mm.FP8_WS``, which re-exports it.)
 FP8_WS: bool = os.environ.get("LINGHE_FP8_WS", "1") == "1"
-#: The same for the bf16/fp16 rows GEMMs of the Triton backend (forward and dgrad):
-#: ``LINGHE_HP_WS=0`` keeps the Triton TMA kernel there.
+#: The same for the bf16/fp16 grouped GEMMs of the Triton backend (forward, dgrad and
+#: wgrad): ``LINGHE_HP_WS=0`` keeps the Triton kernels and ``torch._grouped_mm`` there.
 HP_WS: bool = os.environ.get("LINGHE_HP_WS", "1") == "1"
 
 #: Base settings: 128 rows (64 per consumer warpgroup) x 128 columns, 4 stages (32 KiB
@@ -398,8 +399,8 @@ if gluon is not None:
     def _segment(offsets_ptr, e, R):
         """Expert ``e``'s rows ``start .. end`` of one operand pair (clipped to ``R``;
         int32, the TMA coordinates' type, whatever the offsets' dtype)."""
-        end = gl.minimum(gl.load(offsets_ptr + e + 1).to(gl.int32), R)
-        return gl.maximum(gl.minimum(gl.load(offsets_ptr + e).to(gl.int32), end), 0), end
+        end = gl.minimum(gl.load(offsets_ptr + e + 1), R).to(gl.int32)
+        return gl.maximum(gl.minimum(gl.load(offsets_ptr + e), end), 0).to(gl.int32), end
 
     @gluon.jit
     def _hw_load_part(g_desc, x_desc, g_bufs, x_bufs, ready, empty, offsets_ptr, R, e, n0,
@@ -563,12 +564,13 @@ if gluon is not None:
         """Persistent warp-specialized bf16/fp16 wgrad over expert segments, summed over
         ``PARTS`` (1-4) operand pairs (see :func:`launch_hp_wgrad_ws`): ``dW[e] (+)= sum_p
         g_p,e^T x_p,e`` in ``[BNW, BKW]`` tiles, fp32 accumulation, one rounding.
-        Epilogue: ``TMA_STORE`` (a fresh 16-bit ``dW``, ``N`` a multiple of ``BNW``):
-        through shared memory and a TMA copy (``w_desc``: ``dW`` as ``[E*N, K]``, ``[BNW/2,
-        BKW]`` boxes), overlapping the next tile; else masked stores from registers,
-        ``ACCUMULATE`` adding the existing values first. ``SQ``: each consumer also stores
-        the sum of the squares of its half tile's final fp32 values at ``sq_ptr[2 * tile +
-        WG]``."""
+        Epilogue: ``TMA_STORE`` (a 16-bit ``dW``, ``N`` a multiple of ``BNW``): through
+        shared memory and a TMA copy (``w_desc``: ``dW`` as ``[E*N, K]``, ``[BNW/2, BKW]``
+        boxes), overlapping the next tile, ``ACCUMULATE`` adding the existing tile, which
+        a TMA copy brings into the store buffer during the K loop; else masked stores
+        from registers, ``ACCUMULATE`` adding the existing values loaded first. ``SQ``:
+        each consumer also stores the sum of the squares of its half tile's final fp32
+        values at ``sq_ptr[2 * tile + WG]``."""
         g_bufs, x_bufs, ready, empty = _ring(g0, x0, STAGES)
         if TMA_STORE:  # per consumer warpgroup: its tile, and a barrier for its loads
             c_bufs = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape,
@@ -953,13 +955,16 @@ def hp_wgrad_ws_config(K: int, config: dict | None = None) -> dict:
     config = dict(config or {})
     cfg = dict(HP_WGRAD_WS_CONFIG, BKW=128 if K <= 128 else HP_WGRAD_WS_CONFIG["BKW"])
     cfg.update(config)
+    regs_ok = all(isinstance(cfg.get(k), int) and 24 <= cfg[k] <= 256 and cfg[k] % 8 == 0
+                  for k in ("CONSUMER_REGS", "MAXNREG"))
     if (set(cfg) != set(HP_WGRAD_WS_CONFIG) or (cfg["BNW"], cfg["BKW"]) not in HP_WGRAD_WS_TILES
             or cfg["BT"] not in (32, 64) or not isinstance(cfg["STAGES"], int)
-            or cfg["STAGES"] < 2):
+            or cfg["STAGES"] < 2 or not regs_ok or not isinstance(cfg["TMA_STORE"], bool)):
         # (a consumer holds two stages before it releases one: one stage would deadlock)
         raise ValueError(f"16-bit wgrad (warp-specialized): keys "
                          f"{sorted(HP_WGRAD_WS_CONFIG)} with (BNW, BKW) in "
-                         f"{HP_WGRAD_WS_TILES}, BT 32 or 64 and STAGES >= 2, got {config}")
+                         f"{HP_WGRAD_WS_TILES}, BT 32 or 64, STAGES >= 2, register counts "
+                         f"multiples of 8 in [24, 256] and TMA_STORE a bool, got {config}")
     return cfg
 
 
@@ -994,9 +999,25 @@ def launch_hp_wgrad_ws(parts, dw: torch.Tensor, *, accumulate: bool = False,
     later chunks add). ``accumulate``: add to ``dw``'s contents. ``sq_out``: float32
     ``[hp_wgrad_ws_sq_size(dw)]`` that receives the sums of the squares of ``dw``'s final
     fp32 values per half tile. An expert without rows gets zeros (or keeps its values).
-    ``config``: keys of :data:`HP_WGRAD_WS_CONFIG`. The caller validates; returns ``dw``."""
+    ``config``: keys of :data:`HP_WGRAD_WS_CONFIG`. Checks ``dw``, ``sq_out``, the parts'
+    count and rows and the config (``ValueError``); the operands' TMA layout and the
+    offsets are the caller's (:func:`linghe.bwd.grouped_mm.launch_wgrad_parts` checks
+    them). Returns ``dw``."""
+    if dw.dim() != 3 or not dw.is_contiguous() or dw.dtype not in (
+            torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"launch_hp_wgrad_ws: dw must be a contiguous bf16/fp16/fp32 "
+                         f"[E, N, K] tensor, got {dw.dtype} {tuple(dw.shape)}")
     E, N, K = dw.shape
     cfg = hp_wgrad_ws_config(K, config)
+    if sq_out is not None and (sq_out.dtype != torch.float32 or not sq_out.is_contiguous()
+                               or sq_out.numel() != hp_wgrad_ws_sq_size(dw, config)):
+        raise ValueError(f"launch_hp_wgrad_ws: sq_out must be a contiguous float32 tensor "
+                         f"of {hp_wgrad_ws_sq_size(dw, config)} elements")
+    if not parts or any(g.shape[0] == 0 for g, _, _ in parts):
+        raise ValueError("launch_hp_wgrad_ws: needs parts, each with rows (TMA cannot "
+                         "describe an empty tensor)")
+    if dw.numel() == 0:
+        return dw
     bt, bnw, bkw = cfg["BT"], cfg["BNW"], cfg["BKW"]
     stages = _hp_wgrad_stages(cfg, parts[0][0].element_size(), dw.element_size())
     dt = gl.bfloat16 if parts[0][0].dtype == torch.bfloat16 else gl.float16
@@ -1007,33 +1028,31 @@ def launch_hp_wgrad_ws(parts, dw: torch.Tensor, *, accumulate: bool = False,
             GluonDescriptor(g, [R, N], [g.stride(0), 1], [bt, bnw], _layout((bt, bnw), dt)),
             GluonDescriptor(x, [R, K], [x.stride(0), 1], [bt, bkw], _layout((bt, bkw), dt)),
             offsets, R])
+    # TMA store (and load, accumulating): a 16-bit dW whose tiles stay inside one
+    # expert's rows, 16-byte aligned rows and base
+    tma_store = (cfg["TMA_STORE"] and dw.dtype != torch.float32 and N % bnw == 0
+                 and (K * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0)
+    if tma_store:
+        box = [bnw // 2, bkw]
+        w_dt = gl.bfloat16 if dw.dtype == torch.bfloat16 else gl.float16
+        w_desc = GluonDescriptor(dw.view(E * N, K), [E * N, K], [K, 1], box,
+                                 _layout(tuple(box), w_dt))
+    else:
+        w_desc = descs[0][0]  # unused
     tiles = E * cdiv(N, bnw) * cdiv(K, bkw)
     grid = (max(1, min(num_sms(dw.device), tiles)),)
     last = (len(descs) - 1) // HP_WGRAD_WS_MAX_PARTS * HP_WGRAD_WS_MAX_PARTS
     for c in range(0, len(descs), HP_WGRAD_WS_MAX_PARTS):
         chunk = descs[c:c + HP_WGRAD_WS_MAX_PARTS]
-        acc = bool(accumulate or c > 0)
         sq = sq_out is not None and c == last  # (the last chunk stores the final values)
-        # TMA store (and load, accumulating): a 16-bit dW whose tiles stay inside one
-        # expert's rows, 16-byte aligned rows and base
-        tma_store = (cfg["TMA_STORE"] and dw.dtype != torch.float32
-                     and N % bnw == 0 and (K * dw.element_size()) % 16 == 0
-                     and dw.data_ptr() % 16 == 0)
-        if tma_store:
-            box = [bnw // 2, bkw]
-            w_dt = gl.bfloat16 if dw.dtype == torch.bfloat16 else gl.float16
-            w_desc = GluonDescriptor(dw.view(E * N, K), [E * N, K], [K, 1], box,
-                                     _layout(tuple(box), w_dt))
-        else:
-            w_desc = chunk[0][0]  # unused
         args = [a for p in chunk for a in p]
         args += chunk[0] * (HP_WGRAD_WS_MAX_PARTS - len(chunk))  # unused parts (never read)
         with device_guard(dw):
             launch(_hp_wgrad_ws_kernel, grid, *args, dw, w_desc, sq_out if sq else dw, N, K,
                    E, dw.stride(0), dw.stride(1), BNW=bnw, BKW=bkw, BT=bt,
-                   STAGES=stages, PARTS=len(chunk), ACCUMULATE=acc, SQ=sq,
-                   TMA_STORE=tma_store, CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
-                   maxnreg=cfg["MAXNREG"])
+                   STAGES=stages, PARTS=len(chunk), ACCUMULATE=bool(accumulate or c > 0),
+                   SQ=sq, TMA_STORE=tma_store, CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                   num_warps=4, maxnreg=cfg["MAXNREG"])
     return dw
 
 
