@@ -284,7 +284,7 @@ def test_loss_curves_over_seeds(tmp_path):
     out = tmp_path / "loss.json"
     rc = e2e.main(["--mode", "bf16,fp8", "--width", "tiny", "--layers", "1",
                    "--train-steps", "2", "--seeds", "2", "--seed", "5",
-                   "--eval-batches", "2", "--eval-every", "1",
+                   "--eval-batches", "1", "--eval-every", "1",
                    "--out-dir", str(tmp_path), "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
