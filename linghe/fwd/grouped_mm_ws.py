@@ -427,9 +427,9 @@ if gluon is not None:
         nK = gl.cdiv(K, BKW)
         it = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
-            e = tile // (nN * nK)
-            n0 = ((tile % (nN * nK)) // nK) * BNW
-            k0 = (tile % nK) * BKW
+            e, pid_n, pid_k = _wg_coords(tile, nN, nK)
+            n0 = pid_n * BNW
+            k0 = pid_k * BKW
             it = _hw_load_part(g0, x0, g_bufs, x_bufs, ready, empty, o0, R0, e, n0, k0, it,
                                BT, STAGES)
             if PARTS > 1:
@@ -493,9 +493,9 @@ if gluon is not None:
         it = 0
         phase = 0
         for tile in range(gl.program_id(0), E * nN * nK, gl.num_programs(0)):
-            e = tile // (nN * nK)
-            n0 = ((tile % (nN * nK)) // nK) * BNW + WG * WM
-            k0 = (tile % nK) * BKW
+            e, pid_n, pid_k = _wg_coords(tile, nN, nK)
+            n0 = pid_n * BNW + WG * WM
+            k0 = pid_k * BKW
             if TMA_STORE:
                 c_buf = c_bufs.index(WG)
                 if ACCUMULATE:  # the existing tile, on its way during the K loop (once
@@ -600,13 +600,16 @@ if gluon is not None:
         """wgrad tile ``tile`` -> ``(expert, n tile, k tile, first token, token end, token
         groups)``; an expert's tiles are adjacent (its tokens stay in L2 while they are
         read)."""
-        per_e = nN * nK
-        e = tile // per_e
-        pid_n = (tile % per_e) // nK
-        pid_k = tile % nK
-        end = gl.minimum(gl.load(offsets_ptr + e + 1), R)
-        start = gl.maximum(gl.minimum(gl.load(offsets_ptr + e), end), 0)
+        e, pid_n, pid_k = _wg_coords(tile, nN, nK)
+        start, end = _segment(offsets_ptr, e, R)
         return e, pid_n, pid_k, start, end, gl.cdiv(end - start, 128)
+
+    @gluon.jit
+    def _wg_coords(tile, nN, nK):
+        """wgrad tile ``tile`` -> ``(expert, n tile, k tile)``: an expert's ``nN x nK``
+        tiles adjacent (its tokens stay in L2 while they are read), k fastest."""
+        per_e = nN * nK
+        return tile // per_e, (tile % per_e) // nK, tile % nK
 
     @gluon.jit
     def _wg_first_group(offsets_ptr, e, E, EP2: gl.constexpr, NW: gl.constexpr):
