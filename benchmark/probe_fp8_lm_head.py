@@ -9,7 +9,8 @@ One chunk of the e2e LM head: ``h [C, H]`` bf16 (C = 2048 rows, H = 2048), ``W [
 - dgrad ``dh = dlogits · W``: bf16 / FP8 (dlogits quantized 1x128 along V, W's
   columnwise copy);
 - wgrad ``dW += dlogits^T · h``: bf16 ``addmm_`` / FP8 (both quantized along the chunk's
-  tokens) into a float32 output plus the add into the bf16 gradient;
+  tokens) into a float32 output plus the add into the bf16 gradient; and over all ``N``
+  rows at once (``K = rows``: the micro-batch's weight gradient as one GEMM);
 - the quantizations on their own;
 - ``linear_cross_entropy`` forward+backward over ``N`` rows (default chunk) in bf16 and
   under ``TrainingContext(fp8="blockwise", lm_head_fp8=True)`` (the weight's FP8 copy
@@ -81,6 +82,11 @@ def main(argv=None) -> None:
     wst_pad[:, :wst.shape[1]] = wst
     bf = torch.bfloat16
     f32 = torch.float32
+    Nk = args.rows if gpu else 256
+    dn = (torch.randn(Nk, V, generator=g) * 1e-5).to(dev, torch.bfloat16)
+    hn = (torch.randn(Nk, H, generator=g) * 0.5).to(dev, torch.bfloat16)
+    dnqt, dnst = quantize_1x128_launch(dn, False, True, True, True)[2:]
+    hnqt, hnst = quantize_1x128_launch(hn, False, True, True, True)[2:]
     paths = {
         "fprop bf16": (lambda: torch.mm(h, w.t()), None),
         "fprop fp8": (lambda: gemm._gemm(hq, hs, "1x128", wq, ws, "128x128", bf, None),
@@ -107,6 +113,11 @@ def main(argv=None) -> None:
                                                  None), "wgrad bf16 (mm)"),
         "wgrad fp8 -> f32": (lambda: gemm._gemm(dqt, dst, "1x128", hqt, hst, "1x128", f32,
                                                 None), "wgrad bf16 (mm)"),
+        # the whole micro-batch's wgrad as one GEMM (K = rows): one output write
+        "wgrad bf16 (mm), K = rows": (lambda: torch.mm(dn.t(), hn), None),
+        "wgrad fp8 -> bf16, K = rows": (lambda: gemm._gemm(dnqt, dnst, "1x128", hnqt, hnst,
+                                                           "1x128", bf, None),
+                                        "wgrad bf16 (mm), K = rows"),
         "quant dlogits rows": (lambda: q_rows(d), None),
         "quant dlogits cols": (lambda: q_cols(d), None),
         "quant dlogits rows+cols": (lambda: quantize_1x128_launch(d, True, True, True, True),
@@ -160,7 +171,9 @@ def main(argv=None) -> None:
     def tflops(r):
         if not r["us"] or r["path"].startswith("quant"):
             return None
-        return (3 * flop * N / C if r["path"].startswith("linear") else flop) / r["us"] / 1e6
+        if r["path"].startswith("linear"):
+            return 3 * flop * N / C / r["us"] / 1e6
+        return (flop * Nk / C if r["path"].endswith("K = rows") else flop) / r["us"] / 1e6
 
     print_columns(["path", "us", "TFLOP/s", "rel err vs bf16"],
                   [[r["path"], fmt(r["us"], ".0f"), fmt(tflops(r), ".0f"),
