@@ -11,10 +11,13 @@ One chunk of the e2e LM head: ``h [C, H]`` bf16 (C = 2048 rows, H = 2048), ``W [
 - wgrad ``dW += dlogits^T · h``: bf16 ``addmm_`` / FP8 (both quantized along the chunk's
   tokens) into a float32 output plus the add into the bf16 gradient; and over all ``N``
   rows at once (``K = rows``: the micro-batch's weight gradient as one GEMM);
-- the quantizations on their own;
+- the quantizations on their own; the loss kernels of one chunk (statistics only; the
+  fused pass writing the 16-bit gradient and its rowwise FP8 copy; the FP8-only gradient
+  pass writing both copies);
 - ``linear_cross_entropy`` forward+backward over ``N`` rows (default chunk) in bf16 and
   under ``TrainingContext(fp8="blockwise", lm_head_fp8=True)`` (the weight's FP8 copy
-  cached, as within an optimizer step), with the relative difference of (loss, |dh|, |dW|).
+  cached, as within an optimizer step; with the recipe's FP8 weight gradient, and with
+  ``fp8_wgrad=False``), with the relative difference of (loss, |dh|, |dW|).
 
 The relative error of each FP8 GEMM against the bf16 one is in the last column.
 """
@@ -124,6 +127,52 @@ def main(argv=None) -> None:
                                     None),
         "quant W 128x128 both": (lambda: quantize_128x128_launch(w, True, True), None),
     }
+    # the loss kernels of one chunk: the statistics pass alone, the fused pass that writes
+    # the 16-bit gradient and its rowwise FP8 copy (FP8 head, 16-bit wgrad), and the
+    # FP8-only gradient pass (both copies; FP8 wgrad), each on a fresh copy of the logits
+    from linghe.fp8.quantize import empty_1x128
+    from linghe.fwd.loss import ce_forward, ce_grad_fp8
+
+    lg = (torch.randn(C, V, generator=g) * 2).to(dev, torch.bfloat16)
+    lg_lab = torch.randint(0, V, (C,), generator=g).to(dev)
+    ce_opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0)
+    lg_lse = ce_forward(lg, lg_lab, **ce_opts)[1]
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    gq, gs = empty_1x128(C, V, dev, rowwise=True, columnwise=False, group_major=True)[:2]
+    gqt, gst = empty_1x128(C, V, dev, rowwise=False, columnwise=True, group_major=True)[2:]
+    lg_work = lg.clone()
+
+    def fused_pass():
+        lg_work.copy_(lg)  # (the fused pass overwrites its logits: the copy is timed too)
+        return ce_forward(lg_work, lg_lab, **ce_opts, fuse_bwd=True, row_weight=one,
+                          grad_fp8=(gq, gs, True))[0]
+
+    def grad_fp8_pass(config=None):
+        ce_grad_fp8(lg, lg_lab, lg_lse, one, **ce_opts, pow2_scale=True, rowwise=(gq, gs),
+                    columnwise=(gqt, gst, 0), config=config)
+        return gs  # (no conversion kernel in the timing)
+
+    paths["loss stats pass"] = (lambda: ce_forward(lg, lg_lab, **ce_opts)[0], None)
+    paths["copy logits chunk (bf16)"] = (lambda: lg_work.copy_(lg), None)
+    paths["loss fused pass + rowwise fp8 (+ copy)"] = (fused_pass, None)
+    paths["loss fp8 gradient pass, both copies"] = (grad_fp8_pass, None)
+    # launch variants of the gradient pass (warps, register cap): bits equal to the default's
+    variants = ((4, None), (8, None), (8, 128), (16, None), (4, 168))
+
+    def grad_bits(config=None):
+        grad_fp8_pass(config)
+        return [t.view(torch.uint8).clone() if t.dtype != torch.float32 else t.clone()
+                for t in (gq, gs, gqt, gst)]
+
+    want = grad_bits()
+    for nw, r in variants:
+        same = all(torch.equal(a, b) for a, b in zip(grad_bits(dict(warps=nw, maxnreg=r)), want))
+        print(f"gradient pass {nw} warps, maxnreg {r}: bits equal to the default: {same}")
+    del want
+    for nw, r in variants:
+        paths[f"loss fp8 gradient pass, {nw} warps, maxnreg {r}"] = (
+            lambda nw=nw, r=r: grad_fp8_pass(dict(warps=nw, maxnreg=r)),
+            "loss fp8 gradient pass, both copies")
     import linghe
 
     N = args.rows if gpu else 200
@@ -131,11 +180,13 @@ def main(argv=None) -> None:
     wl = w.clone().requires_grad_(True)
     lab = torch.randint(0, V, (N,), generator=g).to(dev)
     fp8_ctx = linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True)
+    fp8_ctx_hp_wgrad = linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True,
+                                              fp8_wgrad=False)
 
     def lce(fp8):
         hl.grad = wl.grad = None
         if fp8:
-            with fp8_ctx:
+            with (fp8_ctx if fp8 == "fp8" else fp8_ctx_hp_wgrad):
                 loss = linghe.linear_cross_entropy(hl, wl, lab)
         else:
             loss = linghe.linear_cross_entropy(hl, wl, lab)
@@ -143,7 +194,10 @@ def main(argv=None) -> None:
         return torch.stack([loss.detach(), hl.grad.float().norm(), wl.grad.float().norm()])
 
     paths["linear_cross_entropy bf16"] = (lambda: lce(False), None)
-    paths["linear_cross_entropy lm_head_fp8"] = (lambda: lce(True), "linear_cross_entropy bf16")
+    paths["linear_cross_entropy lm_head_fp8, bf16 wgrad"] = (lambda: lce("bf16 wgrad"),
+                                                             "linear_cross_entropy bf16")
+    paths["linear_cross_entropy lm_head_fp8"] = (lambda: lce("fp8"),
+                                                 "linear_cross_entropy bf16")
     rows = []
     outs = {}
     for name, (fn, ref) in paths.items():
@@ -169,7 +223,7 @@ def main(argv=None) -> None:
     print(f"\nLM head GEMMs per chunk, h [{C}, {H}], W [{V}, {H}] "
           f"({'kernel' if gpu else 'interpreter wall'} us; {env['device']})")
     def tflops(r):
-        if not r["us"] or r["path"].startswith("quant"):
+        if not r["us"] or r["path"].startswith(("quant", "loss", "copy")):
             return None
         if r["path"].startswith("linear"):
             return 3 * flop * N / C / r["us"] / 1e6

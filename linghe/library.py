@@ -822,34 +822,37 @@ def linear_cross_entropy_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None
                              labels: Tensor, ignore_index: int, reduction: str,
                              label_smoothing: float, z_loss: float, chunk_size: int,
                              need_dh: bool, need_dw: bool, need_db: bool, fp8: bool,
-                             pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor,
-                                                        Tensor, Tensor]:
+                             pow2_scale: bool, fp8_wgrad: bool) -> tuple[Tensor, Tensor,
+                                                                         Tensor, Tensor,
+                                                                         Tensor, Tensor]:
     """The chunked forward of :func:`linghe.linear_cross_entropy`: ``(loss, inv_n, dh, dw,
     db, lse)``, absent where not made. With a "mean"/"sum" reduction and a gradient
     needed, the gradients (times the row weight ``inv_n``; the backward applies
     ``grad_output``) are computed here (``lse`` absent); otherwise ``lse [N]`` is kept for
     the backward's recomputation. ``fp8``: the LM head's blockwise FP8 GEMMs (``lm_head_fp8``;
-    the weight quantized in every call: a graph keeps no cache)."""
+    the weight quantized in every call: a graph keeps no cache); ``fp8_wgrad``: its weight
+    gradient too (the recipe's ``fp8_wgrad``)."""
     from .functional.loss import lce_forward  # (lazy: functional.loss imports this module)
 
     vocab = dict(vocab_start=0, vocab_total=weight.shape[0])
     out, inv_n, dh, dw, db, lse = lce_forward(
         hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
         chunk_size, (need_dh, need_dw, need_db), vocab, None,
-        _lm_head_weight_fp8(weight, fp8, pow2_scale))
+        _lm_head_weight_fp8(weight, fp8, pow2_scale, fp8_wgrad))
     return (out, _or_absent(inv_n, out), _or_absent(dh, hidden), _or_absent(dw, weight),
             _or_absent(db, out), _or_absent(lse, out))
 
 
-def _lm_head_weight_fp8(weight, fp8: bool, pow2_scale: bool):
+def _lm_head_weight_fp8(weight, fp8: bool, pow2_scale: bool, fp8_wgrad: bool):
     if not fp8:
         return None
-    return _quant.quantize_128x128(weight, columnwise=True, pow2_scale=pow2_scale), pow2_scale
+    return (_quant.quantize_128x128(weight, columnwise=True, pow2_scale=pow2_scale),
+            pow2_scale, fp8_wgrad)
 
 
 @linear_cross_entropy_fwd.register_fake
 def _(hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
-      chunk_size, need_dh, need_dw, need_db, fp8, pow2_scale):
+      chunk_size, need_dh, need_dw, need_db, fp8, pow2_scale, fp8_wgrad):
     N = hidden.shape[0]
     fused = reduction != "none" and (need_dh or need_dw or need_db)
     out = _new(hidden, N, dtype=F32) if reduction == "none" else _new(hidden, dtype=F32)
@@ -866,7 +869,8 @@ def linear_cross_entropy_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bias:
                              labels: Tensor, lse: Tensor, ignore_index: int,
                              label_smoothing: float, z_loss: float, chunk_size: int,
                              need_dh: bool, need_dw: bool, need_db: bool, fp8: bool,
-                             pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor]:
+                             pow2_scale: bool, fp8_wgrad: bool) -> tuple[Tensor, Tensor,
+                                                                         Tensor]:
     """Backward of ``reduction="none"`` (per-row ``grad [N]``): the logits are recomputed
     chunk by chunk. ``(dhidden, dweight, dbias)``, absent where not needed."""
     from .functional.loss import lce_backward_none
@@ -875,13 +879,13 @@ def linear_cross_entropy_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bias:
     gh, gw, gb = lce_backward_none(
         grad, hidden, weight, bias, labels, lse, ignore_index, label_smoothing, z_loss,
         chunk_size, (need_dh, need_dw, need_db), vocab, None,
-        _lm_head_weight_fp8(weight, fp8, pow2_scale))
+        _lm_head_weight_fp8(weight, fp8, pow2_scale, fp8_wgrad))
     return _or_absent(gh, hidden), _or_absent(gw, weight), _or_absent(gb, weight)
 
 
 @linear_cross_entropy_bwd.register_fake
 def _(grad, hidden, weight, bias, labels, lse, ignore_index, label_smoothing, z_loss,
-      chunk_size, need_dh, need_dw, need_db, fp8, pow2_scale):
+      chunk_size, need_dh, need_dw, need_db, fp8, pow2_scale, fp8_wgrad):
     return (_new(hidden, *hidden.shape) if need_dh else _absent(hidden),
             _new(weight, *weight.shape) if need_dw else _absent(weight),
             _new(bias, *bias.shape) if need_db else _absent(weight))
@@ -889,12 +893,12 @@ def _(grad, hidden, weight, bias, labels, lse, ignore_index, label_smoothing, z_
 
 def _lce_setup(ctx, inputs, output):
     (hidden, weight, bias, labels, ignore_index, reduction, ls, z, chunk, nh, nw, nb, fp8,
-     pow2) = inputs
+     pow2, fp8_wgrad) = inputs
     out, inv_n, dh, dw, db, lse = output
     ctx.fused = reduction != "none" and (nh or nw or nb)
     ctx.need = (nh, nw, nb)
     ctx.opts = (ignore_index, ls, z, chunk)
-    ctx.fp8 = (fp8, pow2)
+    ctx.fp8 = (fp8, pow2, fp8_wgrad)
     ctx.bias_dtype = bias.dtype if bias is not None else None
     from .functional.loss import row_weight_in_forward
 
@@ -908,7 +912,7 @@ def _lce_setup(ctx, inputs, output):
 
 def _lce_backward(ctx, grad, *_unused):
     nh, nw, nb = ctx.need
-    none = (None,) * 11
+    none = (None,) * 12
     if ctx.fused:
         dh, dw, db, inv_n = ctx.saved_tensors
         # (the forward applied the row weight inv_n, except for float16)
@@ -928,13 +932,13 @@ linear_cross_entropy_fwd.register_autograd(_lce_backward, setup_context=_lce_set
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
                          ignore_index: int, reduction: str, label_smoothing: float,
                          z_loss: float, chunk_size: int, need: tuple, fp8: bool = False,
-                         pow2_scale: bool = True) -> Tensor:
+                         pow2_scale: bool = True, fp8_wgrad: bool = False) -> Tensor:
     """:func:`linghe.linear_cross_entropy` through the custom ops (inputs validated and
     made contiguous; ``need``: which of hidden, weight, bias want a gradient; ``fp8``: the
-    recipe's ``lm_head_fp8``)."""
+    recipe's ``lm_head_fp8``; ``fp8_wgrad``: its ``fp8_wgrad``)."""
     return linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, reduction,
                                     label_smoothing, z_loss, chunk_size, *need, bool(fp8),
-                                    bool(pow2_scale))[0]
+                                    bool(pow2_scale), bool(fp8_wgrad))[0]
 
 
 # ======================================================================================

@@ -682,36 +682,49 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 class _Fp8LMHeadLogits(torch.autograd.Function):
     """``logits = dq(q_1x128(h)) · dq(q_128x128(W))^T`` rounded to ``h``'s dtype; backward
-    ``dh = dq(q_1x128(dlogits)) · dq(q_128x128(W))``, ``dW = dlogits^T · h`` (unquantized)."""
+    ``dh = dq(q_1x128(dlogits)) · dq(q_128x128(W))`` and ``dW = dlogits^T · h``, with
+    ``fp8_wgrad`` the product of both quantized 1x128 along the tokens (columnwise
+    copies), else unquantized."""
 
     @staticmethod
-    def forward(ctx, h, w, pow2_scale):
+    def forward(ctx, h, w, pow2_scale, fp8_wgrad):
         hd = dequantize_1x128(*quantize_1x128(h, pow2_scale), torch.float64)
         wd = dequantize_128x128(*quantize_128x128(w, pow2_scale), torch.float64)
         ctx.save_for_backward(h, wd)
         ctx.pow2_scale = pow2_scale
+        ctx.fp8_wgrad = fp8_wgrad
         return (hd @ wd.T).to(h.dtype)
 
     @staticmethod
     def backward(ctx, d):
         h, wd = ctx.saved_tensors
-        dd = dequantize_1x128(*quantize_1x128(d, ctx.pow2_scale), torch.float64)
-        return (dd @ wd).to(h.dtype), (d.double().T @ h.double()).to(h.dtype), None
+        p2 = ctx.pow2_scale
+        dd = dequantize_1x128(*quantize_1x128(d, p2), torch.float64)
+        if ctx.fp8_wgrad:
+            dt = dequantize_1x128(*quantize_1x128_columnwise(d, p2), torch.float64)
+            ht = dequantize_1x128(*quantize_1x128_columnwise(h, p2), torch.float64)
+            dw = dt @ ht.T
+        else:
+            dw = d.double().T @ h.double()
+        return (dd @ wd).to(h.dtype), dw.to(h.dtype), None, None
 
 
 def linear_cross_entropy_fp8(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              bias: torch.Tensor | None = None, ignore_index: int = -100,
                              reduction: str = "mean", label_smoothing: float = 0.0,
-                             z_loss: float = 0.0, pow2_scale: bool = True) -> torch.Tensor:
+                             z_loss: float = 0.0, pow2_scale: bool = True,
+                             fp8_wgrad: bool = False) -> torch.Tensor:
     """:func:`linear_cross_entropy` with the FP8 LM head (``TrainingContext(lm_head_fp8=
     True)``): the logits are the blockwise FP8 product of ``hidden`` quantized 1x128 and
     ``weight`` 128x128 (exact products, rounded once to the input dtype), the hidden
     gradient the FP8 product of the logits' gradient quantized 1x128 and the same weight;
-    the weight gradient ``dlogits^T · hidden`` is not quantized. (With a "mean"/"sum"
+    the weight gradient ``dlogits^T · hidden`` is, with ``fp8_wgrad`` (the recipe's, for a
+    head without bias), the FP8 product of both quantized 1x128 along the tokens in
+    128-token groups from the first row, else not quantized. (With a "mean"/"sum"
     reduction linghe quantizes the gradient of the loss itself and scales the GEMMs'
     results by ``grad_output`` afterwards; this spec quantizes the gradient as it arrives,
     so the two are equal for ``grad_output = 1``, and within FP8 rounding otherwise.)"""
-    logits = _Fp8LMHeadLogits.apply(hidden, weight, pow2_scale)
+    logits = _Fp8LMHeadLogits.apply(hidden, weight, pow2_scale, fp8_wgrad)
     if bias is not None:
         logits = logits + bias
     return cross_entropy(logits, labels, ignore_index, reduction, label_smoothing, z_loss)

@@ -355,7 +355,8 @@ def test_fused_loss_kernel_writes_the_gradients_fp8_copy(device):
                    grad_fp8=(q, sc, True))
 
 
-def _check_linear_fp8(device, N, H, V, dtype, reduction, bias, chunk, pow2=True):
+def _check_linear_fp8(device, N, H, V, dtype, reduction, bias, chunk, pow2=True,
+                      fp8_wgrad=True):
     h = torch.randn(N, H, device=device).to(dtype)
     w = (torch.randn(V, H, device=device) / H**0.5 * 2).to(dtype)
     b = torch.randn(V, device=device).to(dtype) if bias else None
@@ -365,11 +366,13 @@ def _check_linear_fp8(device, N, H, V, dtype, reduction, bias, chunk, pow2=True)
     rdt = torch.float64 if dtype == torch.float32 else dtype
     hr, wr = h.to(rdt, copy=True).requires_grad_(), w.to(rdt, copy=True).requires_grad_()
     br = b.to(rdt, copy=True).requires_grad_() if bias else None
+    # (the FP8 weight gradient is the head's without a bias only)
     r = ref.linear_cross_entropy_fp8(hr, wr, lab, br, -100, reduction, 0.1, 1e-3,
-                                     pow2_scale=pow2)
+                                     pow2_scale=pow2, fp8_wgrad=fp8_wgrad and not bias)
     hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_()
     bk = b.clone().requires_grad_() if bias else None
-    with linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True, pow2_scale=pow2):
+    with linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True, pow2_scale=pow2,
+                                fp8_wgrad=fp8_wgrad):
         out = linghe.linear_cross_entropy(hk, wk, lab, bias=bk, reduction=reduction,
                                           label_smoothing=0.1, z_loss=1e-3, chunk_size=chunk)
     # float32: the products are exact, but Hopper's FP8 tensor cores add them at reduced
@@ -387,7 +390,11 @@ def _check_linear_fp8(device, N, H, V, dtype, reduction, bias, chunk, pow2=True)
     # dgrad would be ~3e-2 off this reference)
     assert_close(hk.grad, hr.grad, tol=5e-3 if dtype == torch.float32 else 3e-2,
                  name="dhidden")
-    assert_close(wk.grad, wr.grad, tol=gtol, name="dweight")
+    # the FP8 weight gradient: the same quantized operands as the reference's, so its
+    # error is the dgrad's kind (a gradient element rounded one ulp apart before the
+    # quantization moves its e4m3 value one step)
+    assert_close(wk.grad, wr.grad, tol=5e-3 if fp8_wgrad and dtype == torch.float32 else gtol,
+                 name="dweight")
     if bias:
         assert_close(bk.grad, br.grad, tol=gtol, name="dbias")
     assert hk.grad.dtype == dtype and wk.grad.dtype == dtype
@@ -410,6 +417,75 @@ def test_linear_cross_entropy_fp8_lm_head_shapes(device, N, H, V, chunk, pow2):
     """(On a GPU with cuBLAS's blockwise FP8 GEMM, V = 1152 (9 groups of 128) and V = 300
     above take the dgrad with K padded to a multiple of 512.)"""
     _check_linear_fp8(device, N, H, V, torch.float32, "mean", False, chunk, pow2)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("N,chunk", [(272, 128), (300, 100)])
+def test_lm_head_fp8_wgrad_chunks(device, reduction, N, chunk):
+    """The FP8 weight gradient over several chunks (``chunk`` rounded up to whole 128-row
+    groups; N = 272 a multiple of 16: the packed columnwise store, N = 300 not: the plain
+    one), fused (``mean``) and recomputed in the backward (``none``), against the
+    reference's product of the columnwise copies; and with the recipe's ``fp8_wgrad``
+    off, the 16-bit weight gradient."""
+    _check_linear_fp8(device, N, 128, 300, torch.float32, reduction, False, chunk)
+    _check_linear_fp8(device, 40, 128, 300, torch.bfloat16, reduction, False, None,
+                      fp8_wgrad=False)
+
+
+def test_lm_head_fp8_wgrad_spans(device, monkeypatch):
+    """When the weight gradient's FP8 operand would pass ``FP8_WGRAD_BUFFER_BYTES``, the
+    tokens go in spans of whole chunks, one GEMM each, added up: the same result."""
+    from linghe.functional import loss as floss
+
+    spans = []
+    real = floss._fp8_wgrad_spans
+
+    def record(N, V, chunk):
+        out = real(N, V, chunk)
+        spans.append(out)
+        return out
+
+    monkeypatch.setattr(floss, "FP8_WGRAD_BUFFER_BYTES", 300 * 256)  # 256 tokens
+    monkeypatch.setattr(floss, "_fp8_wgrad_spans", record)
+    _check_linear_fp8(device, 300, 128, 300, torch.float32, "mean", False, 128)
+    assert spans == [[(0, 256), (256, 300)]]
+
+
+def test_ce_grad_fp8_kernel(device):
+    """``ce_grad_fp8`` writes the rounded gradient's two 1x128 copies: the rowwise one as
+    ``quantize_1x128`` of it, the columnwise one transposed at token column ``t0`` of a
+    wider buffer (its scales group-major from group ``t0 / 128``); ignored rows are
+    zeros; per-row weights (stride 0 too)."""
+    from linghe.bwd.loss import ce_backward
+    from linghe.fp8.quantize import empty_1x128
+    from linghe.fwd.loss import ce_forward, ce_grad_fp8
+    from linghe.testing import assert_fp8_close
+
+    N, V, T, t0 = 144, 260, 400, 128
+    x = (torch.randn(N, V, device=device) * 3).to(torch.bfloat16)
+    lab = _labels(N, V, device)
+    opts = dict(ignore_index=-100, label_smoothing=0.1, z_loss=1e-3)
+    _, lse, _, _ = ce_forward(x, lab, **opts)
+    for w in (torch.full((1,), 0.25, device=device), torch.rand(N, device=device) + 0.5,
+              torch.full((1,), 2.0, device=device).expand(N)):
+        q, s = empty_1x128(N, V, device, rowwise=True, columnwise=False)[:2]
+        qt, st = empty_1x128(T, V, device, rowwise=False, columnwise=True,
+                             group_major=True)[2:]
+        qt.view(torch.uint8).fill_(0x7F)  # (columns outside [t0, t0 + N): untouched)
+        ce_grad_fp8(x, lab, lse, w, **opts, pow2_scale=True, rowwise=(q, s),
+                    columnwise=(qt, st, t0))
+        d = ce_backward(x, lab, lse, w if w.numel() > 1 else torch.ones((), device=device),
+                        None if w.numel() > 1 else w, **opts)
+        rq, rs = ref.quantize_1x128(d, True)
+        assert_fp8_close(q, rq)
+        assert torch.equal(s, rs)
+        cq, cs = ref.quantize_1x128_columnwise(d, True)
+        assert_fp8_close(qt[:, t0:t0 + N], cq)
+        assert torch.equal(st[:, 1:3], cs)
+        assert bool((qt.view(torch.uint8)[:, :t0] == 0x7F).all())
+        assert bool((qt.view(torch.uint8)[:, t0 + N:] == 0x7F).all())
+        ignored = lab == -100
+        assert bool((q[ignored].float() == 0).all()) and bool((s[ignored] == 1).all())
 
 
 def test_lm_head_fp8_dgrad_with_padded_vocab(device, monkeypatch):

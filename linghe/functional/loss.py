@@ -12,7 +12,7 @@ from ..context import current_recipe
 from ..fp8 import gemm as fp8_gemm
 from ..fp8.cache import WeightCache
 from ..fp8.quantize import FP8_DTYPE, empty_1x128, quantize_1x128_launch
-from ..fwd.loss import ce_forward, ce_partials, ce_reduce, ce_row_weight
+from ..fwd.loss import ce_forward, ce_grad_fp8, ce_partials, ce_reduce, ce_row_weight
 from ..utils import (
     FLOAT_DTYPES,
     apply_function,
@@ -211,9 +211,10 @@ def default_chunk_size(N: int, V: int, itemsize: int) -> int:
 
 def _chunk_logits(h, weight, bias, fp8):
     """``h · W^T (+ b)`` of one chunk: cuBLAS in the input dtype, or with ``fp8 = (wq,
-    pow2_scale)`` the blockwise FP8 GEMM of ``h`` quantized 1x128 and W's rowwise copy."""
+    pow2_scale, fp8_wgrad)`` the blockwise FP8 GEMM of ``h`` quantized 1x128 and W's
+    rowwise copy."""
     if fp8 is not None:
-        wq, pow2 = fp8
+        wq, pow2 = fp8[:2]
         hq, hs, _, _ = quantize_1x128_launch(h, True, False, pow2, True)
         return fp8_gemm._gemm(hq, hs, "1x128", wq.rowwise_data, wq.rowwise_scale,
                               wq.scaling, h.dtype, bias)
@@ -229,7 +230,7 @@ def _chunk_dh(d, weight, fp8, out, operands=None):
     if fp8 is None:
         torch.mm(d, weight, out=out)
         return
-    wq, pow2 = fp8
+    wq, pow2 = fp8[:2]
     if operands is None:
         q, sq = quantize_1x128_launch(d, True, False, pow2, True)[:2]
         operands = (q, sq, wq.columnwise_data, wq.columnwise_scale)
@@ -280,6 +281,82 @@ def _dgrad_fp8_operands(fp8, rows: int, V: int, out_dtype, device):
     return (q[:, :V], sq[:, :groups]), (q, sq, *_padded_columnwise(wq, k))
 
 
+#: Bytes of the FP8 weight-gradient operand (the logits' gradient, ``[V, tokens]``
+#: e4m3) held at once: the weight gradient is one GEMM over up to this many tokens'
+#: worth (all of a micro-batch at the e2e shape: 8192 x 157184 = 1.2 GiB), further
+#: spans are added into it.
+FP8_WGRAD_BUFFER_BYTES = 2 << 30
+
+
+def fp8_wgrad_on(fp8, group, bias) -> bool:
+    """Whether the LM head's weight gradient runs FP8 (:func:`linear_cross_entropy`): the
+    FP8 head with the recipe's ``fp8_wgrad``, and neither vocab-parallel (its gradient
+    pass is the 16-bit one) nor with a bias (whose gradient sums the 16-bit one)."""
+    return fp8 is not None and fp8[2] and group is None and bias is None
+
+
+def _fp8_wgrad_spans(N: int, V: int, chunk: int) -> list[tuple[int, int]]:
+    """Token spans ``[a, b)`` (whole chunks) of one weight-gradient GEMM each."""
+    span = max(chunk, FP8_WGRAD_BUFFER_BYTES // max(V, 1) // chunk * chunk)
+    return [(a, min(N, a + span)) for a in range(0, N, span)]
+
+
+def _chunk_grads_fp8(logits, labels, lse, row_weight, opts, weight, fp8, dh_out, columnwise):
+    """One chunk's gradient pass with the FP8 weight gradient: the loss gradient written
+    only as FP8 (:func:`~linghe.fwd.loss.ce_grad_fp8`: the rowwise copy when ``dh_out`` is
+    wanted, the columnwise one into the span's buffer), then ``dh_out = d · W`` in FP8."""
+    rowwise = ops = None
+    if dh_out is not None:
+        rowwise, ops = _dgrad_fp8_operands(fp8, logits.shape[0], logits.shape[1],
+                                           dh_out.dtype, logits.device)
+    ce_grad_fp8(logits, labels, lse, row_weight, **opts, pow2_scale=fp8[1], rowwise=rowwise,
+                columnwise=columnwise)
+    if dh_out is not None:
+        _chunk_dh(None, weight, fp8, dh_out, ops)
+
+
+def _wgrad_span_fp8(qt, st, h, pow2: bool, dw):
+    """``dlogits^T · h`` of one token span from the gradient's columnwise copy ``qt
+    [V, T]`` and ``h [T, H]`` quantized 1x128 along the tokens, added into ``dw`` (or
+    returned, the first span)."""
+    hq, hs = quantize_1x128_launch(h, False, True, pow2, True)[2:]
+    part = fp8_gemm._gemm(qt, st, "1x128", hq, hs, "1x128", h.dtype, None)
+    return part if dw is None else dw.add_(part)
+
+
+def _lce_grads_fp8_wgrad(hidden, weight, labels, lse_or_none, row_weight, opts, chunk,
+                         need_h, fp8, loss_rows=None):
+    """``(dh, dw)`` of the FP8 head with the FP8 weight gradient, chunk by chunk: the
+    logits (FP8 GEMM), their statistics (:func:`ce_forward`, when ``lse_or_none`` is
+    ``None``: the fused forward; its loss rows into ``loss_rows``) or the saved ``lse``
+    (the backward of ``reduction="none"``), then :func:`_chunk_grads_fp8`; per span of
+    chunks one weight-gradient GEMM. ``chunk`` is a multiple of 128 (whole token groups
+    per chunk)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    dh = empty(N, H, dtype=hidden.dtype, device=dev) if need_h else None
+    dw = None
+    for a, b in _fp8_wgrad_spans(N, V, chunk):
+        qt, st = empty_1x128(b - a, V, dev, rowwise=False, columnwise=True,
+                             group_major=True)[2:]
+        for s in range(a, b, chunk):
+            e = min(b, s + chunk)
+            logits = _chunk_logits(hidden[s:e], weight, None, fp8)
+            if lse_or_none is None:
+                lse = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e], **opts)[1]
+            else:
+                lse = lse_or_none[s:e]
+            w = row_weight if row_weight.numel() == 1 else row_weight[s:e]
+            _chunk_grads_fp8(logits, labels[s:e], lse, w, opts, weight, fp8,
+                             dh[s:e] if dh is not None else None, (qt, st, s - a))
+            del logits
+        dw = _wgrad_span_fp8(qt, st, hidden[a:b], fp8[1], dw)
+    if dw is None:  # no rows
+        dw = torch.zeros_like(weight)
+    return dh, dw
+
+
 def row_weight_in_forward(dtype: torch.dtype) -> bool:
     """Whether the fused linear cross entropy applies the reduction's row weight
     (``1/n_valid``) to the logits' gradient in the forward (then the backward only applies
@@ -310,6 +387,8 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
     loss_rows = empty(N, dtype=torch.float32, device=hidden.device)
     need_h, need_w, need_b = need_grads
     fused = reduction != "none" and any(need_grads)
+    # the FP8 weight gradient (fp8_wgrad_on): its own chunk loop, below
+    fp8_w = fused and need_w and fp8_wgrad_on(fp8, group, bias)
     dh = dw = db = row_w = None
     if fused:
         # The gradients are computed now, each row's weighted by the reduction's row
@@ -317,44 +396,50 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
         if row_weight_in_forward(hidden.dtype):
             row_w = ce_row_weight(labels, ignore_index=ignore_index,
                                   vocab_total=vocab["vocab_total"], mean=reduction == "mean")
-        if need_h:
+        if need_h and not fp8_w:
             dh = empty(N, H, dtype=hidden.dtype, device=hidden.device)
-        if need_w:  # the first chunk writes it (no zero fill) unless there is none
+        if need_w and not fp8_w:  # the first chunk writes it (no zero fill) unless none
             dw = (empty if N else torch.zeros)(V, H, dtype=weight.dtype, device=weight.device)
         if need_b:
             db = torch.zeros(V, dtype=torch.float32, device=weight.device)
     one = torch.ones(1, dtype=torch.float32, device=hidden.device)
     lses = []
-    for s in range(0, N, chunk_size):
-        e = min(N, s + chunk_size)
-        h = hidden[s:e]
-        logits = _chunk_logits(h, weight, bias, fp8)
-        dq = dgrad_ops = None
-        if group is None:
-            if fused and dh is not None and fp8 is not None:  # the loss kernel quantizes
-                dq, dgrad_ops = _dgrad_fp8_operands(fp8, e - s, logits.shape[1],
-                                                    hidden.dtype, logits.device)
-            _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
-                                      fuse_bwd=fused, row_weight=row_w, **opts,
-                                      grad_fp8=None if dq is None else (*dq, fp8[1]))
-        else:
-            loss_c, lse = _dist_stats(logits, labels[s:e], group, **opts, **vocab)
-            loss_rows[s:e] = loss_c
-            if fused:
-                ce_backward(logits, labels[s:e], lse, one[0], row_w, **opts, **vocab,
-                            inplace=True)
-        lses.append(lse)
-        if fused:  # logits now hold d loss / d logits (this rank's columns)
-            if dh is not None:
-                _chunk_dh(logits, weight, fp8, dh[s:e], dgrad_ops)
-            if dw is not None:
-                if s == 0:
-                    torch.mm(logits.t(), h, out=dw)
-                else:
-                    dw.addmm_(logits.t(), h)
-            if db is not None:
-                db += logits.sum(0, dtype=torch.float32)
-        del logits
+    if fp8_w:
+        # its operand is grouped along the tokens: chunks of whole 128-token groups
+        dh, dw = _lce_grads_fp8_wgrad(hidden, weight, labels, None,
+                                      row_w if row_w is not None else one, opts,
+                                      cdiv(chunk_size, 128) * 128, need_h, fp8, loss_rows)
+    else:
+        for s in range(0, N, chunk_size):
+            e = min(N, s + chunk_size)
+            h = hidden[s:e]
+            logits = _chunk_logits(h, weight, bias, fp8)
+            dq = dgrad_ops = None
+            if group is None:
+                if fused and dh is not None and fp8 is not None:  # the loss kernel quantizes
+                    dq, dgrad_ops = _dgrad_fp8_operands(fp8, e - s, logits.shape[1],
+                                                        hidden.dtype, logits.device)
+                _, lse, _, _ = ce_forward(logits, labels[s:e], loss_out=loss_rows[s:e],
+                                          fuse_bwd=fused, row_weight=row_w, **opts,
+                                          grad_fp8=None if dq is None else (*dq, fp8[1]))
+            else:
+                loss_c, lse = _dist_stats(logits, labels[s:e], group, **opts, **vocab)
+                loss_rows[s:e] = loss_c
+                if fused:
+                    ce_backward(logits, labels[s:e], lse, one[0], row_w, **opts, **vocab,
+                                inplace=True)
+            lses.append(lse)
+            if fused:  # logits now hold d loss / d logits (this rank's columns)
+                if dh is not None:
+                    _chunk_dh(logits, weight, fp8, dh[s:e], dgrad_ops)
+                if dw is not None:
+                    if s == 0:
+                        torch.mm(logits.t(), h, out=dw)
+                    else:
+                        dw.addmm_(logits.t(), h)
+                if db is not None:
+                    db += logits.sum(0, dtype=torch.float32)
+            del logits
     if group is not None and dh is not None:
         import torch.distributed as dist
 
@@ -378,6 +463,9 @@ def lce_backward_none(grad, hidden, weight, bias, labels, lse, ignore_index, lab
     logits). Returns ``(dhidden, dweight, dbias)`` (``None`` where ``need`` says no)."""
     nh, nw, nb = need
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
+    if nw and fp8_wgrad_on(fp8, group, bias):  # (no bias, so no dbias)
+        return (*_lce_grads_fp8_wgrad(hidden, weight, labels, lse, grad, opts,
+                                      cdiv(chunk_size, 128) * 128, nh, fp8), None)
     N, H = hidden.shape
     cs = chunk_size
     gh = empty(N, H, dtype=hidden.dtype, device=hidden.device) if nh else None
@@ -473,13 +561,15 @@ _WEIGHT_CACHES = WeakIdKeyDictionary()
 
 
 def _lm_head_fp8(weight: torch.Tensor, recipe) -> tuple:
-    """``(wq, pow2_scale)``: the LM head weight's 128x128 FP8 copies (both), cached per
-    weight until it changes (:class:`~linghe.fp8.cache.WeightCache`; bound to the weight,
-    so :class:`linghe.optim.AdamW` writes them in its update pass)."""
+    """``(wq, pow2_scale, fp8_wgrad)``: the LM head weight's 128x128 FP8 copies (both),
+    cached per weight until it changes (:class:`~linghe.fp8.cache.WeightCache`; bound to
+    the weight, so :class:`linghe.optim.AdamW` writes them in its update pass), and the
+    recipe's choices."""
     cache = _WEIGHT_CACHES.get(weight)
     if cache is None:
         cache = _WEIGHT_CACHES[weight] = WeightCache()
-    return cache.get_for_recipe(weight, recipe, (weight, "w")), recipe.pow2_scale
+    return (cache.get_for_recipe(weight, recipe, (weight, "w")), recipe.pow2_scale,
+            recipe.fp8_wgrad)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -524,9 +614,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     logits GEMM and the hidden-gradient GEMM run blockwise FP8: each chunk of ``hidden``
     quantized 1x128, the weight 128x128 (both copies, cached per weight until it changes:
     once per optimizer step, or written by :class:`linghe.optim.AdamW`), and the logits'
-    gradient 1x128 by the loss kernel that writes it. The weight gradient and the loss
-    arithmetic stay in the input's precision. Without that flag the recipe does not
-    change this op.
+    gradient 1x128 by the loss kernel that writes it. With the recipe's ``fp8_wgrad``
+    (the default) the weight-gradient GEMM runs FP8 too: per chunk the loss statistics
+    come first, then one pass (:func:`linghe.fwd.loss.ce_grad_fp8`) writes the logits'
+    gradient only as FP8, both 1x128 copies (the columnwise one, grouped along the
+    tokens, into one buffer for the chunks of up to ``FP8_WGRAD_BUFFER_BYTES``), and
+    ``dW`` is one GEMM over those tokens and ``hidden`` quantized 1x128 along them
+    (chunks are then rounded up to whole 128-row groups). Not for a vocab-parallel head
+    or with a bias: those keep the 16-bit weight gradient. The loss arithmetic stays in
+    fp32. Without ``lm_head_fp8`` the recipe does not change this op.
 
     Returns the loss: fp32 scalar or ``[N]`` fp32 (``"none"``).
     """
@@ -557,7 +653,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         return library.linear_cross_entropy(
             hidden.contiguous(), weight.contiguous(), bias, labels.contiguous(),
             int(ignore_index), reduction, float(label_smoothing), float(z_loss),
-            int(chunk_size), need, fp8, fp8 and recipe.pow2_scale)
+            int(chunk_size), need, fp8, fp8 and recipe.pow2_scale, fp8 and recipe.fp8_wgrad)
     return apply_function(_LinearCrossEntropy, hidden.contiguous(), weight.contiguous(), bias,
                           labels.contiguous(), int(ignore_index), reduction,
                           float(label_smoothing), float(z_loss), int(chunk_size),

@@ -17,6 +17,11 @@ Modes (constexpr):
   read from the device (``1 / n_valid`` for "mean": :func:`ce_row_weight`); the fused
   linear cross entropy uses this, so its gradients need no rescaling pass afterwards.
 
+:func:`ce_grad_fp8` (``_ce_grad_fp8_kernel``) is the FP8 LM head's gradient pass: from
+the logits and the saved ``lse`` it writes the gradient only as FP8, both 1x128 copies
+from ``[128, 128]`` tiles (the rowwise one for the hidden gradient, the columnwise one,
+grouped along the tokens, for the weight gradient), never the 16-bit gradient.
+
 Labels outside ``[0, V_total)`` and equal to ``ignore_index`` mark the row ignored: loss 0,
 gradient 0 (written without reading the row), and the target load is masked (never an
 out-of-bounds read). An ignored row's saved ``lse`` is 0.
@@ -30,7 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.quantize import quant_rows
+from ..fp8.quantize import (
+    _tile_coords,
+    packed_row_order,
+    quant_cols,
+    quant_rows,
+    store_cols_cvt4,
+)
 from ..utils import INTERPRET, cdiv, device_guard, empty, launch, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -179,6 +190,63 @@ def _ce_fwd_kernel(x_ptr, stride_x, lab_ptr, loss_ptr, lse_ptr, part_ptr, w_ptr,
                     grp = off // 128 + tl.arange(0, BLOCK_V // G)
                     tl.store(qs_ptr + row * stride_qs_m + grp * stride_qs_g, sc,
                              mask=grp * 128 < V)
+
+
+@triton.jit
+def _ce_grad_fp8_kernel(x_ptr, stride_x, lab_ptr, lse_ptr, w_ptr, w_stride, N, V, V_total,
+                        ignore_index, eps, z_loss, q_ptr, s_ptr, stride_q, stride_sm,
+                        stride_sg, qt_ptr, st_ptr, ldt, t0, stride_stk, stride_stg,
+                        ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
+                        PACK: tl.constexpr, RPT: tl.constexpr):
+    """One ``[128, 128]`` tile of ``d = w_row * d loss / d logits`` (``w_row`` the row
+    weight at ``w_ptr``, per row with ``w_stride`` 1, one for all with 0) from the logits
+    ``x [N, V]`` and their ``lse``, rounded to the logits' dtype as the fused kernel stores
+    it, then quantized: ``ROWWISE`` into ``q [N, V]`` / ``s`` (1x128 along the vocabulary),
+    ``COLWISE`` into ``q_t [V, ldt]`` at token columns ``t0 + row`` and ``s_t`` at group
+    ``t0 // 128 + tile row`` (1x128 along the tokens; ``t0`` a multiple of 128; ``PACK``:
+    4 tokens a word, ``ldt`` and the chunk's end multiples of 16)."""
+    nm = tl.cdiv(N, 128)
+    nk = tl.cdiv(V, 128)
+    # from the last tile: the statistics pass before it read the chunk's last rows last,
+    # so some of them are still in L2
+    pid_m, pid_k, rows, cols = _tile_coords(tl.program_id(0), nm * nk, nm, nk, 128, 128,
+                                            True, True)
+    if PACK:
+        rows = pid_m.to(tl.int64) * 128 + packed_row_order(RPT)
+    rmask = rows < N
+    cmask = cols < V
+    label = tl.load(lab_ptr + rows, mask=rmask, other=ignore_index).to(tl.int64)
+    valid = rmask & (label != ignore_index) & (label >= 0) & (label < V_total)
+    local = tl.where(valid, label, -1).to(tl.int32)
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    g = tl.where(valid, tl.load(w_ptr + rows * w_stride, mask=rmask, other=0.0).to(tl.float32),
+                 0.0)
+    coef = g * (1.0 + 2.0 * z_loss * lse)
+    smooth = g * eps / V_total
+    hit = g * (1.0 - eps)
+    mask = valid[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    p = tl.exp2(x * LOG2E - (lse * LOG2E)[:, None])
+    d = coef[:, None] * p - smooth[:, None] - tl.where(cols[None, :] == local[:, None],
+                                                      hit[:, None], 0.0)
+    d = tl.where(mask, d, 0.0)
+    d = d.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the 16-bit gradient would be
+    if ROWWISE:
+        q, sc = quant_rows(d, POW2)
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q,
+                 mask=rmask[:, None] & cmask[None, :])
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, sc, mask=rmask)
+    if COLWISE:
+        tile_start = t0 + pid_m * 128
+        if PACK:
+            st = store_cols_cvt4(d, qt_ptr, tile_start, cols, cmask, t0 + N, ldt, RPT, POW2)
+        else:
+            qt, st = quant_cols(d, POW2)
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * ldt + (t0 + rows)[:, None], qt,
+                     mask=rmask[:, None] & cmask[None, :])
+        tl.store(st_ptr + cols * stride_stk + (t0 // 128 + pid_m) * stride_stg, st,
+                 mask=cmask)
 
 
 @triton.jit
@@ -372,3 +440,70 @@ def ce_row_weight(labels: torch.Tensor, *, ignore_index: int, vocab_total: int,
                ignore_index, MEAN=mean, BLOCK=B, COUNT_ONLY=True,
                num_warps=max(1, min(16, B // 256)))
     return inv_n
+
+
+def _grad_fp8_knob():
+    v = os.environ.get("LINGHE_CE_GRAD_FP8", "")
+    if not v:
+        return None
+    w, r = (int(t) for t in v.split(","))
+    return dict(warps=w, maxnreg=r or None)
+
+
+#: Launch of :func:`ce_grad_fp8`'s ``[128, 128]`` tiles: warps and the register cap per
+#: thread (``maxnreg``; None: ptxas chooses). The tile lives in registers, so these set how
+#: many programs share an SM. ptxas (sm_90, triton 3.6; ``scratch``-compiled): 4 warps
+#: 226 registers (2 programs per SM), 8 warps 203 (1), 8 warps capped at 128: no spills
+#: (2 programs of 8 warps). ``LINGHE_CE_GRAD_FP8="warps,maxnreg"`` overrides (0: no cap).
+GRAD_FP8_CONFIG = _grad_fp8_knob() or dict(warps=4, maxnreg=None)
+
+
+def ce_grad_fp8(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                row_weight: torch.Tensor, *, ignore_index: int, label_smoothing: float,
+                z_loss: float, pow2_scale: bool, rowwise=None, columnwise=None,
+                config: dict | None = None) -> None:
+    """The gradient of the loss rows of ``logits [N, V]`` (rows with stride(1) == 1), times
+    ``row_weight`` (fp32 ``[1]``: one weight, e.g. :func:`ce_row_weight`; or ``[N]``: one
+    per row, e.g. a ``reduction="none"`` grad_output), written only as FP8 (e4m3):
+
+    - ``rowwise = (q, scale)``: ``q [N, V]`` and ``scale [N, ceil(V/128)]`` (any strides),
+      1x128 groups along the vocabulary, as :func:`~linghe.fp8.quantize_1x128` of the
+      16-bit gradient would be (the dgrad operand);
+    - ``columnwise = (q_t, scale_t, t0)``: ``q_t [V, T]`` (contiguous) receives the
+      gradient transposed at token columns ``t0 .. t0 + N`` and ``scale_t [V, ceil(T/128)]``
+      (any strides) its 1x128 scales along the tokens, groups from ``t0 // 128``
+      (``t0`` a multiple of 128): the wgrad operand of a run of chunks.
+
+    ``lse [N]`` from :func:`ce_forward`. Ignored rows give zeros (scale 1). ``config``:
+    as :data:`GRAD_FP8_CONFIG` (the default)."""
+    N, V = logits.shape
+    if rowwise is None and columnwise is None or N == 0 or V == 0:
+        return
+    w_stride = row_weight.stride(0) if row_weight.numel() != 1 else 0
+    q = s = qt = st = None
+    ssm = ssg = sstk = sstg = 0
+    ldt = t0 = 0
+    if rowwise is not None:
+        q, s = rowwise
+        ssm, ssg = s.stride()
+    pack = False
+    if columnwise is not None:
+        qt, st, t0 = columnwise
+        if t0 % 128:
+            raise ValueError(f"t0 must be a multiple of 128, got {t0}")
+        ldt = qt.shape[1]
+        sstk, sstg = st.stride()
+        pack = ldt % 16 == 0 and (t0 + N) % 16 == 0
+        if pack:
+            qt = qt.view(torch.int32)
+    cfg = config or GRAD_FP8_CONFIG
+    opts = {} if cfg.get("maxnreg") is None else {"maxnreg": cfg["maxnreg"]}
+    with device_guard(logits):
+        launch(_ce_grad_fp8_kernel, (cdiv(N, 128) * cdiv(V, 128),),
+               logits, logits.stride(0), labels, lse, row_weight, w_stride, N, V, V,
+               ignore_index, float(label_smoothing), float(z_loss), q, s,
+               q.stride(0) if q is not None else 0, ssm, ssg, qt, st, ldt, t0, sstk, sstg,
+               ROWWISE=q is not None, COLWISE=qt is not None, POW2=pow2_scale, PACK=pack,
+               # (rows a thread holds in the packed store: 128 over the rows one repetition
+               # of the tile's layout covers, 4 per warp; see quantize.pack_rows_per_thread)
+               RPT=max(4, 32 // cfg["warps"]), num_warps=cfg["warps"], **opts)
