@@ -419,16 +419,16 @@ def test_linear_cross_entropy_fp8_lm_head_shapes(device, N, H, V, chunk, pow2):
     _check_linear_fp8(device, N, H, V, torch.float32, "mean", False, chunk, pow2)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("N,chunk", [(272, 128), (300, 100)])
-def test_lm_head_fp8_wgrad_chunks(device, reduction, N, chunk):
+@pytest.mark.parametrize("reduction,N,V,chunk", [("mean", 272, 256, 128),
+                                                  ("none", 300, 300, 100)])
+def test_lm_head_fp8_wgrad_chunks(device, reduction, N, V, chunk):
     """The FP8 weight gradient over several chunks (``chunk`` rounded up to whole 128-row
     groups; N = 272 a multiple of 16: the packed columnwise store, N = 300 not: the plain
-    one), fused (``mean``) and recomputed in the backward (``none``), against the
-    reference's product of the columnwise copies; and with the recipe's ``fp8_wgrad``
-    off, the 16-bit weight gradient."""
-    _check_linear_fp8(device, N, 128, 300, torch.float32, reduction, False, chunk)
-    _check_linear_fp8(device, 40, 128, 300, torch.bfloat16, reduction, False, None,
+    one; V = 256 whole column tiles, V = 300 a tail), fused (``mean``) and recomputed in
+    the backward (``none``), against the reference's product of the columnwise copies;
+    and with the recipe's ``fp8_wgrad`` off, the 16-bit weight gradient."""
+    _check_linear_fp8(device, N, 128, V, torch.float32, reduction, False, chunk)
+    _check_linear_fp8(device, 40, 128, V, torch.bfloat16, reduction, False, None,
                       fp8_wgrad=False)
 
 

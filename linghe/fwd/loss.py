@@ -197,20 +197,25 @@ def _ce_grad_fp8_kernel(x_ptr, stride_x, lab_ptr, lse_ptr, w_ptr, w_stride, N, V
                         ignore_index, eps, z_loss, q_ptr, s_ptr, stride_q, stride_sm,
                         stride_sg, qt_ptr, st_ptr, ldt, t0, stride_stk, stride_stg,
                         ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
-                        PACK: tl.constexpr, RPT: tl.constexpr):
+                        PACK: tl.constexpr, RPT: tl.constexpr, K_FAST: tl.constexpr = True,
+                        REVERSE: tl.constexpr = True, EVEN_V: tl.constexpr = False,
+                        ROUND: tl.constexpr = True):
     """One ``[128, 128]`` tile of ``d = w_row * d loss / d logits`` (``w_row`` the row
     weight at ``w_ptr``, per row with ``w_stride`` 1, one for all with 0) from the logits
     ``x [N, V]`` and their ``lse``, rounded to the logits' dtype as the fused kernel stores
     it, then quantized: ``ROWWISE`` into ``q [N, V]`` / ``s`` (1x128 along the vocabulary),
     ``COLWISE`` into ``q_t [V, ldt]`` at token columns ``t0 + row`` and ``s_t`` at group
     ``t0 // 128 + tile row`` (1x128 along the tokens; ``t0`` a multiple of 128; ``PACK``:
-    4 tokens a word, ``ldt`` and the chunk's end multiples of 16)."""
+    4 tokens a word, ``ldt`` and the chunk's end multiples of 16). ``EVEN_V``: ``V`` a
+    multiple of 128 (no column masks). ``ROUND`` (default): quantize the gradient rounded
+    to the logits' dtype (the bits ``quantize_1x128`` of the 16-bit gradient gives); off:
+    the fp32 gradient itself (a launch variant for the probe). Tile order as
+    ``quantize._tile_coords`` (default: a row block's tiles in turn, from the last tile, as
+    the statistics pass before it read the chunk's last rows last: some are still in L2)."""
     nm = tl.cdiv(N, 128)
     nk = tl.cdiv(V, 128)
-    # from the last tile: the statistics pass before it read the chunk's last rows last,
-    # so some of them are still in L2
     pid_m, pid_k, rows, cols = _tile_coords(tl.program_id(0), nm * nk, nm, nk, 128, 128,
-                                            True, True)
+                                            K_FAST, REVERSE)
     if PACK:
         rows = pid_m.to(tl.int64) * 128 + packed_row_order(RPT)
     rmask = rows < N
@@ -224,18 +229,27 @@ def _ce_grad_fp8_kernel(x_ptr, stride_x, lab_ptr, lse_ptr, w_ptr, w_stride, N, V
     coef = g * (1.0 + 2.0 * z_loss * lse)
     smooth = g * eps / V_total
     hit = g * (1.0 - eps)
-    mask = valid[:, None] & cmask[None, :]
+    if EVEN_V:
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)
     p = tl.exp2(x * LOG2E - (lse * LOG2E)[:, None])
+    # (an ignored or absent row has g = 0: coef = smooth = hit = 0, so d = 0 there)
     d = coef[:, None] * p - smooth[:, None] - tl.where(cols[None, :] == local[:, None],
                                                       hit[:, None], 0.0)
-    d = tl.where(mask, d, 0.0)
-    d = d.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the 16-bit gradient would be
+    if not EVEN_V:
+        d = tl.where(cmask[None, :], d, 0.0)
+    if ROUND:
+        d = d.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the 16-bit gradient would be
     if ROWWISE:
         q, sc = quant_rows(d, POW2)
-        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q,
-                 mask=rmask[:, None] & cmask[None, :])
+        if EVEN_V:
+            qmask = rmask[:, None]
+        else:
+            qmask = rmask[:, None] & cmask[None, :]
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=qmask)
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sg, sc, mask=rmask)
     if COLWISE:
         tile_start = t0 + pid_m * 128
@@ -243,8 +257,12 @@ def _ce_grad_fp8_kernel(x_ptr, stride_x, lab_ptr, lse_ptr, w_ptr, w_stride, N, V
             st = store_cols_cvt4(d, qt_ptr, tile_start, cols, cmask, t0 + N, ldt, RPT, POW2)
         else:
             qt, st = quant_cols(d, POW2)
+            if EVEN_V:
+                tmask = rmask[:, None]
+            else:
+                tmask = rmask[:, None] & cmask[None, :]
             tl.store(qt_ptr + cols[None, :].to(tl.int64) * ldt + (t0 + rows)[:, None], qt,
-                     mask=rmask[:, None] & cmask[None, :])
+                     mask=tmask)
         tl.store(st_ptr + cols * stride_stk + (t0 // 128 + pid_m) * stride_stg, st,
                  mask=cmask)
 
@@ -452,10 +470,14 @@ def _grad_fp8_knob():
 
 #: Launch of :func:`ce_grad_fp8`'s ``[128, 128]`` tiles: warps and the register cap per
 #: thread (``maxnreg``; None: ptxas chooses). The tile lives in registers, so these set how
-#: many programs share an SM. ptxas (sm_90, triton 3.6; ``scratch``-compiled): 4 warps
-#: 226 registers (2 programs per SM), 8 warps 203 (1), 8 warps capped at 128: no spills
-#: (2 programs of 8 warps). ``LINGHE_CE_GRAD_FP8="warps,maxnreg"`` overrides (0: no cap).
-GRAD_FP8_CONFIG = _grad_fp8_knob() or dict(warps=4, maxnreg=None)
+#: many programs share an SM. ptxas (sm_90, triton 3.6): 4 warps 226 registers (2 programs
+#: per SM), capped at 168 (3 per SM) 188 bytes of spills; 8 warps 203 (1), capped at 128
+#: no spills (2). H200, one e2e chunk ([2048, 157184] bf16, kernel µs, bits equal):
+#: 4 warps 508, capped at 168 **457**, 8 warps 548 (capped 548), 16 warps 740; the tile
+#: order made no difference (``h200_probe_fp8_lm_head_sweep_2026-11-27_s16``).
+#: ``k_fast`` / ``reverse``: the tile order (the kernel's ``K_FAST`` / ``REVERSE``);
+#: ``round``: its ``ROUND``. ``LINGHE_CE_GRAD_FP8="warps,maxnreg"`` overrides (0: no cap).
+GRAD_FP8_CONFIG = _grad_fp8_knob() or dict(warps=4, maxnreg=168)
 
 
 def ce_grad_fp8(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
@@ -506,4 +528,6 @@ def ce_grad_fp8(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                ROWWISE=q is not None, COLWISE=qt is not None, POW2=pow2_scale, PACK=pack,
                # (rows a thread holds in the packed store: 128 over the rows one repetition
                # of the tile's layout covers, 4 per warp; see quantize.pack_rows_per_thread)
-               RPT=max(4, 32 // cfg["warps"]), num_warps=cfg["warps"], **opts)
+               RPT=max(4, 32 // cfg["warps"]), K_FAST=cfg.get("k_fast", True),
+               REVERSE=cfg.get("reverse", True), EVEN_V=V % 128 == 0,
+               ROUND=cfg.get("round", True), num_warps=cfg["warps"], **opts)
