@@ -104,21 +104,27 @@ def linear_cross_entropy_case(cfg: Config):
                  run={"eager": eager, "compile": comp, "linghe": kern}, note=note)]
 
     # The FP8 LM head (opt-in): checked against its own reference (the bf16 rows above
-    # are the speed baseline); the weight's FP8 copy is cached, as within a step.
-    fp8_ctx = linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True)
+    # are the speed baseline); the weight's FP8 copy is cached, as within a step. With the
+    # recipe's fp8_wgrad (default) its weight gradient is FP8 too; the second row keeps it
+    # in bf16.
+    for fp8_wgrad in (True, False):
+        fp8_ctx = linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True,
+                                         fp8_wgrad=fp8_wgrad)
 
-    def kern_fp8():
-        with fp8_ctx:
-            loss = linghe.linear_cross_entropy(h, w, lab)
-        return (loss, *torch.autograd.grad(loss, [h, w]))
+        def kern_fp8(fp8_ctx=fp8_ctx):
+            with fp8_ctx:
+                loss = linghe.linear_cross_entropy(h, w, lab)
+            return (loss, *torch.autograd.grad(loss, [h, w]))
 
-    def expected_fp8():
-        loss = ref.linear_cross_entropy_fp8(h, w, lab)
-        return (loss, *torch.autograd.grad(loss, [h, w]))
+        def expected_fp8(fp8_wgrad=fp8_wgrad):
+            loss = ref.linear_cross_entropy_fp8(h, w, lab, fp8_wgrad=fp8_wgrad)
+            return (loss, *torch.autograd.grad(loss, [h, w]))
 
-    out.append(Bench(name=f"linear_cross_entropy fwd+bwd N={N} H={H} V={V} lm_head_fp8",
-                     bytes=2 * 2 * (N * H + V * H) + N * 8, flops=6 * N * H * V, tol=3e-2,
-                     run={"linghe": kern_fp8}, expected=expected_fp8,
-                     note="TrainingContext(lm_head_fp8=True): logits and dh GEMMs FP8, dW "
-                          "bf16; compare its time with the bf16 row"))
+        what = "all three GEMMs FP8" if fp8_wgrad else "logits and dh GEMMs FP8, dW bf16"
+        out.append(Bench(name=f"linear_cross_entropy fwd+bwd N={N} H={H} V={V} lm_head_fp8"
+                              + ("" if fp8_wgrad else ", bf16 wgrad"),
+                         bytes=2 * 2 * (N * H + V * H) + N * 8, flops=6 * N * H * V,
+                         tol=3e-2, run={"linghe": kern_fp8}, expected=expected_fp8,
+                         note=f"TrainingContext(lm_head_fp8=True): {what}; compare its "
+                              "time with the bf16 row"))
     return out
