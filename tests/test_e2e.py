@@ -377,6 +377,11 @@ def test_table_and_targets(capsys):
     assert b["bf16"]["max_speedup_fp8_gemms_2x"] == pytest.approx(150 / 132)
     assert b["bf16 +graph"]["fp8_quantize_ms"] is None
     assert b["bf16 +graph"]["step_fp8_gemms_2x_ms"] == 110.0
+    # the FP8 row's GEMMs (45 of its 100 busy ms) against bf16's 60: 1.33x; for 140 / 1.3
+    # busy ms with its other 55 ms as they are, they would need 60 / (140 / 1.3 - 55)
+    assert b["bf16"]["fp8_gemm_ratio"] == pytest.approx(60 / 45)
+    assert b["bf16"]["fp8_gemm_ratio_needed"] == pytest.approx(60 / (140 / 1.3 - 55))
+    assert "fp8_gemm_ratio" not in b["bf16 +graph"]  # (its FP8 row failed)
     # with the config: the LM head (bf16 in FP8 recipes) taken out of what FP8 speeds up
     cfg = preset("ling-mini")
     share = e2e.lm_head_share(cfg)
@@ -388,7 +393,8 @@ def test_table_and_targets(capsys):
         150 / (150 - bc["fp8_gemm_ms"] / 2 + 12.0))
     assert bc["max_speedup_fp8_gemms_free"] < b["bf16"]["max_speedup_gemms_free"]
     e2e.print_gemm_bound({"bf16": bc})
-    assert "LM head in bf16" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "LM head in bf16" in printed and "would have to run 1.14x" in printed
     rows[1]["top_kernels"] = [{"ms": 9.0, "calls": 2.0, "family": "other",
                                "name": "void at::native::elementwise_kernel<128, 4, " + "x" * 300
                                        + "BinaryFunctor<DivFunctor>>"}]
