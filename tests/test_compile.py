@@ -479,7 +479,7 @@ def _opcheck_cases():
     lab11 = torch.randint(0, 70, (11,))
     _, _, _, _, _, lse_h = L.linear_cross_entropy_fwd(h, wv, None, lab11, -100, "none", 0.0,
                                                       0.0, 4, False, False, False, False,
-                                                      True)
+                                                      True, False)
     xl, wl = r(20, 136, dtype=bf), r(40, 136)
     _, xc, xcs, wc, wcs = L.fp8_linear_fwd(xl, None, None, None, bf, wl, None, "blockwise",
                                            True, True)
@@ -528,11 +528,16 @@ def _opcheck_cases():
         (L.cross_entropy_fwd, (r(9, 300, dtype=bf), labels, -100, "mean", 0.1, 1e-3), False),
         (L.cross_entropy_bwd, (cl, labels, lse, r(()), inv_n, -100, 0.1, 1e-3), False),
         (L.linear_cross_entropy_fwd, (h, wv, r(70), lab11, -100, "mean", 0.0, 0.0, 4, True,
-                                      True, True, False, True), False),
+                                      True, True, False, True, False), False),
+        # the FP8 head, its weight gradient FP8 (fp8_wgrad) and not
         (L.linear_cross_entropy_fwd, (h, wv, None, lab11, -100, "sum", 0.0, 0.0, 4, True,
-                                      True, False, True, True), False),
+                                      True, False, True, True, True), False),
+        (L.linear_cross_entropy_fwd, (h, wv, None, lab11, -100, "sum", 0.0, 0.0, 4, True,
+                                      True, False, True, True, False), False),
         (L.linear_cross_entropy_bwd, (r(11), h, wv, None, lab11, lse_h, -100, 0.0, 0.0, 4,
-                                      True, True, False, False, True), False),
+                                      True, True, False, False, True, False), False),
+        (L.linear_cross_entropy_bwd, (r(11), h, wv, None, lab11, lse_h, -100, 0.0, 0.0, 4,
+                                      True, True, False, True, True, True), False),
         (L.fp8_linear_fwd, (xl, None, None, None, bf, wl, r(40), "tensorwise", False, True),
          False),
         (L.fp8_linear_bwd, (r(20, 40, dtype=bf), wc, wcs, xc, xcs, None, "blockwise", True,
