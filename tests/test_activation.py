@@ -424,7 +424,7 @@ def test_batch_quant_fwd_knobs_same_bits(device, monkeypatch, case):
 
     if case == "e37":
         g = torch.Generator().manual_seed(5)
-        counts = torch.randint(0, 300, (37,), generator=g)
+        counts = torch.randint(0, 160, (37,), generator=g)  # some segments of two tiles
         counts[torch.randperm(37, generator=g)[:6]] = 0
         counts, tail = counts.tolist(), 45
     else:

@@ -160,7 +160,8 @@ def test_matches_torch_param_groups_and_lr_tensor(device):
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_max_grad_norm_matches_clip_then_step(device, norm_type):
-    ps = _params([5000, 3, 70_001], torch.float32, device)
+    # (20_001: two chunks and a tail; the interpreter's inf-norm reduction is slow)
+    ps = _params([5000, 3, 20_001], torch.float32, device)
     ps_t = _clone(ps)
     opt = optim.AdamW(ps, lr=1e-3, max_grad_norm=0.5, norm_type=norm_type)
     opt_t = torch.optim.AdamW(ps_t, lr=1e-3, foreach=False)

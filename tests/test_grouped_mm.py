@@ -1402,7 +1402,7 @@ def test_fp8_ws_kernel_compiles_for_sm90(compile_sm90):
 
 TMA_WGRAD_CASES = [
     # (counts, align, K, N, tail rows): dW [E, N, K] = d_out_e^T @ rows_e
-    ([5, 0, 150], 16, 200, 96, 7),      # zero-row expert; K tail past the column boxes
+    ([5, 0, 70], 16, 200, 96, 7),       # zero-row expert; K tail past the column boxes
     ([0, 0, 70, 0], 1, 24, 64, 0),      # one odd segment ending at R (TMA zero fill past R)
     ([33, 64, 0, 9], 8, 64, 136, 3),    # 8-aligned segments (masked 16-row box); N tail
     ([9, 31, 1, 0, 17], 1, 48, 40, 5),  # align 1: every kind of partial box

@@ -271,10 +271,26 @@ NQ_KNOBS = [
 ]
 
 
-@pytest.mark.gpu_subset(**{"M,K": [(130, 700), (5, 9000)]})
-@pytest.mark.parametrize("M,K", [(130, 700), (1, 1000), (257, 128), (5, 9000)])
-@pytest.mark.parametrize("knobs", NQ_KNOBS, ids=[str(i) for i in range(len(NQ_KNOBS))])
-@pytest.mark.parametrize("columnwise", [True, False])
+def _nq_cases():
+    """``(knobs, columnwise)``: every knob set with the columnwise copy; rowwise only, the
+    rows kernel alone runs (QUANT_MODE and the tile configs do not apply), so one knob set
+    per distinct QUANT_ROWS_CONFIG."""
+    cases = [pytest.param(k, True, id=f"True-{i}") for i, k in enumerate(NQ_KNOBS)]
+    seen = []
+    for i, k in enumerate(NQ_KNOBS):
+        rows_cfg = k.get("QUANT_ROWS_CONFIG")
+        if rows_cfg not in seen:
+            seen.append(rows_cfg)
+            cases.append(pytest.param(k, False, id=f"False-{i}"))
+    return cases
+
+
+# (130, 300): M past one 128-row tile, K two 128-groups and a 44-column tail (two passes of
+# the max_bk=256 rows configs, a partial last column tile); (5, 9000): rows wider than the
+# default max_bk (8192), more rows than the CPU's persistent programs (4).
+@pytest.mark.gpu_subset(**{"M,K": [(130, 300), (5, 9000)]})
+@pytest.mark.parametrize("M,K", [(130, 300), (1, 1000), (257, 128), (5, 9000)])
+@pytest.mark.parametrize("knobs,columnwise", _nq_cases())
 def test_rms_norm_quant_kernels(device, monkeypatch, M, K, knobs, columnwise):
     x = torch.randn(M, K, device=device, requires_grad=True)
     w = torch.randn(K, device=device)

@@ -91,14 +91,14 @@ def test_qk_norm_rope_head_shapes(device, H, Hkv, D, R):
 @pytest.mark.parametrize("tokens,programs", [(1, 1), (4, 1), (2, 2)])
 def test_qk_norm_rope_many_tokens(device, monkeypatch, tokens, programs):
     # More token blocks than persistent backward programs: each program loops over them;
-    # 87 tokens are not a multiple of the token block (masked tail).
+    # 39 tokens are not a multiple of the token block (masked tail).
     from linghe.bwd import rope as bwd_rope
     from linghe.fwd import rope as fwd_rope
 
     monkeypatch.setattr(fwd_rope, "FWD_TOKENS", tokens)
     monkeypatch.setattr(fwd_rope, "BWD_TOKENS", tokens)
     monkeypatch.setattr(bwd_rope, "PROGRAMS_PER_SM", programs)
-    _check_qk_norm_rope(device, B=3, S=29, H=2, Hkv=1, D=4, R=2, layout="sbh",
+    _check_qk_norm_rope(device, B=3, S=13, H=2, Hkv=1, D=4, R=2, layout="sbh",
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
 
 
@@ -111,8 +111,9 @@ def test_qk_norm_rope_kernel_knobs(device, monkeypatch, approx, stages, row_orde
     # the MUFU path with tl.cos/tl.sin), the backward's persistent token loop unpipelined
     # or pipelined, token blocks in the "sbh" row order or the output order, and a
     # weight-gradient reduction over several row blocks (4 SMs x 8 programs = 32 partial
-    # rows on the CPU, 16 rows per block, 4 columns per program). D=16, R=8 has every
-    # piece full (unmasked "EVEN" kernels), D=12, R=8 a rest narrower than the halves.
+    # rows on the CPU, 16 rows per block, 4 columns per program; 39 tokens: 7 programs
+    # take two). D=16, R=8 has every piece full (unmasked "EVEN" kernels), D=12, R=8 a
+    # rest narrower than the halves.
     from linghe.bwd import rope as bwd_rope
     from linghe.fwd import rope as fwd_rope
 
@@ -122,7 +123,7 @@ def test_qk_norm_rope_kernel_knobs(device, monkeypatch, approx, stages, row_orde
     monkeypatch.setattr(bwd_rope, "PROGRAMS_PER_SM", 8)
     monkeypatch.setattr(bwd_rope, "DW_BLOCK_P", 16)
     monkeypatch.setattr(bwd_rope, "DW_BLOCK_N", 4)
-    _check_qk_norm_rope(device, B=3, S=29, H=2, Hkv=1, D=D, R=R, layout=layout,
+    _check_qk_norm_rope(device, B=3, S=13, H=2, Hkv=1, D=D, R=R, layout=layout,
                         interleaved=True, norm="both", packed=True, dtype=torch.float32)
 
 
