@@ -121,8 +121,9 @@ class TrainingContext:
             (19.5 with the weight gradient in bf16; ``benchmark/probe_fp8_lm_head.py``); at
             vocabularies cuBLAS takes only padded (vocab / 128 not a multiple of 4, e.g.
             151936) the gradient's FP8 copy is written zero-padded so that cuBLAS runs
-            that GEMM too. At the e2e benchmark's small width the FP8 head ends ~1.3% above
-            bf16's training loss after 300 steps (8 seeds, standard error 0.8%): measure
+            that GEMM too. At the e2e benchmark's small width the FP8 head ends ~0.7% above
+            bf16's training loss after 300 steps (held-out loss ~1.2%; 16 seeds, standard
+            error 0.7%): measure
             your shape and check your loss curve before relying on it (``benchmark.e2e
             --lm-head-fp8``, ``benchmark.hf_step``).
 
