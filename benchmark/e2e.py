@@ -384,8 +384,8 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
           f"{cfg.seq}"
           + (f" x {cfg.micro_batches} micro-batches per optimizer step (linghe modes: "
              f"fused expert gradient accumulation "
-             f"{'on' if fused_grad_accumulation() else 'off'}, deferred expert wgrad "
-             f"{'on' if cfg.deferred_wgrad else 'off'})"
+             f"{'on' if fused_grad_accumulation() else 'off'}, deferred expert (and FP8 "
+             f"head) wgrad {'on' if cfg.deferred_wgrad else 'off'})"
              if cfg.micro_batches > 1 else "")
           + f"; {total_params(cfg) / 1e9:.2f} B parameters; "
           f"{f['total'] / 1e12:.1f} model TFLOP per step (6 N_active tokens + causal "
@@ -1046,7 +1046,9 @@ def parse_args(argv=None):
     p.add_argument("--deferred-wgrad", action=argparse.BooleanOptionalAction, default=False,
                    help="linghe modes with --micro-batches > 1: the MoE experts' weight "
                         "gradients once per optimizer step over every micro-batch's rows "
-                        "(linghe.nn.MoE(wgrad_micro_batches=...), linghe.bwd.deferred)")
+                        "(linghe.nn.MoE(wgrad_micro_batches=...), linghe.bwd.deferred), "
+                        "and with --lm-head-fp8 the head's FP8 weight gradient too "
+                        "(linear_cross_entropy(wgrad_micro_batches=...))")
     p.add_argument("--top-kernels", type=int, default=10,
                    help="print the N longest kernels of each profiled row (0: none)")
     args = p.parse_args(argv)

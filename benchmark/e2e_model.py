@@ -78,7 +78,7 @@ class E2EConfig:
     eps: float = 1e-6
     rope_base: float = 10000.0
     micro_batches: int = 1        # forward+backward passes per optimizer step
-    deferred_wgrad: bool = False  # linghe modes: expert wgrad once per step (MoE attribute)
+    deferred_wgrad: bool = False  # linghe modes: expert (and FP8 head) wgrad once per step
 
     @property
     def tokens(self) -> int:
@@ -167,7 +167,8 @@ def estimate_layers(cfg: E2EConfig, memory_bytes: int, modes=MODES) -> int:
     of a layer (the MoE rows, the expert GEMM outputs, the attention tensors; doubled for
     the torch mode, whose reference ops keep float32 copies), the deferred expert wgrad's
     stash (``deferred_wgrad``: each micro-batch but the last keeps both expert GEMMs'
-    ``d_out`` and rows, counted in bf16) and a fixed part (embedding, LM head, the logits
+    ``d_out`` and rows, counted in bf16; in FP8 mode also the LM head's FP8 copies, in
+    case its head is FP8) and a fixed part (embedding, LM head, the logits
     of the torch mode's cross entropy and workspace). 10% headroom."""
     H, T = cfg.hidden, cfg.tokens
     one = replace(cfg, layers=1)
@@ -184,6 +185,9 @@ def estimate_layers(cfg: E2EConfig, memory_bytes: int, modes=MODES) -> int:
         per_layer += (cfg.micro_batches - 1) * rows * (3 * I + 2 * H) * 2
     logits = T * cfg.vocab * (2 + 4 + 4) if "torch" in modes else 0
     fixed = 2 * cfg.vocab * H * 8 + logits + (4 << 30)
+    if "fp8" in modes and cfg.deferred_wgrad and cfg.micro_batches > 1:
+        # an FP8 head's deferred weight gradient: the columnwise copies of the others
+        fixed += (cfg.micro_batches - 1) * T * (cfg.vocab + H)
     return max(2, int((0.9 * memory_bytes - fixed) // per_layer))
 
 
@@ -353,7 +357,10 @@ class E2EModel(nn.Module):
                                             self.lm_head.weight, lab)
         else:
             hn, _ = self.final_norm(m.reshape(-1, cfg.hidden), x.reshape(-1, cfg.hidden))
-            loss = linghe.linear_cross_entropy(hn, self.lm_head.weight, lab)
+            # (deferred: the FP8 head's FP8 weight gradient once per step, like the experts')
+            loss = linghe.linear_cross_entropy(
+                hn, self.lm_head.weight, lab,
+                wgrad_micro_batches=cfg.micro_batches if cfg.deferred_wgrad else 1)
         return loss, tpes
 
     @torch.no_grad()

@@ -451,6 +451,113 @@ def test_lm_head_fp8_wgrad_spans(device, monkeypatch):
     assert spans == [[(0, 256), (256, 300)]]
 
 
+def _head_micro_batches(device, n, N, H, V, dtype, chunk=128):
+    """``n`` micro-batches' inputs and their reference gradients: per micro-batch
+    ``grad_output`` ``g`` times the gradients of the unit-weight loss (the fused path
+    quantizes those, then scales their products), summed over the micro-batches for the
+    weight."""
+    w = (torch.randn(V, H, device=device) / H**0.5 * 2).to(dtype)
+    rdt = torch.float64 if dtype == torch.float32 else dtype
+    mbs, dw = [], 0
+    for i in range(n):
+        h = torch.randn(N, H, device=device).to(dtype)
+        lab = _labels(N, V, device)
+        g = torch.tensor(1.0 / n if i % 2 == 0 else 0.7, device=device)
+        hr, wr = h.to(rdt, copy=True).requires_grad_(), w.to(rdt, copy=True).requires_grad_()
+        ref.linear_cross_entropy_fp8(hr, wr, lab, None, -100, "mean", 0.1, 1e-3,
+                                     pow2_scale=True, fp8_wgrad=True).backward()
+        mbs.append((h, lab, g, hr.grad * g.to(rdt)))
+        dw = dw + wr.grad * g.to(rdt)
+    return w, dw, mbs
+
+
+def _head_step(w, mbs, n, chunk=128, backward=None):
+    outs = []
+    with linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True, pow2_scale=True):
+        for h, lab, g, _ in mbs:
+            hk = h.clone().requires_grad_()
+            out = linghe.linear_cross_entropy(hk, w, lab, label_smoothing=0.1, z_loss=1e-3,
+                                              chunk_size=chunk, wgrad_micro_batches=n)
+            (backward or torch.autograd.backward)(out, g)
+            outs.append(hk)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_fp8_wgrad_deferred(device, dtype):
+    """``wgrad_micro_batches=n``: no weight gradient until the ``n``-th backward, which
+    hands over all ``n`` micro-batches' as one FP8 GEMM (each ``grad_output`` folded in),
+    equal to the sum of the reference's per-micro-batch gradients; the hidden gradients
+    are each micro-batch's own (two chunks each, V off the 128 grid)."""
+    from linghe.bwd.deferred import pending_micro_batches
+
+    n, N, H, V = 3, 256, 128, 136
+    w, dw_ref, mbs = _head_micro_batches(device, n, N, H, V, dtype)
+    wk = w.clone().requires_grad_()
+    seen = []
+
+    def backward(out, g):
+        out.backward(g)
+        seen.append((wk.grad is None, pending_micro_batches(wk)))
+
+    hks = _head_step(wk, mbs, n, backward=backward)
+    assert seen == [(True, 1), (True, 2), (False, 0)]
+    tol = 5e-3 if dtype == torch.float32 else 3e-2
+    assert_close(wk.grad, dw_ref, tol=tol, name="dweight")
+    assert wk.grad.dtype == dtype
+    for hk, (_, _, _, dh_ref) in zip(hks, mbs):
+        assert_close(hk.grad, dh_ref, tol=tol, name="dhidden")
+    if dtype == torch.float32:  # the next step's micro-batches: a new stash, into .grad
+        _head_step(wk, mbs, n)
+        assert_close(wk.grad, 2 * dw_ref, tol=tol, name="dweight, two steps")
+
+
+def test_lm_head_fp8_wgrad_deferred_fallbacks(device):
+    """The deferred head's other paths, each against the reference's sum: a flush before
+    the ``n``-th micro-batch (a GEMM per pending slot); a micro-batch of another size (its
+    own gradient, at once); ``torch.autograd.grad`` (its own, the stash untouched); a
+    weight changed while micro-batches are pending (an error, the stash dropped)."""
+    from linghe.bwd.deferred import pending_micro_batches
+
+    n, N, H, V = 3, 128, 128, 136
+    w, dw_2, mbs = _head_micro_batches(device, 2, N, H, V, torch.float32)
+    wk = w.clone().requires_grad_()
+    _head_step(wk, mbs, n)  # 2 of 3 micro-batches
+    assert wk.grad is None and pending_micro_batches(wk) == 2
+    assert linghe.flush_deferred_wgrad() == 1
+    assert pending_micro_batches(wk) == 0
+    assert_close(wk.grad, dw_2, tol=5e-3, name="flushed dweight")
+
+    # another micro-batch size than the stash's (and not whole 128-row groups): at once
+    wk = w.clone().requires_grad_()
+    _head_step(wk, mbs[:1], n)
+    h, lab, g, _ = mbs[1]
+    with linghe.TrainingContext(fp8="blockwise", lm_head_fp8=True, pow2_scale=True):
+        linghe.linear_cross_entropy(h[:100], wk, lab[:100], label_smoothing=0.1, z_loss=1e-3,
+                                    wgrad_micro_batches=n).backward(g)
+    assert wk.grad is not None and pending_micro_batches(wk) == 1
+    linghe.discard_deferred_wgrad()
+
+    # torch.autograd.grad cannot hand a gradient over later: its own, nothing stashed
+    wk = w.clone().requires_grad_()
+    grads = []
+    _head_step(wk, mbs, n, backward=lambda out, g: grads.append(
+        torch.autograd.grad(out, wk, g)[0]))
+    assert pending_micro_batches(wk) == 0
+    assert_close(grads[0] + grads[1], dw_2, tol=5e-3, name="autograd.grad dweight")
+
+    # the weight changed with micro-batches pending: stale products refused
+    wk = w.clone().requires_grad_()
+    _head_step(wk, mbs[:1], n)
+    with torch.no_grad():
+        wk.mul_(1.0)
+    with pytest.raises(RuntimeError, match="changed"):
+        linghe.flush_deferred_wgrad()
+    assert pending_micro_batches(wk) == 0
+    with pytest.raises(ValueError, match="wgrad_micro_batches"):
+        linghe.linear_cross_entropy(mbs[0][0], wk, mbs[0][1], wgrad_micro_batches=0)
+
+
 def test_ce_grad_fp8_kernel(device):
     """``ce_grad_fp8`` writes the rounded gradient's two 1x128 copies: the rowwise one as
     ``quantize_1x128`` of it, the columnwise one transposed at token column ``t0`` of a

@@ -1,4 +1,5 @@
-"""Deferred expert weight gradients: the wgrad of several micro-batches as one GEMM.
+"""Deferred weight gradients: the wgrad of several micro-batches as one GEMM (the routed
+experts' here; the FP8 LM head's in :mod:`linghe.functional.loss` on the same registry).
 
 With gradient accumulation every micro-batch's backward computes the routed experts'
 weight gradients and adds them to ``.grad``. With many experts each one sees few rows
@@ -66,13 +67,34 @@ class WgradPart:
     offsets: torch.Tensor
 
 
-class _Stash:
+class Stash:
+    """A weight's pending micro-batches (``parts``) and what the weight was when the
+    first was stashed (a later change makes them stale). The experts' stash holds
+    :class:`WgradPart` s; other deferring ops subclass it (the FP8 LM head:
+    :class:`linghe.functional.loss.HeadWgradStash`) and override :meth:`flush`."""
+
     __slots__ = ("parts", "version", "data_ptr")
 
     def __init__(self, weight: torch.Tensor):
-        self.parts: list[WgradPart] = []
-        # what the weight was when the first micro-batch was stashed
+        self.parts: list = []
         self.version, self.data_ptr = weight._version, weight.data_ptr()
+
+    def flush(self, w: torch.Tensor) -> None:
+        """Compute the pending micro-batches into ``w.grad`` (the experts' parts: one
+        multi-part wgrad launch, into ``.grad`` in place where it can)."""
+        grad = w.grad
+        norm_weight = w if grad_norms.watched(w) else None
+        if (grad is not None and grad.dtype == w.dtype and grad.is_contiguous()
+                and grad.shape == w.shape):
+            # a kernel writes it in place: bump its version (before the norm's record)
+            torch.autograd.graph.increment_version(grad)
+            wgrad_parts(self.parts, grad, norm_weight=norm_weight)
+        elif grad is None:
+            w.grad = wgrad_parts(self.parts, None, out_dtype=w.dtype,
+                                 norm_weight=norm_weight)
+        else:
+            grad.add_(wgrad_parts(self.parts, None, out_dtype=w.dtype))
+
 
 
 #: weight -> its pending micro-batches.
@@ -95,11 +117,11 @@ def defer(weight: torch.Tensor | None, micro_batches: int,
     stashed (return no gradient for the weight), else the parts whose wgrads sum to the
     gradient to hand over now: the pending ones and ``part`` (just ``[part]`` when this
     backward cannot defer, see the module docstring)."""
-    if weight is None or not _can_defer(weight):
+    if weight is None or not can_defer(weight):
         return [part]
     stash = _STASHES.get(weight)
     if stash is None:
-        stash = _STASHES[weight] = _Stash(weight)
+        stash = _STASHES[weight] = Stash(weight)
     _check_version(weight, stash)
     if len(stash.parts) + 1 < micro_batches:
         stash.parts.append(part)
@@ -108,23 +130,41 @@ def defer(weight: torch.Tensor | None, micro_batches: int,
     return stash.parts + [part]
 
 
-def _can_defer(weight: torch.Tensor) -> bool:
+def can_defer(weight: torch.Tensor) -> bool:
+    """In a backward: whether ``weight``'s gradient may be handed over later (see the
+    module docstring for when it may not)."""
     return not (torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or _in_compiled_autograd()
                 or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
                 or not _accumulate_grad_will_run(weight))
 
 
-def _check_version(weight: torch.Tensor, stash: _Stash) -> None:
+def _check_version(weight: torch.Tensor, stash: Stash) -> None:
     if weight._version != stash.version or weight.data_ptr() != stash.data_ptr:
         n = len(stash.parts)
         del _STASHES[weight]
         raise RuntimeError(
-            f"an expert weight changed (in place or replaced) while {n} micro-batch(es) of "
-            "its deferred gradient were pending (wgrad_micro_batches): their products are "
+            f"a weight changed (in place or replaced) while {n} micro-batch(es) of its "
+            "deferred gradient were pending (wgrad_micro_batches): their products are "
             "stale and were dropped. Call linghe.flush_deferred_wgrad() before changing the "
             "weights (torch.optim optimizers do it in step()) or discard_deferred_wgrad() "
             "to drop them")
+
+
+def stash_of(weight: torch.Tensor) -> Stash | None:
+    """``weight``'s stash (checked against the weight's changes), if it has one."""
+    stash = _STASHES.get(weight)
+    if stash is not None:
+        _check_version(weight, stash)
+    return stash
+
+
+def set_stash(weight: torch.Tensor, stash: Stash | None) -> None:
+    """Register ``stash`` as ``weight``'s (``None``: drop it, without computing it)."""
+    if stash is None:
+        _STASHES.pop(weight, None)
+    else:
+        _STASHES[weight] = stash
 
 
 def pending_micro_batches(weight: torch.Tensor) -> int:
@@ -225,24 +265,15 @@ def flush_deferred_wgrad(parameters=None) -> int:
     :func:`linghe.optim.clip_grad_norm_`."""
     if not _STASHES:
         return 0
-    weights = _pending(parameters)
-    for w in weights:
+    n = 0
+    for w in _pending(parameters):
         stash = _STASHES[w]
         _check_version(w, stash)
-        grad = w.grad
-        norm_weight = w if grad_norms.watched(w) else None
-        if (grad is not None and grad.dtype == w.dtype and grad.is_contiguous()
-                and grad.shape == w.shape):
-            # a kernel writes it in place: bump its version (before the norm's record)
-            torch.autograd.graph.increment_version(grad)
-            wgrad_parts(stash.parts, grad, norm_weight=norm_weight)
-        elif grad is None:
-            w.grad = wgrad_parts(stash.parts, None, out_dtype=w.dtype,
-                                 norm_weight=norm_weight)
-        else:
-            grad.add_(wgrad_parts(stash.parts, None, out_dtype=w.dtype))
+        if stash.parts:
+            stash.flush(w)
+            n += 1
         del _STASHES[w]
-    return len(weights)
+    return n
 
 
 def discard_deferred_wgrad(parameters=None) -> int:

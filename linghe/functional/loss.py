@@ -7,6 +7,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import library
+from ..bwd import deferred
 from ..bwd.loss import ce_backward, scale_by_grad_
 from ..context import current_recipe
 from ..fp8 import gemm as fp8_gemm
@@ -325,21 +326,26 @@ def _wgrad_span_fp8(qt, st, h, pow2: bool, dw):
 
 
 def _lce_grads_fp8_wgrad(hidden, weight, labels, lse_or_none, row_weight, opts, chunk,
-                         need_h, fp8, loss_rows=None):
+                         need_h, fp8, loss_rows=None, head=None):
     """``(dh, dw)`` of the FP8 head with the FP8 weight gradient, chunk by chunk: the
     logits (FP8 GEMM), their statistics (:func:`ce_forward`, when ``lse_or_none`` is
     ``None``: the fused forward; its loss rows into ``loss_rows``) or the saved ``lse``
     (the backward of ``reduction="none"``), then :func:`_chunk_grads_fp8`; per span of
     chunks one weight-gradient GEMM. ``chunk`` is a multiple of 128 (whole token groups
-    per chunk)."""
+    per chunk). ``head = (stash, slot)`` (:class:`HeadWgradStash`): the columnwise
+    copies go into the stash's slot instead (one span) and ``dw`` is ``None``."""
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     dh = empty(N, H, dtype=hidden.dtype, device=dev) if need_h else None
     dw = None
-    for a, b in _fp8_wgrad_spans(N, V, chunk):
-        qt, st = empty_1x128(b - a, V, dev, rowwise=False, columnwise=True,
-                             group_major=True)[2:]
+    for a, b in [(0, N)] if head is not None else _fp8_wgrad_spans(N, V, chunk):
+        if head is None:
+            qt, st = empty_1x128(b - a, V, dev, rowwise=False, columnwise=True,
+                                 group_major=True)[2:]
+            t0 = -a
+        else:
+            qt, st, t0 = head[0].qt, head[0].st, head[0].first_token(head[1])
         for s in range(a, b, chunk):
             e = min(b, s + chunk)
             logits = _chunk_logits(hidden[s:e], weight, None, fp8)
@@ -349,12 +355,126 @@ def _lce_grads_fp8_wgrad(hidden, weight, labels, lse_or_none, row_weight, opts, 
                 lse = lse_or_none[s:e]
             w = row_weight if row_weight.numel() == 1 else row_weight[s:e]
             _chunk_grads_fp8(logits, labels[s:e], lse, w, opts, weight, fp8,
-                             dh[s:e] if dh is not None else None, (qt, st, s - a))
+                             dh[s:e] if dh is not None else None, (qt, st, t0 + s))
             del logits
-        dw = _wgrad_span_fp8(qt, st, hidden[a:b], fp8[1], dw)
-    if dw is None:  # no rows
+        if head is None:
+            dw = _wgrad_span_fp8(qt, st, hidden[a:b], fp8[1], dw)
+    if head is not None:
+        head[0].put_hidden(head[1], hidden)
+    elif dw is None:  # no rows
         dw = torch.zeros_like(weight)
     return dh, dw
+
+
+class HeadWgradStash(deferred.Stash):
+    """The FP8 LM head's pending weight-gradient micro-batches (``wgrad_micro_batches``
+    of :func:`linear_cross_entropy`), ``n`` slots of ``tokens`` (a multiple of 128) each:
+    the logits' gradient's columnwise copy ``qt [V, n * tokens]`` (e4m3, 1x128 scales
+    ``st`` along the tokens, group-major) and ``hidden``'s ``hq [H, n * tokens]`` (scales
+    ``hs``), a micro-batch's at token columns ``slot * tokens ..``, its ``hs`` times its
+    ``grad_output`` once its backward ran (then the slot is in ``parts``). With every
+    slot pending the gradient is one FP8 GEMM over ``n * tokens`` tokens (no
+    per-micro-batch ``dW``, no adds into ``.grad``, one rounding). Made by the first
+    micro-batch's forward: ``n * tokens * (V + H)`` bytes plus the scales."""
+
+    __slots__ = ("tokens", "used", "pow2", "qt", "st", "hq", "hs")
+
+    def __init__(self, weight: torch.Tensor, micro_batches: int, tokens: int, pow2: bool):
+        super().__init__(weight)
+        V, H = weight.shape
+        cap = micro_batches * tokens
+        self.tokens, self.used, self.pow2 = tokens, 0, pow2
+        self.qt, self.st = empty_1x128(cap, V, weight.device, rowwise=False, columnwise=True,
+                                       group_major=True)[2:]
+        self.hq, self.hs = empty_1x128(cap, H, weight.device, rowwise=False, columnwise=True,
+                                       group_major=True)[2:]
+
+    @property
+    def slots(self) -> int:
+        return self.qt.shape[1] // self.tokens
+
+    def reserve(self, tokens: int) -> int | None:
+        """A free slot for a micro-batch of ``tokens`` rows, or ``None`` (full, or
+        another size)."""
+        if tokens != self.tokens or self.used == self.slots:
+            return None
+        self.used += 1
+        return self.used - 1
+
+    def first_token(self, slot: int) -> int:
+        return slot * self.tokens
+
+    def put_hidden(self, slot: int, hidden: torch.Tensor) -> None:
+        """``hidden [tokens, H]`` quantized 1x128 along the tokens into the slot."""
+        hq, hs = quantize_1x128_launch(hidden, False, True, self.pow2, True)[2:]
+        a, g = slot * self.tokens, slot * (self.tokens // 128)
+        self.hq[:, a:a + self.tokens].copy_(hq)
+        self.hs[:, g:g + self.tokens // 128].copy_(hs)
+
+    def scale(self, slot: int, g: torch.Tensor) -> None:
+        """The slot's contribution times ``g`` (its ``grad_output``, a device scalar)."""
+        a = slot * (self.tokens // 128)
+        self.hs[:, a:a + self.tokens // 128].mul_(g)
+
+    def gradient(self, slots: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """``sum over slots of dlogits^T · hidden`` (``[V, H]`` in ``dtype``): every slot
+        as one GEMM; some of them (a flush before the last micro-batch, or a backward that
+        cannot defer): a GEMM per slot on copies of its columns, summed in fp32."""
+        if sorted(slots) == list(range(self.slots)):
+            return fp8_gemm._gemm(self.qt, self.st, "1x128", self.hq, self.hs, "1x128",
+                                  dtype, None)
+        total = None
+        for slot in slots:
+            a, b = slot * self.tokens, (slot + 1) * self.tokens
+            part = fp8_gemm._gemm(self.qt[:, a:b].contiguous(), self.st[:, a // 128:b // 128],
+                                  "1x128", self.hq[:, a:b].contiguous(),
+                                  self.hs[:, a // 128:b // 128], "1x128", torch.float32, None)
+            total = part if total is None else total.add_(part)
+        return total.to(dtype)
+
+    def flush(self, w: torch.Tensor) -> None:
+        dw = self.gradient(self.parts, w.dtype)
+        if w.grad is None:
+            w.grad = dw
+        else:
+            w.grad.add_(dw)
+
+
+def _reserve_head_slot(weight: torch.Tensor, micro_batches: int, tokens: int,
+                       pow2: bool) -> tuple | None:
+    """In the forward: ``(weight, stash, slot)`` for a micro-batch of ``tokens`` rows
+    whose FP8 weight gradient is deferred, or ``None`` (not deferrable, see
+    :func:`~linghe.bwd.deferred.deferrable`; ``tokens`` not a positive multiple of 128;
+    the stash full of pending micro-batches of another size)."""
+    if (tokens <= 0 or tokens % 128 or deferred.deferrable(weight, micro_batches) is None
+            or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    stash = deferred.stash_of(weight)
+    if stash is None or (not stash.parts and (stash.tokens != tokens or stash.pow2 != pow2
+                                              or stash.used == stash.slots
+                                              or stash.slots != micro_batches)):
+        stash = HeadWgradStash(weight, micro_batches, tokens, pow2)
+        deferred.set_stash(weight, stash)
+    slot = stash.reserve(tokens)
+    return None if slot is None else (weight, stash, slot)
+
+
+def _head_wgrad(head: tuple, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """In the backward: the weight gradient to hand over for a deferred micro-batch
+    (``head`` from :func:`_reserve_head_slot`, ``g`` its ``grad_output``): ``None`` while
+    micro-batches are still to come, else all pending ones' (this backward completes
+    the stash) or, when this backward cannot defer, its own."""
+    weight, stash, slot = head
+    if torch.is_grad_enabled():  # create_graph: differentiable in grad_output
+        return (stash.gradient([slot], dtype) * g).to(dtype)
+    stash.scale(slot, g)
+    if deferred.can_defer(weight) and deferred.stash_of(weight) is stash:
+        stash.parts.append(slot)
+        if len(stash.parts) < stash.slots:
+            return None
+        deferred.set_stash(weight, None)
+        return stash.gradient(stash.parts, dtype)
+    return stash.gradient([slot], dtype)
 
 
 def row_weight_in_forward(dtype: torch.dtype) -> bool:
@@ -366,7 +486,7 @@ def row_weight_in_forward(dtype: torch.dtype) -> bool:
 
 
 def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
-                chunk_size, need_grads, vocab, group, fp8=None):
+                chunk_size, need_grads, vocab, group, fp8=None, head=None):
     """The chunked forward of :func:`linear_cross_entropy` (also run by its custom op,
     ``linghe.library``). ``vocab``: ``dict(vocab_start=, vocab_total=)`` of this rank.
     ``fp8``: ``None`` (GEMMs in the input dtype) or ``(wq, pow2_scale)``, the weight's
@@ -379,7 +499,8 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
     :func:`row_weight_in_forward`, so only ``grad_output`` is left for the backward,
     else weight 1 per row) and ``lse = None``; otherwise no gradients and the per-row
     ``lse [N]`` for the backward's recomputation. ``inv_n`` is ``None`` for
-    ``reduction="none"``."""
+    ``reduction="none"``. ``head = (stash, slot)``: the FP8 weight gradient is deferred
+    into that :class:`HeadWgradStash` slot (``dw`` is ``None``)."""
     N, H = hidden.shape
     V = weight.shape[0]
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
@@ -408,7 +529,8 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
         # its operand is grouped along the tokens: chunks of whole 128-token groups
         dh, dw = _lce_grads_fp8_wgrad(hidden, weight, labels, None,
                                       row_w if row_w is not None else one, opts,
-                                      cdiv(chunk_size, 128) * 128, need_h, fp8, loss_rows)
+                                      cdiv(chunk_size, 128) * 128, need_h, fp8, loss_rows,
+                                      head)
     else:
         for s in range(0, N, chunk_size):
             e = min(N, s + chunk_size)
@@ -497,7 +619,7 @@ def lce_backward_none(grad, hidden, weight, bias, labels, lse, ignore_index, lab
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, label_smoothing,
-                z_loss, chunk_size, need_grads, process_group, fp8):
+                z_loss, chunk_size, need_grads, process_group, fp8, micro_batches):
         group = process_group
         V = weight.shape[0]
         if group is None:
@@ -505,9 +627,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             vocab_start, vocab_total = _vocab_slice(group, V, hidden.device)
         vocab = dict(vocab_start=vocab_start, vocab_total=vocab_total)
+        head = None
+        if (micro_batches > 1 and reduction != "none" and need_grads[1]
+                and fp8_wgrad_on(fp8, group, bias)):
+            head = _reserve_head_slot(weight, micro_batches, hidden.shape[0], fp8[1])
         out, inv_n, dh, dw, db, lse = lce_forward(
             hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
-            chunk_size, need_grads, vocab, group, fp8)
+            chunk_size, need_grads, vocab, group, fp8, head[1:] if head else None)
+        ctx.head = head
         ctx.fused = lse is None
         ctx.grads_taken = False
         ctx.row_weight_applied = row_weight_in_forward(hidden.dtype)
@@ -526,7 +653,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         nh, nw, nb = ctx.needs_input_grad[:3]
-        none = (None,) * 9
+        none = (None,) * 10
         if ctx.fused:
             # The forward's gradients (row weight applied) times grad_output, in place:
             # handed to autograd once, so a second backward through this node (retain_graph)
@@ -539,6 +666,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.grads_taken = True
             dh, dw, db, inv_n = ctx.saved_tensors
             g = grad if ctx.row_weight_applied else grad.float() * inv_n[0]
+            head, ctx.head = ctx.head, None
+            if head is not None:  # the FP8 weight gradient, deferred (dw is None)
+                gw = _head_wgrad(head, g, head[0].dtype) if nw else None
+                gh = None
+                if nh and dh is not None:
+                    gh = ((dh * g).to(dh.dtype) if torch.is_grad_enabled()
+                          else scale_by_grad_(dh, g))
+                return (gh, gw, None, *none)
             if torch.is_grad_enabled():  # create_graph: differentiable in grad_output
                 gh = (dh * g).to(dh.dtype) if (nh and dh is not None) else None
                 gw = (dw * g).to(dw.dtype) if (nw and dw is not None) else None
@@ -576,7 +711,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          bias: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, chunk_size: int | None = None,
-                         process_group=None) -> torch.Tensor:
+                         process_group=None, wgrad_micro_batches: int = 1) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, labels)`` without the full logits.
 
     Args:
@@ -587,6 +722,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         chunk_size: rows per chunk (default: about 512 MiB of logits per chunk, see
             :func:`default_chunk_size`).
         ignore_index, reduction, label_smoothing, z_loss: as in :func:`cross_entropy`.
+        wgrad_micro_batches: ``n > 1`` defers the FP8 weight gradient (below) over ``n``
+            micro-batches, as :class:`linghe.nn.MoE`'s setting does for the experts.
 
     Per chunk of rows: ``logits = h @ W.T (+ b)`` by cuBLAS in the input dtype, then one
     kernel computes the chunk's losses and overwrites the logits with their gradient
@@ -624,6 +761,23 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     or with a bias: those keep the 16-bit weight gradient. The loss arithmetic stays in
     fp32. Without ``lm_head_fp8`` the recipe does not change this op.
 
+    Deferred FP8 weight gradient (``wgrad_micro_batches = n > 1``, FP8 weight gradient,
+    a "mean"/"sum" reduction, ``N`` a multiple of 128): the first micro-batch's forward
+    allocates room for ``n`` micro-batches' columnwise copies (:class:`HeadWgradStash`:
+    ``n * N * (V + H)`` bytes, 5.2 GB for 4 x 8192 tokens of a 157184 x 2048 head) and
+    each forward writes its own there instead of computing ``dW``; the backwards return
+    no weight gradient until the ``n``-th, which hands over all ``n`` micro-batches' as
+    one FP8 GEMM over ``n * N`` tokens (each micro-batch's ``grad_output`` folded into
+    its scales): no per-micro-batch ``dW``, no adds into ``.grad``, one rounding instead
+    of one per micro-batch. The rules are the experts' (:mod:`linghe.bwd.deferred`):
+    pending micro-batches are computed by :func:`linghe.flush_deferred_wgrad` (run by
+    itself before every ``torch.optim`` optimizer's ``step()`` and in
+    :func:`linghe.optim.clip_grad_norm_`); a backward that cannot hand a gradient over
+    later (``torch.autograd.grad``, ``create_graph``, compiled autograd, CUDA graph
+    capture) computes its own micro-batch's; a micro-batch of another size than the
+    first's, or more than ``n`` forwards before the backwards, computes its own. Elsewhere
+    (no FP8 weight gradient, ``reduction="none"``) the setting changes nothing.
+
     Returns the loss: fp32 scalar or ``[N]`` fp32 (``"none"``).
     """
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, ndim=2)
@@ -639,6 +793,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     check_same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
     check_kernel_device("hidden", hidden)
     _check_options(ignore_index, reduction, label_smoothing, z_loss)
+    if (isinstance(wgrad_micro_batches, bool) or not isinstance(wgrad_micro_batches, int)
+            or wgrad_micro_batches < 1):
+        raise ValueError(f"wgrad_micro_batches must be an int >= 1, got "
+                         f"{wgrad_micro_batches!r}")
     N, V = hidden.shape[0], weight.shape[0]
     if chunk_size is None:
         chunk_size = default_chunk_size(N, V, hidden.element_size())
@@ -657,4 +815,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return apply_function(_LinearCrossEntropy, hidden.contiguous(), weight.contiguous(), bias,
                           labels.contiguous(), int(ignore_index), reduction,
                           float(label_smoothing), float(z_loss), int(chunk_size),
-                          need, process_group, _lm_head_fp8(weight, recipe) if fp8 else None)
+                          need, process_group, _lm_head_fp8(weight, recipe) if fp8 else None,
+                          wgrad_micro_batches)
