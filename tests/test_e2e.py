@@ -645,24 +645,45 @@ def test_accumulated_micro_batches_match_one_batch():
     assert worst < 1e-2, worst
 
 
-def test_deferred_expert_wgrad_matches_per_micro_batch():
-    """The linghe bf16 mode over two micro-batches with the experts' weight gradients
-    deferred to one launch (``--deferred-wgrad``) gives the gradients of the per-micro-batch
-    path (up to bf16 rounding), and leaves nothing pending."""
+@pytest.mark.parametrize("mode", ["bf16", pytest.param("fp8", marks=pytest.mark.gpu)])
+def test_deferred_expert_wgrad_matches_per_micro_batch(mode, monkeypatch):
+    """The linghe modes over two micro-batches with the experts' weight gradients
+    deferred to one launch (``--deferred-wgrad``; in FP8 mode with the FP8 LM head, whose
+    FP8 weight gradient is deferred too: 128 tokens a micro-batch) give the gradients of
+    the per-micro-batch path (up to bf16 rounding), and leave nothing pending. (The FP8
+    form takes minutes in the interpreter: GPU only; the head's deferral is tested on the
+    CPU in test_loss, and the bf16 form checks that the model asks for it.)"""
     from benchmark.e2e_model import accumulate_grads
     from linghe.bwd import deferred
+    from linghe.functional import loss as floss
 
-    cfg = preset("tiny", layers=1, batch=1, micro_batches=2)
+    monkeypatch.setattr(e2e_model, "LM_HEAD_FP8", mode == "fp8")
+    cfg = preset("tiny", layers=1, batch=1, micro_batches=2,
+                 **(dict(seq=128) if mode == "fp8" else {}))
     data = stdlib_corpus(corpus_bytes_needed(cfg, 2))
     batches = ByteBatches(data, cfg.batch, cfg.seq, DEVICE)
     micro = [batches(0), batches(1)]
     grads = []
+    stashes = []
+    real_reserve = floss._reserve_head_slot
+    monkeypatch.setattr(floss, "_reserve_head_slot",
+                        lambda *a: stashes.append(real_reserve(*a)) or stashes[-1])
+    asked = []
+    real_lce = e2e_model.linghe.linear_cross_entropy
+    monkeypatch.setattr(e2e_model.linghe, "linear_cross_entropy", lambda *a, **k: (
+        asked.append(k["wgrad_micro_batches"]), real_lce(*a, **k))[1])
     for defer in (False, True):
         model = build_model(replace(cfg, deferred_wgrad=defer), device=DEVICE, seed=3)
         assert model.layers[0].moe.wgrad_micro_batches == (2 if defer else 1)
         opt = make_optimizer(model, 1e-3)
-        accumulate_grads(model, opt, micro, "bf16")
+        accumulate_grads(model, opt, micro, mode)
         assert not deferred._STASHES
+        # the FP8 head's two micro-batches took the two slots of one stash
+        assert [s[1:] and s[2] for s in stashes] == ([0, 1] if defer and mode == "fp8"
+                                                      else [])
+        assert asked == [2 if defer else 1] * 2
+        stashes.clear()
+        asked.clear()
         grads.append({n: p.grad.float() for n, p in model.named_parameters()
                       if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
