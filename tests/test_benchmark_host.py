@@ -1,5 +1,6 @@
 """``benchmark.host`` (host µs per call of the public ops): the script runs and writes its
-rows; the MoE rows are set up as the GPU run needs them."""
+rows; the MoE rows are set up as the GPU run needs them. ``benchmark.probe_roofline``'s
+CPU smoke run and its ``--only`` row selection."""
 
 import json
 
@@ -36,3 +37,25 @@ def test_case_selection():
     assert select_cases(names, ["grouped"]) == ["grouped_mm", "grouped_mm_deferred"]
     assert select_cases(names, ["grouped_mm", "quant"]) == ["grouped_mm", "rms_norm_quant"]
     assert select_cases(names, ["nothing"]) == []
+
+
+def test_probe_roofline_cpu_only(device, tmp_path):
+    """``python -m benchmark.probe_roofline --cpu --only ...`` (tiny shapes, interpreter):
+    the issue-11 rows run, in ``--only``'s selection, with ANCHORS.md's byte counts and
+    targets; an unknown row name is an error."""
+    if device != "cpu":
+        pytest.skip("the GPU runs the probe itself (python -m benchmark.probe_roofline)")
+    from benchmark import probe_roofline
+
+    out = tmp_path / "roof.json"
+    assert probe_roofline.main(["--cpu", "--only", "rope_fwd,rope_bwd,batch_fwd",
+                                "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["key"] for r in rows] == ["rope_fwd", "rope_bwd", "batch_fwd"]
+    B, S, H, Hkv, D, R = 2, 5, 4, 2, 16, 8  # the probe's CPU shape
+    T, W = B * S, (H + 2 * Hkv) * D
+    assert rows[0]["min_mb"] * 1e6 == pytest.approx(2 * T * W * 2 + 2 * S * R // 2 * 4)
+    assert rows[1]["min_mb"] * 1e6 == pytest.approx(3 * T * W * 2 + 2 * S * R // 2 * 4)
+    assert [r["target_us"] for r in rows] == [27.9, 41.6, 111.0]
+    with pytest.raises(SystemExit):
+        probe_roofline.main(["--cpu", "--only", "rope_fwd,nope"])
