@@ -1,5 +1,5 @@
 """Probe of the ``qk_norm_rope`` kernels (split + qk-norm + half RoPE + transpose):
-``python -m benchmark.probe_rope [--json PATH | --out DIR] [--cpu] [--quick | --guard-only]
+``python -m benchmark.probe_rope [--json PATH | --out DIR] [--cpu] [--quick]
 [--old-rev REV | --old DIR]`` (GPU, or ``--cpu``: the interpreter), or ``python -m
 benchmark.probe_rope --sass`` (no GPU: an offline sm_90 compile of every variant,
 registers / spills / shared memory / SASS instructions per token).
@@ -13,11 +13,9 @@ main's (the "main" rows: ``--old DIR``, a folder holding main's ``linghe/fwd/rop
 :data:`OLD_REV`) and, for the new kernels, the knobs worth trying (rows marked ``*`` are
 the defaults): ``FWD_TOKENS`` / ``FWD_NUM_WARPS``, ``BWD_STAGES`` / ``BWD_TOKENS`` /
 ``BWD_NUM_WARPS``, ``ROW_ORDER`` (token blocks in the "sbh" projection's row order, or
-the output order), ``COS_SIN_APPROX``, the weight-gradient reduction's ``DW_BLOCK_P``
-/ ``DW_BLOCK_N`` and the backward's ``HEAD_GUARD`` (``hg`` in the knobs column: the
-inf-rstd guard once per head instead of per element; ``--guard-only``: main, the
-defaults and the ``hg`` rows alone). Variant rows are skipped once the run passes
-``--max-seconds`` (default 70).
+the output order), ``COS_SIN_APPROX`` and the weight-gradient reduction's ``DW_BLOCK_P``
+/ ``DW_BLOCK_N``. Variant rows are skipped once the run passes ``--max-seconds`` (default
+70).
 
 Times per call: ``kernel µs`` is the profiler's kernel time (sum of the kernels one call
 launches, each call after an L2 flush: the number the benchmark reports), ``graph µs``
@@ -28,11 +26,11 @@ of qkv, write dqkv; plus the angle table), ``% copy`` is against a 1 GiB device-
 copy, ``% size`` against a copy of the same number of bytes (a uint8 ``copy_`` of half
 of them: what moving that many bytes costs at this size).
 
-Checks, in the same run: every output of every row against main's kernels and against
-the default row of its op ("vs default"; elements that differ, max abs difference) and
-against :func:`linghe.reference.qk_norm_rope` in float32 (forward outputs, and
-dqkv/dweights by autograd through the reference); outputs are NaN-poisoned before each
-checked launch (``linghe.utils.set_poison_outputs``), so an unwritten element fails.
+Checks, in the same run: every output of every row against main's kernels (elements that
+differ, max abs difference) and against :func:`linghe.reference.qk_norm_rope` in float32
+(forward outputs, and dqkv/dweights by autograd through the reference); outputs are
+NaN-poisoned before each checked launch (``linghe.utils.set_poison_outputs``), so an
+unwritten element fails.
 
 ``--cpu`` runs tiny shapes through the Triton interpreter (a smoke test of this script,
 not a measurement). The table is printed last.
@@ -85,12 +83,10 @@ OLD_REV = "8ff0efd"
 # In order of interest (the probe alternates forward and backward rows): the time
 # budget may cut the tail.
 _FWD_KNOBS = [dict(row=False), dict(warps=2), dict(tokens=2)]
-_BWD_KNOBS = [dict(guard=True), dict(guard=True, stages=2), dict(guard=True, stages=4),
-              dict(row=False), dict(stages=1), dict(stages=4), dict(stages=2),
+_BWD_KNOBS = [dict(row=False), dict(stages=1), dict(stages=4), dict(stages=2),
               dict(warps=8, stages=2), dict(dw=(1024, 4))]
 _CPU_FWD_KNOBS = [dict(row=False), dict(tokens=2, approx=False)]
-_CPU_BWD_KNOBS = [dict(stages=1), dict(row=False), dict(tokens=2, stages=2, approx=False),
-                  dict(guard=True), dict(guard=True, stages=1, row=False)]
+_CPU_BWD_KNOBS = [dict(stages=1), dict(row=False), dict(tokens=2, stages=2, approx=False)]
 _TOL = 1e-2  # bf16 vs the float32 reference (relative error)
 #: Variant rows (not main / default rows) are skipped once the probe has run this long.
 MAX_SECONDS = 70.0
@@ -103,8 +99,6 @@ def _parse(argv):
     p.add_argument("--out", default=None, help="directory for probe_rope.json")
     p.add_argument("--cpu", action="store_true", help="tiny shapes, Triton interpreter")
     p.add_argument("--quick", action="store_true", help="main and default rows only")
-    p.add_argument("--guard-only", action="store_true",
-                   help="main, default and the backward's HEAD_GUARD (hg) rows only")
     p.add_argument("--max-seconds", type=float, default=MAX_SECONDS,
                    help="skip variant rows once the run has taken this long")
     p.add_argument("--sass", action="store_true",
@@ -144,8 +138,7 @@ def _defaults(F, B):
     return (dict(tokens=F.FWD_TOKENS, warps=F.FWD_NUM_WARPS, approx=F.COS_SIN_APPROX,
                  row=F.ROW_ORDER),
             dict(tokens=F.BWD_TOKENS, warps=F.BWD_NUM_WARPS, stages=F.BWD_STAGES,
-                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, dw=(B.DW_BLOCK_P, B.DW_BLOCK_N),
-                 guard=bool(B.HEAD_GUARD)))
+                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
 
 
 _NAMES = {"fwd": dict(tokens="FWD_TOKENS", warps="FWD_NUM_WARPS", approx="COS_SIN_APPROX",
@@ -159,14 +152,11 @@ def _knobs(F, B, op, kn):
     """Set the module knobs of ``op`` ("fwd"/"bwd") to ``kn`` for the block."""
     names = _NAMES[op]
     saved = [(F, a, getattr(F, a)) for a in names.values()]
-    saved += [(B, "DW_BLOCK_P", B.DW_BLOCK_P), (B, "DW_BLOCK_N", B.DW_BLOCK_N),
-              (B, "HEAD_GUARD", B.HEAD_GUARD)]
+    saved += [(B, "DW_BLOCK_P", B.DW_BLOCK_P), (B, "DW_BLOCK_N", B.DW_BLOCK_N)]
     try:
         for k, v in kn.items():
             if k == "dw":
                 B.DW_BLOCK_P, B.DW_BLOCK_N = v
-            elif k == "guard":
-                B.HEAD_GUARD = bool(v)
             else:
                 setattr(F, names[k], v)
         yield
@@ -186,8 +176,6 @@ def _knob_str(kn):
         s += " row"
     if "dw" in kn:
         s += f" dw{kn['dw'][0]}x{kn['dw'][1]}"
-    if kn.get("guard"):
-        s += " hg"
     return s
 
 
@@ -297,7 +285,6 @@ def main(argv=None) -> int:
 
     rows = []
     old_out = {}
-    default_out = {}
 
     def row(op, kn, fn, nbytes, refs, names, default=False):
         r = {"op": op, "impl": "main" if kn is None else "new", "knobs": kn,
@@ -324,17 +311,12 @@ def main(argv=None) -> int:
                 old_out[op] = out
             elif op in old_out:
                 r["vs_old"] = _vs_old(out, old_out[op], names)
-            if default:
-                default_out[op] = out
-            elif kn is not None and op in default_out:
-                r["vs_default"] = _vs_old(out, default_out[op], names)
             if cpu:
                 r["interp_us"] = first
             else:
                 r["kernel_us"] = device_time_us(fn)
-                if main_or_default or kn.get("guard"):
-                    r["kernels_us"] = _kernel_breakdown(fn)
                 if main_or_default:
+                    r["kernels_us"] = _kernel_breakdown(fn)
                     r["graph_us"] = graph_time_us(fn, rep=100)
                     r["host_us"], r["host_waited"] = host_us(fn)
                 t = r["kernel_us"] or r.get("graph_us")
@@ -359,8 +341,6 @@ def main(argv=None) -> int:
         with _knobs(F, B, kind, dflt):
             row(kind, dflt, make(mod), nbytes, want, names, default=True)
     fk, bk = (_CPU_FWD_KNOBS, _CPU_BWD_KNOBS) if cpu else (_FWD_KNOBS, _BWD_KNOBS)
-    if args.guard_only:
-        fk, bk = [], [kn for kn in bk if kn.get("guard")]
     sweep = [] if args.quick else [  # forward and backward variants alternate
         (kind, kn) for i in range(max(len(fk), len(bk)))
         for kind, ks in (("fwd", fk), ("bwd", bk)) if i < len(ks) for kn in [ks[i]]]
@@ -399,14 +379,13 @@ def main(argv=None) -> int:
 
 def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes):
     head = ["op", "knobs", "kernel µs", "graph µs", "host µs", "GB/s", "% copy", "% size",
-            "vs main (elems differ / max abs)", "vs default", "ref rel err"]
+            "vs main (elems differ / max abs)", "ref rel err"]
     lines = []
     for r in rows:
         kn = _knob_str(r["knobs"]) + (" *" if r["default"] else "")
-        def differ(vo):
-            return ("; ".join(f"{n} {d['differ']}/{d['max_abs']:.2g}" for n, d in vo.items())
-                    if vo else "")
-        vs, vd = differ(r.get("vs_old")), differ(r.get("vs_default"))
+        vo = r.get("vs_old")
+        vs = ("; ".join(f"{n} {d['differ']}/{d['max_abs']:.2g}" for n, d in vo.items())
+              if vo else "")
         if r.get("skipped"):
             chk = "skipped (time budget)"
         else:
@@ -414,8 +393,7 @@ def _print_table(rows, dev_name, copy, size_us, fwd_bytes, bwd_bytes):
                 "" if r["ok"] else " FAIL " + (r["error"] or "")[:60])
         lines.append([r["op"], kn, fmt(r.get("kernel_us"), ".1f"), fmt(r.get("graph_us"), ".1f"),
                       fmt(r.get("host_us"), ".1f"), fmt(r.get("gbps"), ".0f"),
-                      fmt(r.get("pct_copy"), ".1f"), fmt(r.get("pct_size"), ".1f"), vs, vd,
-                      chk])
+                      fmt(r.get("pct_copy"), ".1f"), fmt(r.get("pct_size"), ".1f"), vs, chk])
     print(f"{dev_name}; copy 1 GiB {copy or 0:.0f} GB/s; size-matched copies: fwd "
           f"{fwd_bytes / 1e6:.1f} MB {fmt(size_us.get('fwd'), '.1f')} µs, bwd "
           f"{bwd_bytes / 1e6:.1f} MB {fmt(size_us.get('bwd'), '.1f')} µs; GB/s from the "
@@ -441,8 +419,7 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
     16-byte aligned pointer), a ``TensorDescriptor`` (typed by its dtype and block) or an example
     int / float (ints divisible by 16 get the divisibility hint, 1 becomes a constant, as
     a launch would specialize them); ``constexprs``: the constexpr parameters (extra names
-    are ignored; those left out take their defaults); ``options``: more compile options
-    (e.g. ``maxnreg``)."""
+    are ignored); ``options``: more compile options (e.g. ``maxnreg``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -452,10 +429,7 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
         n = prm.name
         if prm.is_constexpr:
             sig[n] = "constexpr"
-            if n in constexprs or not prm.has_default:
-                consts[n] = constexprs[n]
-            else:  # a constexpr with a default (e.g. a knob older callers do not pass)
-                consts[n] = prm.default
+            consts[n] = constexprs[n]
             continue
         v = args[n]
         if isinstance(v, TensorDescriptor):
@@ -571,7 +545,6 @@ def sass_table(args) -> int:
         cfg["ROW_ORDER"] = bool(kn.get("row"))
         if op == "bwd":
             cfg["STAGES"] = kn["stages"]
-            cfg["HEAD_GUARD"] = bool(kn.get("guard"))
         return cfg
 
     jobs = [("fwd", None, oldF._qk_norm_rope_fwd_kernel,

@@ -7,8 +7,6 @@ backward reads anyway for the norm gradient.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -40,18 +38,11 @@ from .resident import learn_resident, resident_programs
 
 @triton.jit
 def norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2, w3, w4, a1, a2, a3, a4, cos, sin,
-                  D, eps, NORM: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr,
-                  HEAD_GUARD: tl.constexpr = False):
+                  D, eps, NORM: tl.constexpr, HAS_REST: tl.constexpr, SAME: tl.constexpr):
     """RoPE backward ``dn = (g1*cos + g2*sin, g2*cos - g1*sin)`` (the rest passes), then
     the RMSNorm backward ``dx = rstd * (dn*w - xhat * mean(dn*w*xhat))`` with ``dw +=
     dn * xhat`` accumulated elementwise in the fp32 tiles ``a1..a4`` (reduced once, after
-    the token loop). Returns ``(dx1, dx2, dx3, dx4, a1, a2, a3, a4)`` (fp32).
-
-    ``xhat`` is 0 where ``x`` is 0 (a padded head has rstd = inf when eps = 0): either
-    per element (``x == 0`` compare and select on every element) or, with
-    ``HEAD_GUARD``, once per head: ``xhat = x * rs`` with ``rs = 0`` where ``rstd`` is
-    inf (else ``rs = rstd``), which gives the same values wherever rstd is finite (up to
-    the sign of a zero) and drops two instructions per element (:data:`HEAD_GUARD`)."""
+    the token loop). Returns ``(dx1, dx2, dx3, dx4, a1, a2, a3, a4)`` (fp32)."""
     u1 = g1.to(tl.float32)
     u2 = g2.to(tl.float32)
     d1 = u1 * cos + u2 * sin
@@ -66,24 +57,15 @@ def norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2, w3, w4, a1, a2, a3, a4
         rstd = head_rstd(x1, x2, x3, x4, D, eps, HAS_REST, SAME)
         # xhat = 0 where x = 0: a padded head (x loaded as 0) has rstd = inf when eps = 0,
         # and 0 * inf would put NaN into the weight-gradient sums
-        if HEAD_GUARD:
-            rs = tl.where(rstd == float("inf"), 0.0, rstd)  # [BH, BT, 1]: once per head
-            x1 = x1 * rs
-            x2 = x2 * rs
-        else:
-            x1 = tl.where(x1 == 0, 0.0, x1 * rstd)
-            x2 = tl.where(x2 == 0, 0.0, x2 * rstd)
+        x1 = tl.where(x1 == 0, 0.0, x1 * rstd)
+        x2 = tl.where(x2 == 0, 0.0, x2 * rstd)
         a1 += d1 * x1
         a2 += d2 * x2
         d1 = d1 * w1
         d2 = d2 * w2
         if HAS_REST:
-            if HEAD_GUARD:
-                x3 = x3 * rs
-                x4 = x4 * rs
-            else:
-                x3 = tl.where(x3 == 0, 0.0, x3 * rstd)
-                x4 = tl.where(x4 == 0, 0.0, x4 * rstd)
+            x3 = tl.where(x3 == 0, 0.0, x3 * rstd)
+            x4 = tl.where(x4 == 0, 0.0, x4 * rstd)
             a3 += d3 * x3
             a4 += d4 * x4
             d3 = d3 * w3
@@ -116,8 +98,7 @@ def bwd_heads(dy_row, x_row, dx_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, 
               w1, w2, w3, w4, a1, a2, a3, a4, G: tl.constexpr, KIND: tl.constexpr,
               INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_REST: tl.constexpr,
               SAME: tl.constexpr, EVEN: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
-              HEAD_GUARD: tl.constexpr = False):
+              BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
     """One head block of q (``KIND`` 0) or k (1) of a token block: load the gradient (the
     ``[T, NH, D]`` rows ``dy_row``) and the input, store dx into dqkv, return the updated
     accumulators."""
@@ -131,7 +112,7 @@ def bwd_heads(dy_row, x_row, dx_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, 
         x1, x2, x3, x4 = g1, g2, g3, g4
     y1, y2, y3, y4, a1, a2, a3, a4 = norm_rope_bwd(g1, g2, g3, g4, x1, x2, x3, x4, w1, w2,
                                                    w3, w4, a1, a2, a3, a4, cos, sin, D, eps,
-                                                   NORM, HAS_REST, SAME, HEAD_GUARD)
+                                                   NORM, HAS_REST, SAME)
     store_head(dx_row, col, m, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
                BLOCK_RH)
     return a1, a2, a3, a4
@@ -150,8 +131,7 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
                              ROW_ORDER: tl.constexpr, STAGES: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
                              BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr,
-                             HEAD_GUARD: tl.constexpr = False):
+                             BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
     """Persistent: program ``pid`` handles token blocks ``pid, pid + P, ...`` of
     ``BLOCK_T`` tokens (a loop software-pipelined over ``STAGES`` stages) and writes one
     float32 partial row ``[dq_norm_weight | dk_norm_weight]`` (``2*D``) at ``dw_ptr``.
@@ -205,12 +185,12 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
                                     EVEN, APPROX, BLOCK_HALF)
             y1, y2, y3, y4, aq1, aq2, aq3, aq4 = norm_rope_bwd(
                 gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, wq1, wq2, wq3, wq4, aq1, aq2, aq3,
-                aq4, cos, sin, D, eps, NORM_Q, HAS_REST, SAME, HEAD_GUARD)
+                aq4, cos, sin, D, eps, NORM_Q, HAS_REST, SAME)
             store_head(dx_row, cq, mq, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
                        BLOCK_HALF, BLOCK_RH)
             y1, y2, y3, y4, ak1, ak2, ak3, ak4 = norm_rope_bwd(
                 gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4, wk1, wk2, wk3, wk4, ak1, ak2, ak3,
-                ak4, cos, sin, D, eps, NORM_K, HAS_REST, SAME, HEAD_GUARD)
+                ak4, cos, sin, D, eps, NORM_K, HAS_REST, SAME)
             store_head(dx_row, ck, mk, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
                        BLOCK_HALF, BLOCK_RH)
         else:
@@ -220,12 +200,12 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
                 aq1, aq2, aq3, aq4 = bwd_heads(
                     dq_row, x_row, dx_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, cos,
                     sin, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, G, 0, INTERLEAVED, NORM_Q,
-                    HAS_REST, SAME, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH, HEAD_GUARD)
+                    HAS_REST, SAME, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
             for h0 in range(0, HKV, BLOCK_HK):
                 ak1, ak2, ak3, ak4 = bwd_heads(
                     dk_row, x_row, dx_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, cos,
                     sin, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, G, 1, INTERLEAVED, NORM_K,
-                    HAS_REST, SAME, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH, HEAD_GUARD)
+                    HAS_REST, SAME, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
                 hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
                                         BLOCK_HK)
                 copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
@@ -257,15 +237,6 @@ MAX_PROGRAMS_PER_SM = 8
 #: columns per program.
 DW_BLOCK_P = 1024
 DW_BLOCK_N = 8
-#: The norm backward's guard for heads whose rstd is inf (eps = 0 and a head of zeros,
-#: e.g. a padded head): ``False`` (default) ``xhat = where(x == 0, 0, x * rstd)`` per
-#: element; ``True`` (``LINGHE_ROPE_BWD_HEAD_GUARD=1``) ``xhat = x * rs`` with ``rs =
-#: where(rstd == inf, 0, rstd)`` once per head: same values wherever rstd is finite (a
-#: zero of x may keep its sign; the weight-gradient sums and dqkv are unchanged), 30 of
-#: the loop's 527 SASS instructions per token fewer (offline sm_90, triton 3.9: the
-#: bf16x2 compares and the per-element selects). Where rstd is inf the two differ only
-#: in non-finite results (dx is inf/NaN there either way).
-HEAD_GUARD: bool = os.environ.get("LINGHE_ROPE_BWD_HEAD_GUARD", "0") == "1"
 
 
 def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm_weight, *,
@@ -299,9 +270,8 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
                         fwd.COS_SIN_APPROX, layout, B)
     stages = max(1, int(fwd.BWD_STAGES))
     dev = qkv.device
-    guard = bool(HEAD_GUARD)
     key = ("qk_norm_rope_bwd", dev.index, qkv.dtype, nq, nk, interleaved,
-           position_ids is not None, H, Hkv, D, rotary_dim, stages, guard, *cfg.values())
+           position_ids is not None, H, Hkv, D, rotary_dim, stages, *cfg.values())
     blocks = -(-T // cfg["BLOCK_T"])
     P = max(1, min(blocks, num_sms(dev) * resident_programs(key, PROGRAMS_PER_SM)))
     # One float32 partial row per program: [q weight grad | k weight grad].
@@ -312,8 +282,7 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
             q_norm_weight if nq else freqs, k_norm_weight if nk else freqs, partial,
             T, S, B, freqs.shape[0], stride_b, stride_s, dstride_b, dstride_s, eps,
             INTERLEAVED=interleaved,
-            HAS_POS=position_ids is not None, NORM_Q=nq, NORM_K=nk, STAGES=stages,
-            HEAD_GUARD=guard, **cfg)
+            HAS_POS=position_ids is not None, NORM_Q=nq, NORM_K=nk, STAGES=stages, **cfg)
     learn_resident(key, ck, cfg["num_warps"], MAX_PROGRAMS_PER_SM)
     gq = gk = None
     if nq and nk and q_norm_weight.dtype == k_norm_weight.dtype:
