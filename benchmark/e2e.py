@@ -384,8 +384,9 @@ def print_table(rows, cfg: E2EConfig, file=None, loss_gap: float | None = None) 
           f"{cfg.seq}"
           + (f" x {cfg.micro_batches} micro-batches per optimizer step (linghe modes: "
              f"fused expert gradient accumulation "
-             f"{'on' if fused_grad_accumulation() else 'off'}, deferred expert (and FP8 "
-             f"head) wgrad {'on' if cfg.deferred_wgrad else 'off'})"
+             f"{'on' if fused_grad_accumulation() else 'off'}, deferred expert wgrad "
+             f"{'on' if cfg.deferred_wgrad else 'off'}, deferred FP8 head wgrad "
+             f"{'on' if cfg.deferred_wgrad and cfg.deferred_head_wgrad else 'off'})"
              if cfg.micro_batches > 1 else "")
           + f"; {total_params(cfg) / 1e9:.2f} B parameters; "
           f"{f['total'] / 1e12:.1f} model TFLOP per step (6 N_active tokens + causal "
@@ -1049,6 +1050,13 @@ def parse_args(argv=None):
                         "(linghe.nn.MoE(wgrad_micro_batches=...), linghe.bwd.deferred), "
                         "and with --lm-head-fp8 the head's FP8 weight gradient too "
                         "(linear_cross_entropy(wgrad_micro_batches=...))")
+    p.add_argument("--deferred-head-wgrad", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="with --deferred-wgrad and --lm-head-fp8: defer the head's FP8 "
+                        "weight gradient too (its stash: micro-batches x tokens x vocab "
+                        "bytes, 5.2 GB at the Ling-mini shape with 4 micro-batches). "
+                        "Default: on where the GPU has >= 100 GiB (the 4-layer FP8 step "
+                        "with it does not fit an 80 GB H100)")
     p.add_argument("--top-kernels", type=int, default=10,
                    help="print the N longest kernels of each profiled row (0: none)")
     args = p.parse_args(argv)
@@ -1083,8 +1091,13 @@ def config_from_args(args, device) -> E2EConfig:
         if args.train_steps or args.cuda_graph:
             raise SystemExit("--micro-batches > 1 is for eager throughput runs (no "
                              "--train-steps, no --cuda-graph)")
+        head = args.deferred_head_wgrad
+        if head is None:
+            head = (not on_gpu or torch.cuda.get_device_properties(device).total_memory
+                    >= 100 << 30)
         cfg = replace(cfg, micro_batches=args.micro_batches,
-                      deferred_wgrad=bool(args.deferred_wgrad))
+                      deferred_wgrad=bool(args.deferred_wgrad),
+                      deferred_head_wgrad=bool(head))
     # (the micro-batch settings first: the layer estimate counts the deferred stash)
     if args.layers == "auto":
         mem = (torch.cuda.get_device_properties(device).total_memory if on_gpu else 8 << 30)

@@ -79,6 +79,7 @@ class E2EConfig:
     rope_base: float = 10000.0
     micro_batches: int = 1        # forward+backward passes per optimizer step
     deferred_wgrad: bool = False  # linghe modes: expert (and FP8 head) wgrad once per step
+    deferred_head_wgrad: bool = True  # with deferred_wgrad: the FP8 head's too
 
     @property
     def tokens(self) -> int:
@@ -185,7 +186,8 @@ def estimate_layers(cfg: E2EConfig, memory_bytes: int, modes=MODES) -> int:
         per_layer += (cfg.micro_batches - 1) * rows * (3 * I + 2 * H) * 2
     logits = T * cfg.vocab * (2 + 4 + 4) if "torch" in modes else 0
     fixed = 2 * cfg.vocab * H * 8 + logits + (4 << 30)
-    if "fp8" in modes and cfg.deferred_wgrad and cfg.micro_batches > 1:
+    if ("fp8" in modes and cfg.deferred_wgrad and cfg.deferred_head_wgrad
+            and cfg.micro_batches > 1):
         # an FP8 head's deferred weight gradient: the columnwise copies of the others
         fixed += (cfg.micro_batches - 1) * T * (cfg.vocab + H)
     return max(2, int((0.9 * memory_bytes - fixed) // per_layer))
@@ -360,7 +362,8 @@ class E2EModel(nn.Module):
             # (deferred: the FP8 head's FP8 weight gradient once per step, like the experts')
             loss = linghe.linear_cross_entropy(
                 hn, self.lm_head.weight, lab,
-                wgrad_micro_batches=cfg.micro_batches if cfg.deferred_wgrad else 1)
+                wgrad_micro_batches=(cfg.micro_batches if cfg.deferred_wgrad
+                                     and cfg.deferred_head_wgrad else 1))
         return loss, tpes
 
     @torch.no_grad()

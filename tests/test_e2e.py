@@ -691,6 +691,18 @@ def test_deferred_expert_wgrad_matches_per_micro_batch(mode, monkeypatch):
     assert worst < 1e-2, worst
 
 
+def test_cli_deferred_head_wgrad():
+    """``--deferred-head-wgrad`` (default on where the GPU has >= 100 GiB, and on the CPU)
+    reaches the config; ``--no-deferred-head-wgrad`` turns it off."""
+    base = ["--width", "tiny", "--micro-batches", "2", "--deferred-wgrad"]
+    for extra, want in (([], DEVICE == "cpu" or torch.cuda.get_device_properties(0)
+                         .total_memory >= 100 << 30),
+                        (["--no-deferred-head-wgrad"], False),
+                        (["--deferred-head-wgrad"], True)):
+        cfg = e2e.config_from_args(e2e.parse_args(base + extra), DEVICE)
+        assert cfg.deferred_wgrad and cfg.deferred_head_wgrad == want
+
+
 def test_cli_micro_batches(tmp_path):
     res = _cli_throughput(tmp_path, "--mode", "torch", "--micro-batches", "2")
     assert res["config"]["micro_batches"] == 2
