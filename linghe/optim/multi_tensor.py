@@ -549,7 +549,9 @@ def _adamw_block(pp, gp, mp, vp, mask, coef, decay, step_size, bc2_sqrt, beta1, 
     p = p * decay
     m = tl.fma(m, beta1, (1.0 - beta1) * g)
     v = tl.fma(v, beta2, (1.0 - beta2) * (g * g))
-    denom = tl.div_rn(_sqrt_rn_fast(v), bc2_sqrt) + eps
+    r = _sqrt_rn_fast(v)
+    # (r == 0: 0 / bc2 + eps is eps; a zero dividend would take div.rn's slow path)
+    denom = tl.where(r == 0.0, eps, tl.div_rn(tl.where(r == 0.0, 1.0, r), bc2_sqrt) + eps)
     # (m == 0: the quotient is m itself; a zero dividend would take div.rn's slow path)
     q = tl.div_rn(tl.where(m == 0.0, 1.0, m), denom)
     p = tl.fma(-step_size, tl.where(m == 0.0, m, q), p)
