@@ -450,29 +450,15 @@ def _bound_weights(device, dtype=torch.bfloat16, pow2=True):
     return (w3, c3, ("grouped_128x128", pow2)), (w2, c2, ("plain", pow2))
 
 
-def _bound_even_weight(device, pow2=True):
-    """A 2-D weight of whole 128x128 blocks (the kernel without masks), bound likewise."""
-    from linghe.fp8 import WeightCache
-
-    g = torch.Generator().manual_seed(4)
-    w = torch.nn.Parameter((torch.randn(256, 128, generator=g) / 8).to(device, torch.bfloat16))
-    c = WeightCache()
-    c.get(w, lambda x: linghe.quantize_128x128(x, columnwise=True, pow2_scale=pow2),
-          ("plain", pow2))
-    c.bind_128x128(w, ("plain", pow2), pow2, tuple(w.shape))
-    return w, c, ("plain", pow2)
-
-
 @pytest.mark.parametrize("pow2", [False, True])
 def test_step_makes_fp8_weight_copies(device, pow2):
     """A weight bound to an FP8 WeightCache: AdamW's step writes its 128x128 FP8 copies
-    in the same pass, bit for bit what quantize_128x128 makes of the updated weight (with
-    partial blocks and with whole ones: the kernel without masks); the update itself is
-    bit-identical to the unbound step (parameters, moments, step count, clipping
-    included); the next forward's lookup hits."""
+    in the same pass, bit for bit what quantize_128x128 makes of the updated weight; the
+    update itself is bit-identical to the unbound step (parameters, moments, step count,
+    clipping included); the next forward's lookup hits."""
     from linghe.fwd.grouped_mm import quantize_grouped_weight
 
-    bound = (*_bound_weights(device, pow2=pow2), _bound_even_weight(device, pow2))
+    bound = _bound_weights(device, pow2=pow2)
     ps = [b[0] for b in bound] + _params([33], torch.bfloat16, device)
     ps_t = _clone(ps)
     opt = optim.AdamW(ps, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)

@@ -19,8 +19,6 @@ the values it wrote as one tile.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +35,7 @@ def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st
                             bias_ptr, t, coef_ptr, lr_ptr, lr, beta1, beta2, eps,
                             weight_decay, N, K, CLIP: tl.constexpr, LR_TENSOR: tl.constexpr,
                             MAXIMIZE: tl.constexpr, POW2: tl.constexpr, ROWS: tl.constexpr,
-                            STAGES: tl.constexpr, EVEN: tl.constexpr = False):
+                            STAGES: tl.constexpr):
     """AdamW on the 128x128 block ``(pid_n, pid_k)`` of a weight ``[N, K]`` (the math of
     :func:`~linghe.optim.multi_tensor._adamw_kernel`, bias corrections from row ``t`` of
     ``bias``), then the block quantized like ``_quantize_128x128_kernel``: ``q [N, K]``,
@@ -47,10 +45,7 @@ def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st
     values as stored; a loop pipelined ``STAGES`` deep, so that the next slices' loads
     are in flight while one is updated), then, after a barrier, the quantization of those
     values read back as one tile (the block was just written: L2 hits; 128-byte rows of
-    the transposed copy, where 16-row slices wrote 16-byte pieces). The amax is kept
-    elementwise over the slices and reduced once (one cross-warp reduction a block, not
-    one a slice); ``EVEN`` (``N`` and ``K`` multiples of 128): no masks. In the e2e step
-    (SM clocks under the power cap) this kernel is instruction-bound."""
+    the transposed copy, where 16-row slices wrote 16-byte pieces)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     lr_f, coef, decay = adamw_scalars(coef_ptr, lr_ptr, lr, weight_decay, CLIP, LR_TENSOR)
@@ -58,48 +53,35 @@ def _adamw_quant_128_kernel(p_ptr, g_ptr, m_ptr, v_ptr, q_ptr, s_ptr, qt_ptr, st
     cols = pid_k * 128 + tl.arange(0, 128)
     cmask = cols < K
     r0 = pid_n.to(tl.int64) * 128
-    amax_t = tl.zeros([ROWS, 128], tl.float32)
+    amax = tl.zeros([], tl.float32)
     for i in tl.range(0, 128, ROWS, num_stages=STAGES):
         rows = r0 + i + tl.arange(0, ROWS)
+        mask = (rows < N)[:, None] & cmask[None, :]
         o = rows[:, None] * K + cols[None, :]
-        if EVEN:
-            p = _adamw_block(p_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, None, coef, decay,
-                             step_size, bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
-            amax_t = tl.maximum(amax_t, tl.abs(p.to(tl.float32)))
-        else:
-            mask = (rows < N)[:, None] & cmask[None, :]
-            p = _adamw_block(p_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, mask, coef, decay,
-                             step_size, bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
-            amax_t = tl.maximum(amax_t, tl.abs(tl.where(mask, p.to(tl.float32), 0.0)))
-    scale = fp8_block_scale(tl.max(tl.max(amax_t, axis=1), axis=0), POW2)
+        p = _adamw_block(p_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, mask, coef, decay,
+                         step_size, bc2_sqrt, beta1, beta2, eps, MAXIMIZE)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(tl.where(mask, p.to(tl.float32), 0.0)),
+                                              axis=1), axis=0))
+    scale = fp8_block_scale(amax, POW2)
     tl.debug_barrier()  # this CTA's writes of the block are visible to all its threads
     # the whole block at once: each row of the transposed copy gets 128 contiguous bytes
     rows = r0 + tl.arange(0, 128)
-    if EVEN:
-        w = tl.load(p_ptr + rows[:, None] * K + cols[None, :])
-        q = to_e4m3(w.to(tl.float32) * (1.0 / scale))
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q))
-    else:
-        mask = (rows < N)[:, None] & cmask[None, :]
-        w = tl.load(p_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
-        q = to_e4m3(w.to(tl.float32) * (1.0 / scale))
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q),
-                 mask=tl.trans(mask))
+    mask = (rows < N)[:, None] & cmask[None, :]
+    w = tl.load(p_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    q = to_e4m3(w.to(tl.float32) * (1.0 / scale))
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(q),
+             mask=tl.trans(mask))
     tl.store(s_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
     tl.store(st_ptr + pid_k * tl.cdiv(N, 128) + pid_n, scale)
 
 
-#: Launch knobs of :func:`adamw_quant_128_` (``LINGHE_ADAMW_QUANT="rows,warps,stages"``
-#: overrides them: the e2e step is where they matter): rows per slice, warps, pipeline stages of
+#: Launch knobs of :func:`adamw_quant_128_`: rows per slice, warps, pipeline stages of
 #: the update loop (``benchmark.probe_adamw``, the e2e's expert weights on an H200: 1, no
 #: pipelining, as before: 79% of the copy bandwidth; 2: 65%; 3: 82%; 4: 86%).
-ROWS, NUM_WARPS, STAGES = (int(x) for x in os.environ.get("LINGHE_ADAMW_QUANT",
-                                                          "16,8,4").split(","))
-#: ``EVEN`` kernels (no masks) for weights whose both dims are multiples of 128; off
-#: (``LINGHE_ADAMW_QUANT_EVEN=0``): every weight takes the masked kernel.
-EVEN_KERNELS = os.environ.get("LINGHE_ADAMW_QUANT_EVEN", "1") == "1"
+ROWS = 16
+NUM_WARPS = 8
+STAGES = 4
 
 
 def adamw_quant_128_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -126,7 +108,5 @@ def adamw_quant_128_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
                    lr if lr_tensor else bias, 0.0 if lr_tensor else float(lr), float(beta1),
                    float(beta2), float(eps), float(weight_decay), N, K,
                    CLIP=coef is not None, LR_TENSOR=lr_tensor, MAXIMIZE=bool(maximize),
-                   POW2=bool(pow2_scale), ROWS=ROWS, STAGES=STAGES,
-                   EVEN=EVEN_KERNELS and N % BLOCK == 0 and K % BLOCK == 0,
-                   num_warps=NUM_WARPS)
+                   POW2=bool(pow2_scale), ROWS=ROWS, STAGES=STAGES, num_warps=NUM_WARPS)
     return q, s, qt, st
