@@ -142,7 +142,7 @@ class _Launcher:
         self.cache: dict = {}
 
     def __call__(self, grid, args, kwargs):
-        device = torch.cuda.current_device()
+        device = _current_cuda_device()
         stream = _raw_stream(device)
         binder = self.fn.device_caches[device][4]
         bound, spec, options = binder(*args, **kwargs)
@@ -176,6 +176,9 @@ except (ImportError, AttributeError):  # pragma: no cover - older triton
     _KNOBS_RUNTIME = None
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The current CUDA device without torch.cuda.current_device()'s lazy-init check (~1 µs a
+# call, twice per launch): only reached with CUDA tensors in hand, so CUDA is initialized.
+_current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _LAUNCHERS: dict = {}
 
 
@@ -195,7 +198,7 @@ def device_guard(t: torch.Tensor):
     """Context manager that makes ``t``'s device current for a launch (a no-op, and no
     device switch on the hot path, when it already is)."""
     dev = t.device
-    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+    if dev.type == "cuda" and dev.index != _current_cuda_device():
         return torch.cuda.device(dev)
     return _NO_GUARD
 
