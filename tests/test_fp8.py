@@ -86,8 +86,8 @@ TILE_KNOBS = [
 ]
 # (300, 260): M past two 128-row tiles with a 44-row tail (on the GPU, more row programs
 # than SMs: the persistent rows loop), K two 128-groups and a 4-column tail (two max_bk=256
-# blocks); (3, 700) below: three blocks.
-TILE_SHAPES = [(1, 1), (300, 260), (129, 128), (257, 384), (2, 3, 257)]
+# blocks); (131, 384): K whole 128-groups past max_bk=256; (3, 700) below: three blocks.
+TILE_SHAPES = [(1, 1), (300, 260), (129, 128), (131, 384), (2, 3, 257)]
 
 
 def _components(t):

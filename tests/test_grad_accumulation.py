@@ -90,11 +90,13 @@ def test_wgrad_accumulate_bad_inputs(device):
 
 
 def expert_micro_batches(n: int = 2):
-    """The expert FFN's inputs (E = 3 with a zero-row expert, align 16, H 128, I 192) and
+    """The expert FFN's inputs (E = 3 with a zero-row expert, align 16, H 128, I 64: the
+    SwiGLU backward's two-kernel path, as at I 192, the down projection's K a partial
+    128-group; test_moe's cases also take I 192 and 128) and
     ``n`` output gradients, zero on padding and tail rows: ``(rows, probs, w1, w2,
     layout, gs)``."""
     H = 128
-    rows, probs, w1, w2, layout, real = _expert_inputs([5, 0, 30], 16, H, 192)
+    rows, probs, w1, w2, layout, real = _expert_inputs([5, 0, 30], 16, H, 64)
     gs = [torch.randn(rows.shape[0], H) for _ in range(n)]
     for g in gs:
         g[~real] = 0
