@@ -679,8 +679,8 @@ def test_deferred_expert_wgrad_matches_per_micro_batch(mode, monkeypatch):
         accumulate_grads(model, opt, micro, mode)
         assert not deferred._STASHES
         # the FP8 head's two micro-batches took the two slots of one stash
-        assert [s[1:] and s[2] for s in stashes] == ([0, 1] if defer and mode == "fp8"
-                                                      else [])
+        assert [s.slot if s is not None else None for s in stashes] == (
+            [0, 1] if defer and mode == "fp8" else [])
         assert asked == [2 if defer else 1] * 2
         stashes.clear()
         asked.clear()

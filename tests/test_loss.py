@@ -558,6 +558,74 @@ def test_lm_head_fp8_wgrad_deferred_fallbacks(device):
         linghe.linear_cross_entropy(mbs[0][0], wk, mbs[0][1], wgrad_micro_batches=0)
 
 
+def test_lm_head_fp8_wgrad_deferred_reservations(device):
+    """The deferred head's slots follow the forwards' graphs: more forwards than ``n``
+    before their backwards (the extra one computes its own, the stash in use is kept); a
+    forward whose graph dies without a backward frees its slot, so the ``n``-th backward
+    still hands everything over; a weight changed with only reservations made is no
+    error; backwards that cannot defer leave no stash behind."""
+    from linghe.bwd import deferred
+    from linghe.bwd.deferred import pending_micro_batches
+
+    n, N, H, V = 2, 128, 128, 136
+    w, dw_ref, mbs = _head_micro_batches(device, 3, N, H, V, torch.float32)
+    ctx = dict(fp8="blockwise", lm_head_fp8=True, pow2_scale=True)
+
+    def fwd(wk, i):
+        h, lab, g, _ = mbs[i]
+        with linghe.TrainingContext(**ctx):
+            return linghe.linear_cross_entropy(h, wk, lab, label_smoothing=0.1, z_loss=1e-3,
+                                               wgrad_micro_batches=n), g
+
+    # three forwards, then their backwards in reverse order
+    wk = w.clone().requires_grad_()
+    outs = [fwd(wk, i) for i in range(3)]
+    seen = []
+    for out, g in reversed(outs):
+        out.backward(g)
+        seen.append((wk.grad is None, pending_micro_batches(wk)))
+    assert seen == [(False, 0), (False, 1), (False, 0)]
+    assert_close(wk.grad, dw_ref, tol=5e-3, name="dweight, 3 forwards first")
+
+    # a dropped forward frees its slot: the two micro-batches after it are handed over
+    wk = w.clone().requires_grad_()
+    out, _ = fwd(wk, 2)
+    del out
+    for i in range(2):
+        out, g = fwd(wk, i)
+        out.backward(g)
+    assert pending_micro_batches(wk) == 0 and wk.grad is not None
+    assert_close(wk.grad, dw_ref - _single_dw(w, mbs[2]), tol=5e-3,
+                 name="dweight after a dropped forward")
+
+    # the weight changed with only a reservation made: dropped quietly, no error
+    wk = w.clone().requires_grad_()
+    out0, g0 = fwd(wk, 0)
+    with torch.no_grad():
+        wk.mul_(1.0)
+    out1, g1 = fwd(wk, 1)
+    out1.backward(g1)
+    out0.backward(g0)
+    linghe.flush_deferred_wgrad()
+    assert_close(wk.grad, dw_ref - _single_dw(w, mbs[2]), tol=5e-3, name="dweight, changed")
+
+    # backwards that cannot defer leave no stash
+    wk = w.clone().requires_grad_()
+    for i in range(2):
+        out, g = fwd(wk, i)
+        torch.autograd.grad(out, wk, g)
+    assert deferred.stash_of(wk) is None
+
+
+def _single_dw(w, mb):
+    """The reference weight gradient of one micro-batch ``mb`` (its ``g`` applied)."""
+    h, lab, g, _ = mb
+    wr = w.double().requires_grad_()
+    ref.linear_cross_entropy_fp8(h.double(), wr, lab, None, -100, "mean", 0.1, 1e-3,
+                                 pow2_scale=True, fp8_wgrad=True).backward()
+    return wr.grad * g.double()
+
+
 def test_ce_grad_fp8_kernel(device):
     """``ce_grad_fp8`` writes the rounded gradient's two 1x128 copies: the rowwise one as
     ``quantize_1x128`` of it, the columnwise one transposed at token column ``t0`` of a

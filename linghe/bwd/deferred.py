@@ -152,8 +152,14 @@ def _check_version(weight: torch.Tensor, stash: Stash) -> None:
 
 
 def stash_of(weight: torch.Tensor) -> Stash | None:
-    """``weight``'s stash (checked against the weight's changes), if it has one."""
+    """``weight``'s stash, if it has one, checked against the weight's changes: one with
+    pending micro-batches raises (:func:`_check_version`), one with none (only
+    reservations, e.g. the FP8 head's) is dropped and ``None`` returned."""
     stash = _STASHES.get(weight)
+    if stash is not None and not stash.parts and (
+            weight._version != stash.version or weight.data_ptr() != stash.data_ptr):
+        del _STASHES[weight]
+        return None
     if stash is not None:
         _check_version(weight, stash)
     return stash
@@ -268,8 +274,8 @@ def flush_deferred_wgrad(parameters=None) -> int:
     n = 0
     for w in _pending(parameters):
         stash = _STASHES[w]
-        _check_version(w, stash)
-        if stash.parts:
+        if stash.parts:  # (a stash of reservations only is dropped, changed weight or not)
+            _check_version(w, stash)
             stash.flush(w)
             n += 1
         del _STASHES[w]
@@ -279,10 +285,11 @@ def flush_deferred_wgrad(parameters=None) -> int:
 def discard_deferred_wgrad(parameters=None) -> int:
     """Drop the pending micro-batches of ``parameters`` (``None``: of every weight)
     without computing them. Returns how many weights had some."""
-    weights = _pending(parameters)
-    for w in weights:
+    n = 0
+    for w in _pending(parameters):
+        n += bool(_STASHES[w].parts)
         del _STASHES[w]
-    return len(weights)
+    return n
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:

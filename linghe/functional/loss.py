@@ -3,6 +3,8 @@ public functions and input validation."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -375,31 +377,54 @@ class HeadWgradStash(deferred.Stash):
     ``grad_output`` once its backward ran (then the slot is in ``parts``). With every
     slot pending the gradient is one FP8 GEMM over ``n * tokens`` tokens (no
     per-micro-batch ``dW``, no adds into ``.grad``, one rounding). Made by the first
-    micro-batch's forward: ``n * tokens * (V + H)`` bytes plus the scales."""
+    micro-batch's forward: ``n * tokens * (V + H)`` bytes plus the scales.
 
-    __slots__ = ("tokens", "used", "pow2", "qt", "st", "hq", "hs")
+    A slot is reserved by a forward (``live``: slot -> ticket) until its backward defers
+    it (``parts``) or computes its own gradient, or until the forward's autograd graph
+    dies without a backward (a recomputation under activation checkpointing, a forward
+    whose loss was dropped, a forward that raised): then it is free again."""
+
+    __slots__ = ("tokens", "pow2", "qt", "st", "hq", "hs", "free", "live", "tickets")
 
     def __init__(self, weight: torch.Tensor, micro_batches: int, tokens: int, pow2: bool):
         super().__init__(weight)
         V, H = weight.shape
         cap = micro_batches * tokens
-        self.tokens, self.used, self.pow2 = tokens, 0, pow2
+        self.tokens, self.pow2 = tokens, pow2
         self.qt, self.st = empty_1x128(cap, V, weight.device, rowwise=False, columnwise=True,
                                        group_major=True)[2:]
         self.hq, self.hs = empty_1x128(cap, H, weight.device, rowwise=False, columnwise=True,
                                        group_major=True)[2:]
+        self.free = list(range(micro_batches - 1, -1, -1))  # (popped from the end: 0 first)
+        self.live: dict[int, int] = {}
+        self.tickets = 0
 
     @property
     def slots(self) -> int:
         return self.qt.shape[1] // self.tokens
 
-    def reserve(self, tokens: int) -> int | None:
-        """A free slot for a micro-batch of ``tokens`` rows, or ``None`` (full, or
-        another size)."""
-        if tokens != self.tokens or self.used == self.slots:
+    def reserve(self, tokens: int) -> tuple[int, int] | None:
+        """``(slot, ticket)`` for a micro-batch of ``tokens`` rows, or ``None`` (no free
+        slot, or another size)."""
+        if tokens != self.tokens or not self.free:
             return None
-        self.used += 1
-        return self.used - 1
+        slot = self.free.pop()
+        self.tickets += 1
+        self.live[slot] = self.tickets
+        return slot, self.tickets
+
+    def resolve(self, slot: int, ticket: int, deferred_now: bool) -> None:
+        """The slot's backward ran: its product is pending (``deferred_now``) or was
+        handed over, and the slot is free again."""
+        if self.live.get(slot) == ticket:
+            del self.live[slot]
+            (self.parts if deferred_now else self.free).append(slot)
+
+    def release(self, slot: int, ticket: int) -> None:
+        """The slot's forward graph died without a backward: free it."""
+        if self.live.get(slot) == ticket:
+            del self.live[slot]
+            self.free.append(slot)
 
     def first_token(self, slot: int) -> int:
         return slot * self.tokens
@@ -440,41 +465,63 @@ class HeadWgradStash(deferred.Stash):
             w.grad.add_(dw)
 
 
+class _HeadSlot:
+    """A forward's reservation in a :class:`HeadWgradStash` (kept on the autograd
+    ``ctx``; when it dies without its backward having run, the slot is freed)."""
+
+    __slots__ = ("weight", "stash", "slot", "ticket", "__weakref__")
+
+    def __init__(self, weight, stash, slot, ticket):
+        self.weight, self.stash, self.slot, self.ticket = weight, stash, slot, ticket
+        weakref.finalize(self, stash.release, slot, ticket)
+
+
 def _reserve_head_slot(weight: torch.Tensor, micro_batches: int, tokens: int,
-                       pow2: bool) -> tuple | None:
-    """In the forward: ``(weight, stash, slot)`` for a micro-batch of ``tokens`` rows
-    whose FP8 weight gradient is deferred, or ``None`` (not deferrable, see
-    :func:`~linghe.bwd.deferred.deferrable`; ``tokens`` not a positive multiple of 128;
-    the stash full of pending micro-batches of another size)."""
+                       pow2: bool) -> _HeadSlot | None:
+    """In the forward: the reservation of a micro-batch of ``tokens`` rows whose FP8
+    weight gradient is deferred, or ``None`` (it computes its own): not deferrable (see
+    :func:`~linghe.bwd.deferred.deferrable`), ``tokens`` not a positive multiple of 128,
+    or the weight's stash in use with no free slot (more forwards than ``micro_batches``
+    before their backwards) or for micro-batches of another size."""
     if (tokens <= 0 or tokens % 128 or deferred.deferrable(weight, micro_batches) is None
             or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     stash = deferred.stash_of(weight)
-    if stash is None or (not stash.parts and (stash.tokens != tokens or stash.pow2 != pow2
-                                              or stash.used == stash.slots
-                                              or stash.slots != micro_batches)):
+    if stash is not None and (stash.tokens != tokens or stash.pow2 != pow2
+                              or stash.slots != micro_batches):
+        if stash.parts or stash.live:
+            return None
+        stash = None
+    if stash is None:
         stash = HeadWgradStash(weight, micro_batches, tokens, pow2)
         deferred.set_stash(weight, stash)
-    slot = stash.reserve(tokens)
-    return None if slot is None else (weight, stash, slot)
+    got = stash.reserve(tokens)
+    return None if got is None else _HeadSlot(weight, stash, *got)
 
 
-def _head_wgrad(head: tuple, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def _head_wgrad(head: _HeadSlot, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """In the backward: the weight gradient to hand over for a deferred micro-batch
     (``head`` from :func:`_reserve_head_slot`, ``g`` its ``grad_output``): ``None`` while
-    micro-batches are still to come, else all pending ones' (this backward completes
-    the stash) or, when this backward cannot defer, its own."""
-    weight, stash, slot = head
+    micro-batches are still to come, else all pending ones' (this backward fills the
+    stash) or, when this backward cannot defer, its own (its slot freed; a stash with
+    nothing pending or reserved is dropped)."""
+    weight, stash, slot, ticket = head.weight, head.stash, head.slot, head.ticket
     if torch.is_grad_enabled():  # create_graph: differentiable in grad_output
-        return (stash.gradient([slot], dtype) * g).to(dtype)
+        dw = (stash.gradient([slot], dtype) * g).to(dtype)
+        stash.resolve(slot, ticket, False)
+        return dw
     stash.scale(slot, g)
     if deferred.can_defer(weight) and deferred.stash_of(weight) is stash:
-        stash.parts.append(slot)
+        stash.resolve(slot, ticket, True)
         if len(stash.parts) < stash.slots:
             return None
         deferred.set_stash(weight, None)
         return stash.gradient(stash.parts, dtype)
-    return stash.gradient([slot], dtype)
+    dw = stash.gradient([slot], dtype)
+    stash.resolve(slot, ticket, False)
+    if not stash.parts and not stash.live and deferred.stash_of(weight) is stash:
+        deferred.set_stash(weight, None)
+    return dw
 
 
 def row_weight_in_forward(dtype: torch.dtype) -> bool:
@@ -633,7 +680,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             head = _reserve_head_slot(weight, micro_batches, hidden.shape[0], fp8[1])
         out, inv_n, dh, dw, db, lse = lce_forward(
             hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
-            chunk_size, need_grads, vocab, group, fp8, head[1:] if head else None)
+            chunk_size, need_grads, vocab, group, fp8,
+            (head.stash, head.slot) if head is not None else None)
         ctx.head = head
         ctx.fused = lse is None
         ctx.grads_taken = False
@@ -668,7 +716,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = grad if ctx.row_weight_applied else grad.float() * inv_n[0]
             head, ctx.head = ctx.head, None
             if head is not None:  # the FP8 weight gradient, deferred (dw is None)
-                gw = _head_wgrad(head, g, head[0].dtype) if nw else None
+                gw = _head_wgrad(head, g, head.weight.dtype) if nw else None
                 gh = None
                 if nh and dh is not None:
                     gh = ((dh * g).to(dh.dtype) if torch.is_grad_enabled()

@@ -142,7 +142,10 @@ class AdamW(torch.optim.Optimizer):
         lr: learning rate (a float, or a 1-element tensor; on the parameters' device it is
             read by the kernel, so a captured step sees changes).
         betas: ``(beta1, beta2)``, each in ``[0, 1)``.
-        eps: added to the denominator, ``>= 0``.
+        eps: added to the denominator, ``>= 0``. The update takes the GPU's fast square
+            root and division (within 2 ulp of IEEE; the fast square root flushes subnormal
+            second moments to zero), so with ``eps = 0`` an element whose second moment is
+            zero or subnormal gets an infinite or NaN step: keep ``eps > 0``.
         weight_decay: decoupled weight decay, ``>= 0``.
         amsgrad: must be False.
         maximize: maximize the objective.
