@@ -823,8 +823,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     :func:`linghe.optim.clip_grad_norm_`); a backward that cannot hand a gradient over
     later (``torch.autograd.grad``, ``create_graph``, compiled autograd, CUDA graph
     capture) computes its own micro-batch's; a micro-batch of another size than the
-    first's, or more than ``n`` forwards before the backwards, computes its own. Elsewhere
-    (no FP8 weight gradient, ``reduction="none"``) the setting changes nothing.
+    first's, or more than ``n`` forwards before the backwards, computes its own. A
+    forward whose graph dies without a backward (a recomputation under activation
+    checkpointing, a dropped loss) frees its slot. Elsewhere (no FP8 weight gradient,
+    ``reduction="none"``) the setting changes nothing.
 
     Returns the loss: fp32 scalar or ``[N]`` fp32 (``"none"``).
     """
