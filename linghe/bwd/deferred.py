@@ -96,7 +96,6 @@ class Stash:
             grad.add_(wgrad_parts(self.parts, None, out_dtype=w.dtype))
 
 
-
 #: weight -> its pending micro-batches.
 _STASHES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -139,8 +138,13 @@ def can_defer(weight: torch.Tensor) -> bool:
                 or not _accumulate_grad_will_run(weight))
 
 
+def _stale(weight: torch.Tensor, stash: Stash) -> bool:
+    """Whether ``weight`` changed in place or was replaced since ``stash`` was made."""
+    return weight._version != stash.version or weight.data_ptr() != stash.data_ptr
+
+
 def _check_version(weight: torch.Tensor, stash: Stash) -> None:
-    if weight._version != stash.version or weight.data_ptr() != stash.data_ptr:
+    if _stale(weight, stash):
         n = len(stash.parts)
         del _STASHES[weight]
         raise RuntimeError(
@@ -156,8 +160,7 @@ def stash_of(weight: torch.Tensor) -> Stash | None:
     pending micro-batches raises (:func:`_check_version`), one with none (only
     reservations, e.g. the FP8 head's) is dropped and ``None`` returned."""
     stash = _STASHES.get(weight)
-    if stash is not None and not stash.parts and (
-            weight._version != stash.version or weight.data_ptr() != stash.data_ptr):
+    if stash is not None and not stash.parts and _stale(weight, stash):
         del _STASHES[weight]
         return None
     if stash is not None:

@@ -334,8 +334,8 @@ def _lce_grads_fp8_wgrad(hidden, weight, labels, lse_or_none, row_weight, opts, 
     ``None``: the fused forward; its loss rows into ``loss_rows``) or the saved ``lse``
     (the backward of ``reduction="none"``), then :func:`_chunk_grads_fp8`; per span of
     chunks one weight-gradient GEMM. ``chunk`` is a multiple of 128 (whole token groups
-    per chunk). ``head = (stash, slot)`` (:class:`HeadWgradStash`): the columnwise
-    copies go into the stash's slot instead (one span) and ``dw`` is ``None``."""
+    per chunk). ``head`` (a :class:`_HeadSlot`): the columnwise copies go into its
+    stash's slot instead (one span) and ``dw`` is ``None``."""
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -347,7 +347,7 @@ def _lce_grads_fp8_wgrad(hidden, weight, labels, lse_or_none, row_weight, opts, 
                                  group_major=True)[2:]
             t0 = -a
         else:
-            qt, st, t0 = head[0].qt, head[0].st, head[0].first_token(head[1])
+            qt, st, t0 = head.stash.qt, head.stash.st, head.stash.first_token(head.slot)
         for s in range(a, b, chunk):
             e = min(b, s + chunk)
             logits = _chunk_logits(hidden[s:e], weight, None, fp8)
@@ -362,7 +362,7 @@ def _lce_grads_fp8_wgrad(hidden, weight, labels, lse_or_none, row_weight, opts, 
         if head is None:
             dw = _wgrad_span_fp8(qt, st, hidden[a:b], fp8[1], dw)
     if head is not None:
-        head[0].put_hidden(head[1], hidden)
+        head.stash.put_hidden(head.slot, hidden)
     elif dw is None:  # no rows
         dw = torch.zeros_like(weight)
     return dh, dw
@@ -546,8 +546,8 @@ def lce_forward(hidden, weight, bias, labels, ignore_index, reduction, label_smo
     :func:`row_weight_in_forward`, so only ``grad_output`` is left for the backward,
     else weight 1 per row) and ``lse = None``; otherwise no gradients and the per-row
     ``lse [N]`` for the backward's recomputation. ``inv_n`` is ``None`` for
-    ``reduction="none"``. ``head = (stash, slot)``: the FP8 weight gradient is deferred
-    into that :class:`HeadWgradStash` slot (``dw`` is ``None``)."""
+    ``reduction="none"``. ``head`` (a :class:`_HeadSlot`): the FP8 weight gradient is
+    deferred into its :class:`HeadWgradStash` slot (``dw`` is ``None``)."""
     N, H = hidden.shape
     V = weight.shape[0]
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
@@ -680,8 +680,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             head = _reserve_head_slot(weight, micro_batches, hidden.shape[0], fp8[1])
         out, inv_n, dh, dw, db, lse = lce_forward(
             hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, z_loss,
-            chunk_size, need_grads, vocab, group, fp8,
-            (head.stash, head.slot) if head is not None else None)
+            chunk_size, need_grads, vocab, group, fp8, head)
         ctx.head = head
         ctx.fused = lse is None
         ctx.grads_taken = False
