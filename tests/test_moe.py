@@ -396,6 +396,57 @@ def test_grouped_swiglu_fp8_rows_and_partial_grads():
     assert_close(w1.grad, w1r.grad, FP8_VS_EXACT, "d_gate_up")
 
 
+@pytest.mark.parametrize("second_consumer", [False, True])
+def test_fp8_experts_take_dy_copy_from_unpermute(monkeypatch, second_consumer):
+    """The FP8 experts' down-GEMM dgrad takes dy's rowwise FP8 copy from unpermute's
+    backward (made from the token rows) instead of quantizing dy: no quantization pass
+    over dy, and the gradients are those of the unfused path bit for bit. When ``y`` has
+    a second consumer its gradient is a sum, the hand-off finds nothing, and the experts
+    quantize dy themselves."""
+    from linghe.bwd import handoff as fp8_handoff
+    from linghe.fwd import grouped_mm as fwd_gm
+
+    H, I, E, T, k = 256, 64, 5, 13, 3
+    torch.manual_seed(0)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ids[2, 1] = -1
+    probs = torch.rand(T, k)
+    w1 = (torch.randn(E, 2 * I, H) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I) / I**0.5).to(torch.bfloat16)
+    g = torch.randn(T, H)
+    dy_quantized = []
+    real_q = fwd_gm.quantize_grouped_fwd
+
+    def spy(x, *a, **kw):
+        if kw.get("rowwise") and not kw.get("columnwise") and x.shape[1] == H:
+            dy_quantized.append(x.shape)
+        return real_q(x, *a, **kw)
+
+    monkeypatch.setattr(fwd_gm, "quantize_grouped_fwd", spy)
+
+    def run():
+        xi = x.clone().requires_grad_(True)
+        pi = probs.clone().requires_grad_(True)
+        a, b = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+        rows, prow, layout = linghe.permute(quantize_tokens(xi, pow2_scale=True), ids, pi,
+                                            num_experts=E, align=16)
+        y = grouped_swiglu(rows, prow, a, b, layout, fp8=True, pow2_scale=True)
+        loss = (linghe.unpermute(y, layout).float() * g).sum()
+        if second_consumer:
+            loss = loss + y.float().sum() * 1e-3
+        loss.backward()
+        return [t.grad for t in (xi, pi, a, b)]
+
+    fused = run()
+    assert len(dy_quantized) == int(second_consumer)
+    monkeypatch.setattr(fp8_handoff, "requested", lambda t: None)
+    unfused = run()
+    assert len(dy_quantized) == 1 + int(second_consumer)
+    for name, a, b in zip(("dx", "dprobs", "d_gate_up", "d_down"), fused, unfused):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("T,E,k,I,shared,fp8_wgrad", [(7, 4, 2, 64, 0, True),
                                                       (3, 4, 1, 64, 1, True),
                                                       (7, 4, 2, 64, 1, False)])

@@ -28,7 +28,10 @@ Columnwise (wgrad) copies are grouped per expert segment (:mod:`linghe.layout`),
 That is the ``fp8_wgrad=True`` flow. By default (``fp8_wgrad=False``, the recipe's
 ``expert_fp8_wgrad``) no columnwise copy is made: ``dW2 = wgrad(dy, a)`` and ``dW1 =
 wgrad(dh, rows)`` run in rows' dtype on ``dy``/``dh`` as they arrive and the dequantized
-rowwise ``a`` / ``rows``; the dgrads stay FP8.
+rowwise ``a`` / ``rows``; the dgrads stay FP8. There ``dy``'s rowwise copy comes from
+``unpermute``'s backward when ``y`` goes straight into it (:mod:`linghe.bwd.handoff`): it
+quantizes the ``T`` token rows of its gradient once and moves them with the rows, where
+quantizing ``dy`` would read all ``T * k`` rows again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from .. import library
 from ..bwd import grad_norms
 from ..bwd import grouped_mm as bwd_gm
+from ..bwd import handoff as fp8_handoff
 from ..bwd.accumulate import accumulation_param, grad_to_accumulate, take_grad
 from ..bwd.activation import silu_mul_bwd, silu_mul_bwd_quant, silu_mul_bwd_rowwise_fp8
 from ..bwd.deferred import WgradPart, defer, deferrable, parts_wgrad, prepare_wgrad_parts
@@ -176,6 +180,13 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
                             for w, need in ((w1, need_w1), (w2, need_w2)))
         hp_rows = need_w1 and not fp8_wgrad and not isinstance(rows, Fp8Tensor)
         ctx.save_for_backward(h if need_da else None, probs, rows if hp_rows else None)
+        # The down GEMM's dgrad wants dy's rowwise FP8 copy: unpermute's backward makes it
+        # from the token rows, k times fewer than y's (high-precision wgrad only: the FP8
+        # wgrad quantizes dy columnwise in the same pass anyway).
+        ctx.handoff = None
+        if need_da and not fp8_wgrad:
+            ctx.handoff = fp8_handoff.Fp8GradHandoff(pow2)
+            fp8_handoff.attach(y, ctx.handoff)
         return y
 
     @staticmethod
@@ -188,6 +199,7 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
         else:
             grads = _backward_hp_wgrad(ctx, dy.contiguous(), h, probs, rows)
         ctx.a1 = ctx.a2 = ctx.w1 = ctx.w2 = ctx.params = ctx.defer = ctx.norm_ws = None
+        ctx.handoff = None
         return (*grads, None, None, None, None, None)
 
 
@@ -256,8 +268,9 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
         fused.append((g2, prepare_wgrad_parts(parts2), norm_w2))
     g1 = None
     if need_da:
-        dyq = _Parts(dy.shape, *fwd_gm.quantize_grouped_fwd(
-            dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2))
+        copy = ctx.handoff.take(dy) if ctx.handoff is not None else None
+        dyq = _Parts(dy.shape, *(copy if copy is not None else fwd_gm.quantize_grouped_fwd(
+            dy, counts, align, rowwise=True, columnwise=False, pow2_scale=pow2)[:2]))
         da = bwd_gm.grouped_mm_fp8_dgrad(dyq, ctx.w2, offsets, out_dtype=h.dtype)
         del dyq
         if need_rows:  # dh for the wgrad and its FP8 copy for the dgrad: one kernel

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from .. import library
-from ..bwd.permute import permute_backward, unpermute_backward
+from ..bwd import handoff as fp8_handoff
+from ..bwd.permute import permute_backward, unpermute_backward, unpermute_backward_fp8_copy
 from ..fp8.tensor import Fp8Tensor
 from ..fwd.permute import build_index, scatter_rows
 from ..fwd.permute import gather_rows as _gather_rows
@@ -86,11 +87,15 @@ class _PermuteFp8(torch.autograd.Function):
 
 
 class _Unpermute(torch.autograd.Function):
+    """``handoff``: the FP8 expert FFN's request for the rowwise FP8 copy of ``d_rows``
+    (:mod:`linghe.bwd.handoff`); made from the token rows, without ``probs`` only."""
+
     @staticmethod
-    def forward(ctx, rows, probs, layout):
+    def forward(ctx, rows, probs, layout, handoff):
         out, _ = _gather_rows(rows, layout, weights=probs)
         ctx.layout = layout
         ctx.rows_dtype = rows.dtype
+        ctx.handoff = handoff
         ctx.save_for_backward(rows if (probs is not None and probs.requires_grad) else None,
                               probs)
         return out
@@ -99,9 +104,14 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, dout):
         rows, probs = ctx.saved_tensors
         want_p = probs is not None and ctx.needs_input_grad[1]
-        d_rows, dp = unpermute_backward(dout.contiguous(), ctx.layout, ctx.rows_dtype,
+        dout = dout.contiguous()
+        d_rows, dp = unpermute_backward(dout, ctx.layout, ctx.rows_dtype,
                                         probs=probs, rows=rows if want_p else None)
-        return (d_rows if ctx.needs_input_grad[0] else None), dp, None
+        if ctx.handoff is not None and ctx.needs_input_grad[0]:
+            ctx.handoff.offer(d_rows, *unpermute_backward_fp8_copy(
+                dout.to(ctx.rows_dtype), ctx.layout, pow2_scale=ctx.handoff.pow2_scale))
+        ctx.handoff = None
+        return (d_rows if ctx.needs_input_grad[0] else None), dp, None, None
 
 
 def _check_ids(expert_ids: torch.Tensor, num_experts: int) -> None:
@@ -216,5 +226,7 @@ def unpermute(rows: torch.Tensor, layout: ExpertLayout, probs: torch.Tensor | No
     check_kernel_device("rows", rows)
     if torch.compiler.is_compiling():
         return library.unpermute(rows, layout, probs.contiguous() if probs is not None else None)
+    # (the FP8 copy of d_rows is the token rows' copy moved: with per-copy probs it is not)
+    handoff = fp8_handoff.requested(rows) if probs is None else None
     return apply_function(_Unpermute, rows,
-                          probs.contiguous() if probs is not None else None, layout)
+                          probs.contiguous() if probs is not None else None, layout, handoff)
