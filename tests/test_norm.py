@@ -221,6 +221,44 @@ def test_rms_norm_quant_matches_reference(device, shape, dtype, pow2, columnwise
     assert_close(dwq, w.grad, tol=REL_TOL[dtype] / 10, name="dweight")
 
 
+@pytest.mark.parametrize("shape,dtype", [((37, 256), BF16), ((2, 3, 130), F32), ((0, 128), BF16)])
+def test_rms_norm_quant_residual(device, shape, dtype):
+    """``rms_norm_quant(x, w, residual=r)``: the FP8 copies of ``rms_norm_quant(x + r)``
+    bit for bit, ``h = x + r``, and the gradients of the unfused add-then-norm (the
+    residual stream's gradient added inside the norm's backward: one rounding, so equal
+    to a rounding of the output dtype); also when only ``h`` is used."""
+    K = shape[-1]
+    x = (torch.randn(shape, device=device) * 2).to(dtype).requires_grad_()
+    r = torch.randn(shape, device=device).to(dtype).requires_grad_()
+    w = torch.randn(K, device=device).to(dtype).requires_grad_()
+    y, h = linghe.rms_norm_quant(x, w, 1e-6, residual=r, pow2_scale=True)
+    x2, r2 = x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+    w2 = w.detach().clone().requires_grad_()
+    h2 = x2 + r2
+    y2 = linghe.rms_norm_quant(h2, w2, 1e-6, pow2_scale=True)
+    assert torch.equal(h, h2) and h.shape == x.shape
+    for a in ("rowwise_data", "columnwise_data"):
+        assert torch.equal(getattr(y, a).view(torch.uint8), getattr(y2, a).view(torch.uint8))
+    assert torch.equal(y.rowwise_scale, y2.rowwise_scale)
+    assert torch.equal(y.columnwise_scale, y2.columnwise_scale)
+    dy = torch.randn(shape, device=device).to(dtype)
+    dh = torch.randn(shape, device=device).to(dtype)
+    torch.autograd.backward([y, h], [dy, dh])
+    torch.autograd.backward([y2, h2], [dy, dh])
+    tol = REL_TOL[dtype]
+    assert_close(x.grad, x2.grad, tol=tol, name="dx")
+    assert torch.equal(x.grad, r.grad)
+    assert_close(r.grad, r2.grad, tol=tol, name="dresidual")
+    assert_close(w.grad, w2.grad, tol=tol / 10, name="dweight")
+    # only h carries a gradient: it passes to x and the residual unchanged
+    x.grad = r.grad = None
+    _, h = linghe.rms_norm_quant(x, w, residual=r)
+    h.backward(dh)
+    assert torch.equal(x.grad, dh) and torch.equal(r.grad, dh)
+    with pytest.raises(ValueError, match="residual must have shape"):
+        linghe.rms_norm_quant(x, w, residual=r[..., :-1])
+
+
 def test_rms_norm_quant_dequantize_backprops(device):
     x = torch.randn(130, 256, device=device, requires_grad=True)
     w = torch.randn(256, device=device, requires_grad=True)

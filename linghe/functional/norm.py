@@ -109,31 +109,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 
 
 class RMSNormQuantFunction(torch.autograd.Function):
-    """``rms_norm_quant`` with a straight-through backward; saves ``x``, ``weight``,
-    ``rstd``."""
+    """``rms_norm_quant`` with a straight-through backward; saves ``x`` (``h`` with a
+    residual), ``weight``, ``rstd``."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, columnwise, pow2_scale):
+    def forward(ctx, x, weight, residual, eps, columnwise, pow2_scale):
         x2 = rows_view(x)
+        if residual is not None:
+            x2 = x2 + rows_view(residual)  # h, as [M, K] rows
         q, s, qt, st, rstd = fwd.rms_norm_quant_fwd(x2, weight, eps, columnwise=columnwise,
                                                     pow2_scale=pow2_scale)
         ctx.save_for_backward(x2, weight, rstd)
-        return Fp8Tensor(x.shape, x.dtype, rowwise_data=q, rowwise_scale=s,
-                         columnwise_data=qt, columnwise_scale=st, scaling="1x128")
+        ctx.has_residual = residual is not None
+        ctx.set_materialize_grads(False)
+        y = Fp8Tensor(x.shape, x.dtype, rowwise_data=q, rowwise_scale=s,
+                      columnwise_data=qt, columnwise_scale=st, scaling="1x128")
+        if residual is None:
+            return y
+        return y, (x2 if x.dim() == 2 else x2.view(x.shape))
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dh=None):
         x2, weight, rstd = ctx.saved_tensors
+        if dy is None:  # only h's gradient (or none) arrived
+            dx = dh.to(x2.dtype) if dh is not None else None
+            return dx, None, dx if ctx.has_residual else None, None, None, None
         if isinstance(dy, Fp8Tensor):
             dy = dy.dequantize()
         shape = dy.shape
         dx, dw = bwd.rms_norm_bwd(_grad_rows(dy), x2, weight, rstd,
+                                  _grad_rows(dh) if dh is not None else None,
                                   need_dweight=ctx.needs_input_grad[1])
-        return (dx if len(shape) == 2 else dx.view(shape)), dw, None, None, None
+        if len(shape) != 2:
+            dx = dx.view(shape)
+        return dx, dw, dx if ctx.has_residual else None, None, None, None
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-                   columnwise: bool = True, pow2_scale: bool = False) -> Fp8Tensor:
+                   columnwise: bool = True, pow2_scale: bool = False,
+                   residual: torch.Tensor | None = None):
     """RMSNorm fused with 1x128 FP8 (e4m3) quantization of its output.
 
     Normalizes ``x [..., K]`` (fp32 math) and quantizes the result in fp32: rowwise
@@ -142,19 +156,28 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     transpose in groups of 128 tokens (``columnwise_data [K, M]``, ``columnwise_scale [K,
     ceil(M/128)]``; a second kernel of ``[128, BN]`` tiles that re-reads ``x`` and applies
     the same rstd and weight, so both copies quantize the same fp32 values). The
-    high-precision normalized output is never written. Arguments as :func:`rms_norm` (no
-    residual); ``pow2_scale`` rounds scales up to powers of two.
+    high-precision normalized output is never written. Arguments as :func:`rms_norm`;
+    ``pow2_scale`` rounds scales up to powers of two.
 
-    Returns an :class:`~linghe.fp8.Fp8Tensor` with ``x``'s shape and dtype that carries
-    autograd: its backward treats the quantization as identity (straight-through) and
-    gives the same ``dx``/``dweight`` as :func:`rms_norm` (recomputed from ``x`` and the
-    saved ``rstd [M] float32``; ``x`` and ``weight`` are saved too).
+    ``residual`` (optional, ``x``'s shape and dtype): the pre-norm block's residual add,
+    ``h = x + residual`` (rounded to ``x``'s dtype) is normalized and ``(y, h)`` returned.
+    The add is a separate kernel in the forward; in the backward the gradient arriving at
+    ``h`` is added inside the norm's backward kernel (one rounding) instead of by a
+    separate add.
+
+    Returns an :class:`~linghe.fp8.Fp8Tensor` ``y`` with ``x``'s shape and dtype that
+    carries autograd (or ``(y, h)`` with ``residual``): its backward treats the
+    quantization as identity (straight-through) and gives the same ``dx``/``dweight``
+    as :func:`rms_norm` (recomputed from ``x`` (``h``) and the saved ``rstd [M]
+    float32``; ``x`` (``h``) and ``weight`` are saved too).
     """
-    _check(x, weight, eps)
+    _check(x, weight, eps, residual)
     if torch.compiler.is_compiling():
-        return library.rms_norm_quant(x, weight, eps, columnwise, pow2_scale)
-    return apply_function(RMSNormQuantFunction, x, weight.contiguous(), float(eps),
-                          bool(columnwise), bool(pow2_scale))
+        h = x if residual is None else x + residual
+        y = library.rms_norm_quant(h, weight, eps, columnwise, pow2_scale)
+        return y if residual is None else (y, h)
+    return apply_function(RMSNormQuantFunction, x, weight.contiguous(), residual,
+                          float(eps), bool(columnwise), bool(pow2_scale))
 
 
 __all__ = ["RMSNormFunction", "RMSNormQuantFunction", "rms_norm", "rms_norm_quant"]

@@ -26,8 +26,8 @@ class RMSNorm(torch.nn.Module):
     h)`` returned, ``h`` being the new residual stream. One kernel reads both and writes
     ``h`` and ``y``; in the backward the gradient arriving at ``h`` is added inside the
     norm's backward kernel instead of by autograd. Under the blockwise recipe (quantized
-    output) the add is a separate ``x + residual`` (``rms_norm_quant`` has no residual
-    input), with the same result.
+    output) the forward's add is a separate ``x + residual`` kernel, the backward's is
+    fused the same way (:func:`linghe.rms_norm_quant`'s ``residual``).
     """
 
     #: Return an Fp8Tensor under the blockwise recipe (plain attribute, not in state_dict).
@@ -54,11 +54,9 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         recipe = current_recipe()
         if recipe is not None and recipe.name == "blockwise" and self.quantize_output:
-            h = x if residual is None else x + residual
-            y = rms_norm_quant(h, self.weight, self.eps,
-                               columnwise=recipe.fp8_wgrad and torch.is_grad_enabled(),
-                               pow2_scale=recipe.pow2_scale)
-            return y if residual is None else (y, h)
+            return rms_norm_quant(x, self.weight, self.eps,
+                                  columnwise=recipe.fp8_wgrad and torch.is_grad_enabled(),
+                                  pow2_scale=recipe.pow2_scale, residual=residual)
         return rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
