@@ -230,7 +230,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def profile_steps(step, first: int, n: int, top: int = 20) -> dict:
+def profile_steps(step, first: int, n: int, top: int = 60) -> dict:
     """GPU kernel time of ``n`` steps from ``torch.profiler``: per step, in total and by
     op family, plus the ``top`` longest kernels (names up to 600 characters: the functor
     of a PyTorch elementwise kernel comes late in its template name)."""
