@@ -250,9 +250,37 @@ def profile_steps(step, first: int, n: int, top: int = 60) -> dict:
         fam[f] += us / n / 1e3
         kernels.append((us / n / 1e3, e.count / n, f, e.key[:600]))
     kernels.sort(reverse=True)
+    idle_ms, gaps = gpu_idle_gaps(prof.events())
     return {"busy_ms": sum(fam.values()), "families_ms": fam,
             "top_kernels": [{"ms": k[0], "calls": k[1], "family": k[2], "name": k[3]}
-                            for k in kernels[:top]]}
+                            for k in kernels[:top]],
+            "idle_ms": idle_ms / n, "top_gaps": gaps}
+
+
+def gpu_idle_gaps(events, top: int = 10, min_us: float = 20.0) -> tuple[float, list]:
+    """Where the GPU waited for the host inside the profiled steps: ``(idle ms in all,
+    the ``top`` longest gaps)``, a gap being time between two kernels (any stream) with
+    none running; each ``{"us", "after", "before"}`` names the kernels around it. Gaps
+    shorter than ``min_us`` (launch latency between back-to-back kernels) are counted in
+    the idle time but not listed."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    idle, gaps = 0.0, []
+    if not spans:
+        return 0.0, []
+    end, last = spans[0][1], spans[0][2]
+    for s, e, name in spans[1:]:
+        if s > end:
+            idle += s - end
+            if s - end >= min_us:
+                gaps.append((s - end, last, name))
+        if e > end:
+            end, last = e, name
+    gaps.sort(reverse=True)
+    return idle / 1e3, [{"us": g, "after": a[:200], "before": b[:200]}
+                        for g, a, b in gaps[:top]]
 
 
 def peak_tflops(device) -> tuple[float | None, float | None]:
@@ -566,6 +594,12 @@ def print_top_kernels(rows, n: int, file=None) -> None:
         for k in r["top_kernels"][:n]:
             print(f"  {k['ms']:8.2f} {k['calls']:7.1f}  {k['family']:<20} "
                   f"{_short(k['name'])}", file=file)
+        if r.get("top_gaps"):
+            print(f"GPU idle between kernels, {_label(r)}: {r['idle_ms']:.2f} ms a step; "
+                  "longest gaps (us, after -> before):", file=file)
+            for g in r["top_gaps"][:5]:
+                print(f"  {g['us']:8.1f}  {_short(g['after'], 50)} -> "
+                      f"{_short(g['before'], 50)}", file=file)
 
 
 def environment() -> dict:

@@ -744,3 +744,22 @@ def test_forced_balanced_routing_is_even_and_trains_the_router():
                     "cv": 0.0}
     skew = load_stats([torch.tensor([8.0, 0.0, 0.0, 0.0])])
     assert skew["max_over_mean"] == 4.0 and skew["empty_experts"] == 3.0
+
+
+def test_gpu_idle_gaps_merges_streams():
+    """The idle-time account of the e2e profile: kernels overlapping on two streams are
+    one busy span; gaps are measured between spans and named by the kernels around them."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(s, e, name, dev=DeviceType.CUDA):
+        return SimpleNamespace(device_type=dev, time_range=SimpleNamespace(start=s, end=e),
+                               name=name)
+
+    events = [ev(0, 10, "a"), ev(5, 30, "b"), ev(100, 110, "c"), ev(112, 120, "d"),
+              ev(40, 50, "cpu op", DeviceType.CPU), ev(150, 150, "empty")]
+    idle, gaps = e2e.gpu_idle_gaps(events, min_us=5)
+    assert idle == pytest.approx((70 + 2) / 1e3)
+    assert gaps == [{"us": 70, "after": "b", "before": "c"}]
+    assert e2e.gpu_idle_gaps([]) == (0.0, [])
