@@ -206,28 +206,32 @@ def test_fp8_permute_autograd(device):
     assert_close(probs.grad, gp[ri.clamp(min=0)] * ok)
 
 
-@pytest.mark.parametrize("pow2", [False, True])
-def test_unpermute_backward_fp8_copy_is_the_rows_quantized(device, pow2):
-    """The rowwise FP8 copy of unpermute's d_rows made from the token rows (the expert
-    FFN's hand-off) is bit for bit what quantizing d_rows gives, padding, tail, dropped
-    copies and a partial 128-group included."""
+@pytest.mark.parametrize("pow2,H,dout_dtype", [(False, 300, torch.bfloat16),
+                                               (True, 300, torch.float32),
+                                               (True, 50, torch.bfloat16)])
+def test_unpermute_backward_fp8_copy_is_the_rows_quantized(device, pow2, H, dout_dtype):
+    """The rowwise FP8 copy of unpermute's d_rows written with it by one scatter (the
+    expert FFN's hand-off; each token row quantized once) is bit for bit what quantizing
+    d_rows gives, padding, tail, dropped copies and a partial 128-group included; d_rows
+    is the plain scatter's."""
     from linghe.bwd.permute import unpermute_backward, unpermute_backward_fp8_copy
     from linghe.fwd.grouped_mm import quantize_grouped_fwd
 
-    T, E, k, H = 23, 5, 3, 300
+    T, E, k = 23, 5, 3
     ids = _ids(T, E, k, device)
     ids[3, 2] = -1
     x = torch.randn(T, H, device=device)
     _, _, lay = linghe.permute(x, ids, num_experts=E, align=16)
     dout = (torch.randn(T, H, device=device) * torch.rand(T, 1, device=device) * 5
-            ).to(torch.bfloat16)
+            ).to(dout_dtype)
     dout[7] = 0  # an all-zero token: scale 1
     d_rows, _ = unpermute_backward(dout, lay, torch.bfloat16)
-    q, s = unpermute_backward_fp8_copy(dout, lay, pow2_scale=pow2)
+    d_rows2, q, s = unpermute_backward_fp8_copy(dout, lay, torch.bfloat16, pow2_scale=pow2)
+    assert torch.equal(d_rows2, d_rows)
     q_ref, s_ref, _, _ = quantize_grouped_fwd(d_rows, lay.tokens_per_expert, 16,
                                               rowwise=True, columnwise=False,
                                               pow2_scale=pow2)
-    assert q.shape == (lay.num_rows, H) and s.shape == (lay.num_rows, 3)
+    assert q.shape == (lay.num_rows, H) and s.shape == (lay.num_rows, -(-H // 128))
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s, s_ref)
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8.quantize import quantize_1x128_launch
-from ..fwd.permute import gather_rows, scatter_rows
+from ..fwd.permute import gather_rows, scatter_rows, scatter_rows_fp8_copy
 from ..layout import ExpertLayout
 
 
@@ -33,13 +32,12 @@ def unpermute_backward(dout: torch.Tensor, layout: ExpertLayout, rows_dtype: tor
     return out, d
 
 
-def unpermute_backward_fp8_copy(dout: torch.Tensor, layout: ExpertLayout, *,
-                                pow2_scale: bool = False):
-    """The 1x128 rowwise FP8 copy of ``unpermute``'s ``d_rows`` (without ``probs``: each
-    row a copy of its token's ``dout`` row): ``dout [T, H]`` quantized once per token and
-    its data and scales scattered like the rows. ``(data [num_rows, H] e4m3, scale
-    [num_rows, cdiv(H, 128)] fp32)``, padding and tail rows 0 with scale 1: what
-    quantizing ``d_rows`` itself gives, bit for bit, for ``k`` times fewer rows read."""
-    q, s, _, _ = quantize_1x128_launch(dout, True, False, pow2_scale)
-    data, scale, _, _ = scatter_rows(q, layout, x_scale=s)
-    return data, scale
+def unpermute_backward_fp8_copy(dout: torch.Tensor, layout: ExpertLayout,
+                                rows_dtype: torch.dtype, *, pow2_scale: bool = False):
+    """``unpermute``'s ``d_rows`` without ``probs`` (each row a copy of its token's ``dout``
+    row) together with its 1x128 rowwise FP8 copy, in one pass: each token row is
+    quantized once in registers and stored with every copy. ``(d_rows [num_rows, H] in
+    rows_dtype, data [num_rows, H] e4m3, scale [num_rows, cdiv(H, 128)] fp32)``, padding
+    and tail rows 0 with scale 1: what quantizing ``d_rows`` itself gives, bit for bit,
+    without reading it again."""
+    return scatter_rows_fp8_copy(dout, layout, out_dtype=rows_dtype, pow2_scale=pow2_scale)

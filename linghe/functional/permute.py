@@ -105,12 +105,15 @@ class _Unpermute(torch.autograd.Function):
         rows, probs = ctx.saved_tensors
         want_p = probs is not None and ctx.needs_input_grad[1]
         dout = dout.contiguous()
+        handoff, ctx.handoff = ctx.handoff, None
+        if handoff is not None and ctx.needs_input_grad[0] and not want_p:
+            # (probs is None here: the hand-off is asked for without probs only)
+            d_rows, q, s = unpermute_backward_fp8_copy(dout, ctx.layout, ctx.rows_dtype,
+                                                       pow2_scale=handoff.pow2_scale)
+            handoff.offer(d_rows, q, s)
+            return d_rows, None, None, None
         d_rows, dp = unpermute_backward(dout, ctx.layout, ctx.rows_dtype,
                                         probs=probs, rows=rows if want_p else None)
-        if ctx.handoff is not None and ctx.needs_input_grad[0]:
-            ctx.handoff.offer(d_rows, *unpermute_backward_fp8_copy(
-                dout.to(ctx.rows_dtype), ctx.layout, pow2_scale=ctx.handoff.pow2_scale))
-        ctx.handoff = None
         return (d_rows if ctx.needs_input_grad[0] else None), dp, None, None
 
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8.quantize import FP8_DTYPE, quant_rows
 from ..layout import ExpertLayout
 from ..utils import INTERPRET, cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
@@ -156,12 +157,16 @@ def _zero_range(out_ptr, start, end, step, ncols, BR: tl.constexpr, BH: tl.const
 
 @triton.jit
 def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_ptr, pout_ptr,
-                    rin_ptr, dw_ptr, offsets_ptr, tpe_ptr,
+                    rin_ptr, dw_ptr, offsets_ptr, tpe_ptr, q_ptr, qs_ptr,
                     T, H, G, E, num_rows, stride_x, stride_xs, n_tok_progs, n_tail_progs,
                     K_TOP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                     BG: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BHZ: tl.constexpr,
                     HAS_SCALE: tl.constexpr, HAS_W: tl.constexpr, HAS_P: tl.constexpr,
-                    DOT: tl.constexpr):
+                    DOT: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr):
+    """``QUANT`` (not with ``HAS_W``/``HAS_SCALE``): also the rowwise 1x128 FP8 copy of
+    the output, each token row quantized once and its data and scales (``qs [num_rows,
+    G]``, ``G = cdiv(H, 128)``) stored with every copy; ``BH`` is then a multiple of 128
+    or covers ``H``."""
     pid = tl.program_id(0)
     if pid < n_tok_progs:
         toks = pid.to(tl.int64) * BT + tl.arange(0, BT)
@@ -182,6 +187,14 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
             cmask = cols < H
             xm = tmask[:, None] & cmask[None, :]
             xt = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :], mask=xm, other=0.0)
+            if QUANT:  # the output's values (rounded to its dtype), quantized once
+                GS: tl.constexpr = 128 if BH >= 128 else BH
+                xq = tl.reshape(xt.to(out_ptr.dtype.element_ty).to(tl.float32),
+                                [BT * (BH // GS), GS])
+                qv, sv = quant_rows(xq, POW2)
+                qv = tl.reshape(qv, [BT, BH])
+                sv = tl.reshape(sv, [BT, BH // GS])
+                gg = h0 // 128 + tl.arange(0, BH // GS)
             for j in range(K_TOP):
                 r = tl.sum(tl.where(jj[None, :] == j, r2, 0), axis=1)
                 ok = r >= 0
@@ -192,6 +205,10 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
                 else:
                     val = xt.to(out_ptr.dtype.element_ty)
                 tl.store(out_ptr + r[:, None] * H + cols[None, :], val, mask=om)
+                if QUANT:
+                    tl.store(q_ptr + r[:, None] * H + cols[None, :], qv, mask=om)
+                    tl.store(qs_ptr + r[:, None] * G + gg[None, :], sv,
+                             mask=ok[:, None] & (gg < G)[None, :])
                 if DOT:
                     rv = tl.load(rin_ptr + r[:, None] * H + cols[None, :], mask=om, other=0.0)
                     d = tl.sum(rv.to(tl.float32) * xt.to(tl.float32), axis=1)
@@ -232,6 +249,9 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
         _zero_range(out_ptr, start, end, step, H, BR, BHZ, 0.0)
         if HAS_SCALE:
             _zero_range(os_ptr, start, end, step, G, BR, BG, 1.0)
+        if QUANT:
+            _zero_range(q_ptr, start, end, step, H, BR, BHZ, 0.0)
+            _zero_range(qs_ptr, start, end, step, G, BR, BG, 1.0)
         if HAS_P:
             _zero_range(pout_ptr, start, end, step, 1, BR, 16, 0.0)
 
@@ -259,16 +279,35 @@ def scatter_rows(x: torch.Tensor, layout: ExpertLayout, *, x_scale: torch.Tensor
     Returns ``(out [num_rows, H], out_scale [num_rows, G] | None, probs_rows [num_rows] |
     None, d [T, k] | None)``. Padding rows and the tail are zeros (scales 1, probs 0).
     """
+    return _scatter(x, layout, x_scale, weights, probs, out_dtype, dot_rows)[:4]
+
+
+def scatter_rows_fp8_copy(x: torch.Tensor, layout: ExpertLayout, *,
+                          out_dtype: torch.dtype | None = None, pow2_scale: bool = False):
+    """:func:`scatter_rows` of a high-precision ``x [T, H]`` (no weights) that also writes
+    the output's rowwise 1x128 FP8 copy, each token row quantized once (in registers,
+    from its values in ``out_dtype``). Returns ``(out [num_rows, H], q [num_rows, H] e4m3,
+    s [num_rows, cdiv(H, 128)] fp32)``; padding and tail rows 0 (scale 1): bit for bit
+    what quantizing ``out`` gives (:func:`linghe.fp8.quantize.quant_rows`)."""
+    out, _, _, _, q, s = _scatter(x, layout, None, None, None, out_dtype, None,
+                                  quant=True, pow2=pow2_scale)
+    return out, q, s
+
+
+def _scatter(x, layout, x_scale, weights, probs, out_dtype, dot_rows, *, quant=False,
+             pow2=False):
     T, H = x.shape
     k = layout.row_index.shape[1]
     E, R = layout.num_experts, layout.num_rows
     dev = x.device
     out = empty(R, H, dtype=out_dtype or x.dtype, device=dev)
-    G = x_scale.shape[1] if x_scale is not None else 0
+    G = x_scale.shape[1] if x_scale is not None else (cdiv(H, 128) if quant else 0)
     out_s = empty(R, G, dtype=torch.float32, device=dev) if x_scale is not None else None
     prow = empty(R, dtype=torch.float32, device=dev) if probs is not None else None
     d = empty(T, k, dtype=torch.float32, device=dev) if dot_rows is not None else None
-    BT, BH = _token_tiles(H, x.element_size())
+    q = empty(R, H, dtype=FP8_DTYPE, device=dev) if quant else None
+    qs = empty(R, G, dtype=torch.float32, device=dev) if quant else None
+    BT, BH = _token_tiles(H, x.element_size())  # (BH < H only at powers of 2 >= 256)
     if dot_rows is not None:
         BT = max(1, BT // 2)
     BR = 16
@@ -285,13 +324,14 @@ def scatter_rows(x: torch.Tensor, layout: ExpertLayout, *, x_scale: torch.Tensor
             out, out_s if out_s is not None else dummy, prow if prow is not None else dummy,
             dot_rows if dot_rows is not None else dummy, d if d is not None else dummy,
             layout.offsets, layout.tokens_per_expert,
+            q if quant else dummy, qs if quant else dummy,
             T, H, G, E, R, x.stride(0) if T else H,
             x_scale.stride(0) if x_scale is not None and T else max(G, 1), n_tok, n_tail,
             K_TOP=k, BT=BT, BH=BH, BG=max(16, min(next_power_of_2(max(G, 1)), 64)), BR=BR,
             BK=next_power_of_2(max(k, 1)), BHZ=BHZ, HAS_SCALE=x_scale is not None,
             HAS_W=weights is not None, HAS_P=probs is not None, DOT=dot_rows is not None,
-            num_warps=4 if BH * BT <= 4096 else 8)
-    return out, out_s, prow, d
+            QUANT=quant, POW2=pow2, num_warps=4 if BH * BT <= 4096 else 8)
+    return out, out_s, prow, d, q, qs
 
 
 # ------------------------------------------------------------------------------ gather
