@@ -447,6 +447,39 @@ def test_moe_module_defers(device, fp8):
         linghe.nn.MoE(128, 4, 2, 64, wgrad_micro_batches=0)
 
 
+def test_fp8_moe_stashes_tokens_not_rows(device, monkeypatch):
+    """The FP8 layer's deferred gate_up wgrad keeps the FP8 tokens its rows were permuted
+    from (TokenRows: k times fewer bytes pending) and makes the rows at the hand-over: the
+    same gradients, bit for bit, as keeping the FP8 rows."""
+    from linghe.functional import permute as fperm
+    from linghe.fwd.permute import TokenRows
+
+    torch.manual_seed(0)
+    base = linghe.nn.MoE(128, 4, 2, 64, device=device, dtype=torch.bfloat16)
+    xs = [torch.randn(n, 128, device=device, dtype=torch.bfloat16) for n in (37, 20)]
+
+    def run():
+        m = linghe.nn.MoE(128, 4, 2, 64, wgrad_micro_batches=2, device=device,
+                          dtype=torch.bfloat16)
+        m.load_state_dict(base.state_dict())
+        pending = []
+        with linghe.TrainingContext(fp8="blockwise"):
+            for x in xs:
+                m(x)[0].float().square().mean().backward()
+                stash = deferred._STASHES.get(m.experts_gate_up)
+                if stash is not None:
+                    pending += [p.rows for p in stash.parts]
+        return pending, {k: p.grad.clone() for k, p in m.named_parameters()}
+
+    pending, grads = run()
+    assert len(pending) == 1 and isinstance(pending[0], TokenRows)
+    monkeypatch.setattr(fperm, "TokenRows", lambda *a: None)  # rows kept as before
+    pending, plain = run()
+    assert len(pending) == 1 and not isinstance(pending[0], TokenRows)
+    for k in plain:
+        assert torch.equal(grads[k], plain[k]), k
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_moe_under_activation_checkpointing(device, reentrant):
     """Activation checkpointing (the forward recomputed in backward): the deferred

@@ -236,6 +236,31 @@ def test_unpermute_backward_fp8_copy_is_the_rows_quantized(device, pow2, H, dout
     assert torch.equal(s, s_ref)
 
 
+@pytest.mark.parametrize("H", [300, 50])
+def test_token_rows_make_the_fp8_rows(device, H):
+    """permute of FP8 tokens records what its rows were made from (TokenRows): made again
+    they are the rows' bytes (fp8()), and dequantized by the same scatter they are what
+    dequantizing the rows gives, bit for bit (padding and tail rows 0)."""
+    from linghe.fp8.quantize import dequantize_1x128_rows
+    from linghe.fwd.permute import TokenRows
+
+    T, E, k = 29, 6, 3
+    x = torch.randn(T, H, device=device) * torch.rand(T, 1, device=device) * 10
+    q = linghe.quantize_1x128(x.to(torch.bfloat16), pow2_scale=True)
+    ids = _ids(T, E, k, device)
+    ids[5, 0] = -1
+    rows, _, lay = linghe.permute(q, ids, num_experts=E, align=16)
+    tokens = rows._linghe_token_rows
+    assert isinstance(tokens, TokenRows) and tokens.layout is lay
+    assert tokens.shape == (lay.num_rows, H)
+    data, scale = tokens.fp8()
+    assert torch.equal(data.view(torch.uint8), rows.rowwise_data.view(torch.uint8))
+    assert torch.equal(scale, rows.rowwise_scale)
+    for dtype in (torch.bfloat16, torch.float32):
+        expect = dequantize_1x128_rows(rows.rowwise_data, rows.rowwise_scale, dtype)
+        assert torch.equal(tokens.dequantized(dtype), expect)
+
+
 def test_bad_inputs(device):
     x = torch.randn(5, 8, device=device)
     ids = torch.zeros(5, 2, dtype=torch.int32, device=device)

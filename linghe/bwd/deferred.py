@@ -50,6 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..fp8.quantize import dequantize_1x128_rows
 from ..fwd.grouped_mm import tma_capable
+from ..fwd.permute import TokenRows
 from . import grad_norms
 from . import grouped_mm as bwd_gm
 from .accumulate import _accumulate_grad_will_run, _in_compiled_autograd
@@ -59,7 +60,10 @@ from .accumulate import _accumulate_grad_will_run, _in_compiled_autograd
 class WgradPart:
     """One micro-batch's operands of ``dW_e = d_out_e^T @ rows_e``: ``d_out [R, N]``,
     ``rows [R, K]`` in ``d_out``'s dtype, or FP8 e4m3 with ``rows_scale [R, cdiv(K,
-    128)]`` (the rowwise 1x128 copy the forward GEMM multiplied), ``offsets [E + 1]``."""
+    128)]`` (the rowwise 1x128 copy the forward GEMM multiplied), or a
+    :class:`~linghe.fwd.permute.TokenRows` (those FP8 rows as the tokens they were
+    permuted from; ``rows_scale`` None: made by :func:`prepare_wgrad_parts`),
+    ``offsets [E + 1]``."""
 
     d_out: torch.Tensor
     rows: torch.Tensor
@@ -248,12 +252,17 @@ def parts_wgrad(parts: list[WgradPart], out: torch.Tensor | None, *,
     if len(parts) > 1 or norm_weight is not None:
         return wgrad_parts(parts, out, out_dtype=out_dtype, norm_weight=norm_weight)
     p = parts[0]
+    tokens = isinstance(p.rows, TokenRows)
     if out is not None:
-        bwd_gm.grouped_mm_wgrad_accumulate_(out, p.d_out, p.rows, p.offsets,
-                                            rows_scale=p.rows_scale)
+        rows, scale = p.rows.fp8() if tokens else (p.rows, p.rows_scale)
+        bwd_gm.grouped_mm_wgrad_accumulate_(out, p.d_out, rows, p.offsets, rows_scale=scale)
         return out
-    x = p.rows if p.rows_scale is None else dequantize_1x128_rows(p.rows, p.rows_scale,
-                                                                  p.d_out.dtype)
+    if tokens:
+        x = p.rows.dequantized(p.d_out.dtype)
+    elif p.rows_scale is not None:
+        x = dequantize_1x128_rows(p.rows, p.rows_scale, p.d_out.dtype)
+    else:
+        x = p.rows
     return bwd_gm.grouped_mm_wgrad(p.d_out, x, p.offsets, out_dtype=out_dtype,
                                    backend=backend)
 

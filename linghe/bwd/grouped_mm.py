@@ -46,6 +46,7 @@ from ..fwd.grouped_mm_ws import (
     launch_hp_wgrad_ws,
     wgrad_ws_operands_ok,
 )
+from ..fwd.permute import TokenRows
 from ..utils import INTERPRET, cdiv, device_guard, dot_f32acc, empty, launch, next_power_of_2
 
 # --------------------------------------------------------------------------------------
@@ -806,11 +807,17 @@ def wgrad_accumulate_operand(rows: torch.Tensor, rows_scale: torch.Tensor | None
     before any gradient is touched: FP8 rows dequantized to ``dtype`` where the TMA
     kernel takes them (it reads 16-bit operands), else as given (the pointer kernel
     dequantizes in its loads). So the accumulation itself allocates nothing and cannot
-    fail halfway through a backward."""
-    if (rows_scale is not None and WGRAD_ACCUMULATE_TMA and tma_capable(rows)
+    fail halfway through a backward. ``rows`` may be a
+    :class:`~linghe.fwd.permute.TokenRows` (FP8 rows not made yet): they are made here,
+    dequantized or FP8 as above."""
+    tokens = isinstance(rows, TokenRows)
+    if ((rows_scale is not None or tokens) and WGRAD_ACCUMULATE_TMA
+            and tma_capable(rows.data if tokens else rows)
             and rows.shape[0] > 0 and dtype in (torch.bfloat16, torch.float16)):
+        if tokens:
+            return rows.dequantized(dtype), None
         return dequantize_1x128_rows(rows, rows_scale, dtype), None
-    return rows, rows_scale
+    return rows.fp8() if tokens else (rows, rows_scale)
 
 
 def grouped_mm_wgrad_accumulate_(dw: torch.Tensor, d_out: torch.Tensor, rows: torch.Tensor,

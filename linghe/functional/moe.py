@@ -138,9 +138,16 @@ class _GroupedSwiGLUFp8(torch.autograd.Function):
         if isinstance(rows, Fp8Tensor):
             a1 = rows
             # FP8 rows: keep the rowwise copy; the backward requantizes it columnwise
-            # (FP8 wgrad) or dequantizes it (high-precision wgrad).
-            a1_saved = _Parts(rows.shape, rows.rowwise_data, rows.rowwise_scale) \
-                if need_w1 else None
+            # (FP8 wgrad) or dequantizes it (high-precision wgrad). Rows that permute made
+            # from FP8 tokens are kept as those tokens for the high-precision wgrad (k
+            # times fewer bytes until the wgrad runs, possibly micro-batches later; made
+            # dequantized by one scatter then).
+            tokens = getattr(rows, "_linghe_token_rows", None)
+            a1_saved = None
+            if need_w1:
+                a1_saved = (tokens if tokens is not None and not fp8_wgrad
+                            and tokens.layout is layout else
+                            _Parts(rows.shape, rows.rowwise_data, rows.rowwise_scale))
         else:
             a1 = _Parts(rows.shape, *fwd_gm.quantize_grouped_fwd(
                 rows, counts, align, rowwise=True, columnwise=need_w1 and fp8_wgrad,
@@ -286,8 +293,10 @@ def _backward_hp_wgrad(ctx, dy, h, probs, rows):
                                    align=align)
             del da
         if need_w1:
+            # FP8 rows (what the gate_up GEMM multiplied), the tokens they were made
+            # from (TokenRows), or high-precision rows
             a1 = ctx.a1 if ctx.a1 is not None else rows
-            fp8_a1 = isinstance(a1, _Parts)  # FP8 rows: what the gate_up GEMM multiplied
+            fp8_a1 = isinstance(a1, _Parts)
             parts1 = defer(defer1, n, WgradPart(
                 dh, a1.rowwise_data if fp8_a1 else a1, a1.rowwise_scale if fp8_a1 else None,
                 offsets))

@@ -29,7 +29,7 @@ from .. import library
 from ..bwd import handoff as fp8_handoff
 from ..bwd.permute import permute_backward, unpermute_backward, unpermute_backward_fp8_copy
 from ..fp8.tensor import Fp8Tensor
-from ..fwd.permute import build_index, scatter_rows
+from ..fwd.permute import TokenRows, build_index, scatter_rows
 from ..fwd.permute import gather_rows as _gather_rows
 from ..layout import ExpertLayout, max_grouped_rows
 from ..utils import (
@@ -74,6 +74,9 @@ class _PermuteFp8(torch.autograd.Function):
                                             probs=probs)
         rows = Fp8Tensor((layout.num_rows, x.shape[1]), x.dtype, rowwise_data=data,
                          rowwise_scale=scale, scaling="1x128")
+        # what the rows were made from: an op that needs them much later keeps this
+        # instead (k times fewer bytes; linghe.functional.moe's deferred wgrad)
+        rows._linghe_token_rows = TokenRows(x.rowwise_data, x.rowwise_scale, layout)
         ctx.layout = layout
         ctx.x_dtype = x.dtype
         ctx.has_probs = probs is not None

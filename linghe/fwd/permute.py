@@ -162,11 +162,14 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
                     K_TOP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                     BG: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BHZ: tl.constexpr,
                     HAS_SCALE: tl.constexpr, HAS_W: tl.constexpr, HAS_P: tl.constexpr,
-                    DOT: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr):
+                    DOT: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
+                    DEQUANT: tl.constexpr):
     """``QUANT`` (not with ``HAS_W``/``HAS_SCALE``): also the rowwise 1x128 FP8 copy of
     the output, each token row quantized once and its data and scales (``qs [num_rows,
-    G]``, ``G = cdiv(H, 128)``) stored with every copy; ``BH`` is then a multiple of 128
-    or covers ``H``."""
+    G]``, ``G = cdiv(H, 128)``) stored with every copy. ``DEQUANT`` (not with
+    ``HAS_SCALE``): ``x`` is FP8 with 1x128 scales ``xs [T, G]``, written dequantized
+    (fp32 product, one rounding). With either, ``BH`` is a multiple of 128 or covers
+    ``H``."""
     pid = tl.program_id(0)
     if pid < n_tok_progs:
         toks = pid.to(tl.int64) * BT + tl.arange(0, BT)
@@ -187,8 +190,14 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
             cmask = cols < H
             xm = tmask[:, None] & cmask[None, :]
             xt = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :], mask=xm, other=0.0)
+            GS: tl.constexpr = 128 if BH >= 128 else BH  # (QUANT, DEQUANT: group width)
+            if DEQUANT:
+                gd = h0 // 128 + tl.arange(0, BH // GS)
+                sc = tl.load(xs_ptr + toks[:, None] * stride_xs + gd[None, :],
+                             mask=tmask[:, None] & (gd < G)[None, :], other=1.0)
+                xt = tl.reshape(tl.reshape(xt.to(tl.float32), [BT, BH // GS, GS])
+                                * sc[:, :, None], [BT, BH])
             if QUANT:  # the output's values (rounded to its dtype), quantized once
-                GS: tl.constexpr = 128 if BH >= 128 else BH
                 xq = tl.reshape(xt.to(out_ptr.dtype.element_ty).to(tl.float32),
                                 [BT * (BH // GS), GS])
                 qv, sv = quant_rows(xq, POW2)
@@ -295,14 +304,17 @@ def scatter_rows_fp8_copy(x: torch.Tensor, layout: ExpertLayout, *,
 
 
 def _scatter(x, layout, x_scale, weights, probs, out_dtype, dot_rows, *, quant=False,
-             pow2=False):
+             pow2=False, dequant=False):
+    """The launch of :func:`scatter_rows` (``quant``: also the output's FP8 copy;
+    ``dequant``: ``x`` FP8 with ``x_scale``, written dequantized)."""
     T, H = x.shape
     k = layout.row_index.shape[1]
     E, R = layout.num_experts, layout.num_rows
     dev = x.device
     out = empty(R, H, dtype=out_dtype or x.dtype, device=dev)
     G = x_scale.shape[1] if x_scale is not None else (cdiv(H, 128) if quant else 0)
-    out_s = empty(R, G, dtype=torch.float32, device=dev) if x_scale is not None else None
+    moves_scale = x_scale is not None and not dequant
+    out_s = empty(R, G, dtype=torch.float32, device=dev) if moves_scale else None
     prow = empty(R, dtype=torch.float32, device=dev) if probs is not None else None
     d = empty(T, k, dtype=torch.float32, device=dev) if dot_rows is not None else None
     q = empty(R, H, dtype=FP8_DTYPE, device=dev) if quant else None
@@ -328,10 +340,39 @@ def _scatter(x, layout, x_scale, weights, probs, out_dtype, dot_rows, *, quant=F
             T, H, G, E, R, x.stride(0) if T else H,
             x_scale.stride(0) if x_scale is not None and T else max(G, 1), n_tok, n_tail,
             K_TOP=k, BT=BT, BH=BH, BG=max(16, min(next_power_of_2(max(G, 1)), 64)), BR=BR,
-            BK=next_power_of_2(max(k, 1)), BHZ=BHZ, HAS_SCALE=x_scale is not None,
+            BK=next_power_of_2(max(k, 1)), BHZ=BHZ, HAS_SCALE=moves_scale,
             HAS_W=weights is not None, HAS_P=probs is not None, DOT=dot_rows is not None,
-            QUANT=quant, POW2=pow2, num_warps=4 if BH * BT <= 4096 else 8)
+            QUANT=quant, POW2=pow2, DEQUANT=dequant, num_warps=4 if BH * BT <= 4096 else 8)
     return out, out_s, prow, d, q, qs
+
+
+class TokenRows:
+    """FP8 expert rows not made yet: :func:`scatter_rows` of 1x128 FP8 tokens (``data [T,
+    H]`` e4m3, ``scale [T, cdiv(H, 128)]`` fp32) by ``layout``, as ``permute`` of
+    ``quantize_tokens`` made them. What an op keeps instead of the rows when it needs
+    them again later (the experts' deferred high-precision wgrad): ``k`` times fewer
+    bytes held, and the rows are made by one scatter when needed, as FP8 (the same
+    bytes) or dequantized (the values :func:`~linghe.fp8.dequantize_1x128_rows` gives
+    for them) without reading the FP8 rows."""
+
+    __slots__ = ("data", "scale", "layout")
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, layout: ExpertLayout):
+        self.data, self.scale, self.layout = data, scale, layout
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.layout.num_rows, self.data.shape[1])
+
+    def fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows [num_rows, H] e4m3, scale [num_rows, G])``."""
+        q, s, _, _ = scatter_rows(self.data, self.layout, x_scale=self.scale)
+        return q, s
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows dequantized to ``dtype`` ``[num_rows, H]`` (padding and tail 0)."""
+        return _scatter(self.data, self.layout, self.scale, None, None, dtype, None,
+                        dequant=True)[0]
 
 
 # ------------------------------------------------------------------------------ gather
