@@ -1,11 +1,14 @@
 """FP8 blockwise quantization and the Fp8Tensor container."""
 
+import zlib
+
 import pytest
 import torch
 
 import linghe
 from linghe import reference as ref
 from linghe.testing import assert_close, assert_fp8_close
+from linghe.utils import INTERPRET
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (7, 127), (300, 1000), (129, 128), (2, 3, 257)]
@@ -142,6 +145,23 @@ def test_quantize_1x128_tile_configs(device, monkeypatch, shape, knobs, copies):
         assert t.columnwise_data[0, 0].float().isnan()
 
 
+_MODES_DEFAULT = {}
+
+
+def _modes_default(shape, columnwise, device):
+    """``(x, quantize_1x128(x) under the default kernels)`` for test_quantize_1x128_modes:
+    one bfloat16 input per shape (seeded by the shape, a NaN at [0, 0]), its defaults'
+    outputs computed once per set of copies."""
+    key = (tuple(shape), columnwise, str(device))
+    if key not in _MODES_DEFAULT:
+        g = torch.Generator().manual_seed(zlib.crc32(repr(tuple(shape)).encode()))
+        x = (torch.randn(shape, generator=g) * 4).to(torch.bfloat16).to(device)
+        x.view(-1, shape[-1])[0, 0] = float("nan")
+        _MODES_DEFAULT[key] = x, linghe.quantize_1x128(x, columnwise=columnwise,
+                                                        pow2_scale=True)
+    return _MODES_DEFAULT[key]
+
+
 @pytest.mark.gpu_subset(shape=[(300, 260), (2, 3, 257)])
 @pytest.mark.parametrize("shape", TILE_SHAPES + [(3, 700)])
 @pytest.mark.parametrize("knobs", [
@@ -161,10 +181,16 @@ def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
     kernel and the columnwise tiles (two launches, or one: "split") or from the tiles."""
     from linghe.fp8 import quantize as Q
 
-    x = (torch.randn(shape, device=device) * 4).to(torch.bfloat16)
-    x.view(-1, shape[-1])[0, 0] = float("nan")
     columnwise = "ROWCOL_MODE" in knobs
-    want = linghe.quantize_1x128(x, columnwise=columnwise, pow2_scale=True)
+    if INTERPRET:
+        if all(getattr(Q, k) == v for k, v in knobs.items()):
+            pytest.skip("the defaults' kernels: the interpreter runs them for every case")
+        # the defaults' outputs, once per shape and set of copies (the same input)
+        x, want = _modes_default(shape, columnwise, device)
+    else:
+        x = (torch.randn(shape, device=device) * 4).to(torch.bfloat16)
+        x.view(-1, shape[-1])[0, 0] = float("nan")
+        want = linghe.quantize_1x128(x, columnwise=columnwise, pow2_scale=True)
     if "TILE_CONFIGS" in knobs:
         knobs = dict(knobs, TILE_CONFIGS=dict(Q.TILE_CONFIGS, **knobs["TILE_CONFIGS"]))
     for k, v in knobs.items():
@@ -174,16 +200,18 @@ def test_quantize_1x128_modes(device, monkeypatch, shape, knobs):
         assert _same_bits(a, b)
 
 
-@pytest.mark.parametrize("shape,dtype", [((160, 384), torch.bfloat16),
-                                         ((256, 200), torch.float32),
-                                         ((2, 72, 130), torch.float16),
-                                         ((129, 128), torch.bfloat16)],
-                         ids=["160x384-bf16", "256x200-f32", "2x72x130-f16", "129x128-bf16"])
-@pytest.mark.parametrize("mode,config", [
+_PACKED_SHAPES = [(160, 384), (256, 200), (2, 72, 130), (129, 128)]
+_PACKED_MODES = [
     ("split", dict(bm=128, bn=64, warps=4, pack=True)),
     ("split", dict(bm=128, bn=64, warps=4, pack=True, rpt=16)),
     ("tiles", dict(bm=128, bn=128, warps=8, k_fast=False, pack=True, rpt=4)),
-], ids=["split", "split-rpt16", "tiles-w8"])
+]
+
+
+@pytest.mark.parametrize("shape,dtype", list(zip(_PACKED_SHAPES, [
+    torch.bfloat16, torch.float32, torch.float16, torch.bfloat16])),
+                         ids=["160x384-bf16", "256x200-f32", "2x72x130-f16", "129x128-bf16"])
+@pytest.mark.parametrize("mode,config", _PACKED_MODES, ids=["split", "split-rpt16", "tiles-w8"])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_quantize_1x128_packed_store(device, monkeypatch, shape, dtype, mode, config, pow2):
     """The packed columnwise store (``TILE_CONFIGS`` ``pack``: 4 tokens cast into a 32-bit
@@ -193,6 +221,11 @@ def test_quantize_1x128_packed_store(device, monkeypatch, shape, dtype, mode, co
     store."""
     from linghe.fp8 import quantize as Q
 
+    if INTERPRET and pow2 != (_PACKED_SHAPES.index(shape) + _PACKED_MODES.index(
+            (mode, config))) % 2:
+        # the scale's power-of-two rounding is upstream of the store: on the interpreter
+        # each (shape, store) runs one of the two, each store and each shape both
+        pytest.skip("the other pow2 of this shape and store runs (interpreter)")
     x = (torch.randn(shape, device=device) * 4).to(dtype)
     x2 = x.view(-1, shape[-1])
     x2[0, 0] = float("nan")

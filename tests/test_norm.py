@@ -1,6 +1,7 @@
 """RMSNorm (+ residual add) and RMSNorm + 1x128 FP8 quantization, forward and backward."""
 
 import contextlib
+import zlib
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import linghe
 from linghe import reference as ref
 from linghe.fwd import norm as fwd_norm
 from linghe.testing import REL_TOL, assert_close, assert_fp8_close, rel_err
+from linghe.utils import INTERPRET
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPES = [F32, F16, BF16]
@@ -323,6 +325,24 @@ def _nq_cases():
     return cases
 
 
+_NQ_DEFAULT = {}
+
+
+def _nq_default(M, K, columnwise, device, nan):
+    """``(x, w, rms_norm_quant(x, w) under the default kernels)`` for
+    test_rms_norm_quant_kernels on the interpreter: one input per shape (seeded by it;
+    row 0 all NaN where ``nan``), the defaults' outputs once per set of copies."""
+    key = (M, K, columnwise, str(device))
+    if key not in _NQ_DEFAULT:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{M}x{K}".encode()))
+        x = torch.randn(M, K, generator=g).to(device)
+        w = torch.randn(K, generator=g).to(device)
+        if nan:
+            x[0, 0] = float("nan")  # row 0 is all NaN (its rstd is NaN)
+        _NQ_DEFAULT[key] = x, w, linghe.rms_norm_quant(x, w, columnwise=columnwise)
+    return _NQ_DEFAULT[key]
+
+
 # (130, 300): M past one 128-row tile, K two 128-groups and a 44-column tail (two passes of
 # the max_bk=256 rows configs, a partial last column tile); (5, 9000): rows wider than the
 # default max_bk (8192), more rows than the CPU's persistent programs (4).
@@ -330,17 +350,24 @@ def _nq_cases():
 @pytest.mark.parametrize("M,K", [(130, 300), (1, 1000), (257, 128), (5, 9000)])
 @pytest.mark.parametrize("knobs,columnwise", _nq_cases())
 def test_rms_norm_quant_kernels(device, monkeypatch, M, K, knobs, columnwise):
-    x = torch.randn(M, K, device=device, requires_grad=True)
-    w = torch.randn(K, device=device)
     nan = M > 1
-    if nan:
-        with torch.no_grad():
-            x[0, 0] = float("nan")  # row 0 is all NaN (its rstd is NaN)
     rows_cfg = knobs.get("QUANT_ROWS_CONFIG")
-    if rows_cfg is not None and rows_cfg.get("per_sm"):
+    per_sm = rows_cfg is not None and rows_cfg.get("per_sm")
+    if INTERPRET:
+        # one input per shape; the defaults' outputs computed once per shape and copies
+        x, w, want = _nq_default(M, K, columnwise, device, nan)
+        x = x.clone().requires_grad_(True)
+    else:
+        x = torch.randn(M, K, device=device, requires_grad=True)
+        w = torch.randn(K, device=device)
+        if nan:
+            with torch.no_grad():
+                x[0, 0] = float("nan")  # row 0 is all NaN (its rstd is NaN)
+    if per_sm:
         # the persistent rows kernel against the same tiles one block per program
         monkeypatch.setattr(fwd_norm, "QUANT_ROWS_CONFIG", dict(rows_cfg, per_sm=0))
-    want = linghe.rms_norm_quant(x.detach(), w, columnwise=columnwise)
+    if per_sm or not INTERPRET:
+        want = linghe.rms_norm_quant(x.detach(), w, columnwise=columnwise)
     for k, v in knobs.items():
         monkeypatch.setattr(fwd_norm, k, v)
     t = linghe.rms_norm_quant(x, w, columnwise=columnwise)
