@@ -50,7 +50,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..fp8.quantize import dequantize_1x128_rows
 from ..fwd.grouped_mm import tma_capable
-from ..fwd.permute import TokenRows
 from . import grad_norms
 from . import grouped_mm as bwd_gm
 from .accumulate import _accumulate_grad_will_run, _in_compiled_autograd
@@ -251,18 +250,13 @@ def parts_wgrad(parts: list[WgradPart], out: torch.Tensor | None, *,
     rows, FP8 rows dequantized)."""
     if len(parts) > 1 or norm_weight is not None:
         return wgrad_parts(parts, out, out_dtype=out_dtype, norm_weight=norm_weight)
-    p = parts[0]
-    tokens = isinstance(p.rows, TokenRows)
+    p = prepare_wgrad_parts(parts)[0]  # (rows kept as tokens are made here)
     if out is not None:
-        rows, scale = p.rows.fp8() if tokens else (p.rows, p.rows_scale)
-        bwd_gm.grouped_mm_wgrad_accumulate_(out, p.d_out, rows, p.offsets, rows_scale=scale)
+        bwd_gm.grouped_mm_wgrad_accumulate_(out, p.d_out, p.rows, p.offsets,
+                                            rows_scale=p.rows_scale)
         return out
-    if tokens:
-        x = p.rows.dequantized(p.d_out.dtype)
-    elif p.rows_scale is not None:
-        x = dequantize_1x128_rows(p.rows, p.rows_scale, p.d_out.dtype)
-    else:
-        x = p.rows
+    x = p.rows if p.rows_scale is None else dequantize_1x128_rows(p.rows, p.rows_scale,
+                                                                  p.d_out.dtype)
     return bwd_gm.grouped_mm_wgrad(p.d_out, x, p.offsets, out_dtype=out_dtype,
                                    backend=backend)
 

@@ -46,6 +46,24 @@ def _grad_rows(g: torch.Tensor) -> torch.Tensor:
     return rows_view(g)
 
 
+def _norm_backward(ctx, dy, dh):
+    """``(dx, dweight, dresidual)`` of a norm Function that saved ``(x or h, weight,
+    rstd)`` and ``ctx.has_residual``: ``dh`` (the gradient at ``h``, or ``None``) is added
+    inside the backward kernel; only ``dh`` arriving passes it to ``x`` and the
+    residual."""
+    saved, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        dx = dh.to(saved.dtype) if dh is not None else None
+        return dx, None, dx if ctx.has_residual else None
+    shape = dy.shape
+    dx, dw = bwd.rms_norm_bwd(_grad_rows(dy), saved, weight, rstd,
+                              _grad_rows(dh) if dh is not None else None,
+                              need_dweight=ctx.needs_input_grad[1])
+    if len(shape) != 2:
+        dx = dx.view(shape)
+    return dx, dw, dx if ctx.has_residual else None
+
+
 class RMSNormFunction(torch.autograd.Function):
     """``rms_norm`` with autograd; saves ``x`` (``h`` with a residual), ``weight`` and
     ``rstd [M] float32``."""
@@ -68,20 +86,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        saved, weight, rstd = ctx.saved_tensors
-        if dy is None:
-            if dh is None:
-                return None, None, None, None
-            dx = dh.to(saved.dtype)
-            return dx, None, dx if ctx.has_residual else None, None
-        shape = dy.shape
-        dx, dw = bwd.rms_norm_bwd(
-            _grad_rows(dy), saved, weight, rstd,
-            _grad_rows(dh) if dh is not None else None,
-            need_dweight=ctx.needs_input_grad[1])
-        if len(shape) != 2:
-            dx = dx.view(shape)
-        return dx, dw, dx if ctx.has_residual else None, None
+        return (*_norm_backward(ctx, dy, dh), None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -130,19 +135,9 @@ class RMSNormQuantFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        x2, weight, rstd = ctx.saved_tensors
-        if dy is None:  # only h's gradient (or none) arrived
-            dx = dh.to(x2.dtype) if dh is not None else None
-            return dx, None, dx if ctx.has_residual else None, None, None, None
         if isinstance(dy, Fp8Tensor):
             dy = dy.dequantize()
-        shape = dy.shape
-        dx, dw = bwd.rms_norm_bwd(_grad_rows(dy), x2, weight, rstd,
-                                  _grad_rows(dh) if dh is not None else None,
-                                  need_dweight=ctx.needs_input_grad[1])
-        if len(shape) != 2:
-            dx = dx.view(shape)
-        return dx, dw, dx if ctx.has_residual else None, None, None, None
+        return (*_norm_backward(ctx, dy, dh), None, None, None)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,

@@ -190,11 +190,12 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
             cmask = cols < H
             xm = tmask[:, None] & cmask[None, :]
             xt = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :], mask=xm, other=0.0)
-            GS: tl.constexpr = 128 if BH >= 128 else BH  # (QUANT, DEQUANT: group width)
+            # QUANT, DEQUANT: the block's 1x128 groups (one, narrower, when H < 128)
+            GS: tl.constexpr = 128 if BH >= 128 else BH
+            gg = h0 // 128 + tl.arange(0, BH // GS)
             if DEQUANT:
-                gd = h0 // 128 + tl.arange(0, BH // GS)
-                sc = tl.load(xs_ptr + toks[:, None] * stride_xs + gd[None, :],
-                             mask=tmask[:, None] & (gd < G)[None, :], other=1.0)
+                sc = tl.load(xs_ptr + toks[:, None] * stride_xs + gg[None, :],
+                             mask=tmask[:, None] & (gg < G)[None, :], other=1.0)
                 xt = tl.reshape(tl.reshape(xt.to(tl.float32), [BT, BH // GS, GS])
                                 * sc[:, :, None], [BT, BH])
             if QUANT:  # the output's values (rounded to its dtype), quantized once
@@ -203,7 +204,6 @@ def _scatter_kernel(x_ptr, xs_ptr, row_index_ptr, w_ptr, pin_ptr, out_ptr, os_pt
                 qv, sv = quant_rows(xq, POW2)
                 qv = tl.reshape(qv, [BT, BH])
                 sv = tl.reshape(sv, [BT, BH // GS])
-                gg = h0 // 128 + tl.arange(0, BH // GS)
             for j in range(K_TOP):
                 r = tl.sum(tl.where(jj[None, :] == j, r2, 0), axis=1)
                 ok = r >= 0
