@@ -299,3 +299,17 @@ def test_standard_shape_gpu(device):
     assert torch.equal(lay.row_index.long(), r_ri) and torch.equal(lay.offsets.long(), r_off)
     out = linghe.unpermute(rows, lay, probs)
     assert_close(out, ref.unpermute(rows.double(), lay.row_index, probs.double()))
+
+
+def test_benchmark_case(device):
+    """The ``permute`` benchmark case builds, and its rows for the FP8 MoE layer's backward
+    (unpermute's d_rows with their FP8 copy; the expert rows made from FP8 tokens) give
+    the reference's bits (CPU: the tiny shapes; the GPU runs it in benchmarks)."""
+    if device != "cpu":
+        pytest.skip("the benchmark runs the standard shapes on the GPU")
+    import benchmark.cases.permute  # noqa: F401  (registers the case)
+    from benchmark.harness import Config, cases, max_rel_err
+
+    benches = cases()["permute"](Config(device="cpu", quick=True))
+    for b in benches[2:]:
+        assert max_rel_err(b.run["linghe"](), b.run["eager"]()) == 0, b.name
