@@ -999,6 +999,10 @@ def test_fp8_ws_kernel_matches_triton(device, monkeypatch, case, tiles):
         got = run(ws)
         assert not got.isnan().any()
         assert torch.equal(got, want)
+    # the WS kernel reads the row scales in their own strides: group-major ones too
+    gm = lambda t: t.with_components(rowwise_scale=t.rowwise_scale.t().contiguous().t())
+    assert torch.equal(fwd_gm.grouped_mm_fp8_fwd(gm(xq), wq, layout.offsets, config=ws),
+                       fwd_gm.grouped_mm_fp8_fwd(xq, wq, layout.offsets, config=tri))
 
 
 @pytest.mark.gpu
@@ -1285,7 +1289,8 @@ for bm, bn, stages, ep2 in [(*t, 256) for t in W.WS_TILES_STAGES] + [(128, 256, 
                b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lay(bn)}>",
                c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", offsets_ptr="*i32",
                R="i32", I="i32", J="i32", E="i32", b_row_e="i32", b_col_e="i32",
-               stride_cm="i32", stride_ask="i32", bs_se="i32", bs_si="i32", bs_sj="i32",
+               stride_cm="i32", stride_asr="i32", stride_ask="i32", bs_se="i32",
+               bs_si="i32", bs_sj="i32",
                BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
                STAGES="constexpr", SPLIT_N="constexpr", EP2="constexpr",
                CONSUMER_REGS="constexpr", num_warps="constexpr")

@@ -122,8 +122,10 @@ class RMSNormQuantFunction(torch.autograd.Function):
         x2 = rows_view(x)
         if residual is not None:
             x2 = x2 + rows_view(residual)  # h, as [M, K] rows
+        # (scales group-major: what the FP8 Linear's cuBLAS GEMMs read, no copy there)
         q, s, qt, st, rstd = fwd.rms_norm_quant_fwd(x2, weight, eps, columnwise=columnwise,
-                                                    pow2_scale=pow2_scale)
+                                                    pow2_scale=pow2_scale,
+                                                    group_major_scales=True)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.has_residual = residual is not None
         ctx.set_materialize_grads(False)
@@ -150,7 +152,9 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     computes rstd, two passes over rows wider than 8192) and, with ``columnwise``, the
     transpose in groups of 128 tokens (``columnwise_data [K, M]``, ``columnwise_scale [K,
     ceil(M/128)]``; a second kernel of ``[128, BN]`` tiles that re-reads ``x`` and applies
-    the same rstd and weight, so both copies quantize the same fp32 values). The
+    the same rstd and weight, so both copies quantize the same fp32 values). Both scale
+    tensors are stored group-major (``rowwise_scale.stride() == (1, M)``; under
+    ``torch.compile`` contiguous), the layout the FP8 ``Linear``'s cuBLAS GEMMs read. The
     high-precision normalized output is never written. Arguments as :func:`rms_norm`;
     ``pow2_scale`` rounds scales up to powers of two.
 

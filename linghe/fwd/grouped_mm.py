@@ -589,8 +589,9 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
                         block_m: int | None = None, config: dict | None = None):
     """Launch ``out[r, :] = a[r, :] @ B_{e(r)}`` with ``B_e[i, j] = b[e*stride_be +
     i*stride_bi + j*stride_bj]``. ``a [R, I]`` and ``out [R, J]`` row-major with a
-    contiguous last dim; ``a_scale [R, cdiv(I, 128)]`` (FP8; any strides: it is
-    transposed here, one small copy, for contiguous per-step loads). Writes every row of
+    contiguous last dim; ``a_scale [R, cdiv(I, 128)]`` (FP8; any strides: the
+    warp-specialized kernel reads it in place, the Triton kernels from a transposed copy
+    made here, for contiguous per-step loads). Writes every row of
     ``out`` (zeros past ``offsets[E]``). ``config``: pinned tiles (and, FP8, promotion
     form) and operand loads instead of the defaults (:func:`_check_fp8_config`,
     :func:`_check_rows_config`).
@@ -612,7 +613,6 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
     fp8 = a_scale is not None
     f32 = a.dtype == torch.float32
     EP2 = max(16, triton.next_power_of_2(E))
-    as_t = a_scale.t().contiguous() if fp8 else offsets  # [GK, R]
     cfg = None
     want_ws = False
     if config is not None:
@@ -633,8 +633,10 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
             GROUP_M=cfg["GROUP_M"], MAXNREG=maxnreg)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, wcfg["BM"],
                             wcfg["BN"])
-        if ops is not None:
-            return launch_fp8_rows_ws(ops, out, as_t, b_scale, offsets, bs_strides, wcfg)
+        if ops is not None:  # (reads the row scales in their own strides)
+            return launch_fp8_rows_ws(ops, out, a_scale, b_scale, offsets, bs_strides, wcfg)
+    # the Triton kernels read the row scales transposed, [GK, R] (contiguous per K step)
+    as_t = a_scale.t().contiguous() if fp8 else offsets
     if (not fp8 and not f32 and cfg is None and block_m is None and HP_WS
             and ws_capable(a)):
         # bf16/fp16 on sm_90: the warp-specialized kernel (fp32 accumulation)

@@ -217,7 +217,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_consume(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J,
-                    E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG: gl.constexpr,
+                    E, stride_cm, stride_asr, stride_ask, bs_se, bs_si, bs_sj, WG: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
                     EP2: gl.constexpr):
@@ -246,7 +246,7 @@ if gluon is not None:
             col0 = pid_n * BN + C_OFF
             rows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
             rmask = (rows < end) & (rows < R)
-            sa_ptrs = as_ptr + rows
+            sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asr
             sb_ptr = bs_ptr + ec.to(gl.int64) * bs_se + (col0 // 128) * bs_sj
             acc0 = gl.zeros((WM, SUB), gl.float32, mma)
             acc1 = gl.zeros((WM, SUB), gl.float32, mma)
@@ -301,7 +301,8 @@ if gluon is not None:
 
     @gluon.jit
     def _fp8_rows_ws_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J, E,
-                            b_row_e, b_col_e, stride_cm, stride_ask, bs_se, bs_si, bs_sj,
+                            b_row_e, b_col_e, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
+                            bs_sj,
                             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                             SPLIT_N: gl.constexpr, EP2: gl.constexpr,
@@ -314,10 +315,12 @@ if gluon is not None:
         # (worker arguments are spelled out: tuples built by concatenation lose constexprs)
         gl.warp_specialize([
             (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-                           R, I, J, E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG0, BM,
+                           R, I, J, E, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
+                           bs_sj, WG0, BM,
                            BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
             (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-                           R, I, J, E, stride_cm, stride_ask, bs_se, bs_si, bs_sj, WG1, BM,
+                           R, I, J, E, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
+                           bs_sj, WG1, BM,
                            BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
             (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
                         b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, False)),
@@ -864,12 +867,14 @@ def _gluon_descriptor(desc) -> GluonDescriptor:
                            _layout(box, getattr(gl, name) if name else None))
 
 
-def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torch.Tensor,
+def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                        offsets: torch.Tensor, bs_strides, config: dict | None = None):
     """Launch :func:`_fp8_rows_ws_kernel`. ``ops``: ``(a_desc, b_desc, b_row_e, b_col_e)``
     from :func:`linghe.fwd.grouped_mm._tma_operands` with ``[BM, 128]`` / ``[BN, 128]``
-    boxes (the descriptors' boxes must match ``config``); ``as_t [GK, R]`` the row
-    scales transposed; ``b_scale`` and ``bs_strides`` as for the Triton kernel."""
+    boxes (the descriptors' boxes must match ``config``); ``a_scale [R, GK]`` the row
+    scales in any strides (read where they are: a consumer's rows' scales of one K step
+    are one small gather, cached across the tile's steps, so no transposed copy is made
+    for it); ``b_scale`` and ``bs_strides`` as for the Triton kernel."""
     from .grouped_mm import row_tile_bound
 
     cfg = dict(WS_CONFIG, **(config or {}))
@@ -883,8 +888,9 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, as_t: torch.Tensor, b_scale: torc
     with device_guard(out):
         launch(
             _fp8_rows_ws_kernel, grid, _gluon_descriptor(a_desc), _gluon_descriptor(b_desc),
-            out, as_t, b_scale, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
-            as_t.stride(0), *bs_strides, BM=cfg["BM"], BN=cfg["BN"], BK=128,
+            out, a_scale, b_scale, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
+            a_scale.stride(0), a_scale.stride(1), *bs_strides, BM=cfg["BM"], BN=cfg["BN"],
+            BK=128,
             GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
             EP2=max(128, next_power_of_2(E)), CONSUMER_REGS=cfg["CONSUMER_REGS"],
             num_warps=4, maxnreg=cfg["MAXNREG"])

@@ -218,14 +218,18 @@ QUANT_TILE_REVERSE = True
 
 
 def rms_norm_quant_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                       columnwise: bool, pow2_scale: bool):
+                       columnwise: bool, pow2_scale: bool, group_major_scales: bool = False):
     """``x [M, K]`` (last dim contiguous), ``weight [K]`` -> ``(q, s, q_t, s_t, rstd)``:
     the 1x128 layout of ``linghe.fp8`` (``q [M, K]``, ``s [M, ceil(K/128)]``, ``q_t
     [K, M]``, ``s_t [K, ceil(M/128)]``; ``q_t``/``s_t`` are ``None`` without
     ``columnwise``) of ``y = x * rstd * weight`` (fp32, never written), and ``rstd [M]``
-    float32 (saved for the backward)."""
+    float32 (saved for the backward). ``group_major_scales``: both scales stored
+    group-major (strides ``(1, M)`` / ``(1, K)``, :func:`~linghe.fp8.quantize.empty_1x128`),
+    the layout the cuBLAS GEMMs of the FP8 ``Linear`` it feeds read (no copy per GEMM);
+    else contiguous."""
     M, K = x.shape
-    q, s, qt, st = empty_1x128(M, K, x.device, rowwise=True, columnwise=columnwise)
+    q, s, qt, st = empty_1x128(M, K, x.device, rowwise=True, columnwise=columnwise,
+                               group_major=group_major_scales)
     rstd = empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return q, s, qt, st, rstd
