@@ -59,3 +59,40 @@ def test_probe_roofline_cpu_only(device, tmp_path):
     assert [r["target_us"] for r in rows] == [27.9, 41.6, 111.0]
     with pytest.raises(SystemExit):
         probe_roofline.main(["--cpu", "--only", "rope_fwd,nope"])
+
+
+def test_probe_e2e_gaps_report():
+    """``benchmark.probe_e2e_gaps``' trace analysis on a hand-made chrome trace: the GPU
+    gaps between kernels (listed from ``min_us`` on, all counted), a gap's launch lag and
+    host time (runtime and driver launches), the host frames then, a blocking runtime call,
+    and the point where the launch queue ran dry."""
+    from benchmark.probe_e2e_gaps import gap_report
+
+    def x(cat, name, ts, dur, corr=None):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur,
+                    args={} if corr is None else dict(correlation=corr))
+
+    trace = {"traceEvents": [
+        x("kernel", "k1", 0, 2000, 1), x("kernel", "k2", 2100, 10, 2),
+        x("kernel", "k3", 2140, 10, 3),
+        x("cuda_runtime", "cudaLaunchKernel", -5, 2, 1),
+        x("cuda_driver", "cuLaunchKernelEx", 1000, 2, 2),   # queued 1100 us: GPU busy
+        x("cuda_runtime", "cudaLaunchKernel", 2130, 2, 3),  # started 10 us after: dry
+        x("cuda_runtime", "cudaStreamSynchronize", 100, 800),
+        x("python_function", "/work/main/linghe/functional/moe.py(10): forward", -10, 2300),
+        x("python_function", "/usr/lib/python3/threading.py(1): run", -10, 2300),
+        x("cpu_op", "aten::item", 90, 820),
+        {"ph": "i", "name": "instant", "ts": 5},
+    ]}
+    rep = gap_report(trace, min_us=50)
+    assert rep["idle_us"] == 100 + 30
+    (gap,) = rep["gaps"]  # (the 30 us one before k3 is counted, not listed)
+    assert (gap["us"], gap["after"], gap["before"]) == (100, "k1", "k2")
+    assert (gap["lag_us"], gap["host_us"]) == (1100, 1005)
+    # a quarter of the way between the launches the host was in moe.forward's aten::item
+    # (threading.py is not a kept frame)
+    assert gap["host_frames"][0] == ["linghe/functional/moe.py(10): forward", "aten::item"]
+    assert rep["blocking"] == [{"us": 800, "call": "cudaStreamSynchronize",
+                                "frames": ["linghe/functional/moe.py(10): forward",
+                                           "aten::item"]}]
+    assert [d["kernel"] for d in rep["drains"]] == ["k3"]

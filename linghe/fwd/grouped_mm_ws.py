@@ -302,8 +302,7 @@ if gluon is not None:
     @gluon.jit
     def _fp8_rows_ws_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J, E,
                             b_row_e, b_col_e, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
-                            bs_sj,
-                            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                            bs_sj, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                             SPLIT_N: gl.constexpr, EP2: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -316,12 +315,10 @@ if gluon is not None:
         gl.warp_specialize([
             (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
                            R, I, J, E, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
-                           bs_sj, WG0, BM,
-                           BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
+                           bs_sj, WG0, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
             (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
                            R, I, J, E, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
-                           bs_sj, WG1, BM,
-                           BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
+                           bs_sj, WG1, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
             (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
                         b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, False)),
         ], [4, 1], [CONSUMER_REGS, 40])
