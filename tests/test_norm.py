@@ -283,6 +283,49 @@ def test_rms_norm_quant_dequantize_backprops(device):
     assert rel_err(g1[0], x.grad) < 1e-6 and rel_err(g1[1], w.grad) < 1e-6
 
 
+def test_rms_norm_quant_group_major_scales_read_right(device):
+    """``rms_norm_quant`` (eager) stores its scales group-major (what the FP8 Linear's
+    cuBLAS GEMMs read); every consumer of its Fp8Tensor gives what the same values with
+    contiguous scales give: dequantize, permute's FP8 rows (and the token rows it keeps),
+    the grouped columnwise requantization, the rows' dequantization and the accumulating
+    wgrad that reads FP8 rows."""
+    from linghe.bwd import grouped_mm as bwd_gm
+    from linghe.fp8.quantize import dequantize_1x128_rows
+
+    T, H, E = 37, 256, 3
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    w = torch.rand(H, device=device, dtype=torch.bfloat16) + 0.5
+    t = linghe.rms_norm_quant(x, w)
+    s, st = t.rowwise_scale, t.columnwise_scale
+    assert s.stride() == (1, T) and st.stride() == (1, H)
+    c = t.with_components(rowwise_scale=s.contiguous(), columnwise_scale=st.contiguous())
+    assert torch.equal(t.dequantize(), c.dequantize())
+    assert torch.equal(t.dequantize(columnwise=True), c.dequantize(columnwise=True))
+    assert torch.equal(dequantize_1x128_rows(t.rowwise_data, s),
+                       dequantize_1x128_rows(c.rowwise_data, c.rowwise_scale))
+    ids = torch.randint(0, E, (T, 2), device=device, dtype=torch.int32)
+    rows, _, layout = linghe.permute(t, ids, num_experts=E, align=16)
+    rows_c, _, _ = linghe.permute(c, ids, num_experts=E, align=16)
+    assert torch.equal(rows.rowwise_scale, rows_c.rowwise_scale)
+    assert torch.equal(rows.rowwise_data.view(torch.uint8), rows_c.rowwise_data.view(torch.uint8))
+    tok, tok_c = rows._linghe_token_rows, rows_c._linghe_token_rows
+    assert torch.equal(tok.dequantized(torch.bfloat16), tok_c.dequantized(torch.bfloat16))
+    # rows grouped by expert with group-major scales (a transposed copy of permute's)
+    gm = rows.with_components(rowwise_scale=rows.rowwise_scale.t().contiguous().t())
+    q1 = linghe.quantize_grouped_1x128(gm, layout, rowwise=False)
+    q2 = linghe.quantize_grouped_1x128(rows, layout, rowwise=False)
+    assert torch.equal(q1.columnwise_scale, q2.columnwise_scale)
+    R = layout.num_rows
+    d_out = torch.randn(R, 128, device=device, dtype=torch.bfloat16)
+    dw1 = torch.zeros(E, 128, H, device=device, dtype=torch.bfloat16)
+    dw2 = dw1.clone()
+    bwd_gm.grouped_mm_wgrad_accumulate_(dw1, d_out, gm.rowwise_data, layout.offsets,
+                                        rows_scale=gm.rowwise_scale)
+    bwd_gm.grouped_mm_wgrad_accumulate_(dw2, d_out, rows.rowwise_data, layout.offsets,
+                                        rows_scale=rows.rowwise_scale)
+    assert torch.equal(dw1, dw2)
+
+
 def test_rms_norm_quant_columnwise_is_not_transpose(device):
     x = torch.randn(256, 128, device=device)
     x[0] *= 100

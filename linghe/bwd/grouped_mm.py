@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import Fp8Tensor
-from ..fp8.quantize import dequantize_1x128_rows
+from ..fp8.quantize import dequantize_1x128_rows, groups_adjacent
 from ..fwd import grouped_mm as _fwd_gm
 from ..fwd.grouped_mm import (
     AUTOTUNE_MIN_ROWS,
@@ -817,7 +817,7 @@ def wgrad_accumulate_operand(rows: torch.Tensor, rows_scale: torch.Tensor | None
         if tokens:
             return rows.dequantized(dtype), None
         return dequantize_1x128_rows(rows, rows_scale, dtype), None
-    return rows.fp8() if tokens else (rows, rows_scale)
+    return rows.fp8() if tokens else (rows, groups_adjacent(rows_scale))
 
 
 def grouped_mm_wgrad_accumulate_(dw: torch.Tensor, d_out: torch.Tensor, rows: torch.Tensor,
@@ -847,8 +847,7 @@ def grouped_mm_wgrad_accumulate_(dw: torch.Tensor, d_out: torch.Tensor, rows: to
         raise TypeError(f"rows must have d_out's dtype {d_out.dtype} (or be FP8 with "
                         f"rows_scale), got {rows.dtype}")
     if rows_scale is not None and (tuple(rows_scale.shape) != (R, cdiv(K, BLOCK))
-                                   or rows_scale.dtype != torch.float32
-                                   or rows_scale.stride(1) != 1):
+                                   or rows_scale.dtype != torch.float32):
         raise ValueError(f"rows_scale must be float32 [R, ceil(K/128)] = {(R, cdiv(K, BLOCK))}"
                          f", got {rows_scale.dtype} {tuple(rows_scale.shape)}")
     x, x_scale = wgrad_accumulate_operand(rows, rows_scale, d_out.dtype)

@@ -610,6 +610,17 @@ def launch_1x128_split(x2: torch.Tensor, q, s, qt, st, rows_config: dict,
                RPT=rpt or 8, num_warps=tile_config["warps"])
 
 
+def groups_adjacent(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """1x128 scales ``[rows, groups]`` with a row's groups adjacent in memory (unit stride
+    along the last dim), as the kernels that take only a row stride read them: ``scale``
+    itself, or a contiguous copy of scales stored otherwise (e.g. the group-major ones of
+    ``rms_norm_quant``, or any transposed view a caller built), so that no kernel reads
+    such scales at the wrong places."""
+    if scale is None or scale.dim() < 2 or scale.shape[-1] <= 1 or scale.stride(-1) == 1:
+        return scale
+    return scale.contiguous()
+
+
 def empty_1x128(M: int, K: int, device, *, rowwise: bool, columnwise: bool,
                 group_major: bool = False):
     """Allocate the four 1x128 components (``None`` where not asked) for ``[M, K]``.
@@ -713,8 +724,8 @@ def dequantize_1x128_rows(q: torch.Tensor, scale: torch.Tensor,
     activation (e.g. a high-precision weight gradient) needs."""
     check_tensor("q", q, dtypes=(FP8_DTYPE,), ndim=2, last_dim_contiguous=True)
     M, K = q.shape
-    check_tensor("scale", scale, dtypes=(torch.float32,), shape=(M, cdiv(K, BLOCK)),
-                 last_dim_contiguous=True)
+    check_tensor("scale", scale, dtypes=(torch.float32,), shape=(M, cdiv(K, BLOCK)))
+    scale = groups_adjacent(scale)
     check_kernel_device("q", q)
     out = empty(M, K, dtype=dtype, device=q.device)
     if M > 0 and K > 0:

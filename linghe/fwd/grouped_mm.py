@@ -61,7 +61,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import Fp8Tensor, quantize_128x128
-from ..fp8.quantize import FP8_DTYPE, quant_cols, quant_rows
+from ..fp8.quantize import FP8_DTYPE, groups_adjacent, quant_cols, quant_rows
 from ..utils import (
     INTERPRET,
     cdiv,
@@ -903,6 +903,7 @@ def quantize_grouped_fwd(x: torch.Tensor, counts: torch.Tensor, align: int, *,
     E = counts.numel()
     dev = x.device
     G = batch_col_groups(R, E)
+    x_scale = groups_adjacent(x_scale)  # (the kernel reads a row's groups adjacent)
     q = s = qt = st = None
     if rowwise:
         q = empty(R, K, dtype=FP8_DTYPE, device=dev)

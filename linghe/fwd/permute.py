@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.quantize import FP8_DTYPE, quant_rows
+from ..fp8.quantize import FP8_DTYPE, groups_adjacent, quant_rows
 from ..layout import ExpertLayout
 from ..utils import INTERPRET, cdiv, device_guard, empty, launch, next_power_of_2, num_sms
 
@@ -312,6 +312,7 @@ def _scatter(x, layout, x_scale, weights, probs, out_dtype, dot_rows, *, quant=F
     E, R = layout.num_experts, layout.num_rows
     dev = x.device
     out = empty(R, H, dtype=out_dtype or x.dtype, device=dev)
+    x_scale = groups_adjacent(x_scale)  # (the kernel reads a row's groups adjacent)
     G = x_scale.shape[1] if x_scale is not None else (cdiv(H, 128) if quant else 0)
     moves_scale = x_scale is not None and not dequant
     out_s = empty(R, G, dtype=torch.float32, device=dev) if moves_scale else None
