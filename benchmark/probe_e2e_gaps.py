@@ -145,6 +145,26 @@ def phase_times(model, opt, batches, mode: str, step: int, micro_batches: int,
     return out
 
 
+def probe_stepper(mode: str, warmup: int = 3):
+    """The probes' e2e setup (``probe_e2e_host`` shares it): the Ling-mini model with 4
+    micro-batches, deferred wgrad, the FP8 head, norm-from-backward and balanced routing,
+    warmed up ``warmup`` steps. Returns ``(cfg, model, opt, batches, step)``."""
+    eargs = e2e.parse_args(["--micro-batches", "4", "--deferred-wgrad", "--norm-from-backward",
+                            "--lm-head-fp8", "--mode", mode])
+    cfg = e2e.config_from_args(eargs, "cuda")
+    e2e_model.LM_HEAD_FP8 = True
+    e2e_model.NORM_FROM_BACKWARD = True
+    data = e2e.stdlib_corpus(e2e.corpus_bytes_needed(cfg, 20 * cfg.micro_batches))
+    model = build_model(cfg, device="cuda", seed=0)
+    opt = make_optimizer(model, 1e-3, mode=mode)
+    batches = ByteBatches(data, cfg.batch, cfg.seq, "cuda")
+    force_balanced_routing(model)
+    step = e2e.make_stepper(model, opt, batches, mode, graph=False, warmup=warmup,
+                            micro_batches=cfg.micro_batches)
+    torch.cuda.synchronize()
+    return cfg, model, opt, batches, step
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", default="fp8")
@@ -157,23 +177,11 @@ def main(argv=None) -> None:
     ap.add_argument("--phases", action="store_true",
                     help="host vs GPU ms of each phase of a step, no profiler")
     args = ap.parse_args(argv)
-    eargs = e2e.parse_args(["--micro-batches", "4", "--deferred-wgrad", "--norm-from-backward",
-                            "--lm-head-fp8", "--mode", args.mode])
-    cfg = e2e.config_from_args(eargs, "cuda")
-    e2e_model.LM_HEAD_FP8 = True
-    e2e_model.NORM_FROM_BACKWARD = True
-    data = e2e.stdlib_corpus(e2e.corpus_bytes_needed(cfg, 20 * cfg.micro_batches))
     from torch.profiler import ProfilerActivity, profile
 
     report = {}
     for mode in args.mode.split(","):
-        model = build_model(cfg, device="cuda", seed=0)
-        opt = make_optimizer(model, 1e-3, mode=mode)
-        batches = ByteBatches(data, cfg.batch, cfg.seq, "cuda")
-        force_balanced_routing(model)
-        step = e2e.make_stepper(model, opt, batches, mode, graph=False, warmup=3,
-                                micro_batches=cfg.micro_batches)
-        torch.cuda.synchronize()
+        cfg, model, opt, batches, step = probe_stepper(mode)
         if args.phases:
             rows = [phase_times(model, opt, batches, mode, 3 + i, cfg.micro_batches)
                     for i in range(args.steps)]

@@ -15,24 +15,11 @@ import time
 
 import torch
 
-from benchmark import e2e, e2e_model
-from benchmark.e2e_model import ByteBatches, build_model, force_balanced_routing, make_optimizer
+from benchmark.probe_e2e_gaps import probe_stepper
 
 out = sys.argv[1] if len(sys.argv) > 1 else "."
-args = e2e.parse_args(["--micro-batches", "4", "--deferred-wgrad", "--norm-from-backward",
-                       "--lm-head-fp8", "--mode", "fp8"])
-cfg = e2e.config_from_args(args, "cuda")
-e2e_model.LM_HEAD_FP8 = True
-e2e_model.NORM_FROM_BACKWARD = True
-data = e2e.stdlib_corpus(e2e.corpus_bytes_needed(cfg, 20 * cfg.micro_batches))
 for mode in ("fp8", "bf16"):
-    model = build_model(cfg, device="cuda", seed=0)
-    opt = make_optimizer(model, 1e-3, mode=mode)
-    batches = ByteBatches(data, cfg.batch, cfg.seq, "cuda")
-    force_balanced_routing(model)
-    step = e2e.make_stepper(model, opt, batches, mode, graph=False, warmup=3,
-                            micro_batches=cfg.micro_batches)
-    torch.cuda.synchronize()
+    _cfg, model, opt, _batches, step = probe_stepper(mode)
     # host time alone: the GPU is kept busy, the host never waits except where it must
     pr = cProfile.Profile()
     t0 = time.perf_counter()
