@@ -45,14 +45,20 @@ _GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 _KEEP = ("linghe/", "benchmark/", "torch/autograd", "torch/optim", "torch/nn/modules")
 
 
+#: The repository root, cut from the frames' file names.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _frames(stacks, starts, t: float, depth: int = 5) -> list[str]:
-    """The innermost ``depth`` kept Python frames active at host time ``t``."""
+    """The innermost ``depth`` kept frames (Python functions, torch ops) active at host
+    time ``t``: every event that started by ``t`` and had not ended (a scan of the
+    started ones, outermost first: a few queries per report)."""
     i = bisect.bisect_right(starts, t)
-    active = [s for s in stacks[max(0, i - 4000):i] if s[0] <= t <= s[1]]
-    active.sort(key=lambda s: (s[0], -s[1]))  # outermost first
+    active = [s for s in stacks[:i] if t <= s[1]]
+    active.sort(key=lambda s: (s[0], -s[1]))
     names = [s[2] for s in active
              if s[3] != "python_function" or any(k in s[2] for k in _KEEP)]
-    return [n.split("/work/main/")[-1].split("site-packages/")[-1] for n in names[-depth:]]
+    return [n.split(_ROOT)[-1].split("site-packages/")[-1] for n in names[-depth:]]
 
 
 def gap_report(trace: dict, top: int = 15, min_us: float = 30.0, points: int = 3) -> dict:

@@ -66,7 +66,7 @@ def test_probe_e2e_gaps_report():
     gaps between kernels (listed from ``min_us`` on, all counted), a gap's launch lag and
     host time (runtime and driver launches), the host frames then, a blocking runtime call,
     and the point where the launch queue ran dry."""
-    from benchmark.probe_e2e_gaps import gap_report
+    from benchmark.probe_e2e_gaps import _ROOT, gap_report
 
     def x(cat, name, ts, dur, corr=None):
         return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur,
@@ -79,7 +79,7 @@ def test_probe_e2e_gaps_report():
         x("cuda_driver", "cuLaunchKernelEx", 1000, 2, 2),   # queued 1100 us: GPU busy
         x("cuda_runtime", "cudaLaunchKernel", 2130, 2, 3),  # started 10 us after: dry
         x("cuda_runtime", "cudaStreamSynchronize", 100, 800),
-        x("python_function", "/work/main/linghe/functional/moe.py(10): forward", -10, 2300),
+        x("python_function", _ROOT + "linghe/functional/moe.py(10): forward", -10, 2300),
         x("python_function", "/usr/lib/python3/threading.py(1): run", -10, 2300),
         x("cpu_op", "aten::item", 90, 820),
         {"ph": "i", "name": "instant", "ts": 5},

@@ -887,8 +887,7 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
             _fp8_rows_ws_kernel, grid, _gluon_descriptor(a_desc), _gluon_descriptor(b_desc),
             out, a_scale, b_scale, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
             a_scale.stride(0), a_scale.stride(1), *bs_strides, BM=cfg["BM"], BN=cfg["BN"],
-            BK=128,
-            GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
+            BK=128, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
             EP2=max(128, next_power_of_2(E)), CONSUMER_REGS=cfg["CONSUMER_REGS"],
             num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
