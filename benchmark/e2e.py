@@ -147,48 +147,47 @@ def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
                  warmup: int, micro_batches: int = 1) -> Callable[[int], torch.Tensor]:
     """``step(i) -> loss`` (a device scalar) training on batch ``i``. Runs ``warmup``
     steps first (Triton compiles, autotuning, optimizer state, cached pointer tables).
-    ``micro_batches > 1`` (eager only): step ``i`` accumulates the gradients of batches
-    ``i * micro_batches ..`` before one update (:func:`~benchmark.e2e_model.accumulate_grads`).
+    ``micro_batches > 1``: step ``i`` accumulates the gradients of batches ``i *
+    micro_batches ..`` before one update (:func:`~benchmark.e2e_model.accumulate_grads`).
 
     With ``graph`` the whole step is captured in two CUDA graphs that share one memory
-    pool and are replayed back to back: forward + backward, then clipping + AdamW +
-    expert-bias update. Each call copies batch ``i`` into the static input buffers and
-    replays both. Why two: the gradients are set to None before the backward (see
-    :func:`~benchmark.e2e_model.forward_backward`), so they first exist inside the
-    capture, and ``linghe.optim.clip_grad_norm_`` builds its pointer table for new
-    gradient addresses with a pinned host buffer, an allocation that stream capture does
-    not allow in every torch version. Between the captures the first graph is replayed
-    once and the clipping run eagerly, which builds the table for the graph's gradient
-    addresses (the same on every replay); the second capture then reuses it."""
-    if micro_batches > 1:
-        if graph:
-            raise ValueError("--micro-batches > 1 is timed in eager mode only")
+    pool and are replayed back to back: every micro-batch's forward + backward, then
+    clipping + AdamW + expert-bias update. Each call copies the step's batches into the
+    static input buffers and replays both. The captures run inside
+    :func:`linghe.whole_step_capture`: they hold whole steps, so the deferred expert and
+    FP8-head weight gradients and the gradient norms recorded in the backward stay on
+    (their bookkeeping runs once, at capture). Why two graphs: the gradients are set to
+    None before the backward (see :func:`~benchmark.e2e_model.forward_backward`), so they
+    first exist inside the capture, and ``linghe.optim.clip_grad_norm_`` builds its
+    pointer table for new gradient addresses with a pinned host buffer, an allocation
+    that stream capture does not allow in every torch version. Between the captures the
+    first graph is replayed once and the clipping run eagerly (or
+    ``linghe.optim.AdamW.prepare_step``), which builds the table for the graph's
+    gradient addresses (the same on every replay); the second capture then reuses it."""
+    n = micro_batches
 
-        def step(i):
-            micro = [batches(i * micro_batches + j) for j in range(micro_batches)]
-            loss, tpes = accumulate_grads(model, opt, micro, mode)
-            update(model, opt, tpes, mode)
-            return loss
+    def micro(i):
+        return [batches(i * n + j) for j in range(n)]
 
-        for i in range(warmup):
-            step(i)
-        return step
+    def eager_step(i, step_batches=None):
+        mbs = step_batches if step_batches is not None else micro(i)
+        if n == 1:
+            return train_step(model, opt, *mbs[0], mode)
+        loss, tpes = accumulate_grads(model, opt, mbs, mode)
+        update(model, opt, tpes, mode)
+        return loss
+
     if not graph:
-        def step(i):
-            tok, lab = batches(i)
-            return train_step(model, opt, tok, lab, mode)
-
         for i in range(warmup):
-            step(i)
-        return step
+            eager_step(i)
+        return eager_step
 
-    tok0, lab0 = batches(0)
-    s_tok, s_lab = tok0.clone(), lab0.clone()
+    static = [(tok.clone(), lab.clone()) for tok, lab in micro(0)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up off the default stream, as capture wants
         for _ in range(max(1, warmup)):
-            train_step(model, opt, s_tok, s_lab, mode)
+            eager_step(0, static)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     # Free the warm-up's gradients before the capture (inside it they would be freed to
@@ -197,23 +196,27 @@ def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
     opt.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
     g_grad, g_update = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g_grad):
-        s_loss, s_tpes = forward_backward(model, opt, s_tok, s_lab, mode)
-    g_grad.replay()  # real gradients, so the eager clipping below scales finite values
-    if isinstance(opt, linghe.optim.AdamW):
-        opt.prepare_step()  # its tables for the graph's gradients, nothing updated
-    else:
-        clip = (torch.nn.utils.clip_grad_norm_ if mode == "torch"
-                else linghe.optim.clip_grad_norm_)
-        clip(grad_params(model), 1.0)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g_update, pool=g_grad.pool()):
-        update(model, opt, s_tpes, mode)
+    with linghe.whole_step_capture():
+        with torch.cuda.graph(g_grad):
+            if n == 1:
+                s_loss, s_tpes = forward_backward(model, opt, *static[0], mode)
+            else:
+                s_loss, s_tpes = accumulate_grads(model, opt, static, mode)
+        g_grad.replay()  # real gradients, so the eager clipping below scales finite values
+        if isinstance(opt, linghe.optim.AdamW):
+            opt.prepare_step()  # its tables for the graph's gradients, nothing updated
+        else:
+            clip = (torch.nn.utils.clip_grad_norm_ if mode == "torch"
+                    else linghe.optim.clip_grad_norm_)
+            clip(grad_params(model), 1.0)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g_update, pool=g_grad.pool()):
+            update(model, opt, s_tpes, mode)
 
     def replay(i):
-        tok, lab = batches(i)
-        s_tok.copy_(tok)
-        s_lab.copy_(lab)
+        for (s_tok, s_lab), (tok, lab) in zip(static, micro(i)):
+            s_tok.copy_(tok)
+            s_lab.copy_(lab)
         g_grad.replay()
         g_update.replay()
         return s_loss.clone()
@@ -221,7 +224,7 @@ def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
     # The graphs and their static inputs/outputs live as long as the stepper (a graph's
     # outputs stay valid only while referenced; the second graph reads the first's).
     replay.graphs = (g_grad, g_update)
-    replay.static = (s_loss, s_tpes, s_tok, s_lab)
+    replay.static = (s_loss, s_tpes, static)
     return replay
 
 
@@ -1030,7 +1033,8 @@ def parse_args(argv=None):
                         "session)")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="forward+backward passes per optimizer step, gradients accumulated "
-                        "(eager throughput runs; default 1, the issue's configuration)")
+                        "(throughput runs, eager and --cuda-graph; default 1, the issue's "
+                        "configuration)")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default 1e-3; 2e-3 for the loss curves)")
     p.add_argument("--seed", type=int, default=0)
@@ -1122,9 +1126,9 @@ def config_from_args(args, device) -> E2EConfig:
     if args.micro_batches < 1:
         raise SystemExit("--micro-batches must be >= 1")
     if args.micro_batches > 1:
-        if args.train_steps or args.cuda_graph:
-            raise SystemExit("--micro-batches > 1 is for eager throughput runs (no "
-                             "--train-steps, no --cuda-graph)")
+        if args.train_steps:
+            raise SystemExit("--micro-batches > 1 is for throughput runs (no "
+                             "--train-steps)")
         head = args.deferred_head_wgrad
         if head is None:
             head = (not on_gpu or torch.cuda.get_device_properties(device).total_memory

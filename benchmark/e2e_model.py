@@ -448,7 +448,7 @@ def make_optimizer(model: nn.Module, lr: float = 1e-3, *, mode: str = "torch",
     if mode != "torch" and optimizer == "auto":
         return linghe.optim.AdamW(model.parameters(), lr=lr_arg, betas=(0.9, 0.95),
                                   weight_decay=weight_decay, max_grad_norm=max_norm,
-                                  norm_from_backward=NORM_FROM_BACKWARD and not capturable)
+                                  norm_from_backward=NORM_FROM_BACKWARD)
     fused = device.type == "cuda"
     return torch.optim.AdamW(model.parameters(), lr=lr_arg, betas=(0.9, 0.95),
                              weight_decay=weight_decay, capturable=capturable,

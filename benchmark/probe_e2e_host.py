@@ -1,4 +1,5 @@
-"""Host-side cProfile of the e2e step: ``python -m benchmark.probe_e2e_host OUTDIR``.
+"""Host-side cProfile of the e2e step: ``python -m benchmark.probe_e2e_host OUTDIR [MODES]``
+(``MODES``: comma-separated, default ``fp8,bf16``).
 
 Builds the Ling-mini e2e model (4 micro-batches, deferred wgrad, the FP8 head,
 norm-from-backward, balanced routing), runs 3 warm-up steps per mode (fp8, then bf16),
@@ -18,7 +19,8 @@ import torch
 from benchmark.probe_e2e_gaps import probe_stepper
 
 out = sys.argv[1] if len(sys.argv) > 1 else "."
-for mode in ("fp8", "bf16"):
+modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["fp8", "bf16"]
+for mode in modes:
     _cfg, model, opt, _batches, step = probe_stepper(mode)
     # host time alone: the GPU is kept busy, the host never waits except where it must
     pr = cProfile.Profile()

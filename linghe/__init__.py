@@ -29,7 +29,7 @@ from .functional.permute import permute, unpermute
 from .functional.rope import apply_rope, qk_norm_rope, rope_freqs
 from .functional.router import router_logits, router_z_loss, topk_route
 from .layout import ExpertLayout, max_grouped_rows
-from .utils import debug_enabled, set_debug
+from .utils import debug_enabled, set_debug, whole_step_capture
 
 __version__ = "0.4.0.dev0"
 
@@ -78,4 +78,5 @@ __all__ = [
     "topk_route",
     "TrainingContext",
     "unpermute",
+    "whole_step_capture",
 ]

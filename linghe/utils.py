@@ -119,6 +119,41 @@ def tma_capable(t: torch.Tensor) -> bool:
 
 _NO_GUARD = contextlib.nullcontext()
 
+#: Nesting depth of :func:`whole_step_capture` (process-wide: a captured backward runs on
+#: the autograd engine's thread).
+_WHOLE_STEP_CAPTURE = [0]
+
+
+@contextlib.contextmanager
+def whole_step_capture():
+    """Declare that the CUDA graph captures made inside span whole optimizer steps.
+
+    Some of linghe's per-step work keeps state on the host between calls: weight
+    gradients deferred over micro-batches (``wgrad_micro_batches``, the FP8 LM head's),
+    gradient norms recorded by backward kernels for ``linghe.optim.AdamW``'s clipping
+    (``norm_from_backward``). A replayed graph repeats kernels, not Python, so by default
+    each of these turns itself off while a capture is under way (the captured backward
+    computes its own gradient, the clipping reads every gradient). A capture that holds
+    every micro-batch's forward and backward of a step (and the step's update in the
+    same or a following capture, as ``benchmark.e2e --cuda-graph`` does) starts and ends
+    with that state empty, so the bookkeeping done once at capture time is what every
+    replay needs: inside this context it stays on. Capture a part of a step (one
+    micro-batch) outside it.
+    """
+    _WHOLE_STEP_CAPTURE[0] += 1
+    try:
+        yield
+    finally:
+        _WHOLE_STEP_CAPTURE[0] -= 1
+
+
+def capture_pauses_bookkeeping(t: torch.Tensor) -> bool:
+    """Whether host-side per-step bookkeeping for ``t`` must pause: a CUDA graph capture is
+    under way on the current stream (``t`` on a GPU) and not inside
+    :func:`whole_step_capture`."""
+    return (t.is_cuda and not _WHOLE_STEP_CAPTURE[0]
+            and torch.cuda.is_current_stream_capturing())
+
 
 class _Launcher:
     """Launches a compiled Triton kernel with less host work than ``kernel[grid](...)``.

@@ -345,6 +345,78 @@ def test_steps_aside(device):
         linghe.flush_deferred_wgrad()
 
 
+def test_whole_step_capture_keeps_bookkeeping_on(monkeypatch):
+    """While a CUDA graph is captured, the host-side per-step bookkeeping (deferral, the
+    FP8 head's slots, recorded gradient norms) pauses, except inside
+    ``linghe.whole_step_capture`` (nestable; off again after it, also after an error);
+    nothing pauses outside a capture or for a CPU tensor."""
+    from types import SimpleNamespace
+
+    from linghe import utils
+
+    gpu, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert not utils.capture_pauses_bookkeeping(gpu)
+    capturing[0] = True
+    assert utils.capture_pauses_bookkeeping(gpu)
+    assert not utils.capture_pauses_bookkeeping(cpu)
+    with linghe.whole_step_capture():
+        assert not utils.capture_pauses_bookkeeping(gpu)
+        with linghe.whole_step_capture():
+            assert not utils.capture_pauses_bookkeeping(gpu)
+        assert not utils.capture_pauses_bookkeeping(gpu)
+    assert utils.capture_pauses_bookkeeping(gpu)
+    with pytest.raises(KeyError):
+        with linghe.whole_step_capture():
+            raise KeyError("x")
+    assert utils.capture_pauses_bookkeeping(gpu)
+
+
+def test_grad_norm_record_survives_a_look(device):
+    """``grad_norms.take(w, consume=False)`` returns the record and leaves it for the
+    step (what AdamW.prepare_step does before a captured step); ``take`` consumes it."""
+    from linghe.bwd import grad_norms
+
+    w = torch.nn.Parameter(torch.randn(4, 8, device=device))
+    w.grad = torch.randn(4, 8, device=device)
+    sq = (w.grad.float() ** 2).sum().reshape(1)
+    grad_norms.record(w, w.grad, sq)
+    assert grad_norms.take(w, consume=False) is sq
+    assert grad_norms.take(w) is sq
+    assert grad_norms.take(w) is None
+
+
+@pytest.mark.gpu
+def test_cuda_graph_whole_step_capture_defers(device):
+    """Inside ``linghe.whole_step_capture`` a capture of both micro-batches' backwards
+    defers the first and hands both over in the second, and the replay computes them."""
+    if device != "cuda":
+        pytest.skip("needs a GPU")
+    (rows1, layout1, g1), (rows2, layout2, g2) = _micro_batches(device, 2)
+    w = torch.nn.Parameter(torch.randn(3, 40, 48, device=device).to(torch.bfloat16))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (compiles)
+        for rows, layout, g in ((rows1, layout1, g1), (rows2, layout2, g2)):
+            linghe.grouped_mm(rows, w, layout, wgrad_micro_batches=2).backward(g)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with linghe.whole_step_capture(), torch.cuda.graph(graph):
+        linghe.grouped_mm(rows1, w, layout1, wgrad_micro_batches=2).backward(g1)
+        assert deferred.pending_micro_batches(w) == 1
+        linghe.grouped_mm(rows2, w, layout2, wgrad_micro_batches=2).backward(g2)
+    assert deferred.pending_micro_batches(w) == 0
+    w.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    expect = (_ref_wgrad(g1, rows1, layout1.offsets).double()
+              + _ref_wgrad(g2, rows2, layout2.offsets).double())
+    assert_close(w.grad, expect, 1e-2, "captured dw of two micro-batches")
+
+
 @pytest.mark.gpu
 def test_cuda_graph_capture_steps_aside(device):
     """Inside a CUDA graph capture nothing is stashed (a replay would not run the

@@ -518,6 +518,52 @@ def test_graph_stepper_builds_no_pointer_table_inside_capture(optimizer):
     assert all(p.grad is not None and p.grad.is_contiguous() for p in model.parameters())
 
 
+def test_graph_stepper_captures_whole_micro_batched_steps(monkeypatch):
+    """With micro-batches, the deferred expert wgrad and linghe's AdamW clipping from the
+    norms the backward recorded, the graph stepper captures all micro-batches' forward
+    and backward in one graph inside ``linghe.whole_step_capture`` (so that deferral and
+    the recorded norms stay on in the capture), uploads no pointer table inside a capture,
+    and leaves nothing pending. On the CPU the capture is faked (the body runs once,
+    eagerly); on a GPU it is real."""
+    import linghe
+    from linghe.bwd import deferred
+    from linghe.optim import multi_tensor
+
+    monkeypatch.setattr(e2e_model, "NORM_FROM_BACKWARD", True)
+    multi_tensor.clear_plan_cache()
+    cfg = replace(CFG if DEVICE == "cpu" else GPU_CFG, micro_batches=2, deferred_wgrad=True)
+    model = build_model(cfg, device=DEVICE, seed=0)
+    opt = make_optimizer(model, 1e-3, mode="bf16", capturable=DEVICE == "cuda")
+    assert isinstance(opt, linghe.optim.AdamW) and opt.norm_from_backward
+    bb = ByteBatches(stdlib_corpus(corpus_bytes_needed(cfg, 6)), cfg.batch, cfg.seq, DEVICE)
+    uploads, parts = [], []
+    upload, wgrad_parts = multi_tensor._upload, deferred.wgrad_parts
+
+    def spy_upload(*args, **kwargs):
+        uploads.append(torch.cuda.is_current_stream_capturing())
+        return upload(*args, **kwargs)
+
+    def spy_parts(p, *args, **kwargs):  # (the n-th backward's hand-over of n parts)
+        parts.append((len(p), torch.cuda.is_current_stream_capturing(),
+                      linghe.utils._WHOLE_STEP_CAPTURE[0]))
+        return wgrad_parts(p, *args, **kwargs)
+
+    with _cuda_fakes(), mock.patch.object(multi_tensor, "_upload", spy_upload), \
+            mock.patch.object(deferred, "wgrad_parts", spy_parts):
+        step = e2e.make_stepper(model, opt, bb, "bf16", graph=True, warmup=1,
+                                micro_batches=2)
+        loss = step(1)
+    assert uploads and not any(uploads), uploads
+    # every expert weight's two micro-batches went out in one hand-over, also in the
+    # capture (two expert weights: one in the warm-up step, one in the capture)
+    assert {n for n, _, _ in parts} == {2}, parts
+    captured = [p for p in parts if p[1]]
+    assert len(captured) == 2 and all(flag == 1 for *_, flag in captured), parts
+    assert not deferred._STASHES
+    assert linghe.utils._WHOLE_STEP_CAPTURE[0] == 0
+    assert math.isfinite(float(loss))
+
+
 # ------------------------------------------------------------------ GPU: CUDA graphs
 
 GPU_CFG = preset("tiny", layers=2, seq=64, batch=2, align=16, experts=8, expert_groups=4,
@@ -596,6 +642,48 @@ def test_cuda_graph_replay_matches_eager(mode, lm_head_fp8, monkeypatch):
     lg, wg = run(True)
     assert torch.allclose(lg, le, rtol=2e-2), (lg, le)
     assert all(float(we[k].abs().max()) > 0 for k in we if k.endswith("weight"))
+    errs = {k: rel_err(wg[k], we[k]) for k in we}
+    assert max(errs.values()) < 5e-2, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,lm_head_fp8", MODES_GPU)
+def test_cuda_graph_replay_micro_batches_matches_eager(mode, lm_head_fp8, monkeypatch):
+    """Two micro-batches a step with the deferred expert (and FP8 head) weight gradients
+    and the clipping from the norms the backward recorded, captured whole (inside
+    ``linghe.whole_step_capture``) and replayed: the losses and weight updates of the
+    same steps run eagerly."""
+    if mode == "fp8" and not _fp8_ok():
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    monkeypatch.setattr(e2e_model, "LM_HEAD_FP8", lm_head_fp8)
+    monkeypatch.setattr(e2e_model, "NORM_FROM_BACKWARD", True)
+    cfg = replace(GPU_CFG, micro_batches=2, deferred_wgrad=True)
+    data = stdlib_corpus(corpus_bytes_needed(cfg, 16))
+    warm, n = 2, 3
+
+    def run(graph):
+        model = build_model(cfg, device="cuda", seed=0)
+        w0 = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        opt = make_optimizer(model, 1e-3, capturable=True, lr_tensor=True)
+        bb = ByteBatches(data, cfg.batch, cfg.seq, "cuda")
+        if graph:
+            step = e2e.make_stepper(model, opt, bb, mode, graph=True, warmup=warm,
+                                    micro_batches=2)
+        else:
+            step = e2e.make_stepper(model, opt, bb, mode, graph=False, warmup=0,
+                                    micro_batches=2)
+            for _ in range(warm):   # the graph stepper warms up on step 0's batches
+                step(0)
+        losses = []
+        for i in range(1, n + 1):
+            set_lr(opt, 1e-3 * i)
+            losses.append(step(i))
+        return (torch.stack(losses).float().cpu(),
+                {k: v.detach().float() - w0[k] for k, v in model.state_dict().items()})
+
+    le, we = run(False)
+    lg, wg = run(True)
+    assert torch.allclose(lg, le, rtol=2e-2), (lg, le)
     errs = {k: rel_err(wg[k], we[k]) for k in we}
     assert max(errs.values()) < 5e-2, errs
 
@@ -710,7 +798,7 @@ def test_cli_micro_batches(tmp_path):
     assert res["flops_per_step"]["total"] == 2 * one
     with pytest.raises(SystemExit):
         e2e.main(["--mode", "torch", "--width", "tiny", "--micro-batches", "2",
-                  "--cuda-graph"])
+                  "--train-steps", "3"])
 
 
 def test_cli_experts(tmp_path):

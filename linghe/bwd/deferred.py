@@ -35,7 +35,8 @@ A backward does not defer (it computes its own gradient, as without the setting,
 leaves the stash alone) when it cannot hand a gradient to ``.grad`` later: under
 ``torch.autograd.grad`` or ``backward(inputs=...)`` without the weight, with
 ``create_graph``, under ``torch.compile`` / compiled autograd, or while a CUDA graph is
-being captured (a replayed graph does not run this bookkeeping). A stash made before the
+being captured (a replayed graph does not run this bookkeeping), unless the capture spans
+whole steps (:func:`linghe.whole_step_capture`). A stash made before the
 weight changed in place (its version counter moved) or was replaced (``p.data = ...``,
 a move to another device) raises ``RuntimeError`` instead of adding stale products.
 """
@@ -50,6 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..fp8.quantize import dequantize_1x128_rows
 from ..fwd.grouped_mm import tma_capable
+from ..utils import capture_pauses_bookkeeping
 from . import grad_norms
 from . import grouped_mm as bwd_gm
 from .accumulate import _accumulate_grad_will_run, _in_compiled_autograd
@@ -137,7 +139,7 @@ def can_defer(weight: torch.Tensor) -> bool:
     module docstring for when it may not)."""
     return not (torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or _in_compiled_autograd()
-                or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+                or capture_pauses_bookkeeping(weight)
                 or not _accumulate_grad_will_run(weight))
 
 

@@ -30,6 +30,8 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..utils import capture_pauses_bookkeeping
+
 #: weights whose gradients' squared norms are recorded -> how many watchers
 _WATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: weight -> (weakref to the gradient's storage, version, shape, per-tile squared sums)
@@ -59,8 +61,8 @@ def unwatch(params) -> None:
 
 def watched(weight: torch.Tensor | None) -> bool:
     """Whether a backward should record ``weight``'s gradient norm (a cheap test)."""
-    return weight is not None and bool(_WATCHED) and weight in _WATCHED and not (
-        weight.is_cuda and torch.cuda.is_current_stream_capturing())
+    return (weight is not None and bool(_WATCHED) and weight in _WATCHED
+            and not capture_pauses_bookkeeping(weight))
 
 
 def record(weight: torch.Tensor, grad: torch.Tensor, sq: torch.Tensor) -> None:
@@ -70,10 +72,11 @@ def record(weight: torch.Tensor, grad: torch.Tensor, sq: torch.Tensor) -> None:
                         tuple(grad.shape), sq)
 
 
-def take(weight: torch.Tensor) -> torch.Tensor | None:
+def take(weight: torch.Tensor, consume: bool = True) -> torch.Tensor | None:
     """The recorded squared sums of ``weight.grad`` if it is still what was recorded, else
-    ``None``; the record is forgotten either way."""
-    rec = _RECORDS.pop(weight, None)
+    ``None``; the record is forgotten either way unless ``consume`` is False (a look that
+    leaves it for the step, e.g. to prepare a captured step's tables)."""
+    rec = _RECORDS.pop(weight, None) if consume else _RECORDS.get(weight)
     grad = weight.grad
     if rec is None or grad is None:
         return None

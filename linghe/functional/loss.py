@@ -19,6 +19,7 @@ from ..fwd.loss import ce_forward, ce_grad_fp8, ce_partials, ce_reduce, ce_row_w
 from ..utils import (
     FLOAT_DTYPES,
     apply_function,
+    capture_pauses_bookkeeping,
     cdiv,
     check_kernel_device,
     check_same_device,
@@ -484,7 +485,7 @@ def _reserve_head_slot(weight: torch.Tensor, micro_batches: int, tokens: int,
     or the weight's stash in use with no free slot (more forwards than ``micro_batches``
     before their backwards) or for micro-batches of another size."""
     if (tokens <= 0 or tokens % 128 or deferred.deferrable(weight, micro_batches) is None
-            or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+            or capture_pauses_bookkeeping(weight)):
         return None
     stash = deferred.stash_of(weight)
     if stash is not None and (stash.tokens != tokens or stash.pow2 != pow2

@@ -48,7 +48,7 @@ import torch
 from ..bwd import grad_norms
 from ..fp8.cache import bound_caches
 from ..fp8.tensor import Fp8Tensor
-from ..utils import check_kernel_device
+from ..utils import capture_pauses_bookkeeping, check_kernel_device
 from . import multi_tensor as K
 from .clip import (
     _norm_and_coef,
@@ -283,24 +283,25 @@ class AdamW(torch.optim.Optimizer):
         so its table covers those weights too): new addresses (and a new table) are
         uploaded from pinned host memory, which a capture must not do. FP8 copies that
         eager steps put in caches are dropped (the captured forward quantizes)."""
-        self._clip_coef()
+        self._clip_coef(consume=False)  # (the recorded norms stay for the step)
         for gi, group in enumerate(self.param_groups):
             self._group_plan(gi, group, fuse_fp8=False)  # (what a captured step runs)
 
     # ------------------------------------------------------------------------ internals
 
-    def _clip_coef(self) -> torch.Tensor | None:
+    def _clip_coef(self, consume: bool = True) -> torch.Tensor | None:
         """The clip coefficient ``[1]`` (and :attr:`grad_norm`), or None without
-        ``max_grad_norm``."""
+        ``max_grad_norm``. ``consume``: forget the gradient norms the backward recorded
+        (False: leave them for the step; :meth:`prepare_step`)."""
         if self.max_grad_norm is None:
             return None
         params = [p for g in self.param_groups for p in g["params"]]
         if (self.norm_from_backward and self.norm_type == 2.0
-                and not _capturing({"params": params})):
+                and not (params and capture_pauses_bookkeeping(params[0]))):
             # squared norms recorded by the wgrad kernels; the other gradients are read
             recorded, rest = [], []
             for p in params:
-                sq = grad_norms.take(p)
+                sq = grad_norms.take(p, consume)
                 if sq is None:
                     rest.append(p)
                 else:
