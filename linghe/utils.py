@@ -131,9 +131,11 @@ def whole_step_capture():
     Some of linghe's per-step work keeps state on the host between calls: weight
     gradients deferred over micro-batches (``wgrad_micro_batches``, the FP8 LM head's),
     gradient norms recorded by backward kernels for ``linghe.optim.AdamW``'s clipping
-    (``norm_from_backward``). A replayed graph repeats kernels, not Python, so by default
+    (``norm_from_backward``), the FP8 weight copies that optimizer writes in its step and
+    the next forwards read. A replayed graph repeats kernels, not Python, so by default
     each of these turns itself off while a capture is under way (the captured backward
-    computes its own gradient, the clipping reads every gradient). A capture that holds
+    computes its own gradient, the clipping reads every gradient, the captured forward
+    quantizes the weights itself). A capture that holds
     every micro-batch's forward and backward of a step (and the step's update in the
     same or a following capture, as ``benchmark.e2e --cuda-graph`` does) starts and ends
     with that state empty, so the bookkeeping done once at capture time is what every
@@ -145,6 +147,11 @@ def whole_step_capture():
         yield
     finally:
         _WHOLE_STEP_CAPTURE[0] -= 1
+
+
+def in_whole_step_capture() -> bool:
+    """Whether :func:`whole_step_capture` is active (its captures hold whole steps)."""
+    return _WHOLE_STEP_CAPTURE[0] > 0
 
 
 def capture_pauses_bookkeeping(t: torch.Tensor) -> bool:

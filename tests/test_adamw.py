@@ -523,6 +523,72 @@ def test_fp8_copies_only_where_the_step_can_make_them(device):
     assert c3.misses == misses + 1 and not c3.from_optimizer
 
 
+def test_step_rewrites_its_fp8_copy_in_place(device):
+    """Every step writes a weight's FP8 copy into the buffers of the copy it made the step
+    before (the same Fp8Tensor: a forward captured in a CUDA graph reads those); a copy of
+    another shape or format is replaced. Inside linghe.whole_step_capture, prepare_step
+    plans the fused update the captured step will run and keeps the copy; outside, it
+    plans a step without copies and clears it."""
+    (w3, c3, _fmt), _ = _bound_weights(device)
+    opt = optim.AdamW([w3])
+    _set_grads([[w3]], seed=6)
+    opt.step()
+    first = c3.value
+    ptrs = [t.data_ptr() for t in (first.rowwise_data, first.rowwise_scale,
+                                   first.columnwise_data, first.columnwise_scale)]
+    _set_grads([[w3]], seed=7)
+    opt.step()
+    assert c3.value is first and c3.from_optimizer
+    assert ptrs == [t.data_ptr() for t in (first.rowwise_data, first.rowwise_scale,
+                                           first.columnwise_data, first.columnwise_scale)]
+    with linghe.whole_step_capture():
+        opt.prepare_step()
+    assert c3.value is first and c3.from_optimizer
+    opt.prepare_step()
+    assert c3.value is None and not c3.from_optimizer
+    # a copy that does not fit (another scaling) is replaced, not written into
+    opt.step()
+    c3.value.scaling = "1x128"
+    stale = c3.value
+    opt.step()
+    assert c3.value is not stale and c3.value.scaling == "128x128"
+
+
+@pytest.mark.gpu
+def test_fp8_copy_from_the_step_hits_under_whole_step_capture(device):
+    """Inside linghe.whole_step_capture a captured forward reads the FP8 copy the eager
+    step made (no quantization in the graph) and a captured step rewrites it in place:
+    after a replay it is quantize_128x128 of the updated weight."""
+    from linghe.fwd.grouped_mm import quantize_grouped_weight
+
+    (w3, c3, fmt), _ = _bound_weights(device)
+    opt = optim.AdamW([w3])
+    _set_grads([[w3]], seed=8)
+    opt.step()
+    made = c3.value
+    calls = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g_fwd, g_step = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with linghe.whole_step_capture():
+        with torch.cuda.stream(side), torch.cuda.graph(g_fwd):
+            got = c3.get(w3, lambda w: calls.append(1), fmt)
+            summed = got.rowwise_data.view(torch.uint8).sum()
+        opt.prepare_step()
+        with torch.cuda.stream(side), torch.cuda.graph(g_step):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    assert not calls and got is made
+    g_step.replay()
+    g_fwd.replay()
+    torch.cuda.synchronize()
+    want = quantize_grouped_weight(w3.detach(), pow2_scale=True)
+    assert c3.value is made
+    assert torch.equal(made.rowwise_data.view(torch.uint8), want.rowwise_data.view(torch.uint8))
+    assert torch.equal(made.columnwise_scale, want.columnwise_scale)
+    assert int(summed) == int(want.rowwise_data.view(torch.uint8).sum())
+
+
 @pytest.mark.gpu
 def test_fp8_copy_from_the_step_misses_under_capture(device):
     """A CUDA graph captured after an eager step that made an FP8 copy must contain its

@@ -947,6 +947,38 @@ def test_tma_only_where_the_device_has_it(device, monkeypatch):
 
 from linghe.fwd import grouped_mm_ws as ws_mod  # noqa: E402
 
+
+@pytest.mark.skipif(ws_mod.gluon is None, reason="needs Gluon (triton >= 3.5)")
+def test_ws_descriptor_kept_for_weights():
+    """The warp-specialized launches' descriptors: a weight's (``reuse``) is built once
+    and handed out again for the same shape, strides and box (a new one for another box
+    or after its storage changed); an activation's is not kept; a kept descriptor
+    addresses the weight's memory without keeping the weight alive. Built on the CPU (no
+    launch): what ``_tma_operands(make=ws_descriptor)`` returns on the GPU."""
+    import gc
+    import weakref
+
+    w = torch.zeros(3 * 128, 256, dtype=torch.bfloat16)
+    a = torch.zeros(64, 256, dtype=torch.bfloat16)
+    ops = fwd_gm._tma_operands(a, w, 256, 128, 3, 128 * 256, 1, 256, 64, 128, 64,
+                               make=ws_mod.ws_descriptor)
+    again = fwd_gm._tma_operands(a, w, 256, 128, 3, 128 * 256, 1, 256, 64, 128, 64,
+                                 make=ws_mod.ws_descriptor)
+    assert again[1] is ops[1] and again[0] is not ops[0]
+    assert ops[1].base.data_ptr() == w.data_ptr() and ops[1].base is not w
+    assert ops[1].shape == [3 * 128, 256] and ops[1].block_shape == [128, 64]
+    assert ops[0].base is a and not hasattr(a, "_linghe_ws_desc")
+    other = ws_mod.ws_descriptor(w, [3 * 128, 256], [256, 1], [64, 64], reuse=True)
+    assert other is not ops[1] and other.block_shape == [64, 64]
+    w.data = torch.ones_like(w)  # a new storage: the kept descriptor no longer fits
+    fresh = ws_mod.ws_descriptor(w, [3 * 128, 256], [256, 1], [64, 64], reuse=True)
+    assert fresh is not other and fresh.base.data_ptr() == w.data_ptr()
+    ref_w = weakref.ref(w)
+    del w, ops, again, other, fresh
+    gc.collect()
+    assert ref_w() is None
+
+
 WS_CASES = [
     # (counts, align, K, N, tail): the forward contracts K into N, the dgrad N into K
     ([0, 37, 300, 0, 129, 1, 64], 16, 384, 256, 0),  # zero-row experts, partial tiles

@@ -31,9 +31,12 @@ of a 2-D view of it) binds itself to the weight (:meth:`WeightCache.bind_128x128
 weight again. Such a copy is checked against the weight's version, address, shape,
 dtype and device and against :func:`invalidate_weight_caches`, not against the
 generation (other optimizers' steps do not touch it); the AdamW that made it clears it
-when it steps the weight without making a new one. While a CUDA graph is being captured
-it is not handed out (a miss): the captured forward must contain its own quantization,
-because a captured optimizer step does not fill caches.
+when it steps the weight without making a new one. The optimizer rewrites its copy in
+place (the same buffers every step), so a forward captured in a CUDA graph that read it
+reads what a captured update wrote. While a graph is being captured such a copy is
+handed out only inside :func:`linghe.whole_step_capture` (whose captures also hold the
+update); otherwise it is a miss: the captured forward contains its own quantization,
+because an optimizer step captured alone does not fill caches.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..utils import capture_pauses_bookkeeping
 from .tensor import Fp8Tensor
 
 #: Bumped after every optimizer step (and by :func:`invalidate_weight_caches`); part of
@@ -151,8 +155,8 @@ class WeightCache:
             raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
         key = self.key_of(weight, fmt)
         if self.from_optimizer:
-            hit = (self.key[0] == _EPOCH[0] and self.key[1:] == key[1:] and not (
-                weight.is_cuda and torch.cuda.is_current_stream_capturing()))
+            hit = (self.key[0] == _EPOCH[0] and self.key[1:] == key[1:]
+                   and not capture_pauses_bookkeeping(weight))
         else:
             hit = self.key == key
         if hit and self.value is not None:

@@ -85,6 +85,7 @@ from .grouped_mm_ws import (
     launch_hp_rows_ws,
     ws_capable,
     ws_config,
+    ws_descriptor,
 )
 
 BLOCK = 128  # FP8 group / block size
@@ -527,7 +528,12 @@ FP8_TMA: bool = os.environ.get("LINGHE_FP8_TMA", "1") == "1"
 BF16_TMA: bool = os.environ.get("LINGHE_BF16_TMA", "1") == "1"
 
 
-def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK=BLOCK):
+def _tools_descriptor(t, shape, strides, box, reuse=False):
+    return TensorDescriptor(t, shape, strides, box)
+
+
+def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK=BLOCK,
+                  make=_tools_descriptor):
     """``(a_desc, b_desc, b_row_e, b_col_e)`` for :func:`_grouped_rows_tma_kernel`, or
     ``None`` where TMA cannot address the operands. ``a [R, I]`` in ``[BM, BK]`` boxes.
     ``b`` is one 2-D matrix, either contiguous along the contraction dim (``stride_bi ==
@@ -536,7 +542,10 @@ def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK=BLO
     that no K box reaches the next expert: the FP8 dgrad's columnwise copy), or, 2-byte
     operands only, contiguous along the output dim (``stride_bj == 1``, ``[BK, BN]``
     boxes, the kernel's ``B_NMAJOR``: the bf16 dgrad's ``W_e [I, J]``) as ``[E*I, J]``
-    with ``I`` a multiple of ``BK``. Row strides and bases 16-byte aligned (TMA)."""
+    with ``I`` a multiple of ``BK``. Row strides and bases 16-byte aligned (TMA).
+    ``make(t, shape, strides, box, reuse)`` builds each descriptor (default: a
+    ``triton.tools`` one; ``reuse`` is set for ``b``, the weights, whose descriptor the
+    warp-specialized kernels' :func:`~linghe.fwd.grouped_mm_ws.ws_descriptor` keeps)."""
     es = a.element_size()
     if a.stride(1) != 1 or (a.stride(0) * es) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16:
         return None
@@ -549,15 +558,15 @@ def _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, BM, BN, BK=BLO
             shape, b_row_e, b_col_e = [J, E * I], 0, I
         else:
             return None
-        b_desc = TensorDescriptor(b, shape, [stride_bj, 1], [BN, BK])
+        b_desc = make(b, shape, [stride_bj, 1], [BN, BK], True)
     elif stride_bj == 1 and es == 2:
         if (stride_bi * es) % 16 or stride_be != I * stride_bi or I % BK:
             return None
         b_row_e, b_col_e = I, 0
-        b_desc = TensorDescriptor(b, [E * I, J], [stride_bi, 1], [BK, BN])
+        b_desc = make(b, [E * I, J], [stride_bi, 1], [BK, BN], True)
     else:
         return None
-    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [BM, BK])
+    a_desc = make(a, list(a.shape), [a.stride(0), 1], [BM, BK], False)
     return a_desc, b_desc, b_row_e, b_col_e
 
 
@@ -632,7 +641,7 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
             WS_CONFIG, BM=cfg["BM"], BN=cfg["BN"], STAGES=cfg["num_stages"],
             GROUP_M=cfg["GROUP_M"], MAXNREG=maxnreg)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj, wcfg["BM"],
-                            wcfg["BN"])
+                            wcfg["BN"], make=ws_descriptor)
         if ops is not None:  # (reads the row scales in their own strides)
             return launch_fp8_rows_ws(ops, out, a_scale, b_scale, offsets, bs_strides, wcfg)
     # the Triton kernels read the row scales transposed, [GK, R] (contiguous per K step)
@@ -641,7 +650,8 @@ def launch_grouped_rows(a, b, out, offsets, *, stride_be, stride_bi, stride_bj,
             and ws_capable(a)):
         # bf16/fp16 on sm_90: the warp-specialized kernel (fp32 accumulation)
         ops = _tma_operands(a, b, I, J, E, stride_be, stride_bi, stride_bj,
-                            HP_WS_CONFIG["BM"], HP_WS_CONFIG["BN"], HP_WS_CONFIG["BK"])
+                            HP_WS_CONFIG["BM"], HP_WS_CONFIG["BN"], HP_WS_CONFIG["BK"],
+                            make=ws_descriptor)
         if ops is not None:
             return launch_hp_rows_ws(ops, out, offsets, stride_bi != 1)
     if want_ws and cfg is not None:

@@ -857,11 +857,42 @@ _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def _gluon_descriptor(desc) -> GluonDescriptor:
     """A Gluon tensor descriptor (NVMMA shared layout) for a ``triton.tools`` one over
-    FP8, bf16 or fp16 data."""
+    FP8, bf16 or fp16 data (a Gluon one as it is)."""
+    if isinstance(desc, GluonDescriptor):
+        return desc
     box = tuple(desc.block_shape)
     name = _GL_DTYPES.get(desc.base.dtype)
     return GluonDescriptor(desc.base, desc.shape, desc.strides, list(box),
                            _layout(box, getattr(gl, name) if name else None))
+
+
+def ws_descriptor(t: torch.Tensor, shape, strides, box, reuse: bool = False):
+    """A Gluon TMA descriptor of ``t`` (FP8, bf16 or fp16) with its NVMMA layout: what
+    :func:`linghe.fwd.grouped_mm._tma_operands` builds for the warp-specialized kernels
+    (``make=``), with no ``triton.tools`` descriptor in between. ``reuse``: keep it on
+    ``t`` and hand it out again for the same shape, strides and box: a weight's
+    descriptor is built once, not in every launch (FP8 weight copies live for a step or
+    more, 16-bit weights for the run). The kept descriptor is over another tensor on
+    ``t``'s storage (not a view, which would refer back to ``t``: a cycle the garbage
+    collector cannot see through), so ``t`` is freed as before."""
+    key = (tuple(shape), tuple(strides), tuple(box))
+    if reuse:
+        kept = getattr(t, "_linghe_ws_desc", None)
+        if kept is not None and kept[0] == key and kept[1].base.data_ptr() == t.data_ptr():
+            return kept[1]
+    base = t
+    if reuse:
+        base = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    name = _GL_DTYPES.get(t.dtype)
+    desc = GluonDescriptor(base, list(shape), list(strides), list(box),
+                           _layout(tuple(box), getattr(gl, name) if name else None))
+    if reuse:
+        try:
+            t._linghe_ws_desc = (key, desc)
+        except (AttributeError, RuntimeError):  # pragma: no cover - e.g. a tensor subclass
+            pass
+    return desc
 
 
 def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,

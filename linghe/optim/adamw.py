@@ -48,7 +48,7 @@ import torch
 from ..bwd import grad_norms
 from ..fp8.cache import bound_caches
 from ..fp8.tensor import Fp8Tensor
-from ..utils import capture_pauses_bookkeeping, check_kernel_device
+from ..utils import capture_pauses_bookkeeping, check_kernel_device, in_whole_step_capture
 from . import multi_tensor as K
 from .clip import (
     _norm_and_coef,
@@ -57,7 +57,7 @@ from .clip import (
     check_norm_type,
     prepare,
 )
-from .fp8_weights import adamw_quant_128_
+from .fp8_weights import adamw_quant_128_, copy_buffers_fit
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DATA_PTR = torch.Tensor.data_ptr
@@ -65,11 +65,11 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _PLANS_PER_GROUP = 8
 
 
-def _capturing(group: dict) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (the group's device
-    is a GPU)."""
+def _capture_pauses(group: dict) -> bool:
+    """Whether a CUDA graph capture that does not hold whole steps is under way on the
+    current stream (the group's device is a GPU): :func:`linghe.whole_step_capture`."""
     params = group["params"]
-    return bool(params) and params[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    return bool(params) and capture_pauses_bookkeeping(params[0])
 
 
 def _fp8_bound(params, idx: list[int], fuse: bool) -> tuple:
@@ -243,7 +243,7 @@ class AdamW(torch.optim.Optimizer):
         coef = self._clip_coef()
         for gi, group in enumerate(self.param_groups):
             planned = self._group_plan(
-                gi, group, fuse_fp8=self.fp8_weight_copies and not _capturing(group))
+                gi, group, fuse_fp8=self.fp8_weight_copies and not _capture_pauses(group))
             if planned is None:
                 continue
             bufs, (plan, inc, _mv), addrs, _keep, fused = planned
@@ -265,13 +265,23 @@ class AdamW(torch.optim.Optimizer):
         """AdamW on ``p`` (row ``i`` of the group's bias corrections) that also makes its
         FP8 copy for ``cache`` (:mod:`linghe.optim.fp8_weights`)."""
         st = self.state[p]
-        cache.clear()  # free the last copy before the new one is allocated
+        # The copy this update made last step is rewritten in place (a forward captured
+        # in a CUDA graph reads those buffers; see linghe.whole_step_capture), else a new
+        # one is made (the last freed first).
+        value = cache.value if cache.from_optimizer else None
+        if value is not None and copy_buffers_fit(value, shape2d, p.device):
+            out = (value.rowwise_data, value.rowwise_scale, value.columnwise_data,
+                   value.columnwise_scale)
+        else:
+            cache.clear()
+            value = out = None
         q, s, qt, st_ = adamw_quant_128_(p, p.grad, st["exp_avg"], st["exp_avg_sq"],
                                          bufs.bias, i, pow2_scale=pow2, shape2d=shape2d,
-                                         **hyper)
-        cache.put_from_optimizer(p, Fp8Tensor(p.shape, p.dtype, rowwise_data=q,
-                                               rowwise_scale=s, columnwise_data=qt,
-                                               columnwise_scale=st_, scaling="128x128"), fmt)
+                                         out=out, **hyper)
+        if value is None:
+            value = Fp8Tensor(p.shape, p.dtype, rowwise_data=q, rowwise_scale=s,
+                              columnwise_data=qt, columnwise_scale=st_, scaling="128x128")
+        cache.put_from_optimizer(p, value, fmt)
 
     @torch.no_grad()
     def prepare_step(self) -> None:
@@ -279,13 +289,17 @@ class AdamW(torch.optim.Optimizer):
         chunk tables, the norm's table and buffers) without changing any parameter or
         step count. Call it before capturing ``step()`` in a CUDA graph when the gradients
         were allocated anew since the last eager step (e.g. set to None before a captured
-        backward), or when eager steps made FP8 weight copies (a captured step does not,
-        so its table covers those weights too): new addresses (and a new table) are
-        uploaded from pinned host memory, which a capture must not do. FP8 copies that
-        eager steps put in caches are dropped (the captured forward quantizes)."""
+        backward), or when eager steps made FP8 weight copies: new addresses (and a new
+        table) are uploaded from pinned host memory, which a capture must not do. A step
+        captured alone makes no FP8 copies (its table covers those weights too), so the
+        copies eager steps put in caches are dropped (the captured forward quantizes);
+        inside :func:`linghe.whole_step_capture` the captured step rewrites them in place,
+        as eager steps do, and they stay (the captured forwards read them)."""
         self._clip_coef(consume=False)  # (the recorded norms stay for the step)
+        # what a captured step runs: the FP8 copies only inside linghe.whole_step_capture
+        fuse = self.fp8_weight_copies and in_whole_step_capture()
         for gi, group in enumerate(self.param_groups):
-            self._group_plan(gi, group, fuse_fp8=False)  # (what a captured step runs)
+            self._group_plan(gi, group, fuse_fp8=fuse)
 
     # ------------------------------------------------------------------------ internals
 

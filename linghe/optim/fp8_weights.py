@@ -87,19 +87,25 @@ STAGES = 4
 def adamw_quant_128_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                      bias: torch.Tensor, row: int, *, lr, beta1: float, beta2: float,
                      eps: float, weight_decay: float, maximize: bool,
-                     coef: torch.Tensor | None, pow2_scale: bool, shape2d: tuple[int, int]):
+                     coef: torch.Tensor | None, pow2_scale: bool, shape2d: tuple[int, int],
+                     out: tuple | None = None):
     """One AdamW step of ``p`` (in place, with its moments ``m``/``v``; gradient ``g``;
     bias corrections ``bias[row]``; the other arguments as for
     :func:`~linghe.optim.multi_tensor.adamw_`) viewed as ``shape2d = (N, K)``, returning
     the FP8 copies of the updated weight as :func:`linghe.quantize_128x128` makes them:
     ``(q [N, K], s, qt [K, N], st)``. All four tensors contiguous, of ``N * K``
-    elements, on one CUDA device (or the interpreter)."""
+    elements, on one CUDA device (or the interpreter). ``out``: ``(q, s, qt, st)`` to
+    write into (the previous step's copy, as :func:`copy_buffers_fit` accepts), else new
+    tensors."""
     N, K = shape2d
     dev = p.device
-    q = empty(N, K, dtype=FP8_DTYPE, device=dev)
-    s = empty(cdiv(N, BLOCK), cdiv(K, BLOCK), dtype=torch.float32, device=dev)
-    qt = empty(K, N, dtype=FP8_DTYPE, device=dev)
-    st = empty(cdiv(K, BLOCK), cdiv(N, BLOCK), dtype=torch.float32, device=dev)
+    if out is not None:
+        q, s, qt, st = out
+    else:
+        q = empty(N, K, dtype=FP8_DTYPE, device=dev)
+        s = empty(cdiv(N, BLOCK), cdiv(K, BLOCK), dtype=torch.float32, device=dev)
+        qt = empty(K, N, dtype=FP8_DTYPE, device=dev)
+        st = empty(cdiv(K, BLOCK), cdiv(N, BLOCK), dtype=torch.float32, device=dev)
     if N and K:
         lr_tensor = isinstance(lr, torch.Tensor)
         with device_guard(p):
@@ -110,3 +116,18 @@ def adamw_quant_128_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
                    CLIP=coef is not None, LR_TENSOR=lr_tensor, MAXIMIZE=bool(maximize),
                    POW2=bool(pow2_scale), ROWS=ROWS, STAGES=STAGES, num_warps=NUM_WARPS)
     return q, s, qt, st
+
+
+def copy_buffers_fit(value, shape2d: tuple[int, int], device: torch.device) -> bool:
+    """Whether ``value`` (an :class:`~linghe.Fp8Tensor` this update made before) can take
+    the next copy of a weight viewed as ``shape2d`` in place: both 128x128 copies, e4m3,
+    contiguous, of the shapes :func:`adamw_quant_128_` writes, on ``device``."""
+    N, K = shape2d
+    if value is None or value.scaling != "128x128":
+        return False
+    want = ((value.rowwise_data, (N, K), FP8_DTYPE),
+            (value.rowwise_scale, (cdiv(N, BLOCK), cdiv(K, BLOCK)), torch.float32),
+            (value.columnwise_data, (K, N), FP8_DTYPE),
+            (value.columnwise_scale, (cdiv(K, BLOCK), cdiv(N, BLOCK)), torch.float32))
+    return all(t is not None and tuple(t.shape) == shape and t.dtype == dtype
+               and t.device == device and t.is_contiguous() for t, shape, dtype in want)
