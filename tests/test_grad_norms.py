@@ -46,8 +46,8 @@ def _step(m, xs, norm_from_backward, fp8=None, mutate=None):
     taken = []
     real_take = grad_norms.take
 
-    def counting(w):
-        sq = real_take(w)
+    def counting(w, consume=True):
+        sq = real_take(w, consume)
         taken.append(sq is not None)
         return sq
 
