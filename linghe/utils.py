@@ -141,6 +141,12 @@ def whole_step_capture():
     with that state empty, so the bookkeeping done once at capture time is what every
     replay needs: inside this context it stays on. Capture a part of a step (one
     micro-batch) outside it.
+
+    The captured forwards then read the FP8 weight copies in the weight caches, which the
+    captured update rewrites in place: re-capture after anything that makes those caches
+    drop their copies (``load_state_dict``, ``linghe.fp8.invalidate_weight_caches``, an
+    eager ``AdamW.prepare_step()`` outside this context), as after any change of the
+    model's tensors.
     """
     _WHOLE_STEP_CAPTURE[0] += 1
     try:
