@@ -127,6 +127,22 @@ def test_empty(device):
             assert gemm.fprop(xq, wq).shape == (M, N)
 
 
+def test_weight_scale_relayout_follows_version(device):
+    """The cuBLAS re-layout of 128x128 weight scales (zero-padded rows where K/128 is not
+    a multiple of 4) is kept on the scale tensor while its version counter stays, made
+    anew after a bump (what AdamW does when it rewrites an FP8 copy in place), and the
+    padded layout holds the scales."""
+    sb = torch.rand(2, 3, device=device)
+    t1 = gemm._torch_b_scale(sb, "128x128")
+    assert gemm._torch_b_scale(sb, "128x128") is t1
+    assert t1.shape == (3, 2) and t1.stride() == (1, 4) and torch.equal(t1, sb.t())
+    sb.data.copy_(torch.rand(2, 3))  # a write the version counter does not see ...
+    assert gemm._torch_b_scale(sb, "128x128") is t1
+    torch.autograd.graph.increment_version(sb)  # ... until it is bumped
+    t2 = gemm._torch_b_scale(sb, "128x128")
+    assert t2 is not t1 and torch.equal(t2, sb.t())
+
+
 def test_group_major_scales(device):
     """``quantize_1x128_launch(group_major_scales=True)`` (the FP8 Linear's hot path) gives
     the same numbers in the transposed scale layout, which the GEMMs read as is: the

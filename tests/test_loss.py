@@ -670,6 +670,28 @@ def test_lm_head_fp8_dgrad_with_padded_vocab(device, monkeypatch):
     assert asked == [300, 300, 300]  # once per chunk of the fused path
 
 
+def test_padded_columnwise_follows_version(device):
+    """The LM head weight's zero-padded columnwise copy (for a vocabulary cuBLAS takes only
+    padded) is made once per FP8 copy and made anew when the copy's version counters
+    move (AdamW rewrites the copy in place and bumps them)."""
+    from linghe.functional.loss import _padded_columnwise
+
+    wq = linghe.quantize_128x128(torch.randn(300, 128, device=device), columnwise=True,
+                                 pow2_scale=True)
+    data, scale = _padded_columnwise(wq, 512)
+    assert data.shape == (128, 512) and scale.shape == (1, 4)
+    assert torch.equal(data[:, :300].view(torch.uint8), wq.columnwise_data.view(torch.uint8))
+    assert not data[:, 300:].view(torch.uint8).any() and float(scale[0, 3]) == 1.0
+    assert _padded_columnwise(wq, 512)[0].data_ptr() == data.data_ptr()  # kept
+    new = linghe.quantize_128x128(torch.randn(300, 128, device=device), columnwise=True,
+                                  pow2_scale=True)
+    wq.columnwise_data.copy_(new.columnwise_data)  # (an in-place copy_ bumps the version)
+    wq.columnwise_scale.data.copy_(new.columnwise_scale)
+    again, _ = _padded_columnwise(wq, 512)
+    assert again.data_ptr() != data.data_ptr()
+    assert torch.equal(again[:, :300].view(torch.uint8), new.columnwise_data.view(torch.uint8))
+
+
 def test_lm_head_fp8_weight_copy_cached_per_step(device):
     """The LM head weight is quantized once per optimizer step (a WeightCache per weight,
     bound so that linghe.optim.AdamW writes the copy in its update), the recipe without

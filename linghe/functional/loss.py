@@ -248,10 +248,15 @@ _PADDED_COLUMNWISE = WeakIdKeyDictionary()
 
 def _padded_columnwise(wq, k: int):
     """W's columnwise copy ``[H, V]`` with zero columns up to ``k`` (and scale 1 for the
-    added groups), made once per copy (the copy is new after every weight update)."""
+    added groups), made once per copy and kept while the copy's version counters stay
+    (the optimizer's in-place rewrite of the copy bumps them); made anew inside a CUDA
+    graph capture, which must contain it (a replay after a captured update would read a
+    stale one)."""
     data, scale = wq.columnwise_data, wq.columnwise_scale
-    hit = _PADDED_COLUMNWISE.get(data)
-    if hit is not None and hit[0] == k:
+    capturing = data.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (k, data._version, scale._version)
+    hit = None if capturing else _PADDED_COLUMNWISE.get(data)
+    if hit is not None and hit[0] == key:
         return hit[1], hit[2]
     rows, V = data.shape
     padded = torch.zeros(rows, k, dtype=torch.uint8, device=data.device)
@@ -259,7 +264,8 @@ def _padded_columnwise(wq, k: int):
     padded_scale = torch.ones(scale.shape[0], k // 128, dtype=torch.float32,
                               device=scale.device)
     padded_scale[:, :scale.shape[1]].copy_(scale)
-    _PADDED_COLUMNWISE[data] = (k, padded.view(data.dtype), padded_scale)
+    if not capturing:
+        _PADDED_COLUMNWISE[data] = (key, padded.view(data.dtype), padded_scale)
     return padded.view(data.dtype), padded_scale
 
 

@@ -281,6 +281,12 @@ class AdamW(torch.optim.Optimizer):
         if value is None:
             value = Fp8Tensor(p.shape, p.dtype, rowwise_data=q, rowwise_scale=s,
                               columnwise_data=qt, columnwise_scale=st_, scaling="128x128")
+        else:
+            # rewritten by a kernel: bump the version counters, so that what is derived
+            # from the old copy and keyed by them (re-laid-out scales, a padded copy) is
+            # made again
+            for t in out:
+                torch.autograd.graph.increment_version(t)
         cache.put_from_optimizer(p, value, fmt)
 
     @torch.no_grad()
