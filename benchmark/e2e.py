@@ -723,12 +723,15 @@ def train_curve(cfg: E2EConfig, mode: str, data: bytes, *, steps: int, lr: float
                          lr_tensor=graph, optimizer=optimizer)
     batches = ByteBatches(data, cfg.batch, cfg.seq, device)
     if graph:
-        # Capture (its warmup steps) from a copy of the initial state, so the curve
-        # still starts from the common initialisation.
-        init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # The capture's warm-up steps run at learning rate 0, so the weights keep the
+        # common initialisation (and the FP8 copies the captured forwards read stay
+        # theirs: resetting the weights after the capture would leave the graphs on
+        # stale copies); the expert biases and the optimizer state are reset.
+        set_lr(opt, 0.0)
+        init = {k: v.detach().clone() for k, v in model.named_buffers()}
         step = make_stepper(model, opt, batches, mode, graph=True, warmup=2)
         with torch.no_grad():
-            for k, v in model.state_dict().items():
+            for k, v in model.named_buffers():
                 v.copy_(init[k])
         for st in opt.state.values():
             for v in st.values():

@@ -558,6 +558,33 @@ def test_step_rewrites_its_fp8_copy_in_place(device):
     assert c3.value is not stale and c3.value.scaling == "128x128"
 
 
+def test_whole_step_capture_refuses_what_would_break_the_graphs(device):
+    """Inside linghe.whole_step_capture, AdamW refuses to drop an FP8 copy it made (the
+    captured forwards may read it): here a gradient whose layout keeps the step from
+    rewriting it; and prepare_step refuses while deferred micro-batches are pending (the
+    captured backward must hold every micro-batch)."""
+    from linghe.bwd import deferred
+
+    (w3, c3, _fmt), _ = _bound_weights(device)
+    opt = optim.AdamW([w3])
+    _set_grads([[w3]], seed=9)
+    opt.step()
+    assert c3.from_optimizer
+    w3.grad = w3.grad.transpose(1, 2).contiguous().transpose(1, 2)  # not contiguous
+    with linghe.whole_step_capture(), pytest.raises(RuntimeError, match="in place"):
+        opt.prepare_step()
+    assert c3.from_optimizer
+    _set_grads([[w3]], seed=10)
+    deferred._STASHES[w3] = stash = deferred.Stash(w3)
+    stash.parts.append(None)
+    try:
+        with linghe.whole_step_capture(), pytest.raises(RuntimeError, match="pending"):
+            opt.prepare_step()
+    finally:
+        deferred.discard_deferred_wgrad()
+    assert deferred.pending_micro_batches(w3) == 0
+
+
 @pytest.mark.gpu
 def test_fp8_copy_from_the_step_hits_under_whole_step_capture(device):
     """Inside linghe.whole_step_capture a captured forward reads the FP8 copy the eager

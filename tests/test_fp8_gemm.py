@@ -141,6 +141,11 @@ def test_weight_scale_relayout_follows_version(device):
     torch.autograd.graph.increment_version(sb)  # ... until it is bumped
     t2 = gemm._torch_b_scale(sb, "128x128")
     assert t2 is not t1 and torch.equal(t2, sb.t())
+    # scales a captured update rewrites (replays bump no version): never kept
+    sb._linghe_graph_written = True
+    torch.autograd.graph.increment_version(sb)
+    t3 = gemm._torch_b_scale(sb, "128x128")
+    assert gemm._torch_b_scale(sb, "128x128") is not t3 and torch.equal(t3, sb.t())
 
 
 def test_group_major_scales(device):

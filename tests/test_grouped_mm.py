@@ -970,6 +970,8 @@ def test_ws_descriptor_kept_for_weights():
     assert ops[0].base is a and not hasattr(a, "_linghe_ws_desc")
     other = ws_mod.ws_descriptor(w, [3 * 128, 256], [256, 1], [64, 64], reuse=True)
     assert other is not ops[1] and other.block_shape == [64, 64]
+    # both boxes are kept (the forward's and the dgrad's may differ)
+    assert ws_mod.ws_descriptor(w, [3 * 128, 256], [256, 1], [128, 64], reuse=True) is ops[1]
     w.data = torch.ones_like(w)  # a new storage: the kept descriptor no longer fits
     fresh = ws_mod.ws_descriptor(w, [3 * 128, 256], [256, 1], [64, 64], reuse=True)
     assert fresh is not other and fresh.base.data_ptr() == w.data_ptr()
@@ -977,6 +979,10 @@ def test_ws_descriptor_kept_for_weights():
     del w, ops, again, other, fresh
     gc.collect()
     assert ref_w() is None
+    # a Parameter's (whose storage module.to() replaces) is not kept
+    p = torch.nn.Parameter(torch.zeros(128, 256, dtype=torch.bfloat16))
+    d = ws_mod.ws_descriptor(p, [128, 256], [256, 1], [64, 64], reuse=True)
+    assert d.base is p and not hasattr(p, "_linghe_ws_desc")
 
 
 WS_CASES = [

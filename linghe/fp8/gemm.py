@@ -224,13 +224,15 @@ def _torch_b_scale(sb, b_scaling):
     contiguous. Weights' 128x128 scales live for a whole optimizer step, so the re-layout is
     cached on the scale tensor itself (keyed by its ``_version``, which the optimizer's
     in-place rewrite of an FP8 copy bumps): no torch ops per GEMM. Not while a CUDA graph
-    is captured: the graph must contain the re-layout, since a replay after the captured
-    update rewrote the scales would read a stale one."""
+    is captured (the graph must contain the re-layout: a replay after the captured update
+    rewrote the scales would read a stale one), nor for scales a captured update rewrites
+    (its replays bump no version)."""
     if b_scaling == "1x128" and sb.stride(0) == 1:
         return sb.t()  # already group-major (quantize_1x128_launch(group_major_scales=True))
     if b_scaling == "128x128" and sb.shape[1] % 4 == 0 and sb.is_contiguous():
         return sb.t()  # its rows already are L4 long: the layout itself, no copy
-    capturing = sb.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = (getattr(sb, "_linghe_graph_written", False)
+                 or (sb.is_cuda and torch.cuda.is_current_stream_capturing()))
     cached = getattr(sb, "_linghe_cublas", None)
     if cached is not None and cached[0] == sb._version and not capturing:
         return cached[1]

@@ -251,9 +251,11 @@ def _padded_columnwise(wq, k: int):
     added groups), made once per copy and kept while the copy's version counters stay
     (the optimizer's in-place rewrite of the copy bumps them); made anew inside a CUDA
     graph capture, which must contain it (a replay after a captured update would read a
-    stale one)."""
+    stale one), and not kept for a copy a captured update rewrites (its replays bump no
+    version)."""
     data, scale = wq.columnwise_data, wq.columnwise_scale
-    capturing = data.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = (getattr(data, "_linghe_graph_written", False)
+                 or (data.is_cuda and torch.cuda.is_current_stream_capturing()))
     key = (k, data._version, scale._version)
     hit = None if capturing else _PADDED_COLUMNWISE.get(data)
     if hit is not None and hit[0] == key:

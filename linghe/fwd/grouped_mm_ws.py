@@ -869,28 +869,35 @@ def _gluon_descriptor(desc) -> GluonDescriptor:
 def ws_descriptor(t: torch.Tensor, shape, strides, box, reuse: bool = False):
     """A Gluon TMA descriptor of ``t`` (FP8, bf16 or fp16) with its NVMMA layout: what
     :func:`linghe.fwd.grouped_mm._tma_operands` builds for the warp-specialized kernels
-    (``make=``), with no ``triton.tools`` descriptor in between. ``reuse``: keep it on
-    ``t`` and hand it out again for the same shape, strides and box: a weight's
-    descriptor is built once, not in every launch (FP8 weight copies live for a step or
-    more, 16-bit weights for the run). The kept descriptor is over another tensor on
+    (``make=``), with no ``triton.tools`` descriptor in between. ``reuse`` (a weight's
+    operand): when ``t`` is a plain tensor (the FP8 weight copies, which live for a step
+    or, rewritten in place, for the run), keep it on ``t`` and hand it out again for the
+    same dtype, shape, strides and box, so it is built once, not in every launch. Not for
+    ``nn.Parameter`` s, whose storage ``module.to()`` / ``p.data = ...`` replace (a kept
+    descriptor would hold the old one). The kept descriptor is over another tensor on
     ``t``'s storage (not a view, which would refer back to ``t``: a cycle the garbage
     collector cannot see through), so ``t`` is freed as before."""
-    key = (tuple(shape), tuple(strides), tuple(box))
-    if reuse:
-        kept = getattr(t, "_linghe_ws_desc", None)
-        if kept is not None and kept[0] == key and kept[1].base.data_ptr() == t.data_ptr():
-            return kept[1]
+    key = (t.dtype, tuple(shape), tuple(strides), tuple(box))
+    keep = reuse and type(t) is torch.Tensor
+    kept = getattr(t, "_linghe_ws_desc", None) if keep else None
+    if kept is not None:
+        desc = kept.get(key)
+        if desc is not None and desc.base.data_ptr() == t.data_ptr():
+            return desc
     base = t
-    if reuse:
+    if keep:
         base = torch.empty(0, dtype=t.dtype, device=t.device).set_(
             t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
     name = _GL_DTYPES.get(t.dtype)
     desc = GluonDescriptor(base, list(shape), list(strides), list(box),
                            _layout(tuple(box), getattr(gl, name) if name else None))
-    if reuse:
+    if keep:
+        if kept is None or len(kept) >= 4:
+            kept = {}
+        kept[key] = desc
         try:
-            t._linghe_ws_desc = (key, desc)
-        except (AttributeError, RuntimeError):  # pragma: no cover - e.g. a tensor subclass
+            t._linghe_ws_desc = kept
+        except (AttributeError, RuntimeError):  # pragma: no cover
             pass
     return desc
 

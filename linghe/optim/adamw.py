@@ -45,7 +45,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..bwd import grad_norms
+from ..bwd import deferred, grad_norms
 from ..fp8.cache import bound_caches
 from ..fp8.tensor import Fp8Tensor
 from ..utils import capture_pauses_bookkeeping, check_kernel_device, in_whole_step_capture
@@ -91,9 +91,25 @@ def _fp8_bound(params, idx: list[int], fuse: bool) -> tuple:
             out.append((i, *bound[0]))
             continue
         for cache, *_ in bound:
-            if cache.from_optimizer:
-                cache.clear()
+            _drop_copy(cache, p)
     return tuple(out)
+
+
+def _drop_copy(cache, p: torch.Tensor) -> None:
+    """Clear ``cache``'s copy if this optimizer made it (a step that does not rewrite it
+    changes the weight). Inside :func:`linghe.whole_step_capture` (the captures and the
+    ``prepare_step`` between them) that copy may be what the captured forwards read, and
+    clearing it would leave them on freed buffers: refuse."""
+    if not cache.from_optimizer:
+        return
+    if in_whole_step_capture():
+        raise RuntimeError(
+            "linghe.optim.AdamW: inside linghe.whole_step_capture, a captured step cannot "
+            "rewrite the FP8 copy of a weight (shape " + str(tuple(p.shape)) + ") in place "
+            "(its gradient's layout or the copy's format changed since the eager steps), "
+            "and the captured forwards read that copy; run an eager step with the same "
+            "gradients before capturing")
+    cache.clear()
 
 
 #: Parameter dtypes whose step may write their FP8 copy (a 16-bit weight's transposed
@@ -269,11 +285,12 @@ class AdamW(torch.optim.Optimizer):
         # in a CUDA graph reads those buffers; see linghe.whole_step_capture), else a new
         # one is made (the last freed first).
         value = cache.value if cache.from_optimizer else None
-        if value is not None and copy_buffers_fit(value, shape2d, p.device):
+        if (value is not None and value.shape == p.shape and value.dtype == p.dtype
+                and copy_buffers_fit(value, shape2d, p.device)):
             out = (value.rowwise_data, value.rowwise_scale, value.columnwise_data,
                    value.columnwise_scale)
         else:
-            cache.clear()
+            _drop_copy(cache, p)
             value = out = None
         q, s, qt, st_ = adamw_quant_128_(p, p.grad, st["exp_avg"], st["exp_avg_sq"],
                                          bufs.bias, i, pow2_scale=pow2, shape2d=shape2d,
@@ -284,9 +301,13 @@ class AdamW(torch.optim.Optimizer):
         else:
             # rewritten by a kernel: bump the version counters, so that what is derived
             # from the old copy and keyed by them (re-laid-out scales, a padded copy) is
-            # made again
+            # made again; a captured rewrite (whose replays bump nothing) marks the
+            # buffers so that nothing is derived from them and kept
+            capturing = p.is_cuda and torch.cuda.is_current_stream_capturing()
             for t in out:
                 torch.autograd.graph.increment_version(t)
+                if capturing:
+                    t._linghe_graph_written = True
         cache.put_from_optimizer(p, value, fmt)
 
     @torch.no_grad()
@@ -301,23 +322,34 @@ class AdamW(torch.optim.Optimizer):
         copies eager steps put in caches are dropped (the captured forward quantizes);
         inside :func:`linghe.whole_step_capture` the captured step rewrites them in place,
         as eager steps do, and they stay (the captured forwards read them)."""
-        self._clip_coef(consume=False)  # (the recorded norms stay for the step)
-        # what a captured step runs: the FP8 copies only inside linghe.whole_step_capture
-        fuse = self.fp8_weight_copies and in_whole_step_capture()
+        # What a captured step runs: the recorded gradient norms and the FP8 copies only
+        # inside linghe.whole_step_capture (elsewhere the capture pauses them).
+        whole = in_whole_step_capture()
+        params = [p for g in self.param_groups for p in g["params"]]
+        if whole and any(deferred.pending_micro_batches(p) for p in params):
+            raise RuntimeError(
+                "linghe.optim.AdamW.prepare_step: deferred weight gradients are pending "
+                "(wgrad_micro_batches); inside linghe.whole_step_capture the captured "
+                "backward must hold every micro-batch of the step")
+        self._clip_coef(consume=False, use_records=whole)  # (the records stay for the step)
         for gi, group in enumerate(self.param_groups):
-            self._group_plan(gi, group, fuse_fp8=fuse)
+            self._group_plan(gi, group, fuse_fp8=self.fp8_weight_copies and whole)
 
     # ------------------------------------------------------------------------ internals
 
-    def _clip_coef(self, consume: bool = True) -> torch.Tensor | None:
+    def _clip_coef(self, consume: bool = True,
+                   use_records: bool | None = None) -> torch.Tensor | None:
         """The clip coefficient ``[1]`` (and :attr:`grad_norm`), or None without
         ``max_grad_norm``. ``consume``: forget the gradient norms the backward recorded
-        (False: leave them for the step; :meth:`prepare_step`)."""
+        (False: leave them for the step; :meth:`prepare_step`). ``use_records``: whether
+        those norms may stand in for reading gradients (default: unless a capture that
+        pauses the bookkeeping is under way)."""
         if self.max_grad_norm is None:
             return None
         params = [p for g in self.param_groups for p in g["params"]]
-        if (self.norm_from_backward and self.norm_type == 2.0
-                and not (params and capture_pauses_bookkeeping(params[0]))):
+        if use_records is None:
+            use_records = not (params and capture_pauses_bookkeeping(params[0]))
+        if self.norm_from_backward and self.norm_type == 2.0 and use_records:
             # squared norms recorded by the wgrad kernels; the other gradients are read
             recorded, rest = [], []
             for p in params:
