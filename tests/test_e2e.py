@@ -565,6 +565,38 @@ def test_graph_stepper_captures_whole_micro_batched_steps(monkeypatch):
     assert math.isfinite(float(loss))
 
 
+def test_loss_curve_capture_keeps_the_initialisation(monkeypatch):
+    """The loss-curve job's graph path warms its capture up at learning rate 0: the
+    weights (and so the FP8 copies the captured forwards read) are still the seeded
+    initialisation when the curve starts, and only the expert biases and the optimizer
+    state are reset. On the CPU the capture is faked (the body runs once, eagerly)."""
+    cfg = CFG if DEVICE == "cpu" else GPU_CFG
+    init = {k: v.detach().clone() for k, v in build_model(cfg, device=DEVICE,
+                                                          seed=0).named_parameters()}
+    seen = {}
+    real = e2e.make_stepper
+
+    def spy(model, opt, *args, **kwargs):
+        before = [p._version for p in model.parameters()]
+        step = real(model, opt, *args, **kwargs)
+        seen.update({k: v.detach().clone() for k, v in model.named_parameters()})
+        seen["lr"] = float(opt.param_groups[0]["lr"])
+
+        def first_step(i):  # (after train_curve's resets): no weight was written
+            seen["versions_kept"] = before == [p._version for p in model.parameters()]
+            return step(i)
+        return first_step
+
+    monkeypatch.setattr(e2e, "make_stepper", spy)
+    with _cuda_fakes():
+        losses, _ = e2e.train_curve(cfg, "bf16", stdlib_corpus(corpus_bytes_needed(cfg, 4)),
+                                    steps=1, lr=1e-3, seed=0, device=DEVICE, graph=True)
+    assert seen.pop("lr") == 0.0 and seen.pop("versions_kept")
+    assert seen.keys() == init.keys()
+    assert all(torch.equal(seen[k], init[k]) for k in init)
+    assert len(losses) == 1
+
+
 # ------------------------------------------------------------------ GPU: CUDA graphs
 
 GPU_CFG = preset("tiny", layers=2, seq=64, batch=2, align=16, experts=8, expert_groups=4,
