@@ -17,7 +17,8 @@ read and write, and the update is one launch instead of PyTorch's fused AdamW's 
 per ~21M elements (each a few waves with a tail). A 16-bit weight bound to an FP8 layer's
 weight cache is updated by its own launch that also writes its 128x128 FP8 copies
 (:mod:`linghe.optim.fp8_weights`; ``fp8_weight_copies=False`` turns it off): the next
-forward finds them instead of reading the weight again. No host sync; the whole ``step()`` can
+forward finds them instead of reading the weight again (rewritten in place every step,
+as the weight itself is). No host sync; the whole ``step()`` can
 be captured in a CUDA graph (step counts and the clip coefficient live on the device;
 see :meth:`AdamW.prepare_step`; pass ``lr`` as a device tensor to change it between replays; other
 hyperparameters are baked into a captured step).

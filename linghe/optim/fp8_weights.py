@@ -7,9 +7,11 @@ For a weight bound to such a cache (:meth:`WeightCache.bind_128x128`),
 128x128 block of the weight (and its moments) exactly as the multi-tensor AdamW kernel
 does, then quantizes the block from the values it has just written (in the weight's
 dtype), and writes both FP8 copies and the block's scale; the optimizer puts the result
-in the cache. The bytes saved are one read of the weight from memory (2 bytes per bf16
-parameter; the block is read back from L2), a ninth of the optimizer's and the
-quantization's traffic.
+in the cache, and from the next step on writes into that copy's buffers (the same
+tensors every step, their version counters bumped: what CUDA graphs captured with
+:func:`linghe.whole_step_capture` read). The bytes saved are one read of the weight
+from memory (2 bytes per bf16 parameter; the block is read back from L2), a ninth of the
+optimizer's and the quantization's traffic.
 
 The copies are bit-identical to :func:`linghe.quantize_128x128` of the updated weight
 (``columnwise=True``): the same block amax, scale and e4m3 rounding. A program walks its
