@@ -87,7 +87,6 @@ from .e2e_model import (  # noqa: E402
     stdlib_corpus,
     step_flops,
     total_params,
-    train_step,
     update,
 )
 from .harness import GpuClockLog, fmt, host_canary_ms  # noqa: E402
@@ -169,11 +168,13 @@ def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
     def micro(i):
         return [batches(i * n + j) for j in range(n)]
 
-    def eager_step(i, step_batches=None):
-        mbs = step_batches if step_batches is not None else micro(i)
+    def forward_backwards(mbs):  # -> (loss, tokens per expert)
         if n == 1:
-            return train_step(model, opt, *mbs[0], mode)
-        loss, tpes = accumulate_grads(model, opt, mbs, mode)
+            return forward_backward(model, opt, *mbs[0], mode)
+        return accumulate_grads(model, opt, mbs, mode)
+
+    def eager_step(i, step_batches=None):
+        loss, tpes = forward_backwards(step_batches if step_batches is not None else micro(i))
         update(model, opt, tpes, mode)
         return loss
 
@@ -198,10 +199,7 @@ def make_stepper(model, opt, batches: ByteBatches, mode: str, *, graph: bool,
     g_grad, g_update = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with linghe.whole_step_capture():
         with torch.cuda.graph(g_grad):
-            if n == 1:
-                s_loss, s_tpes = forward_backward(model, opt, *static[0], mode)
-            else:
-                s_loss, s_tpes = accumulate_grads(model, opt, static, mode)
+            s_loss, s_tpes = forward_backwards(static)
         g_grad.replay()  # real gradients, so the eager clipping below scales finite values
         if isinstance(opt, linghe.optim.AdamW):
             opt.prepare_step()  # its tables for the graph's gradients, nothing updated

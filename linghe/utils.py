@@ -160,6 +160,21 @@ def in_whole_step_capture() -> bool:
     return _WHOLE_STEP_CAPTURE[0] > 0
 
 
+def mark_graph_written(t: torch.Tensor) -> None:
+    """Mark ``t`` as rewritten by a kernel inside a captured CUDA graph: its replays change
+    its contents without bumping its version counter (see :func:`may_keep_derived`)."""
+    t._linghe_graph_written = True
+
+
+def may_keep_derived(t: torch.Tensor) -> bool:
+    """Whether data derived from ``t``'s contents (a re-laid-out or padded copy) may be
+    kept and reused while ``t._version`` stays: not while a CUDA graph is captured (the
+    graph must contain the derivation, or a replay after a captured rewrite reads a stale
+    one), and never for a tensor :func:`mark_graph_written` marked."""
+    return not (getattr(t, "_linghe_graph_written", False)
+                or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def capture_pauses_bookkeeping(t: torch.Tensor) -> bool:
     """Whether host-side per-step bookkeeping for ``t`` must pause: a CUDA graph capture is
     under way on the current stream (``t`` on a GPU) and not inside

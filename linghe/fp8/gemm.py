@@ -49,6 +49,7 @@ from ..utils import (
     empty,
     grouped_tile_order,
     launch,
+    may_keep_derived,
     next_power_of_2,
 )
 from .tensor import Fp8Tensor
@@ -231,10 +232,9 @@ def _torch_b_scale(sb, b_scaling):
         return sb.t()  # already group-major (quantize_1x128_launch(group_major_scales=True))
     if b_scaling == "128x128" and sb.shape[1] % 4 == 0 and sb.is_contiguous():
         return sb.t()  # its rows already are L4 long: the layout itself, no copy
-    capturing = (getattr(sb, "_linghe_graph_written", False)
-                 or (sb.is_cuda and torch.cuda.is_current_stream_capturing()))
+    keep = may_keep_derived(sb)
     cached = getattr(sb, "_linghe_cublas", None)
-    if cached is not None and cached[0] == sb._version and not capturing:
+    if cached is not None and cached[0] == sb._version and keep:
         return cached[1]
     if b_scaling == "128x128":
         gn, gk = sb.shape
@@ -244,7 +244,7 @@ def _torch_b_scale(sb, b_scaling):
         sb_t = pad[:, :gk].t()
     else:
         sb_t = sb.t().contiguous()
-    if capturing:
+    if not keep:
         return sb_t
     try:
         sb._linghe_cublas = (sb._version, sb_t)

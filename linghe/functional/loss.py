@@ -26,6 +26,7 @@ from ..utils import (
     check_tensor,
     debug_enabled,
     empty,
+    may_keep_derived,
     next_power_of_2,
 )
 
@@ -254,10 +255,9 @@ def _padded_columnwise(wq, k: int):
     stale one), and not kept for a copy a captured update rewrites (its replays bump no
     version)."""
     data, scale = wq.columnwise_data, wq.columnwise_scale
-    capturing = (getattr(data, "_linghe_graph_written", False)
-                 or (data.is_cuda and torch.cuda.is_current_stream_capturing()))
+    keep = may_keep_derived(data)
     key = (k, data._version, scale._version)
-    hit = None if capturing else _PADDED_COLUMNWISE.get(data)
+    hit = _PADDED_COLUMNWISE.get(data) if keep else None
     if hit is not None and hit[0] == key:
         return hit[1], hit[2]
     rows, V = data.shape
@@ -266,7 +266,7 @@ def _padded_columnwise(wq, k: int):
     padded_scale = torch.ones(scale.shape[0], k // 128, dtype=torch.float32,
                               device=scale.device)
     padded_scale[:, :scale.shape[1]].copy_(scale)
-    if not capturing:
+    if keep:
         _PADDED_COLUMNWISE[data] = (key, padded.view(data.dtype), padded_scale)
     return padded.view(data.dtype), padded_scale
 

@@ -860,10 +860,7 @@ def _gluon_descriptor(desc) -> GluonDescriptor:
     FP8, bf16 or fp16 data (a Gluon one as it is)."""
     if isinstance(desc, GluonDescriptor):
         return desc
-    box = tuple(desc.block_shape)
-    name = _GL_DTYPES.get(desc.base.dtype)
-    return GluonDescriptor(desc.base, desc.shape, desc.strides, list(box),
-                           _layout(box, getattr(gl, name) if name else None))
+    return ws_descriptor(desc.base, desc.shape, desc.strides, desc.block_shape)
 
 
 def ws_descriptor(t: torch.Tensor, shape, strides, box, reuse: bool = False):

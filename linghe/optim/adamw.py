@@ -49,7 +49,12 @@ import torch
 from ..bwd import deferred, grad_norms
 from ..fp8.cache import bound_caches
 from ..fp8.tensor import Fp8Tensor
-from ..utils import capture_pauses_bookkeeping, check_kernel_device, in_whole_step_capture
+from ..utils import (
+    capture_pauses_bookkeeping,
+    check_kernel_device,
+    in_whole_step_capture,
+    mark_graph_written,
+)
 from . import multi_tensor as K
 from .clip import (
     _norm_and_coef,
@@ -66,10 +71,9 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _PLANS_PER_GROUP = 8
 
 
-def _capture_pauses(group: dict) -> bool:
+def _capture_pauses(params: list) -> bool:
     """Whether a CUDA graph capture that does not hold whole steps is under way on the
-    current stream (the group's device is a GPU): :func:`linghe.whole_step_capture`."""
-    params = group["params"]
+    current stream (the parameters' device is a GPU): :func:`linghe.whole_step_capture`."""
     return bool(params) and capture_pauses_bookkeeping(params[0])
 
 
@@ -260,7 +264,7 @@ class AdamW(torch.optim.Optimizer):
         coef = self._clip_coef()
         for gi, group in enumerate(self.param_groups):
             planned = self._group_plan(
-                gi, group, fuse_fp8=self.fp8_weight_copies and not _capture_pauses(group))
+                gi, group, fuse_fp8=self.fp8_weight_copies and not _capture_pauses(group["params"]))
             if planned is None:
                 continue
             bufs, (plan, inc, _mv), addrs, _keep, fused = planned
@@ -308,7 +312,7 @@ class AdamW(torch.optim.Optimizer):
             for t in out:
                 torch.autograd.graph.increment_version(t)
                 if capturing:
-                    t._linghe_graph_written = True
+                    mark_graph_written(t)
         cache.put_from_optimizer(p, value, fmt)
 
     @torch.no_grad()
@@ -349,7 +353,7 @@ class AdamW(torch.optim.Optimizer):
             return None
         params = [p for g in self.param_groups for p in g["params"]]
         if use_records is None:
-            use_records = not (params and capture_pauses_bookkeeping(params[0]))
+            use_records = not _capture_pauses(params)
         if self.norm_from_backward and self.norm_type == 2.0 and use_records:
             # squared norms recorded by the wgrad kernels; the other gradients are read
             recorded, rest = [], []
