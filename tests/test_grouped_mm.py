@@ -1098,6 +1098,7 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
         return real_launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(ws_mod, "launch", spy)
+    stores = _spy_tma_store(monkeypatch)
     counts = [0, 37, 300, 0, 129, 1, 64]
     xq, wq, dyq, layout = _ws_operands((counts, 16, 336, 384, 21), device)
     tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
@@ -1109,6 +1110,13 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
                         lambda c, dt=dt: bwd_gm.grouped_mm_fp8_dgrad(dyq, wq, layout.offsets,
                                                                      dt, config=c)):
                 assert torch.equal(run(ws), run(tri)), (bn, dt)
+                # 16-bit outputs leave through the TMA-store epilogue, fp32 from registers
+                assert stores.pop() is (dt != torch.float32), (bn, dt)
+                if dt != torch.float32:  # the register stores give the same bits
+                    with monkeypatch.context() as m:
+                        m.setitem(ws_mod.WS_CONFIG, "TMA_STORE", False)
+                        assert torch.equal(run(ws), run(tri)), (bn, dt)
+                    assert stores.pop() is False, (bn, dt)
     # wgrad: N = 320 is not a multiple of its 128-row tiles (masked register stores);
     # N = 256 takes the TMA store, its buffers reused from tile to tile; K = 336
     tri_w = dict(BN=128, BK=128, num_warps=8, num_stages=4)
@@ -1166,16 +1174,41 @@ def test_hp_ws_rows_matches_reference(device, monkeypatch, case, dtype, sms):
     dy = torch.randn(x.shape[0], N, device=device).to(dtype)
     tail = int(layout.offsets[-1])
     ref_out, ref_dx, _ = ref_grads(x, w, layout.offsets, dy)  # linghe.reference, float64
+    stores = _spy_tma_store(monkeypatch)
+
+    def run(direction):
+        if direction == "fwd":
+            return fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
+        return bwd_gm.grouped_mm_dgrad(dy, w, layout.offsets, backend="triton")
+
     for direction, want in (("fwd", ref_out), ("dgrad", ref_dx)):
         del names[:]
-        if direction == "fwd":
-            got = fwd_gm.grouped_mm_fwd(x, w, layout.offsets, backend="triton")
-        else:
-            got = bwd_gm.grouped_mm_dgrad(dy, w, layout.offsets, backend="triton")
+        got = run(direction)
         assert names == ["_hp_rows_ws_kernel"], (direction, names)
         assert not got.isnan().any(), direction
         assert torch.all(got[tail:] == 0), direction
         assert_close(got, want, tol=1e-2, name=direction)
+        # the TMA-store epilogue (default) and the register stores: the same bits
+        assert stores.pop() is True, direction
+        with monkeypatch.context() as m:
+            m.setitem(ws_mod.HP_WS_CONFIG, "TMA_STORE", False)
+            assert torch.equal(run(direction), got), direction
+        assert stores.pop() is False, direction
+
+
+def _spy_tma_store(monkeypatch):
+    """Record the ``TMA_STORE`` of each rows-kernel launch of ``linghe.fwd.grouped_mm_ws``
+    (on top of any spy already there)."""
+    stores = []
+    real = ws_mod.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "SPLIT_N" in kwargs:  # (the rows kernels; not the wgrads)
+            stores.append(kwargs["TMA_STORE"])
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(ws_mod, "launch", spy)
+    return stores
 
 
 def test_hp_ws_dispatch(device, monkeypatch):
@@ -1321,19 +1354,27 @@ def sm90(fn, sig, const, maxnreg):
                           options=dict(num_warps=4, maxnreg=maxnreg))
 
 
-for bm, bn, stages, ep2 in [(*t, 256) for t in W.WS_TILES_STAGES] + [(128, 256, 3, 512)]:
-    lay = lambda rows: repr(gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv))
-    sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{lay(bm)}>",
-               b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lay(bn)}>",
-               c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", offsets_ptr="*i32",
+lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))
+STORE = "cp.async.bulk.tensor.2d.global.shared"
+for bm, bn, stages, ep2, tma_store in ([(*t, 256, True) for t in W.WS_TILES_STAGES]
+                                       + [(128, 256, 3, 512, True), (128, 256, 3, 256, False),
+                                          (64, 128, 5, 256, False)]):
+    # the TMA-store epilogue's boxes: a consumer's part of the tile, 128 columns at most
+    wm, wn = (bm, bn // 2) if bm == 64 else (bm // 2, bn)
+    cbox = (wm, min(wn, 128))
+    sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{lay(bm, 128, gl.float8e4nv)}>",
+               b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lay(bn, 128, gl.float8e4nv)}>",
+               c_ptr="*bf16", c_desc=f"tensordesc<bf16[{cbox[0]}, {cbox[1]}],"
+                                     f"{lay(*cbox, gl.bfloat16)}>",
+               as_ptr="*fp32", bs_ptr="*fp32", offsets_ptr="*i32",
                R="i32", I="i32", J="i32", E="i32", b_row_e="i32", b_col_e="i32",
                stride_cm="i32", stride_asr="i32", stride_ask="i32", bs_se="i32",
                bs_si="i32", bs_sj="i32",
                BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
                STAGES="constexpr", SPLIT_N="constexpr", EP2="constexpr",
-               CONSUMER_REGS="constexpr", num_warps="constexpr")
+               TMA_STORE="constexpr", CONSUMER_REGS="constexpr", num_warps="constexpr")
     const = dict(BM=bm, BN=bn, BK=128, GROUP_M=8, STAGES=stages, SPLIT_N=bm == 64,
-                 EP2=ep2, CONSUMER_REGS=232, num_warps=4)
+                 EP2=ep2, TMA_STORE=tma_store, CONSUMER_REGS=232, num_warps=4)
     k = sm90(W._fp8_rows_ws_kernel, sig, const, W.WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     # TMA loads into wgmma, warp specialization with register reallocation, and the
@@ -1341,25 +1382,34 @@ for bm, bn, stages, ep2 in [(*t, 256) for t in W.WS_TILES_STAGES] + [(128, 256, 
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, (bm, bn)
     assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx, (bm, bn)
     assert "wgmma.wait_group.sync.aligned 0" in ptx, (bm, bn)
-    assert k.metadata.shared >= stages * (bm + bn) * 128, (bm, bn, stages)
+    assert k.metadata.shared >= stages * (bm + bn) * 128, (bm, bn)
+    # the TMA stores exactly when asked for: each consumer's 128-column parts; the ring
+    # and the store buffers fit sm_90's 227 KiB of shared memory
+    assert ptx.count(STORE) == tma_store * 2 * (wn // cbox[1]), (bm, bn, tma_store)
+    assert k.metadata.shared <= 227 << 10, (bm, bn, k.metadata.shared)
 # the bf16 rows kernel: weight boxes K-major (forward) and N-major (dgrad), 128- and
 # 64-row tiles; one wgmma group in flight, no spilled accumulator
-for bm, bn, nmajor in ((128, 256, False), (128, 256, True), (64, 256, True)):
-    hl = lambda r, c: repr(gl.NVMMASharedLayout.get_default_for([r, c], gl.bfloat16))
+for bm, bn, nmajor, tma_store in ((128, 256, False, True), (128, 256, True, True),
+                                 (64, 256, True, True), (128, 256, True, False)):
+    hl = lambda r, c: lay(r, c, gl.bfloat16)
     box_b = [64, bn] if nmajor else [bn, 64]
+    cbox = (bm, bn // 2) if bm == 64 else (bm // 2, bn)  # a consumer's whole part
     sig = dict(a_desc=f"tensordesc<bf16[{bm}, 64],{hl(bm, 64)}>",
                b_desc=f"tensordesc<bf16[{box_b[0]}, {box_b[1]}],{hl(*box_b)}>",
-               c_ptr="*bf16", offsets_ptr="*i32", R="i32", I="i32", J="i32", E="i32",
+               c_ptr="*bf16", c_desc=f"tensordesc<bf16[{cbox[0]}, {cbox[1]}],{hl(*cbox)}>",
+               offsets_ptr="*i32", R="i32", I="i32", J="i32", E="i32",
                b_row_e="i32", b_col_e="i32", stride_cm="i32",
                BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
                STAGES="constexpr", SPLIT_N="constexpr", EP2="constexpr",
-               B_NMAJOR="constexpr", CONSUMER_REGS="constexpr", num_warps="constexpr")
+               B_NMAJOR="constexpr", TMA_STORE="constexpr", CONSUMER_REGS="constexpr",
+               num_warps="constexpr")
     const = dict(BM=bm, BN=bn, BK=64, GROUP_M=8, STAGES=3, SPLIT_N=bm == 64, EP2=256,
-                 B_NMAJOR=nmajor, CONSUMER_REGS=232, num_warps=4)
+                 B_NMAJOR=nmajor, TMA_STORE=tma_store, CONSUMER_REGS=232, num_warps=4)
     k = sm90(W._hp_rows_ws_kernel, sig, const, W.HP_WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n" in ptx and ".bf16.bf16" in ptx, (bm, nmajor)
     assert "wgmma.wait_group.sync.aligned 1" in ptx, (bm, nmajor)
+    assert ptx.count(STORE) == 2 * tma_store, (bm, nmajor, tma_store)
     assert k.metadata.shared <= 227 << 10, (bm, nmajor, k.metadata.shared)
 # the wgrad, with the TMA-store epilogue (bf16 and fp32 dW) and without, at both tiles
 lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))

@@ -22,6 +22,11 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
   nowhere faster (the wgrad 16-24% slower); promoting one step while the next step's
   MMA runs cannot overlap (ptxas serializes the wgmma: C7514, an accumulator read inside
   the pipeline stage). So each step stays MMA, wait, promote.
+- each consumer's output part leaves through its shared-memory buffers and a TMA copy
+  that is waited for only before the buffers are written again, so the store overlaps
+  the next tile's K loop (``TMA_STORE``; a part ending inside the next expert's rows is
+  stored masked from registers). H200, the e2e's shapes: 2-7% faster than the register
+  stores, the same bits (``benchmark/results/h200_probe_ws_tma_store_*``).
 
 Same tile schedule as the Triton kernel (expert tiles, then tail tiles that store zeros),
 computed the same way inside each program from ``offsets`` (no launch of its own), same
@@ -74,8 +79,11 @@ HP_WS: bool = os.environ.get("LINGHE_HP_WS", "1") == "1"
 #: Base settings: 128 rows (64 per consumer warpgroup) x 128 columns, 4 stages (32 KiB
 #: each), the second consumer warpgroup at 232 registers, the loader warp at 40 (the
 #: first, Gluon's default partition, gets what ``MAXNREG`` x 12 warps leaves: 208 at
-#: 160). :func:`ws_config` picks the tiles by shape.
-WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG=160)
+#: 160); ``TMA_STORE``: the output tiles leave through shared memory and TMA copies that
+#: overlap the next tile (where the output allows: :func:`_store_descriptor`).
+#: :func:`ws_config` picks the tiles by shape.
+WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG=160,
+                 TMA_STORE=True)
 #: The tiles it takes: 128-row tiles split by rows between the two consumer warpgroups,
 #: 64-row tiles split by columns.
 WS_TILES = ((128, 128), (128, 256), (64, 128), (64, 256))
@@ -216,16 +224,17 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _ws_consume(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J,
-                    E, stride_cm, stride_asr, stride_ask, bs_se, bs_si, bs_sj, WG: gl.constexpr,
-                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
-                    EP2: gl.constexpr):
+    def _ws_consume(a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, as_ptr, bs_ptr,
+                    offsets_ptr, R, I, J, E, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
+                    bs_sj, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                    BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    SPLIT_N: gl.constexpr, EP2: gl.constexpr, TMA_STORE: gl.constexpr):
         """Consumer warpgroup ``WG`` of each tile's ``[WM, WN]`` part: rows ``WG * BM/2``
         on (``SPLIT_N`` off: ``WM = BM/2``, ``WN = BN``) or columns ``WG * BN/2`` on
         (``SPLIT_N``: ``WM = BM``, ``WN = BN/2``). Per K step: MMA, wait, release, promote,
         in sub-MMAs of at most 128 columns (each with its weight scale and accumulator,
-        so no more than one ``WM x 128`` product tile is live); then the masked store."""
+        so no more than one ``WM x 128`` product tile is live); then the store
+        (:func:`_epilogue`)."""
         WM: gl.constexpr = BM if SPLIT_N else BM // 2
         WN: gl.constexpr = BN // 2 if SPLIT_N else BN
         SUB: gl.constexpr = 128 if WN > 128 else WN
@@ -279,7 +288,41 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(st), count=1)
                     acc0 = acc0 + prod * gl.expand_dims(sa * sb0, 1)
                 it += 1
-            _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM, SUB, TWO,
+            _epilogue(c_ptr, c_desc, c_bufs, acc0, acc1, row0, col0, end, R, J, stride_cm,
+                      WG, WM, SUB, TWO, TMA_STORE, mma, out_l)
+        if TMA_STORE:
+            tma.store_wait(0)
+
+    @gluon.jit
+    def _epilogue(c_ptr, c_desc, c_bufs, acc0, acc1, row0, col0, end, R, J, stride_cm,
+                  WG: gl.constexpr, WM: gl.constexpr, W: gl.constexpr, TWO: gl.constexpr,
+                  TMA_STORE: gl.constexpr, mma: gl.constexpr, out_l: gl.constexpr):
+        """A consumer's store of its ``[WM, W]`` part (and, ``TWO``, of ``acc1`` beside
+        it). ``TMA_STORE``: a part whose rows all belong to the tile's segment (or end
+        at ``R``, where TMA clips) goes through this warpgroup's shared-memory buffers
+        and a TMA copy, waited for only before the buffers are written again (the next
+        tile's epilogue), so the store overlaps the next tile's K loop; a part that ends
+        inside the next expert's rows is stored masked, from the MMA's layout (no
+        layout conversion, whose scratch would not fit beside the ring). Else the
+        masked store through a coalescing layout (:func:`_store_rows`)."""
+        if TMA_STORE:
+            if (row0 + WM <= end) | (end >= R):
+                NSUB: gl.constexpr = 2 if TWO else 1
+                tma.store_wait(0)  # this warpgroup's buffers' previous stores have left
+                c_buf = c_bufs.index(WG * NSUB)
+                c_buf.store(acc0.to(c_ptr.dtype.element_ty))
+                if TWO:
+                    c_buf1 = c_bufs.index(WG * NSUB + 1)
+                    c_buf1.store(acc1.to(c_ptr.dtype.element_ty))
+                fence_async_shared()
+                _tma_store(c_desc, [row0, col0], c_buf)  # (TMA clips columns past J)
+                if TWO:
+                    _tma_store(c_desc, [row0, col0 + W], c_buf1)
+            else:
+                _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM, W, TWO,
+                            mma)
+        else:
+            _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM, W, TWO,
                         out_l)
 
     @gluon.jit
@@ -300,25 +343,45 @@ if gluon is not None:
                      mask=rm & gl.expand_dims(ocols + W < J, 0))
 
     @gluon.jit
-    def _fp8_rows_ws_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, offsets_ptr, R, I, J, E,
-                            b_row_e, b_col_e, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
-                            bs_sj, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                            GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    def _store_buffers(c_desc, other, WN: gl.constexpr, TMA_STORE: gl.constexpr):
+        """The TMA-store epilogue's shared-memory buffers: per consumer warpgroup one
+        ``c_desc`` box a 128-column part of its ``WN`` columns (``other``, unused, when
+        ``TMA_STORE`` is off)."""
+        if TMA_STORE:
+            NBUF: gl.constexpr = 2 * ((WN + c_desc.block_type.shape[1] - 1)
+                                      // c_desc.block_type.shape[1])
+            bufs = gl.allocate_shared_memory(c_desc.dtype, [NBUF] + c_desc.block_type.shape,
+                                             c_desc.layout)
+        else:
+            bufs = other
+        return bufs
+
+    @gluon.jit
+    def _fp8_rows_ws_kernel(a_desc, b_desc, c_ptr, c_desc, as_ptr, bs_ptr, offsets_ptr, R, I,
+                            J, E, b_row_e, b_col_e, stride_cm, stride_asr, stride_ask, bs_se,
+                            bs_si, bs_sj, BM: gl.constexpr, BN: gl.constexpr,
+                            BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                             SPLIT_N: gl.constexpr, EP2: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                            TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 rows GEMM (see the module docstring).
-        ``num_warps`` = 4: the first consumer warpgroup (the default partition)."""
+        ``num_warps`` = 4: the first consumer warpgroup (the default partition).
+        ``TMA_STORE``: ``c_desc`` over ``c`` ``[R, J]`` with a consumer's ``[WM, 128]``
+        (or ``[WM, WN]`` below 128 columns) boxes (:func:`_epilogue`); else unused."""
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
+        c_bufs = _store_buffers(c_desc, a_bufs, BN // 2 if SPLIT_N else BN, TMA_STORE)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         # (worker arguments are spelled out: tuples built by concatenation lose constexprs)
         gl.warp_specialize([
-            (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-                           R, I, J, E, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
-                           bs_sj, WG0, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
-            (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, offsets_ptr,
-                           R, I, J, E, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
-                           bs_sj, WG1, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2)),
+            (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, as_ptr,
+                           bs_ptr, offsets_ptr, R, I, J, E, stride_cm, stride_asr,
+                           stride_ask, bs_se, bs_si, bs_sj, WG0, BM, BN, BK, GROUP_M, STAGES,
+                           SPLIT_N, EP2, TMA_STORE)),
+            (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, as_ptr,
+                           bs_ptr, offsets_ptr, R, I, J, E, stride_cm, stride_asr,
+                           stride_ask, bs_se, bs_si, bs_sj, WG1, BM, BN, BK, GROUP_M, STAGES,
+                           SPLIT_N, EP2, TMA_STORE)),
             (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
                         b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, False)),
         ], [4, 1], [CONSUMER_REGS, 40])
@@ -326,10 +389,11 @@ if gluon is not None:
     # ------------------------------------------------------- bf16 / fp16 rows GEMM
 
     @gluon.jit
-    def _ws_consume_hp(a_bufs, b_bufs, ready, empty, c_ptr, offsets_ptr, R, I, J, E,
-                       stride_cm, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                       BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       SPLIT_N: gl.constexpr, EP2: gl.constexpr, B_NMAJOR: gl.constexpr):
+    def _ws_consume_hp(a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, offsets_ptr, R,
+                       I, J, E, stride_cm, WG: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, SPLIT_N: gl.constexpr, EP2: gl.constexpr,
+                       B_NMAJOR: gl.constexpr, TMA_STORE: gl.constexpr):
         """Consumer warpgroup ``WG`` of the 16-bit rows GEMM: one ``[WM, WN]`` wgmma a K
         step into one accumulator, the next step issued before the previous one is
         waited for (one in flight), its stage released once it is done."""
@@ -368,27 +432,32 @@ if gluon is not None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if k_tiles > 0:
                 mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-            _store_rows(c_ptr, acc, acc, row0, col0, end, R, J, stride_cm, WM, WN, False,
-                        out_l)
+            _epilogue(c_ptr, c_desc, c_bufs, acc, acc, row0, col0, end, R, J, stride_cm, WG,
+                      WM, WN, False, TMA_STORE, mma, out_l)
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit
-    def _hp_rows_ws_kernel(a_desc, b_desc, c_ptr, offsets_ptr, R, I, J, E, b_row_e, b_col_e,
-                           stride_cm, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                           GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    def _hp_rows_ws_kernel(a_desc, b_desc, c_ptr, c_desc, offsets_ptr, R, I, J, E, b_row_e,
+                           b_col_e, stride_cm, BM: gl.constexpr, BN: gl.constexpr,
+                           BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                            SPLIT_N: gl.constexpr, EP2: gl.constexpr, B_NMAJOR: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           num_warps: gl.constexpr):
         """Persistent warp-specialized bf16/fp16 rows GEMM (fp32 accumulation): the FP8
-        kernel's ring, loader and schedule without the promotion."""
+        kernel's ring, loader, schedule and epilogue without the promotion (``c_desc``
+        boxes: a consumer's whole ``[WM, WN]`` part)."""
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
+        c_bufs = _store_buffers(c_desc, a_bufs, BN // 2 if SPLIT_N else BN, TMA_STORE)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, c_ptr, offsets_ptr, R, I, J, E,
-                              stride_cm, WG0, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2,
-                              B_NMAJOR)),
-            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, c_ptr, offsets_ptr, R, I, J, E,
-                              stride_cm, WG1, BM, BN, BK, GROUP_M, STAGES, SPLIT_N, EP2,
-                              B_NMAJOR)),
+            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, offsets_ptr,
+                              R, I, J, E, stride_cm, WG0, BM, BN, BK, GROUP_M, STAGES,
+                              SPLIT_N, EP2, B_NMAJOR, TMA_STORE)),
+            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, offsets_ptr,
+                              R, I, J, E, stride_cm, WG1, BM, BN, BK, GROUP_M, STAGES,
+                              SPLIT_N, EP2, B_NMAJOR, TMA_STORE)),
             (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
                         b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, B_NMAJOR)),
         ], [4, 1], [CONSUMER_REGS, 40])
@@ -917,15 +986,30 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     # (the row tiles' count is known on the GPU only: the programs walk up to it)
     bound = row_tile_bound(R, E, cfg["BM"])
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
+    a_desc = _gluon_descriptor(a_desc)
+    split_n = cfg["BM"] == 64
+    wm, wn = (cfg["BM"], cfg["BN"] // 2) if split_n else (cfg["BM"] // 2, cfg["BN"])
+    c_desc = _store_descriptor(out, (wm, min(wn, 128)), cfg)
     with device_guard(out):
         launch(
-            _fp8_rows_ws_kernel, grid, _gluon_descriptor(a_desc), _gluon_descriptor(b_desc),
-            out, a_scale, b_scale, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
-            a_scale.stride(0), a_scale.stride(1), *bs_strides, BM=cfg["BM"], BN=cfg["BN"],
-            BK=128, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
-            EP2=max(128, next_power_of_2(E)), CONSUMER_REGS=cfg["CONSUMER_REGS"],
-            num_warps=4, maxnreg=cfg["MAXNREG"])
+            _fp8_rows_ws_kernel, grid, a_desc, _gluon_descriptor(b_desc), out,
+            c_desc or a_desc, a_scale, b_scale, offsets, R, I, J, E, b_row_e, b_col_e,
+            out.stride(0), a_scale.stride(0), a_scale.stride(1), *bs_strides, BM=cfg["BM"],
+            BN=cfg["BN"], BK=128, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"],
+            SPLIT_N=split_n, EP2=max(128, next_power_of_2(E)), TMA_STORE=c_desc is not None,
+            CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
+
+
+def _store_descriptor(out: torch.Tensor, box: tuple[int, int], cfg: dict):
+    """The TMA-store epilogue's descriptor of ``out [R, J]`` with ``box`` (a consumer's
+    part of a tile), or None where ``cfg["TMA_STORE"]`` is off or TMA cannot write
+    ``out`` (not 16-bit, columns not contiguous, rows or base not 16-byte aligned):
+    then the kernels store from registers."""
+    if not (cfg.get("TMA_STORE") and out.dtype in _GL_DTYPES and out.stride(1) == 1
+            and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0):
+        return None
+    return ws_descriptor(out, out.shape, out.stride(), box)
 
 
 #: The 16-bit rows GEMM's settings: 128x256 tiles (each consumer warpgroup one 64x256
@@ -933,7 +1017,7 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
 #: µs against ``torch._grouped_mm``: E = 256 gate_up 1070 (1136), down 556 (609); E = 32
 #: gate_up 750 (771), down 402 (422) (``h200_probe_bf16_ws_rows_fwd_2026-11-27_s14``).
 HP_WS_CONFIG = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, CONSUMER_REGS=232,
-                    MAXNREG=160)
+                    MAXNREG=160, TMA_STORE=True)
 #: Its tiles (128 rows split by rows between the consumers, 64 by columns).
 HP_WS_TILES = ((128, 256), (128, 128), (64, 256))
 
@@ -958,12 +1042,16 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
     E = offsets.numel() - 1
     bound = row_tile_bound(R, E, cfg["BM"])
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
+    a_desc = _gluon_descriptor(a_desc)
+    split_n = cfg["BM"] == 64
+    box = (cfg["BM"], cfg["BN"] // 2) if split_n else (cfg["BM"] // 2, cfg["BN"])
+    c_desc = _store_descriptor(out, box, cfg)
     with device_guard(out):
-        launch(_hp_rows_ws_kernel, grid, _gluon_descriptor(a_desc),
-               _gluon_descriptor(b_desc), out, offsets, R, I, J, E, b_row_e, b_col_e,
-               out.stride(0), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-               GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64,
-               EP2=max(128, next_power_of_2(E)), B_NMAJOR=b_nmajor,
+        launch(_hp_rows_ws_kernel, grid, a_desc, _gluon_descriptor(b_desc), out,
+               c_desc or a_desc, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
+               BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+               STAGES=cfg["STAGES"], SPLIT_N=split_n, EP2=max(128, next_power_of_2(E)),
+               B_NMAJOR=b_nmajor, TMA_STORE=c_desc is not None,
                CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
 
