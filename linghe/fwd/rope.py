@@ -427,12 +427,14 @@ BWD_TOKENS = 1
 BWD_NUM_WARPS = 4
 #: Software-pipelining stages of the backward's persistent token loop (``tl.range``
 #: ``num_stages``; 1: a plain loop). With 2-3 stages Triton prefetches the next token
-#: blocks' loads with ``cp.async`` into shared memory while a block is computed. H200
-#: (probe_rope, 2026-11-26, the previous tile layout): 1 stage 47.4 µs, 2 stages 50.5,
-#: 3 stages 44.2. Offline sm_90 compile, triton 3.6, 3 stages: 128 registers (4
-#: programs per SM), 543 SASS instructions per token and warp in the loop (main's: 151
-#: registers, 3 per SM, 669); triton 3.9 compiles it to 163 registers.
-BWD_STAGES = 3
+#: blocks' loads with ``cp.async`` into shared memory while a block is computed; most of
+#: the k head's loads are 2-byte and stay synchronous anyway, so the plain loop, whose
+#: loads four resident programs per SM keep in flight, is the fastest. H200, the current
+#: tiles, six alternating rounds in one process (``scratch``'s A/B of
+#: ``h200_probe_rope_variants_not_kept_2026-11-28_s21``): 1 stage 43.8 µs, 2 stages
+#: 52.8, 3 stages 45.3, the same bits (the previous tile layout, 2026-11-26: 47.4 /
+#: 50.5 / 44.2).
+BWD_STAGES = 1
 #: cos/sin of the angles: ``True`` the MUFU ``cos.approx``/``sin.approx`` after the angle
 #: reduction, ``False`` the polynomial (:func:`cos_sin`).
 COS_SIN_APPROX = True
