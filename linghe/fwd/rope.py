@@ -430,10 +430,9 @@ BWD_NUM_WARPS = 4
 #: blocks' loads with ``cp.async`` into shared memory while a block is computed; most of
 #: the k head's loads are 2-byte and stay synchronous anyway, so the plain loop, whose
 #: loads four resident programs per SM keep in flight, is the fastest. H200, the current
-#: tiles, six alternating rounds in one process (``scratch``'s A/B of
-#: ``h200_probe_rope_variants_not_kept_2026-11-28_s21``): 1 stage 43.8 µs, 2 stages
-#: 52.8, 3 stages 45.3, the same bits (the previous tile layout, 2026-11-26: 47.4 /
-#: 50.5 / 44.2).
+#: tiles, six alternating rounds in one process (``h200_rope_bwd_stages_ab_*``): 1
+#: stage 43.8 µs, 2 stages 52.8, 3 stages 45.3, the same bits (the previous tile layout,
+#: 2026-11-26: 47.4 / 50.5 / 44.2).
 BWD_STAGES = 1
 #: cos/sin of the angles: ``True`` the MUFU ``cos.approx``/``sin.approx`` after the angle
 #: reduction, ``False`` the polynomial (:func:`cos_sin`).
