@@ -306,24 +306,34 @@ if gluon is not None:
         layout conversion, whose scratch would not fit beside the ring). Else the
         masked store through a coalescing layout (:func:`_store_rows`)."""
         if TMA_STORE:
-            if (row0 + WM <= end) | (end >= R):
-                NSUB: gl.constexpr = 2 if TWO else 1
-                tma.store_wait(0)  # this warpgroup's buffers' previous stores have left
-                c_buf = c_bufs.index(WG * NSUB)
-                c_buf.store(acc0.to(c_ptr.dtype.element_ty))
-                if TWO:
-                    c_buf1 = c_bufs.index(WG * NSUB + 1)
-                    c_buf1.store(acc1.to(c_ptr.dtype.element_ty))
-                fence_async_shared()
-                _tma_store(c_desc, [row0, col0], c_buf)  # (TMA clips columns past J)
-                if TWO:
-                    _tma_store(c_desc, [row0, col0 + W], c_buf1)
+            if (row0 + WM <= end) | (end >= R):  # (TMA clips the rows past R)
+                _tma_store_parts(c_desc, c_bufs, acc0, acc1, row0, col0, W, WG, TWO)
             else:
                 _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM, W, TWO,
                             mma)
         else:
             _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM, W, TWO,
                         out_l)
+
+    @gluon.jit
+    def _tma_store_parts(desc, c_bufs, acc0, acc1, row0, col0, W: gl.constexpr,
+                         WG: gl.constexpr, TWO: gl.constexpr):
+        """A consumer warpgroup's TMA-store epilogue: ``acc0`` (and, ``TWO``, ``acc1``
+        ``W`` columns on) through its buffers of ``c_bufs`` (``WG``'s one or two) into
+        ``desc`` at ``[row0, col0]``, asynchronously: the buffers' previous stores are
+        waited for first, these are left in flight (TMA clips past the tensor's
+        bounds)."""
+        NSUB: gl.constexpr = 2 if TWO else 1
+        tma.store_wait(0)  # this warpgroup's buffers' previous stores have left
+        c_buf = c_bufs.index(WG * NSUB)
+        c_buf.store(acc0.to(desc.dtype))
+        if TWO:
+            c_buf1 = c_bufs.index(WG * NSUB + 1)
+            c_buf1.store(acc1.to(desc.dtype))
+        fence_async_shared()
+        _tma_store(desc, [row0, col0], c_buf)
+        if TWO:
+            _tma_store(desc, [row0, col0 + W], c_buf1)
 
     @gluon.jit
     def _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM: gl.constexpr,
@@ -808,18 +818,8 @@ if gluon is not None:
                     acc0 = acc0 + prod * sg * sx0
                 it += 1
             if TMA_STORE:  # asynchronous: overlaps the next tile's K loop
-                NSUB: gl.constexpr = 2 if TWO else 1
                 row0 = e * N + pid_n * BNW + WG * WM  # in dW viewed as [E * N, K]
-                tma.store_wait(0)  # this warpgroup's buffers' previous stores have left
-                c_buf = c_bufs.index(WG * NSUB)
-                c_buf.store(acc0.to(w_ptr.dtype.element_ty))
-                if TWO:
-                    c_buf1 = c_bufs.index(WG * NSUB + 1)
-                    c_buf1.store(acc1.to(w_ptr.dtype.element_ty))
-                fence_async_shared()
-                _tma_store(w_desc, [row0, pid_k * BKW], c_buf)
-                if TWO:  # (TMA clips the columns past K)
-                    _tma_store(w_desc, [row0, pid_k * BKW + SUB], c_buf1)
+                _tma_store_parts(w_desc, c_bufs, acc0, acc1, row0, pid_k * BKW, SUB, WG, TWO)
             else:
                 orows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
                 ocols = pid_k * BKW + gl.arange(0, SUB, layout=gl.SliceLayout(0, out_l))
