@@ -57,13 +57,14 @@ def _case_rows(E: int, name: str, N: int, K: int) -> list[dict]:
         config = ws.WS_CONFIG if kind == "fp8" else ws.HP_WS_CONFIG
         row = dict(E=E, gemm=name, kind=kind, dir=direction, R=R, N=N, K=K)
         outs = {}
+        default = config["TMA_STORE"]
         for key, tma_store in (("tma_store", True), ("reg_store", False)):
             config["TMA_STORE"] = tma_store
             try:
                 outs[key] = run()
                 row[key + "_us"] = device_time_us(run)
             finally:
-                config["TMA_STORE"] = True
+                config["TMA_STORE"] = default
         y = outs["tma_store"]
         row["same_bits"] = bool(torch.equal(y, outs["reg_store"]))
         row["rel_err"] = ((y.float() - ref)[real].norm() / ref[real].norm()).item()

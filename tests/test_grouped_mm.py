@@ -1211,6 +1211,23 @@ def _spy_tma_store(monkeypatch):
     return stores
 
 
+def test_ws_store_descriptor_falls_back_to_register_stores():
+    """The rows kernels' TMA-store epilogue is taken only where TMA can write the output
+    and its buffers fit beside the operand ring: fp32 outputs, rows that are not 16-byte
+    aligned, the knob off and a ring pinned deeper than the defaults (FP8 128x256 at 4
+    stages: 192 KiB + 64 KiB of buffers) get the register stores (no descriptor)."""
+    if ws_mod.gluon is None:
+        pytest.skip("needs Gluon")
+    cfg = dict(ws_mod.WS_CONFIG, BN=256, STAGES=3)
+    ring = lambda c: c["STAGES"] * (c["BM"] + c["BN"]) * 128
+    out = torch.empty(64, 256, dtype=torch.bfloat16)
+    # (the default tiles fit: 144 KiB + 64 KiB)
+    assert ring(cfg) + cfg["BM"] * cfg["BN"] * 2 <= ws_mod._SMEM_BYTES
+    for c, o in ((dict(cfg, STAGES=4), out), (dict(cfg, TMA_STORE=False), out),
+                 (cfg, out.float()), (cfg, torch.empty(64, 260, dtype=torch.bfloat16)[:, :257])):
+        assert ws_mod._store_descriptor(o, 64, 256, (64, 128), c, ring(c)) is None
+
+
 def test_hp_ws_dispatch(device, monkeypatch):
     """The bf16/fp16 rows GEMMs take the warp-specialized kernel only where it runs and
     TMA can describe the operands (``LINGHE_HP_WS=0`` turns it off); elsewhere the Triton
@@ -1356,6 +1373,20 @@ def sm90(fn, sig, const, maxnreg):
 
 lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))
 STORE = "cp.async.bulk.tensor.2d.global.shared"
+
+
+def barrier_after_store_wait(ptx, what):
+    # A TMA store's wait holds only the threads that issued it: a barrier must come
+    # before any thread of the warpgroup writes the store buffers again (Triton puts it).
+    lines = [t.strip() for t in ptx.splitlines()]
+    for i, t in enumerate(lines):
+        if t.startswith("cp.async.bulk.wait_group.read"):
+            for u in lines[i + 1:]:
+                if u.startswith(("bar.sync", "barrier.sync")):
+                    break
+                assert not u.startswith(("stmatrix", "st.shared")), (what, u)
+
+
 for bm, bn, stages, ep2, tma_store in ([(*t, 256, True) for t in W.WS_TILES_STAGES]
                                        + [(128, 256, 3, 512, True), (128, 256, 3, 256, False),
                                           (64, 128, 5, 256, False)]):
@@ -1387,6 +1418,7 @@ for bm, bn, stages, ep2, tma_store in ([(*t, 256, True) for t in W.WS_TILES_STAG
     # and the store buffers fit sm_90's 227 KiB of shared memory
     assert ptx.count(STORE) == tma_store * 2 * (wn // cbox[1]), (bm, bn, tma_store)
     assert k.metadata.shared <= 227 << 10, (bm, bn, k.metadata.shared)
+    barrier_after_store_wait(ptx, (bm, bn))
 # the bf16 rows kernel: weight boxes K-major (forward) and N-major (dgrad), 128- and
 # 64-row tiles; one wgmma group in flight, no spilled accumulator
 for bm, bn, nmajor, tma_store in ((128, 256, False, True), (128, 256, True, True),
@@ -1411,6 +1443,7 @@ for bm, bn, nmajor, tma_store in ((128, 256, False, True), (128, 256, True, True
     assert "wgmma.wait_group.sync.aligned 1" in ptx, (bm, nmajor)
     assert ptx.count(STORE) == 2 * tma_store, (bm, nmajor, tma_store)
     assert k.metadata.shared <= 227 << 10, (bm, nmajor, k.metadata.shared)
+    barrier_after_store_wait(ptx, (bm, nmajor))
 # the wgrad, with the TMA-store epilogue (bf16 and fp32 dW) and without, at both tiles
 lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))
 for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
@@ -1446,6 +1479,7 @@ for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
     stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
     assert ptx.count("cp.async.bulk.tensor") - stores == 2 + 2 * scales_tma, (out, bkw)
     assert stores == 2 * tma_store * (bkw // 128), (out, tma_store, bkw, stores)
+    barrier_after_store_wait(ptx, (out, bkw))
     # the ring and the epilogue's tiles fit sm_90's 227 KiB of shared memory
     assert k.metadata.shared <= 227 << 10, (out, tma_store, bkw, k.metadata.shared)
 # the 16-bit wgrad over 1-4 operand pairs: TMA-store epilogue (fresh and accumulating, with

@@ -87,7 +87,8 @@ WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG
 #: The tiles it takes: 128-row tiles split by rows between the two consumer warpgroups,
 #: 64-row tiles split by columns.
 WS_TILES = ((128, 128), (128, 256), (64, 128), (64, 256))
-#: (BM, BN, STAGES) that fit shared memory (ring + the epilogue's layout conversion).
+#: (BM, BN, STAGES) that fit shared memory (the ring, and the TMA-store epilogue's
+#: buffers or the register stores' layout conversion).
 WS_TILES_STAGES = ((128, 128, 4), (128, 256, 3), (64, 128, 5), (64, 256, 4))
 
 
@@ -324,7 +325,10 @@ if gluon is not None:
         waited for first, these are left in flight (TMA clips past the tensor's
         bounds)."""
         NSUB: gl.constexpr = 2 if TWO else 1
-        tma.store_wait(0)  # this warpgroup's buffers' previous stores have left
+        # this warpgroup's buffers' previous stores have left: the wait holds the threads
+        # that issued them, and the barrier Triton puts before the shared-memory writes
+        # below holds the rest (test_fp8_ws_kernel_compiles_for_sm90 checks it is there)
+        tma.store_wait(0)
         c_buf = c_bufs.index(WG * NSUB)
         c_buf.store(acc0.to(desc.dtype))
         if TWO:
@@ -355,8 +359,8 @@ if gluon is not None:
     @gluon.jit
     def _store_buffers(c_desc, other, WN: gl.constexpr, TMA_STORE: gl.constexpr):
         """The TMA-store epilogue's shared-memory buffers: per consumer warpgroup one
-        ``c_desc`` box a 128-column part of its ``WN`` columns (``other``, unused, when
-        ``TMA_STORE`` is off)."""
+        ``c_desc`` box for each box-wide part of its ``WN`` columns (FP8: 128-column
+        parts; bf16: the whole part) (``other``, unused, when ``TMA_STORE`` is off)."""
         if TMA_STORE:
             NBUF: gl.constexpr = 2 * ((WN + c_desc.block_type.shape[1] - 1)
                                       // c_desc.block_type.shape[1])
@@ -989,7 +993,8 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     a_desc = _gluon_descriptor(a_desc)
     split_n = cfg["BM"] == 64
     wm, wn = (cfg["BM"], cfg["BN"] // 2) if split_n else (cfg["BM"] // 2, cfg["BN"])
-    c_desc = _store_descriptor(out, (wm, min(wn, 128)), cfg)
+    c_desc = _store_descriptor(out, R, J, (wm, min(wn, 128)), cfg,
+                               cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * 128)
     with device_guard(out):
         launch(
             _fp8_rows_ws_kernel, grid, a_desc, _gluon_descriptor(b_desc), out,
@@ -1001,15 +1006,24 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     return out
 
 
-def _store_descriptor(out: torch.Tensor, box: tuple[int, int], cfg: dict):
-    """The TMA-store epilogue's descriptor of ``out [R, J]`` with ``box`` (a consumer's
-    part of a tile), or None where ``cfg["TMA_STORE"]`` is off or TMA cannot write
-    ``out`` (not 16-bit, columns not contiguous, rows or base not 16-byte aligned):
-    then the kernels store from registers."""
+#: Shared memory an sm_90 block may use (227 KiB), less what barriers and the schedule
+#: take beside the ring and the store buffers.
+_SMEM_BYTES = (227 << 10) - 1024
+
+
+def _store_descriptor(out: torch.Tensor, R: int, J: int, box: tuple[int, int], cfg: dict,
+                      ring_bytes: int):
+    """The TMA-store epilogue's descriptor of ``out``'s ``[R, J]`` rows with ``box`` (a
+    consumer's part of a tile), or None where ``cfg["TMA_STORE"]`` is off, TMA cannot
+    write ``out`` (not 16-bit, columns not contiguous, rows or base not 16-byte aligned)
+    or the store buffers (``BM x BN`` outputs) do not fit shared memory beside the
+    operand ring of ``ring_bytes`` (a deeper ring pinned by a config): then the kernels
+    store from registers."""
     if not (cfg.get("TMA_STORE") and out.dtype in _GL_DTYPES and out.stride(1) == 1
-            and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0):
+            and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0
+            and ring_bytes + cfg["BM"] * cfg["BN"] * out.element_size() <= _SMEM_BYTES):
         return None
-    return ws_descriptor(out, out.shape, out.stride(), box)
+    return ws_descriptor(out, [R, J], out.stride(), box)
 
 
 #: The 16-bit rows GEMM's settings: 128x256 tiles (each consumer warpgroup one 64x256
@@ -1045,7 +1059,8 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
     a_desc = _gluon_descriptor(a_desc)
     split_n = cfg["BM"] == 64
     box = (cfg["BM"], cfg["BN"] // 2) if split_n else (cfg["BM"] // 2, cfg["BN"])
-    c_desc = _store_descriptor(out, box, cfg)
+    c_desc = _store_descriptor(out, R, J, box, cfg,
+                               cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] * 2)
     with device_guard(out):
         launch(_hp_rows_ws_kernel, grid, a_desc, _gluon_descriptor(b_desc), out,
                c_desc or a_desc, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
