@@ -1089,16 +1089,8 @@ def test_fp8_ws_persistent_tiles_and_tails(device, monkeypatch, sms):
         pytest.skip("needs an sm_90 GPU and Gluon")
     monkeypatch.setattr(ws_mod, "num_sms", lambda dev: sms)
     monkeypatch.setattr(linghe.utils, "_poison", True)
-    scales_tma_runs = []
-    real_launch = ws_mod.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if "SCALES_TMA" in kwargs:
-            scales_tma_runs.append(kwargs["SCALES_TMA"])
-        return real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(ws_mod, "launch", spy)
-    stores = _spy_tma_store(monkeypatch)
+    scales_tma_runs = _spy_kwarg(monkeypatch, "SCALES_TMA")
+    stores = _spy_kwarg(monkeypatch, "TMA_STORE", kernel_with="SPLIT_N")
     counts = [0, 37, 300, 0, 129, 1, 64]
     xq, wq, dyq, layout = _ws_operands((counts, 16, 336, 384, 21), device)
     tri = dict(BM=64, BN=128, num_warps=4, num_stages=3, WS=False)
@@ -1174,7 +1166,7 @@ def test_hp_ws_rows_matches_reference(device, monkeypatch, case, dtype, sms):
     dy = torch.randn(x.shape[0], N, device=device).to(dtype)
     tail = int(layout.offsets[-1])
     ref_out, ref_dx, _ = ref_grads(x, w, layout.offsets, dy)  # linghe.reference, float64
-    stores = _spy_tma_store(monkeypatch)
+    stores = _spy_kwarg(monkeypatch, "TMA_STORE", kernel_with="SPLIT_N")
 
     def run(direction):
         if direction == "fwd":
@@ -1196,19 +1188,20 @@ def test_hp_ws_rows_matches_reference(device, monkeypatch, case, dtype, sms):
         assert stores.pop() is False, direction
 
 
-def _spy_tma_store(monkeypatch):
-    """Record the ``TMA_STORE`` of each rows-kernel launch of ``linghe.fwd.grouped_mm_ws``
-    (on top of any spy already there)."""
-    stores = []
+def _spy_kwarg(monkeypatch, key: str, kernel_with: str | None = None) -> list:
+    """Record the launch argument ``key`` of each launch of ``linghe.fwd.grouped_mm_ws``
+    that passes it (and, ``kernel_with``, that argument too: ``"SPLIT_N"`` picks the rows
+    kernels, not the wgrads), on top of any spy already there."""
+    seen = []
     real = ws_mod.launch
 
     def spy(kernel, grid, *args, **kwargs):
-        if "SPLIT_N" in kwargs:  # (the rows kernels; not the wgrads)
-            stores.append(kwargs["TMA_STORE"])
+        if key in kwargs and (kernel_with is None or kernel_with in kwargs):
+            seen.append(kwargs[key])
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(ws_mod, "launch", spy)
-    return stores
+    return seen
 
 
 def test_ws_store_descriptor_falls_back_to_register_stores():
@@ -1218,6 +1211,10 @@ def test_ws_store_descriptor_falls_back_to_register_stores():
     stages: 192 KiB + 64 KiB of buffers) get the register stores (no descriptor)."""
     if ws_mod.gluon is None:
         pytest.skip("needs Gluon")
+    # (a consumer warpgroup's part: half the rows of a 128-row tile, half the columns of
+    # a 64-row one)
+    assert ws_mod._consumer_part(dict(BM=128, BN=256)) == (64, 256)
+    assert ws_mod._consumer_part(dict(BM=64, BN=256)) == (64, 128)
     cfg = dict(ws_mod.WS_CONFIG, BN=256, STAGES=3)
     ring = lambda c: c["STAGES"] * (c["BM"] + c["BN"]) * 128
     out = torch.empty(64, 256, dtype=torch.bfloat16)
@@ -1391,7 +1388,7 @@ for bm, bn, stages, ep2, tma_store in ([(*t, 256, True) for t in W.WS_TILES_STAG
                                        + [(128, 256, 3, 512, True), (128, 256, 3, 256, False),
                                           (64, 128, 5, 256, False)]):
     # the TMA-store epilogue's boxes: a consumer's part of the tile, 128 columns at most
-    wm, wn = (bm, bn // 2) if bm == 64 else (bm // 2, bn)
+    wm, wn = W._consumer_part(dict(BM=bm, BN=bn))
     cbox = (wm, min(wn, 128))
     sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{lay(bm, 128, gl.float8e4nv)}>",
                b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lay(bn, 128, gl.float8e4nv)}>",
@@ -1425,7 +1422,7 @@ for bm, bn, nmajor, tma_store in ((128, 256, False, True), (128, 256, True, True
                                  (64, 256, True, True), (128, 256, True, False)):
     hl = lambda r, c: lay(r, c, gl.bfloat16)
     box_b = [64, bn] if nmajor else [bn, 64]
-    cbox = (bm, bn // 2) if bm == 64 else (bm // 2, bn)  # a consumer's whole part
+    cbox = W._consumer_part(dict(BM=bm, BN=bn))  # a consumer's whole part
     sig = dict(a_desc=f"tensordesc<bf16[{bm}, 64],{hl(bm, 64)}>",
                b_desc=f"tensordesc<bf16[{box_b[0]}, {box_b[1]}],{hl(*box_b)}>",
                c_ptr="*bf16", c_desc=f"tensordesc<bf16[{cbox[0]}, {cbox[1]}],{hl(*cbox)}>",
@@ -1445,7 +1442,6 @@ for bm, bn, nmajor, tma_store in ((128, 256, False, True), (128, 256, True, True
     assert k.metadata.shared <= 227 << 10, (bm, nmajor, k.metadata.shared)
     barrier_after_store_wait(ptx, (bm, nmajor))
 # the wgrad, with the TMA-store epilogue (bf16 and fp32 dW) and without, at both tiles
-lay = lambda r, c, dt: repr(gl.NVMMASharedLayout.get_default_for([r, c], dt))
 for out, dt, tma_store, bkw in (("bf16", gl.bfloat16, True, 128),
                                 ("fp32", gl.float32, True, 128),
                                 ("bf16", gl.bfloat16, False, 128),

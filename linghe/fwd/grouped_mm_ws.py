@@ -991,8 +991,7 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     bound = row_tile_bound(R, E, cfg["BM"])
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
     a_desc = _gluon_descriptor(a_desc)
-    split_n = cfg["BM"] == 64
-    wm, wn = (cfg["BM"], cfg["BN"] // 2) if split_n else (cfg["BM"] // 2, cfg["BN"])
+    wm, wn = _consumer_part(cfg)
     c_desc = _store_descriptor(out, R, J, (wm, min(wn, 128)), cfg,
                                cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * 128)
     with device_guard(out):
@@ -1001,9 +1000,19 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
             c_desc or a_desc, a_scale, b_scale, offsets, R, I, J, E, b_row_e, b_col_e,
             out.stride(0), a_scale.stride(0), a_scale.stride(1), *bs_strides, BM=cfg["BM"],
             BN=cfg["BN"], BK=128, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"],
-            SPLIT_N=split_n, EP2=max(128, next_power_of_2(E)), TMA_STORE=c_desc is not None,
-            CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
+            SPLIT_N=cfg["BM"] == 64, EP2=max(128, next_power_of_2(E)),
+            TMA_STORE=c_desc is not None, CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
+            maxnreg=cfg["MAXNREG"])
     return out
+
+
+def _consumer_part(cfg: dict) -> tuple[int, int]:
+    """``(WM, WN)``: a consumer warpgroup's part of a ``BM x BN`` tile in the rows
+    kernels: half the rows of a 128-row tile, half the columns of a 64-row one
+    (``SPLIT_N``)."""
+    if cfg["BM"] == 64:
+        return cfg["BM"], cfg["BN"] // 2
+    return cfg["BM"] // 2, cfg["BN"]
 
 
 #: Shared memory an sm_90 block may use (227 KiB), less what barriers and the schedule
@@ -1057,15 +1066,13 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
     bound = row_tile_bound(R, E, cfg["BM"])
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
     a_desc = _gluon_descriptor(a_desc)
-    split_n = cfg["BM"] == 64
-    box = (cfg["BM"], cfg["BN"] // 2) if split_n else (cfg["BM"] // 2, cfg["BN"])
-    c_desc = _store_descriptor(out, R, J, box, cfg,
+    c_desc = _store_descriptor(out, R, J, _consumer_part(cfg), cfg,
                                cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] * 2)
     with device_guard(out):
         launch(_hp_rows_ws_kernel, grid, a_desc, _gluon_descriptor(b_desc), out,
                c_desc or a_desc, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
                BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-               STAGES=cfg["STAGES"], SPLIT_N=split_n, EP2=max(128, next_power_of_2(E)),
+               STAGES=cfg["STAGES"], SPLIT_N=cfg["BM"] == 64, EP2=max(128, next_power_of_2(E)),
                B_NMAJOR=b_nmajor, TMA_STORE=c_desc is not None,
                CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
