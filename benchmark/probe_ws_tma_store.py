@@ -33,7 +33,11 @@ CASES = [(E, name, N, K) for E in (256, 32)
          for name, N, K in (("gate_up", 2048, 2048), ("down", 2048, 1024))]
 
 
-def _case_rows(E: int, name: str, N: int, K: int) -> list[dict]:
+def make_case(E: int, name: str, N: int, K: int):
+    """One case's inputs: ``(runs, refs, real)``, ``runs`` the four GEMMs keyed
+    ``(kind, dir)`` as calls of the public grouped GEMMs (which take the WS kernels on
+    sm_90), ``refs`` their float32 products of the bf16 operands (a function of the
+    key, computed when called), ``real`` the routed rows' mask."""
     layout, real, bounds, _ = random_routing(8192, 8, E, 16, "cuda")
     R = real.numel()
     off = layout.offsets
@@ -47,13 +51,24 @@ def _case_rows(E: int, name: str, N: int, K: int) -> list[dict]:
             ("fp8", "dgrad"): partial(grouped_mm_fp8_dgrad, dyq, wq, off),
             ("bf16", "fwd"): partial(grouped_mm_fwd, x, w, off, backend="triton"),
             ("bf16", "dgrad"): partial(grouped_mm_dgrad, dy, w, off, backend="triton")}
-    rows = []
-    for (kind, direction), run in runs.items():
+
+    def ref(direction: str) -> torch.Tensor:
         a, b = (x, w.transpose(1, 2)) if direction == "fwd" else (dy, w)
-        ref = torch.zeros(R, b.shape[2], device="cuda")
+        out = torch.zeros(R, b.shape[2], device="cuda")
         for e in range(E):
             sl = slice(bounds[e], bounds[e + 1])
-            ref[sl] = a[sl].float() @ b[e].float()
+            out[sl] = a[sl].float() @ b[e].float()
+        return out
+
+    return runs, ref, real
+
+
+def _case_rows(E: int, name: str, N: int, K: int) -> list[dict]:
+    runs, refs, real = make_case(E, name, N, K)
+    R = real.numel()
+    rows = []
+    for (kind, direction), run in runs.items():
+        ref = refs(direction)
         config = ws.WS_CONFIG if kind == "fp8" else ws.HP_WS_CONFIG
         row = dict(E=E, gemm=name, kind=kind, dir=direction, R=R, N=N, K=K)
         outs = {}

@@ -63,6 +63,8 @@ try:  # Gluon: triton >= 3.5
     # async_copy_global_to_shared / async_copy_shared_to_global)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # a partition's barrier: ``gl.barrier`` from triton 3.7 on (3.6: ``thread_barrier``)
+    _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 except (ImportError, AttributeError):  # pragma: no cover - triton without (this) Gluon
     gluon = None
 
@@ -197,18 +199,84 @@ if gluon is not None:
         return n0 + n1, gl.maximum(c0, c1)
 
     @gluon.jit
-    def _ws_load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
-                 b_row_e, b_col_e, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, EP2: gl.constexpr,
+    def _tile_slots(NSLOT: gl.constexpr):
+        """The schedule's hand-over: ``NSLOT`` slots of one tile's ``(expert, column
+        tile, first row, row end, K steps)`` (int32, padded to 8) that the loader warp
+        fills (:func:`_publish_tile`) and both consumer warpgroups read
+        (:func:`_take_tile`), with barriers ``tile_ready`` (the loader wrote the slot)
+        and ``tile_free`` (both consumers read it: two arrivals)."""
+        info = gl.allocate_shared_memory(gl.int32, [NSLOT, 8],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tile_ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1],
+                                               mbarrier.MBarrierLayout())
+        tile_free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NSLOT):
+            mbarrier.init(tile_ready.index(s), count=1)
+            mbarrier.init(tile_free.index(s), count=2)
+        return info, tile_ready, tile_free
+
+    @gluon.jit
+    def _publish_tile(info, tile_ready, tile_free, j, ec, pid_n, start, end, k_tiles,
+                      NSLOT: gl.constexpr):
+        """Loader side of the hand-over: the ``j``-th tile of this program into its slot,
+        once both consumers have read the slot's previous tile."""
+        slot = j % NSLOT
+        mbarrier.wait(tile_free.index(slot), ((j // NSLOT) & 1) ^ 1)
+        f = gl.arange(0, 8, layout=gl.BlockedLayout([8], [32], [1], [0]))
+        v = gl.where(f == 0, ec, gl.where(f == 1, pid_n, gl.where(f == 2, start, gl.where(
+            f == 3, end, k_tiles))))
+        info.index(slot).store(v)
+        # (every lane's write is done before the one arrive that releases them)
+        _partition_barrier()
+        mbarrier.arrive(tile_ready.index(slot), count=1)
+
+    @gluon.jit
+    def _take_tile(info, tile_ready, tile_free, j, NSLOT: gl.constexpr):
+        """Consumer side (a 4-warp partition): the ``j``-th tile's ``(expert, column
+        tile, first row, row end, K steps)``, read from its slot (each thread holds the
+        whole slot: the fields are in-thread sums), and the slot released."""
+        slot = j % NSLOT
+        mbarrier.wait(tile_ready.index(slot), (j // NSLOT) & 1)
+        f = gl.arange(0, 8, layout=gl.BlockedLayout([8], [32], [4], [0]))
+        v = info.index(slot).load(gl.BlockedLayout([8], [32], [4], [0]))
+        # (every thread has read the slot before the one arrive that frees it)
+        _partition_barrier()
+        mbarrier.arrive(tile_free.index(slot), count=1)
+        return (gl.sum(gl.where(f == 0, v, 0), 0), gl.sum(gl.where(f == 1, v, 0), 0),
+                gl.sum(gl.where(f == 2, v, 0), 0), gl.sum(gl.where(f == 3, v, 0), 0),
+                gl.sum(gl.where(f == 4, v, 0), 0))
+
+    @gluon.jit
+    def _row_tiles(offsets_ptr, R, E, BM: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
+        """The schedule's row tile count (:func:`_schedule`'s ``n_m``) in a partition of
+        ``NW`` warps: the consumers' loop bound, once a kernel."""
+        idx = gl.arange(0, EP2, layout=gl.BlockedLayout([1], [32], [NW], [0]))
+        m = idx < E
+        lo = gl.load(offsets_ptr + idx, mask=m, other=0)
+        hi = gl.load(offsets_ptr + idx + 1, mask=m, other=0)
+        return (gl.sum((hi - lo + (BM - 1)) // BM, 0)
+                + gl.cdiv(R - gl.load(offsets_ptr + E), BM))
+
+    @gluon.jit
+    def _ws_load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free,
+                 offsets_ptr, R, I, J, E, b_row_e, b_col_e, BM: gl.constexpr,
+                 BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr, EP2: gl.constexpr, NSLOT: gl.constexpr,
                  B_NMAJOR: gl.constexpr):
-        """Loader warp: the TMA copies of every K step of this program's tiles
-        (``B_NMAJOR``: ``b`` as ``[E*I, J]``, ``[BK, BN]`` boxes, output dim contiguous)."""
+        """Loader warp: the schedule (each tile handed to the consumers before its
+        loads: :func:`_publish_tile`; one warp's reductions are shuffles, no barrier)
+        and the TMA copies of every K step of this program's tiles (``B_NMAJOR``: ``b``
+        as ``[E*I, J]``, ``[BK, BN]`` boxes, output dim contiguous)."""
         cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 1)
         num_n = gl.cdiv(J, BN)
         it = 0
+        j = 0
         for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
             ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, cum, offsets_ptr, R, I,
                                                    E, BM, BK, GROUP_M)
+            _publish_tile(info, tile_ready, tile_free, j, ec, pid_n, start, end, k_tiles,
+                          NSLOT)
+            j += 1
             b_row = ec * b_row_e + pid_n * BN
             b_col = ec * b_col_e
             for kk in range(k_tiles):
@@ -225,11 +293,12 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _ws_consume(a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, as_ptr, bs_ptr,
-                    offsets_ptr, R, I, J, E, stride_cm, stride_asr, stride_ask, bs_se, bs_si,
-                    bs_sj, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                    BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    SPLIT_N: gl.constexpr, EP2: gl.constexpr, TMA_STORE: gl.constexpr):
+    def _ws_consume(a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free, c_ptr, c_desc,
+                    c_bufs, as_ptr, bs_ptr, offsets_ptr, R, I, J, E, stride_cm, stride_asr,
+                    stride_ask, bs_se, bs_si, bs_sj, WG: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                    SPLIT_N: gl.constexpr, EP2: gl.constexpr, NSLOT: gl.constexpr,
+                    TMA_STORE: gl.constexpr):
         """Consumer warpgroup ``WG`` of each tile's ``[WM, WN]`` part: rows ``WG * BM/2``
         on (``SPLIT_N`` off: ``WM = BM/2``, ``WN = BN``) or columns ``WG * BN/2`` on
         (``SPLIT_N``: ``WM = BM``, ``WN = BN/2``). Per K step: MMA, wait, release, promote,
@@ -246,12 +315,12 @@ if gluon is not None:
                                                       instr_shape=[16, SUB, 32])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB, SUB // 8], [4, 1],
                                                [1, 0])
-        cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)
+        n_m = _row_tiles(offsets_ptr, R, E, BM, EP2, 4)
         num_n = gl.cdiv(J, BN)
         it = 0
-        for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
-            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, cum, offsets_ptr, R, I,
-                                                   E, BM, BK, GROUP_M)
+        # (this program's tiles: those from program_id on, num_programs apart)
+        for j in range(gl.cdiv(n_m * num_n - gl.program_id(0), gl.num_programs(0))):
+            ec, pid_n, start, end, k_tiles = _take_tile(info, tile_ready, tile_free, j, NSLOT)
             row0 = start + R_OFF
             col0 = pid_n * BN + C_OFF
             rows = row0 + gl.arange(0, WM, layout=gl.SliceLayout(1, mma))
@@ -383,31 +452,35 @@ if gluon is not None:
         ``TMA_STORE``: ``c_desc`` over ``c`` ``[R, J]`` with a consumer's ``[WM, 128]``
         (or ``[WM, WN]`` below 128 columns) boxes (:func:`_epilogue`); else unused."""
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
+        NSLOT: gl.constexpr = 2
+        info, tile_ready, tile_free = _tile_slots(NSLOT)
         c_bufs = _store_buffers(c_desc, a_bufs, BN // 2 if SPLIT_N else BN, TMA_STORE)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         # (worker arguments are spelled out: tuples built by concatenation lose constexprs)
         gl.warp_specialize([
-            (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, as_ptr,
-                           bs_ptr, offsets_ptr, R, I, J, E, stride_cm, stride_asr,
-                           stride_ask, bs_se, bs_si, bs_sj, WG0, BM, BN, BK, GROUP_M, STAGES,
-                           SPLIT_N, EP2, TMA_STORE)),
-            (_ws_consume, (a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, as_ptr,
-                           bs_ptr, offsets_ptr, R, I, J, E, stride_cm, stride_asr,
-                           stride_ask, bs_se, bs_si, bs_sj, WG1, BM, BN, BK, GROUP_M, STAGES,
-                           SPLIT_N, EP2, TMA_STORE)),
-            (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
-                        b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, False)),
+            (_ws_consume, (a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free, c_ptr,
+                           c_desc, c_bufs, as_ptr, bs_ptr, offsets_ptr, R, I, J, E, stride_cm,
+                           stride_asr, stride_ask, bs_se, bs_si, bs_sj, WG0, BM, BN, BK,
+                           STAGES, SPLIT_N, EP2, NSLOT, TMA_STORE)),
+            (_ws_consume, (a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free, c_ptr,
+                           c_desc, c_bufs, as_ptr, bs_ptr, offsets_ptr, R, I, J, E, stride_cm,
+                           stride_asr, stride_ask, bs_se, bs_si, bs_sj, WG1, BM, BN, BK,
+                           STAGES, SPLIT_N, EP2, NSLOT, TMA_STORE)),
+            (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, info, tile_ready,
+                        tile_free, offsets_ptr, R, I, J, E, b_row_e, b_col_e, BM, BN, BK,
+                        GROUP_M, STAGES, EP2, NSLOT, False)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
     # ------------------------------------------------------- bf16 / fp16 rows GEMM
 
     @gluon.jit
-    def _ws_consume_hp(a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, offsets_ptr, R,
-                       I, J, E, stride_cm, WG: gl.constexpr, BM: gl.constexpr,
-                       BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+    def _ws_consume_hp(a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free, c_ptr,
+                       c_desc, c_bufs, offsets_ptr, R, I, J, E, stride_cm, WG: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT_N: gl.constexpr, EP2: gl.constexpr,
-                       B_NMAJOR: gl.constexpr, TMA_STORE: gl.constexpr):
+                       NSLOT: gl.constexpr, B_NMAJOR: gl.constexpr,
+                       TMA_STORE: gl.constexpr):
         """Consumer warpgroup ``WG`` of the 16-bit rows GEMM: one ``[WM, WN]`` wgmma a K
         step into one accumulator, the next step issued before the previous one is
         waited for (one in flight), its stage released once it is done."""
@@ -419,12 +492,12 @@ if gluon is not None:
                                                       instr_shape=[16, WN, 16])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // WN, WN // 8], [4, 1],
                                                [1, 0])
-        cum, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)
+        n_m = _row_tiles(offsets_ptr, R, E, BM, EP2, 4)
         num_n = gl.cdiv(J, BN)
         it = 0
-        for tile in range(gl.program_id(0), n_m * num_n, gl.num_programs(0)):
-            ec, pid_n, start, end, k_tiles = _tile(tile, n_m, num_n, cum, offsets_ptr, R, I,
-                                                   E, BM, BK, GROUP_M)
+        # (this program's tiles: those from program_id on, num_programs apart)
+        for j in range(gl.cdiv(n_m * num_n - gl.program_id(0), gl.num_programs(0))):
+            ec, pid_n, start, end, k_tiles = _take_tile(info, tile_ready, tile_free, j, NSLOT)
             row0 = start + R_OFF
             col0 = pid_n * BN + C_OFF
             acc = gl.zeros((WM, WN), gl.float32, mma)
@@ -462,18 +535,21 @@ if gluon is not None:
         kernel's ring, loader, schedule and epilogue without the promotion (``c_desc``
         boxes: a consumer's whole ``[WM, WN]`` part)."""
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
+        NSLOT: gl.constexpr = 2
+        info, tile_ready, tile_free = _tile_slots(NSLOT)
         c_bufs = _store_buffers(c_desc, a_bufs, BN // 2 if SPLIT_N else BN, TMA_STORE)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, offsets_ptr,
-                              R, I, J, E, stride_cm, WG0, BM, BN, BK, GROUP_M, STAGES,
-                              SPLIT_N, EP2, B_NMAJOR, TMA_STORE)),
-            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_bufs, offsets_ptr,
-                              R, I, J, E, stride_cm, WG1, BM, BN, BK, GROUP_M, STAGES,
-                              SPLIT_N, EP2, B_NMAJOR, TMA_STORE)),
-            (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, R, I, J, E,
-                        b_row_e, b_col_e, BM, BN, BK, GROUP_M, STAGES, EP2, B_NMAJOR)),
+            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free,
+                              c_ptr, c_desc, c_bufs, offsets_ptr, R, I, J, E, stride_cm, WG0,
+                              BM, BN, BK, STAGES, SPLIT_N, EP2, NSLOT, B_NMAJOR, TMA_STORE)),
+            (_ws_consume_hp, (a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free,
+                              c_ptr, c_desc, c_bufs, offsets_ptr, R, I, J, E, stride_cm, WG1,
+                              BM, BN, BK, STAGES, SPLIT_N, EP2, NSLOT, B_NMAJOR, TMA_STORE)),
+            (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, info, tile_ready,
+                        tile_free, offsets_ptr, R, I, J, E, b_row_e, b_col_e, BM, BN, BK,
+                        GROUP_M, STAGES, EP2, NSLOT, B_NMAJOR)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
     # ------------------------------------------------------------ bf16 / fp16 wgrad
