@@ -1384,9 +1384,11 @@ def barrier_after_store_wait(ptx, what):
                 assert not u.startswith(("stmatrix", "st.shared")), (what, u)
 
 
-for bm, bn, stages, ep2, tma_store in ([(*t, 256, True) for t in W.WS_TILES_STAGES]
-                                       + [(128, 256, 3, 512, True), (128, 256, 3, 256, False),
-                                          (64, 128, 5, 256, False)]):
+for bm, bn, stages, ep2, tma_store, bufs in (
+        [(*t, 256, True, 2) for t in W.WS_TILES_STAGES]
+        + [(128, 256, 3, 512, True, 2), (128, 256, 3, 256, False, 2), (64, 128, 5, 256, False, 2),
+           # the default 128x256 tiles: a fourth stage beside one store buffer a consumer
+           (128, 256, 4, 256, True, 1), (128, 256, 4, 512, True, 1)]):
     # the TMA-store epilogue's boxes: a consumer's part of the tile, 128 columns at most
     wm, wn = W._consumer_part(dict(BM=bm, BN=bn))
     cbox = (wm, min(wn, 128))
@@ -1400,9 +1402,11 @@ for bm, bn, stages, ep2, tma_store in ([(*t, 256, True) for t in W.WS_TILES_STAG
                bs_si="i32", bs_sj="i32",
                BM="constexpr", BN="constexpr", BK="constexpr", GROUP_M="constexpr",
                STAGES="constexpr", SPLIT_N="constexpr", EP2="constexpr",
-               TMA_STORE="constexpr", CONSUMER_REGS="constexpr", num_warps="constexpr")
+               TMA_STORE="constexpr", STORE_BUFS="constexpr", CONSUMER_REGS="constexpr",
+               num_warps="constexpr")
     const = dict(BM=bm, BN=bn, BK=128, GROUP_M=8, STAGES=stages, SPLIT_N=bm == 64,
-                 EP2=ep2, TMA_STORE=tma_store, CONSUMER_REGS=232, num_warps=4)
+                 EP2=ep2, TMA_STORE=tma_store, STORE_BUFS=bufs, CONSUMER_REGS=232,
+                 num_warps=4)
     k = sm90(W._fp8_rows_ws_kernel, sig, const, W.WS_CONFIG["MAXNREG"])
     ptx = k.asm["ptx"]
     # TMA loads into wgmma, warp specialization with register reallocation, and the

@@ -26,7 +26,15 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
   that is waited for only before the buffers are written again, so the store overlaps
   the next tile's K loop (``TMA_STORE``; a part ending inside the next expert's rows is
   stored masked from registers). H200, the e2e's shapes: 2-7% faster than the register
-  stores, the same bits (``benchmark/results/h200_probe_ws_tma_store_*``).
+  stores, the same bits (``benchmark/results/h200_probe_ws_tma_store_*``). At 128x256
+  tiles a consumer's two 128-column parts share one buffer (``STORE_BUFS=1``: the second
+  waits for the first to leave it), which makes room for a fourth ring stage: FP8 2-8%
+  faster than three stages (``h200_probe_ws_rows_four_stages_*``).
+- the loader warp also computes the tile schedule and hands each tile's ``(expert,
+  column tile, rows, K steps)`` to the consumers through shared-memory slots
+  (:func:`_tile_slots`), so the consumers' tile boundaries hold no cross-warp
+  reductions or dependent loads (source-level Nsight Compute: they were ~13% of the
+  consumers' stall samples; FP8 2-6% faster, ``h200_probe_ws_rows_schedule_handover_*``).
 
 Same tile schedule as the Triton kernel (expert tiles, then tail tiles that store zeros),
 computed the same way inside each program from ``offsets`` (no launch of its own), same
@@ -82,7 +90,8 @@ HP_WS: bool = os.environ.get("LINGHE_HP_WS", "1") == "1"
 #: each), the second consumer warpgroup at 232 registers, the loader warp at 40 (the
 #: first, Gluon's default partition, gets what ``MAXNREG`` x 12 warps leaves: 208 at
 #: 160); ``TMA_STORE``: the output tiles leave through shared memory and TMA copies that
-#: overlap the next tile (where the output allows: :func:`_store_descriptor`).
+#: overlap the next tile (where the output allows: :func:`_store_descriptor`), through
+#: ``STORE_BUFS`` (default 2) buffers a consumer warpgroup of its 128-column parts.
 #: :func:`ws_config` picks the tiles by shape.
 WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG=160,
                  TMA_STORE=True)
@@ -90,13 +99,15 @@ WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG
 #: 64-row tiles split by columns.
 WS_TILES = ((128, 128), (128, 256), (64, 128), (64, 256))
 #: (BM, BN, STAGES) that fit shared memory (the ring, and the TMA-store epilogue's
-#: buffers or the register stores' layout conversion).
+#: buffers or the register stores' layout conversion); 128x256 takes a fourth stage with
+#: ``STORE_BUFS=1`` (:func:`ws_config`).
 WS_TILES_STAGES = ((128, 128, 4), (128, 256, 3), (64, 128, 5), (64, 256, 4))
 
 
 def ws_config(R: int, E: int, I: int, J: int, device: torch.device | None = None) -> dict:
     """Tiles by shape (``R`` rows, ``E`` experts, contraction ``I``, output columns ``J``):
-    128x256 (each consumer warpgroup 64x256 as two 128-column MMAs; 3 stages), except
+    128x256 (each consumer warpgroup 64x256 as two 128-column MMAs; 4 stages beside one
+    store buffer a consumer, 3 beside two), except
     with few rows per expert, a long contraction and a wide output (256 experts' gate_up
     forward) on an H100-class GPU, where 128x128 (:func:`_large_memory`). H100, 8192
     tokens top-8, µs (vs ``torch._grouped_mm`` bf16;
@@ -106,7 +117,7 @@ def ws_config(R: int, E: int, I: int, J: int, device: torch.device | None = None
     480), dgrad 409 (1.53x; 446); ``benchmark/results/h100_probe_fp8_ws_tiles_*``."""
     if R < 512 * E and I >= 2048 and J >= 2048 and not _large_memory(device):
         return dict(WS_CONFIG)
-    return dict(WS_CONFIG, BN=256, STAGES=3)
+    return dict(WS_CONFIG, BN=256, STAGES=4, STORE_BUFS=1)
 
 
 def _large_memory(device) -> bool:
@@ -298,7 +309,7 @@ if gluon is not None:
                     stride_ask, bs_se, bs_si, bs_sj, WG: gl.constexpr, BM: gl.constexpr,
                     BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                     SPLIT_N: gl.constexpr, EP2: gl.constexpr, NSLOT: gl.constexpr,
-                    TMA_STORE: gl.constexpr):
+                    TMA_STORE: gl.constexpr, STORE_BUFS: gl.constexpr):
         """Consumer warpgroup ``WG`` of each tile's ``[WM, WN]`` part: rows ``WG * BM/2``
         on (``SPLIT_N`` off: ``WM = BM/2``, ``WN = BN``) or columns ``WG * BN/2`` on
         (``SPLIT_N``: ``WM = BM``, ``WN = BN/2``). Per K step: MMA, wait, release, promote,
@@ -359,14 +370,15 @@ if gluon is not None:
                     acc0 = acc0 + prod * gl.expand_dims(sa * sb0, 1)
                 it += 1
             _epilogue(c_ptr, c_desc, c_bufs, acc0, acc1, row0, col0, end, R, J, stride_cm,
-                      WG, WM, SUB, TWO, TMA_STORE, mma, out_l)
+                      WG, WM, SUB, TWO, TMA_STORE, STORE_BUFS if TWO else 1, mma, out_l)
         if TMA_STORE:
             tma.store_wait(0)
 
     @gluon.jit
     def _epilogue(c_ptr, c_desc, c_bufs, acc0, acc1, row0, col0, end, R, J, stride_cm,
                   WG: gl.constexpr, WM: gl.constexpr, W: gl.constexpr, TWO: gl.constexpr,
-                  TMA_STORE: gl.constexpr, mma: gl.constexpr, out_l: gl.constexpr):
+                  TMA_STORE: gl.constexpr, NB: gl.constexpr, mma: gl.constexpr,
+                  out_l: gl.constexpr):
         """A consumer's store of its ``[WM, W]`` part (and, ``TWO``, of ``acc1`` beside
         it). ``TMA_STORE``: a part whose rows all belong to the tile's segment (or end
         at ``R``, where TMA clips) goes through this warpgroup's shared-memory buffers
@@ -377,7 +389,7 @@ if gluon is not None:
         masked store through a coalescing layout (:func:`_store_rows`)."""
         if TMA_STORE:
             if (row0 + WM <= end) | (end >= R):  # (TMA clips the rows past R)
-                _tma_store_parts(c_desc, c_bufs, acc0, acc1, row0, col0, W, WG, TWO)
+                _tma_store_parts(c_desc, c_bufs, acc0, acc1, row0, col0, W, WG, TWO, NB)
             else:
                 _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM, W, TWO,
                             mma)
@@ -387,26 +399,31 @@ if gluon is not None:
 
     @gluon.jit
     def _tma_store_parts(desc, c_bufs, acc0, acc1, row0, col0, W: gl.constexpr,
-                         WG: gl.constexpr, TWO: gl.constexpr):
+                         WG: gl.constexpr, TWO: gl.constexpr, NB: gl.constexpr):
         """A consumer warpgroup's TMA-store epilogue: ``acc0`` (and, ``TWO``, ``acc1``
-        ``W`` columns on) through its buffers of ``c_bufs`` (``WG``'s one or two) into
-        ``desc`` at ``[row0, col0]``, asynchronously: the buffers' previous stores are
-        waited for first, these are left in flight (TMA clips past the tensor's
-        bounds)."""
-        NSUB: gl.constexpr = 2 if TWO else 1
+        ``W`` columns on) through its ``NB`` buffers of ``c_bufs`` into ``desc`` at
+        ``[row0, col0]``, asynchronously: the buffers' previous stores are waited for
+        first, these are left in flight (TMA clips past the tensor's bounds). With one
+        buffer for two parts, the second waits until the first has left it."""
         # this warpgroup's buffers' previous stores have left: the wait holds the threads
         # that issued them, and the barrier Triton puts before the shared-memory writes
         # below holds the rest (test_fp8_ws_kernel_compiles_for_sm90 checks it is there)
         tma.store_wait(0)
-        c_buf = c_bufs.index(WG * NSUB)
+        c_buf = c_bufs.index(WG * NB)
         c_buf.store(acc0.to(desc.dtype))
-        if TWO:
-            c_buf1 = c_bufs.index(WG * NSUB + 1)
+        if TWO and NB == 2:
+            c_buf1 = c_bufs.index(WG * NB + 1)
             c_buf1.store(acc1.to(desc.dtype))
         fence_async_shared()
         _tma_store(desc, [row0, col0], c_buf)
         if TWO:
-            _tma_store(desc, [row0, col0 + W], c_buf1)
+            if NB == 2:
+                _tma_store(desc, [row0, col0 + W], c_buf1)
+            else:
+                tma.store_wait(0)
+                c_buf.store(acc1.to(desc.dtype))
+                fence_async_shared()
+                _tma_store(desc, [row0, col0 + W], c_buf)
 
     @gluon.jit
     def _store_rows(c_ptr, acc0, acc1, row0, col0, end, R, J, stride_cm, WM: gl.constexpr,
@@ -426,13 +443,16 @@ if gluon is not None:
                      mask=rm & gl.expand_dims(ocols + W < J, 0))
 
     @gluon.jit
-    def _store_buffers(c_desc, other, WN: gl.constexpr, TMA_STORE: gl.constexpr):
+    def _store_buffers(c_desc, other, WN: gl.constexpr, TMA_STORE: gl.constexpr,
+                       PER_WG: gl.constexpr):
         """The TMA-store epilogue's shared-memory buffers: per consumer warpgroup one
         ``c_desc`` box for each box-wide part of its ``WN`` columns (FP8: 128-column
-        parts; bf16: the whole part) (``other``, unused, when ``TMA_STORE`` is off)."""
+        parts; bf16: the whole part), at most ``PER_WG`` (``other``, unused, when
+        ``TMA_STORE`` is off)."""
         if TMA_STORE:
-            NBUF: gl.constexpr = 2 * ((WN + c_desc.block_type.shape[1] - 1)
-                                      // c_desc.block_type.shape[1])
+            PARTS: gl.constexpr = ((WN + c_desc.block_type.shape[1] - 1)
+                                   // c_desc.block_type.shape[1])
+            NBUF: gl.constexpr = 2 * (PARTS if PARTS < PER_WG else PER_WG)
             bufs = gl.allocate_shared_memory(c_desc.dtype, [NBUF] + c_desc.block_type.shape,
                                              c_desc.layout)
         else:
@@ -445,8 +465,8 @@ if gluon is not None:
                             bs_si, bs_sj, BM: gl.constexpr, BN: gl.constexpr,
                             BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                             SPLIT_N: gl.constexpr, EP2: gl.constexpr,
-                            TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            TMA_STORE: gl.constexpr, STORE_BUFS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """Persistent warp-specialized FP8 rows GEMM (see the module docstring).
         ``num_warps`` = 4: the first consumer warpgroup (the default partition).
         ``TMA_STORE``: ``c_desc`` over ``c`` ``[R, J]`` with a consumer's ``[WM, 128]``
@@ -454,7 +474,8 @@ if gluon is not None:
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
         NSLOT: gl.constexpr = 2
         info, tile_ready, tile_free = _tile_slots(NSLOT)
-        c_bufs = _store_buffers(c_desc, a_bufs, BN // 2 if SPLIT_N else BN, TMA_STORE)
+        c_bufs = _store_buffers(c_desc, a_bufs, BN // 2 if SPLIT_N else BN, TMA_STORE,
+                                STORE_BUFS)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         # (worker arguments are spelled out: tuples built by concatenation lose constexprs)
@@ -462,11 +483,11 @@ if gluon is not None:
             (_ws_consume, (a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free, c_ptr,
                            c_desc, c_bufs, as_ptr, bs_ptr, offsets_ptr, R, I, J, E, stride_cm,
                            stride_asr, stride_ask, bs_se, bs_si, bs_sj, WG0, BM, BN, BK,
-                           STAGES, SPLIT_N, EP2, NSLOT, TMA_STORE)),
+                           STAGES, SPLIT_N, EP2, NSLOT, TMA_STORE, STORE_BUFS)),
             (_ws_consume, (a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free, c_ptr,
                            c_desc, c_bufs, as_ptr, bs_ptr, offsets_ptr, R, I, J, E, stride_cm,
                            stride_asr, stride_ask, bs_se, bs_si, bs_sj, WG1, BM, BN, BK,
-                           STAGES, SPLIT_N, EP2, NSLOT, TMA_STORE)),
+                           STAGES, SPLIT_N, EP2, NSLOT, TMA_STORE, STORE_BUFS)),
             (_ws_load, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, info, tile_ready,
                         tile_free, offsets_ptr, R, I, J, E, b_row_e, b_col_e, BM, BN, BK,
                         GROUP_M, STAGES, EP2, NSLOT, False)),
@@ -520,7 +541,7 @@ if gluon is not None:
             if k_tiles > 0:
                 mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
             _epilogue(c_ptr, c_desc, c_bufs, acc, acc, row0, col0, end, R, J, stride_cm, WG,
-                      WM, WN, False, TMA_STORE, mma, out_l)
+                      WM, WN, False, TMA_STORE, 1, mma, out_l)
         if TMA_STORE:
             tma.store_wait(0)
 
@@ -537,7 +558,7 @@ if gluon is not None:
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
         NSLOT: gl.constexpr = 2
         info, tile_ready, tile_free = _tile_slots(NSLOT)
-        c_bufs = _store_buffers(c_desc, a_bufs, BN // 2 if SPLIT_N else BN, TMA_STORE)
+        c_bufs = _store_buffers(c_desc, a_bufs, BN // 2 if SPLIT_N else BN, TMA_STORE, 1)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         gl.warp_specialize([
@@ -899,7 +920,8 @@ if gluon is not None:
                 it += 1
             if TMA_STORE:  # asynchronous: overlaps the next tile's K loop
                 row0 = e * N + pid_n * BNW + WG * WM  # in dW viewed as [E * N, K]
-                _tma_store_parts(w_desc, c_bufs, acc0, acc1, row0, pid_k * BKW, SUB, WG, TWO)
+                _tma_store_parts(w_desc, c_bufs, acc0, acc1, row0, pid_k * BKW, SUB, WG, TWO,
+                                 2 if TWO else 1)
             else:
                 orows = pid_n * BNW + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, out_l))
                 ocols = pid_k * BKW + gl.arange(0, SUB, layout=gl.SliceLayout(0, out_l))
@@ -1068,8 +1090,10 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
     a_desc = _gluon_descriptor(a_desc)
     wm, wn = _consumer_part(cfg)
+    store_bufs = cfg.get("STORE_BUFS", 2)
     c_desc = _store_descriptor(out, R, J, (wm, min(wn, 128)), cfg,
-                               cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * 128)
+                               cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * 128,
+                               min(store_bufs, cdiv(wn, 128)) * 2 * wm * min(wn, 128))
     with device_guard(out):
         launch(
             _fp8_rows_ws_kernel, grid, a_desc, _gluon_descriptor(b_desc), out,
@@ -1077,8 +1101,8 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
             out.stride(0), a_scale.stride(0), a_scale.stride(1), *bs_strides, BM=cfg["BM"],
             BN=cfg["BN"], BK=128, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"],
             SPLIT_N=cfg["BM"] == 64, EP2=max(128, next_power_of_2(E)),
-            TMA_STORE=c_desc is not None, CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
-            maxnreg=cfg["MAXNREG"])
+            TMA_STORE=c_desc is not None, STORE_BUFS=store_bufs,
+            CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
     return out
 
 
@@ -1097,7 +1121,7 @@ _SMEM_BYTES = (227 << 10) - 1024
 
 
 def _store_descriptor(out: torch.Tensor, R: int, J: int, box: tuple[int, int], cfg: dict,
-                      ring_bytes: int):
+                      ring_bytes: int, buffer_elems: int | None = None):
     """The TMA-store epilogue's descriptor of ``out``'s ``[R, J]`` rows with ``box`` (a
     consumer's part of a tile), or None where ``cfg["TMA_STORE"]`` is off, TMA cannot
     write ``out`` (not 16-bit, columns not contiguous, rows or base not 16-byte aligned)
@@ -1106,7 +1130,8 @@ def _store_descriptor(out: torch.Tensor, R: int, J: int, box: tuple[int, int], c
     store from registers."""
     if not (cfg.get("TMA_STORE") and out.dtype in _GL_DTYPES and out.stride(1) == 1
             and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0
-            and ring_bytes + cfg["BM"] * cfg["BN"] * out.element_size() <= _SMEM_BYTES):
+            and ring_bytes + (buffer_elems or cfg["BM"] * cfg["BN"]) * out.element_size()
+            <= _SMEM_BYTES):
         return None
     return ws_descriptor(out, [R, J], out.stride(), box)
 
