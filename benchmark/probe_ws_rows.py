@@ -26,8 +26,8 @@ import torch
 from linghe.fwd import grouped_mm as gm
 from linghe.fwd import grouped_mm_ws as ws
 
-from .harness import device_time_us, load_module_at, print_columns
-from .probe_ws_tma_store import CASES, make_case
+from .harness import device_time_us, load_module_at
+from .probe_ws_tma_store import CASES, make_case, print_ab
 
 _LAUNCHERS = ("launch_fp8_rows_ws", "launch_hp_rows_ws")
 
@@ -93,15 +93,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump(dict(device=torch.cuda.get_device_name(), old=args.old or args.old_rev,
                            rows=rows), fh, indent=1)
-    print(f"WS rows GEMMs, this tree vs {args.old or args.old_rev} "
-          f"({torch.cuda.get_device_name()}; kernel µs, L2 flushed, median of "
-          f"{args.rounds} alternating rounds)")
-    print_columns(["E", "gemm", "kind", "dir", "new µs", "old µs", "speedup", "same bits",
-                   "rel err"],
-                  [[r["E"], r["gemm"], r["kind"], r["dir"], f"{r['new_us']:.1f}",
-                    f"{r['old_us']:.1f}", f"{r['speedup']:.3f}x", r["same_bits"],
-                    f"{r['rel_err']:.2e}"] for r in rows])
-    return 0 if all(r["same_bits"] for r in rows) else 2
+    return print_ab(f"WS rows GEMMs, this tree vs {args.old or args.old_rev} "
+                    f"({torch.cuda.get_device_name()}; kernel µs, L2 flushed, median of "
+                    f"{args.rounds} alternating rounds)", rows, ("new", "new"), ("old", "old"))
 
 
 if __name__ == "__main__":

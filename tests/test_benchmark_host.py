@@ -96,3 +96,29 @@ def test_probe_e2e_gaps_report():
                                 "frames": ["linghe/functional/moe.py(10): forward",
                                            "aten::item"]}]
     assert [d["kernel"] for d in rep["drains"]] == ["k3"]
+
+
+def test_probe_ws_rows_old_module_and_table(tmp_path, capsys):
+    """``benchmark.probe_ws_rows`` (GPU-only timing): the old ``grouped_mm_ws.py`` loads
+    from a folder (copies of the tree without git) as its own module, with the launchers
+    the probe swaps in; a folder without it is an error; the A/B table's exit code flags
+    a case whose bits differ."""
+    pytest.importorskip("torch")
+    probe = pytest.importorskip("benchmark.probe_ws_rows")
+    import shutil
+
+    from linghe.fwd import grouped_mm_ws
+
+    (tmp_path / "linghe" / "fwd").mkdir(parents=True)
+    shutil.copy(grouped_mm_ws.__file__, tmp_path / "linghe" / "fwd" / "grouped_mm_ws.py")
+    old = probe._load_old(str(tmp_path), "HEAD")
+    assert old is not grouped_mm_ws and old.__name__ == "linghe.fwd._grouped_mm_ws_old"
+    assert all(callable(getattr(old, n)) for n in probe._LAUNCHERS)
+    with pytest.raises(FileNotFoundError, match="grouped_mm_ws.py"):
+        probe._load_old(str(tmp_path / "linghe"), "HEAD")
+    row = dict(E=3, gemm="down", kind="fp8", dir="fwd", new_us=9.0, old_us=10.0,
+               speedup=10 / 9, same_bits=True, rel_err=1e-3)
+    assert probe.print_ab("t", [row], ("new", "new"), ("old", "old")) == 0
+    assert "1.111x" in capsys.readouterr().out
+    assert probe.print_ab("t", [dict(row, same_bits=False)], ("new", "new"),
+                          ("old", "old")) == 2
