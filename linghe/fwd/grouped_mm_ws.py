@@ -166,7 +166,7 @@ if gluon is not None:
 
     @gluon.jit
     def _schedule(offsets_ptr, R, E, BM: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
-        """The expert tile schedule, made once by each partition (``NW`` warps) of each
+        """The expert tile schedule, made once by the loader warp (``NW`` warps) of each
         program from ``offsets`` (``E + 1`` int32, L2-resident; no launch of its own):
         ``(cum, n_m)``, ``cum [EP2]`` the inclusive sum of the experts' ``cdiv(segment,
         BM)`` row tiles (``EP2 / 32 / NW`` registers a thread), and the row tiles: the
