@@ -1388,7 +1388,7 @@ for bm, bn, stages, ep2, tma_store, bufs in (
         [(*t, 256, True, 2) for t in W.WS_TILES_STAGES]
         + [(128, 256, 3, 512, True, 2), (128, 256, 3, 256, False, 2), (64, 128, 5, 256, False, 2),
            # the default 128x256 tiles: a fourth stage beside one store buffer a consumer
-           (128, 256, 4, 256, True, 1), (128, 256, 4, 512, True, 1)]):
+           (128, 256, 4, 256, True, 1)]):
     # the TMA-store epilogue's boxes: a consumer's part of the tile, 128 columns at most
     wm, wn = W._consumer_part(dict(BM=bm, BN=bn))
     cbox = (wm, min(wn, 128))
