@@ -1207,8 +1207,9 @@ def _spy_kwarg(monkeypatch, key: str, kernel_with: str | None = None) -> list:
 def test_ws_store_descriptor_falls_back_to_register_stores():
     """The rows kernels' TMA-store epilogue is taken only where TMA can write the output
     and its buffers fit beside the operand ring: fp32 outputs, rows that are not 16-byte
-    aligned, the knob off and a ring pinned deeper than the defaults (FP8 128x256 at 4
-    stages: 192 KiB + 64 KiB of buffers) get the register stores (no descriptor)."""
+    aligned, the knob off and buffers that do not fit beside the ring (FP8 128x256 at 4
+    stages: 192 KiB + 64 KiB of buffers for both parts) get the register stores (no
+    descriptor)."""
     if ws_mod.gluon is None:
         pytest.skip("needs Gluon")
     # (a consumer warpgroup's part: half the rows of a 128-row tile, half the columns of
@@ -1223,6 +1224,36 @@ def test_ws_store_descriptor_falls_back_to_register_stores():
     for c, o in ((dict(cfg, STAGES=4), out), (dict(cfg, TMA_STORE=False), out),
                  (cfg, out.float()), (cfg, torch.empty(64, 260, dtype=torch.bfloat16)[:, :257])):
         assert ws_mod._store_descriptor(o, 64, 256, (64, 128), c, ring(c)) is None
+
+
+def test_fp8_ws_launch_store_buffers(monkeypatch):
+    """The FP8 rows launcher's TMA-store buffers (the kernel is not run: launch stubbed):
+    a consumer gets one per 128-column part where they fit beside the ring (128x128 at 4
+    stages, 128x256 at 3: two), else one for both (128x256 at 4 stages, the default
+    there: ``ws_config``), which fits; fp32 outputs store from registers."""
+    if ws_mod.gluon is None:
+        pytest.skip("needs Gluon")
+    seen = []
+    monkeypatch.setattr(ws_mod, "launch", lambda kernel, grid, *a, **kw: seen.append(kw))
+    R, I, J, E = 256, 256, 512, 2
+    offsets = torch.tensor([0, 100, 256], dtype=torch.int32)
+    a = torch.zeros(R, I, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(E * J, I, dtype=torch.float8_e4m3fn)
+    assert ws_mod.ws_config(R, E, I, J)["STAGES"] == 4  # (128x256 here)
+    for (bn, stages), want in (((128, 4), 1), ((256, 3), 2), ((256, 4), 1)):
+        cfg = dict(ws_mod.WS_CONFIG, BN=bn, STAGES=stages)
+        ops = (ws_mod.ws_descriptor(a, [R, I], [I, 1], [128, 128]),
+               ws_mod.ws_descriptor(b, [E * J, I], [I, 1], [bn, 128]), J, 0)
+        for out, tma_store in ((torch.empty(R, J, dtype=torch.bfloat16), True),
+                               (torch.empty(R, J), False)):
+            ws_mod.launch_fp8_rows_ws(ops, out, torch.ones(R, 2), torch.ones(E, 2, 4),
+                                      offsets, (8, 4, 1), cfg)
+            kw = seen.pop()
+            assert (kw["STAGES"], kw["TMA_STORE"]) == (stages, tma_store), (bn, stages)
+            if tma_store:
+                assert kw["STORE_BUFS"] == want, (bn, stages)
+                ring = stages * (128 + bn) * 128
+                assert ring + want * 2 * 64 * 128 * 2 <= ws_mod._SMEM_BYTES
 
 
 def test_hp_ws_dispatch(device, monkeypatch):
@@ -1388,7 +1419,7 @@ for bm, bn, stages, ep2, tma_store, bufs in (
         [(*t, 256, True, 2) for t in W.WS_TILES_STAGES]
         + [(128, 256, 3, 512, True, 2), (128, 256, 3, 256, False, 2), (64, 128, 5, 256, False, 2),
            # the default 128x256 tiles: a fourth stage beside one store buffer a consumer
-           (128, 256, 4, 256, True, 1)]):
+           (128, 256, 4, 256, True, 1), (128, 256, 4, 256, False, 1)]):
     # the TMA-store epilogue's boxes: a consumer's part of the tile, 128 columns at most
     wm, wn = W._consumer_part(dict(BM=bm, BN=bn))
     cbox = (wm, min(wn, 128))

@@ -27,7 +27,7 @@ sb``), scheduled the way Hopper FP8 GEMMs are fast with promotion:
   the next tile's K loop (``TMA_STORE``; a part ending inside the next expert's rows is
   stored masked from registers). H200, the e2e's shapes: 2-7% faster than the register
   stores, the same bits (``benchmark/results/h200_probe_ws_tma_store_*``). At 128x256
-  tiles a consumer's two 128-column parts share one buffer (``STORE_BUFS=1``: the second
+  tiles a consumer's two 128-column parts share one buffer (``STORE_BUFS``: the second
   waits for the first to leave it), which makes room for a fourth ring stage: FP8 2-8%
   faster than three stages (``h200_probe_ws_rows_four_stages_*``).
 - the loader warp also computes the tile schedule and hands each tile's ``(expert,
@@ -90,17 +90,18 @@ HP_WS: bool = os.environ.get("LINGHE_HP_WS", "1") == "1"
 #: each), the second consumer warpgroup at 232 registers, the loader warp at 40 (the
 #: first, Gluon's default partition, gets what ``MAXNREG`` x 12 warps leaves: 208 at
 #: 160); ``TMA_STORE``: the output tiles leave through shared memory and TMA copies that
-#: overlap the next tile (where the output allows: :func:`_store_descriptor`), through
-#: ``STORE_BUFS`` (default 2) buffers a consumer warpgroup of its 128-column parts.
-#: :func:`ws_config` picks the tiles by shape.
+#: overlap the next tile (where the output allows: :func:`_store_descriptor`), through a
+#: buffer a consumer warpgroup for each of its 128-column parts, or one for both where
+#: those do not fit beside the ring (:func:`launch_fp8_rows_ws`). :func:`ws_config` picks
+#: the tiles by shape.
 WS_CONFIG = dict(BM=128, BN=128, STAGES=4, GROUP_M=8, CONSUMER_REGS=232, MAXNREG=160,
                  TMA_STORE=True)
 #: The tiles it takes: 128-row tiles split by rows between the two consumer warpgroups,
 #: 64-row tiles split by columns.
 WS_TILES = ((128, 128), (128, 256), (64, 128), (64, 256))
 #: (BM, BN, STAGES) that fit shared memory (the ring, and the TMA-store epilogue's
-#: buffers or the register stores' layout conversion); 128x256 takes a fourth stage with
-#: ``STORE_BUFS=1`` (:func:`ws_config`).
+#: buffers or the register stores' layout conversion); 128x256 also takes a fourth stage,
+#: beside one store buffer a consumer (:func:`ws_config`).
 WS_TILES_STAGES = ((128, 128, 4), (128, 256, 3), (64, 128, 5), (64, 256, 4))
 
 
@@ -117,7 +118,7 @@ def ws_config(R: int, E: int, I: int, J: int, device: torch.device | None = None
     480), dgrad 409 (1.53x; 446); ``benchmark/results/h100_probe_fp8_ws_tiles_*``."""
     if R < 512 * E and I >= 2048 and J >= 2048 and not _large_memory(device):
         return dict(WS_CONFIG)
-    return dict(WS_CONFIG, BN=256, STAGES=4, STORE_BUFS=1)
+    return dict(WS_CONFIG, BN=256, STAGES=4)
 
 
 def _large_memory(device) -> bool:
@@ -258,17 +259,6 @@ if gluon is not None:
                 gl.sum(gl.where(f == 4, v, 0), 0))
 
     @gluon.jit
-    def _row_tiles(offsets_ptr, R, E, BM: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
-        """The schedule's row tile count (:func:`_schedule`'s ``n_m``) in a partition of
-        ``NW`` warps: the consumers' loop bound, once a kernel."""
-        idx = gl.arange(0, EP2, layout=gl.BlockedLayout([1], [32], [NW], [0]))
-        m = idx < E
-        lo = gl.load(offsets_ptr + idx, mask=m, other=0)
-        hi = gl.load(offsets_ptr + idx + 1, mask=m, other=0)
-        return (gl.sum((hi - lo + (BM - 1)) // BM, 0)
-                + gl.cdiv(R - gl.load(offsets_ptr + E), BM))
-
-    @gluon.jit
     def _ws_load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, info, tile_ready, tile_free,
                  offsets_ptr, R, I, J, E, b_row_e, b_col_e, BM: gl.constexpr,
                  BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
@@ -326,7 +316,9 @@ if gluon is not None:
                                                       instr_shape=[16, SUB, 32])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB, SUB // 8], [4, 1],
                                                [1, 0])
-        n_m = _row_tiles(offsets_ptr, R, E, BM, EP2, 4)
+        # (the loader's row tile count, by the same function: the same count, tile for
+        # tile, even for offsets that decrease)
+        _, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)
         num_n = gl.cdiv(J, BN)
         it = 0
         # (this program's tiles: those from program_id on, num_programs apart)
@@ -513,7 +505,9 @@ if gluon is not None:
                                                       instr_shape=[16, WN, 16])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // WN, WN // 8], [4, 1],
                                                [1, 0])
-        n_m = _row_tiles(offsets_ptr, R, E, BM, EP2, 4)
+        # (the loader's row tile count, by the same function: the same count, tile for
+        # tile, even for offsets that decrease)
+        _, n_m = _schedule(offsets_ptr, R, E, BM, EP2, 4)
         num_n = gl.cdiv(J, BN)
         it = 0
         # (this program's tiles: those from program_id on, num_programs apart)
@@ -1090,10 +1084,14 @@ def launch_fp8_rows_ws(ops, out: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
     a_desc = _gluon_descriptor(a_desc)
     wm, wn = _consumer_part(cfg)
-    store_bufs = cfg.get("STORE_BUFS", 2)
-    c_desc = _store_descriptor(out, R, J, (wm, min(wn, 128)), cfg,
-                               cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * 128,
-                               min(store_bufs, cdiv(wn, 128)) * 2 * wm * min(wn, 128))
+    ring = cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * 128
+    # a consumer's store buffers: one per 128-column part where they fit beside the
+    # ring, else one for both (128x256 at 4 stages)
+    store_bufs = cdiv(wn, 128)
+    if ring + 2 * wm * wn * out.element_size() > _SMEM_BYTES:
+        store_bufs = 1
+    c_desc = _store_descriptor(out, R, J, (wm, min(wn, 128)), cfg, ring,
+                               store_bufs * 2 * wm * min(wn, 128))
     with device_guard(out):
         launch(
             _fp8_rows_ws_kernel, grid, a_desc, _gluon_descriptor(b_desc), out,
