@@ -3,10 +3,11 @@
 ``ncu --clock-control none -k regex:"_fp8_rows_ws|_wgrad_ws" --launch-skip 2
 --launch-count 2 --section SpeedOfLight --section WarpStateStats --section Occupancy
 --section MemoryWorkloadAnalysis python3 -m benchmark.ncu_grouped`` (add ``--section
-SourceCounters --import-source yes`` and open the report's source view to see which
-instructions the warps stall on; on sm_90 the kernels are the warp-specialized ones,
-``_fp8_rows_ws_kernel`` and ``_hp_wgrad_ws_kernel``; ``LINGHE_FP8_WS=0`` /
-``LINGHE_HP_WS=0`` profile the Triton kernels instead).
+SourceCounters --import-source yes -o REPORT``, then ``ncu -i REPORT.ncu-rep --page
+source --csv --print-source sass > src.csv`` and ``python -m benchmark.ncu_source src.csv``
+to see which instructions the warps stall on; on sm_90 the kernels are the
+warp-specialized ones, ``_fp8_rows_ws_kernel`` and ``_hp_wgrad_ws_kernel``;
+``LINGHE_FP8_WS=0`` / ``LINGHE_HP_WS=0`` profile the Triton kernels instead).
 
 Runs (twice: the first round compiles) the FP8 rows kernel on the gate_up forward
 (256 experts, 8192 tokens top-8, segments aligned to 16: ~256 rows per expert) and the

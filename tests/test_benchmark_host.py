@@ -122,3 +122,31 @@ def test_probe_ws_rows_old_module_and_table(tmp_path, capsys):
     assert "1.111x" in capsys.readouterr().out
     assert probe.print_ab("t", [dict(row, same_bits=False)], ("new", "new"),
                           ("old", "old")) == 2
+
+
+def test_ncu_source_summary(tmp_path, capsys):
+    """``benchmark.ncu_source`` on a committed Nsight Compute source page (the FP8 rows
+    kernel, H200): every instruction's samples land in exactly one region; the idle
+    padding warps' park (executed once a CTA a warp) is pure barrier samples; the
+    table prints; a CSV without instruction rows is an error."""
+    import glob
+    import os
+
+    ncu = pytest.importorskip("benchmark.ncu_source")
+    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "benchmark", "results")
+    files = sorted(glob.glob(os.path.join(results, "h200_ncu_source_fp8_rows_ws_*_s22.csv.gz")))
+    assert files, "the committed ncu source pages"
+    ins = ncu.read_source_csv(files[0])
+    regs = ncu.regions(ins)
+    assert sum(r[3] for r in regs) == sum(i.samples for i in ins) > 0
+    assert [r[0] for r in regs] == [0] + [r[1] + 1 for r in regs[:-1]]
+    park = [r for r in regs if r[2] in (132, 264) and r[3] > 0]
+    assert park and all(set(r[4]) == {"barrier"} for r in park)
+    assert ncu.main([files[0], "--top", "3"]) == 0
+    assert "top instructions" in capsys.readouterr().out
+    bad = tmp_path / "bad.csv"
+    bad.write_text('"Kernel Name","k"\n"Address","Source","Warp Stall Sampling (All Samples)",'
+                   '"Instructions Executed"\n')
+    with pytest.raises(ValueError, match="no instruction rows"):
+        ncu.read_source_csv(str(bad))
