@@ -1223,7 +1223,8 @@ def test_ws_store_descriptor_falls_back_to_register_stores():
     assert ring(cfg) + cfg["BM"] * cfg["BN"] * 2 <= ws_mod._SMEM_BYTES
     for c, o in ((dict(cfg, STAGES=4), out), (dict(cfg, TMA_STORE=False), out),
                  (cfg, out.float()), (cfg, torch.empty(64, 260, dtype=torch.bfloat16)[:, :257])):
-        assert ws_mod._store_descriptor(o, 64, 256, (64, 128), c, ring(c)) is None
+        assert ws_mod._store_descriptor(o, 64, 256, (64, 128), c, ring(c),
+                                        c["BM"] * c["BN"]) is None
 
 
 def test_fp8_ws_launch_store_buffers(monkeypatch):

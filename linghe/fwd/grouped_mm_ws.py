@@ -167,8 +167,9 @@ if gluon is not None:
 
     @gluon.jit
     def _schedule(offsets_ptr, R, E, BM: gl.constexpr, EP2: gl.constexpr, NW: gl.constexpr):
-        """The expert tile schedule, made once by the loader warp (``NW`` warps) of each
-        program from ``offsets`` (``E + 1`` int32, L2-resident; no launch of its own):
+        """The expert tile schedule, made once by each partition (``NW`` warps) of each
+        program from ``offsets`` (``E + 1`` int32, L2-resident; no launch of its own; the
+        loader walks the tiles with it, the consumers take only ``n_m``):
         ``(cum, n_m)``, ``cum [EP2]`` the inclusive sum of the experts' ``cdiv(segment,
         BM)`` row tiles (``EP2 / 32 / NW`` registers a thread), and the row tiles: the
         experts' then the tail's past ``offsets[E]`` (zeros stored). The Triton kernel's
@@ -249,8 +250,9 @@ if gluon is not None:
         whole slot: the fields are in-thread sums), and the slot released."""
         slot = j % NSLOT
         mbarrier.wait(tile_ready.index(slot), (j // NSLOT) & 1)
-        f = gl.arange(0, 8, layout=gl.BlockedLayout([8], [32], [4], [0]))
-        v = info.index(slot).load(gl.BlockedLayout([8], [32], [4], [0]))
+        whole: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+        f = gl.arange(0, 8, layout=whole)
+        v = info.index(slot).load(whole)
         # (every thread has read the slot before the one arrive that frees it)
         _partition_barrier()
         mbarrier.arrive(tile_free.index(slot), count=1)
@@ -1119,17 +1121,16 @@ _SMEM_BYTES = (227 << 10) - 1024
 
 
 def _store_descriptor(out: torch.Tensor, R: int, J: int, box: tuple[int, int], cfg: dict,
-                      ring_bytes: int, buffer_elems: int | None = None):
+                      ring_bytes: int, buffer_elems: int):
     """The TMA-store epilogue's descriptor of ``out``'s ``[R, J]`` rows with ``box`` (a
     consumer's part of a tile), or None where ``cfg["TMA_STORE"]`` is off, TMA cannot
     write ``out`` (not 16-bit, columns not contiguous, rows or base not 16-byte aligned)
-    or the store buffers (``BM x BN`` outputs) do not fit shared memory beside the
-    operand ring of ``ring_bytes`` (a deeper ring pinned by a config): then the kernels
-    store from registers."""
+    or the store buffers (``buffer_elems`` outputs, both consumers') do not fit shared
+    memory beside the operand ring of ``ring_bytes`` (a deeper ring pinned by a config):
+    then the kernels store from registers."""
     if not (cfg.get("TMA_STORE") and out.dtype in _GL_DTYPES and out.stride(1) == 1
             and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0
-            and ring_bytes + (buffer_elems or cfg["BM"] * cfg["BN"]) * out.element_size()
-            <= _SMEM_BYTES):
+            and ring_bytes + buffer_elems * out.element_size() <= _SMEM_BYTES):
         return None
     return ws_descriptor(out, [R, J], out.stride(), box)
 
@@ -1166,7 +1167,8 @@ def launch_hp_rows_ws(ops, out: torch.Tensor, offsets: torch.Tensor, b_nmajor: b
     grid = (max(1, min(num_sms(out.device), bound * cdiv(J, cfg["BN"]))),)
     a_desc = _gluon_descriptor(a_desc)
     c_desc = _store_descriptor(out, R, J, _consumer_part(cfg), cfg,
-                               cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] * 2)
+                               cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] * 2,
+                               cfg["BM"] * cfg["BN"])
     with device_guard(out):
         launch(_hp_rows_ws_kernel, grid, a_desc, _gluon_descriptor(b_desc), out,
                c_desc or a_desc, offsets, R, I, J, E, b_row_e, b_col_e, out.stride(0),
