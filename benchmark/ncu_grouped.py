@@ -5,9 +5,11 @@
 --section MemoryWorkloadAnalysis python3 -m benchmark.ncu_grouped`` (add ``--section
 SourceCounters --import-source yes -o REPORT``, then ``ncu -i REPORT.ncu-rep --page
 source --csv --print-source sass > src.csv`` and ``python -m benchmark.ncu_source src.csv``
-to see which instructions the warps stall on; on sm_90 the kernels are the
-warp-specialized ones, ``_fp8_rows_ws_kernel`` and ``_hp_wgrad_ws_kernel``;
-``LINGHE_FP8_WS=0`` / ``LINGHE_HP_WS=0`` profile the Triton kernels instead).
+to see which instructions the warps stall on; or ``--set full -o REPORT``, then ``ncu -i
+REPORT.ncu-rep --page raw --csv > raw.csv`` and ``python -m benchmark.ncu_metrics raw.csv``
+for the units' throughputs side by side). On sm_90 the kernels are the warp-specialized
+ones, ``_fp8_rows_ws_kernel`` and ``_hp_wgrad_ws_kernel``; ``LINGHE_FP8_WS=0`` /
+``LINGHE_HP_WS=0`` profile the Triton kernels instead.
 
 Runs (twice: the first round compiles) the FP8 rows kernel on the gate_up forward
 (256 experts, 8192 tokens top-8, segments aligned to 16: ~256 rows per expert) and the

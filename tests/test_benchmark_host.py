@@ -150,3 +150,34 @@ def test_ncu_source_summary(tmp_path, capsys):
                    '"Instructions Executed"\n')
     with pytest.raises(ValueError, match="no instruction rows"):
         ncu.read_source_csv(str(bad))
+
+
+def test_ncu_metrics_summary(capsys, tmp_path):
+    """``benchmark.ncu_metrics`` on the committed Nsight Compute raw pages (H200): the FP8
+    rows kernel keeps the tensor pipe 60-75% busy, the bf16 one more; the quantize kernel
+    uses no tensor pipe and is L2-bound; units convert (the FP8 E256 launch is 609.3 µs);
+    the table, the verdicts and the JSON come out."""
+    import glob
+    import os
+
+    ncu = pytest.importorskip("benchmark.ncu_metrics")
+    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "benchmark", "results")
+    files = sorted(glob.glob(os.path.join(results, "h200_ncu_raw_*_s23.csv.gz")))
+    assert len(files) == 4, "the committed ncu raw pages"
+    out = tmp_path / "ncu.json"
+    assert ncu.main(files + ["--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tensor pipe active %" in text and "DRAM read GB" in text
+    assert text.count("busiest unit") == 4 and "L2-bound" in text
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4
+    by = {r["file"].split("_ncu_raw_")[1].split("_2026")[0]: r for r in rows}
+    tensor = "tensor pipe active %"
+    e256, e32 = by["fp8_rows_ws_e256_gate_up"], by["fp8_rows_ws_e32_gate_up"]
+    bf16, quant = by["bf16_rows_ws_e256_gate_up"], by["quantize_split_8192x2048"]
+    assert 60 < e256[tensor] < 75
+    assert bf16[tensor] > max(e256[tensor], e32[tensor])
+    assert abs(e256["duration us"] - 609.3) < 1 and abs(bf16["duration us"] - 1032.1) < 1
+    assert quant[tensor] == 0 and ncu.busiest(quant)[0] == "L2"
+    assert all(r["DRAM throughput %"] is not None for r in rows)
