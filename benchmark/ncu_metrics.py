@@ -15,13 +15,12 @@ Reads the committed ``benchmark/results/*ncu_raw*.csv.gz`` as they are.
 from __future__ import annotations
 
 import argparse
-import csv
 import fnmatch
-import gzip
 import json
 import os
 
 from .harness import print_columns
+from .ncu_source import read_csv
 
 # (label, metric names tried in order; a pattern matches by fnmatch)
 METRICS: list[tuple[str, tuple[str, ...]]] = [
@@ -67,9 +66,7 @@ def summarize(paths: list[str]) -> list[dict]:
     ``{"file": name without .csv[.gz], "kernel": ..., label: value or None, ...}``."""
     out = []
     for path in paths:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", newline="") as fh:
-            rows = [r for r in csv.reader(fh) if r]
+        rows = [r for r in read_csv(path) if r]
         if len(rows) < 3 or "Kernel Name" not in rows[0]:
             raise ValueError(f"{path}: no launch rows (not an ncu --page raw CSV?)")
         head, units = rows[0], rows[1]
@@ -78,8 +75,9 @@ def summarize(paths: list[str]) -> list[dict]:
             found = [n for pat in names for n in fnmatch.filter(head, pat)]
             cols[label] = head.index(found[0]) if found else None
         name = os.path.basename(path).removesuffix(".gz").removesuffix(".csv")
+        i_kernel = head.index("Kernel Name")
         for r in rows[2:]:
-            d = {"file": name, "kernel": r[head.index("Kernel Name")]}
+            d = {"file": name, "kernel": r[i_kernel]}
             for label, i in cols.items():
                 v = _number(r[i]) if i is not None and i < len(r) else None
                 d[label] = None if v is None else v * _SCALE.get(units[i].lower(), 1.0)

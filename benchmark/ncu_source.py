@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import gzip
-import io
 from collections import Counter
 from dataclasses import dataclass
 
@@ -36,14 +35,18 @@ class Instruction:
     stalls: Counter
 
 
+def read_csv(path: str) -> list[list[str]]:
+    """The rows of an ncu CSV export, plain or gzipped (``.gz``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as fh:
+        return list(csv.reader(fh))
+
+
 def read_source_csv(path: str) -> list[Instruction]:
     """The per-instruction rows of an ncu source-page CSV (plain or gzipped): the SASS
     text, the executed count, the warp-state samples and the samples by stall reason
     (``stall_*`` columns, without the "not issued" ones)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as fh:
-        text = fh.read()
-    rows = list(csv.reader(io.StringIO(text)))
+    rows = read_csv(path)
     start = next(i for i, r in enumerate(rows) if "Source" in r and "Address" in r)
     hdr = rows[start]
     i_src = hdr.index("Source")
