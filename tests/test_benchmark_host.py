@@ -1,10 +1,11 @@
 """``benchmark.host`` (host µs per call of the public ops): the script runs and writes its
 rows; the MoE rows are set up as the GPU run needs them. ``benchmark.probe_roofline``'s
-CPU smoke run and its ``--only`` row selection."""
+CPU smoke run and its ``--only`` row selection; ``benchmark.probe_rc_floor``'s byte check."""
 
 import json
 
 import pytest
+import torch
 
 
 def test_host_benchmark_runs(tmp_path):
@@ -181,3 +182,25 @@ def test_ncu_metrics_summary(capsys, tmp_path):
     assert abs(e256["duration us"] - 609.3) < 1 and abs(bf16["duration us"] - 1032.1) < 1
     assert quant[tensor] == 0 and ncu.busiest(quant)[0] == "L2"
     assert all(r["DRAM throughput %"] is not None for r in rows)
+
+
+def test_probe_rc_floor_check():
+    """``benchmark.probe_rc_floor``'s byte check (the kernel is sm_90-only): the pattern's
+    outputs built on the host pass, a transposed copy that is off by one byte fails."""
+    from benchmark.probe_rc_floor import check, make_outputs
+
+    x = torch.randn(32, 48).to(torch.bfloat16)
+    bits = x.view(torch.int16)
+    hi, lo = (bits >> 8).to(torch.uint8), bits.to(torch.uint8)
+    y, a, b = make_outputs(x, 2)
+    a.copy_(hi)
+    b.view(torch.uint8).view(48, 32).copy_(lo.t())
+    assert check(x, 2, (y, a, b))
+    b.view(torch.uint8)[0, 0] ^= 1
+    assert not check(x, 2, (y, a, b))
+    y, a, b = make_outputs(x, 1)
+    a.copy_(hi)
+    b.copy_(lo)
+    assert check(x, 1, (y, a, b)) and not check(x, 1, (y, b, a))
+    y.copy_(x)
+    assert check(x, 0, (y, a, b))
