@@ -83,10 +83,11 @@ OLD_REV = "8ff0efd"
 # In order of interest (the probe alternates forward and backward rows): the time
 # budget may cut the tail.
 _FWD_KNOBS = [dict(row=False), dict(warps=2), dict(tokens=2)]
-_BWD_KNOBS = [dict(row=False), dict(stages=1), dict(stages=4), dict(stages=2),
-              dict(warps=8, stages=2), dict(dw=(1024, 4))]
+_BWD_KNOBS = [dict(row=False), dict(prefetch=False), dict(stages=1), dict(stages=4),
+              dict(stages=2), dict(warps=8, stages=2), dict(dw=(1024, 4))]
 _CPU_FWD_KNOBS = [dict(row=False), dict(tokens=2, approx=False)]
-_CPU_BWD_KNOBS = [dict(stages=1), dict(row=False), dict(tokens=2, stages=2, approx=False)]
+_CPU_BWD_KNOBS = [dict(stages=1), dict(prefetch=False), dict(row=False),
+                  dict(tokens=2, stages=2, approx=False)]
 _TOL = 1e-2  # bf16 vs the float32 reference (relative error)
 #: Variant rows (not main / default rows) are skipped once the probe has run this long.
 MAX_SECONDS = 70.0
@@ -138,13 +139,14 @@ def _defaults(F, B):
     return (dict(tokens=F.FWD_TOKENS, warps=F.FWD_NUM_WARPS, approx=F.COS_SIN_APPROX,
                  row=F.ROW_ORDER),
             dict(tokens=F.BWD_TOKENS, warps=F.BWD_NUM_WARPS, stages=F.BWD_STAGES,
-                 approx=F.COS_SIN_APPROX, row=F.ROW_ORDER, dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
+                 prefetch=F.BWD_PREFETCH, approx=F.COS_SIN_APPROX, row=F.ROW_ORDER,
+                 dw=(B.DW_BLOCK_P, B.DW_BLOCK_N)))
 
 
 _NAMES = {"fwd": dict(tokens="FWD_TOKENS", warps="FWD_NUM_WARPS", approx="COS_SIN_APPROX",
                       row="ROW_ORDER"),
           "bwd": dict(tokens="BWD_TOKENS", warps="BWD_NUM_WARPS", stages="BWD_STAGES",
-                      approx="COS_SIN_APPROX", row="ROW_ORDER")}
+                      prefetch="BWD_PREFETCH", approx="COS_SIN_APPROX", row="ROW_ORDER")}
 
 
 @contextlib.contextmanager
@@ -171,6 +173,8 @@ def _knob_str(kn):
     s = f"t{kn['tokens']} w{kn['warps']}"
     if "stages" in kn:
         s += f" s{kn['stages']}"
+    if kn.get("prefetch") and kn.get("stages") == 1:
+        s += " pf"
     s += " mufu" if kn["approx"] else " poly"
     if kn.get("row"):
         s += " row"
@@ -545,6 +549,7 @@ def sass_table(args) -> int:
         cfg["ROW_ORDER"] = bool(kn.get("row"))
         if op == "bwd":
             cfg["STAGES"] = kn["stages"]
+            cfg["PREFETCH"] = bool(kn.get("prefetch")) and kn["stages"] == 1
         return cfg
 
     jobs = [("fwd", None, oldF._qk_norm_rope_fwd_kernel,

@@ -433,9 +433,9 @@ assert "bar.sync" not in ptx and "cos.approx" in ptx and "sin.approx" in ptx
 assert "ld.global.v2" in ptx and "st.global.v2" in ptx
 assert "div.s64" not in ptx and "div.u64" not in ptx
 assert not [ln for ln in ptx.splitlines() if "st.global" in ln and "@" in ln]
-for stages in (1, 2):
-    ptx = compile_sm90(B._qk_norm_rope_bwd_kernel, bargs, dict(base, STAGES=stages, **cfg),
-                       nw).asm["ptx"]
+for stages, prefetch in ((1, True), (1, False), (2, False)):
+    ptx = compile_sm90(B._qk_norm_rope_bwd_kernel, bargs,
+                       dict(base, STAGES=stages, PREFETCH=prefetch, **cfg), nw).asm["ptx"]
     assert ("cp.async" in ptx) == (stages > 1), stages
     assert "div.s64" not in ptx and "div.u64" not in ptx
 print("COMPILED")
@@ -446,7 +446,8 @@ def test_qk_norm_rope_compiles_for_sm90(compile_sm90):
     """The qk_norm_rope kernels compile for an H100/H200 (sm_90) without a GPU, with the
     properties the tile layout is for (see linghe/fwd/rope.py): no shared-memory
     exchange in the forward, MUFU cos/sin, vector accesses, int32 token math, a
-    cp.async-pipelined backward loop when BWD_STAGES > 1."""
+    cp.async-pipelined backward loop when BWD_STAGES > 1 (and the plain loop with and
+    without the register prefetch of the next token block, BWD_PREFETCH)."""
     compile_sm90(_ROPE_COMPILE_SCRIPT)
 
 

@@ -12,15 +12,19 @@ import triton
 import triton.language as tl
 
 from ..fwd.rope import (
+    angles_cos_sin,
     copy_heads,
     head_block,
     head_rstd,
     head_sum,
     launch_config,
     load_head,
+    load_if,
     load_weight,
+    rope_angles,
     rope_cos_sin,
     store_head,
+    store_if,
     token_block,
     token_offsets,
     token_strides,
@@ -119,6 +123,82 @@ def bwd_heads(dy_row, x_row, dx_row, live, h0, NH, H, HKV, D, HALF, R, RH, eps, 
 
 
 @triton.jit
+def one_block_loads(blk, qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr, pos_ptr, T, S, NBATCH,
+                    NPOS, stride_b, stride_s, H: tl.constexpr, HKV: tl.constexpr,
+                    D: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr, RH: tl.constexpr,
+                    G: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+                    NORM_Q: tl.constexpr, NORM_K: tl.constexpr, HAS_REST: tl.constexpr,
+                    EVEN: tl.constexpr, ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Every load of token block ``blk`` when all heads are one block (``ONE_BLOCK``): the
+    q and k gradients' and inputs' pieces, v's gradient heads and the RoPE angles, as
+    loaded (``(gq1..4, xq1..4, gk1..4, xk1..4, v, angles)``; without a norm the inputs
+    are the gradients again)."""
+    t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
+    t3 = t.to(tl.int64)[None, :, None]
+    x_row = qkv_ptr + token_offsets(b, s, stride_b, stride_s)
+    hq, mq, cq = head_block(0, live, H, H, HKV, D, G, 0, INTERLEAVED, BLOCK_HQ)
+    hk, mk, ck = head_block(0, live, HKV, H, HKV, D, G, 1, INTERLEAVED, BLOCK_HK)
+    hv, mv, cv = head_block(0, live, HKV, H, HKV, D, G, 2, INTERLEAVED, BLOCK_HK)
+    gq1, gq2, gq3, gq4 = load_head(dq_ptr + t3 * (H * D), hq * D, mq, HALF, R, RH, HAS_REST,
+                                   EVEN, BLOCK_HALF, BLOCK_RH)
+    if NORM_Q:
+        xq1, xq2, xq3, xq4 = load_head(x_row, cq, mq, HALF, R, RH, HAS_REST, EVEN,
+                                       BLOCK_HALF, BLOCK_RH)
+    else:
+        xq1, xq2, xq3, xq4 = gq1, gq2, gq3, gq4
+    gk1, gk2, gk3, gk4 = load_head(dk_ptr + t3 * (HKV * D), hk * D, mk, HALF, R, RH,
+                                   HAS_REST, EVEN, BLOCK_HALF, BLOCK_RH)
+    if NORM_K:
+        xk1, xk2, xk3, xk4 = load_head(x_row, ck, mk, HALF, R, RH, HAS_REST, EVEN,
+                                       BLOCK_HALF, BLOCK_RH)
+    else:
+        xk1, xk2, xk3, xk4 = gk1, gk2, gk3, gk4
+    dd = tl.arange(0, BLOCK_D)[None, None, :]
+    v = load_if(dv_ptr + t3 * (HKV * D) + hv * D + dd, mv & (dd < D), EVEN)
+    a = rope_angles(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS, EVEN, BLOCK_HALF)
+    return (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4,
+            v, a)
+
+
+@triton.jit
+def one_block_bwd(blk, gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2,
+                  xk3, xk4, v, a, wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, aq1, aq2, aq3, aq4,
+                  ak1, ak2, ak3, ak4, dqkv_ptr, T, S, NBATCH, dstride_b, dstride_s, eps,
+                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                  R: tl.constexpr, RH: tl.constexpr, G: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
+                  HAS_REST: tl.constexpr, SAME: tl.constexpr, EVEN: tl.constexpr,
+                  APPROX: tl.constexpr, ROW_ORDER: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The math and stores of token block ``blk`` from :func:`one_block_loads`' values:
+    dqkv's q, k and v parts written; returns the updated weight-gradient accumulators
+    ``(aq1..4, ak1..4)``."""
+    t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
+    dx_row = dqkv_ptr + token_offsets(b, s, dstride_b, dstride_s)
+    hq, mq, cq = head_block(0, live, H, H, HKV, D, G, 0, INTERLEAVED, BLOCK_HQ)
+    hk, mk, ck = head_block(0, live, HKV, H, HKV, D, G, 1, INTERLEAVED, BLOCK_HK)
+    hv, mv, cv = head_block(0, live, HKV, H, HKV, D, G, 2, INTERLEAVED, BLOCK_HK)
+    dd = tl.arange(0, BLOCK_D)[None, None, :]
+    store_if(dx_row + cv + dd, v, mv & (dd < D), EVEN)
+    cos, sin = angles_cos_sin(a, APPROX)
+    y1, y2, y3, y4, aq1, aq2, aq3, aq4 = norm_rope_bwd(
+        gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, cos,
+        sin, D, eps, NORM_Q, HAS_REST, SAME)
+    store_head(dx_row, cq, mq, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
+               BLOCK_RH)
+    y1, y2, y3, y4, ak1, ak2, ak3, ak4 = norm_rope_bwd(
+        gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, cos,
+        sin, D, eps, NORM_K, HAS_REST, SAME)
+    store_head(dx_row, ck, mk, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN, BLOCK_HALF,
+               BLOCK_RH)
+    return aq1, aq2, aq3, aq4, ak1, ak2, ak3, ak4
+
+
+@triton.jit
 def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_ptr, pos_ptr,
                              qw_ptr, kw_ptr, dw_ptr, T, S, NBATCH, NPOS, stride_b, stride_s,
                              dstride_b, dstride_s, eps, H: tl.constexpr, HKV: tl.constexpr,
@@ -129,15 +209,18 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
                              SAME: tl.constexpr, ONE_BLOCK: tl.constexpr,
                              EVEN: tl.constexpr, APPROX: tl.constexpr,
                              ROW_ORDER: tl.constexpr, STAGES: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                             PREFETCH: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_HQ: tl.constexpr,
                              BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                              BLOCK_RH: tl.constexpr, BLOCK_D: tl.constexpr):
     """Persistent: program ``pid`` handles token blocks ``pid, pid + P, ...`` of
     ``BLOCK_T`` tokens (a loop software-pipelined over ``STAGES`` stages) and writes one
     float32 partial row ``[dq_norm_weight | dk_norm_weight]`` (``2*D``) at ``dw_ptr``.
     The weight-gradient terms stay elementwise in registers until the end (no cross-warp
-    reduction per token). (Loading the k pieces a loop step ahead by hand, beside the
-    pipeliner: H100 59.0 µs vs 58.7 without, removed.)"""
+    reduction per token). ``PREFETCH`` (``ONE_BLOCK``, ``STAGES`` 1): the next token
+    block's loads (:func:`one_block_loads`) are issued before this block's math and
+    stores (:func:`one_block_bwd`), into registers. (Loading only the k pieces a step
+    ahead beside the pipeliner, earlier: H100 59.0 µs vs 58.7 without, removed.)"""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     NB = tl.cdiv(T, BLOCK_T)
@@ -153,62 +236,73 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
     ak2 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_HALF], dtype=tl.float32)
     ak3 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_RH], dtype=tl.float32)
     ak4 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_RH], dtype=tl.float32)
-    for blk in tl.range(pid, NB, P, num_stages=STAGES):
-        t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
-        t3 = t.to(tl.int64)[None, :, None]
-        x_row = qkv_ptr + token_offsets(b, s, stride_b, stride_s)
-        dx_row = dqkv_ptr + token_offsets(b, s, dstride_b, dstride_s)
-        dq_row = dq_ptr + t3 * (H * D)
-        dk_row = dk_ptr + t3 * (HKV * D)
-        dv_row = dv_ptr + t3 * (HKV * D)
-        if ONE_BLOCK:
-            # every load of the token block is issued before any math
-            hq, mq, cq = head_block(0, live, H, H, HKV, D, G, 0, INTERLEAVED, BLOCK_HQ)
-            hk, mk, ck = head_block(0, live, HKV, H, HKV, D, G, 1, INTERLEAVED, BLOCK_HK)
-            hv, mv, cv = head_block(0, live, HKV, H, HKV, D, G, 2, INTERLEAVED, BLOCK_HK)
-            gq1, gq2, gq3, gq4 = load_head(dq_row, hq * D, mq, HALF, R, RH, HAS_REST, EVEN,
-                                           BLOCK_HALF, BLOCK_RH)
-            if NORM_Q:
-                xq1, xq2, xq3, xq4 = load_head(x_row, cq, mq, HALF, R, RH, HAS_REST, EVEN,
-                                               BLOCK_HALF, BLOCK_RH)
+    if ONE_BLOCK and PREFETCH:
+        # the next token block's loads are issued before this one's math (a program's
+        # first block is pid < NB; past the last block the loads repeat the last one)
+        (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4, v,
+         a) = one_block_loads(
+            pid, qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr, pos_ptr, T, S, NBATCH, NPOS,
+            stride_b, stride_s, H, HKV, D, HALF, R, RH, G, INTERLEAVED, HAS_POS, NORM_Q,
+            NORM_K, HAS_REST, EVEN, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF,
+            BLOCK_RH, BLOCK_D)
+        for blk in range(pid, NB, P):
+            (ngq1, ngq2, ngq3, ngq4, nxq1, nxq2, nxq3, nxq4, ngk1, ngk2, ngk3, ngk4, nxk1,
+             nxk2, nxk3, nxk4, nv, na) = one_block_loads(
+                tl.minimum(blk + P, NB - 1), qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr,
+                pos_ptr, T, S, NBATCH, NPOS, stride_b, stride_s, H, HKV, D, HALF, R, RH, G,
+                INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, EVEN, ROW_ORDER, BLOCK_T,
+                BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH, BLOCK_D)
+            aq1, aq2, aq3, aq4, ak1, ak2, ak3, ak4 = one_block_bwd(
+                blk, gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2,
+                xk3, xk4, v, a, wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, aq1, aq2, aq3, aq4,
+                ak1, ak2, ak3, ak4, dqkv_ptr, T, S, NBATCH, dstride_b, dstride_s, eps, H, HKV,
+                D, HALF, R, RH, G, INTERLEAVED, NORM_Q, NORM_K, HAS_REST, SAME, EVEN, APPROX,
+                ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH, BLOCK_D)
+            gq1, gq2, gq3, gq4 = ngq1, ngq2, ngq3, ngq4
+            xq1, xq2, xq3, xq4 = nxq1, nxq2, nxq3, nxq4
+            gk1, gk2, gk3, gk4 = ngk1, ngk2, ngk3, ngk4
+            xk1, xk2, xk3, xk4 = nxk1, nxk2, nxk3, nxk4
+            v = nv
+            a = na
+    else:
+        for blk in tl.range(pid, NB, P, num_stages=STAGES):
+            t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
+            t3 = t.to(tl.int64)[None, :, None]
+            x_row = qkv_ptr + token_offsets(b, s, stride_b, stride_s)
+            dx_row = dqkv_ptr + token_offsets(b, s, dstride_b, dstride_s)
+            dq_row = dq_ptr + t3 * (H * D)
+            dk_row = dk_ptr + t3 * (HKV * D)
+            dv_row = dv_ptr + t3 * (HKV * D)
+            if ONE_BLOCK:
+                # every load of the token block is issued before any math
+                (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4,
+                 v, a) = one_block_loads(
+                    blk, qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr, pos_ptr, T, S, NBATCH, NPOS,
+                    stride_b, stride_s, H, HKV, D, HALF, R, RH, G, INTERLEAVED, HAS_POS, NORM_Q,
+                    NORM_K, HAS_REST, EVEN, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF,
+                    BLOCK_RH, BLOCK_D)
+                aq1, aq2, aq3, aq4, ak1, ak2, ak3, ak4 = one_block_bwd(
+                    blk, gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2,
+                    xk3, xk4, v, a, wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, aq1, aq2, aq3, aq4,
+                    ak1, ak2, ak3, ak4, dqkv_ptr, T, S, NBATCH, dstride_b, dstride_s, eps, H, HKV,
+                    D, HALF, R, RH, G, INTERLEAVED, NORM_Q, NORM_K, HAS_REST, SAME, EVEN, APPROX,
+                    ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH, BLOCK_D)
             else:
-                xq1, xq2, xq3, xq4 = gq1, gq2, gq3, gq4
-            gk1, gk2, gk3, gk4 = load_head(dk_row, hk * D, mk, HALF, R, RH, HAS_REST, EVEN,
-                                           BLOCK_HALF, BLOCK_RH)
-            if NORM_K:
-                xk1, xk2, xk3, xk4 = load_head(x_row, ck, mk, HALF, R, RH, HAS_REST, EVEN,
-                                               BLOCK_HALF, BLOCK_RH)
-            else:
-                xk1, xk2, xk3, xk4 = gk1, gk2, gk3, gk4
-            copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
-            cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
-                                    EVEN, APPROX, BLOCK_HALF)
-            y1, y2, y3, y4, aq1, aq2, aq3, aq4 = norm_rope_bwd(
-                gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, wq1, wq2, wq3, wq4, aq1, aq2, aq3,
-                aq4, cos, sin, D, eps, NORM_Q, HAS_REST, SAME)
-            store_head(dx_row, cq, mq, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
-                       BLOCK_HALF, BLOCK_RH)
-            y1, y2, y3, y4, ak1, ak2, ak3, ak4 = norm_rope_bwd(
-                gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4, wk1, wk2, wk3, wk4, ak1, ak2, ak3,
-                ak4, cos, sin, D, eps, NORM_K, HAS_REST, SAME)
-            store_head(dx_row, ck, mk, y1, y2, y3, y4, HALF, R, RH, HAS_REST, EVEN,
-                       BLOCK_HALF, BLOCK_RH)
-        else:
-            cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
-                                    EVEN, APPROX, BLOCK_HALF)
-            for h0 in range(0, H, BLOCK_HQ):
-                aq1, aq2, aq3, aq4 = bwd_heads(
-                    dq_row, x_row, dx_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, cos,
-                    sin, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, G, 0, INTERLEAVED, NORM_Q,
-                    HAS_REST, SAME, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
-            for h0 in range(0, HKV, BLOCK_HK):
-                ak1, ak2, ak3, ak4 = bwd_heads(
-                    dk_row, x_row, dx_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, cos,
-                    sin, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, G, 1, INTERLEAVED, NORM_K,
-                    HAS_REST, SAME, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
-                hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
-                                        BLOCK_HK)
-                copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
+                cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                        EVEN, APPROX, BLOCK_HALF)
+                for h0 in range(0, H, BLOCK_HQ):
+                    aq1, aq2, aq3, aq4 = bwd_heads(
+                        dq_row, x_row, dx_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, cos,
+                        sin, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, G, 0, INTERLEAVED, NORM_Q,
+                        HAS_REST, SAME, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
+                for h0 in range(0, HKV, BLOCK_HK):
+                    ak1, ak2, ak3, ak4 = bwd_heads(
+                        dk_row, x_row, dx_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, cos,
+                        sin, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, G, 1, INTERLEAVED, NORM_K,
+                        HAS_REST, SAME, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
+                    hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
+                                            BLOCK_HK)
+                    copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
     if NORM_Q:
         store_dw(dw_ptr + pid * (2 * D), aq1, aq2, aq3, aq4, HALF, R, RH, HAS_REST,
                  BLOCK_HALF, BLOCK_RH)
@@ -269,9 +363,12 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
     cfg = launch_config(H, Hkv, D, rotary_dim, T, fwd.BWD_TOKENS, fwd.BWD_NUM_WARPS,
                         fwd.COS_SIN_APPROX, layout, B)
     stages = max(1, int(fwd.BWD_STAGES))
+    prefetch = bool(fwd.BWD_PREFETCH) and stages == 1
+    opts = {"maxnreg": fwd.BWD_MAXNREG} if fwd.BWD_MAXNREG else {}
     dev = qkv.device
     key = ("qk_norm_rope_bwd", dev.index, qkv.dtype, nq, nk, interleaved,
-           position_ids is not None, H, Hkv, D, rotary_dim, stages, *cfg.values())
+           position_ids is not None, H, Hkv, D, rotary_dim, stages, prefetch, fwd.BWD_MAXNREG,
+           *cfg.values())
     blocks = -(-T // cfg["BLOCK_T"])
     P = max(1, min(blocks, num_sms(dev) * resident_programs(key, PROGRAMS_PER_SM)))
     # One float32 partial row per program: [q weight grad | k weight grad].
@@ -282,7 +379,8 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, freqs, position_ids, q_norm_weight, k_norm
             q_norm_weight if nq else freqs, k_norm_weight if nk else freqs, partial,
             T, S, B, freqs.shape[0], stride_b, stride_s, dstride_b, dstride_s, eps,
             INTERLEAVED=interleaved,
-            HAS_POS=position_ids is not None, NORM_Q=nq, NORM_K=nk, STAGES=stages, **cfg)
+            HAS_POS=position_ids is not None, NORM_Q=nq, NORM_K=nk, STAGES=stages,
+            PREFETCH=prefetch, **cfg, **opts)
     learn_resident(key, ck, cfg["num_warps"], MAX_PROGRAMS_PER_SM)
     gq = gk = None
     if nq and nk and q_norm_weight.dtype == k_norm_weight.dtype:

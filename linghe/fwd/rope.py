@@ -166,11 +166,11 @@ def cos_sin(a, APPROX: tl.constexpr):
 
 
 @triton.jit
-def rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS: tl.constexpr,
-                 EVEN: tl.constexpr, APPROX: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """``(cos, sin)``, fp32 ``[1, BT, BLOCK_HALF]``, of the angles ``freqs[pos, i]`` of
-    tokens ``t`` (``live`` their mask, ``s`` their sequence positions). A position outside
-    ``[0, NPOS)`` reads nothing and gets angle 0 (no rotation)."""
+def rope_angles(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS: tl.constexpr,
+                EVEN: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The angles ``freqs[pos, i]``, fp32 ``[BT, BLOCK_HALF]``, of tokens ``t`` (``live``
+    their mask, ``s`` their sequence positions). A position outside ``[0, NPOS)`` reads
+    nothing and gets angle 0 (no rotation)."""
     i = tl.arange(0, BLOCK_HALF)[None, :]
     if HAS_POS:
         p = load_if(pos_ptr + t, live, EVEN).to(tl.int64)
@@ -179,8 +179,23 @@ def rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS: tl.constex
     else:  # s < S <= NPOS (checked by the caller)
         a = load_if(freqs_ptr + s.to(tl.int64)[:, None] * HALF + i, live[:, None] & (i < HALF),
                     EVEN)
+    return a
+
+
+@triton.jit
+def angles_cos_sin(a, APPROX: tl.constexpr):
+    """``(cos, sin)``, fp32 ``[1, BT, BLOCK_HALF]``, of :func:`rope_angles`' ``a``."""
     cos, sin = cos_sin(a, APPROX)
     return cos[None, :, :], sin[None, :, :]
+
+
+@triton.jit
+def rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS: tl.constexpr,
+                 EVEN: tl.constexpr, APPROX: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """``(cos, sin)``, fp32 ``[1, BT, BLOCK_HALF]``, of the angles of tokens ``t``
+    (:func:`rope_angles`)."""
+    return angles_cos_sin(rope_angles(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                      EVEN, BLOCK_HALF), APPROX)
 
 
 @triton.jit
@@ -434,6 +449,17 @@ BWD_NUM_WARPS = 4
 #: stage 43.8 µs, 2 stages 52.8, 3 stages 45.3, the same bits (the previous tile layout,
 #: 2026-11-26: 47.4 / 50.5 / 44.2).
 BWD_STAGES = 1
+#: The backward's plain loop (``BWD_STAGES`` 1, one head block a kind) with the next token
+#: block's loads issued before this block's stores, into registers (``PREFETCH``; ~20
+#: registers of raw 16-bit data a thread at the standard shape): ncu found the loop
+#: waiting on each token's loads (long-scoreboard stalls, 44% of the samples). H200,
+#: standard shape, in one process against the previous loop (``probe_rope --old``,
+#: ``h200_probe_rope_prefetch_*``): kernel 42.1-42.2 -> 41.0-41.2 µs, the same bits.
+BWD_PREFETCH = True
+#: Register cap of the backward kernel (``maxnreg``; None: ptxas chooses): 128 lets four
+#: programs of 4 warps share an SM (with the prefetch 43.3 against 43.7-43.9 µs
+#: uncapped, both kernels; without it the cap made no difference).
+BWD_MAXNREG = 128
 #: cos/sin of the angles: ``True`` the MUFU ``cos.approx``/``sin.approx`` after the angle
 #: reduction, ``False`` the polynomial (:func:`cos_sin`).
 COS_SIN_APPROX = True
