@@ -236,34 +236,38 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
     ak2 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_HALF], dtype=tl.float32)
     ak3 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_RH], dtype=tl.float32)
     ak4 = tl.zeros([BLOCK_HK, BLOCK_T, BLOCK_RH], dtype=tl.float32)
-    if ONE_BLOCK and PREFETCH:
-        # the next token block's loads are issued before this one's math (a program's
-        # first block is pid < NB; past the last block the loads repeat the last one)
-        (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4, v,
-         a) = one_block_loads(
-            pid, qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr, pos_ptr, T, S, NBATCH, NPOS,
-            stride_b, stride_s, H, HKV, D, HALF, R, RH, G, INTERLEAVED, HAS_POS, NORM_Q,
-            NORM_K, HAS_REST, EVEN, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF,
-            BLOCK_RH, BLOCK_D)
-        for blk in range(pid, NB, P):
+    if ONE_BLOCK:
+        if PREFETCH:  # the program's first block (pid < NB)
+            (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4,
+             v, a) = one_block_loads(
+                pid, qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr, pos_ptr, T, S, NBATCH, NPOS,
+                stride_b, stride_s, H, HKV, D, HALF, R, RH, G, INTERLEAVED, HAS_POS, NORM_Q,
+                NORM_K, HAS_REST, EVEN, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF,
+                BLOCK_RH, BLOCK_D)
+        for blk in tl.range(pid, NB, P, num_stages=STAGES):
+            # every load of a token block is issued before its math; with PREFETCH those
+            # of the next block (past the last block they repeat it) before this one's
+            nxt = tl.minimum(blk + P, NB - 1) if PREFETCH else blk
             (ngq1, ngq2, ngq3, ngq4, nxq1, nxq2, nxq3, nxq4, ngk1, ngk2, ngk3, ngk4, nxk1,
              nxk2, nxk3, nxk4, nv, na) = one_block_loads(
-                tl.minimum(blk + P, NB - 1), qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr,
-                pos_ptr, T, S, NBATCH, NPOS, stride_b, stride_s, H, HKV, D, HALF, R, RH, G,
-                INTERLEAVED, HAS_POS, NORM_Q, NORM_K, HAS_REST, EVEN, ROW_ORDER, BLOCK_T,
-                BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH, BLOCK_D)
+                nxt, qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr, pos_ptr, T, S, NBATCH, NPOS,
+                stride_b, stride_s, H, HKV, D, HALF, R, RH, G, INTERLEAVED, HAS_POS, NORM_Q,
+                NORM_K, HAS_REST, EVEN, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF,
+                BLOCK_RH, BLOCK_D)
+            if not PREFETCH:
+                (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3,
+                 xk4, v, a) = (ngq1, ngq2, ngq3, ngq4, nxq1, nxq2, nxq3, nxq4, ngk1, ngk2,
+                               ngk3, ngk4, nxk1, nxk2, nxk3, nxk4, nv, na)
             aq1, aq2, aq3, aq4, ak1, ak2, ak3, ak4 = one_block_bwd(
                 blk, gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2,
                 xk3, xk4, v, a, wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, aq1, aq2, aq3, aq4,
                 ak1, ak2, ak3, ak4, dqkv_ptr, T, S, NBATCH, dstride_b, dstride_s, eps, H, HKV,
                 D, HALF, R, RH, G, INTERLEAVED, NORM_Q, NORM_K, HAS_REST, SAME, EVEN, APPROX,
                 ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH, BLOCK_D)
-            gq1, gq2, gq3, gq4 = ngq1, ngq2, ngq3, ngq4
-            xq1, xq2, xq3, xq4 = nxq1, nxq2, nxq3, nxq4
-            gk1, gk2, gk3, gk4 = ngk1, ngk2, ngk3, ngk4
-            xk1, xk2, xk3, xk4 = nxk1, nxk2, nxk3, nxk4
-            v = nv
-            a = na
+            if PREFETCH:
+                (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3,
+                 xk4, v, a) = (ngq1, ngq2, ngq3, ngq4, nxq1, nxq2, nxq3, nxq4, ngk1, ngk2,
+                               ngk3, ngk4, nxk1, nxk2, nxk3, nxk4, nv, na)
     else:
         for blk in tl.range(pid, NB, P, num_stages=STAGES):
             t, live, b, s = token_block(blk, T, S, NBATCH, BLOCK_T, ROW_ORDER)
@@ -273,36 +277,21 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, freqs_pt
             dq_row = dq_ptr + t3 * (H * D)
             dk_row = dk_ptr + t3 * (HKV * D)
             dv_row = dv_ptr + t3 * (HKV * D)
-            if ONE_BLOCK:
-                # every load of the token block is issued before any math
-                (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4,
-                 v, a) = one_block_loads(
-                    blk, qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr, pos_ptr, T, S, NBATCH, NPOS,
-                    stride_b, stride_s, H, HKV, D, HALF, R, RH, G, INTERLEAVED, HAS_POS, NORM_Q,
-                    NORM_K, HAS_REST, EVEN, ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF,
-                    BLOCK_RH, BLOCK_D)
-                aq1, aq2, aq3, aq4, ak1, ak2, ak3, ak4 = one_block_bwd(
-                    blk, gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2,
-                    xk3, xk4, v, a, wq1, wq2, wq3, wq4, wk1, wk2, wk3, wk4, aq1, aq2, aq3, aq4,
-                    ak1, ak2, ak3, ak4, dqkv_ptr, T, S, NBATCH, dstride_b, dstride_s, eps, H, HKV,
-                    D, HALF, R, RH, G, INTERLEAVED, NORM_Q, NORM_K, HAS_REST, SAME, EVEN, APPROX,
-                    ROW_ORDER, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_RH, BLOCK_D)
-            else:
-                cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
-                                        EVEN, APPROX, BLOCK_HALF)
-                for h0 in range(0, H, BLOCK_HQ):
-                    aq1, aq2, aq3, aq4 = bwd_heads(
-                        dq_row, x_row, dx_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, cos,
-                        sin, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, G, 0, INTERLEAVED, NORM_Q,
-                        HAS_REST, SAME, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
-                for h0 in range(0, HKV, BLOCK_HK):
-                    ak1, ak2, ak3, ak4 = bwd_heads(
-                        dk_row, x_row, dx_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, cos,
-                        sin, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, G, 1, INTERLEAVED, NORM_K,
-                        HAS_REST, SAME, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
-                    hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
-                                            BLOCK_HK)
-                    copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
+            cos, sin = rope_cos_sin(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS,
+                                    EVEN, APPROX, BLOCK_HALF)
+            for h0 in range(0, H, BLOCK_HQ):
+                aq1, aq2, aq3, aq4 = bwd_heads(
+                    dq_row, x_row, dx_row, live, h0, H, H, HKV, D, HALF, R, RH, eps, cos,
+                    sin, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, G, 0, INTERLEAVED, NORM_Q,
+                    HAS_REST, SAME, EVEN, BLOCK_HQ, BLOCK_HALF, BLOCK_RH)
+            for h0 in range(0, HKV, BLOCK_HK):
+                ak1, ak2, ak3, ak4 = bwd_heads(
+                    dk_row, x_row, dx_row, live, h0, HKV, H, HKV, D, HALF, R, RH, eps, cos,
+                    sin, wk1, wk2, wk3, wk4, ak1, ak2, ak3, ak4, G, 1, INTERLEAVED, NORM_K,
+                    HAS_REST, SAME, EVEN, BLOCK_HK, BLOCK_HALF, BLOCK_RH)
+                hv, mv, cv = head_block(h0, live, HKV, H, HKV, D, G, 2, INTERLEAVED,
+                                        BLOCK_HK)
+                copy_heads(dv_row + hv * D, dx_row + cv, mv, D, EVEN, BLOCK_D)
     if NORM_Q:
         store_dw(dw_ptr + pid * (2 * D), aq1, aq2, aq3, aq4, HALF, R, RH, HAS_REST,
                  BLOCK_HALF, BLOCK_RH)
