@@ -19,12 +19,12 @@ from ..fwd.rope import (
     head_sum,
     launch_config,
     load_head,
-    load_if,
+    load_heads,
     load_weight,
     rope_angles,
     rope_cos_sin,
     store_head,
-    store_if,
+    store_heads,
     token_block,
     token_offsets,
     token_strides,
@@ -156,8 +156,7 @@ def one_block_loads(blk, qkv_ptr, dq_ptr, dk_ptr, dv_ptr, freqs_ptr, pos_ptr, T,
                                        BLOCK_HALF, BLOCK_RH)
     else:
         xk1, xk2, xk3, xk4 = gk1, gk2, gk3, gk4
-    dd = tl.arange(0, BLOCK_D)[None, None, :]
-    v = load_if(dv_ptr + t3 * (HKV * D) + hv * D + dd, mv & (dd < D), EVEN)
+    v = load_heads(dv_ptr + t3 * (HKV * D) + hv * D, mv, D, EVEN, BLOCK_D)
     a = rope_angles(freqs_ptr, pos_ptr, t, live, s, NPOS, HALF, HAS_POS, EVEN, BLOCK_HALF)
     return (gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk4, xk1, xk2, xk3, xk4,
             v, a)
@@ -182,8 +181,7 @@ def one_block_bwd(blk, gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, gk1, gk2, gk3, gk
     hq, mq, cq = head_block(0, live, H, H, HKV, D, G, 0, INTERLEAVED, BLOCK_HQ)
     hk, mk, ck = head_block(0, live, HKV, H, HKV, D, G, 1, INTERLEAVED, BLOCK_HK)
     hv, mv, cv = head_block(0, live, HKV, H, HKV, D, G, 2, INTERLEAVED, BLOCK_HK)
-    dd = tl.arange(0, BLOCK_D)[None, None, :]
-    store_if(dx_row + cv + dd, v, mv & (dd < D), EVEN)
+    store_heads(dx_row + cv, v, mv, D, EVEN, BLOCK_D)
     cos, sin = angles_cos_sin(a, APPROX)
     y1, y2, y3, y4, aq1, aq2, aq3, aq4 = norm_rope_bwd(
         gq1, gq2, gq3, gq4, xq1, xq2, xq3, xq4, wq1, wq2, wq3, wq4, aq1, aq2, aq3, aq4, cos,

@@ -1,6 +1,7 @@
 """Forward kernels: split + qk-norm + rotate-half RoPE + transpose, and HF-layout RoPE.
 
-The qk_norm_rope helpers (``token_block``, ``rope_cos_sin``, ``head_block``, ``copy_heads``,
+The qk_norm_rope helpers (``token_block``, ``rope_cos_sin`` / ``rope_angles`` /
+``angles_cos_sin``, ``head_block``, ``copy_heads`` / ``load_heads`` / ``store_heads``,
 ``load_head``, ``store_head``, ``load_weight``, ``head_sum``, ``head_rstd``,
 ``launch_config``) are shared with :mod:`linghe.bwd.rope`.
 """
@@ -212,12 +213,24 @@ def head_block(h0, live, NH, H, HKV, D, G: tl.constexpr, KIND: tl.constexpr,
 
 
 @triton.jit
-def copy_heads(src, dst, m, D, EVEN: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Copy whole heads (the v part): ``src``/``dst`` ``[BH,BT,1]`` element pointers of
-    their first elements, ``m`` their mask."""
+def load_heads(src, m, D, EVEN: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Whole heads (the v part), ``[BH,BT,BLOCK_D]``: ``src`` ``[BH,BT,1]`` element
+    pointers of their first elements, ``m`` their mask."""
     dd = tl.arange(0, BLOCK_D)[None, None, :]
-    md = m & (dd < D)
-    store_if(dst + dd, load_if(src + dd, md, EVEN), md, EVEN)
+    return load_if(src + dd, m & (dd < D), EVEN)
+
+
+@triton.jit
+def store_heads(dst, x, m, D, EVEN: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store :func:`load_heads`' ``x`` at ``dst`` (``[BH,BT,1]`` pointers, ``m`` mask)."""
+    dd = tl.arange(0, BLOCK_D)[None, None, :]
+    store_if(dst + dd, x, m & (dd < D), EVEN)
+
+
+@triton.jit
+def copy_heads(src, dst, m, D, EVEN: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Copy whole heads (the v part) from ``src`` to ``dst`` (:func:`load_heads`)."""
+    store_heads(dst, load_heads(src, m, D, EVEN, BLOCK_D), m, D, EVEN, BLOCK_D)
 
 
 @triton.jit
