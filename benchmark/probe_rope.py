@@ -423,7 +423,8 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
     16-byte aligned pointer), a ``TensorDescriptor`` (typed by its dtype and block) or an example
     int / float (ints divisible by 16 get the divisibility hint, 1 becomes a constant, as
     a launch would specialize them); ``constexprs``: the constexpr parameters (extra names
-    are ignored); ``options``: more compile options (e.g. ``maxnreg``)."""
+    are ignored; one left out takes the parameter's default); ``options``: more compile
+    options (e.g. ``maxnreg``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -433,7 +434,8 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
         n = prm.name
         if prm.is_constexpr:
             sig[n] = "constexpr"
-            consts[n] = constexprs[n]
+            consts[n] = (prm.default if n not in constexprs and prm.has_default
+                         else constexprs[n])
             continue
         v = args[n]
         if isinstance(v, TensorDescriptor):
@@ -553,11 +555,14 @@ def sass_table(args) -> int:
         return cfg
 
     jobs = [("fwd", None, oldF._qk_norm_rope_fwd_kernel,
-             oldF.rope_config(H, HKV, D, R, oldF.FWD_TOKENS, oldF.FWD_NUM_WARPS,
-                              oldF.TILE_CAP)),
+             oldF.launch_config(H, HKV, D, R, T, oldF.FWD_TOKENS, oldF.FWD_NUM_WARPS,
+                                oldF.COS_SIN_APPROX, "sbh", p["B"])),
             ("bwd", None, oldB._qk_norm_rope_bwd_kernel,
-             dict(oldF.rope_config(H, HKV, D, R, oldF.BWD_TOKENS, oldF.BWD_NUM_WARPS,
-                                   oldF.TILE_CAP), STAGES=oldF.BWD_STAGES))]
+             dict(oldF.launch_config(H, HKV, D, R, T, oldF.BWD_TOKENS, oldF.BWD_NUM_WARPS,
+                                     oldF.COS_SIN_APPROX, "sbh", p["B"]),
+                  STAGES=oldF.BWD_STAGES,
+                  PREFETCH=bool(getattr(oldF, "BWD_PREFETCH", False))
+                  and oldF.BWD_STAGES == 1))]
     dflt_f, dflt_b = _defaults(F, B)
     for op, dflt, sweep, kernel in (("fwd", dflt_f, _FWD_KNOBS, F._qk_norm_rope_fwd_kernel),
                                     ("bwd", dflt_b, _BWD_KNOBS, B._qk_norm_rope_bwd_kernel)):
