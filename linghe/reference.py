@@ -401,9 +401,10 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor | Non
     return rows, prow, rows_of.view(T, k), offsets, counts
 
 
-def unpermute(rows: torch.Tensor, row_index: torch.Tensor, probs: torch.Tensor | None = None):
-    """``out[t] = sum_j probs[t, j] * rows[row_index[t, j]]`` (skipping ``-1``), summed in
-    float32, returned in ``rows``' dtype."""
+def unpermute(rows: torch.Tensor, row_index: torch.Tensor, probs: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None):
+    """``out[t] = sum_j probs[t, j] * rows[row_index[t, j]] + residual[t]`` (skipping
+    ``-1``; no residual: 0), summed in float32, returned in ``rows``' dtype."""
     T, k = row_index.shape
     idx = row_index.long().flatten()
     ok = idx >= 0
@@ -412,6 +413,8 @@ def unpermute(rows: torch.Tensor, row_index: torch.Tensor, probs: torch.Tensor |
     tok = torch.arange(T * k, device=rows.device) // max(k, 1)
     out = torch.zeros(T, rows.shape[1], dtype=torch.float32, device=rows.device)
     out = out.index_add(0, tok, v * w[:, None])
+    if residual is not None:
+        out = out + residual.float()
     return out.to(rows.dtype)
 # === rope: split + qk-norm + rotate-half RoPE + transpose; HF-layout apply_rope ===
 # ======================================================================================

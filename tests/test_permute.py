@@ -84,6 +84,39 @@ def test_unpermute_matches_reference_and_grads(device, T, E, k, dtype):
     assert_close(out2, ref.unpermute(rows.detach().double(), lay.row_index))
 
 
+@pytest.mark.parametrize("probs_on", [True, False])
+def test_unpermute_residual(device, probs_on):
+    """``residual`` joins the fp32 sum (rounded once, as the reference does) and gets
+    ``dout`` as its gradient; rows and probs get the gradients they get without it. A
+    strided residual (a column slice) is read in place; a wrong shape is refused."""
+    T, E, k, H = 29, 6, 3, 200
+    ids = _ids(T, E, k, device)
+    ids[4, 1] = -1  # a dropped copy
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    rows, _, lay = linghe.permute(x, ids, num_experts=E, align=8)
+    rows = (torch.randn_like(rows) * (rows != 0)).requires_grad_()
+    probs = torch.rand(T, k, device=device, requires_grad=True) if probs_on else None
+    base = torch.randn(T, H + 8, device=device, dtype=torch.bfloat16) * 3
+    res = base[:, 8:].detach().requires_grad_()  # a view with row stride H + 8
+    assert res.stride(0) == H + 8
+    out = linghe.unpermute(rows, lay, probs, residual=res)
+    expect = ref.unpermute(rows.detach(), lay.row_index,
+                           probs.detach() if probs_on else None, residual=res.detach())
+    assert out.dtype == torch.bfloat16
+    assert_close(out, expect)
+    g = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    wrt = (rows, res) + ((probs,) if probs_on else ())
+    got = torch.autograd.grad(out, wrt, g)
+    plain = linghe.unpermute(rows, lay, probs)
+    want = torch.autograd.grad(plain, (rows,) + ((probs,) if probs_on else ()), g)
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], g)
+    if probs_on:
+        assert torch.equal(got[2], want[1])
+    with pytest.raises(ValueError, match="residual"):
+        linghe.unpermute(rows.detach(), lay, residual=res.detach()[:, :-1])
+
+
 @pytest.mark.parametrize("T,E,k", [(37, 8, 3), (37, 33, 33), (1, 3, 2)])
 def test_round_trip_identity_experts(device, T, E, k):
     x = torch.randn(T, 130, device=device)

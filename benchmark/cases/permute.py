@@ -34,6 +34,11 @@ def _ref_rows_dequantized(q, s, ids, E):
     return ref.permute(ref.dequantize_1x128(q, s, torch.bfloat16), ids, None, E, 16)[0]
 
 
+def _ref_unpermute_add(rows, idx, probs, shared):
+    """The combine and the shared experts' output added after it, as torch code writes it."""
+    return ref.unpermute(rows, idx, probs) + shared
+
+
 @case("permute")
 def permute_case(cfg: Config):
     T, E, k, H = (64, 16, 4, 96) if cfg.cpu else (8192, 256, 8, 2048)
@@ -44,6 +49,7 @@ def permute_case(cfg: Config):
     rows, _, lay = linghe.permute(x, ids, num_experts=E, align=16)
     idx = lay.row_index
     G = -(-H // 128)
+    shared = torch.randn(T, H, device=cfg.device, dtype=torch.bfloat16)
     tok = linghe.quantize_1x128(x, pow2_scale=True)
     tq, ts = tok.rowwise_data, tok.rowwise_scale
     return [
@@ -58,6 +64,14 @@ def permute_case(cfg: Config):
               run={"eager": lambda: ref.unpermute(rows, idx, probs),
                    "compile": lambda: compiled(ref.unpermute)(rows, idx, probs),
                    "linghe": lambda: linghe.unpermute(rows, lay, probs)}),
+        # nn.MoE's combine: the shared experts' output added in the same pass
+        Bench(name=f"unpermute + shared experts' output [{R},{H}] + [{T},{H}] bf16",
+              bytes=T * k * H * 2 + 2 * T * H * 2 + T * k * 8, tol=1e-2,
+              expected=lambda: ref.unpermute(rows.double(), idx, probs.double(),
+                                             residual=shared.double()),
+              run={"eager": lambda: ref.unpermute(rows, idx, probs) + shared,
+                   "compile": lambda: compiled(_ref_unpermute_add)(rows, idx, probs, shared),
+                   "linghe": lambda: linghe.unpermute(rows, lay, probs, residual=shared)}),
         # the FP8 MoE layer's backward: unpermute's d_rows with their rowwise FP8 copy
         # (the down GEMM's dgrad operand), each token row quantized once
         Bench(name=f"unpermute bwd [{T},{H}] -> [{R},{H}] bf16 + rowwise FP8 copy",

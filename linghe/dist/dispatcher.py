@@ -520,7 +520,8 @@ class ExpertParallelDispatcher:
 
     # ------------------------------------------------------------------ combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
-                probs: torch.Tensor | None = None, *, async_op: bool = False):
+                probs: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
+                async_op: bool = False):
         """Return expert outputs to their tokens: ``out[t] = sum_j probs[t, j] * y[row of
         (t, j)]`` (plain sum when ``probs`` is None), accumulated in fp32.
 
@@ -529,10 +530,15 @@ class ExpertParallelDispatcher:
                 (bf16/fp16/fp32; need not match ``x``'s dtype).
             handle: the :class:`DispatchHandle` from that dispatch.
             probs: optional ``[T, k]`` weights (the same tensor given to dispatch, or any).
+            residual: optional ``[T, H]`` tensor added to ``out`` (e.g. the shared experts'
+                output). On one rank it joins the fp32 sum (:func:`linghe.unpermute`'s
+                ``residual``: one pass, one rounding); across ranks it is added to the
+                received ``out`` (in ``out``'s dtype).
             async_op: return a :class:`PendingExchange`; its ``wait()`` returns ``out``.
 
         Returns ``[T, H]`` in ``y``'s dtype. Backward: ``dy[row of (t, j)] = probs[t, j] *
-        dout[t]`` (0 on padding rows), ``dprobs[t, j] = <dout[t], y[row of (t, j)]>``.
+        dout[t]`` (0 on padding rows), ``dprobs[t, j] = <dout[t], y[row of (t, j)]>``,
+        ``dresidual = dout``.
         """
         check_tensor("y", y, dtypes=tuple(_DTYPE_CODES), ndim=2)
         check_kernel_device("y", y)  # (an Fp8Tensor is refused: combine sums in fp32)
@@ -548,7 +554,7 @@ class ExpertParallelDispatcher:
                          shape=(handle.num_tokens, None))
             probs = probs.float().contiguous()
         if p is None:
-            out = unpermute(y, handle.layout, probs)
+            out = unpermute(y, handle.layout, probs, residual=residual)
             return PendingExchange(None, None, "combine", None, out) if async_op else out
         if y.shape[1] != p.H:
             raise ValueError(f"y must have hidden size {p.H} (the dispatched rows'), got "
@@ -558,8 +564,12 @@ class ExpertParallelDispatcher:
                              f"{tuple(probs.shape)}")
         transfer = _Transfer()
         ret = apply_function(_CombineSend, y.contiguous(), p, transfer)
-        pending = PendingExchange(transfer, p, "combine",
-                                  lambda: apply_function(_CombineRecv, ret, probs, p))
+
+        def finish():
+            out = apply_function(_CombineRecv, ret, probs, p)
+            return out if residual is None else out + residual.to(out.dtype)
+
+        pending = PendingExchange(transfer, p, "combine", finish)
         return pending if async_op else pending.wait()
 
 

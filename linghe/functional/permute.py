@@ -94,8 +94,8 @@ class _Unpermute(torch.autograd.Function):
     (:mod:`linghe.bwd.handoff`); made from the token rows, without ``probs`` only."""
 
     @staticmethod
-    def forward(ctx, rows, probs, layout, handoff):
-        out, _ = _gather_rows(rows, layout, weights=probs)
+    def forward(ctx, rows, probs, layout, handoff, residual):
+        out, _ = _gather_rows(rows, layout, weights=probs, add=residual)
         ctx.layout = layout
         ctx.rows_dtype = rows.dtype
         ctx.handoff = handoff
@@ -109,15 +109,16 @@ class _Unpermute(torch.autograd.Function):
         want_p = probs is not None and ctx.needs_input_grad[1]
         dout = dout.contiguous()
         handoff, ctx.handoff = ctx.handoff, None
+        d_res = dout if ctx.needs_input_grad[4] else None  # out = residual + ...
         if handoff is not None and ctx.needs_input_grad[0] and not want_p:
             # (probs is None here: the hand-off is asked for without probs only)
             d_rows, q, s = unpermute_backward_fp8_copy(dout, ctx.layout, ctx.rows_dtype,
                                                        pow2_scale=handoff.pow2_scale)
             handoff.offer(d_rows, q, s)
-            return d_rows, None, None, None
+            return d_rows, None, None, None, d_res
         d_rows, dp = unpermute_backward(dout, ctx.layout, ctx.rows_dtype,
                                         probs=probs, rows=rows if want_p else None)
-        return (d_rows if ctx.needs_input_grad[0] else None), dp, None, None
+        return (d_rows if ctx.needs_input_grad[0] else None), dp, None, None, d_res
 
 
 def _check_ids(expert_ids: torch.Tensor, num_experts: int) -> None:
@@ -201,7 +202,8 @@ def permute(x, expert_ids: torch.Tensor, probs: torch.Tensor | None = None, *,
     return rows, (prow if probs is not None else None), layout
 
 
-def unpermute(rows: torch.Tensor, layout: ExpertLayout, probs: torch.Tensor | None = None):
+def unpermute(rows: torch.Tensor, layout: ExpertLayout, probs: torch.Tensor | None = None, *,
+              residual: torch.Tensor | None = None):
     """Combine expert rows back to tokens: ``out[t] = sum_j probs[t, j] * rows[row_index[t, j]]``.
 
     Args:
@@ -210,11 +212,15 @@ def unpermute(rows: torch.Tensor, layout: ExpertLayout, probs: torch.Tensor | No
         layout: the :class:`~linghe.layout.ExpertLayout` from :func:`permute` (needs
             ``row_index``).
         probs: optional ``[T, k]`` float32 weights (``None``: plain sum).
+        residual: optional ``[T, H]`` float tensor (last dim contiguous) added to the sum
+            in the same pass: ``out = sum + residual``, accumulated in fp32 and rounded
+            once (e.g. a shared expert's output; one read of it instead of a separate
+            add's two reads and a write). Under ``torch.compile`` the add is a separate op.
 
     Returns ``[T, H]`` in ``rows``' dtype, summed in fp32; dropped copies contribute 0.
-    Backward: ``d_rows[row] = probs[t, j] * dout[t]`` (padding/tail rows get 0) and
-    ``dprobs[t, j] = <dout[t], rows[row]>``; saves ``probs`` and (only when ``probs``
-    needs a gradient) ``rows``.
+    Backward: ``d_rows[row] = probs[t, j] * dout[t]`` (padding/tail rows get 0),
+    ``dprobs[t, j] = <dout[t], rows[row]>`` and ``dresidual = dout``; saves ``probs`` and
+    (only when ``probs`` needs a gradient) ``rows``.
     """
     if not isinstance(layout, ExpertLayout) or layout.row_index is None:
         raise TypeError("layout must be the ExpertLayout returned by permute (with row_index)")
@@ -228,11 +234,16 @@ def unpermute(rows: torch.Tensor, layout: ExpertLayout, probs: torch.Tensor | No
     T, k = layout.row_index.shape
     if probs is not None:
         check_tensor("probs", probs, dtypes=(torch.float32,), shape=(T, k))
-    check_same_device(rows=rows, row_index=layout.row_index, probs=probs)
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=FLOAT_DTYPES, shape=(T, rows.shape[1]),
+                     last_dim_contiguous=True)
+    check_same_device(rows=rows, row_index=layout.row_index, probs=probs, residual=residual)
     check_kernel_device("rows", rows)
     if torch.compiler.is_compiling():
-        return library.unpermute(rows, layout, probs.contiguous() if probs is not None else None)
+        out = library.unpermute(rows, layout, probs.contiguous() if probs is not None else None)
+        return out if residual is None else (out.float() + residual.float()).to(out.dtype)
     # (the FP8 copy of d_rows is the token rows' copy moved: with per-copy probs it is not)
     handoff = fp8_handoff.requested(rows) if probs is None else None
     return apply_function(_Unpermute, rows,
-                          probs.contiguous() if probs is not None else None, layout, handoff)
+                          probs.contiguous() if probs is not None else None, layout, handoff,
+                          residual)

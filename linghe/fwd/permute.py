@@ -390,10 +390,11 @@ def _gather_acc(rows_ptr, r2, w2, jj, j, cols, cmask, H, acc, HAS_W: tl.constexp
 
 
 @triton.jit
-def _gather_kernel(rows_ptr, row_index_ptr, w_ptr, out_ptr, prg_ptr, dp_ptr, T, H, stride_out,
-                   K_TOP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                   BK: tl.constexpr, HAS_W: tl.constexpr, PGRAD: tl.constexpr,
-                   UNROLL: tl.constexpr):
+def _gather_kernel(rows_ptr, row_index_ptr, w_ptr, out_ptr, prg_ptr, dp_ptr, add_ptr, T, H,
+                   stride_out, stride_add, K_TOP: tl.constexpr, BT: tl.constexpr,
+                   BH: tl.constexpr, BK: tl.constexpr, HAS_W: tl.constexpr,
+                   PGRAD: tl.constexpr, UNROLL: tl.constexpr, HAS_ADD: tl.constexpr = False):
+    # HAS_ADD: add[t] joins the fp32 sum last, so out = sum + add is rounded once
     pid = tl.program_id(0)
     toks = pid.to(tl.int64) * BT + tl.arange(0, BT)
     tmask = toks < T
@@ -416,6 +417,9 @@ def _gather_kernel(rows_ptr, row_index_ptr, w_ptr, out_ptr, prg_ptr, dp_ptr, T, 
         else:
             for j in range(K_TOP):
                 acc = _gather_acc(rows_ptr, r2, w2, jj, j, cols, cmask, H, acc, HAS_W)
+        if HAS_ADD:  # (after the row loads: those are the long ones)
+            acc += tl.load(add_ptr + toks[:, None] * stride_add + cols[None, :],
+                           mask=tmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         tl.store(out_ptr + toks[:, None] * stride_out + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
     if PGRAD:
@@ -424,12 +428,14 @@ def _gather_kernel(rows_ptr, row_index_ptr, w_ptr, out_ptr, prg_ptr, dp_ptr, T, 
 
 
 def gather_rows(rows: torch.Tensor, layout: ExpertLayout, *, weights: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None, probs_rows_grad: torch.Tensor | None = None):
+                out_dtype: torch.dtype | None = None, probs_rows_grad: torch.Tensor | None = None,
+                add: torch.Tensor | None = None):
     """``out[t] = sum_j w[t, j] * rows[row_index[t, j]]`` (fp32 sum; dropped copies skip).
 
     ``rows [num_rows, H]`` contiguous; ``weights [T, k]`` fp32 or ``None`` (= 1). With
-    ``probs_rows_grad [num_rows]`` also returns ``dp[t, j] = probs_rows_grad[row]``.
-    Returns ``(out [T, H], dp [T, k] | None)``.
+    ``probs_rows_grad [num_rows]`` also returns ``dp[t, j] = probs_rows_grad[row]``. With
+    ``add [T, H]`` (last dim contiguous) ``add[t]`` joins the fp32 sum last: ``out = sum +
+    add``, rounded once. Returns ``(out [T, H], dp [T, k] | None)``.
     """
     T, k = layout.row_index.shape
     H = rows.shape[1]
@@ -444,8 +450,9 @@ def gather_rows(rows: torch.Tensor, layout: ExpertLayout, *, weights: torch.Tens
         launch(_gather_kernel, (cdiv(T, BT),),
             rows, layout.row_index, weights if weights is not None else dummy, out,
             probs_rows_grad if probs_rows_grad is not None else dummy,
-            dp if dp is not None else dummy, T, H, H,
+            dp if dp is not None else dummy, add if add is not None else dummy, T, H, H,
+            add.stride(0) if add is not None else H,
             K_TOP=k, BT=BT, BH=BH, BK=next_power_of_2(max(k, 1)), HAS_W=weights is not None,
-            PGRAD=probs_rows_grad is not None, UNROLL=k <= 16,
+            PGRAD=probs_rows_grad is not None, UNROLL=k <= 16, HAS_ADD=add is not None,
             num_warps=4 if BH * BT <= 4096 else 8)
     return out, dp

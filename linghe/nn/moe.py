@@ -156,8 +156,9 @@ class MoE(nn.Module):
             num_experts, group=ep_group, align=align, capacity_factor=capacity_factor,
             fp8_payload=fp8_payload)
         #: With ``ep_group``: run the shared experts while the dispatch's exchange is in
-        #: flight (``dispatch(async_op=True)``); ``False`` runs them after the combine
-        #: (same result; for measuring the overlap).
+        #: flight (``dispatch(async_op=True)``); ``False`` runs them once the dispatch
+        #: has completed (same result; for measuring the overlap). Either way their output
+        #: is added by the combine (its ``residual``).
         self.overlap_shared_experts = True
         #: For benchmarks only (as Megatron-LM's ``moe_router_force_load_balancing``):
         #: route by standard-normal random logits, drawn per token from the default
@@ -267,14 +268,15 @@ class MoE(nn.Module):
         else:
             rows, prow, handle = self.dispatcher.dispatch(tokens, ids, probs,
                                                           fp8_rows=fp8_rows, pow2_scale=pow2)
+            if self.shared_experts is not None:
+                # (added inside the combine below: one pass over its output)
+                shared = self.shared_experts(x2)
         caches = self._fp8_weight_caches
         y = grouped_swiglu(rows, prow, w1, w2, handle.layout, fp8=fp8, pow2_scale=pow2,
                            weight_caches=(caches["experts_gate_up"], caches["experts_down"]),
                            fp8_wgrad=fp8 and recipe.expert_fp8_wgrad,
                            wgrad_micro_batches=self.wgrad_micro_batches)
-        out = self.dispatcher.combine(y, handle)
-        if self.shared_experts is not None:
-            out = out + (shared if shared is not None else self.shared_experts(x2))
+        out = self.dispatcher.combine(y, handle, residual=shared)
         if self.ep_group is not None:
             tpe = tpe.clone()
             dist.all_reduce(tpe, group=self.ep_group)

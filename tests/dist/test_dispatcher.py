@@ -206,6 +206,11 @@ def _check_capacity(rank, world, group):
     want = (pl * w.view(Tl, k)).sum(1, keepdim=True) * xl
     torch.testing.assert_close(out, want)
     gout = torch.randn_like(out)
+    # a residual (the shared experts' output) is added to the received rows
+    res = torch.randn_like(out).requires_grad_(True)
+    out_r = d.combine(rows, h, pl, residual=res)
+    torch.testing.assert_close(out_r, out + res)
+    assert torch.equal(torch.autograd.grad(out_r, res, gout, retain_graph=True)[0], gout)
     (out * gout).sum().backward()
     torch.testing.assert_close(xl.grad, (pl * w.view(Tl, k)).sum(1, keepdim=True) * gout)
     torch.testing.assert_close(pl.grad, w.view(Tl, k) * (gout * xl).sum(1, keepdim=True))
