@@ -335,14 +335,20 @@ def test_standard_shape_gpu(device):
 
 
 def test_benchmark_case(device):
-    """The ``permute`` benchmark case builds, and its rows for the FP8 MoE layer's backward
+    """The ``permute`` benchmark case builds, its rows for the FP8 MoE layer's backward
     (unpermute's d_rows with their FP8 copy; the expert rows made from FP8 tokens) give
-    the reference's bits (CPU: the tiny shapes; the GPU runs it in benchmarks)."""
+    the reference's bits, and the combine with a residual is within its tolerance of the
+    float64 reference (CPU: the tiny shapes; the GPU runs it in benchmarks)."""
     if device != "cpu":
         pytest.skip("the benchmark runs the standard shapes on the GPU")
     import benchmark.cases.permute  # noqa: F401  (registers the case)
     from benchmark.harness import Config, cases, max_rel_err
 
     benches = cases()["permute"](Config(device="cpu", quick=True))
-    for b in benches[2:]:
+    fp8_rows = [b for b in benches if "FP8" in b.name]
+    assert len(fp8_rows) == 2
+    for b in fp8_rows:
         assert max_rel_err(b.run["linghe"](), b.run["eager"]()) == 0, b.name
+    # the combine with the shared experts' output: one rounding against eager's two
+    (b,) = [b for b in benches if "shared" in b.name]
+    assert max_rel_err(b.run["linghe"](), b.expected()) <= b.tol, b.name
