@@ -69,7 +69,7 @@ def permute_case(cfg: Config):
               bytes=T * k * H * 2 + 2 * T * H * 2 + T * k * 8, tol=1e-2,
               expected=lambda: ref.unpermute(rows.double(), idx, probs.double(),
                                              residual=shared.double()),
-              run={"eager": lambda: ref.unpermute(rows, idx, probs) + shared,
+              run={"eager": lambda: _ref_unpermute_add(rows, idx, probs, shared),
                    "compile": lambda: compiled(_ref_unpermute_add)(rows, idx, probs, shared),
                    "linghe": lambda: linghe.unpermute(rows, lay, probs, residual=shared)}),
         # the FP8 MoE layer's backward: unpermute's d_rows with their rowwise FP8 copy

@@ -109,7 +109,7 @@ class _Unpermute(torch.autograd.Function):
         want_p = probs is not None and ctx.needs_input_grad[1]
         dout = dout.contiguous()
         handoff, ctx.handoff = ctx.handoff, None
-        d_res = dout if ctx.needs_input_grad[4] else None  # out = residual + ...
+        d_res = dout if ctx.needs_input_grad[4] else None  # out = sum + residual
         if handoff is not None and ctx.needs_input_grad[0] and not want_p:
             # (probs is None here: the hand-off is asked for without probs only)
             d_rows, q, s = unpermute_backward_fp8_copy(dout, ctx.layout, ctx.rows_dtype,
